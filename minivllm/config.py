@@ -1,0 +1,223 @@
+"""One validated configuration tree: model, cache, scheduler, parallel.
+
+``EngineArgs`` is the flat, user-facing list of knobs (the same names as
+``minivllm serve --kebab-case`` flags and vLLM's engine arguments).
+``EngineArgs.create_engine_config()`` checks them and resolves defaults that
+depend on the model (``max_model_len``) into an ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def _bad(name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the model code needs, read from ``config.json``."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
+    qk_norm: bool  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    dtype: torch.dtype = torch.float32
+
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",
+                        device: str = "cpu") -> "ModelConfig":
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"model={str(path)!r} is not a Hugging Face model folder: "
+                f"{config_file} does not exist")
+        raw = json.loads(config_file.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"architectures={archs!r} in {config_file} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = raw["num_attention_heads"]
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default")
+                                              != "default" else None)
+        return ModelConfig(
+            path=str(path), architecture=arch,
+            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), device),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers: what the KV cache pays per token."""
+        size = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * size
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Optional[str] = None,
+                  device: str = "cpu") -> torch.dtype:
+    """``auto``: float32 on CPU (fast and exact there); the checkpoint's dtype elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise _bad("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        if device == "cpu" or checkpoint_dtype not in DTYPES:
+            return torch.float32
+        return DTYPES[checkpoint_dtype]
+    if dtype not in DTYPES:
+        raise _bad("dtype", dtype, f"must be 'auto' or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None  # explicit count wins over the budget
+    kv_cache_memory_bytes: Optional[int] = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str = "cpu"
+    attention_backend: Optional[str] = None
+    seed: int = 0
+    trace: bool = False
+
+
+@dataclass
+class EngineArgs:
+    """Every engine argument, flat. ``model=None`` means the embedded default model."""
+
+    model: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: Optional[int] = None
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    tensor_parallel_size: int = 1
+    attention_backend: Optional[str] = None
+    seed: int = 0
+    trace: bool = False
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def create_engine_config(self) -> EngineConfig:
+        from minivllm.model.loader import resolve_model_path
+
+        self._validate()
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        path = resolve_model_path(self.model)
+        model = ModelConfig.from_pretrained(path, self.dtype, device)
+        max_len = self.max_model_len or min(model.max_position_embeddings, 2048)
+        if max_len > model.max_position_embeddings:
+            raise _bad("max_model_len", max_len,
+                       f"must be <= the model's max_position_embeddings "
+                       f"({model.max_position_embeddings})")
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(self.block_size, self.num_kv_blocks,
+                              self.kv_cache_memory_bytes, self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
+                                      max_len),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            device=device, attention_backend=self.attention_backend, seed=self.seed,
+            trace=self.trace)
+
+    def _validate(self) -> None:
+        def positive(name):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise _bad(name, v, "must be a positive integer")
+
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
+                     "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
+            positive(name)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise _bad("block_size", self.block_size, "must be a power of two in [1, 128]")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise _bad("attention_backend", self.attention_backend,
+                       f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise _bad("device", self.device, "must be 'auto', 'cpu' or 'cuda[:N]'")
+        resolve_dtype(self.dtype)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
+    """``LLM(model, **kwargs)``: unknown keyword arguments name themselves."""
+    allowed = set(EngineArgs.field_names())
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {unknown}; allowed: "
+                        f"{', '.join(sorted(allowed))}")
+    return EngineArgs(model=model, **kwargs)
+
+
+__all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig",
+           "SchedulerConfig", "ParallelConfig", "SUPPORTED_ARCHITECTURES"]

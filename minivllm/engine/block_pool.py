@@ -1,0 +1,219 @@
+"""The pool of physical KV cache blocks: who holds each block, which are free.
+
+The KV cache is one big preallocated tensor per layer, cut into ``num_blocks``
+blocks of ``block_size`` token slots. This file never touches that tensor; it
+only keeps the books on block *ids*:
+
+* ``ref_cnt``: how many running requests hold the block in their block table.
+  Two requests can share a block when both prompts start with the same tokens
+  (prefix caching), so a block is free only when its count drops to zero.
+* ``block_hash``: set once a block is full and registered in the prefix cache.
+  A freed block keeps its hash and its K/V, so a later request with the same
+  prefix can take it back (``touch``) instead of recomputing it.
+* the free queue: every block with ``ref_cnt == 0``, least recently freed
+  first. New blocks come from its head; a cached block popped from there is
+  *evicted*: its hash leaves the cache and its contents will be overwritten.
+
+Reviving a cached block takes it out of the *middle* of the free queue, which
+is why the queue is a doubly linked list threaded through the blocks
+themselves: removal is O(1) with no search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    """Metadata of one physical block (identity equality: a block is a place)."""
+
+    block_id: int
+    ref_cnt: int = 0
+    # Hash of the block's tokens and everything before them; None while the
+    # block is not (or no longer) in the prefix cache.
+    block_hash: Optional[int] = None
+    # Links of the free queue; both None while the block is not in it.
+    prev_free: Optional["KVCacheBlock"] = field(default=None, repr=False)
+    next_free: Optional["KVCacheBlock"] = field(default=None, repr=False)
+
+
+class FreeKVCacheBlockQueue:
+    """Free blocks in eviction order (head = evicted next), as a linked list.
+
+    Two sentinel nodes bracket the list so that append/remove never have to
+    special-case an empty queue or the ends.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(block_id=-1)
+        self._tail = KVCacheBlock(block_id=-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.prev_free is not None
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block in self:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self._len += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+    def popleft(self) -> KVCacheBlock:
+        first = self._head.next_free
+        if first is self._tail or first is None:
+            raise ValueError("the free queue is empty")
+        self.remove(first)
+        return first
+
+
+class BlockPool:
+    """All blocks, the free queue and the prefix cache map (hash -> block).
+
+    Block 0 is an ordinary block: padding in block tables uses -1, so no id
+    needs to be reserved.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"BlockPool num_blocks={num_blocks!r} is invalid: "
+                             "must be an integer >= 1")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # One block per hash: when a second block ends up with the same
+        # contents it simply stays out of the cache (see cache_full_blocks).
+        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # Running totals; the scheduler reports per-step differences.
+        self.num_allocated = 0  # blocks handed out by get_new_blocks
+        self.num_freed = 0  # blocks whose ref_cnt dropped to zero
+        self.num_evicted = 0  # cached blocks reclaimed for new contents
+        self.num_touched = 0  # cached blocks taken again by a prefix hit
+
+    # -- state -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached ones included (they can be evicted)."""
+        return len(self.free_block_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by at least one request, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_block_hash_to_block)
+
+    def get_cached_block(self, block_hash: int) -> Optional[KVCacheBlock]:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    # -- allocation --------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue (ref_cnt 1)."""
+        if num_blocks < 0 or num_blocks > self.num_free_blocks:
+            raise ValueError(f"get_new_blocks num_blocks={num_blocks} is invalid: "
+                             f"must be in [0, {self.num_free_blocks}] (free blocks)")
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        self.num_allocated += num_blocks
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """Drop a block from the prefix cache: its contents are about to change."""
+        if block.block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+        self.num_evicted += 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on blocks found in the prefix cache."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+            self.num_touched += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per block; unreferenced blocks join the queue TAIL.
+
+        Blocks are appended in the order given, so the first of them is
+        evicted first. Callers pass a request's blocks last-to-first: the end
+        of a sequence is the part least likely to be shared, the start (a
+        system prompt, say) the part most worth keeping.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than "
+                                 "it was allocated (ref_cnt is already 0)")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+                self.num_freed += 1
+
+    # -- prefix cache ------------------------------------------------------
+    def cache_full_blocks(self, blocks: Iterable[KVCacheBlock],
+                          block_hashes: Iterable[int]) -> int:
+        """Register full blocks under their hashes; returns how many were added.
+
+        A block already cached is left alone. If another block already holds
+        the same hash (two requests computed the same tokens independently),
+        the newcomer stays uncached: one copy is enough to hit.
+        """
+        if not self.enable_caching:
+            return 0
+        added = 0
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_hash is not None:
+                continue
+            if block_hash in self.cached_block_hash_to_block:
+                continue
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+            added += 1
+        return added
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only allowed while no block is held."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+
+__all__ = ["KVCacheBlock", "FreeKVCacheBlockQueue", "BlockPool"]

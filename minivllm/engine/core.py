@@ -1,0 +1,98 @@
+"""The engine core: the loop that turns requests into tokens.
+
+    step() = schedule  ->  execute the model  ->  update requests
+
+It knows token IDs only. Text, stop strings and streaming live on the API
+side (``LLMEngine`` / the server), which talks to the core either directly
+(in-process) or by messages (``EngineCoreProc`` in its own process).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional
+
+from minivllm.config import EngineConfig
+from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.outputs import EngineCoreOutput
+from minivllm.engine.request import Request, RequestStatus
+from minivllm.engine.scheduler import Scheduler
+from minivllm.trace import StepRecord, StepTrace
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor=None) -> None:
+        self.config = config
+        if executor is None:
+            from minivllm.worker.executor import make_executor
+
+            executor = make_executor(config)
+        self.executor = executor
+        self.num_blocks = executor.determine_num_blocks()
+        executor.initialize_kv_cache(self.num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        sc = config.scheduler
+        self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                   sc.max_model_len, self.kv_cache_manager)
+        self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
+        self.step_count = 0
+
+    # -- requests ----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(list(request_ids), status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ----------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """One iteration: schedule, run the model once, apply the sampled tokens."""
+        t0 = time.perf_counter()
+        start = time.monotonic()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        result = self.executor.execute_model(so)
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(so, result.sampled)
+        t3 = time.perf_counter()
+        now = time.monotonic()
+        by_id = {r.request_id: r for r in so.scheduled_requests}
+        for o in outputs:
+            o.timestamp = now
+            o.first_scheduled_time = by_id[o.request_id].times.first_scheduled
+        self.step_count += 1
+        if self.trace is not None and not so.is_empty:
+            timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
+            self.trace.append(self._record(so, start, t3 - t0, timings, outputs))
+        return outputs
+
+    def _record(self, so, start, duration, timings, outputs) -> StepRecord:
+        scheduled = {}
+        for req in so.scheduled_requests:
+            rid = req.request_id
+            n = so.num_scheduled_tokens[rid]
+            is_prefill = so.num_computed_tokens[rid] + n <= req.num_prompt_tokens or n > 1
+            scheduled[rid] = (n, "prefill" if is_prefill else "decode")
+        kv = self.kv_cache_manager
+        return StepRecord(
+            step=so.step, start=start, duration=duration, scheduled=scheduled,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_batched_tokens=so.total_num_scheduled_tokens,
+            blocks_allocated=so.num_blocks_allocated, blocks_freed=so.num_blocks_freed,
+            blocks_evicted=so.num_blocks_evicted,
+            prefix_cache_hit_tokens=so.num_prefix_cache_hit_tokens,
+            preempted=list(so.preempted_req_ids),
+            finished=[o.request_id for o in outputs if o.finished],
+            kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+            block_tables={rid: list(b) for rid, b in so.block_ids.items()},
+            timings=timings)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

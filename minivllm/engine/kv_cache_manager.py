@@ -1,0 +1,234 @@
+"""Which physical blocks each request uses, and the prefix cache on top.
+
+A request's tokens are laid out in logical blocks of ``block_size`` tokens;
+its *block table* (``get_block_ids``) maps logical block i to a physical
+block. The scheduler asks this manager two questions per request:
+
+1. ``get_computed_blocks``: how much of this request is already in the cache?
+   Every full block is named by a hash of its tokens *and of everything
+   before it* (a hash chain), so equal hashes mean equal prefixes, and the
+   longest run of cached hashes from the start is a prefix whose K/V can be
+   reused as is.
+2. ``allocate_slots``: give it room for ``num_new_tokens`` more tokens, or
+   say no (``None``) without taking anything, so the scheduler can preempt
+   someone or wait.
+
+Hash choice: SHA-256 over an explicit byte encoding (parent hash, the block's
+token ids as little-endian int64, ``repr`` of the extra keys), kept as a
+256-bit ``int``. Unlike Python's ``hash`` of a tuple it is the same in every
+process and run (the engine core may live in another process), and a
+collision, which would silently mix two prompts' K/V, is not a practical
+concern.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from minivllm.engine.block_pool import BlockPool, KVCacheBlock
+
+if TYPE_CHECKING:
+    from minivllm.engine.request import Request
+
+_NO_PARENT = bytes(32)
+
+
+def hash_block_tokens(parent_block_hash: Optional[int], block_token_ids: Sequence[int],
+                      extra_keys: Optional[tuple] = None) -> int:
+    """Hash of one full block, chained to the hash of the block before it.
+
+    ``extra_keys`` is for anything besides token ids that changes the K/V
+    (an adapter id, a cache salt); minivllm has none yet, so it is None.
+    """
+    digest = hashlib.sha256()
+    digest.update(_NO_PARENT if parent_block_hash is None
+                  else parent_block_hash.to_bytes(32, "little"))
+    digest.update(struct.pack(f"<{len(block_token_ids)}q", *block_token_ids))
+    digest.update(repr(extra_keys).encode())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def hash_request_tokens(token_ids: Sequence[int], block_size: int,
+                        extra_keys: Optional[tuple] = None) -> list[int]:
+    """The hash chain over all full blocks of ``token_ids`` (a partial tail is skipped)."""
+    hashes: list[int] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix cache lookups, counted in tokens (as vLLM reports them).
+
+    Every lookup counts, including one for a request that then had to wait
+    for free blocks and is looked up again next step.
+    """
+
+    requests: int = 0
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def record(self, num_tokens: int, num_hits: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hits
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"KVCacheManager block_size={block_size!r} is invalid: "
+                             "must be an integer >= 1")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.num_blocks = num_blocks
+        # request_id -> its block table (logical order).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request_id -> how many leading blocks were already offered to the
+        # prefix cache, so each step hashes only what became full since.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # -- state -------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return list(self.req_to_blocks.get(request_id, ()))
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- hashing -----------------------------------------------------------
+    def _extra_keys(self, request: "Request") -> Optional[tuple]:
+        # Nothing besides token ids changes a block's K/V in minivllm yet.
+        return None
+
+    def update_block_hashes(self, request: "Request") -> None:
+        """Extend ``request.block_hashes`` over blocks that became full."""
+        if not self.enable_caching:
+            return
+        hashes, bs = request.block_hashes, self.block_size
+        parent = hashes[-1] if hashes else None
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs],
+                                       self._extra_keys(request))
+            hashes.append(parent)
+
+    # -- the two questions -------------------------------------------------
+    def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks and its length in tokens.
+
+        At most ``num_tokens - 1`` tokens (rounded down to a block) count:
+        the last token must be run through the model to get logits to sample
+        the next token from, even if the whole prompt is cached.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_computed = len(blocks) * self.block_size
+        self.prefix_cache_stats.record(request.num_tokens, num_computed)
+        return blocks, num_computed
+
+    def allocate_slots(self, request: "Request", num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()
+                       ) -> Optional[list[KVCacheBlock]]:
+        """Make room for ``num_new_tokens`` tokens after the computed ones.
+
+        ``new_computed_blocks`` are prefix-cache hits from
+        ``get_computed_blocks`` (only on admission, before the request holds
+        blocks); their tokens count as computed. Returns the newly allocated
+        blocks, or None, having changed nothing, when too few blocks are free.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"allocate_slots num_new_tokens={num_new_tokens} is "
+                             "invalid: must be >= 1")
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid, [])
+        if new_computed_blocks and blocks:
+            raise ValueError(f"request {rid!r} already holds {len(blocks)} blocks: "
+                             "prefix-cache hits can only be added on admission")
+        num_computed = (request.num_computed_tokens
+                        + len(new_computed_blocks) * self.block_size)
+        num_tokens = num_computed + num_new_tokens
+        if num_tokens > request.num_tokens:
+            raise ValueError(f"allocate_slots for {rid!r}: {num_computed} computed + "
+                             f"{num_new_tokens} new tokens exceeds its "
+                             f"{request.num_tokens} known tokens")
+
+        num_to_allocate = (self.num_blocks_needed(num_tokens)
+                           - len(blocks) - len(new_computed_blocks))
+        # Reviving a hit that sits in the free queue uses up a free block too.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_to_allocate > self.block_pool.num_free_blocks - num_revived:
+            return None
+
+        # Touch first: get_new_blocks must not evict the hits we just found.
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_to_allocate, 0))
+        if rid not in self.req_to_blocks:
+            self.req_to_blocks[rid] = blocks
+            self.num_cached_block[rid] = len(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, num_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: "Request", num_tokens: int) -> None:
+        """Cache the blocks that ``num_tokens`` computed tokens fill.
+
+        Done at scheduling time, before the forward pass writes them: within
+        one pass every layer stores the step's new K/V before reading
+        attention, so another request in the same step may already use them.
+        """
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        self.update_block_hashes(request)
+        start, end = self.num_cached_block[rid], num_tokens // self.block_size
+        if end <= start:
+            return
+        blocks = self.req_to_blocks[rid]
+        self.block_pool.cache_full_blocks(blocks[start:end], request.block_hashes[start:end])
+        self.num_cached_block[rid] = end
+
+    # -- release -----------------------------------------------------------
+    def free(self, request: "Request") -> None:
+        """Release a request's blocks, last block first (evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; returns False (doing nothing) if blocks are held."""
+        return self.block_pool.reset_prefix_cache()
+
+
+__all__ = ["KVCacheManager", "PrefixCacheStats", "hash_block_tokens", "hash_request_tokens"]

@@ -1,0 +1,100 @@
+"""The synchronous engine: input processing + engine core + output processing.
+
+    prompt ──InputProcessor──▶ token IDs ──EngineCore.step()──▶ new token IDs
+                                                   │
+            RequestOutput ◀──OutputProcessor───────┘  (text, stop strings, metrics)
+
+``LLM`` (offline) drives it in a loop; the server uses the same processors
+around an engine core that lives in another process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Optional
+
+from minivllm.config import EngineArgs, EngineConfig
+from minivllm.engine.core import EngineCore
+from minivllm.engine.output_processor import OutputProcessor, child_params
+from minivllm.engine.request import Request, RequestStatus
+from minivllm.inputs import InputProcessor, PromptType, load_tokenizer, read_eos_token_ids
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+class RequestBuilder:
+    """Prompt + params -> the core ``Request``s (one per completion when n > 1)."""
+
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or load_tokenizer(config.model.path)
+        self.eos_token_ids = read_eos_token_ids(config.model.path, self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, config.scheduler.max_model_len, config.model.vocab_size)
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        return self.input_processor.tokenize(prompt)
+
+    def build(self, child_ids: list[str], prompt_token_ids: list[int],
+              params: SamplingParams, arrival_time: float) -> list[Request]:
+        max_tokens = self.input_processor.check_length(len(prompt_token_ids), params)
+        return [Request(cid, prompt_token_ids, child_params(params, i), max_tokens,
+                        self.eos_token_ids, arrival_time)
+                for i, cid in enumerate(child_ids)]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.request_builder = RequestBuilder(config)
+        self.tokenizer = self.request_builder.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, prompt: PromptType, params: SamplingParams,
+                    request_id: Optional[str] = None,
+                    arrival_time: Optional[float] = None) -> str:
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        text, token_ids = self.request_builder.tokenize(prompt)
+        # Validate before registering anything, so a bad request leaves no trace.
+        self.request_builder.input_processor.check_length(len(token_ids), params)
+        child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
+                                                      arrival_time)
+        for req in self.request_builder.build(child_ids, token_ids, params, arrival_time):
+            self.engine_core.add_request(req)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            self.engine_core.abort_requests(self.output_processor.child_ids(rid))
+            self.output_processor.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    # -- the loop --------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:  # a stop string ended these: free their blocks now
+            self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    @property
+    def trace(self):
+        return self.engine_core.trace
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

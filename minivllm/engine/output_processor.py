@@ -1,0 +1,226 @@
+"""Token IDs from the engine core → text, stop strings, ``RequestOutput``s.
+
+This runs on the API side (the caller's process). For each request it keeps
+an incremental detokenizer and a stop-string checker; it turns the core's
+per-step token deltas into ``RequestOutput``s of the kind the caller asked
+for (cumulative, delta for streaming, or final only), and it reports which
+requests a stop string has ended, so the core can free them.
+
+``n > 1``: one parent request fans out into ``n`` child requests in the core
+(they share the prompt's KV blocks through the prefix cache); the parent
+gathers its children's completions here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.outputs import EngineCoreOutput
+from minivllm.engine.stop_checker import StopStringChecker
+from minivllm.metrics.request_metrics import RequestMetrics
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ChildState:
+    """One completion being generated (the only child when n == 1)."""
+
+    request_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: Optional[IncrementalDetokenizer]
+    stop_checker: Optional[StopStringChecker]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # for DELTA outputs: what the caller has already seen
+    sent_chars: int = 0
+    sent_logprobs: int = 0
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        tok0, chr0, lp0 = ((self.sent_tokens, self.sent_chars, self.sent_logprobs)
+                           if delta else (0, 0, 0))
+        out = CompletionOutput(
+            index=self.index, text=self.text[chr0:], token_ids=self.token_ids[tok0:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs[lp0:],
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        self.sent_tokens, self.sent_chars = len(self.token_ids), len(self.text)
+        self.sent_logprobs = len(self.logprobs or [])
+        return out
+
+
+@dataclass
+class RequestState:
+    """One user request (the parent of its n children)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    children: list[ChildState]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{index}_{parent_id}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Each of n completions gets its own seed (seed + index) so they differ."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return params.clone(n=1, seed=seed)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> list[str]:
+        """Track a request; returns the ids of its children as the core knows them."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        children = []
+        for i in range(params.n):
+            cid = child_request_id(request_id, i, params.n)
+            p = child_params(params, i)
+            detok = (IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens,
+                                            p.spaces_between_special_tokens)
+                     if p.detokenize and self.tokenizer is not None else None)
+            children.append(ChildState(cid, i, p, detok,
+                                       StopStringChecker(p.stop, p.include_stop_str_in_output)
+                                       if p.stop else None,
+                                       logprobs=[] if p.logprobs is not None else None,
+                                       cumulative_logprob=0.0 if p.logprobs is not None
+                                       else None))
+            self.child_to_parent[cid] = request_id
+        self.requests[request_id] = RequestState(
+            request_id, prompt, list(prompt_token_ids), params.output_kind, children,
+            RequestMetrics(arrival_time=arrival_time,
+                           num_prompt_tokens=len(prompt_token_ids)))
+        return [c.request_id for c in children]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [] if state is None else [c.request_id for c in state.children]
+
+    # -- one step's outputs --------------------------------------------------
+    def process_outputs(self, outputs: list[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """(RequestOutputs to hand to callers, child ids a stop string has ended)."""
+        touched: dict[str, RequestState] = {}
+        stopped_by_string: list[str] = []
+        for o in outputs:
+            parent_id = self.child_to_parent.get(o.request_id)
+            if parent_id is None:
+                continue  # aborted on this side while the step ran
+            state = self.requests[parent_id]
+            child = next(c for c in state.children if c.request_id == o.request_id)
+            if child.finish_reason is not None:
+                continue
+            if self._apply(state, child, o):
+                stopped_by_string.append(child.request_id)
+            touched[parent_id] = state
+        results = [r for s in touched.values() if (r := self._make_output(s)) is not None]
+        return results, stopped_by_string
+
+    def _apply(self, state: RequestState, child: ChildState, o: EngineCoreOutput) -> bool:
+        """Apply one core output to a child; True if a stop string finished it."""
+        m = state.metrics
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = o.first_scheduled_time
+        if child.index == 0:
+            state.num_cached_tokens = max(o.num_cached_tokens, 0)
+            m.num_cached_tokens = state.num_cached_tokens
+            m.num_preemptions = o.num_preemptions
+            m.record_tokens(len(o.new_token_ids), o.timestamp)
+        child.token_ids.extend(o.new_token_ids)
+        if o.new_logprobs is not None and child.logprobs is not None:
+            for token_id, (chosen, top) in zip(o.new_token_ids, o.new_logprobs):
+                child.logprobs.append(self._logprob_dict(token_id, chosen, top))
+                child.cumulative_logprob += chosen
+        matched = False
+        if child.detokenizer is not None:
+            text = child.detokenizer.update(o.new_token_ids)
+            if o.finished:
+                text += child.detokenizer.finish()
+            stop = None
+            if child.stop_checker is not None:
+                text, stop = child.stop_checker.process(text)
+                if stop is None and o.finished:
+                    text += child.stop_checker.finish()
+            child.text += text
+            if stop is not None:
+                child.finish_reason, child.stop_reason = "stop", stop
+                matched = not o.finished  # the core must still be told to stop it
+        if o.finished and child.finish_reason is None:
+            child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
+        if state.finished:
+            m.finished_time = o.timestamp
+        return matched
+
+    def _logprob_dict(self, token_id: int, chosen: float, top: dict[int, float]
+                      ) -> dict[int, Logprob]:
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])
+        out = {tid: Logprob(lp, rank=i + 1, decoded_token=self._token_text(tid))
+               for i, (tid, lp) in enumerate(ranked)}
+        if token_id not in out:
+            rank = 1 + sum(1 for lp in top.values() if lp > chosen) if top else None
+            out[token_id] = Logprob(chosen, rank=rank, decoded_token=self._token_text(token_id))
+        return out
+
+    def _token_text(self, token_id: int) -> Optional[str]:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _make_output(self, state: RequestState) -> Optional[RequestOutput]:
+        finished = state.finished
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = [c.completion(delta) for c in state.children]
+        if finished:
+            self._forget(state)
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids, outputs=completions,
+            finished=finished, num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics)
+
+    # -- aborts --------------------------------------------------------------
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Finish a request on this side ("abort"); returns its last output."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for c in state.children:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+        return self._make_output(state)
+
+    def _forget(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        for c in state.children:
+            self.child_to_parent.pop(c.request_id, None)

@@ -1,0 +1,39 @@
+"""What the engine core reports back about each request after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# Per token: (logprob of the chosen token, {token_id: logprob} of the top-n).
+LogprobInfo = tuple[float, dict[int, float]]
+
+
+@dataclass
+class EngineCoreOutput:
+    """The new token(s) of one request in one step, and whether it finished.
+
+    Token ids only: turning them into text (and checking stop *strings*) is
+    the output processor's job on the API side.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    # One entry per new token when the request asked for logprobs, else None.
+    new_logprobs: Optional[list[LogprobInfo]] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None
+    # The stop token id that ended the request (None for EOS or no stop).
+    stop_reason: Optional[int | str] = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    # Filled by EngineCore.step: when the step produced this output, and when
+    # the request was first scheduled (the API side computes latencies).
+    timestamp: float = 0.0
+    first_scheduled_time: Optional[float] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+__all__ = ["EngineCoreOutput", "LogprobInfo"]

@@ -1,0 +1,123 @@
+"""One generation request as the engine core sees it.
+
+A request is only token IDs plus bookkeeping: the scheduler moves it between
+states, the KV cache manager gives it blocks, and the model runner advances
+``num_computed_tokens``. Text lives in the API layer (detokenizer), not here.
+
+    WAITING ──schedule──▶ RUNNING ──finish──▶ FINISHED_{STOPPED,LENGTH_CAPPED,ABORTED}
+       ▲                     │
+       └──── PREEMPTED ◀─────┘   (blocks freed; recomputed when re-admitted)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from minivllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> Optional[str]:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (``time.monotonic()``) of one request's life."""
+
+    arrival: float
+    first_scheduled: Optional[float] = None
+    first_token: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)
+    finished: Optional[float] = None
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        # Resolved cap on generated tokens (None in SamplingParams means
+        # "up to max_model_len"; the input processor resolves it).
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+
+        self.output_token_ids: list[int] = []
+        # prompt + output; the scheduler and KV cache work on this list.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Tokens whose K/V are in the cache (or are being computed this step).
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache at first admission.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Hashes of the request's full blocks, in order (prefix caching).
+        self.block_hashes: list[int] = []
+        # Per output token: (chosen logprob, {token_id: logprob} top-n) or None.
+        self.logprobs: list[tuple[float, dict[int, float]]] = []
+        self.cumulative_logprob = 0.0
+        self.times = RequestTimes(arrival=arrival_time or time.monotonic())
+
+    # -- sizes -----------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finish_reason(self) -> Optional[str]:
+        return RequestStatus.finish_reason(self.status)
+
+    def append_output_token(self, token_id: int, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.times.first_token is None:
+            self.times.first_token = now
+        self.times.token_times.append(now)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,365 @@
+"""One scheduling loop, no prefill/decode phases (vLLM V1 style).
+
+Every request carries ``num_computed_tokens``: how many of its known tokens
+(prompt + generated so far) already have K/V in the cache. Each step the
+scheduler hands out a budget of ``max_num_batched_tokens`` tokens:
+
+1. RUNNING requests first, oldest admitted first. Each asks for the rest of
+   its known tokens: 1 for a decode, the next chunk for a long prompt. If the
+   KV cache has no room, the most recently admitted running request is
+   preempted (its blocks freed, to be recomputed later) until there is.
+2. Then, if nobody was preempted, WAITING requests in arrival order, while
+   budget and ``max_num_seqs`` allow. The prefix cache may already hold the
+   start of the prompt; the rest is cut to the remaining budget (chunked
+   prefill), so a long prompt shares steps with other requests' decodes.
+
+``schedule`` only decides; ``update_from_output`` applies the step's result:
+it advances ``num_computed_tokens``, appends sampled tokens and checks the
+token-level stop conditions. Stop *strings* need text, so the output
+processor checks them and calls ``finish_requests``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
+from minivllm.engine.request import Request, RequestStatus
+from minivllm.engine.sched_output import SchedulerOutput
+
+# What the model runner returns per request that reached the end of its
+# known tokens: the sampled token id and its logprob info (None if not asked).
+SampledTokens = dict[str, tuple[int, Optional[LogprobInfo]]]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    # > 0: no request gets more than this many prompt tokens in one step, so
+    # one huge prompt cannot take a whole step from the others.
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name}={value!r} is invalid: "
+                                 "must be an integer >= 1")
+        t = self.long_prefill_token_threshold
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"SchedulerConfig.long_prefill_token_threshold={t!r} is "
+                             "invalid: must be an integer >= 0 (0 = no limit)")
+        if not self.enable_chunked_prefill:
+            # Unchunked, a prompt (or a preempted request's recompute) must fit
+            # in one step, or it would wait forever.
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens}"
+                    f" is invalid without chunked prefill: must be >= max_model_len "
+                    f"({self.max_model_len})")
+            if t:
+                raise ValueError(f"SchedulerConfig.long_prefill_token_threshold={t} "
+                                 "is invalid without chunked prefill: must be 0")
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for the metrics layer (totals since start, except the first three)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len,
+                                      long_prefill_token_threshold, enable_chunked_prefill)
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        # Finished/aborted since the last schedule(), reported in its output.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.step = 0
+        self._pool_counters = self._read_pool_counters()
+        self._awaiting_output = False
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig,
+                    kv_cache_manager: KVCacheManager) -> "Scheduler":
+        return cls(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
+                   kv_cache_manager, config.long_prefill_token_threshold,
+                   config.enable_chunked_prefill)
+
+    # -- requests in and out -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id={rid!r} is already in the scheduler")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {rid!r} has status={request.status.name}: "
+                             "only WAITING requests can be added")
+        n = request.num_prompt_tokens
+        if not 1 <= n <= self.config.max_model_len:
+            raise ValueError(f"request {rid!r} has {n} prompt tokens: must be in "
+                             f"[1, max_model_len={self.config.max_model_len}]")
+        if not _is_int(request.max_tokens) or request.max_tokens < 1:
+            raise ValueError(f"request {rid!r} has max_tokens={request.max_tokens!r}: "
+                             "must be an integer >= 1")
+        # A request that needs more blocks than exist would preempt itself forever.
+        need = self.kv_cache_manager.num_blocks_needed(self._max_kv_tokens(request))
+        if need > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"request {rid!r} may need {need} KV blocks (prompt {n} + max_tokens "
+                f"{request.max_tokens}, max_model_len {self.config.max_model_len}) but "
+                f"the cache has {self.kv_cache_manager.num_blocks}: lower max_tokens "
+                "or max_model_len, or give the cache more blocks")
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def _max_kv_tokens(self, request: Request) -> int:
+        """Most tokens whose K/V the request can ever hold (the last sampled one has none)."""
+        longest = min(request.num_prompt_tokens + request.max_tokens,
+                      max(self.config.max_model_len, request.num_prompt_tokens + 1))
+        return longest - 1
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string); unknown ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status={finished_status!r} is invalid: must be "
+                             "one of FINISHED_STOPPED, FINISHED_LENGTH_CAPPED, "
+                             "FINISHED_ABORTED")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._finish(request, finished_status)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus,
+                stop_reason: Optional[int | str] = None) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        request.times.finished = time.monotonic()
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # -- counts --------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def make_stats(self) -> SchedulerStats:
+        pc = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions, prefix_cache_requests=pc.requests,
+            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # -- one step: decide ------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self._awaiting_output:
+            raise RuntimeError("schedule() called again before update_from_output() "
+                               "applied the previous step")
+        out = SchedulerOutput(step=self.step)
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        # After a preemption the cache is known to be short: admitting new
+        # requests now would only get them preempted in turn.
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        counters = self._read_pool_counters()
+        out.num_blocks_allocated, out.num_blocks_freed, out.num_blocks_evicted = (
+            now - before for now, before in zip(counters, self._pool_counters))
+        self._pool_counters = counters
+        self.step += 1
+        self._awaiting_output = out.total_num_scheduled_tokens > 0
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new < 1:
+                raise RuntimeError(f"running request {request.request_id!r} has nothing "
+                                   "to compute: was update_from_output() skipped?")
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    return budget  # nothing younger left to preempt
+            self._add_to_batch(out, request, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._cap(num_new, budget)
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = time.monotonic()
+            out.new_req_ids.append(request.request_id)
+            out.num_prefix_cache_hit_tokens += num_hit_tokens
+            self._add_to_batch(out, request, num_new)
+            budget -= num_new
+
+    def _cap(self, num_tokens: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            num_tokens = min(num_tokens, threshold)
+        return min(num_tokens, budget)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Free a running request's blocks; it will recompute from scratch."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Front of the queue: it was admitted before anyone still waiting.
+        self.waiting.appendleft(request)
+        out.preempted_req_ids.append(request.request_id)
+
+    def _add_to_batch(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        rid = request.request_id
+        out.scheduled_requests.append(request)
+        out.num_scheduled_tokens[rid] = num_new
+        out.num_computed_tokens[rid] = request.num_computed_tokens
+        out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
+
+    def _read_pool_counters(self) -> tuple[int, int, int]:
+        pool = self.kv_cache_manager.block_pool
+        return pool.num_allocated, pool.num_freed, pool.num_evicted
+
+    # -- one step: apply -------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled: SampledTokens) -> list[EngineCoreOutput]:
+        """Advance requests by the step's result; one output per new token or finish.
+
+        ``sampled`` holds an entry for each request whose scheduled tokens
+        reached the end of its known tokens; a partial prefill chunk produces
+        no token (an entry for one is ignored: its logits came from the middle
+        of the prompt).
+        """
+        self._awaiting_output = False
+        unknown = set(sampled) - set(scheduler_output.num_scheduled_tokens)
+        if unknown:
+            raise ValueError(f"sampled tokens for requests not scheduled in step "
+                             f"{scheduler_output.step}: {sorted(unknown)}")
+        outputs = []
+        for request in scheduler_output.scheduled_requests:
+            if request.is_finished():
+                continue  # finished from outside while the step ran
+            rid = request.request_id
+            if request.num_computed_tokens != scheduler_output.num_computed_tokens[rid]:
+                raise RuntimeError(f"step {scheduler_output.step} was already applied "
+                                   f"to request {rid!r}")
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            if rid not in sampled:
+                raise ValueError(f"request {rid!r} finished its prefill/decode in step "
+                                 f"{scheduler_output.step} but no token was sampled")
+            outputs.append(self._append_token(request, *sampled[rid]))
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int,
+                      logprob_info: Optional[LogprobInfo]) -> EngineCoreOutput:
+        request.append_output_token(token_id)
+        if logprob_info is not None:
+            request.logprobs.append(logprob_info)
+            request.cumulative_logprob += logprob_info[0]
+        self.kv_cache_manager.update_block_hashes(request)
+        stop = self._check_stop(request)
+        if stop is not None:
+            self._finish(request, *stop)
+        return EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[token_id],
+            new_logprobs=None if logprob_info is None else [logprob_info],
+            finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions)
+
+    def _check_stop(self, request: Request
+                    ) -> Optional[tuple[RequestStatus, Optional[int]]]:
+        """Token-level stop conditions after a new token; None to continue.
+
+        A stop token that is also the last allowed token reports "stop": it
+        is the more informative reason.
+        """
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if last in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, last
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None
+
+
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "SchedulerOutput",
+           "SampledTokens"]

@@ -1,0 +1,133 @@
+"""``LLM``: the offline API. Give it prompts, get completions (vLLM's interface).
+
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Union
+
+from minivllm.config import engine_args_from_kwargs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+Prompt = Union[str, Sequence[int], dict]
+ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, **engine_args) -> None:
+        args = engine_args_from_kwargs(model, engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    # -- convenience -----------------------------------------------------------
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    @property
+    def trace(self):
+        """The step trace (``LLM(trace=True)``), or None."""
+        return self.llm_engine.trace
+
+    @property
+    def engine_core(self):
+        return self.llm_engine.engine_core
+
+    # -- generation --------------------------------------------------------------
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: ParamsArg = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of the prompts."""
+        items = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(items))
+        ids = [self.llm_engine.add_request(_unwrap(p), sp.clone(
+            output_kind=RequestOutputKind.FINAL_ONLY)) for p, sp in zip(items, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
+             sampling_params: ParamsArg = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) \
+            else list(messages)
+        return self.generate([list(c) for c in conversations], sampling_params, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None
+               ) -> Iterator[RequestOutput]:
+        """Yield one output per engine step with only the new text and tokens."""
+        sp = (sampling_params or SamplingParams()).clone(output_kind=RequestOutputKind.DELTA)
+        rid = self.llm_engine.add_request(_unwrap(prompt), sp)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:  # the caller stopped early: free the request's blocks
+            if rid in self.llm_engine.output_processor.requests:
+                self.llm_engine.abort_request(rid)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _unwrap(prompt: Prompt):
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"prompt dict {sorted(prompt)} needs 'prompt' or 'prompt_token_ids'")
+    return prompt
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token IDs
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    return prompts
+
+
+def _as_params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: "
+                         f"give one SamplingParams, or one per prompt")
+    return params

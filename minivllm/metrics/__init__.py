@@ -1,0 +1,3 @@
+from minivllm.metrics.request_metrics import RequestMetrics
+
+__all__ = ["RequestMetrics"]

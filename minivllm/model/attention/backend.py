@@ -1,0 +1,91 @@
+"""The contract between the model and an attention implementation.
+
+The model never sees requests. Each step it gets one *flat* batch: the new
+tokens of every scheduled sequence laid end to end (prefill chunks and single
+decode tokens mixed), and this metadata saying where each sequence starts and
+where its keys and values live in the paged KV cache.
+
+Example, block_size=4, two sequences:
+  seq 0: 3 tokens already cached, 2 new  -> query_len 2, seq_len 5
+  seq 1: decode, 9 tokens cached, 1 new  -> query_len 1, seq_len 10
+  query_start_loc = [0, 2, 3]      (prefix sums of query lengths)
+  seq_lens        = [5, 10]        (cached context + new tokens)
+  block_tables    = [[7, 2, -, -], [0, 5, 3, -]]  (physical block ids)
+  slot_mapping    = [2*4+3, 7*4+0, 3*4+1]  -> where each new token's K/V goes
+                    (token at position p of a sequence lands in slot
+                     block_tables[s][p // block_size] * block_size + p % block_size)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]: context + new tokens
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 means "do not store"
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]; -1 padded
+    max_query_len: int
+    max_seq_len: int
+    # Python copies of the small vectors, so CPU loops need no .tolist() per layer.
+    query_start_loc_cpu: Optional[list[int]] = None
+    seq_lens_cpu: Optional[list[int]] = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def is_pure_prefill(self) -> bool:
+        """No sequence has cached context: every query attends only to itself."""
+        assert self.query_start_loc_cpu is not None and self.seq_lens_cpu is not None
+        q = self.query_start_loc_cpu
+        return all(q[i + 1] - q[i] == s for i, s in enumerate(self.seq_lens_cpu))
+
+    @staticmethod
+    def for_prefill(seq_lens: list[int], device: torch.device | str = "cpu"
+                    ) -> "AttentionMetadata":
+        """Metadata for plain causal prefill with no KV cache (tests, parity checks)."""
+        starts = [0]
+        for n in seq_lens:
+            starts.append(starts[-1] + n)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=device),
+            block_tables=torch.empty((len(seq_lens), 0), dtype=torch.int32, device=device),
+            max_query_len=max(seq_lens), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one flat step and stores the new K/V.
+
+    Tensors: ``q`` [num_tokens, num_heads, head_dim], ``k``/``v``
+    [num_tokens, num_kv_heads, head_dim]; caches ``k_cache``/``v_cache``
+    [num_blocks, block_size, num_kv_heads, head_dim] (or None when running
+    without a cache). Returns [num_tokens, num_heads, head_dim].
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: Optional[torch.Tensor], v_cache: Optional[torch.Tensor],
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        ...

@@ -1,0 +1,77 @@
+"""Pick the attention backend for a device: by name, by environment, or by default.
+
+Precedence: the engine argument ``attention_backend`` if given, else the
+environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the device default
+("triton" on CUDA, "torch" elsewhere). Triton is imported only here, and only
+when the Triton backend is wanted, so ``import minivllm`` works without it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from minivllm.model.attention.backend import AttentionBackend
+from minivllm.model.attention.torch_attn import TorchAttentionBackend
+
+BACKEND_NAMES = ("torch", "triton")
+ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
+
+
+def default_backend_name(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def get_attention_backend(name: Optional[str] = None,
+                          device: torch.device | str = "cpu") -> AttentionBackend:
+    """A backend instance. Raises if the one asked for is unknown or cannot run here."""
+    device = torch.device(device)
+    if name is not None:
+        source = "attention_backend"
+    elif os.environ.get(ENV_VAR, "").strip():
+        name, source = os.environ[ENV_VAR].strip(), f"environment variable {ENV_VAR}"
+    else:
+        name, source = default_backend_name(device), "default"
+    if name not in BACKEND_NAMES:
+        allowed = ", ".join(repr(n) for n in BACKEND_NAMES)
+        raise ValueError(f"{source}={name!r} is not an attention backend; allowed: {allowed}")
+
+    if name == "torch":
+        return TorchAttentionBackend()
+    problem = triton_problem(device)
+    if problem is None:
+        from minivllm.model.attention.triton_attn import TritonAttentionBackend
+        return TritonAttentionBackend()
+    if source == "default":
+        # Nobody asked for Triton: a CUDA machine without it still works.
+        warnings.warn(f"attention backend 'triton' (the default on {device.type}) cannot run: "
+                      f"{problem}; using 'torch' instead", RuntimeWarning, stacklevel=2)
+        return TorchAttentionBackend()
+    raise RuntimeError(f"{source}='triton' cannot run on device {str(device)!r}: {problem}")
+
+
+def triton_problem(device: torch.device) -> Optional[str]:
+    """Why the Triton backend cannot run on ``device`` (and what to do), or None if it can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return (f"the 'triton' package cannot be imported ({exc}). Install it "
+                "(`pip install triton`, Linux x86-64) or use attention_backend='torch'")
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        from minivllm.model.attention.triton_attn import interpreter_active
+        if interpreter_active():
+            return None
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            return ("TRITON_INTERPRET is set, but Triton was imported before it was, so Triton "
+                    "compiles for a GPU. Set it in the environment before starting Python, or "
+                    "use attention_backend='torch'")
+        return ("Triton kernels run on CPU tensors only under Triton's interpreter. Set "
+                "TRITON_INTERPRET=1 in the environment before starting Python (slow; meant "
+                "for tests), or use attention_backend='torch'")
+    return (f"Triton supports CUDA/ROCm GPUs (device type 'cuda'), not {device.type!r}; "
+            "use attention_backend='torch'")

@@ -1,0 +1,137 @@
+"""Linear layers that know how to split themselves across tensor-parallel ranks.
+
+- ``ColumnParallelLinear`` splits the output features: each rank computes a
+  slice of the output, no communication.
+- ``RowParallelLinear`` splits the input features: each rank holds a partial
+  sum, and one all-reduce adds them up.
+- ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` are column-parallel
+  layers built from several checkpoint tensors (q, k, v / gate, up) fused into
+  one matrix so one GEMM does the work of three (or two).
+
+Every parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that
+takes the full checkpoint tensor and copies in this rank's slice.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype),
+                                     requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: Optional[str] = None) -> None:
+        _copy(param.data, loaded)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(src.shape)}, "
+                         f"model expects {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ReplicatedLinear(LinearBase):
+    """The same full matrix on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        super().__init__(in_features, divide(out_features, self.tp_size, "output size"),
+                         bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = param.shape[0]
+        _copy(param.data, loaded.narrow(0, self.tp_rank * rows, rows))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked: e.g. [gate; up] of the MLP."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        index = int(shard_id)
+        size = self.output_sizes[index] // self.tp_size
+        offset = sum(self.output_sizes[:index]) // self.tp_size
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix, split across ranks by heads.
+
+    With fewer KV heads than ranks, KV heads are replicated: each rank keeps
+    the one KV head its query heads use.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int,
+                 num_kv_heads: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        size = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, size, "num_attention_heads")
+        if num_kv_heads >= size:
+            self.num_kv_heads = divide(num_kv_heads, size, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(size, num_kv_heads,
+                                      "tensor_parallel_size over num_key_value_heads")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out * size, bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        super().__init__(divide(in_features, self.tp_size, "input size"), out_features,
+                         bias, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # the bias is added once, on rank 0 only
+            _copy(param.data, loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+            return
+        cols = param.shape[1]
+        _copy(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return all_reduce(out)

@@ -1,0 +1,176 @@
+"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+They differ in three switches of ``ModelConfig`` (``attention_bias``,
+``qk_norm``, ``tie_word_embeddings``), so one implementation serves all.
+The model takes one flat batch of tokens — no batch dimension, no padding —
+and returns hidden states; ``compute_logits`` turns only the rows that
+sample into vocabulary scores.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.model.attention import Attention, AttentionBackend, AttentionMetadata
+from minivllm.model.layers.activation import SiluAndMul
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                          RowParallelLinear)
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding
+from minivllm.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, "
+                         f"model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        d = cfg.dtype
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim,
+                                          cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias=cfg.attention_bias, dtype=d)
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim,
+                                        cfg.hidden_size, bias=False, dtype=d)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                          cfg.rope_theta, cfg.rope_scaling)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, d) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, d) if cfg.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.flatten(1), k.flatten(1), v, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, dtype=cfg.dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           dtype=cfg.dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions, hidden, residual, meta):
+        # Pre-norm residual blocks; the residual add is fused into the next norm.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+    def forward(self, input_ids, positions, meta, observer=None):
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, meta)
+            if observer is not None:
+                observer(i, hidden + residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint tensors that are fused into one of our parameters.
+    stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                      ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
+                      ("gate_up_proj", "up_proj", 1))
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, observer=None) -> torch.Tensor:
+        """Flat [T] token ids and positions -> final hidden states [T, hidden].
+
+        ``observer(layer_index, hidden)``, if given, sees each layer's output
+        (the book compares them with Hugging Face layer by layer).
+        """
+        return self.model(input_ids, positions, meta, observer)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into our parameters.
+
+        Returns the names of our parameters that were loaded, so the loader
+        can report any left unset.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = self._map_name(name)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{self.config.architecture}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard)
+            loaded.add(target)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded
+
+    def _map_name(self, name: str) -> tuple[str, Optional[object]]:
+        for fused, part, shard in self.stacked_params:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard
+        return name, None

@@ -1,0 +1,120 @@
+"""How one request should be sampled and when it should stop.
+
+Field names and defaults follow vLLM's ``SamplingParams`` so that code moves
+between the two projects unchanged. Every field is validated on construction:
+a bad value raises ``ValueError`` naming the field, the value and what is
+allowed. Nothing is silently clipped.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Optional, Union
+
+# Temperatures below this are treated as greedy (argmax), as in vLLM.
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes (LLM.generate)
+
+
+def _bad(name: str, value, allowed: str) -> ValueError:
+    return ValueError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Set by the engine: EOS ids from the model's generation config.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        def check(name, ok, allowed):
+            if not ok:
+                raise _bad(name, getattr(self, name), allowed)
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        check("n", is_int(self.n) and self.n >= 1, "must be an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            check(name, is_num(v) and -2.0 <= v <= 2.0, "must be in [-2, 2]")
+        check("repetition_penalty", is_num(self.repetition_penalty)
+              and self.repetition_penalty > 0, "must be > 0")
+        check("temperature", is_num(self.temperature) and self.temperature >= 0,
+              "must be >= 0 (0 means greedy)")
+        check("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]")
+        check("top_k", is_int(self.top_k) and self.top_k >= 0,
+              "must be -1 or 0 (disabled) or a positive integer")
+        check("min_p", is_num(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]")
+        check("seed", self.seed is None or is_int(self.seed), "must be an integer or None")
+        check("stop", all(isinstance(s, str) and s for s in self.stop),
+              "must be a non-empty string or a list of non-empty strings")
+        check("stop_token_ids", all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+              "must be a list of non-negative integers")
+        check("max_tokens", self.max_tokens is None
+              or (is_int(self.max_tokens) and self.max_tokens >= 1),
+              "must be an integer >= 1, or None for 'up to the model length'")
+        check("min_tokens", is_int(self.min_tokens) and self.min_tokens >= 0,
+              "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens,
+                       f"must be <= max_tokens ({self.max_tokens})")
+        check("logprobs", self.logprobs is None
+              or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+              "must be None or an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy with some fields changed (validated again)."""
+        kept = {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "all_stop_token_ids"}
+        kept.update(changes)
+        new = SamplingParams(**kept)
+        new.all_stop_token_ids |= self.all_stop_token_ids
+        return new
+
+
+__all__ = ["SamplingParams", "RequestOutputKind"]

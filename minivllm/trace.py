@@ -1,0 +1,64 @@
+"""Step-level event recording: what the engine did at every step.
+
+Off by default (``LLM(trace=True)`` turns it on). Each ``EngineCore.step``
+appends one ``StepRecord``; the book draws its timelines, Gantt charts and
+block maps from these records, and the benchmarks their time breakdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: float  # time.monotonic() when the step began
+    duration: float  # seconds, whole step
+    # request_id -> (tokens computed this step, "prefill" | "decode")
+    scheduled: dict[str, tuple[int, str]] = field(default_factory=dict)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_batched_tokens: int = 0
+    blocks_allocated: int = 0
+    blocks_freed: int = 0
+    blocks_evicted: int = 0
+    prefix_cache_hit_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    # request_id -> physical block ids after this step's allocation
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    # seconds per stage: schedule, prepare, forward, sample, update (+ collective)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class StepTrace:
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def append(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def as_dicts(self) -> list[dict]:
+        return [asdict(r) for r in self.records]
+
+    def time_breakdown(self) -> dict[str, float]:
+        """Total seconds per stage over all recorded steps."""
+        totals: dict[str, float] = {}
+        for r in self.records:
+            for k, v in r.timings.items():
+                if k in ("collective_bytes", "tp_size"):
+                    continue
+                totals[k] = totals.get(k, 0.0) + v
+        return totals

@@ -1,0 +1,207 @@
+"""The model runner: one scheduler decision in, one sampled token per request out.
+
+Each step it lays the scheduled tokens of all requests end to end — prefill
+chunks and decode tokens alike — into one flat batch:
+
+    input_ids     the new tokens                          [T]
+    positions     their positions in their sequences      [T]
+    slot_mapping  the KV-cache slot each new token fills  [T]
+    block_tables  each sequence's physical blocks          [S, max_blocks]
+    query_start_loc / seq_lens                             [S+1] / [S]
+
+runs the model once over it, and samples only for the sequences whose step
+reaches the end of their known tokens (a middle prefill chunk produces no
+token: its logits would predict a prompt token we already know).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.engine.outputs import LogprobInfo
+from minivllm.engine.sched_output import SchedulerOutput
+from minivllm.model.attention.backend import AttentionMetadata
+from minivllm.model.attention.selector import get_attention_backend
+from minivllm.model.layers.parallel import collective_stats, tp_size
+from minivllm.model.loader import load_model
+from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+
+# On CPU the KV cache gets this much memory unless told otherwise.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# On CUDA, this fraction of the memory free after loading the model.
+DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5
+
+
+@dataclass
+class StepInputs:
+    """Everything a forward pass needs; the same on every tensor-parallel rank."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+
+
+@dataclass
+class ModelRunnerOutput:
+    # request_id -> (sampled token, logprob info or None); only requests that sample.
+    sampled: dict[str, tuple[int, Optional[LogprobInfo]]] = field(default_factory=dict)
+    # Seconds spent in each stage of this step (for the step trace).
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model, self.attn_backend, self.device)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # -- KV cache ----------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        """Bytes one block takes on this rank, over all layers, K and V."""
+        layer = self.model.attention_layers()[0]
+        elem = torch.tensor([], dtype=self.config.model.dtype).element_size()
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * elem
+        return per_token * self.block_size * len(self.model.attention_layers())
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // self.kv_block_bytes()
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={budget} is too small: one block "
+                             f"needs {self.kv_block_bytes()} bytes")
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One K and one V tensor per layer: [num_blocks, block_size, kv_heads, head_dim]."""
+        self.kv_caches = []
+        for layer in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            k = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+            v = torch.zeros_like(k)
+            layer.k_cache, layer.v_cache = k, v
+            self.kv_caches.append((k, v))
+
+    # -- one step ----------------------------------------------------------
+    def prepare_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list]:
+        """Flatten the scheduled requests; returns the inputs and the sampling requests."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, seq_lens, tables, logits_rows, samplers = [0], [], [], [], []
+        for req in so.scheduled_requests:
+            rid = req.request_id
+            start = so.num_computed_tokens[rid]
+            end = start + so.num_scheduled_tokens[rid]
+            blocks = so.block_ids[rid]
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            starts.append(len(input_ids))
+            seq_lens.append(end)
+            tables.append(blocks)
+            if end == req.num_tokens:  # this step reaches the last known token
+                logits_rows.append(len(input_ids) - 1)
+                samplers.append(req)
+        width = max(len(t) for t in tables)
+        table = torch.full((len(tables), width), -1, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=table.to(dev),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        return inputs, samplers
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over the flat batch -> logits of the sampling rows only."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def execute_model(self, so: SchedulerOutput, forward_fn=None) -> ModelRunnerOutput:
+        """Prepare, run (``forward_fn`` lets a TP executor fan the inputs out), sample."""
+        for rid in so.finished_req_ids:
+            self.generators.pop(rid, None)
+        out = ModelRunnerOutput()
+        if so.is_empty:
+            return out
+        t0 = time.perf_counter()
+        inputs, samplers = self.prepare_inputs(so)
+        t1 = time.perf_counter()
+        collective_stats.reset()
+        logits = (forward_fn or self.forward)(inputs)
+        self._sync()
+        t2 = time.perf_counter()
+        if samplers:
+            out.sampled = self._sample(logits, samplers)
+        t3 = time.perf_counter()
+        out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
+                       "collective": collective_stats.seconds,
+                       "collective_bytes": float(collective_stats.bytes),
+                       "tp_size": float(tp_size())}
+        return out
+
+    @torch.inference_mode()
+    def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
+        rows = [SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
+                            self._generator(req), req.eos_token_ids) for req in reqs]
+        meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
+        result = self.sampler(logits.float(), meta)
+        tokens = result.sampled_token_ids.tolist()
+        chosen = result.logprobs.tolist() if result.logprobs is not None else None
+        top = result.top_logprobs
+        top_ids = top.token_ids.tolist() if top is not None else None
+        top_lps = top.logprobs.tolist() if top is not None else None
+        sampled = {}
+        for i, req in enumerate(reqs):
+            n = req.sampling_params.logprobs
+            info = None
+            if n is not None and chosen is not None:
+                best = dict(zip(top_ids[i][:n], top_lps[i][:n])) if n else {}
+                info = (chosen[i], best)
+            sampled[req.request_id] = (tokens[i], info)
+        return sampled
+
+    def _generator(self, req) -> Optional[torch.Generator]:
+        """A seeded request's own random stream, kept across steps (and preemptions)."""
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = self.generators[req.request_id] = make_generator(seed, self.device)
+        return gen
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,354 @@
+"""Turn one step's logits into one next token per request.
+
+The model runner hands the sampler a ``[B, V]`` float32 matrix: one row of
+logits per request that completes a token this step. Each row carries its own
+knobs (``SamplingParams``), so the sampler packs them into per-row tensors
+once (``SamplingMetadata``) and then works on the whole batch at once.
+
+The order of operations matters, since each order gives different numbers:
+
+1. **logprobs** are ``log_softmax`` of the *raw* logits, before any penalty,
+   temperature or filter. This is vLLM V1's default (``logprobs_mode=
+   "raw_logprobs"``): the numbers describe what the model believes, not what
+   the sampling knobs made of it.
+2. **repetition penalty** over every token seen (prompt + output): a positive
+   logit is divided by the penalty, a negative one multiplied, so both move
+   towards "less likely" (the CTRL paper's rule, as in Hugging Face).
+3. **frequency and presence penalties** over output tokens only (OpenAI):
+   ``logit -= frequency * count + presence * (count > 0)``.
+4. **min_tokens**: while a row has produced fewer than ``min_tokens``
+   tokens, its stop token IDs and EOS get ``-inf``.
+5. **greedy** rows take the argmax of these logits.
+6. **random** rows: divide by temperature, keep the top-k, keep the top-p
+   nucleus, drop tokens below ``min_p * max_prob`` (Hugging Face's warper
+   order; vLLM applies min-p before top-k/top-p, which differs only when
+   min-p and top-p are both set), then sample.
+
+Sampling uses the *exponential race*: ``argmax(probs / E)`` with ``E_i`` drawn
+from Exponential(1) picks token ``i`` with probability ``probs_i`` exactly,
+and the noise of each row can come from that row's own ``torch.Generator``.
+That is how a request with a ``seed`` gets the same tokens whatever else is in
+the batch and whatever its row index: nothing it draws depends on other rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from minivllm.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The random stream of one seeded request.
+
+    The caller keeps it for the request's whole life and passes the same
+    object every step, so step ``t`` continues where step ``t-1`` stopped.
+    """
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the batch."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # The request's own stream (from ``make_generator``) if it has a seed.
+    generator: Optional[torch.Generator] = None
+    # The model's EOS ids: masked, like stop_token_ids, until min_tokens.
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling knobs as batched tensors, plus flags for the fast paths.
+
+    A tensor is ``None`` when no row needs that step, so the common case
+    (all greedy, no penalties, no min_tokens, no logprobs) is one argmax.
+    """
+
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: Optional[torch.Tensor]  # [B] bool; only when the batch mixes
+    temperature: Optional[torch.Tensor]  # [B] float32; 1.0 on greedy rows
+    top_k: Optional[torch.Tensor]  # [B] int64; vocab_size means "off"
+    top_p: Optional[torch.Tensor]  # [B] float32; 1.0 means "off"
+    min_p: Optional[torch.Tensor]  # [B] float32; 0.0 means "off"
+    generators: dict[int, torch.Generator]  # row -> stream, seeded random rows only
+    no_penalties: bool
+    repetition_penalties: Optional[torch.Tensor]  # [B] float32
+    presence_penalties: Optional[torch.Tensor]  # [B] float32
+    frequency_penalties: Optional[torch.Tensor]  # [B] float32
+    # Token ids padded with vocab_size (an extra "nobody" column when counting).
+    prompt_token_ids: Optional[torch.Tensor]  # [B, max prompt len] int64
+    output_token_ids: Optional[torch.Tensor]  # [B, max output len] int64
+    # (row, token) pairs to set to -inf because min_tokens is not reached yet.
+    min_tokens_rows: Optional[torch.Tensor]  # [P] int64
+    min_tokens_token_ids: Optional[torch.Tensor]  # [P] int64
+    # Largest ``logprobs`` asked by any row; None when no row asks.
+    max_num_logprobs: Optional[int]
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int,
+                  device: torch.device | str = "cpu") -> "SamplingMetadata":
+        device = torch.device(device)
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size={vocab_size!r} is invalid: must be an integer >= 1")
+        params = [_check_row(i, row, device) for i, row in enumerate(rows)]
+        greedy = [p.greedy for p in params]
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        # Filters only matter on random rows; greedy rows get neutral values.
+        def random_only(name: str, neutral, active) -> Optional[list]:
+            values = [neutral if g else getattr(p, name) for p, g in zip(params, greedy)]
+            return values if any(active(v) for v in values) else None
+
+        top_k = random_only("top_k", 0, lambda k: k > 0)
+        top_p = random_only("top_p", 1.0, lambda p: p < 1.0)
+        min_p = random_only("min_p", 0.0, lambda p: p > 0.0)
+
+        rep = [p.repetition_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        use_rep = any(r != 1.0 for r in rep)
+        no_penalties = not (use_rep or any(pres) or any(freq))
+        rows_min, ids_min = _min_tokens_pairs(rows, vocab_size)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+
+        return cls(
+            vocab_size=vocab_size,
+            all_greedy=not random_rows,
+            all_random=len(random_rows) == len(rows),
+            greedy_mask=(torch.tensor(greedy, device=device)
+                         if random_rows and len(random_rows) < len(rows) else None),
+            temperature=(floats([1.0 if g else p.temperature
+                                 for p, g in zip(params, greedy)])
+                         if random_rows else None),
+            top_k=(torch.tensor([k or vocab_size for k in top_k], dtype=torch.int64,
+                                device=device) if top_k else None),
+            top_p=floats(top_p) if top_p else None,
+            min_p=floats(min_p) if min_p else None,
+            generators={i: rows[i].generator for i in random_rows
+                        if rows[i].generator is not None},
+            no_penalties=no_penalties,
+            repetition_penalties=None if no_penalties else floats(rep),
+            presence_penalties=None if no_penalties else floats(pres),
+            frequency_penalties=None if no_penalties else floats(freq),
+            prompt_token_ids=(_pad([r.prompt_token_ids for r in rows], vocab_size,
+                                   device, "prompt_token_ids") if use_rep else None),
+            output_token_ids=(None if no_penalties else _pad(
+                [r.output_token_ids for r in rows], vocab_size, device,
+                "output_token_ids")),
+            min_tokens_rows=(torch.tensor(rows_min, dtype=torch.int64, device=device)
+                             if rows_min else None),
+            min_tokens_token_ids=(torch.tensor(ids_min, dtype=torch.int64, device=device)
+                                  if rows_min else None),
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+
+def _check_row(index: int, row: SamplingRow, device: torch.device) -> SamplingParams:
+    if not isinstance(row.sampling_params, SamplingParams):
+        raise TypeError(f"rows[{index}].sampling_params={row.sampling_params!r} is "
+                        "invalid: must be a minivllm.SamplingParams")
+    gen = row.generator
+    if gen is not None and gen.device.type != device.type:
+        raise ValueError(f"rows[{index}].generator is on {gen.device}, but the "
+                         f"sampler runs on {device}: make it with "
+                         f"make_generator(seed, {str(device)!r})")
+    return row.sampling_params
+
+
+def _min_tokens_pairs(rows: Sequence[SamplingRow], vocab_size: int
+                      ) -> tuple[list[int], list[int]]:
+    """(row, token) pairs to mask: stop ids of rows still short of min_tokens."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.sampling_params
+        if len(row.output_token_ids) >= p.min_tokens:
+            continue
+        # With ignore_eos, EOS does not stop anything, so it needs no mask.
+        stops = set(p.all_stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
+        for t in sorted(stops):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"rows[{i}] stop token id {t} (stop_token_ids or "
+                                 f"eos_token_ids) is invalid: must be in [0, {vocab_size})")
+            row_ids.append(i)
+            token_ids.append(t)
+    return row_ids, token_ids
+
+
+def _pad(lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
+         name: str) -> torch.Tensor:
+    width = max((len(x) for x in lists), default=0)
+    padded = [list(x) + [vocab_size] * (width - len(x)) for x in lists]
+    ids = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(lists), width)
+    if ids.numel() and (ids.min() < 0 or ids.max() > vocab_size):
+        bad = ids[(ids < 0) | (ids > vocab_size)][0].item()
+        raise ValueError(f"{name} contains token id {bad}: must be in [0, {vocab_size})")
+    return ids
+
+
+# -- the steps, each a plain function of tensors (tested one by one) ----------
+
+def token_counts(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, V]`` number of times each token occurs in each row."""
+    counts = torch.zeros(padded_ids.shape[0], vocab_size + 1, dtype=torch.int64,
+                         device=padded_ids.device)
+    counts.scatter_add_(1, padded_ids, torch.ones_like(padded_ids))
+    return counts[:, :vocab_size]  # drop the padding column
+
+
+def apply_penalties(logits: torch.Tensor, prompt_token_ids: Optional[torch.Tensor],
+                    output_token_ids: torch.Tensor, repetition: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    output_counts = token_counts(output_token_ids, vocab_size)
+    seen = output_counts > 0
+    if prompt_token_ids is not None:
+        seen |= token_counts(prompt_token_ids, vocab_size) > 0
+    r = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / r, logits * r)
+    logits = torch.where(seen, penalized, logits)
+    return (logits - frequency[:, None] * output_counts
+            - presence[:, None] * (output_counts > 0))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Set every token outside the top-k / top-p nucleus to ``-inf``.
+
+    Works in sorted order so that top-k keeps exactly k tokens even when
+    logits tie, and top-p keeps the smallest prefix whose mass reaches p.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        drop |= rank[None, :] >= top_k[:, None]
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # A token is kept while the mass ranked above it is still short of p;
+        # the top token always stays (mass before it is 0 < p). Rows with
+        # p = 1 are skipped: rounding can push a cumsum to 1.0 early.
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop_unsorted = torch.empty_like(drop).scatter_(1, order, drop)
+    return logits.masked_fill(drop_unsorted, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the top one's."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor,
+                     generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row: ``argmax(probs / E)``, ``E ~ Exponential(1)``.
+
+    ``E_i / probs_i`` is exponential with rate ``probs_i``, and the smallest
+    of independent exponentials is token ``i`` with probability
+    ``probs_i / sum(probs)``. Seeded rows draw their noise from their own
+    generator; all other rows share one draw from torch's global generator.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    # A zero draw would turn a zero-probability token into 0/0 = nan, which
+    # argmax ranks first; the smallest normal float keeps every ratio finite.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+class TopLogprobs(NamedTuple):
+    token_ids: torch.Tensor  # [B, k] int64, most probable first
+    logprobs: torch.Tensor  # [B, k] float32
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # log_softmax(raw logits) at the sampled token; None if no row asked.
+    logprobs: Optional[torch.Tensor]  # [B] float32
+    # The k = max_num_logprobs best raw logprobs per row (a row that asked
+    # for n takes the first n); None if no row asked for any.
+    top_logprobs: Optional[TopLogprobs]
+
+
+class Sampler:
+    """Stateless: every bit of per-request state arrives in the metadata."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        return self.forward(logits, metadata)
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        md = metadata
+        if logits.dim() != 2 or logits.shape[1] != md.vocab_size:
+            raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: must be "
+                             f"[num_rows, vocab_size={md.vocab_size}]")
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        logits = self._process(logits, md)
+        sampled = self._sample(logits, md)
+        return SamplerOutput(sampled, *self._gather_logprobs(raw_logprobs, sampled, md))
+
+    @staticmethod
+    def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Penalties and min_tokens: they change what greedy rows pick too."""
+        if not md.no_penalties:
+            logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
+                                     md.repetition_penalties, md.presence_penalties,
+                                     md.frequency_penalties)
+        if md.min_tokens_rows is not None:
+            logits = logits.clone()  # never write into the caller's tensor
+            logits[md.min_tokens_rows, md.min_tokens_token_ids] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy
+        logits = logits / md.temperature[:, None]
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        sampled = exponential_race(logits.softmax(dim=-1), md.generators)
+        if md.all_random:
+            return sampled
+        return torch.where(md.greedy_mask, greedy, sampled)
+
+    @staticmethod
+    def _gather_logprobs(raw: Optional[torch.Tensor], sampled: torch.Tensor,
+                         md: SamplingMetadata
+                         ) -> tuple[Optional[torch.Tensor], Optional[TopLogprobs]]:
+        if raw is None:
+            return None, None
+        chosen = raw.gather(1, sampled[:, None]).squeeze(1)
+        if not md.max_num_logprobs:
+            return chosen, None
+        values, ids = raw.topk(md.max_num_logprobs, dim=-1)
+        return chosen, TopLogprobs(ids, values)
+
+
+__all__ = [
+    "Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "TopLogprobs",
+    "apply_min_p", "apply_penalties", "apply_top_k_top_p", "exponential_race",
+    "make_generator", "token_counts",
+]

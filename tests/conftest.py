@@ -1,0 +1,102 @@
+"""Shared fixtures: the default model folder and tiny random Hugging Face models."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "用一句话介绍一下北京。",
+    "List three prime numbers.",
+    "Explain what a KV cache is in one sentence.",
+    "今天天气很好，我们去公园散步吧。请把这句话翻译成英文。",
+    "What is 12 times 7?",
+    "Give me a short tip for learning Python.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "Name a famous painting by Leonardo da Vinci.",
+    "What does a CPU do?",
+    "写一首关于月亮的短诗。",
+    "Why is the sky blue? Answer briefly.",
+    "Suggest a name for a pet cat.",
+    "What is the boiling point of water in Celsius?",
+]
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from minivllm.model.loader import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    from minivllm.inputs import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-untied-llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+}
+
+
+def build_tiny_model(folder, family: str = "llama", seed: int = 0, **overrides):
+    """Save a tiny random model of ``family`` with transformers; returns the folder."""
+    import transformers
+
+    config_cls, model_cls, extra = TINY_FAMILIES[family]
+    kwargs = dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    # Random init is tiny; scale up so logits differ meaningfully across tokens.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A factory: tiny_model("qwen2") -> folder of a saved random model (cached)."""
+    made = {}
+
+    def make(family: str = "llama", **overrides):
+        key = (family, json.dumps(overrides, sort_keys=True))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            made[key] = build_tiny_model(folder, family, **overrides)
+        return made[key]
+
+    return make
