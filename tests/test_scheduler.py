@@ -115,18 +115,18 @@ def drive(sched: Scheduler, model: PagedTokenModel, run: Run | None = None,
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     """Limits and bookkeeping right after schedule()."""
-    cfg, kv = sched.config, sched.kv_cache_manager
+    kv = sched.kv_cache_manager
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
-    assert len(sched.running) <= cfg.max_num_seqs
-    assert out.num_seqs <= cfg.max_num_seqs
+    assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+    assert len(sched.running) <= sched.max_num_seqs
+    assert out.num_seqs <= sched.max_num_seqs
     assert out.request_ids() == list(out.num_scheduled_tokens)
     for req in out.scheduled_requests:
         rid = req.request_id
         n, done = out.num_scheduled_tokens[rid], out.num_computed_tokens[rid]
         assert n >= 1 and done + n <= req.num_tokens
-        if cfg.long_prefill_token_threshold:
-            assert n <= cfg.long_prefill_token_threshold
+        if sched.long_prefill_token_threshold:
+            assert n <= sched.long_prefill_token_threshold
         assert req.status == RequestStatus.RUNNING and done == req.num_computed_tokens
         assert out.block_ids[rid] == kv.get_block_ids(rid)
         assert len(out.block_ids[rid]) == kv.num_blocks_needed(done + n)
@@ -554,6 +554,9 @@ def test_steps_must_alternate_schedule_and_update(make):
     with pytest.raises(RuntimeError, match="before update_from_output"):
         sched.schedule()
     sampled = model.execute(out)
+    with pytest.raises(ValueError, match="no token was sampled"):
+        sched.update_from_output(out, {})
+    assert sched.requests["r"].num_computed_tokens == 0  # nothing was applied
     sched.update_from_output(out, sampled)
     with pytest.raises(RuntimeError, match="already applied"):
         sched.update_from_output(out, sampled)
@@ -577,7 +580,7 @@ def test_step_counters_add_up_to_the_pool_totals(make):
 
 # -- invariants under random load -------------------------------------------------------------
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(16))
 def test_random_workloads_keep_the_invariants(make, seed):
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
@@ -630,3 +633,13 @@ def test_random_workloads_keep_the_invariants(make, seed):
         else:
             assert (tokens, run.finish_reason(rid)) == (ref_tokens, ref_reason)
             assert tokens == chain(req.prompt_token_ids, len(tokens))
+
+
+def test_from_config_reads_the_engine_scheduler_config():
+    from minivllm.config import SchedulerConfig
+
+    kv = KVCacheManager(8, 4)
+    sched = Scheduler.from_config(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=3,
+                                                  max_model_len=32), kv)
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len) == (24, 3, 32)
+    assert sched.enable_chunked_prefill and sched.long_prefill_token_threshold == 0

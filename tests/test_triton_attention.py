@@ -17,8 +17,9 @@ fast with 2 cores:
   decode tokens, a decode at a block boundary), 2 KV heads;
 * lengths: every query length in {1, 2, 15, 16, 17, 33, 64, 65, 70} with
   every cached context in {0, 1, 15, 16, 17, 100, 199}, 63 sequences in one
-  launch, for two layouts (block 16 / head_dim 64 / group 3 and
-  block 32 / head_dim 128 / group 8), 1 KV head;
+  launch, for two layouts (block 16 / group 3 and block 32 / group 8, both
+  head_dim 64: head_dim 128 doubles the interpreter's time here and is
+  covered by the layout tests), 1 KV head;
 * float16 and bfloat16 on two layouts, against a float32 reference;
 * write_kv in all three dtypes, the no-cache fallback, NaN outside the
   sequences, non-contiguous inputs, the selector, the benchmark in reduced form.
@@ -79,7 +80,8 @@ def triton_backend(interpreting):
 
 def _run(argv: list[str], **env_changes: str | None) -> subprocess.CompletedProcess:
     """``python *argv`` in the repository, without our backend variable, plus env_changes."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     env.pop(ENV_VAR, None)
     for key, value in env_changes.items():
         if value is None:
@@ -125,8 +127,9 @@ def test_paged_batch_puts_every_token_where_the_tables_say():
     flat_k = b.k_cache.view(-1, *b.k_cache.shape[2:])
     assert torch.equal(flat_k[b.meta.slot_mapping], b.k)
     used = sum(-(-(q + c) // 16) for q, c in MIXED)
-    assert sorted(b.meta.block_tables[b.meta.block_tables >= 0].tolist()) != list(range(used)), \
-        "blocks should be shuffled, not laid out in order"
+    tables = b.meta.block_tables
+    assert not (tables == 0).any(), "block 0 stays spare"
+    assert tables[tables >= 0].tolist() != list(range(1, used + 1)), "blocks should be shuffled"
 
 
 # ---------------------------------------------------------------- write_kv
@@ -159,7 +162,7 @@ def test_mixed_launch_matches_torch(triton_backend, block_size, head_dim, group)
     assert _max_diff(_forward(triton_backend, b), _reference_fp32(b)) <= 1e-3
 
 
-@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 3), (32, 128, 8)])
+@pytest.mark.parametrize("block_size,head_dim,group", [(16, 64, 3), (32, 64, 8)])
 def test_all_query_and_context_lengths(triton_backend, block_size, head_dim, group):
     seqs = [(q, c) for q in SWEEP_QUERY for c in SWEEP_CONTEXT]
     b = _batch(seqs, block_size=block_size, head_dim=head_dim, group=group, num_kv_heads=1)

@@ -6,7 +6,9 @@ new tokens after ``context_len`` cached ones), stored in a paged KV cache
 whose blocks are shuffled, as they are after a while of serving. The two
 paged backends read K/V through block tables; the SDPA baseline gets the
 same K/V as contiguous ``[batch, kv_heads, seq_len, head_dim]`` tensors,
-i.e. what attention costs without paging.
+i.e. what attention costs without paging. (The torch reference, like the
+engine's, computes a prefill without context from the fresh K/V rather than
+through the cache.)
 
 Reported per shape and backend:
   time      median of ``--iters`` timed calls after ``--warmup`` untimed ones;
@@ -79,6 +81,8 @@ def make_paged_batch(query_lens: list[int], context_lens: list[int], *, num_head
     Physical blocks are a random permutation, so neighbours in a sequence
     are far apart in memory. Every slot no sequence owns holds ``garbage``
     (a large value, or NaN): a kernel that reads outside a sequence shows it.
+    Block 0 is always one of the ``spare_blocks`` (>= 1), never used, so a
+    padded table entry or a masked lookup that lands on it reads garbage.
     Both the context and the new tokens are in the cache, as they are when
     the engine calls ``forward`` after ``write_kv``.
     """
@@ -89,8 +93,10 @@ def make_paged_batch(query_lens: list[int], context_lens: list[int], *, num_head
     gen = torch.Generator(device="cpu").manual_seed(seed)
     seq_lens = [c + q for q, c in zip(query_lens, context_lens)]
     blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    if spare_blocks < 1:
+        raise ValueError(f"spare_blocks={spare_blocks} must be >= 1 (block 0 stays unused)")
     num_blocks = sum(blocks_per_seq) + spare_blocks
-    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    physical = (1 + torch.randperm(num_blocks - 1, generator=gen)).tolist()
 
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(cache_shape, garbage, dtype=dtype, device=device)
@@ -264,6 +270,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="do not print the table")
 
 
+def _given_or(value: Optional[int], default: int) -> int:
+    return default if value is None else value
+
+
 def _positive(name: str, value: int) -> int:
     if value < 1:
         raise ValueError(f"{name}={value} must be >= 1")
@@ -294,13 +304,15 @@ def run(args: argparse.Namespace) -> dict:
         notes.append(f"triton skipped: {problem}")
     backends["torch"] = TorchAttentionBackend()
 
-    num_heads = _positive("num_heads", args.num_heads or (32 if cuda else 4 if interpreted else 8))
+    num_heads = _positive("num_heads",
+                          _given_or(args.num_heads, 32 if cuda else 4 if interpreted else 8))
     num_kv_heads = _positive("num_kv_heads",
-                             args.num_kv_heads or (8 if cuda else 1 if interpreted else 2))
-    head_dim = _positive("head_dim", args.head_dim or (128 if cuda else 64))
+                             _given_or(args.num_kv_heads, 8 if cuda else 1 if interpreted else 2))
+    head_dim = _positive("head_dim", _given_or(args.head_dim, 128 if cuda else 64))
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    iters = _positive("iters", args.iters or (20 if cuda else 3))
+    iters = _positive("iters", _given_or(args.iters, 20 if cuda else 3))
+    block_size = _positive("block_size", args.block_size)
     shapes = [s for s in shapes_for(device, interpreted)
               if args.shapes == "all" or s.name.startswith(args.shapes)]
 
@@ -310,10 +322,10 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": str(dtype).replace("torch.", ""), "torch_version": torch.__version__,
         "triton_version": _triton_version(), "triton_interpreted": interpreted,
         "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-        "block_size": args.block_size, "warmup": args.warmup, "iters": iters,
+        "block_size": block_size, "warmup": args.warmup, "iters": iters,
         "copy_bandwidth_gbps": copy_bps / 1e9, "notes": notes,
         "shapes": [bench_shape(s, backends, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                               head_dim=head_dim, block_size=args.block_size, dtype=dtype,
+                               head_dim=head_dim, block_size=block_size, dtype=dtype,
                                device=device, warmup=args.warmup, iters=iters, copy_bps=copy_bps)
                    for s in shapes],
     }
@@ -346,47 +358,61 @@ def format_table(results: dict) -> str:
 # --------------------------------------------------------------------------
 
 def check_against_torch(device: torch.device, reduced: bool) -> list[dict]:
-    """Max |triton - torch float32 reference| on mixed prefill + decode launches.
+    """Max |triton - torch float32 reference| per dtype, layout and launch.
 
-    Each case is one launch holding a prefill without context, prefill
-    chunks after cached context and decode tokens, with shuffled blocks.
-    write_kv is checked too: the Triton-written cache must equal the torch one.
+    Two launches per layout, both with shuffled blocks: "mixed" holds a
+    prefill without context, prefill chunks after cached context and decode
+    tokens; "decode" holds only decode tokens (the kernel's other tile
+    shape). write_kv is checked too: the Triton-written cache must equal the
+    torch-written one.
     """
     from minivllm.model.attention.triton_attn import TritonAttentionBackend
     triton_backend, reference = TritonAttentionBackend(), TorchAttentionBackend()
     if reduced:
         layouts = [(16, 64, 1, 2)]                       # block, head_dim, group, kv_heads
-        query_lens, context_lens = [9, 1, 20, 1], [0, 40, 33, 7]
+        launches = {"mixed": ([9, 1, 20, 1], [0, 40, 33, 7]), "decode": ([1, 1], [70, 5])}
     else:
         layouts = [(16, 64, 1, 8), (16, 128, 4, 8), (32, 128, 8, 4), (16, 128, 7, 2)]
-        query_lens = [300, 1, 1, 70, 1, 128, 1, 5]
-        context_lens = [0, 4000, 17, 1000, 1, 2000, 257, 96]
+        launches = {"mixed": ([300, 1, 1, 70, 1, 128, 1, 5],
+                              [0, 4000, 17, 1000, 1, 2000, 257, 96]),
+                    "decode": ([1] * 6, [0, 15, 16, 1023, 4095, 333])}
     checks = []
     for dtype in DTYPES.values():
         for block_size, head_dim, group, num_kv_heads in layouts:
-            batch = make_paged_batch(query_lens, context_lens, num_heads=group * num_kv_heads,
-                                     num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                     block_size=block_size, dtype=dtype, device=device)
-            scale = head_dim ** -0.5
-            out = triton_backend.forward(batch.q, batch.k, batch.v, batch.k_cache,
-                                         batch.v_cache, batch.meta, scale)
-            ref = reference.forward(batch.q.float(), batch.k.float(), batch.v.float(),
-                                    batch.k_cache.float(), batch.v_cache.float(),
-                                    batch.meta, scale)
-            diff = (out.float() - ref).abs().max().item()
-
-            k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-            k_cache.view(-1, *k_cache.shape[2:])[batch.meta.slot_mapping] = 0
-            v_cache.view(-1, *v_cache.shape[2:])[batch.meta.slot_mapping] = 0
-            triton_backend.write_kv(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
-            kv_equal = torch.equal(k_cache, batch.k_cache) and torch.equal(v_cache, batch.v_cache)
-            checks.append({
-                "dtype": str(dtype).replace("torch.", ""), "block_size": block_size,
-                "head_dim": head_dim, "group_size": group, "num_kv_heads": num_kv_heads,
-                "query_lens": query_lens, "context_lens": context_lens,
-                "max_abs_diff": diff, "tolerance": TOLERANCE[dtype], "write_kv_equal": kv_equal,
-                "ok": bool(diff <= TOLERANCE[dtype] and kv_equal)})
+            for launch, (query_lens, context_lens) in launches.items():
+                batch = make_paged_batch(query_lens, context_lens,
+                                         num_heads=group * num_kv_heads,
+                                         num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                         block_size=block_size, dtype=dtype, device=device)
+                diff = _max_diff_to_reference(triton_backend, reference, batch)
+                kv_equal = _write_kv_equal(triton_backend, batch)
+                checks.append({
+                    "dtype": str(dtype).replace("torch.", ""), "block_size": block_size,
+                    "head_dim": head_dim, "group_size": group, "num_kv_heads": num_kv_heads,
+                    "launch": launch, "query_lens": query_lens, "context_lens": context_lens,
+                    "max_abs_diff": diff, "tolerance": TOLERANCE[dtype],
+                    "write_kv_equal": kv_equal,
+                    "ok": bool(diff <= TOLERANCE[dtype] and kv_equal)})
     return checks
+
+
+def _max_diff_to_reference(backend: AttentionBackend, reference: AttentionBackend,
+                           batch: PagedBatch) -> float:
+    scale = batch.q.shape[-1] ** -0.5
+    out = backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache,
+                          batch.meta, scale)
+    ref = reference.forward(batch.q.float(), batch.k.float(), batch.v.float(),
+                            batch.k_cache.float(), batch.v_cache.float(), batch.meta, scale)
+    return (out.float() - ref).abs().max().item()
+
+
+def _write_kv_equal(backend: AttentionBackend, batch: PagedBatch) -> bool:
+    """Blank the new tokens' slots, let ``backend`` write them back, compare."""
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    k_cache.view(-1, *k_cache.shape[2:])[batch.meta.slot_mapping] = 0
+    v_cache.view(-1, *v_cache.shape[2:])[batch.meta.slot_mapping] = 0
+    backend.write_kv(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
+    return torch.equal(k_cache, batch.k_cache) and torch.equal(v_cache, batch.v_cache)
 
 
 def gpu_check(output: Optional[str] = None, device: Optional[str] = None,
@@ -410,12 +436,14 @@ def gpu_check(output: Optional[str] = None, device: Optional[str] = None,
               "triton_problem": problem, "checks": checks,
               "correct": all(c["ok"] for c in checks) if checks else None,
               "bench": bench}
-    path = output or f"figures/attention_bench_{_slug(result['device']) if not reduced else 'cpu'}.json"
+    slug = "cpu" if reduced else _slug(result["device"])
+    path = output or f"figures/attention_bench_{slug}.json"
     _write_json(result, path)
     if not quiet:
         for c in checks:
-            print(f"check {c['dtype']:<9} block {c['block_size']:>2} head_dim {c['head_dim']:>3} "
-                  f"group {c['group_size']}: max |diff| {c['max_abs_diff']:.2e} "
+            print(f"check {c['dtype']:<9} {c['launch']:<6} block {c['block_size']:>2} "
+                  f"head_dim {c['head_dim']:>3} group {c['group_size']}: "
+                  f"max |diff| {c['max_abs_diff']:.2e} "
                   f"(tol {c['tolerance']:.0e}), write_kv equal {c['write_kv_equal']}"
                   f" -> {'ok' if c['ok'] else 'FAIL'}")
         print(f"wrote {path}")
@@ -456,3 +484,15 @@ def _write_json(data: dict, path: str) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m minivllm.benchmarks.attention [--gpu-check]``."""
+    parser = argparse.ArgumentParser(
+        description="Paged attention: Triton kernel vs torch reference vs contiguous SDPA.")
+    add_cli_args(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -63,7 +63,7 @@ class IncrementalDetokenizer:
         self.finished = False
         self._facts = _tokenizer_facts(tokenizer)
         self._cleanup = (_CleanupStream(tokenizer.clean_up_tokenization)
-                         if False else None)
+                         if self._facts.cleans_up_spaces else None)
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Add the step's new tokens; return only the text that is now final."""

@@ -42,6 +42,7 @@ class ChildState:
     sent_tokens: int = 0  # for DELTA outputs: what the caller has already seen
     sent_chars: int = 0
     sent_logprobs: int = 0
+    num_preemptions: int = 0  # as last reported by the core
 
     def completion(self, delta: bool) -> CompletionOutput:
         tok0, chr0, lp0 = ((self.sent_tokens, self.sent_chars, self.sent_logprobs)
@@ -113,7 +114,8 @@ class OutputProcessor:
         self.requests[request_id] = RequestState(
             request_id, prompt, list(prompt_token_ids), params.output_kind, children,
             RequestMetrics(arrival_time=arrival_time,
-                           num_prompt_tokens=len(prompt_token_ids)))
+                           num_prompt_tokens=len(prompt_token_ids),
+                           completion_token_times=[[] for _ in range(params.n)]))
         return [c.request_id for c in children]
 
     def has_unfinished_requests(self) -> bool:
@@ -149,13 +151,19 @@ class OutputProcessor:
     def _apply(self, state: RequestState, child: ChildState, o: EngineCoreOutput) -> bool:
         """Apply one core output to a child; True if a stop string finished it."""
         m = state.metrics
-        if m.first_scheduled_time is None:
+        # n > 1: the children are scheduled on their own; the parent was
+        # scheduled when its first child was.
+        if o.first_scheduled_time is not None and (
+                m.first_scheduled_time is None
+                or o.first_scheduled_time < m.first_scheduled_time):
             m.first_scheduled_time = o.first_scheduled_time
-        if child.index == 0:
+        if child.index == 0:  # the children share the prompt: one count is enough
             state.num_cached_tokens = max(o.num_cached_tokens, 0)
             m.num_cached_tokens = state.num_cached_tokens
-            m.num_preemptions = o.num_preemptions
-            m.record_tokens(len(o.new_token_ids), o.timestamp)
+        # Each child reports its own running total of preemptions.
+        m.num_preemptions += o.num_preemptions - child.num_preemptions
+        child.num_preemptions = o.num_preemptions
+        m.record_tokens(len(o.new_token_ids), o.timestamp, child.index)
         child.token_ids.extend(o.new_token_ids)
         if o.new_logprobs is not None and child.logprobs is not None:
             for token_id, (chosen, top) in zip(o.new_token_ids, o.new_logprobs):

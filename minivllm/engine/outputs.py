@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # scheduler.py imports this module
+    from minivllm.engine.scheduler import SchedulerStats
 
 # Per token: (logprob of the chosen token, {token_id: logprob} of the top-n).
 LogprobInfo = tuple[float, dict[int, float]]
@@ -36,4 +39,19 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-__all__ = ["EngineCoreOutput", "LogprobInfo"]
+@dataclass
+class EngineCoreOutputs:
+    """Everything one iteration of the engine-core loop sends to the API side.
+
+    One message per iteration (not per request), so a busy step costs one
+    round of pickling; the scheduler's stats ride along for ``/metrics``.
+    """
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: Optional["SchedulerStats"] = None
+    # request_id -> why the core refused to add it (e.g. it can never fit
+    # in the KV cache); the API side fails that request with the message.
+    rejected: dict[str, str] = field(default_factory=dict)
+
+
+__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "LogprobInfo"]

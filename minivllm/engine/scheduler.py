@@ -24,12 +24,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.engine.request import Request, RequestStatus
 from minivllm.engine.sched_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from minivllm.config import SchedulerConfig
 
 # What the model runner returns per request that reached the end of its
 # known tokens: the sampled token id and its logprob info (None if not asked).
@@ -40,37 +43,26 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int
-    # > 0: no request gets more than this many prompt tokens in one step, so
-    # one huge prompt cannot take a whole step from the others.
-    long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name}={value!r} is invalid: "
-                                 "must be an integer >= 1")
-        t = self.long_prefill_token_threshold
-        if not _is_int(t) or t < 0:
-            raise ValueError(f"SchedulerConfig.long_prefill_token_threshold={t!r} is "
-                             "invalid: must be an integer >= 0 (0 = no limit)")
-        if not self.enable_chunked_prefill:
-            # Unchunked, a prompt (or a preempted request's recompute) must fit
-            # in one step, or it would wait forever.
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"SchedulerConfig.max_num_batched_tokens={self.max_num_batched_tokens}"
-                    f" is invalid without chunked prefill: must be >= max_model_len "
-                    f"({self.max_model_len})")
-            if t:
-                raise ValueError(f"SchedulerConfig.long_prefill_token_threshold={t} "
-                                 "is invalid without chunked prefill: must be 0")
+def _check_limits(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                  long_prefill_token_threshold: int, enable_chunked_prefill: bool) -> None:
+    for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"Scheduler {name}={value!r} is invalid: must be an integer >= 1")
+    t = long_prefill_token_threshold
+    if not _is_int(t) or t < 0:
+        raise ValueError(f"Scheduler long_prefill_token_threshold={t!r} is invalid: "
+                         "must be an integer >= 0 (0 = no limit)")
+    if not enable_chunked_prefill:
+        # Unchunked, a prompt (or a preempted request's recompute) must fit in
+        # one step, or it would wait forever.
+        if max_num_batched_tokens < max_model_len:
+            raise ValueError(f"Scheduler max_num_batched_tokens={max_num_batched_tokens} "
+                             "is invalid without chunked prefill: must be >= max_model_len "
+                             f"({max_model_len})")
+        if t:
+            raise ValueError(f"Scheduler long_prefill_token_threshold={t} is invalid "
+                             "without chunked prefill: must be 0")
 
 
 @dataclass
@@ -90,8 +82,15 @@ class Scheduler:
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
                  enable_chunked_prefill: bool = True) -> None:
-        self.config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len,
-                                      long_prefill_token_threshold, enable_chunked_prefill)
+        _check_limits(max_num_batched_tokens, max_num_seqs, max_model_len,
+                      long_prefill_token_threshold, enable_chunked_prefill)
+        self.max_num_batched_tokens = max_num_batched_tokens  # token budget per step
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        # > 0: no request gets more than this many tokens in one step, so one
+        # huge prompt cannot take a whole step from the others.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
@@ -104,11 +103,12 @@ class Scheduler:
         self._awaiting_output = False
 
     @classmethod
-    def from_config(cls, config: SchedulerConfig,
+    def from_config(cls, config: "SchedulerConfig",
                     kv_cache_manager: KVCacheManager) -> "Scheduler":
+        """Build from ``minivllm.config.SchedulerConfig``; fields it lacks keep their defaults."""
         return cls(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
-                   kv_cache_manager, config.long_prefill_token_threshold,
-                   config.enable_chunked_prefill)
+                   kv_cache_manager, getattr(config, "long_prefill_token_threshold", 0),
+                   getattr(config, "enable_chunked_prefill", True))
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -119,9 +119,9 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has status={request.status.name}: "
                              "only WAITING requests can be added")
         n = request.num_prompt_tokens
-        if not 1 <= n <= self.config.max_model_len:
+        if not 1 <= n <= self.max_model_len:
             raise ValueError(f"request {rid!r} has {n} prompt tokens: must be in "
-                             f"[1, max_model_len={self.config.max_model_len}]")
+                             f"[1, max_model_len={self.max_model_len}]")
         if not _is_int(request.max_tokens) or request.max_tokens < 1:
             raise ValueError(f"request {rid!r} has max_tokens={request.max_tokens!r}: "
                              "must be an integer >= 1")
@@ -130,7 +130,7 @@ class Scheduler:
         if need > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"request {rid!r} may need {need} KV blocks (prompt {n} + max_tokens "
-                f"{request.max_tokens}, max_model_len {self.config.max_model_len}) but "
+                f"{request.max_tokens}, max_model_len {self.max_model_len}) but "
                 f"the cache has {self.kv_cache_manager.num_blocks}: lower max_tokens "
                 "or max_model_len, or give the cache more blocks")
         self.requests[rid] = request
@@ -139,13 +139,14 @@ class Scheduler:
     def _max_kv_tokens(self, request: Request) -> int:
         """Most tokens whose K/V the request can ever hold (the last sampled one has none)."""
         longest = min(request.num_prompt_tokens + request.max_tokens,
-                      max(self.config.max_model_len, request.num_prompt_tokens + 1))
+                      max(self.max_model_len, request.num_prompt_tokens + 1))
         return longest - 1
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:
         """End requests from outside (abort, stop string); unknown ids are ignored."""
-        if not RequestStatus.is_finished(finished_status):
+        if (not isinstance(finished_status, RequestStatus)
+                or not RequestStatus.is_finished(finished_status)):
             raise ValueError(f"finished_status={finished_status!r} is invalid: must be "
                              "one of FINISHED_STOPPED, FINISHED_LENGTH_CAPPED, "
                              "FINISHED_ABORTED")
@@ -204,7 +205,7 @@ class Scheduler:
             raise RuntimeError("schedule() called again before update_from_output() "
                                "applied the previous step")
         out = SchedulerOutput(step=self.step)
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         # After a preemption the cache is known to be short: admitting new
         # requests now would only get them preempted in turn.
@@ -241,11 +242,11 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._cap(num_new, budget)
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
@@ -264,7 +265,7 @@ class Scheduler:
             budget -= num_new
 
     def _cap(self, num_tokens: int, budget: int) -> int:
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self.long_prefill_token_threshold
         if threshold:
             num_tokens = min(num_tokens, threshold)
         return min(num_tokens, budget)
@@ -302,26 +303,29 @@ class Scheduler:
         no token (an entry for one is ignored: its logits came from the middle
         of the prompt).
         """
-        self._awaiting_output = False
+        step = scheduler_output.step
         unknown = set(sampled) - set(scheduler_output.num_scheduled_tokens)
         if unknown:
-            raise ValueError(f"sampled tokens for requests not scheduled in step "
-                             f"{scheduler_output.step}: {sorted(unknown)}")
-        outputs = []
-        for request in scheduler_output.scheduled_requests:
-            if request.is_finished():
-                continue  # finished from outside while the step ran
+            raise ValueError(f"sampled tokens for requests not scheduled in step {step}: "
+                             f"{sorted(unknown)}")
+        # Requests finished from outside while the step ran are skipped.
+        live = [r for r in scheduler_output.scheduled_requests if not r.is_finished()]
+        # Check everything before changing anything.
+        for request in live:
             rid = request.request_id
             if request.num_computed_tokens != scheduler_output.num_computed_tokens[rid]:
-                raise RuntimeError(f"step {scheduler_output.step} was already applied "
-                                   f"to request {rid!r}")
+                raise RuntimeError(f"step {step} was already applied to request {rid!r}")
+            done = request.num_computed_tokens + scheduler_output.num_scheduled_tokens[rid]
+            if done >= request.num_tokens and rid not in sampled:
+                raise ValueError(f"request {rid!r} reached the end of its tokens in step "
+                                 f"{step} but no token was sampled for it")
+        self._awaiting_output = False
+        outputs = []
+        for request in live:
+            rid = request.request_id
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
-            if request.num_computed_tokens < request.num_tokens:
-                continue
-            if rid not in sampled:
-                raise ValueError(f"request {rid!r} finished its prefill/decode in step "
-                                 f"{scheduler_output.step} but no token was sampled")
-            outputs.append(self._append_token(request, *sampled[rid]))
+            if request.num_computed_tokens == request.num_tokens:
+                outputs.append(self._append_token(request, *sampled[rid]))
         return outputs
 
     def _append_token(self, request: Request, token_id: int,
@@ -356,10 +360,9 @@ class Scheduler:
             if last in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, last
         if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.config.max_model_len):
+                or request.num_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH_CAPPED, None
         return None
 
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "SchedulerOutput",
-           "SampledTokens"]
+__all__ = ["Scheduler", "SchedulerStats", "SchedulerOutput", "SampledTokens"]

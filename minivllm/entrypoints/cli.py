@@ -53,7 +53,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    # --seed is the engine's; this one seeds each request's sampling.
+    g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None)
 
 
@@ -61,7 +62,8 @@ def sampling_params_from(ns: argparse.Namespace):
     from minivllm.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
-                          top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, stop=ns.stop)
+                          top_p=ns.top_p, top_k=ns.top_k, seed=ns.sampling_seed,
+                          stop=ns.stop)
 
 
 def _stream(llm, prompt, params) -> str:

@@ -6,6 +6,11 @@
 
 All times are ``time.monotonic()`` seconds, which is one clock for every
 process on the machine (the API process and the engine-core process agree).
+
+With ``n > 1`` a request has several completions generated side by side.
+``num_generation_tokens`` counts the tokens of all of them (what the engine
+produced); ITL and TPOT are per stream: the gaps inside each completion, and
+the decode time of each completion over its own tokens after the first.
 """
 
 from __future__ import annotations
@@ -21,20 +26,33 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
-    token_times: list[float] = field(default_factory=list)
+    # One list of token arrival times per completion (index 0 .. n-1).
+    completion_token_times: list[list[float]] = field(default_factory=lambda: [[]])
     num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
+    num_generation_tokens: int = 0  # over all completions
     num_cached_tokens: int = 0
     num_preemptions: int = 0
 
-    def record_tokens(self, count: int, when: float) -> None:
-        for _ in range(count):
-            self.token_times.append(when)
+    def record_tokens(self, count: int, when: float, index: int = 0) -> None:
+        """``count`` new tokens of completion ``index`` arrived at ``when``."""
+        if count < 0:
+            raise ValueError(f"count={count} is invalid: must be >= 0")
+        if index < 0:
+            raise ValueError(f"index={index} is invalid: must be >= 0")
+        while len(self.completion_token_times) <= index:
+            self.completion_token_times.append([])
+        self.completion_token_times[index].extend([when] * count)
         self.num_generation_tokens += count
-        if self.first_token_time is None and count:
-            self.first_token_time = when
         if count:
-            self.last_token_time = when
+            if self.first_token_time is None or when < self.first_token_time:
+                self.first_token_time = when
+            if self.last_token_time is None or when > self.last_token_time:
+                self.last_token_time = when
+
+    @property
+    def token_times(self) -> list[float]:
+        """Token arrival times of the first completion (the only one when n == 1)."""
+        return self.completion_token_times[0]
 
     @property
     def ttft(self) -> Optional[float]:
@@ -62,16 +80,21 @@ class RequestMetrics:
 
     @property
     def itl(self) -> list[float]:
-        """Inter-token latencies: one per token after the first."""
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        """Inter-token latencies: one per token after the first, of every completion."""
+        return [b - a for t in self.completion_token_times for a, b in zip(t, t[1:])]
 
     @property
     def tpot(self) -> Optional[float]:
-        """Mean time per output token after the first (0 tokens after it: None)."""
-        if self.num_generation_tokens < 2 or self.decode_time is None:
+        """Mean time per output token after the first, over all streams.
+
+        Each completion contributes its own decode span and its tokens after
+        the first; None while no completion has two tokens.
+        """
+        spans = [(t[-1] - t[0], len(t) - 1) for t in self.completion_token_times if len(t) > 1]
+        steps = sum(n for _, n in spans)
+        if steps == 0:
             return None
-        return self.decode_time / (self.num_generation_tokens - 1)
+        return sum(s for s, _ in spans) / steps
 
     @property
     def e2e_latency(self) -> Optional[float]:

@@ -33,7 +33,21 @@ class UniProcExecutor:
 
 def make_executor(config: EngineConfig):
     if config.parallel.tensor_parallel_size == 1:
+        _refuse_inside_tp_group()
         return UniProcExecutor(config)
     from minivllm.worker.distributed import TPExecutor
 
     return TPExecutor(config)
+
+
+def _refuse_inside_tp_group() -> None:
+    # The layers size their shards from torch.distributed's default group: a
+    # TP=1 model built while a tensor-parallel engine lives in this process
+    # would be cut into that engine's shards.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"a tensor_parallel_size=1 engine cannot be built while a tensor-parallel "
+            f"group of {dist.get_world_size()} ranks is alive in this process; shut that "
+            f"engine down first (llm.shutdown())")

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
@@ -28,6 +29,7 @@ from minivllm.engine.sched_output import SchedulerOutput
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.attention.selector import get_attention_backend
 from minivllm.model.layers.parallel import collective_stats, tp_size
+from minivllm.model.layers.prepack import prepack_enabled, prepack_model
 from minivllm.model.loader import load_model
 from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
@@ -62,6 +64,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.attn_backend, self.device)
+        if prepack_enabled():
+            prepack_model(self.model)  # CPU float32: pack GEMM weights once
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -103,41 +107,49 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list]:
-        """Flatten the scheduled requests; returns the inputs and the sampling requests."""
+        """Flatten the scheduled requests; returns the inputs and the sampling requests.
+
+        One Python pass collects per-sequence numbers; everything per token
+        (positions, slots) is then computed by numpy over whole arrays, since a
+        step can hold thousands of prefill tokens.
+        """
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, seq_lens, tables, logits_rows, samplers = [0], [], [], [], []
+        computed, seq_lens, tables, logits_rows, samplers = [], [], [], [], []
         for req in so.scheduled_requests:
             rid = req.request_id
             start = so.num_computed_tokens[rid]
             end = start + so.num_scheduled_tokens[rid]
-            blocks = so.block_ids[rid]
-            input_ids.extend(req.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            starts.append(len(input_ids))
+            input_ids += req.all_token_ids[start:end]
+            computed.append(start)
             seq_lens.append(end)
-            tables.append(blocks)
+            tables.append(so.block_ids[rid])
             if end == req.num_tokens:  # this step reaches the last known token
                 logits_rows.append(len(input_ids) - 1)
                 samplers.append(req)
-        width = max(len(t) for t in tables)
-        table = torch.full((len(tables), width), -1, dtype=torch.int32)
+        num_seqs = len(seq_lens)
+        query_lens = np.subtract(seq_lens, computed)
+        starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=starts[1:])
+        table = np.full((num_seqs, max(len(t) for t in tables)), -1, dtype=np.int32)
         for i, t in enumerate(tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            table[i, :len(t)] = t
+        # Token t of the flat batch belongs to sequence seq[t], at position pos[t].
+        seq = np.repeat(np.arange(num_seqs), query_lens)
+        pos = np.arange(len(input_ids)) - np.repeat(starts[:-1] - computed, query_lens)
+        slots = table[seq, pos // bs].astype(np.int64) * bs + pos % bs
+        starts_list = starts.tolist()
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=table.to(dev),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
-            max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(table).to(dev),
+            max_query_len=int(query_lens.max()), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts_list, seq_lens_cpu=seq_lens)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(pos).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev))
         return inputs, samplers

@@ -73,6 +73,7 @@ class SamplingMetadata:
     (all greedy, no penalties, no min_tokens, no logprobs) is one argmax.
     """
 
+    num_rows: int
     vocab_size: int
     all_greedy: bool
     all_random: bool
@@ -103,56 +104,47 @@ class SamplingMetadata:
             raise ValueError(f"vocab_size={vocab_size!r} is invalid: must be an integer >= 1")
         params = [_check_row(i, row, device) for i, row in enumerate(rows)]
         greedy = [p.greedy for p in params]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
+        num_random = greedy.count(False)
 
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+        def per_row(values: list, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
 
-        # Filters only matter on random rows; greedy rows get neutral values.
-        def random_only(name: str, neutral, active) -> Optional[list]:
-            values = [neutral if g else getattr(p, name) for p, g in zip(params, greedy)]
-            return values if any(active(v) for v in values) else None
+        def random_knob(name: str, off, dtype=torch.float32) -> Optional[torch.Tensor]:
+            """One knob per row, `off` on greedy rows; None if no row turns it on."""
+            values = [off if g else getattr(p, name) for p, g in zip(params, greedy)]
+            return per_row(values, dtype) if any(v != off for v in values) else None
 
-        top_k = random_only("top_k", 0, lambda k: k > 0)
-        top_p = random_only("top_p", 1.0, lambda p: p < 1.0)
-        min_p = random_only("min_p", 0.0, lambda p: p > 0.0)
-
+        top_k = random_knob("top_k", 0, torch.int64)
         rep = [p.repetition_penalty for p in params]
         pres = [p.presence_penalty for p in params]
         freq = [p.frequency_penalty for p in params]
         use_rep = any(r != 1.0 for r in rep)
         no_penalties = not (use_rep or any(pres) or any(freq))
-        rows_min, ids_min = _min_tokens_pairs(rows, vocab_size)
+        min_rows, min_ids = _min_tokens_pairs(rows, vocab_size)
         asked = [p.logprobs for p in params if p.logprobs is not None]
-
         return cls(
+            num_rows=len(rows),
             vocab_size=vocab_size,
-            all_greedy=not random_rows,
-            all_random=len(random_rows) == len(rows),
-            greedy_mask=(torch.tensor(greedy, device=device)
-                         if random_rows and len(random_rows) < len(rows) else None),
-            temperature=(floats([1.0 if g else p.temperature
-                                 for p, g in zip(params, greedy)])
-                         if random_rows else None),
-            top_k=(torch.tensor([k or vocab_size for k in top_k], dtype=torch.int64,
-                                device=device) if top_k else None),
-            top_p=floats(top_p) if top_p else None,
-            min_p=floats(min_p) if min_p else None,
-            generators={i: rows[i].generator for i in random_rows
-                        if rows[i].generator is not None},
+            all_greedy=num_random == 0,
+            all_random=num_random == len(rows),
+            greedy_mask=per_row(greedy, torch.bool) if 0 < num_random < len(rows) else None,
+            temperature=(per_row([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+                         if num_random else None),
+            top_k=None if top_k is None else top_k.masked_fill(top_k == 0, vocab_size),
+            top_p=random_knob("top_p", 1.0),
+            min_p=random_knob("min_p", 0.0),
+            generators={i: row.generator for i, row in enumerate(rows)
+                        if not greedy[i] and row.generator is not None},
             no_penalties=no_penalties,
-            repetition_penalties=None if no_penalties else floats(rep),
-            presence_penalties=None if no_penalties else floats(pres),
-            frequency_penalties=None if no_penalties else floats(freq),
-            prompt_token_ids=(_pad([r.prompt_token_ids for r in rows], vocab_size,
-                                   device, "prompt_token_ids") if use_rep else None),
+            repetition_penalties=None if no_penalties else per_row(rep),
+            presence_penalties=None if no_penalties else per_row(pres),
+            frequency_penalties=None if no_penalties else per_row(freq),
+            prompt_token_ids=(_pad([r.prompt_token_ids for r in rows], vocab_size, device,
+                                   "prompt_token_ids") if use_rep else None),
             output_token_ids=(None if no_penalties else _pad(
-                [r.output_token_ids for r in rows], vocab_size, device,
-                "output_token_ids")),
-            min_tokens_rows=(torch.tensor(rows_min, dtype=torch.int64, device=device)
-                             if rows_min else None),
-            min_tokens_token_ids=(torch.tensor(ids_min, dtype=torch.int64, device=device)
-                                  if rows_min else None),
+                [r.output_token_ids for r in rows], vocab_size, device, "output_token_ids")),
+            min_tokens_rows=per_row(min_rows, torch.int64) if min_rows else None,
+            min_tokens_token_ids=per_row(min_ids, torch.int64) if min_rows else None,
             max_num_logprobs=max(asked) if asked else None,
         )
 
@@ -191,13 +183,16 @@ def _min_tokens_pairs(rows: Sequence[SamplingRow], vocab_size: int
 
 def _pad(lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
          name: str) -> torch.Tensor:
+    """Rows of token ids as one tensor, padded with ``vocab_size``."""
     width = max((len(x) for x in lists), default=0)
-    padded = [list(x) + [vocab_size] * (width - len(x)) for x in lists]
+    padded = [list(x) + [-1] * (width - len(x)) for x in lists]
     ids = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(lists), width)
-    if ids.numel() and (ids.min() < 0 or ids.max() > vocab_size):
-        bad = ids[(ids < 0) | (ids > vocab_size)][0].item()
-        raise ValueError(f"{name} contains token id {bad}: must be in [0, {vocab_size})")
-    return ids
+    real = ids >= 0
+    bad = (real & (ids >= vocab_size)) | (ids < -1)
+    if bad.any():
+        raise ValueError(f"{name} contains token id {ids[bad][0].item()}: "
+                         f"must be in [0, {vocab_size})")
+    return ids.masked_fill(~real, vocab_size)
 
 
 # -- the steps, each a plain function of tensors (tested one by one) ----------
@@ -298,9 +293,9 @@ class Sampler:
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
-        if logits.dim() != 2 or logits.shape[1] != md.vocab_size:
+        if tuple(logits.shape) != (md.num_rows, md.vocab_size):
             raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: must be "
-                             f"[num_rows, vocab_size={md.vocab_size}]")
+                             f"[num_rows={md.num_rows}, vocab_size={md.vocab_size}]")
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         logits = self._process(logits, md)
@@ -321,9 +316,9 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy = None if md.all_random else logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
         logits = logits / md.temperature[:, None]
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)

@@ -19,7 +19,7 @@ Example, block_size=4, two sequences:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -36,6 +36,9 @@ class AttentionMetadata:
     # Python copies of the small vectors, so CPU loops need no .tolist() per layer.
     query_start_loc_cpu: Optional[list[int]] = None
     seq_lens_cpu: Optional[list[int]] = None
+    # What a backend derives from this metadata once per step (gather indices,
+    # masks) and reuses in every layer; keyed by backend name.
+    plan_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

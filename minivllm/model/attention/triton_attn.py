@@ -28,7 +28,9 @@ group. A decode step with 8 query heads per KV head therefore still gives the
 matrix units an 8-row (padded to 16) problem rather than 8 separate vectors.
 
 The algorithm is the flash-attention loop over key tiles of ``KV_TILE``
-positions, reading keys and values only through the block table:
+positions, reading keys and values only through the block table. A tile is
+independent of the cache's block size: it may span several blocks, each of
+its keys finds its own.
 
 1. block-table lookup: each key position ``p`` lives in physical block
    ``block_table[p // block_size]`` at offset ``p % block_size``;
@@ -204,8 +206,9 @@ def paged_attention_kernel(
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         row_max = new_max
 
-        # 5. Accumulate P V. Masked V rows load as 0: the cache past
-        #    seq_len may hold anything, NaN included, and 0 * NaN is NaN.
+        # 5. Accumulate P V. Masked keys were pointed at block 0 by the
+        #    table lookup's `other`; it may hold anything, NaN included, and
+        #    0 * NaN is NaN, so their V rows load as 0.
         v_tile = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(MMA_DTYPE)
         acc = acc * rescale[:, None] + tl.dot(probs.to(MMA_DTYPE), v_tile,
                                               input_precision=MMA_PRECISION)
@@ -228,13 +231,15 @@ def interpreter_active() -> bool:
 
 
 def _check_kernels_match_triton() -> None:
-    kernels_interpreted = type(paged_attention_kernel).__name__ == "InterpretedFunction"
-    if kernels_interpreted != interpreter_active():
+    def mode(interpreted: bool) -> str:
+        return "interpreted" if interpreted else "compiled"
+
+    kernels = mode(type(paged_attention_kernel).__name__ == "InterpretedFunction")
+    library = mode(interpreter_active())
+    if kernels != library:
         raise RuntimeError(
-            "TRITON_INTERPRET changed between `import triton` and the import of "
-            f"{__name__}: Triton's library is {'' if interpreter_active() else 'not '}"
-            "interpreted, these kernels are "
-            f"{'' if kernels_interpreted else 'not '}. Set or unset it before starting Python.")
+            f"TRITON_INTERPRET changed between `import triton` ({library}) and the import of "
+            f"{__name__} ({kernels}); set or unset it before starting Python")
 
 
 def _mma_settings(dtype: torch.dtype, interpreted: bool):
@@ -269,7 +274,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"{tuple(k_cache.shape)}/{k_cache.stride()} and "
                          f"{tuple(v_cache.shape)}/{v_cache.stride()}")
     if k_cache.stride(-1) != 1:
-        raise ValueError(f"the KV cache's head_dim axis must be contiguous, got strides {k_cache.stride()}")
+        raise ValueError("the KV cache's head_dim axis must be contiguous, "
+                         f"got strides {k_cache.stride()}")
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -313,8 +319,9 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-        out = torch.empty_like(q)
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if num_tokens == 0:
             return out
         q = _last_dim_contiguous(q)
@@ -326,6 +333,10 @@ class TritonAttentionBackend(AttentionBackend):
         queries_per_tile = 1 if meta.max_query_len <= 1 else max(1, PREFILL_ROWS // group_size)
         rows = max(MIN_DOT_ROWS, _next_pow2(queries_per_tile * group_size))
         mma_dtype, mma_precision = _mma_settings(q.dtype, self._interpreted)
+        # float32 tiles are twice as big: Triton's default 3-stage pipeline
+        # then asks for ~115 KB of shared memory at head_dim 128, more than
+        # consumer GPUs have (~100 KB); one stage needs ~80 KB.
+        num_stages = 1 if q.dtype == torch.float32 else 3
         grid = (meta.num_seqs, triton.cdiv(max(meta.max_query_len, 1), queries_per_tile),
                 num_kv_heads)
         paged_attention_kernel[grid](
@@ -339,7 +350,7 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_SIZE=k_cache.shape[1], GROUP_SIZE=group_size,
             QUERIES_PER_TILE=queries_per_tile, ROWS=rows, KV_TILE=KV_TILE,
             HEAD_DIM=head_dim, HEAD_DIM_PADDED=_next_pow2(head_dim),
-            MMA_DTYPE=mma_dtype, MMA_PRECISION=mma_precision)
+            MMA_DTYPE=mma_dtype, MMA_PRECISION=mma_precision, num_stages=num_stages)
         return out
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from minivllm.model.layers.prepack import linear
 
 
 class LinearBase(nn.Module):
@@ -36,9 +36,11 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # MKL's packed copy of the weight (CPU float32), set by prepack_model.
+        self.packed_weight: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: Optional[str] = None) -> None:
@@ -100,10 +102,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_kv_heads >= size:
             self.num_kv_heads = divide(num_kv_heads, size, "num_key_value_heads")
             self.kv_replicas = 1
-        else:
+        else:  # each rank keeps a copy of the one KV head its query heads read
+            if size % num_kv_heads:
+                raise ValueError(f"num_key_value_heads={num_kv_heads} does not divide "
+                                 f"tensor_parallel_size={size}: KV heads cannot be "
+                                 f"copied evenly to the ranks")
             self.num_kv_heads = 1
-            self.kv_replicas = divide(size, num_kv_heads,
-                                      "tensor_parallel_size over num_key_value_heads")
+            self.kv_replicas = size // num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, out * size, bias, dtype)
 
@@ -133,5 +138,5 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        return all_reduce(out)
+        out = linear(x, self.weight, self.bias, self.packed_weight)
+        return all_reduce(out) if self.tp_size > 1 else out

@@ -1,12 +1,19 @@
-"""Token embedding and LM head, split across ranks by vocabulary rows."""
+"""Token embedding and LM head, split across ranks by vocabulary rows.
+
+Rank r holds rows [r * rows, (r + 1) * rows) with rows = ceil(vocab / tp);
+the last rank's rows past the vocabulary are zero padding.
+"""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from minivllm.model.layers.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
+from minivllm.model.layers.prepack import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -14,8 +21,8 @@ class VocabParallelEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        size = tp_size()
-        self.rows = (vocab_size + size - 1) // size  # the last rank may hold padding
+        self.tp_size = tp_size()
+        self.rows = (vocab_size + self.tp_size - 1) // self.tp_size
         self.start = tp_rank() * self.rows
         self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size, dtype=dtype),
                                    requires_grad=False)
@@ -29,8 +36,10 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:shard.shape[0]].copy_(shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
+        # Each rank looks up the tokens it owns and writes zeros for the rest;
+        # the all-reduce then adds exactly one non-zero row per token.
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.rows)
         out = F.embedding(local.clamp(0, self.rows - 1), self.weight)
@@ -39,10 +48,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden -> logits over the vocabulary; each rank scores its rows, then gather."""
+    """hidden -> logits over the vocabulary; each rank scores its rows, rank 0 gathers."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        if tp_size() > 1:
-            logits = all_gather_last_dim(logits)
+    def __init__(self, vocab_size: int, hidden_size: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(vocab_size, hidden_size, dtype)
+        self.packed_weight: Optional[torch.Tensor] = None  # see prepack.py
+
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits [rows of hidden, vocab_size] on rank 0; None on the other ranks."""
+        logits = linear(hidden, self.weight, packed=self.packed_weight)
+        if self.tp_size > 1:
+            logits = gather_last_dim(logits, dst=0)
+            if logits is None:
+                return None
         return logits[..., :self.vocab_size]

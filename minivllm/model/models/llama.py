@@ -138,7 +138,9 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, meta, observer)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Vocabulary scores of ``hidden``'s rows; with tensor parallelism they are
+        gathered on rank 0 and the other ranks get None."""
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:

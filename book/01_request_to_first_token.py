@@ -1,0 +1,374 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 1. From one HTTP request to the first token
+#
+# You send a list of messages to a chat API, wait a moment, and the answer starts to
+# appear piece by piece. This chapter follows one such request through minivllm: we
+# start a real OpenAI-compatible server, send it one streamed chat request with the
+# `openai` client, and then look inside the same engine to see where the time went.
+#
+# **What you will see**
+#
+# - the server starting as two processes: an API server and an engine core;
+# - one streamed request, timed from the client: time to first token (TTFT) and the
+#   gaps between the pieces of text;
+# - the server's own measurements of that request, and why they are smaller;
+# - the same request inside the engine, drawn as a timeline: tokenize, queue, prefill,
+#   every decode step, detokenize, with TTFT and the inter-token gaps marked.
+#
+# The chapter follows the seed article "vLLM 推理原理（一）：从一条 HTTP 请求，到第一个
+# 输出 token": its eight sections are the headings below. Later chapters open each
+# stage up; this one shows the whole path once.
+
+# %%
+import atexit
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from openai import OpenAI
+
+from minivllm import LLM, SamplingParams
+from minivllm.model.loader import DEFAULT_MODEL_NAME
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.timeline import Span, request_timeline, spans_from_steps
+
+# %% [markdown]
+# ## 1. Where the engine sits
+#
+# Three things are easy to mix up. The **model** is a network and its trained weights
+# (plus the tokenizer files). **Inference** is running that network forward on some
+# input. An **inference service** accepts many requests, keeps the hardware busy with
+# them, and sends the results back reliably. minivllm, like vLLM, is the last two: it
+# loads weights someone else trained and never changes them.
+#
+# Start the service: `minivllm serve` on a free local port, as a subprocess. Loading the
+# model takes a little while, so we start it now and do other work meanwhile.
+
+# %%
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+port = free_port()
+cli = Path(sys.executable).with_name("minivllm")  # the console script of this environment
+command = [str(cli), "serve", "--port", str(port), "--num-kv-blocks", "64",
+           "--uvicorn-log-level", "warning"]
+server_log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
+
+
+def stop_server() -> None:
+    """SIGTERM, as Ctrl-C would: the server stops its engine core and exits."""
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+atexit.register(stop_server)  # even if a cell fails, no server outlives this kernel
+print(" ".join(["minivllm", *command[1:]]), "-> pid", server.pid)
+
+# %% [markdown]
+# ## 2. Messages have to become numbers
+#
+# The application decides what the model is told. In the course Q&A system of the
+# second seed article, a student asks what to hand in this week; the application finds
+# the lab notes and puts them in a system message. The model never sees this JSON: a
+# chat template turns it into one string with special marker tokens, and the tokenizer
+# turns that into token IDs (chapter 2 takes this apart).
+#
+# To look inside later, this notebook also loads the same engine in-process.
+
+# %%
+messages = [
+    {"role": "system", "content": "You answer students' questions about the course. Use "
+     "only these notes: Lab 3 (week 5): submit lab3.py and a one-page PDF report to "
+     "the course site by Friday 18:00."},
+    {"role": "user", "content": "What do I need to hand in for this week's lab?"},
+]
+llm = LLM(num_kv_blocks=64, trace=True)
+prompt_text, prompt_ids = llm.llm_engine.request_builder.tokenize(messages)
+print(prompt_text)
+print(len(prompt_ids), "prompt tokens")
+
+# %% [markdown]
+# By now the server should be nearly up. `/health` answers 200 once the engine core is
+# ready.
+
+# %%
+def wait_until_healthy(url: str, timeout_s: float = 600.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if server.poll() is not None:
+            server_log.seek(0)
+            raise RuntimeError(f"the server exited with {server.returncode}:\n"
+                               + server_log.read()[-3000:])
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+base = f"http://127.0.0.1:{port}"
+waited = wait_until_healthy(base + "/health")
+print(f"healthy after waiting another {waited:.1f} s")
+
+# %% [markdown]
+# ## 3. One streamed request
+#
+# Any OpenAI client can talk to it. We ask for at most a few tokens, greedy (temperature
+# 0, so the answer is reproducible), streamed, and note the time each piece arrives.
+
+# %%
+client = OpenAI(base_url=base + "/v1", api_key="unused")
+MAX_TOKENS = 20
+t_sent = time.monotonic()
+stream = client.chat.completions.create(
+    model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+    stream=True, stream_options={"include_usage": True})
+chunks, usage, finish_reason = [], None, None  # chunks: (arrival time, text)
+for event in stream:
+    now = time.monotonic()
+    if event.usage is not None:
+        usage = event.usage
+    for choice in event.choices:
+        if choice.delta.content:
+            chunks.append((now, choice.delta.content))
+        finish_reason = choice.finish_reason or finish_reason
+http_text = "".join(text for _, text in chunks)
+print(repr(http_text))
+print(f"finish_reason={finish_reason!r}, usage: {usage.prompt_tokens} prompt + "
+      f"{usage.completion_tokens} completion tokens, {len(chunks)} text chunks")
+
+# %%
+assert usage.prompt_tokens == len(prompt_ids)  # the server built the same prompt
+assert 1 <= len(chunks) <= usage.completion_tokens <= MAX_TOKENS
+assert finish_reason in ("stop", "length")
+assert finish_reason == "stop" or usage.completion_tokens == MAX_TOKENS  # "length": the cap
+
+# %% [markdown]
+# `finish_reason` says why the answer ended: `"stop"` (the model produced its
+# end-of-turn token) or `"length"` (it hit `max_tokens`, so the last sentence may be
+# cut). An application should check it before treating the answer as complete.
+#
+# From the client's side, TTFT is the wait until the first piece of text, and each later
+# piece arrives after a gap:
+
+# %%
+arrivals = [t for t, _ in chunks]
+client_ttft = arrivals[0] - t_sent
+gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+print(f"client TTFT {client_ttft * 1000:.0f} ms; gaps between chunks "
+      f"{min(gaps, default=0) * 1000:.0f}-{max(gaps, default=0) * 1000:.0f} ms")
+client_view = request_timeline(
+    [Span("client", "waiting", t_sent, arrivals[0], "request sent, no text yet"),
+     Span("client", "streaming", arrivals[0], arrivals[-1], "text arriving")],
+    arrivals, origin=t_sent, marks_name="chunk", origin_label="the request was sent",
+    title="The HTTP request as the client sees it")
+client_view
+
+# %% [markdown]
+# ## 4. What the server measured
+#
+# The server keeps its own books in Prometheus format at `/metrics`. Its clock starts
+# when the request reaches the engine's input processing and stops when a token leaves
+# the engine core; ours also includes the HTTP round trip and turning tokens into JSON
+# events. This was the server's only request, so each histogram's sum is this
+# request's value.
+
+# %%
+metrics_text = urllib.request.urlopen(base + "/metrics").read().decode()
+
+
+def scrape(name: str) -> float:
+    """One series' value from the Prometheus text (our server labels only the model)."""
+    for line in metrics_text.splitlines():
+        if line.startswith(f"minivllm:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+server_ttft = scrape("time_to_first_token_seconds_sum")
+server_queue = scrape("request_queue_time_seconds_sum")
+server_prefill = scrape("request_prefill_time_seconds_sum")
+print(f"server: TTFT {server_ttft * 1000:.0f} ms = queue {server_queue * 1000:.0f} ms "
+      f"+ prefill {server_prefill * 1000:.0f} ms; client TTFT {client_ttft * 1000:.0f} ms")
+assert scrape("time_to_first_token_seconds_count") == 1
+assert abs(server_queue + server_prefill - server_ttft) < 1e-6  # by definition
+assert server_ttft < client_ttft  # the server's interval lies inside the client's
+assert scrape("inter_token_latency_seconds_count") == usage.completion_tokens - 1
+assert scrape("prompt_tokens_total") == usage.prompt_tokens
+assert scrape("generation_tokens_total") == usage.completion_tokens
+
+# %% [markdown]
+# ## 5. Who does what: API server, engine core, worker
+#
+# `minivllm serve` runs two processes. The **API server** (FastAPI) receives requests,
+# applies the chat template, tokenizes, detokenizes and streams. The **engine core**
+# owns the scheduler, the KV cache and the model; it runs the loop
+#
+# ```
+# while there is work:  schedule  ->  run the model once (forward + sample)  ->  update
+# ```
+#
+# and the two exchange messages. `/stats` tells us the engine core's process ID:
+
+# %%
+import json
+
+stats = json.loads(urllib.request.urlopen(base + "/stats").read())
+engine_pid = stats["engine_pid"]
+print(f"API server pid {server.pid}, engine core pid {engine_pid}")
+assert engine_pid != server.pid
+os.kill(engine_pid, 0)  # raises if there is no such process
+
+# %% [markdown]
+# We have what we need from the server. Stop it the way Ctrl-C would, and check that
+# both processes are gone.
+
+# %%
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+stop_server()
+deadline = time.monotonic() + 30
+while process_exists(engine_pid) and time.monotonic() < deadline:
+    time.sleep(0.2)
+print("server exit code", server.returncode)
+assert server.returncode is not None and not process_exists(engine_pid)
+
+# %% [markdown]
+# ## 6. The same request, inside the engine
+#
+# The notebook's own engine is the same code the server's engine core runs. We feed it
+# the same messages and drive it one step at a time, noting when each step returns. The
+# step trace (`LLM(trace=True)`) records what every step scheduled and how long it took.
+
+# %%
+engine = llm.llm_engine
+params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+llm.trace.clear()
+arrival = time.monotonic()
+request_id = engine.add_request(messages, params, arrival_time=arrival)
+added = time.monotonic()  # chat template + tokenize done, request queued
+step_ends, final = [], None
+while engine.has_unfinished_requests():
+    for output in engine.step():
+        final = output
+    step_ends.append(time.monotonic())
+records = llm.trace.records
+m = final.metrics
+print(repr(final.outputs[0].text))
+assert final.outputs[0].text == http_text  # the same answer the server streamed
+
+# %% [markdown]
+# ## 7. Prefill, then one decode step per token
+#
+# The first step computed every prompt token at once (prefill) and sampled the first
+# output token from the last position. Each later step computed exactly one token: the
+# one sampled before it, its keys and values added to the KV cache (chapter 4).
+
+# %%
+scheduled = [r.scheduled[request_id] for r in records]
+print("tokens per step:", [n for n, _ in scheduled])
+assert len(records) == len(step_ends)  # one trace record per step
+assert scheduled[0] == (len(prompt_ids), "prefill")
+assert all(s == (1, "decode") for s in scheduled[1:])
+assert len(final.outputs[0].token_ids) == len(records)  # one new token per step
+
+# %% [markdown]
+# Inside each step, the model's forward pass is most of the time; scheduling and
+# bookkeeping are small (the step trace times each stage):
+
+# %%
+stages = llm.trace.time_breakdown()
+print({k: f"{v * 1000:.1f} ms" for k, v in stages.items() if v > 0})
+assert stages["forward"] > sum(v for k, v in stages.items() if k != "forward")
+
+# %% [markdown]
+# ## 8. TTFT, inter-token gaps and the whole timeline
+#
+# Now every piece has a time: tokenizing (in `add_request`), waiting in the queue,
+# each engine step, and the output processing after it (detokenize, stop checks).
+# Each token's time is when its step finished.
+
+# %%
+spans = [Span("API side", "tokenize", arrival, added, "chat template + tokenize"),
+         Span("scheduler", "queue", added, m.first_scheduled_time, "waiting to be scheduled"),
+         *spans_from_steps(records, request_id, step_ends)]
+fig = request_timeline(spans, m.token_times, origin=arrival,
+                       title="One chat request inside the engine")
+save_key_figure(fig, "01_request_to_first_token")
+fig
+
+# %%
+prefill = records[0]
+print(f"TTFT {m.ttft * 1000:.1f} ms = tokenize {(added - arrival) * 1000:.1f} + queue "
+      f"{(m.first_scheduled_time - added) * 1000:.1f} + prefill step "
+      f"{prefill.duration * 1000:.1f} ms (+ bookkeeping); mean gap (TPOT) "
+      f"{(m.tpot or 0) * 1000:.1f} ms")
+assert m.ttft == m.token_times[0] - arrival
+# the first token exists once the prefill step ends, before LLMEngine.step returns
+assert prefill.start + prefill.duration - 1e-3 <= m.token_times[0] <= step_ends[0]
+assert len(m.itl) == len(m.token_times) - 1
+
+# %% [markdown]
+# Three numbers describe the experience, and they answer different questions:
+#
+# - **TTFT** (time to first token): how long the user stares at nothing. Queueing,
+#   tokenizing and the prefill of the whole prompt all land here, so a long prompt
+#   means a long TTFT.
+# - **ITL** (inter-token latency): the rhythm of the answer once it flows; one decode
+#   step plus output processing per token.
+# - **Throughput**: tokens per second for the whole service. Batching many requests
+#   into each step raises it, and can make each request's own steps slower (chapter 7).
+#
+# The client saw a larger TTFT than the server reported; the difference is the HTTP
+# round trip and the event stream. A stream event is not always one token, either:
+# text is sent when the detokenizer has whole characters to send (chapter 10).
+
+# %%
+print(f"client TTFT {client_ttft * 1000:.0f} ms vs server {server_ttft * 1000:.0f} ms: "
+      f"{(client_ttft - server_ttft) * 1000:.0f} ms outside the engine")
+
+# %% [markdown]
+# ## Things to try
+#
+# - Make the system message ten times longer (paste the notes repeatedly) and rerun:
+#   which part of the timeline grows?
+# - Set `MAX_TOKENS = 5` and check `finish_reason`.
+# - Open `base` in a browser while the server runs (rerun the first cells, skip the
+#   stop cell): the demo page streams the same way.
+# - Send two requests at once from two threads and compare their TTFTs (chapter 7
+#   explains what you see).

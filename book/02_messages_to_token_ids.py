@@ -1,0 +1,237 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 2. Messages become token IDs
+#
+# A chat API takes a list of messages with `role` and `content`. The model never
+# sees that JSON. It sees one sequence of integers, and this chapter builds that
+# sequence step by step with the engine's own input processor.
+#
+# **What you will see**
+#
+# - the chat template turning messages into one string, with the special tokens that
+#   mark where each message starts and ends highlighted;
+# - that the template adds text you did not write (a default system prompt);
+# - token boundaries drawn over English and Chinese text: a token is not a word and
+#   not a character, and one Chinese character can be cut into 2 or 3 tokens;
+# - that the engine receives exactly the IDs we built;
+# - a text box that re-tokenizes whatever you type.
+
+# %%
+import ipywidgets as widgets
+from IPython.display import display
+
+from minivllm import LLM, SamplingParams
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.tokens import pieces_from_ids, split_tokens, token_boundaries
+
+llm = LLM(num_kv_blocks=64)  # the default model, SmolLM2-135M-Instruct; 64 blocks is plenty
+tokenizer = llm.get_tokenizer()
+inputs = llm.llm_engine.request_builder.input_processor  # the engine's first stage
+print(type(tokenizer).__name__, "with", len(tokenizer), "tokens in its vocabulary")
+
+# %% [markdown]
+# ## The application builds the messages
+#
+# Take the course Q&A system from the seed article. A student asks what to hand in
+# this week. Before calling the model, the application looks up the lab notes and puts
+# them in a system message; the model only knows what ends up in these messages.
+
+# %%
+course_notes = ("Lab 3 (week 5): submit lab3.py and a one-page PDF report "
+                "to the course site by Friday 18:00.")
+messages = [
+    {"role": "system", "content": "You answer students' questions about the course. "
+                                  "Use only these notes: " + course_notes},
+    {"role": "user", "content": "What do I need to hand in for this week's lab?"},
+]
+
+# %% [markdown]
+# ## The chat template turns messages into one string
+#
+# The tokenizer folder ships a small Jinja template. It wraps every message in
+# `<|im_start|>role ... <|im_end|>` and, because we ask for a reply, ends with an
+# open `<|im_start|>assistant` line: the model continues from there.
+
+# %%
+print(tokenizer.chat_template)
+
+# %%
+prompt_text = inputs.render_chat(messages)
+print(prompt_text)
+
+# %%
+for m in messages:  # every message is in there, each wrapped in its role's markers
+    assert f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>" in prompt_text
+assert prompt_text.endswith("<|im_start|>assistant\n")  # the generation prompt
+
+# %% [markdown]
+# The template is part of the model's input. Leave out the system message and this
+# template writes one of its own, which the user never typed:
+
+# %%
+no_system = inputs.render_chat(messages[1:])
+default_system = no_system.split("<|im_end|>")[0].removeprefix("<|im_start|>system\n")
+print(repr(default_system))
+assert no_system.startswith("<|im_start|>system\n") and default_system not in prompt_text
+
+# %% [markdown]
+# ## The string becomes token IDs
+#
+# `InputProcessor.tokenize` is what the engine runs on every request: template, then
+# tokenizer. The tokenizer adds no special tokens of its own here, because the
+# template already placed them. Each box below is one token; special tokens are red.
+
+# %%
+text, prompt_ids = inputs.tokenize(messages)
+assert text == prompt_text
+pieces = split_tokens(tokenizer, prompt_text)
+assert [p.token_id for p in pieces] == prompt_ids
+print(len(prompt_ids), "tokens:", prompt_ids)
+
+# %%
+fig = token_boundaries(pieces, title=f"The chat prompt as the model reads it: "
+                                     f"{len(pieces)} tokens")
+save_key_figure(fig, "02_messages_to_token_ids")
+fig
+
+# %% [markdown]
+# The markers are single tokens with their own IDs, not the 12 characters
+# `<|im_start|>` spells. One per message start and end, plus the open assistant line:
+
+# %%
+special = [p for p in pieces if p.special]
+print({tokenizer.convert_ids_to_tokens(i): i for i in sorted({p.token_id for p in special})})
+assert len(special) == 2 * len(messages) + 1
+assert len(special) == prompt_text.count("<|im_start|>") + prompt_text.count("<|im_end|>")
+
+# %% [markdown]
+# ## Tokens are not words
+#
+# Common words are one token, often with their leading space glued on (`␣hand`).
+# Rare words and names are cut into pieces.
+
+# %%
+sentence = "Submit lab3.py and a one-page PDF report by Friday."
+words = sentence.split()
+english = split_tokens(tokenizer, sentence)
+print(len(words), "words ->", len(english), "tokens:", [p.label for p in english])
+assert len(english) > len(words)
+token_boundaries(english, title=f"{len(words)} words, {len(english)} tokens")
+
+# %% [markdown]
+# ## Tokens are not characters either
+#
+# This tokenizer works on UTF-8 **bytes**. A Chinese character is 3 bytes, and a
+# character the tokenizer saw rarely in training is not one token: its bytes are
+# split over 2 or 3 tokens. Orange boxes below are such pieces, written as hex bytes.
+
+# %%
+chinese = "今天天气很好，我们去公园散步吧。"  # "The weather is nice today, let's walk in the park."
+zh = split_tokens(tokenizer, chinese)
+num_bytes = len(chinese.encode("utf-8"))
+print(f"{len(chinese)} characters, {num_bytes} UTF-8 bytes, {len(zh)} tokens")
+assert sum(len(p.data) for p in zh) == num_bytes  # the tokens cover every byte once
+assert b"".join(p.data for p in zh).decode("utf-8") == chinese
+token_boundaries(zh, title=f"{len(chinese)} characters, {len(zh)} tokens")
+
+# %% [markdown]
+# Which tokens make up each character? Several tokens cover the same character, and
+# each of those pieces on its own is not valid UTF-8:
+
+# %%
+split_chars: dict[int, list] = {}  # character position -> the byte pieces covering it
+for p in zh:
+    if p.partial:
+        split_chars.setdefault(p.start, []).append(p)
+for pos, ps in list(split_chars.items())[:4]:
+    ch = chinese[pos]
+    print(ch, ch.encode().hex(" ").upper(), "->", [(p.token_id, p.label) for p in ps])
+widest = max(split_chars.values(), key=len)
+print(f"{len(split_chars)} of {len(chinese)} characters are split; the most pieces: "
+      f"{widest[0].text!r} in {len(widest)} tokens")
+assert split_chars and all(len(ps) >= 2 for ps in split_chars.values())
+assert all(b"".join(p.data for p in ps) == chinese[pos].encode()
+           for pos, ps in split_chars.items())
+assert all("\ufffd" in tokenizer.decode([p.token_id])
+           for ps in split_chars.values() for p in ps)
+
+# %% [markdown]
+# So when a chat reply in Chinese appears "character by character", that is not one
+# token per character. The engine may have produced a token that is a third of a
+# character; the detokenizer holds such bytes back until the character is complete
+# (chapter 10 shows this while streaming).
+
+# %% [markdown]
+# ## The engine receives exactly these IDs
+#
+# Send the messages to the engine and read back what it recorded as the prompt. The
+# reply is token IDs too, drawn the same way.
+
+# %%
+out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+assert out.prompt_token_ids == prompt_ids
+answer = out.outputs[0]
+print(repr(answer.text))
+assert tokenizer.decode(answer.token_ids, skip_special_tokens=True) == answer.text
+token_boundaries(pieces_from_ids(tokenizer, answer.token_ids),
+                 title=f"The reply: {len(answer.token_ids)} generated tokens")
+
+# %% [markdown]
+# ## Try it: a text box that re-tokenizes as you type
+#
+# `show_tokens` is the whole callback: tokenize, draw. The cell calls it once itself,
+# then wires it to the text box.
+
+# %%
+def show_tokens(text: str):
+    pieces = split_tokens(tokenizer, text)
+    note = f"{len(text)} characters, {len(text.encode())} bytes, {len(pieces)} tokens"
+    return note, token_boundaries(pieces, title=note) if pieces else None
+
+
+sample = "Paris is the capital of France. 巴黎是法国的首都。"
+note, _ = show_tokens(sample)
+print(note)
+assert note.endswith(f"{len(tokenizer.encode(sample, add_special_tokens=False))} tokens")
+
+# %%
+box = widgets.Text(value="Hello, 世界! Tokenizers split text into pieces.",
+                   description="text:", layout=widgets.Layout(width="90%"))
+shown = widgets.Output()
+
+
+def on_change(change=None) -> None:
+    note, fig = show_tokens(box.value)
+    shown.clear_output(wait=True)
+    with shown:
+        print(note)
+        if fig is not None:
+            display(fig)
+
+
+box.observe(on_change, names="value")
+on_change()
+display(box, shown)
+
+# %% [markdown]
+# ## Things to try
+#
+# - Type a word in English, then the same word with a capital letter or a leading
+#   space: the IDs change.
+# - Type numbers like `123456789`: how does this tokenizer split digits?
+# - Type an emoji: 4 UTF-8 bytes, how many tokens?
+# - Add an `assistant` message to `messages` (a previous answer) and re-render: where
+#   does the conversation history go, and how many tokens does it cost?
+# - Render with `inputs.render_chat(messages, add_generation_prompt=False)`: what is
+#   missing at the end, and what would the model do without it?

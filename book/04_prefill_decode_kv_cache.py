@@ -1,0 +1,314 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 4. Prefill, decode and the KV cache
+#
+# A request's prompt is known in full when it arrives; its answer is not. That
+# difference splits generation into two kinds of work: **prefill** (process the prompt)
+# and **decode** (produce the answer one token at a time). The **KV cache** connects
+# them: it keeps what the model computed for earlier tokens so that each decode step
+# only computes the newest one.
+#
+# **What you will see**
+#
+# - one forward pass over a whole prompt giving the same answer for every position as
+#   separate passes over each prefix: prefill is parallel;
+# - why decode cannot be: each step needs the token chosen by the step before;
+# - generation with the KV cache and generation that recomputes everything each step
+#   producing the same tokens, and the cache holding exactly the keys a recompute makes;
+# - step time against context length: recomputing grows, a cached decode step stays
+#   nearly flat;
+# - what the cache costs: bytes per token for this model and for an 8B model.
+
+# %%
+import time
+
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import ModelConfig
+from minivllm.model.attention import AttentionMetadata
+from minivllm.viz.bars import component_bars, line_chart
+from minivllm.viz.export import save_key_figure
+
+llm = LLM(num_kv_blocks=64, trace=True)  # 64 blocks × 16 tokens: room for what we run
+model = llm.engine_core.executor.runner.model
+cfg = model.config
+tokenizer = llm.get_tokenizer()
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def forward(ids: list[int]) -> torch.Tensor:
+    """Logits for every position of ``ids``, computed from scratch (no KV cache)."""
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)),
+                       AttentionMetadata.for_prefill([len(ids)]))
+        return model.compute_logits(hidden)
+
+# %% [markdown]
+# `forward` runs the engine's model with metadata for a plain causal prefill: every
+# slot in the `slot_mapping` is -1, so nothing is written into the KV cache and nothing
+# is read from it.
+#
+# ## Prefill is parallel
+#
+# The prompt, as the engine would see it:
+
+# %%
+messages = [{"role": "user", "content": "Explain what a KV cache is in one sentence."}]
+_, prompt = llm.llm_engine.request_builder.tokenize(messages)
+P = len(prompt)
+print(P, "prompt tokens")
+
+# %% [markdown]
+# Under the causal mask, position *i* attends only to positions up to *i*. So one pass
+# over the whole prompt computes, at every position, the same thing a separate pass
+# over just that prefix would. Check a few positions:
+
+# %%
+all_at_once = forward(prompt)
+for i in (0, P // 3, P // 2, P - 1):
+    alone = forward(prompt[: i + 1])[-1]
+    assert (alone - all_at_once[i]).abs().max().item() < 1e-3, i
+    assert alone.argmax() == all_at_once[i].argmax()
+print(f"one pass = {P} separate passes, at every position checked")
+
+# %% [markdown]
+# That is why the engine can prefill a whole prompt in one step. Run the request and
+# read the step trace: the first step computes all prompt tokens and already produces
+# the first output token; every later step computes exactly one token.
+
+# %%
+llm.trace.clear()
+out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+answer = out.outputs[0].token_ids
+steps = [r.scheduled[out.request_id] for r in llm.trace.records]
+print(repr(out.outputs[0].text))
+print("tokens computed per step:", [n for n, _ in steps])
+assert steps[0] == (P, "prefill") and all(s == (1, "decode") for s in steps[1:])
+assert len(steps) == len(answer)  # one new token per step
+
+# %% [markdown]
+# ## Decode is not
+#
+# With the answer in hand, one pass over prompt + answer reproduces every greedy choice
+# at once: the logits at position *P - 1 + j* pick answer token *j*.
+
+# %%
+teacher = forward(prompt + answer)
+assert teacher[P - 1:-1].argmax(-1).tolist() == answer
+print(f"one pass re-derives all {len(answer)} answer tokens")
+
+# %% [markdown]
+# But that pass needs the answer as input. During generation token *j + 1* does not
+# exist until token *j* has been sampled: decode is a chain of steps, one token each.
+# (Checking a guessed continuation in one pass, as above, is what speculative decoding
+# builds on.)
+#
+# ## Cached and recomputed generation give the same tokens
+#
+# Without a cache, each step runs the model over the whole sequence so far and keeps
+# only the last position's logits. Simple, and wasteful:
+
+# %%
+seq, recompute_tokens_computed = list(prompt), 0
+for _ in range(len(answer)):
+    logits = forward(seq)
+    recompute_tokens_computed += len(seq)
+    seq.append(int(logits[-1].argmax()))
+recomputed = seq[P:]
+engine_tokens_computed = sum(n for n, _ in steps)
+print("same tokens:", recomputed == answer)
+print(f"tokens pushed through the model: recompute {recompute_tokens_computed}, "
+      f"engine with KV cache {engine_tokens_computed}")
+assert recomputed == answer
+assert engine_tokens_computed == P + len(answer) - 1
+assert recompute_tokens_computed == sum(P + j for j in range(len(answer)))
+
+# %% [markdown]
+# Why is reuse allowed? A token's key and value depend only on the tokens up to it, and
+# RoPE rotates them by their absolute position, so appending tokens never changes
+# earlier K and V. The engine's cache for this request holds, slot for slot, the keys a
+# fresh pass computes. Read them back through the request's block table:
+
+# %%
+block_table = llm.trace.records[-1].block_tables[out.request_id]
+block_size = llm.engine_core.config.cache.block_size
+slots = torch.tensor([block_table[p // block_size] * block_size + p % block_size
+                      for p in range(P)])
+fresh_k = {}  # layer -> the prompt's keys (after RoPE) from a pass without the cache
+
+
+def keep_keys(i: int):
+    def hook(module, args, out) -> None:
+        fresh_k[i] = args[1]
+    return hook
+
+
+hooks = [layer.self_attn.attn.register_forward_hook(keep_keys(i))
+         for i, layer in enumerate(model.model.layers)]
+try:
+    forward(prompt)
+finally:
+    for h in hooks:
+        h.remove()
+for i, (k_cache, _) in enumerate(llm.engine_core.executor.runner.kv_caches):
+    cached = k_cache.view(-1, cfg.num_key_value_heads * cfg.head_dim)[slots]
+    assert (cached - fresh_k[i]).abs().max().item() < 1e-3, i
+print(f"prompt keys in the cache = fresh keys, in all {len(fresh_k)} layers")
+
+# %% [markdown]
+# ## Step time against context length
+#
+# A recompute step at context length *n* pushes *n* tokens through the model. A cached
+# decode step pushes one token through the model and reads *n* cached keys and values
+# in attention. Measure both, for a few context lengths (the lowest of a few runs, to
+# damp noise from other programs on the machine).
+
+# %%
+contexts = [16, 64, 128, 256]
+gen = torch.Generator().manual_seed(0)
+
+
+def recompute_step_seconds(n: int, repeats: int = 2) -> float:
+    ids = torch.randint(100, cfg.vocab_size, (n,), generator=gen).tolist()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.arange(n), AttentionMetadata.for_prefill([n]))
+            model.compute_logits(hidden[-1:])
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def cached_step_seconds(n: int, decode_steps: int = 3) -> float:
+    ids = torch.randint(100, cfg.vocab_size, (n,), generator=gen).tolist()
+    llm.trace.clear()
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    return min(r.timings["forward"] for r in llm.trace.records
+               if all(kind == "decode" for _, kind in r.scheduled.values()))
+
+
+recompute_s = [recompute_step_seconds(n) for n in contexts]
+cached_s = [cached_step_seconds(n) for n in contexts]
+for n, r, c in zip(contexts, recompute_s, cached_s):
+    print(f"context {n:4d}: recompute {r * 1000:7.1f} ms   cached decode {c * 1000:6.1f} ms")
+
+# %%
+fig = line_chart(contexts, {"recompute everything (no KV cache)": [s * 1000 for s in recompute_s],
+                            "decode with KV cache": [s * 1000 for s in cached_s]},
+                 title="Time of one generation step vs context length",
+                 x_title="context length (tokens)", y_title="model forward, ms")
+save_key_figure(fig, "04_prefill_decode_kv_cache")
+fig
+
+# %% [markdown]
+# From the shortest to the longest context, the recompute step's time grows by a much
+# larger factor than the cached step's:
+
+# %%
+recompute_growth = recompute_s[-1] / recompute_s[0]
+cached_growth = cached_s[-1] / cached_s[0]
+print(f"{contexts[0]} -> {contexts[-1]} tokens: recompute ×{recompute_growth:.1f}, "
+      f"cached ×{cached_growth:.1f}")
+assert recompute_growth > 2 * cached_growth
+
+# %% [markdown]
+# The cached step is not free and not perfectly flat: attention still reads every
+# cached key and value, and that part grows with the context. For a small model at
+# short contexts it is hidden behind reading the weights, which costs the same at
+# every length.
+#
+# ## What the cache costs
+#
+# Per token, every layer stores one key and one value vector per KV head:
+# **2 × layers × KV heads × head dim × bytes per number**. The engine's config computes
+# it, and the tensors it allocated agree:
+
+# %%
+def kv_formula(c: ModelConfig) -> int:
+    size = torch.tensor([], dtype=c.dtype).element_size()
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * size
+
+
+runner = llm.engine_core.executor.runner
+allocated = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                for k, v in runner.kv_caches)
+slots_total = llm.engine_core.num_blocks * block_size
+print(f"this model ({cfg.dtype}): {cfg.kv_bytes_per_token:,} bytes per token")
+assert cfg.kv_bytes_per_token == kv_formula(cfg) == allocated // slots_total
+
+# %% [markdown]
+# For a larger model, take the published numbers of an 8B Llama (Llama 3 8B's
+# `config.json`), in bfloat16 as it is usually served. Its parameter count, derived from
+# the same numbers, comes out near 8 billion, a check that we copied them right.
+
+# %%
+llama_8b = ModelConfig(
+    path="(Llama 3 8B config.json)", architecture="LlamaForCausalLM", vocab_size=128256,
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+    rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
+    tie_word_embeddings=False, attention_bias=False, qk_norm=False, dtype=torch.bfloat16)
+c = llama_8b
+params_8b = (2 * c.vocab_size * c.hidden_size + c.num_hidden_layers * (
+    c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    + c.num_attention_heads * c.head_dim * c.hidden_size
+    + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size) + c.hidden_size)
+print(f"8B Llama: {params_8b / 1e9:.2f} B parameters, "
+      f"{c.kv_bytes_per_token:,} KV bytes per token")
+assert 7.9e9 < params_8b < 8.1e9 and c.kv_bytes_per_token == kv_formula(c)
+
+# %% [markdown]
+# Grouped-query attention is why the 8B number is not larger: with one KV head per
+# query head, as in the original Transformer, it would grow by the group size.
+
+# %%
+import dataclasses
+
+no_gqa = dataclasses.replace(c, num_key_value_heads=c.num_attention_heads)
+group = c.num_attention_heads // c.num_key_value_heads
+assert no_gqa.kv_bytes_per_token == group * c.kv_bytes_per_token
+prompt_1k = 1000  # the seed's example: a prompt of 1,000 tokens
+per_token = {
+    f"this model, {str(cfg.dtype).removeprefix('torch.')} (as run here)": cfg.kv_bytes_per_token,
+    "this model, bfloat16": dataclasses.replace(cfg, dtype=torch.bfloat16).kv_bytes_per_token,
+    "8B Llama, bfloat16 (GQA: 8 KV heads)": c.kv_bytes_per_token,
+    f"8B Llama without GQA ({c.num_attention_heads} KV heads)": no_gqa.kv_bytes_per_token,
+}
+component_bars({k: v * prompt_1k / 2**20 for k, v in per_token.items()},
+               title=f"KV cache for one {prompt_1k:,}-token prompt (MiB)", unit="MiB",
+               fmt=lambda v: f"{v:,.0f} MiB", show_share=False, sort=False)
+
+# %%
+print(f"{prompt_1k:,} tokens on the 8B model: {c.kv_bytes_per_token * prompt_1k / 2**20:.0f} MiB;"
+      f" one more token: {c.kv_bytes_per_token / 2**10:.0f} KiB")
+
+# %% [markdown]
+# That is what the seed's 1,000-token prompt costs the 8B model before the first output
+# token, and every generated token adds one more slice. Memory for the cache, not
+# arithmetic, is what limits how many requests can run at once; chapter 5 shows how the
+# engine hands that memory out in blocks.
+
+# %% [markdown]
+# ## Things to try
+#
+# - Add 512 to `contexts`. Does the cached line start to rise?
+# - Set `greedy = SamplingParams(temperature=0.8, seed=1, ...)`: are cached and
+#   recomputed tokens still equal? (The recompute loop above is greedy; give it the
+#   same sampler to compare.)
+# - Make `forward` compute in `torch.bfloat16` and compare the recomputed tokens with
+#   the engine's again.
+# - Work out how many 1,000-token requests fit in 40 GB of KV cache on the 8B model.

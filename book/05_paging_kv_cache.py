@@ -1,0 +1,299 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 5. Paging the KV cache
+#
+# Chapter 4 showed that every token a request has seen leaves a key and a value
+# vector in every layer, and that decode reads them all back at every step. Those
+# vectors have to live somewhere. This chapter is about *where*: how the engine lays
+# out the KV cache in memory so that many requests of unknown length can share it.
+#
+# **What you will see**
+#
+# - what one token of KV cache costs for this model, and the cache tensor the engine
+#   preallocates, cut into fixed-size **blocks**;
+# - the simple alternative, a contiguous reservation of `max_model_len` slots per
+#   request, and how few requests it lets in;
+# - a mixed workload from the course Q&A system run on the real engine, with its
+#   **block tables** drawn as a map of physical blocks, and a slider over engine steps;
+# - the wasted memory of both layouts, measured step by step on that run.
+
+# %%
+import math
+
+import ipywidgets as widgets
+from IPython.display import display
+
+from minivllm import LLM, SamplingParams
+from minivllm.viz.blocks import (all_request_ids, block_map_figure, block_map_states,
+                                 footprint_lines, request_colors, reserved_slots, waste_bars)
+from minivllm.viz.export import save_key_figure
+
+BLOCK_SIZE = 16  # token slots per block
+NUM_BLOCKS = 64  # a deliberately small cache, so the map fits on the screen
+MAX_MODEL_LEN = 512  # the longest sequence (prompt + answer) the engine accepts
+
+# Prefix caching (chapter 8) lets requests share blocks; it is off here so that
+# every block has exactly one owner.
+llm = LLM(trace=True, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
+          max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+model_config = llm.llm_engine.config.model
+
+# %% [markdown]
+# ## What one token costs
+#
+# For every token, each layer stores one key and one value vector per KV head. The
+# model's config says how many layers and heads there are; on the CPU it runs in
+# float32:
+
+# %%
+kv_per_token = model_config.kv_bytes_per_token
+print(f"{model_config.num_hidden_layers} layers x 2 (K and V) x "
+      f"{model_config.num_key_value_heads} KV heads x {model_config.head_dim} dims x "
+      f"{model_config.dtype.itemsize} bytes = {kv_per_token} bytes "
+      f"= {kv_per_token / 1024:.1f} KiB per token")
+assert kv_per_token == (2 * model_config.num_hidden_layers * model_config.num_key_value_heads
+                        * model_config.head_dim * model_config.dtype.itemsize)
+
+# %% [markdown]
+# The engine allocates the whole cache once, at start-up: one K and one V tensor per
+# layer, shaped `[num_blocks, block_size, kv_heads, head_dim]`. A **block** is
+# `block_size` consecutive token slots of that tensor. Nothing is allocated per
+# request later; requests only get block *ids*.
+
+# %%
+kv_caches = llm.engine_core.executor.runner.kv_caches  # one (K, V) pair per layer
+k0, v0 = kv_caches[0]
+print("layer 0 K cache:", tuple(k0.shape), k0.dtype)
+cache_bytes = sum(k.nbytes + v.nbytes for k, v in kv_caches)
+print(f"{len(kv_caches)} layers, {cache_bytes / 2**20:.1f} MiB in all "
+      f"= {NUM_BLOCKS} blocks x {BLOCK_SIZE} slots x {kv_per_token / 1024:.1f} KiB")
+assert tuple(k0.shape) == (NUM_BLOCKS, BLOCK_SIZE, model_config.num_key_value_heads,
+                           model_config.head_dim)
+assert cache_bytes == NUM_BLOCKS * BLOCK_SIZE * kv_per_token
+
+# %% [markdown]
+# ## The simple layout: one contiguous span per request
+#
+# The obvious way to store a request's K/V is one contiguous span of slots. But when
+# a request arrives nobody knows how long its answer will be, so the span must be big
+# enough for the worst case: `max_model_len` slots. With this cache, that admits:
+
+# %%
+total_slots = NUM_BLOCKS * BLOCK_SIZE
+contiguous_fit = total_slots // MAX_MODEL_LEN
+print(f"{total_slots} slots / {MAX_MODEL_LEN} per request = {contiguous_fit} requests at a time")
+assert contiguous_fit == 2
+
+# %% [markdown]
+# Paging does what an operating system does with memory pages. Each request gets a
+# **block table**: logical block *i* of its sequence lives in physical block
+# `table[i]`, anywhere in the cache. Token *p* goes to slot `p % block_size` of
+# physical block `table[p // block_size]`. Blocks are handed out one at a time, as the
+# sequence grows, so a request never holds more than one partly filled block.
+#
+# ## A mixed workload
+#
+# The students of the course Q&A system ask their questions at the same time. The
+# questions and the answers have different lengths; the first one is the seed
+# article's own question, 这周的实验要提交什么？ ("what do we hand in for this week's
+# lab?"). Answers are greedy, and each request has its own `max_tokens`.
+
+# %%
+lab_notes = ("Lab 3 is due on Friday at 18:00. Submit three files on the course site: "
+             "lab3.py with your solution, a one-page PDF report that explains your design "
+             "and shows one test run, and a README with your name and student number. "
+             "Late work loses ten percent per day. The report must say which parts "
+             "you discussed with other students.")
+questions = [
+    ("这周的实验要提交什么？", 48),
+    ("What is a KV cache?", 32),
+    (f"Here are the lab instructions: {lab_notes} List the three files to submit.", 40),
+    ("Is the lab due on Friday? Answer yes or no.", 8),
+    ("Explain the difference between prefill and decode in two sentences.", 64),
+    ("Translate 'lab report' into French.", 16),
+]
+conversations = [[{"role": "user", "content": q}] for q, _ in questions]
+params = [SamplingParams(temperature=0, max_tokens=m) for _, m in questions]
+outputs = llm.chat(conversations, params, use_tqdm=False)
+print(len(outputs), "students")
+for o, (q, m) in zip(outputs, questions):
+    print(f"{len(o.prompt_token_ids):4d} prompt + {len(o.outputs[0].token_ids):3d} answer "
+          f"tokens (max {m:2d}, {o.outputs[0].finish_reason:6s}) {q[:40]!r}")
+
+# %% [markdown]
+# ## Replaying the block tables
+#
+# With `trace=True` the engine records, at every step, each scheduled request's block
+# table. `block_map_states` replays those records into the state of the cache at
+# every step: which request holds which physical block, and how many tokens each
+# request has in the cache.
+
+# %%
+records = llm.trace.records
+states = block_map_states(records, NUM_BLOCKS, BLOCK_SIZE)
+print(len(states), "engine steps")
+for rid, table in states[0].block_tables.items():
+    print(f"step 0, request {rid}: {states[0].tokens[rid]:3d} tokens in blocks {table}")
+
+# %% [markdown]
+# Two facts make paging work, and the trace lets us check both at every step:
+#
+# 1. a request holds exactly `ceil(tokens / block_size)` blocks, never more;
+# 2. the blocks the tables name are exactly the blocks the engine counts as in use
+#    (the engine frees a finished request's blocks at the end of its last step).
+
+# %%
+for state, record in zip(states, records):
+    for rid, table in state.block_tables.items():
+        assert len(table) == math.ceil(state.tokens[rid] / BLOCK_SIZE), (state.step, rid)
+    alive = [t for rid, t in state.block_tables.items() if rid not in record.finished]
+    assert sum(len(t) for t in alive) == NUM_BLOCKS - record.num_free_blocks
+core = llm.engine_core
+assert core.kv_cache_manager.num_free_blocks == NUM_BLOCKS  # everything back at the end
+peak = max(len(s.block_tables) for s in states)
+print(f"up to {peak} requests ran at once in the paged cache; "
+      f"a contiguous layout would have allowed {contiguous_fit}")
+assert peak == len(questions) > contiguous_fit
+
+# %% [markdown]
+# ## The block map
+#
+# Each square is one physical block, numbered left to right, top to bottom. Its colour
+# is the request that holds it, the number inside is its *logical* index in that
+# request's block table, and a pale square is only partly filled. Move the slider to
+# watch the engine's steps: requests grow one block at a time, wherever a free block
+# is, and hand their blocks back when they finish.
+
+# %%
+colors = request_colors(all_request_ids(states))
+busiest = max(range(len(states)), key=lambda i: states[i].num_used_blocks)
+
+
+def show_step(i: int):
+    return block_map_figure(states[i], columns=16, colors=colors)
+
+
+fig = show_step(busiest)
+save_key_figure(fig, "05_paging_kv_cache")
+fig
+
+# %%
+slider = widgets.IntSlider(value=busiest, min=0, max=len(states) - 1, description="step",
+                           continuous_update=False, layout=widgets.Layout(width="90%"))
+shown = widgets.Output()
+
+
+def on_change(change=None) -> None:
+    shown.clear_output(wait=True)
+    with shown:
+        display(show_step(slider.value))
+
+
+slider.observe(on_change, names="value")
+on_change()
+display(slider, shown)
+
+# %% [markdown]
+# A request's blocks need not be neighbours. Blocks are taken from the head of the
+# free list when they are needed, so a request that grows later gets whatever is
+# free then:
+
+# %%
+last_state = {rid: s for s in states for rid in s.block_tables}  # each request's last step
+scattered = {rid: s.block_tables[rid] for rid, s in last_state.items()
+             if s.block_tables[rid] != list(range(s.block_tables[rid][0],
+                                                  s.block_tables[rid][0]
+                                                  + len(s.block_tables[rid])))}
+for rid, table in scattered.items():
+    print(f"request {rid}: logical blocks 0..{len(table) - 1} -> physical {table}")
+assert scattered  # at least one request's blocks are not one contiguous run
+
+# %% [markdown]
+# ## How much memory is wasted?
+#
+# At every step we compare three layouts holding the same requests:
+#
+# - **contiguous, max_model_len**: each request reserves `max_model_len` slots;
+# - **contiguous, exact**: each request reserves `prompt + max_tokens` slots, the best
+#   a contiguous layout can do, since it knows the request's limit but not when the
+#   answer will stop;
+# - **paged**: the blocks the request holds.
+
+# %%
+exact = {o.request_id: len(o.prompt_token_ids) + sp.max_tokens
+         for o, sp in zip(outputs, params)}
+steps = [s.step for s in states]
+stored = [s.num_tokens for s in states]
+paged = [s.paged_slots for s in states]
+contiguous = [reserved_slots(s, MAX_MODEL_LEN) for s in states]
+contiguous_exact = [reserved_slots(s, exact) for s in states]
+for s, p in zip(states, paged):
+    # Paging wastes less than one block per request: only the last block is partial.
+    assert 0 <= p - s.num_tokens < BLOCK_SIZE * len(s.block_tables)
+footprint_lines(steps, {"K/V stored": stored, "paged": paged,
+                        "contiguous, exact": contiguous_exact,
+                        "contiguous, max_model_len": contiguous})
+
+# %% [markdown]
+# Averaged over the run and converted to bytes:
+
+# %%
+def mib(slots) -> float:
+    return sum(slots) / len(slots) * kv_per_token / 2**20
+
+
+held = {"contiguous, max_model_len": mib(contiguous), "contiguous, exact": mib(contiguous_exact),
+        "paged": mib(paged)}
+used = mib(stored)
+for name, h in held.items():
+    print(f"{name:27s} {h:6.1f} MiB held for {used:5.1f} MiB of K/V: "
+          f"{100 * (h - used) / h:4.1f}% wasted")
+waste = {name: (h - used) / h for name, h in held.items()}
+assert waste["paged"] < waste["contiguous, exact"] < waste["contiguous, max_model_len"]
+waste_bars(used, held, unit="MiB (average over steps)")
+
+# %% [markdown]
+# Even the exact reservation wastes memory: it must hold `max_tokens` slots for an
+# answer that may stop much earlier. These requests stopped early:
+
+# %%
+for o, sp in zip(outputs, params):
+    n = len(o.outputs[0].token_ids)
+    if n < sp.max_tokens:
+        print(f"request {o.request_id}: {o.outputs[0].finish_reason!r} after {n} of "
+              f"{sp.max_tokens} tokens; {sp.max_tokens - n} reserved slots never used")
+
+# %% [markdown]
+# ## Summary
+#
+# - The KV cache is one preallocated tensor per layer, cut into blocks of
+#   `block_size` token slots. Requests get block ids, not memory.
+# - A block table maps a request's logical blocks to physical ones, so a request grows
+#   one block at a time, wherever a block is free, and gives them all back when done.
+# - Waste is bounded by one partly filled block per request. A contiguous layout must
+#   reserve for the worst case and, here, admitted far fewer requests at once.
+#
+# Chapter 6 looks at the other side: how an attention kernel reads K and V through a
+# block table.
+#
+# ## Things to try
+#
+# - Set `BLOCK_SIZE = 1` or `64` and re-run: how do the number of blocks, the waste of
+#   the last block and the map change? (Keep `NUM_BLOCKS * BLOCK_SIZE` the same.)
+# - Lower `NUM_BLOCKS` until the workload no longer fits at once. What does the engine
+#   do then? (Chapter 7: preemption.)
+# - Turn `enable_prefix_caching=True` back on: the chat template gives every request
+#   the same opening tokens. Which blocks are now shared? (Chapter 8.)
+# - Give one question `max_tokens=400`: how much does that single request cost the
+#   contiguous layouts, and how much the paged one?

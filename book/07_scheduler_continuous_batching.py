@@ -1,0 +1,336 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 7. The scheduler and continuous batching
+#
+# The seed article describes one moment in the course Q&A system:
+#
+# > 学生甲的请求已经开始输出回答，学生乙刚刚提交了一段很长的资料，学生丙的回答则已经结束。
+#
+# Student 甲 (A) is already receiving an answer, student 乙 (B) has just submitted a
+# long document, and student 丙 (C) has been answered. The next step has to keep A's
+# answer going, start on B's input, and give C's seat to someone else. Deciding that,
+# step after step, is the scheduler's job.
+#
+# **What you will see**
+#
+# - the three students served two ways on the real engine: **static batching** (a
+#   batch runs until its last request is done) and **continuous batching** (the batch
+#   changes at every step), drawn as Gantt charts over engine steps;
+# - the **token budget** of one step, and B's prompt of exactly 1,000 tokens, the
+#   seed's example, cut into chunks that share steps with A's decodes;
+# - **preemption**: with too few KV blocks the scheduler takes blocks from a request
+#   and recomputes it later, and the answers come out the same.
+
+# %%
+from dataclasses import dataclass
+
+from minivllm import LLM, SamplingParams
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.gantt import (finish_events, gantt_compare_figure, gantt_figure,
+                                gantt_segments, preemption_events, token_budget_figure)
+
+BUDGET = 256  # max_num_batched_tokens: tokens one step may compute, all requests together
+# Prefix caching (chapter 8) is off so that both runs below compute the same tokens.
+llm = LLM(trace=True, max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
+engine = llm.llm_engine
+render = engine.request_builder.input_processor.render_chat
+tokenizer = llm.get_tokenizer()
+
+# %% [markdown]
+# ## The three students
+#
+# A asks for a long explanation, C a yes/no question. B pastes the course handout and
+# asks about it. Like the seed's example, B's prompt is 1,000 tokens: we render the
+# chat template around a placeholder and fill it with exactly as many handout tokens
+# as it takes.
+
+# %%
+topics = ["sorting", "hash tables", "recursion", "graphs", "dynamic programming",
+          "file I/O", "testing", "profiling", "concurrency", "networking"]
+handout = " ".join(
+    f"Week {w}: the lab covers {t}. Submit lab{w}.py and a one-page report on the course "
+    f"site by Friday 18:00; late work loses ten percent per day. Office hours are on "
+    f"Wednesday from 14:00 to 16:00 in room {100 + w}."
+    for _ in range(3) for w, t in enumerate(topics, start=1))
+template = render([{"role": "user", "content": "Course handout:\n{HANDOUT}\n\nBased on "
+                    "the handout, what exactly do we hand in this week?"}])
+before, after = template.split("{HANDOUT}")
+head, tail = (tokenizer.encode(s, add_special_tokens=False) for s in (before, after))
+body = tokenizer.encode(handout, add_special_tokens=False)
+B_PROMPT = head + body[:1000 - len(head) - len(tail)] + tail
+print(len(B_PROMPT), "tokens:", repr(tokenizer.decode(B_PROMPT)[:160]), "...")
+assert len(B_PROMPT) == 1000
+
+
+# %%
+@dataclass
+class Student:
+    prompt: object  # chat messages or token IDs
+    max_tokens: int
+    arrival: int  # the engine step at which the request is submitted
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+ARRIVAL_B = 4
+students = {
+    "A": Student(chat("Explain step by step how to write a good lab report."), 40, 0),
+    "B": Student(B_PROMPT, 16, ARRIVAL_B),
+    "C": Student(chat("Is the lab due on Friday? Answer yes or no."), 8, 0),
+}
+params = {rid: SamplingParams(temperature=0, max_tokens=s.max_tokens)
+          for rid, s in students.items()}
+
+
+# %% [markdown]
+# `serve` plays the application: it submits each request at its arrival step and
+# calls `engine.step()` until every answer is done. With `batches` it does static
+# batching: the next batch is submitted only when the engine is empty, the way a
+# loop around Hugging Face `generate` would serve a class.
+
+# %%
+def serve(batches=None):
+    first = len(llm.trace.records)
+    pending = dict(students)
+    queue = [list(b) for b in batches] if batches else None
+    step, outputs = 0, {}
+    while pending or engine.has_unfinished_requests():
+        arrived = [rid for rid, s in pending.items() if s.arrival <= step]
+        if queue is not None:  # static: a whole batch, and only into an empty engine
+            ready = queue and set(queue[0]) <= set(arrived)
+            arrived = queue.pop(0) if ready and not engine.has_unfinished_requests() else []
+        for rid in arrived:
+            engine.add_request(pending.pop(rid).prompt, params[rid], request_id=rid)
+        assert engine.has_unfinished_requests(), "every step must have work"
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+    return llm.trace.records[first:], outputs
+
+
+arrivals = {rid: s.arrival for rid, s in students.items()}
+static_records, static_out = serve(batches=[["A", "C"], ["B"]])
+records, outputs = serve()
+for rid, o in sorted(outputs.items()):
+    print(f"{rid}: {len(o.prompt_token_ids):4d} prompt tokens, "
+          f"{len(o.outputs[0].token_ids):2d} answer tokens ({o.outputs[0].finish_reason}): "
+          f"{o.outputs[0].text[:60]!r}")
+
+# %% [markdown]
+# ## The seed's moment, in the trace
+#
+# At B's arrival step in the continuous run, the engine is exactly where the seed
+# article describes it: A is decoding, B's prompt has just come in and its first chunk is being
+# computed in the same step, and C has already finished.
+
+# %%
+finished_at = {e.request_id: e.step for e in finish_events(records)}
+moment = records[ARRIVAL_B].scheduled
+print(f"step {ARRIVAL_B}: {moment}; C finished at step {finished_at['C']}")
+assert moment["A"][1] == "decode" and moment["B"][1] == "prefill"
+assert finished_at["C"] < ARRIVAL_B and "C" not in moment
+
+# %% [markdown]
+# ## Static vs continuous batching
+#
+# Each row is a student; each unit on the x-axis is one engine step (one forward pass
+# over the whole batch). Grey is waiting, orange is prompt work (prefill), blue is one
+# decode step, a diamond marks the last token. In the static run C's seat stays taken
+# ("idle") until A is done, and B waits for the whole first batch. In the continuous
+# run B starts at once.
+
+# %%
+static_segments = gantt_segments(static_records, arrivals, batches=[["A", "C"], ["B"]])
+segments = gantt_segments(records, arrivals)
+fig = gantt_compare_figure(
+    {"static batching": static_segments, "continuous batching": segments},
+    finished={"static batching": finish_events(static_records),
+              "continuous batching": finish_events(records)},
+    title="Three students, two schedules (one step = one forward pass)")
+save_key_figure(fig, "07_scheduler_continuous_batching")
+fig
+
+# %% [markdown]
+# The difference in numbers, counted in engine steps: when B gets its first token
+# (its TTFT), and how many steps the whole class needs.
+
+# %%
+def first_token_step(recs, rid: str, prompt_len: int) -> int:
+    """The step whose forward pass produced the request's first token: its prompt's end."""
+    done = 0
+    for i, r in enumerate(recs):
+        done += r.scheduled.get(rid, (0, ""))[0]
+        if done >= prompt_len:
+            return i
+    raise ValueError(f"request {rid!r} never finished its prompt")
+
+
+runs = {"static": static_records, "continuous": records}
+ttft_b = {name: first_token_step(recs, "B", len(B_PROMPT)) - ARRIVAL_B + 1
+          for name, recs in runs.items()}
+total = {name: len(recs) for name, recs in runs.items()}
+for name in runs:
+    print(f"{name:10s}: B's first token {ttft_b[name]:2d} steps after it arrived; "
+          f"all three done after {total[name]} steps")
+assert ttft_b["continuous"] < ttft_b["static"] and total["continuous"] < total["static"]
+
+# %% [markdown]
+# Both schedules compute the same tokens, so the answers are the same; only the waiting
+# differs.
+
+# %%
+for rid in students:
+    assert outputs[rid].outputs[0].token_ids == static_out[rid].outputs[0].token_ids, rid
+
+# %% [markdown]
+# ## The token budget and chunked prefill
+#
+# Every step the scheduler hands out at most `max_num_batched_tokens` tokens, running
+# requests first: A's decode takes 1 token, and B's prompt gets the rest of the budget.
+# A 1,000-token prompt does not fit in one step of this budget, so it is **chunked**:
+# computed over several steps, each chunk sharing its step with A's decode. Such a step
+# is a **mixed step**; there is no separate "prefill phase". B's first token comes out
+# of the step that computes its last chunk.
+
+# %%
+chunks = [(i, r.scheduled["B"][0], r.num_batched_tokens) for i, r in enumerate(records)
+          if r.scheduled.get("B", (0, ""))[1] == "prefill"]
+for step, n, batch in chunks:
+    others = records[step].scheduled.keys() - {"B"}
+    print(f"step {step}: B prefill chunk of {n} tokens + {batch - n} decode token(s) "
+          f"of {sorted(others)} = {batch} of {BUDGET}")
+assert sum(n for _, n, _ in chunks) == len(B_PROMPT)
+for step, n, batch in chunks[:-1]:  # every chunk but the last fills the budget
+    assert batch == BUDGET
+assert len(chunks) > 1
+assert all({k for _, k in records[s].scheduled.values()} == {"prefill", "decode"}
+           for s, _, _ in chunks)
+fig = token_budget_figure(records, budget=BUDGET)
+fig
+
+# %% [markdown]
+# In the static run B's prompt is chunked by the same budget, but no decode shares
+# those steps: B is alone in the engine.
+
+# %%
+static_chunks = [r.scheduled for r in static_records
+                 if r.scheduled.get("B", (0, ""))[1] == "prefill"]
+print([s["B"][0] for s in static_chunks])
+assert len(static_chunks) > 1 and all(set(s) == {"B"} for s in static_chunks)
+
+# %% [markdown]
+# ## Preemption under KV pressure
+#
+# Admission only checks that the *prompt* fits in the KV cache. Answers then grow one
+# token at a time, and with a small cache the free blocks can run out in the middle of
+# generation. The scheduler then **preempts** the most recently admitted running
+# request: it frees that request's blocks, sets its computed tokens to zero and puts
+# it back at the front of the waiting queue. When blocks are free again it is
+# recomputed: its prompt *and* the tokens it had already generated go through the
+# model as one prefill.
+#
+# More students ask at once, into an engine with only a handful of KV blocks
+# (`NUM_KV_BLOCKS`). `ignore_eos` makes every answer run to `max_tokens`, so the
+# pressure is certain.
+
+# %%
+NUM_KV_BLOCKS = 12
+questions = ["What is a hash table?", "Why do we write unit tests?",
+             "What does a profiler measure?", "What is recursion?"]
+MAX_TOKENS = 40
+pressure_params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+small = LLM(trace=True, max_num_batched_tokens=BUDGET, num_kv_blocks=NUM_KV_BLOCKS,
+            enable_prefix_caching=False)
+block_size = small.llm_engine.config.cache.block_size
+pressured = small.chat([chat(q) for q in questions], pressure_params, use_tqdm=False)
+# The last sampled token never enters the cache: prompt + MAX_TOKENS - 1 slots each.
+need = sum(-(-(len(o.prompt_token_ids) + MAX_TOKENS - 1) // block_size) for o in pressured)
+print(f"{len(questions)} requests at full length need {need} blocks of {block_size} tokens; "
+      f"the cache has {NUM_KV_BLOCKS}")
+assert need > NUM_KV_BLOCKS
+
+# %%
+p_records = small.trace.records
+events = preemption_events(p_records)
+print(f"{len(events)} preemptions:", [(e.step, e.request_id) for e in events])
+assert events
+fig = gantt_figure(gantt_segments(p_records), preempted=events,
+                   finished=finish_events(p_records),
+                   title=f"{len(questions)} requests in {NUM_KV_BLOCKS} KV blocks: "
+                         f"preempted (x), then recomputed")
+fig
+
+# %% [markdown]
+# A recomputed request is scheduled for its whole sequence so far: every token it had
+# in the cache plus the one it sampled last. The trace shows it:
+
+# %%
+computed: dict[str, int] = {}
+lost: dict[str, int] = {}
+recomputed = 0
+for r in p_records:
+    for rid in r.preempted:
+        lost[rid] = computed.pop(rid)
+    for rid, (n, kind) in r.scheduled.items():
+        if rid in lost:
+            had = lost.pop(rid)
+            print(f"step {r.step}: request {rid} recomputes {n} tokens "
+                  f"({had} it had + 1 sampled)")
+            assert kind == "prefill" and n == had + 1
+            recomputed += had
+        computed[rid] = computed.get(rid, 0) + n
+print(recomputed, "tokens were computed twice")
+
+# %% [markdown]
+# Why are the answers unchanged? K and V of a token depend only on the tokens before
+# it, so recomputing them gives the same values, and greedy decoding then picks the
+# same next token. The same prompts on the first engine, whose cache is large, give
+# the same answers token for token:
+
+# %%
+reference = llm.chat([chat(q) for q in questions], pressure_params, use_tqdm=False)
+print(f"{llm.engine_core.num_blocks} blocks there vs {NUM_KV_BLOCKS} here")
+print("preemptions per request:", {o.request_id: sum(e.request_id == o.request_id
+                                                     for e in events) for o in pressured})
+for a, b in zip(pressured, reference):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+assert small.engine_core.kv_cache_manager.num_free_blocks == NUM_KV_BLOCKS
+
+# %%
+token_budget_figure(p_records, budget=BUDGET,
+                    title="Tokens per step under KV pressure (x: a preemption)")
+
+# %% [markdown]
+# ## Summary
+#
+# - One loop, no phases: every step the scheduler gives running requests their next
+#   token(s) first, then admits waiting ones, within `max_num_batched_tokens` tokens
+#   and `max_num_seqs` sequences.
+# - Continuous batching lets a request join or leave at any step, so a short answer
+#   frees its seat at once and a new request does not wait for a whole batch.
+# - Chunked prefill cuts a long prompt to the remaining budget, so prompt work and
+#   decodes share steps and running answers keep flowing.
+# - When KV blocks run out, the newest request is preempted and recomputed later:
+#   it costs compute, never correctness.
+#
+# ## Things to try
+#
+# - Set `BUDGET = 64` or `2048`: how many chunks does B's prompt take, and how many
+#   steps does A's answer need?
+# - Submit B at step 0 together with the others (`ARRIVAL_B = 0`), and compare the two
+#   schedules again.
+# - In the pressure test, raise `NUM_KV_BLOCKS` one by one: from which value on are
+#   there no preemptions? Compare with `need` above.
+# - Pass `max_num_seqs=2` to the first engine: what happens to C?

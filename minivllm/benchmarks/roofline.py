@@ -1,0 +1,265 @@
+"""`minivllm bench roofline`: what this machine can do at best, and what that means
+in tokens per second for a model.
+
+Two numbers bound a decoder's speed (the *roofline*):
+
+- **compute**: a forward pass costs about ``2 x params`` FLOPs per token
+  (one multiply and one add per weight), so at ``F`` FLOP/s no engine
+  processes more than ``F / (2 x params)`` tokens per second. Large batches
+  hit this bound.
+- **memory bandwidth**: every decode step reads every weight once, whatever
+  the batch size, so at ``B`` bytes/s no engine makes more than
+  ``B / weight_bytes`` steps per second. A single stream (one token per
+  step) hits this bound.
+
+At batch size ``b`` the ceiling is the smaller of the two:
+``min(F / (2 P), b x B / (P x s))`` tokens/s (``s`` bytes per weight).
+
+Both rates are measured here, in the same run: the best of several large
+matrix products per dtype, and the best of several reductions (reads) and
+copies (reads + writes) of a tensor much larger than the caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from minivllm.config import DTYPES, ModelConfig
+
+# A tensor this large cannot sit in any cache level of a CPU (L3 here: 300 MiB).
+DEFAULT_BANDWIDTH_BYTES = 1 << 30
+
+
+# --------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------
+
+def _best_time(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
+    """Fastest of ``repeats`` timed calls (after one warm-up), and of at least
+    ``min_seconds`` of calls: on a shared machine the fastest run is the one
+    least disturbed by others, the closest to what the hardware can do."""
+    fn()
+    best = math.inf
+    start = time.perf_counter()
+    done = 0
+    while done < repeats or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        done += 1
+    return best
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048,
+                         repeats: int = 5, min_seconds: float = 1.0) -> float:
+    """FLOP/s of a square ``size x size`` matrix product in ``dtype`` (2 n^3 FLOPs)."""
+    if size < 1:
+        raise ValueError(f"size={size} is invalid: must be >= 1")
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    seconds = _best_time(lambda: torch.mm(a, b, out=out), repeats, min_seconds)
+    return 2 * size ** 3 / seconds
+
+
+@dataclass
+class Bandwidth:
+    read: float  # bytes/s of a reduction over the tensor (reads only)
+    copy: float  # bytes/s of a copy, reads + writes counted
+
+    @property
+    def best(self) -> float:
+        """The rate weights can stream at during decode (a read-only pass)."""
+        return max(self.read, self.copy)
+
+
+def measure_bandwidth(num_bytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 5,
+                      min_seconds: float = 1.0) -> Bandwidth:
+    """Memory bandwidth from a large float32 sum (read) and copy (read + write)."""
+    if num_bytes < 4:
+        raise ValueError(f"num_bytes={num_bytes} is invalid: must be >= 4")
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    t_read = _best_time(lambda: src.sum(), repeats, min_seconds)
+    t_copy = _best_time(lambda: dst.copy_(src), repeats, min_seconds)
+    return Bandwidth(read=nbytes / t_read, copy=2 * nbytes / t_copy)
+
+
+# --------------------------------------------------------------------------
+# The model's side: parameters, FLOPs and bytes per token
+# --------------------------------------------------------------------------
+
+def model_param_count(cfg: ModelConfig) -> int:
+    """Parameters of a Llama-family model, a tied embedding counted once."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    attn = h * (q + 2 * kv) + q * h
+    if cfg.attention_bias:
+        attn += q + 2 * kv
+    if cfg.qk_norm:
+        attn += 2 * d
+    mlp = 3 * h * cfg.intermediate_size
+    layer = attn + mlp + 2 * h  # + the two RMSNorm weights
+    embed = cfg.vocab_size * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return embed + cfg.num_hidden_layers * layer + h + head
+
+
+def matmul_param_count(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matrix product per token.
+
+    Every weight except the embedding table (a lookup, no FLOPs), which with
+    tied embeddings is also the LM head (a product): then it counts.
+    """
+    embed = cfg.vocab_size * cfg.hidden_size
+    total = model_param_count(cfg)
+    return total if cfg.tie_word_embeddings else total - embed
+
+
+def flops_per_token(cfg: ModelConfig, context_len: int = 0) -> float:
+    """Forward FLOPs of one token: 2 per matmul weight, plus attention over
+    ``context_len`` earlier tokens (QK^T and PV: 4 x heads x head_dim each)."""
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+    return 2 * matmul_param_count(cfg) + attention * context_len
+
+
+def weight_bytes(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> int:
+    """Bytes of all weights in ``dtype`` (the model's by default): one decode step's reads."""
+    dtype = dtype or cfg.dtype
+    return model_param_count(cfg) * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class Roofline:
+    """Measured machine rates and the model's ceilings they imply, for one dtype."""
+
+    dtype: str
+    matmul_flops: float  # FLOP/s
+    bandwidth: float  # bytes/s: the better of the two below (the ceiling uses it)
+    bandwidth_read: float  # bytes/s of a reduction
+    bandwidth_copy: float  # bytes/s of a copy (read + write)
+    params: int
+    flops_per_token: float
+    weight_bytes: int
+
+    @property
+    def compute_tokens_per_s(self) -> float:
+        """Ceiling at a large batch: every token's FLOPs at full matmul speed."""
+        return self.matmul_flops / self.flops_per_token
+
+    @property
+    def bandwidth_steps_per_s(self) -> float:
+        """Ceiling on forward passes per second: all weights read each pass."""
+        return self.bandwidth / self.weight_bytes
+
+    def ceiling_tokens_per_s(self, batch_size: int) -> float:
+        """Decode ceiling with ``batch_size`` sequences per step."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
+        return min(self.compute_tokens_per_s, batch_size * self.bandwidth_steps_per_s)
+
+    def min_seconds(self, num_tokens: int, num_steps: int) -> float:
+        """The least time any engine needs to process ``num_tokens`` tokens (prompt
+        and output) in ``num_steps`` forward passes: compute or weight reads."""
+        return max(num_tokens / self.compute_tokens_per_s,
+                   num_steps / self.bandwidth_steps_per_s)
+
+    def fraction(self, num_tokens: int, num_steps: int, seconds: float) -> float:
+        """How close a run of ``seconds`` came to the roofline (1.0 = on it)."""
+        return self.min_seconds(num_tokens, num_steps) / seconds
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(compute_tokens_per_s=self.compute_tokens_per_s,
+                 bandwidth_steps_per_s=self.bandwidth_steps_per_s)
+        return d
+
+
+def measure_roofline(cfg: ModelConfig, dtype: Optional[torch.dtype] = None,
+                     bandwidth: Optional[Bandwidth] = None, matmul_size: int = 2048,
+                     min_seconds: float = 1.0) -> Roofline:
+    """Measure this machine now and combine it with ``cfg``'s sizes in ``dtype``.
+
+    Pass ``bandwidth`` to reuse one bandwidth measurement for several dtypes.
+    """
+    dtype = dtype or cfg.dtype
+    bw = bandwidth or measure_bandwidth(min_seconds=min_seconds)
+    return Roofline(
+        dtype=_dtype_name(dtype),
+        matmul_flops=measure_matmul_flops(dtype, matmul_size, min_seconds=min_seconds),
+        bandwidth=bw.best, bandwidth_read=bw.read, bandwidth_copy=bw.copy, params=model_param_count(cfg),
+        flops_per_token=flops_per_token(cfg), weight_bytes=weight_bytes(cfg, dtype))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def machine_description() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": __import__("os").cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n")[0]
+    parser.add_argument("--model", default=None,
+                        help="model folder or .gguf (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", action="append", choices=sorted(DTYPES), default=None,
+                        help="dtype to measure (repeatable; default float32 and bfloat16)")
+    parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--min-seconds", type=float, default=1.0,
+                        help="time spent on each measurement (the best run counts)")
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from minivllm.model.loader import resolve_model_path
+
+    cfg = ModelConfig.from_pretrained(resolve_model_path(args.model), "float32")
+    bw = measure_bandwidth(min_seconds=args.min_seconds)
+    results = [measure_roofline(cfg, DTYPES[name], bw, args.matmul_size, args.min_seconds)
+               for name in (args.dtype or ["float32", "bfloat16"])]
+    print(f"model {Path(cfg.path).name}: {results[0].params / 1e6:.1f} M parameters, "
+          f"{results[0].flops_per_token / 1e6:.0f} MFLOP per token")
+    print(f"memory bandwidth: read {bw.read / 1e9:.1f} GB/s, copy {bw.copy / 1e9:.1f} GB/s")
+    print(f"{'dtype':>9} {'GFLOP/s':>9} {'weights MB':>11} {'compute tok/s':>14} "
+          f"{'1-stream tok/s':>15}")
+    for r in results:
+        print(f"{r.dtype:>9} {r.matmul_flops / 1e9:9.0f} {r.weight_bytes / 1e6:11.0f} "
+              f"{r.compute_tokens_per_s:14.0f} {r.bandwidth_steps_per_s:15.1f}")
+    report = {"machine": machine_description(), "model": cfg.path,
+              "rooflines": [r.as_dict() for r in results]}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.output}")
+    return report
+
+
+__all__ = ["Bandwidth", "Roofline", "measure_bandwidth", "measure_matmul_flops",
+           "measure_roofline", "model_param_count", "matmul_param_count",
+           "flops_per_token", "weight_bytes", "machine_description"]

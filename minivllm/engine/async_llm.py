@@ -1,0 +1,219 @@
+"""``AsyncLLM``: the engine for an asyncio server, one async stream per request.
+
+    generate(prompt) ──tokenize──▶ EngineCoreClient ──pipe──▶ engine core (process)
+          ▲                                                      │
+          └── per-request queue ◀── output handler task ◀────────┘
+                                    (OutputProcessor: text, stop strings, metrics)
+
+The API process does the string work (chat template, tokenizer, incremental
+detokenizer, stop strings); the engine core sees token IDs only. One
+background task, the output handler, receives each iteration's
+``EngineCoreOutputs``, turns them into ``RequestOutput``s and puts each into
+the queue of the request it belongs to; ``generate`` just awaits its queue.
+
+A request is aborted (in the core too, so its KV blocks are freed) when its
+consumer stops iterating early: a client that disconnects cancels the task
+that iterates ``generate``, and the ``finally`` below does the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from typing import AsyncIterator, Optional
+
+from minivllm.config import EngineArgs, EngineConfig
+from minivllm.engine.core_client import EngineCoreClient, EngineDeadError
+from minivllm.engine.llm_engine import RequestBuilder
+from minivllm.engine.outputs import EngineCoreOutputs
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.request import RequestStatus
+from minivllm.engine.scheduler import SchedulerStats
+from minivllm.inputs import PromptType
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, in_process: bool = False,
+                 stat_logger=None) -> None:
+        self.config = config
+        # The core starts first: it loads the model in its own process while
+        # this one loads the tokenizer.
+        self.engine_core = EngineCoreClient(config, in_process=in_process)
+        try:
+            self.request_builder = RequestBuilder(config)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
+        self.tokenizer = self.request_builder.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_logger = stat_logger  # e.g. a PrometheusStatLogger, or None
+        self.scheduler_stats: Optional[SchedulerStats] = None  # latest snapshot
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.errored: Optional[BaseException] = None
+        self._output_handler: Optional[asyncio.Task] = None
+        self._shut_down = False
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, in_process: bool = False,
+                         stat_logger=None) -> "AsyncLLM":
+        return cls(args.create_engine_config(), in_process, stat_logger)
+
+    # -- state -------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self.errored is None and not self.engine_core.dead
+
+    @property
+    def num_blocks(self) -> int:
+        return self.engine_core.ready.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def _check_running(self) -> None:
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine stopped: {self.errored}")
+        if self.engine_core.dead:
+            raise EngineDeadError(self.engine_core.dead_reason)
+
+    def start(self) -> None:
+        """Start the output handler; needs a running event loop (idempotent)."""
+        if self._output_handler is None:
+            self.engine_core.start()
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="minivllm-output-handler")
+
+    # -- requests ------------------------------------------------------------------
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (of ``sampling_params.output_kind``) as they come.
+
+        Bad input (too long, bad token IDs, a chat template error) raises
+        ``ValueError`` before anything is queued; a dead engine raises
+        ``EngineDeadError``.
+        """
+        self.start()
+        queue = self._add_request(prompt, sampling_params, request_id)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:  # cancelled, or the consumer stopped early
+                self.abort(request_id)
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams,
+                     request_id: str) -> asyncio.Queue:
+        self._check_running()
+        if request_id in self.queues:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        arrival_time = time.monotonic()
+        text, token_ids = self.request_builder.tokenize(prompt)
+        self.request_builder.input_processor.check_length(len(token_ids), params)
+        child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
+                                                      arrival_time)
+        requests = self.request_builder.build(child_ids, token_ids, params, arrival_time)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        try:
+            self.engine_core.add_requests(requests)
+        except EngineDeadError:
+            self.queues.pop(request_id, None)
+            self.output_processor.abort_request(request_id)
+            raise
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request here and in the core (its KV blocks are freed)."""
+        child_ids = self.output_processor.child_ids(request_id)
+        if not child_ids:
+            return  # finished or unknown
+        last = self.output_processor.abort_request(request_id)
+        if last is not None:
+            self._record_finished(last)
+            queue = self.queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(last)  # an external abort ends the stream, too
+        try:
+            self.engine_core.abort_requests(child_ids)
+        except EngineDeadError:
+            pass  # nothing left to free
+
+    # -- the output handler -----------------------------------------------------------
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                self._process(await self.engine_core.get_output())
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._fail_all(e)
+        except Exception as e:  # a bug here must fail requests, not hang them
+            traceback.print_exc()
+            self.errored = e
+            self._fail_all(EngineDeadError(f"the output handler failed: {e!r}"))
+
+    def _process(self, batch: EngineCoreOutputs) -> None:
+        for child_id, reason in batch.rejected.items():
+            self._reject(child_id, reason)
+        outputs, stopped = self.output_processor.process_outputs(batch.outputs)
+        if stopped:  # a stop string matched: the core can free those requests now
+            self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if batch.scheduler_stats is not None:
+            self.scheduler_stats = batch.scheduler_stats
+        if self.stat_logger is not None:
+            if batch.scheduler_stats is not None:
+                self.stat_logger.record_scheduler_stats(batch.scheduler_stats)
+            self.stat_logger.record_generation_tokens(
+                sum(len(o.new_token_ids) for o in batch.outputs))
+        for out in outputs:
+            if out.finished:
+                self._record_finished(out)
+            queue = self.queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _reject(self, child_id: str, reason: str) -> None:
+        parent_id = self.output_processor.child_to_parent.get(child_id)
+        if parent_id is None:
+            return
+        siblings = [c for c in self.output_processor.child_ids(parent_id) if c != child_id]
+        self.output_processor.abort_request(parent_id)
+        if siblings:  # n > 1: the others were accepted but are useless alone
+            try:
+                self.engine_core.abort_requests(siblings)
+            except EngineDeadError:
+                pass
+        queue = self.queues.get(parent_id)
+        if queue is not None:
+            queue.put_nowait(ValueError(reason))
+
+    def _record_finished(self, out: RequestOutput) -> None:
+        if self.stat_logger is not None and out.metrics is not None:
+            self.stat_logger.record_finished_request(out.metrics,
+                                                     out.outputs[0].finish_reason or "abort")
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, queue in list(self.queues.items()):
+            self.output_processor.abort_request(request_id)
+            queue.put_nowait(error)
+
+    # -- shutting down -------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine core; idempotent (the server calls it on two paths)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+        self.engine_core.shutdown()
+        self._fail_all(EngineDeadError("the engine was shut down"))

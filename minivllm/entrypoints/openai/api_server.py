@@ -1,0 +1,311 @@
+"""``minivllm serve``: an OpenAI-compatible HTTP server with a demo page.
+
+    client ──HTTP──▶ FastAPI app (this process) ──AsyncLLM──▶ engine core (own process)
+                     tokenize, detokenize, stream           schedule, forward, sample
+
+Routes:
+    POST /v1/chat/completions, /v1/completions   streaming (SSE) or not
+    GET  /v1/models                              the one served model
+    GET  /health, /version                       503 from /health when the engine is dead
+    GET  /metrics                                Prometheus text format
+    GET  /stats                                  JSON snapshot for the demo page (and tests)
+    GET  /                                       the demo page
+
+Every error has OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``. With ``--api-key`` the ``/v1`` routes need ``Authorization:
+Bearer <key>``. A client that disconnects aborts its request in the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import signal
+import socket
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Awaitable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import minivllm
+from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.core_client import EngineDeadError
+from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletionRequest,
+                                                  CompletionRequest, ModelCard, ModelList)
+from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
+from minivllm.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
+
+STATIC_DIR = Path(__file__).parent / "static"
+# Streams still open at shutdown get this long to finish before they are cut.
+GRACEFUL_SHUTDOWN_S = 2
+
+
+# -- errors in OpenAI's shape ---------------------------------------------------------
+def error_response(status: int, message: str, err_type: str, param: Optional[str] = None,
+                   code: Optional[str | int] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, param, code), status_code=status)
+
+
+def _describe_validation_error(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    """('field: what is wrong', 'field') from pydantic's list of errors."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None
+    # loc is ('body', field, ...); union branches add type names like 'list[int]'.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)
+           and p not in ("str", "int", "float", "bool")]
+    field = ".".join(loc) or None
+    message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
+    if field and "input" in first and first["type"] != "missing":
+        message += f" (got {json.dumps(first['input'], default=str)[:100]})"
+    if len(errors) > 1 and not any("[" in str(p) for p in first.get("loc", ())):
+        message += f" (and {len(errors) - 1} more error(s))"
+    return message, field
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        message, field = _describe_validation_error(exc)
+        return error_response(400, message, "invalid_request_error", field)
+
+    @app.exception_handler(BadRequestError)
+    async def bad_request(_, exc: BadRequestError):
+        return error_response(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def model_not_found(_, exc: ModelNotFoundError):
+        return error_response(404, str(exc), "invalid_request_error", "model",
+                              "model_not_found")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_, exc: EngineDeadError):
+        return error_response(503, str(exc), "service_unavailable_error", code=503)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, str(exc.detail), err_type,
+                              code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                              "server_error", code=500)
+
+
+# -- the API key -----------------------------------------------------------------------
+class APIKeyMiddleware:
+    """Plain ASGI: checks the bearer token of ``/v1`` requests before anything else."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # compare_digest: the time taken does not reveal how much matched.
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "missing or wrong API key: send "
+                                          "'Authorization: Bearer <key>'",
+                                          "invalid_request_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- client disconnects ------------------------------------------------------------------
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnected(request: Request, work: Awaitable):
+    """Run ``work``; if the client goes away first, cancel it (aborting its requests).
+
+    A streaming response is covered by Starlette itself once it starts; this
+    covers the time before: a non-streaming generation, or the wait for a
+    stream's first token.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # the client is gone (or we are): stop the work
+    if task.cancelled():
+        return Response(status_code=499)  # nobody will read this
+    return task.result()
+
+
+def _respond(result) -> Response:
+    if hasattr(result, "__aiter__"):
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    if isinstance(result, Response):
+        return result
+    return JSONResponse(result.model_dump())
+
+
+# -- the app ------------------------------------------------------------------------------
+def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
+              stat_logger: Optional[PrometheusStatLogger] = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="minivllm", version=minivllm.__version__, lifespan=lifespan)
+    add_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    chat = OpenAIServingChat(engine, model_name)
+    completion = OpenAIServingCompletion(engine, model_name)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return _respond(await run_until_disconnected(
+            request, chat.create_chat_completion(body)))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        return _respond(await run_until_disconnected(
+            request, completion.create_completion(body)))
+
+    @app.get("/v1/models")
+    async def list_models():
+        card = ModelCard(id=model_name, root=engine.config.model.path,
+                         max_model_len=engine.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return error_response(503, engine.engine_core.dead_reason or "engine stopped",
+                                  "service_unavailable_error", code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": minivllm.__version__})
+
+    @app.get("/metrics")
+    async def metrics():
+        body = stat_logger.render() if stat_logger is not None else b""
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/stats")
+    async def stats():
+        return JSONResponse(engine_stats(engine, model_name))
+
+    @app.get("/")
+    async def index():
+        return FileResponse(STATIC_DIR / "index.html")
+
+    return app
+
+
+def engine_stats(engine: AsyncLLM, model_name: str) -> dict:
+    """What the demo page shows live; also how tests see the KV cache from outside."""
+    s = engine.scheduler_stats
+    usage = s.kv_cache_usage if s is not None else 0.0
+    return {
+        "model": model_name,
+        "engine_alive": engine.is_running,
+        "engine_pid": engine.engine_core.pid,
+        "max_model_len": engine.max_model_len,
+        "num_requests_running": s.num_running_reqs if s is not None else 0,
+        "num_requests_waiting": s.num_waiting_reqs if s is not None else 0,
+        "kv_cache_usage_perc": usage,
+        "num_blocks": engine.num_blocks,
+        # usage = 1 - free / total, so this is exact for any real block count.
+        "num_free_blocks": round((1.0 - usage) * engine.num_blocks),
+        "num_preemptions": s.num_preemptions if s is not None else 0,
+    }
+
+
+# -- command line -----------------------------------------------------------------------
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on (default: localhost only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 routes")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the model argument)")
+    g.add_argument("--inprocess", action="store_true",
+                   help="run the engine core in this process (a thread), for debugging")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model: a taken port fails in a second, not a minute."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)  # unwinds through every `finally`: the engine core is stopped
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from minivllm.entrypoints.cli import engine_args_from
+    from minivllm.model.loader import DEFAULT_MODEL_NAME
+
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        raise ValueError(f"model given twice: MODEL={ns.model_tag!r} and "
+                         f"--model={ns.model!r}; give one")
+    ns.model = ns.model_tag or ns.model
+    config = engine_args_from(ns).create_engine_config()
+    model_name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
+    sock = _bind(ns.host, ns.port)
+    # uvicorn handles SIGTERM while serving; this covers the model loading before.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    engine = None
+    try:
+        stat_logger = PrometheusStatLogger(model_name)
+        engine = AsyncLLM(config, in_process=ns.inprocess, stat_logger=stat_logger)
+        app = build_app(engine, model_name, ns.api_key, stat_logger)
+        print(f"minivllm: serving {model_name} on http://{ns.host}:{ns.port} "
+              f"(engine core {'in process' if ns.inprocess else f'pid {engine.engine_core.pid}'})",
+              flush=True)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+        signal.signal(signal.SIGTERM, previous)
+    return 0

@@ -1,0 +1,15 @@
+"""Plotly figure builders for the book: one concept per module.
+
+The chapters call these and never build figures inline, so every figure's
+logic is unit-tested through ``fig.data`` / ``fig.layout`` (tests/test_viz*.py).
+Import from the module that owns the concept::
+
+    from minivllm.viz.timeline import request_timeline     # a request's life
+    from minivllm.viz.tokens import token_boundaries       # token pieces, coloured
+    from minivllm.viz.heatmap import attention_heatmap     # who attends to whom
+    from minivllm.viz.bars import topk_bars, lines         # probabilities, trends
+    from minivllm.viz.export import save_key_figure        # `make figures`
+
+plotly is an optional dependency (``pip install minivllm[book]``): importing
+this package needs nothing, importing a builder module needs plotly.
+"""

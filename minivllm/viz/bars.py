@@ -1,0 +1,83 @@
+"""Bars and lines: next-token probabilities, shares of a whole, trends.
+
+- ``topk_bars``: the most likely next tokens with their probabilities.
+- ``component_bars``: a quantity split over named parts (parameters per
+  component, bytes per token), each bar labelled with its value and share.
+- ``line_chart``: one line per series over a common x (step time vs context
+  length, error per layer).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional, Sequence
+
+import plotly.graph_objects as go
+
+from minivllm.viz.labels import unique_labels, visible
+
+
+def topk_bars(labels: Sequence[str], probs: Sequence[float],
+              title: str = "Next-token probabilities",
+              chosen: Optional[int] = None) -> go.Figure:
+    """Horizontal bars, most likely on top; ``chosen`` (an index) is drawn highlighted."""
+    if len(labels) != len(probs):
+        raise ValueError(f"labels has {len(labels)} entries and probs {len(probs)}: "
+                         f"give one label per probability")
+    if not probs:
+        raise ValueError("probs is empty: nothing to draw")
+    bad = [p for p in probs if not 0.0 <= p <= 1.0]
+    if bad:
+        raise ValueError(f"probs contains {bad[:3]}: probabilities must be in [0, 1]")
+    if chosen is not None and not 0 <= chosen < len(probs):
+        raise ValueError(f"chosen={chosen} is out of range [0, {len(probs)})")
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    names = unique_labels([visible(labels[i]) for i in order])
+    colors = ["crimson" if i == chosen else "#3182bd" for i in order]
+    fig = go.Figure(go.Bar(
+        orientation="h", y=names, x=[probs[i] for i in order], marker_color=colors,
+        text=[f"{probs[i]:.1%}" for i in order], textposition="outside",
+        hovertemplate="%{y}: %{x:.4f}<extra></extra>"))
+    fig.update_layout(title=title, height=120 + 28 * len(order),
+                      xaxis=dict(title="probability", range=[0, min(1.0, max(probs) * 1.2)]),
+                      yaxis=dict(autorange="reversed"), margin=dict(l=10, r=10, t=50, b=10))
+    return fig
+
+
+def component_bars(parts: Mapping[str, float], title: str, unit: str = "",
+                   fmt: Optional[Callable[[float], str]] = None,
+                   show_share: bool = True, sort: bool = True) -> go.Figure:
+    """One horizontal bar per named part; text = value (and its share of the total)."""
+    if not parts:
+        raise ValueError("parts is empty: nothing to draw")
+    negative = {k: v for k, v in parts.items() if v < 0}
+    if negative:
+        raise ValueError(f"parts has negative values {negative}: bars show amounts >= 0")
+    fmt = fmt or (lambda v: f"{v:,.0f}")
+    items = sorted(parts.items(), key=lambda kv: -kv[1]) if sort else list(parts.items())
+    total = sum(parts.values())
+    text = [fmt(v) + (f" ({v / total:.1%})" if show_share and total else "")
+            for _, v in items]
+    fig = go.Figure(go.Bar(
+        orientation="h", y=[k for k, _ in items], x=[v for _, v in items], text=text,
+        textposition="auto", marker_color="#3182bd",
+        hovertemplate="%{y}: %{x:,}" + (f" {unit}" if unit else "") + "<extra></extra>"))
+    fig.update_layout(title=title, height=120 + 34 * len(items),
+                      xaxis_title=unit or None, yaxis=dict(autorange="reversed"),
+                      margin=dict(l=10, r=10, t=50, b=10))
+    return fig
+
+
+def line_chart(x: Sequence[float], series: Mapping[str, Sequence[float]], title: str,
+               x_title: str, y_title: str, log_y: bool = False) -> go.Figure:
+    """One line with markers per series, all over the same ``x``."""
+    if not series:
+        raise ValueError("series is empty: give at least one line")
+    for name, ys in series.items():
+        if len(ys) != len(x):
+            raise ValueError(f"series {name!r} has {len(ys)} points for {len(x)} x values")
+    fig = go.Figure([go.Scatter(name=name, x=list(x), y=list(ys), mode="lines+markers")
+                     for name, ys in series.items()])
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title,
+                      yaxis_type="log" if log_y else "linear", height=450,
+                      margin=dict(l=10, r=10, t=50, b=10))
+    return fig

@@ -1,0 +1,507 @@
+"""Tensor parallelism: the engine process is rank 0, worker processes are ranks 1..N-1.
+
+Every rank holds 1/N of each weight matrix and 1/N of the KV heads (see
+``model/layers/linear.py``). The engine process schedules and samples; the
+workers only run the model:
+
+    engine process, rank 0                     worker process, rank r
+    ──────────────────────                     ──────────────────────
+    schedule, prepare_inputs                   wait for the next command
+    broadcast Command("forward", inputs) ───▶  receive the same StepInputs
+    forward: 2 all-reduces per layer     ◀──▶  forward: the same all-reduces
+    gather the logits                    ◀───  send its vocabulary slice
+    sample
+
+Two process groups join the ranks. The default group (gloo on CPU, NCCL on
+CUDA) carries the model's collectives and replies, with a timeout
+(``MINIVLLM_TP_TIMEOUT`` seconds, default 300), so a stuck rank becomes an
+error. A second, gloo-only "control" group carries the commands; it has no
+practical timeout, because a worker waits on it for as long as the engine
+sits idle.
+
+Rendezvous is by environment, as with ``torchrun``: ``MASTER_ADDR``,
+``MASTER_PORT`` (a free port when unset), ``WORLD_SIZE`` (must equal
+``tensor_parallel_size``) and ``LOCAL_WORLD_SIZE``, the ranks on the engine's
+host (default: all). The engine starts the local ranks itself, with the same
+command that starts ranks on another host::
+
+    RANK=2 WORLD_SIZE=4 MASTER_ADDR=host-a MASTER_PORT=29500 \\
+        python -m minivllm.worker.distributed
+
+Life cycle: workers exit when told (``shutdown``), when the engine object is
+garbage collected or the interpreter exits (a finalizer), when the engine
+process dies (they watch their parent), and when any collective fails. The
+engine checks its workers before each step and names a dead one in its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from minivllm.config import EngineConfig
+from minivllm.engine.sched_output import SchedulerOutput
+from minivllm.model.layers.parallel import check_tensor_parallel_sizes
+
+TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+# Workers wait for the next command for as long as the engine sits idle.
+IDLE_TIMEOUT = timedelta(days=365)
+CONFIG_KEY = "minivllm/engine_config"
+
+
+def step_timeout() -> timedelta:
+    """How long one collective may wait for the other ranks."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is invalid: must be a number of seconds > 0")
+    return timedelta(seconds=seconds)
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    """CPU ranks share the CPU; CUDA ranks on one host take one GPU each."""
+    return torch.device("cpu") if device == "cpu" else torch.device("cuda", local_rank)
+
+
+def init_process_groups(store: dist.Store, rank: int, world_size: int,
+                        device: torch.device) -> dist.ProcessGroup:
+    """The default group for the model; returns the gloo control group for commands."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=step_timeout())
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+# ---------------------------------------------------------------------------
+# Messages: rank 0 broadcasts a Command; workers answer by gathering replies
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Command:
+    name: str  # "determine_num_blocks" | "initialize_kv_cache" | "forward" | "stop"
+    payload: Any = None
+
+
+@dataclass
+class WorkerError:
+    """A worker's reply when the command raised: its rank and traceback."""
+
+    rank: int
+    traceback: str
+
+
+def broadcast_command(command: Optional[Command], control: dist.ProcessGroup) -> Command:
+    box = [command]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def gather_replies(value: Any) -> Optional[list]:
+    """Every rank's ``value``, in rank order, on rank 0 (None elsewhere)."""
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
+def step_inputs_to(obj, device: torch.device | str):
+    """A copy of a StepInputs (or any dataclass of tensors) with every tensor on ``device``."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = value.to(device)
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = step_inputs_to(value, device)
+    return dataclasses.replace(obj, **changes)
+
+
+# ---------------------------------------------------------------------------
+# Worker side: ranks 1..N-1
+# ---------------------------------------------------------------------------
+
+def run_worker(rank: int, world_size: int, master_addr: str, master_port: int,
+               local_rank: int) -> None:
+    """Join the group, load this rank's shards, then serve commands until "stop"."""
+    from minivllm.worker.model_runner import ModelRunner
+
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                          timeout=step_timeout())
+    config: EngineConfig = pickle.loads(store.get(CONFIG_KEY))
+    device = rank_device(config.device, local_rank)
+    store.set(f"minivllm/joined/{rank}", str(os.getpid()))
+    control = init_process_groups(store, rank, world_size, device)
+    try:  # every rank loads its own shards; rank 0 waits for all of them
+        runner, ready = ModelRunner(dataclasses.replace(config, device=str(device))), True
+    except Exception:
+        runner, ready = None, WorkerError(rank, traceback.format_exc())
+    gather_replies(ready)
+    if runner is None:
+        raise SystemExit(1)  # rank 0 reports the traceback
+    while True:
+        try:
+            command = broadcast_command(None, control)
+        except dist.DistError as exc:  # the engine is gone
+            print(f"minivllm TP rank {rank}: lost the engine ({str(exc).splitlines()[0]}); "
+                  f"exiting", file=sys.stderr)
+            raise SystemExit(1)
+        if command.name == "stop":
+            break
+        if command.name == "forward":
+            runner.forward(step_inputs_to(command.payload, runner.device))
+        elif command.name == "determine_num_blocks":
+            _reply(rank, runner.determine_num_blocks)
+        elif command.name == "initialize_kv_cache":
+            _reply(rank, lambda: runner.initialize_kv_cache(command.payload))
+        else:
+            raise RuntimeError(f"rank {rank}: unknown command {command.name!r}")
+    dist.destroy_process_group()
+
+
+def _reply(rank: int, fn) -> None:
+    """Run ``fn`` and send rank 0 its result, or the error if it raised."""
+    try:
+        reply = fn()
+    except Exception:
+        reply = WorkerError(rank, traceback.format_exc())
+    gather_replies(reply)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit when the engine that started us dies, even mid-collective (e.g. kill -9)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minivllm-parent-watch", daemon=True).start()
+
+
+# ---------------------------------------------------------------------------
+# Engine side: rank 0
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Rendezvous:
+    master_addr: str
+    master_port: int  # 0: let the store pick a free port
+    world_size: int
+    local_world_size: int  # ranks 0 .. local_world_size-1 run on this host
+
+    @staticmethod
+    def from_env(tp: int) -> "Rendezvous":
+        env = os.environ
+        for name, want in (("WORLD_SIZE", tp), ("RANK", 0)):
+            if env.get(name, str(want)) != str(want):
+                raise ValueError(f"environment variable {name}={env[name]!r} conflicts with "
+                                 f"tensor_parallel_size={tp}: the engine is rank 0 of {tp}")
+        local = _env_int("LOCAL_WORLD_SIZE")
+        local = tp if local is None else local
+        if not 1 <= local <= tp:
+            raise ValueError(f"environment variable LOCAL_WORLD_SIZE={local} is invalid: "
+                             f"must be in [1, tensor_parallel_size={tp}]")
+        if local < tp and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+            raise ValueError(f"LOCAL_WORLD_SIZE={local} < tensor_parallel_size={tp}: ranks "
+                             f"on other hosts need MASTER_ADDR and MASTER_PORT set to an "
+                             f"address and port of this host that they can reach")
+        return Rendezvous(env.get("MASTER_ADDR", "127.0.0.1"),
+                          _env_int("MASTER_PORT") or 0, tp, local)
+
+
+def _describe_exit(rank: int, proc: subprocess.Popen) -> str:
+    code = proc.returncode
+    how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
+           else f"exited with code {code}" + (" (its error is printed above)" if code else ""))
+    return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
+
+
+class WorkerGroup:
+    """Rank 0's handle on the other ranks: start them, talk to them, stop them."""
+
+    def __init__(self, config: EngineConfig, rdzv: Rendezvous) -> None:
+        self.rdzv = rdzv
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.control: Optional[dist.ProcessGroup] = None
+        self.closed = False
+        # The rendezvous point: rank 0 serves a key-value store that every rank
+        # connects to; it hands out the engine config before the groups exist.
+        self.store = dist.TCPStore(rdzv.master_addr, rdzv.master_port, rdzv.world_size,
+                                   is_master=True, wait_for_workers=False,
+                                   timeout=step_timeout())
+        self.port = self.store.port
+        self.store.set(CONFIG_KEY, pickle.dumps(config))
+
+    def start(self) -> None:
+        """Start the ranks of this host (1 .. LOCAL_WORLD_SIZE-1)."""
+        for rank in range(1, self.rdzv.local_world_size):
+            self.procs[rank] = self._spawn(rank)
+
+    def _spawn(self, rank: int) -> subprocess.Popen:
+        # A fresh interpreter running the same command as a rank on another
+        # host. Unlike a multiprocessing child it does not re-import the
+        # user's __main__ (a script needs no `if __name__ == "__main__"`),
+        # and it can be started from a daemonic process. Its own session
+        # keeps a terminal's Ctrl-C for the engine, which stops it itself.
+        env = dict(os.environ, MASTER_ADDR=self.rdzv.master_addr, MASTER_PORT=str(self.port),
+                   RANK=str(rank), WORLD_SIZE=str(self.rdzv.world_size), LOCAL_RANK=str(rank))
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root,
+                                                          env.get("PYTHONPATH")]))
+        threads = max(1, (os.cpu_count() or 1) // self.rdzv.local_world_size)
+        cmd = [sys.executable, "-m", "minivllm.worker.distributed",
+               "--threads", str(threads), "--parent-pid", str(os.getpid())]
+        return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def join(self, device: torch.device) -> None:
+        """Wait until every rank has connected, then form the process groups."""
+        deadline = time.monotonic() + step_timeout().total_seconds()
+        missing = list(range(1, self.rdzv.world_size))
+        while missing:
+            self.raise_if_dead("while starting")
+            missing = [r for r in missing if not self.store.check([f"minivllm/joined/{r}"])]
+            if missing and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor-parallel ranks {missing} did not join within "
+                    f"{step_timeout().total_seconds():.0f} s ({TIMEOUT_ENV}). Start each "
+                    f"on its host with: RANK=<rank> WORLD_SIZE={self.rdzv.world_size} "
+                    f"MASTER_ADDR={self.rdzv.master_addr} MASTER_PORT={self.port} "
+                    f"python -m minivllm.worker.distributed")
+            time.sleep(0.05)
+        self.control = init_process_groups(self.store, 0, self.rdzv.world_size, device)
+
+    def send(self, command: Command) -> None:
+        broadcast_command(command, self.control)
+
+    def dead_workers(self, wait_s: float = 0.0) -> list[str]:
+        """Local workers that have exited, waiting up to ``wait_s`` for one to show."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [_describe_exit(rank, proc) for rank, proc in self.procs.items()
+                    if proc.poll() is not None]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
+    def raise_if_dead(self, when: str) -> None:
+        dead = self.dead_workers()
+        if dead:
+            raise RuntimeError(f"{'; '.join(dead)} {when}")
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every worker; idempotent. ``graceful`` first asks them to stop."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and self.control is not None and not self.dead_workers():
+            try:
+                self.send(Command("stop"))
+            except Exception:  # a worker died meanwhile: the terminations below suffice
+                graceful = False
+        for proc in self.procs.values():
+            _stop_process(proc, grace_s=10.0 if graceful else 0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.control = self.store = None
+
+
+def _stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    for action, wait_s in ((None, grace_s), (proc.terminate, 5.0), (proc.kill, 5.0)):
+        if action is not None:
+            action()
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class TPExecutor:
+    """The executor interface over N ranks; this process is rank 0."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from minivllm.worker.model_runner import ModelRunner
+
+        tp = config.parallel.tensor_parallel_size
+        check_tensor_parallel_sizes(config.model, tp)  # before any process starts
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(
+                f"torch.distributed is already initialised in this process (world size "
+                f"{dist.get_world_size()}): one tensor-parallel engine per process. Shut "
+                f"the other one down first (llm.shutdown()).")
+        rdzv = Rendezvous.from_env(tp)
+        device = rank_device(config.device, 0)
+        if device.type == "cuda" and torch.cuda.device_count() < rdzv.local_world_size:
+            raise ValueError(f"tensor_parallel_size={tp} needs {rdzv.local_world_size} GPUs "
+                             f"on this host, found {torch.cuda.device_count()}")
+        self.config = config
+        self.broadcast_seconds = 0.0
+        self.workers = WorkerGroup(config, rdzv)
+        # Stop the workers when this object is collected or at interpreter exit.
+        self._finalizer = weakref.finalize(self, self.workers.close)
+        with self._collective("while loading the model"):
+            self.workers.start()
+            self.workers.join(device)
+            # Every rank loads its own shards at the same time.
+            self.runner = ModelRunner(dataclasses.replace(config, device=str(device)))
+            self._check_replies(gather_replies(True))
+
+    # -- the executor interface ----------------------------------------------
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit on every rank: each sizes its own share, rank 0 takes the least.
+
+        A block holds this rank's KV heads only (``kv_block_bytes`` is per
+        rank), and ``kv_cache_memory_bytes`` is a per-rank budget. Ranks with
+        the same budget agree; on CUDA the free memory may differ per GPU.
+        """
+        with self._collective("while sizing the KV cache"):
+            self.workers.send(Command("determine_num_blocks"))
+            counts = gather_replies(self.runner.determine_num_blocks())
+            self._check_replies(counts)
+        return min(counts)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        with self._collective("while allocating the KV cache"):
+            self.workers.send(Command("initialize_kv_cache", num_blocks))
+            self.runner.initialize_kv_cache(num_blocks)
+            self._check_replies(gather_replies(True))
+
+    def execute_model(self, scheduler_output: SchedulerOutput):
+        self._check_alive()
+        self.broadcast_seconds = 0.0
+        out = self.runner.execute_model(scheduler_output, forward_fn=self._forward)
+        if out.timings:
+            out.timings["broadcast"] = self.broadcast_seconds
+        return out
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # -- internals -----------------------------------------------------------
+    def _forward(self, inputs):
+        """Ship the step's inputs to every rank, then run rank 0's share."""
+        with self._collective("during a forward step"):
+            start = time.perf_counter()
+            self.workers.send(Command("forward", step_inputs_to(inputs, "cpu")))
+            self.broadcast_seconds = time.perf_counter() - start
+            return self.runner.forward(inputs)
+
+    @contextmanager
+    def _collective(self, when: str):
+        """Code between a command and its last collective.
+
+        A failure here leaves the ranks out of step, so the group is stopped;
+        a dead worker is named, anything else propagates as it was.
+        """
+        self._check_alive()
+        try:
+            yield
+        except BaseException as exc:
+            # A worker that died shows up here as a broken connection; give
+            # its exit status a moment to become visible.
+            dead = self.workers.dead_workers(wait_s=2.0 if isinstance(exc, dist.DistError)
+                                             else 0.0)
+            self.workers.close(graceful=False)
+            if dead and isinstance(exc, Exception):
+                raise RuntimeError(f"{'; '.join(dead)} {when}; the engine cannot go "
+                                   f"on") from exc
+            if isinstance(exc, dist.DistError):
+                raise RuntimeError(f"a tensor-parallel collective failed {when} (timeout "
+                                   f"{TIMEOUT_ENV}={step_timeout().total_seconds():.0f} s): "
+                                   f"{exc}") from exc
+            raise
+
+    def _check_alive(self) -> None:
+        if self.workers.closed:
+            raise RuntimeError("the tensor-parallel workers have been stopped (after "
+                               "shutdown() or a failure); create a new engine")
+        dead = self.workers.dead_workers()
+        if dead:
+            self.workers.close(graceful=False)
+            raise RuntimeError(f"{'; '.join(dead)}; the engine cannot go on")
+
+    @staticmethod
+    def _check_replies(replies: list) -> None:
+        for reply in replies:
+            if isinstance(reply, WorkerError):
+                raise RuntimeError(f"tensor-parallel rank {reply.rank} failed:\n"
+                                   f"{reply.traceback}")
+
+
+# ---------------------------------------------------------------------------
+# `python -m minivllm.worker.distributed`: one worker rank, here or on another host
+# ---------------------------------------------------------------------------
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name, "").strip()
+    try:
+        return int(value) if value else None
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is invalid: "
+                         f"must be an integer") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m minivllm.worker.distributed",
+        description="Start one tensor-parallel worker rank. The engine (rank 0) sends "
+                    "it the engine configuration; the model path must exist here too. "
+                    "Each flag defaults to the environment variable in capitals.")
+    p.add_argument("--rank", type=int, default=_env_int("RANK"))
+    p.add_argument("--world-size", type=int, default=_env_int("WORLD_SIZE"))
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"))
+    p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"))
+    p.add_argument("--local-rank", type=int, default=_env_int("LOCAL_RANK"),
+                   help="which GPU of this host (default: rank modulo the GPU count)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    for flag in ("rank", "world_size", "master_addr", "master_port"):
+        if getattr(ns, flag) is None:
+            parser.error(f"--{flag.replace('_', '-')} (or {flag.upper()}) is required")
+    if not 1 <= ns.rank < ns.world_size:
+        parser.error(f"--rank={ns.rank} is invalid: workers are ranks 1..{ns.world_size - 1} "
+                     f"(rank 0 is the engine)")
+    if ns.parent_pid is not None:
+        _exit_with_parent(ns.parent_pid)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    local_rank = ns.local_rank
+    if local_rank is None:
+        local_rank = ns.rank % max(1, torch.cuda.device_count())
+    run_worker(ns.rank, ns.world_size, ns.master_addr, ns.master_port, local_rank)
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, not this __main__ copy, so that pickled
+    # classes (Command, EngineConfig) resolve to one set of definitions.
+    from minivllm.worker.distributed import main as _main
+
+    sys.exit(_main())
