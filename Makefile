@@ -59,7 +59,7 @@ test-book: notebooks
 serve: setup
 	$(VENV)/bin/minivllm serve
 
-figures: setup
+figures: setup sysdeps
 	$(PY) -m minivllm.viz.export figures
 
 bench: setup

@@ -27,9 +27,11 @@
 # - the same request inside the engine, drawn as a timeline: tokenize, queue, prefill,
 #   every decode step, detokenize, with TTFT and the inter-token gaps marked.
 #
-# The chapter follows the seed article "vLLM 推理原理（一）：从一条 HTTP 请求，到第一个
-# 输出 token": its eight sections are the headings below. Later chapters open each
-# stage up; this one shows the whole path once.
+# The chapter tells the story of the seed article "vLLM 推理原理（一）：从一条 HTTP
+# 请求，到第一个输出 token" in its order: where the engine sits, messages becoming
+# numbers, the request and its processes, prefill, decode, the forward pass, and the
+# latency numbers. Later chapters open each stage up; this one shows the whole path
+# once.
 
 # %%
 import atexit
@@ -194,13 +196,35 @@ client_view = request_timeline(
 client_view
 
 # %% [markdown]
-# ## 4. What the server measured
+# ## 4. Who does what: API server and engine core
 #
-# The server keeps its own books in Prometheus format at `/metrics`. Its clock starts
-# when the request reaches the engine's input processing and stops when a token leaves
-# the engine core; ours also includes the HTTP round trip and turning tokens into JSON
-# events. This was the server's only request, so each histogram's sum is this
-# request's value.
+# `minivllm serve` runs two processes. The **API server** (FastAPI) receives requests,
+# applies the chat template, tokenizes, detokenizes and streams. The **engine core**
+# owns the scheduler, the KV cache and the model (the "worker" part: it prepares the
+# batch, runs the forward pass and samples). It runs one loop,
+#
+# ```
+# while there is work:  schedule  ->  run the model once (forward + sample)  ->  update
+# ```
+#
+# and the two processes exchange messages. `/stats` tells us the engine core's
+# process ID:
+
+# %%
+import json
+
+stats = json.loads(urllib.request.urlopen(base + "/stats").read())
+engine_pid = stats["engine_pid"]
+print(f"API server pid {server.pid}, engine core pid {engine_pid}")
+assert engine_pid != server.pid
+os.kill(engine_pid, 0)  # raises if there is no such process
+
+# %% [markdown]
+# The server also keeps its own books, in Prometheus format at `/metrics`. Its clock
+# starts when the request reaches the API server's input processing and stops when a
+# token leaves the engine core; the client's clock also includes the HTTP round trip
+# and the JSON events. This was the server's only request, so each histogram's sum is
+# this request's value.
 
 # %%
 metrics_text = urllib.request.urlopen(base + "/metrics").read().decode()
@@ -227,28 +251,6 @@ assert scrape("prompt_tokens_total") == usage.prompt_tokens
 assert scrape("generation_tokens_total") == usage.completion_tokens
 
 # %% [markdown]
-# ## 5. Who does what: API server, engine core, worker
-#
-# `minivllm serve` runs two processes. The **API server** (FastAPI) receives requests,
-# applies the chat template, tokenizes, detokenizes and streams. The **engine core**
-# owns the scheduler, the KV cache and the model; it runs the loop
-#
-# ```
-# while there is work:  schedule  ->  run the model once (forward + sample)  ->  update
-# ```
-#
-# and the two exchange messages. `/stats` tells us the engine core's process ID:
-
-# %%
-import json
-
-stats = json.loads(urllib.request.urlopen(base + "/stats").read())
-engine_pid = stats["engine_pid"]
-print(f"API server pid {server.pid}, engine core pid {engine_pid}")
-assert engine_pid != server.pid
-os.kill(engine_pid, 0)  # raises if there is no such process
-
-# %% [markdown]
 # We have what we need from the server. Stop it the way Ctrl-C would, and check that
 # both processes are gone.
 
@@ -269,11 +271,12 @@ print("server exit code", server.returncode)
 assert server.returncode is not None and not process_exists(engine_pid)
 
 # %% [markdown]
-# ## 6. The same request, inside the engine
+# ## 5. Prefill: the whole prompt in one step
 #
-# The notebook's own engine is the same code the server's engine core runs. We feed it
-# the same messages and drive it one step at a time, noting when each step returns. The
-# step trace (`LLM(trace=True)`) records what every step scheduled and how long it took.
+# To see inside, replay the request on the notebook's own engine: the same code the
+# server's engine core runs. We feed it the same messages and drive its loop one step
+# at a time. The step trace (`LLM(trace=True)`) records what every step scheduled and
+# how long each stage took.
 
 # %%
 engine = llm.llm_engine
@@ -293,23 +296,35 @@ print(repr(final.outputs[0].text))
 assert final.outputs[0].text == http_text  # the same answer the server streamed
 
 # %% [markdown]
-# ## 7. Prefill, then one decode step per token
-#
-# The first step computed every prompt token at once (prefill) and sampled the first
-# output token from the last position. Each later step computed exactly one token: the
-# one sampled before it, its keys and values added to the KV cache (chapter 4).
+# The first step computed every prompt token at once. The prompt is known in full, and
+# under the causal mask each position only looks at earlier ones, so one forward pass
+# handles them all; the last position's scores give the first output token.
 
 # %%
 scheduled = [r.scheduled[request_id] for r in records]
-print("tokens per step:", [n for n, _ in scheduled])
+print("tokens computed per step:", [n for n, _ in scheduled])
 assert len(records) == len(step_ends)  # one trace record per step
 assert scheduled[0] == (len(prompt_ids), "prefill")
+
+# %% [markdown]
+# ## 6. Decode: one token per step, reusing the past
+#
+# Every later step computed exactly one token: the one sampled in the step before. Its
+# keys and values join the KV cache, so earlier tokens are never computed again
+# (chapter 4 measures what that saves). That is why an answer appears token by token:
+# token *j + 1* cannot be computed before token *j* is chosen.
+
+# %%
 assert all(s == (1, "decode") for s in scheduled[1:])
 assert len(final.outputs[0].token_ids) == len(records)  # one new token per step
 
 # %% [markdown]
-# Inside each step, the model's forward pass is most of the time; scheduling and
-# bookkeeping are small (the step trace times each stage):
+# ## 7. One forward pass is most of a step
+#
+# A step is scheduling, preparing the flat batch, the model's forward pass
+# (embedding, the decoder layers, the output head: chapter 3), sampling, updating the
+# requests, and on the API side detokenizing. The trace times each stage; the forward
+# pass takes more than all the others together:
 
 # %%
 stages = llm.trace.time_breakdown()
@@ -320,13 +335,15 @@ assert stages["forward"] > sum(v for k, v in stages.items() if k != "forward")
 # ## 8. TTFT, inter-token gaps and the whole timeline
 #
 # Now every piece has a time: tokenizing (in `add_request`), waiting in the queue,
-# each engine step, and the output processing after it (detokenize, stop checks).
-# Each token's time is when its step finished.
+# each engine step, and the output processing after it (detokenize, stop checks; the
+# trace times it too). Each token's time is when its step finished. Each lane's label
+# carries its total time: some parts are too short to see next to the model's compute,
+# and the label still shows what they cost. Hover over a bar for its step's numbers.
 
 # %%
 spans = [Span("API side", "tokenize", arrival, added, "chat template + tokenize"),
          Span("scheduler", "queue", added, m.first_scheduled_time, "waiting to be scheduled"),
-         *spans_from_steps(records, request_id, step_ends)]
+         *spans_from_steps(records, request_id)]
 fig = request_timeline(spans, m.token_times, origin=arrival,
                        title="One chat request inside the engine")
 save_key_figure(fig, "01_request_to_first_token")
@@ -360,7 +377,11 @@ assert len(m.itl) == len(m.token_times) - 1
 
 # %%
 print(f"client TTFT {client_ttft * 1000:.0f} ms vs server {server_ttft * 1000:.0f} ms: "
-      f"{(client_ttft - server_ttft) * 1000:.0f} ms outside the engine")
+      f"{(client_ttft - server_ttft) * 1000:.0f} ms of HTTP and event stream")
+decode_rate = (len(m.token_times) - 1) / m.decode_time
+print(f"this request alone decoded {decode_rate:.1f} tokens/s; a busy server's throughput "
+      f"counts all requests' tokens together")
+assert abs(decode_rate - 1 / m.tpot) < 1e-6 * decode_rate  # TPOT is its inverse
 
 # %% [markdown]
 # ## Things to try

@@ -106,12 +106,13 @@ save_key_figure(fig, "02_messages_to_token_ids")
 fig
 
 # %% [markdown]
-# The markers are single tokens with their own IDs, not the 12 characters
-# `<|im_start|>` spells. One per message start and end, plus the open assistant line:
+# Each marker is a single token with its own ID, not the characters `<|im_start|>`
+# spells. One marks each message's start, one its end, plus the open assistant line:
 
 # %%
 special = [p for p in pieces if p.special]
 print({tokenizer.convert_ids_to_tokens(i): i for i in sorted({p.token_id for p in special})})
+assert all(p.data in (b"<|im_start|>", b"<|im_end|>") for p in special)
 assert len(special) == 2 * len(messages) + 1
 assert len(special) == prompt_text.count("<|im_start|>") + prompt_text.count("<|im_end|>")
 
@@ -141,6 +142,7 @@ chinese = "今天天气很好，我们去公园散步吧。"  # "The weather is 
 zh = split_tokens(tokenizer, chinese)
 num_bytes = len(chinese.encode("utf-8"))
 print(f"{len(chinese)} characters, {num_bytes} UTF-8 bytes, {len(zh)} tokens")
+assert all(len(ch.encode("utf-8")) == 3 for ch in chinese)  # 3 bytes per character
 assert sum(len(p.data) for p in zh) == num_bytes  # the tokens cover every byte once
 assert b"".join(p.data for p in zh).decode("utf-8") == chinese
 token_boundaries(zh, title=f"{len(chinese)} characters, {len(zh)} tokens")

@@ -165,10 +165,18 @@ line_chart(list(range(L)), {"ours": [rms(h) for h in mine],
 
 # %% [markdown]
 # The two lines lie on top of each other, and the residual stream grows through the
-# layers until the final norm scales it back. Any difference between the two
-# implementations is float32 rounding (the order of additions inside a matrix product
-# may differ), far below what would change a prediction: a float32 number carries
-# about 7 significant digits.
+# layers until the final norm scales it back:
+
+# %%
+sizes = [rms(h) for h in mine]
+print(f"RMS after layer 0: {sizes[0]:.1f}, before the final norm: {rms(ours[L - 1]):.1f}, "
+      f"after it: {sizes[-1]:.1f}")
+assert sizes[0] < rms(ours[L - 1]) and sizes[-1] < rms(ours[L - 1])
+
+# %% [markdown]
+# Any difference between the two implementations is float32 rounding (the order of
+# additions inside a matrix product may differ), far below what would change a
+# prediction: a float32 number carries about 7 significant digits.
 
 # %%
 print("float32 machine epsilon:", torch.finfo(torch.float32).eps)
@@ -229,24 +237,41 @@ assert torch.allclose(w0.sum(-1), torch.ones(nq, T), atol=1e-5)  # each row sums
 assert w0.triu(diagonal=1).abs().max().item() == 0.0  # nothing looks ahead
 print(f"checked {len(weights)} layers × {nq} heads")
 
+# %% [markdown]
+# Two patterns stand out when you look across all heads. Many heads send most of their
+# attention to the very first token, whatever it is: a "sink" where attention goes when
+# nothing else in the context is useful. And some heads mostly look at the token just
+# before the query. Measure both:
+
+# %%
+W = torch.stack([weights[i] for i in range(L)])  # [layer, head, query, key]
+first_share = W[:, :, 1:, 0].mean(-1)  # weight on token 0, averaged over later queries
+prev_share = torch.stack([W[:, :, i, i - 1] for i in range(1, T)], -1).mean(-1)
+sink_fraction = (first_share > 0.5).float().mean().item()
+prev_layer, prev_head = divmod(int(prev_share.argmax()), nq)
+print(f"{sink_fraction:.0%} of all heads give the first token more than half their attention")
+print(f"the most previous-token head: layer {prev_layer}, head {prev_head}, "
+      f"{prev_share[prev_layer, prev_head]:.0%} of its attention on the previous token")
+assert sink_fraction > 0.5 and prev_share[prev_layer, prev_head] > 0.5
+
 # %%
 def show_attention(layer: int, head: int):
     return attention_heatmap(weights[layer][head], labels,
                              title=f"Attention weights, layer {layer}, head {head}")
 
 
-fig = show_attention(L // 2, 0)
+fig = show_attention(prev_layer, prev_head)
 save_key_figure(fig, "03_one_forward_pass")
 fig
 
 # %% [markdown]
-# Move the sliders. Some heads look at the previous token, some at the start of the
-# sequence (the first token often takes a large share: a "sink" for attention that has
-# nowhere better to go), some spread out.
+# The diagonal just below the main one is the previous-token pattern; the dark first
+# column is the sink. Move the sliders to see the other heads: some spread out, some
+# pick out particular words.
 
 # %%
-layer_slider = widgets.IntSlider(value=L // 2, min=0, max=L - 1, description="layer")
-head_slider = widgets.IntSlider(value=0, min=0, max=nq - 1, description="head")
+layer_slider = widgets.IntSlider(value=prev_layer, min=0, max=L - 1, description="layer")
+head_slider = widgets.IntSlider(value=prev_head, min=0, max=nq - 1, description="head")
 heat = widgets.Output()
 
 
@@ -345,8 +370,8 @@ assert mlp > total / 2 and counts["embedding = output head (tied)"] > attention 
 # ## Things to try
 #
 # - Change `answer_start` to "The capital of Italy is" and watch the top tokens.
-# - Find a head whose rows put most weight on the previous token (a diagonal just
-#   below the main one).
+# - Find the head that attends most to the token *two* back (change `i - 1` to
+#   `i - 2` in `prev_share`).
 # - Run `hf` in `torch.bfloat16` and compare again: how large do the differences get?
 # - Recount the parameters for `tie_word_embeddings=False`: what would the untied
 #   head cost?

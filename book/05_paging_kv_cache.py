@@ -120,7 +120,7 @@ questions = [
     ("What is a KV cache?", 32),
     (f"Here are the lab instructions: {lab_notes} List the three files to submit.", 40),
     ("Is the lab due on Friday? Answer yes or no.", 8),
-    ("Explain the difference between prefill and decode in two sentences.", 64),
+    ("Explain the difference between prefill and decode in two sentences.", 48),
     ("Translate 'lab report' into French.", 16),
 ]
 conversations = [[{"role": "user", "content": q}] for q, _ in questions]
@@ -169,7 +169,8 @@ assert peak == len(questions) > contiguous_fit
 # %% [markdown]
 # ## The block map
 #
-# Each square is one physical block, numbered left to right, top to bottom. Its colour
+# Each square is one physical block, numbered left to right, top to bottom (the block
+# id is the row's label plus the column's). Its colour
 # is the request that holds it, the number inside is its *logical* index in that
 # request's block table, and a pale square is only partly filled. Move the slider to
 # watch the engine's steps: requests grow one block at a time, wherever a free block
@@ -261,9 +262,14 @@ for name, h in held.items():
           f"{100 * (h - used) / h:4.1f}% wasted")
 waste = {name: (h - used) / h for name, h in held.items()}
 assert waste["paged"] < waste["contiguous, exact"] < waste["contiguous, max_model_len"]
+cache_mib = cache_bytes / 2**20
+print(f"the whole cache is {cache_mib:.1f} MiB")
+assert held["contiguous, max_model_len"] > cache_mib  # those requests could not all fit
 waste_bars(used, held, unit="MiB (average over steps)")
 
 # %% [markdown]
+# Reserving `max_model_len` for everyone would take more memory, on average, than the
+# whole cache has: that layout could not have run these requests together at all.
 # Even the exact reservation wastes memory: it must hold `max_tokens` slots for an
 # answer that may stop much earlier. These requests stopped early:
 

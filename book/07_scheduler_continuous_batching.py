@@ -87,8 +87,8 @@ def chat(text: str) -> list[dict]:
 
 ARRIVAL_B = 4
 students = {
-    "A": Student(chat("Explain step by step how to write a good lab report."), 40, 0),
-    "B": Student(B_PROMPT, 16, ARRIVAL_B),
+    "A": Student(chat("Explain step by step how to write a good lab report."), 32, 0),
+    "B": Student(B_PROMPT, 8, ARRIVAL_B),
     "C": Student(chat("Is the lab due on Friday? Answer yes or no."), 8, 0),
 }
 params = {rid: SamplingParams(temperature=0, max_tokens=s.max_tokens)
@@ -159,6 +159,10 @@ fig = gantt_compare_figure(
     finished={"static batching": finish_events(static_records),
               "continuous batching": finish_events(records)},
     title="Three students, two schedules (one step = one forward pass)")
+static_done = {e.request_id: e.step for e in finish_events(static_records)}
+idle_c = [s for s in static_segments if s.request_id == "C" and s.kind == "idle"]
+assert idle_c and idle_c[-1].end == static_done["A"] + 1  # C's seat is held until A is done
+assert not any(s.kind == "idle" for s in segments)  # continuous batching frees it at once
 save_key_figure(fig, "07_scheduler_continuous_batching")
 fig
 
@@ -249,7 +253,7 @@ assert len(static_chunks) > 1 and all(set(s) == {"B"} for s in static_chunks)
 NUM_KV_BLOCKS = 12
 questions = ["What is a hash table?", "Why do we write unit tests?",
              "What does a profiler measure?", "What is recursion?"]
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 pressure_params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 small = LLM(trace=True, max_num_batched_tokens=BUDGET, num_kv_blocks=NUM_KV_BLOCKS,
             enable_prefix_caching=False)

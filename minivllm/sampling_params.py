@@ -83,10 +83,11 @@ class SamplingParams:
         check("temperature", is_num(self.temperature) and self.temperature >= 0,
               "must be >= 0 (0 means greedy)")
         check("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]")
-        check("top_k", is_int(self.top_k) and self.top_k >= 0,
-              "must be -1 or 0 (disabled) or a positive integer")
+        check("top_k", is_int(self.top_k) and 0 <= self.top_k < 2**31,
+              "must be -1 or 0 (disabled) or a positive integer below 2**31")
         check("min_p", is_num(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]")
-        check("seed", self.seed is None or is_int(self.seed), "must be an integer or None")
+        check("seed", self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**63),
+              "must be None or an integer in [-2**63, 2**63)")
         check("stop", all(isinstance(s, str) and s for s in self.stop),
               "must be a non-empty string or a list of non-empty strings")
         check("stop_token_ids", all(is_int(t) and t >= 0 for t in self.stop_token_ids),

@@ -131,7 +131,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
         self.log = open(self.log_path, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        # One torch thread: the test process runs an engine of its own, and two
+        # processes that each spin threads on every core slow each other tenfold.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                   OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port",
              str(self.port), "--uvicorn-log-level", "warning", *args],
@@ -209,11 +212,16 @@ def client(server):
 @pytest.fixture(scope="module")
 def offline():
     """The offline engine the server must agree with."""
+    import torch
+
     from minivllm import LLM
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see ServerProcess: leave the other core to the server
     llm = LLM()
     yield llm
     llm.shutdown()
+    torch.set_num_threads(threads)
 
 
 def auth() -> dict:
@@ -553,7 +561,7 @@ def test_fuzzed_input_never_gives_500(server):
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                   "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage"]
+                  "--disable-dev-shm-usage", "--window-size=1280,900"]
 
 
 @pytest.mark.slow
@@ -690,14 +698,14 @@ def test_sigterm_stops_everything(server):
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert server.stats()["engine_pid"] in [p.pid for p in children]
     done = threading.Event()
+    lines: list[str] = []
 
     def consume():  # a stream still open when the signal comes
         try:
             with httpx.stream("POST", server.url + "/v1/completions", headers=auth(),
                               json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True,
                                     "stream": True}, timeout=120) as r:
-                for _ in r.iter_lines():
-                    pass
+                lines.extend(line for line in r.iter_lines() if line)
         except httpx.HTTPError:
             pass
         done.set()
@@ -709,3 +717,6 @@ def test_sigterm_stops_everything(server):
     gone, alive = psutil.wait_procs(children, timeout=60)
     assert alive == [], f"left running: {alive}"
     assert done.wait(60)
+    # The open stream was ended properly: its request aborted, then [DONE].
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"

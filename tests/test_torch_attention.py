@@ -113,7 +113,8 @@ def test_uneven_prompts_are_split_into_batches():
     from minivllm.model.attention.torch_attn import MAX_PADDING_FACTOR, PADDING_ALLOWANCE
 
     *_, meta, _ = make_step(2, STEPS["uneven prefill"])
-    plan = plan_step(meta, block_size=4, device=torch.device("cpu"))
+    plan = plan_step(meta, block_size=4, num_kv_heads=2, dtype=torch.float32,
+                     device=torch.device("cpu"))
     fresh = [b for b in plan.prefills if not b.from_cache]
     assert sum(b.num_seqs for b in fresh) == 7 and len(fresh) > 1
     for b in fresh:  # padding never more than doubles a batch's attention work

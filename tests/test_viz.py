@@ -52,7 +52,8 @@ def test_request_timeline_draws_spans_marks_ttft_and_gaps():
     decode = trace(fig, "decode")
     assert list(decode.base) == pytest.approx([(s.start - arrival) * 1000 for s in spans[3:]])
     assert list(decode.x) == pytest.approx([s.duration * 1000 for s in spans[3:]])
-    assert list(decode.y) == ["engine core"] * 2
+    core_ms = sum(s.duration for s in spans[2:]) * 1000
+    assert list(decode.y) == [f"engine core · {core_ms:.0f} ms"] * 2  # lane total in its label
     tokens = trace(fig, "tokens")
     assert list(tokens.x) == pytest.approx([(t - arrival) * 1000 for t in marks])
     ttft, gaps = ttft_and_gaps(marks, arrival)
@@ -61,8 +62,9 @@ def test_request_timeline_draws_spans_marks_ttft_and_gaps():
     gap_trace = trace(fig, "inter-token gaps (ms)")
     assert list(gap_trace.text) == [f"{g * 1000:.0f}" for g in gaps]
     # lanes top to bottom in order of first appearance, then tokens and TTFT
-    assert list(fig.layout.yaxis.categoryarray) == ["TTFT", "tokens", "engine core",
-                                                    "scheduler", "API side"]
+    lanes = [name.split(" · ")[0] for name in fig.layout.yaxis.categoryarray]
+    assert lanes == ["TTFT", "tokens", "engine core", "scheduler", "API side"]
+    assert trace(fig, "tokenize").y[0] == f"API side · {spans[0].duration * 1000:.1f} ms"
 
 
 def test_timeline_rejects_bad_input():
@@ -89,6 +91,11 @@ def test_spans_from_steps_follow_the_records():
                                                 (pytest.approx(10.7), 10.75)]
     with pytest.raises(ValueError, match="step_ends has 2 entries for 3 records"):
         spans_from_steps(records, "a", ends[:2])
+    # Without step_ends, the records' own detokenize timing places the API-side spans.
+    records[0].timings["detokenize"] = 0.02
+    from_timings = spans_from_steps(records, "a")
+    assert [(s.kind, s.start, s.end) for s in from_timings if s.kind == "detokenize"] == [
+        ("detokenize", 10.5, pytest.approx(10.52))]
 
 
 @pytest.mark.slow
@@ -101,8 +108,12 @@ def test_spans_from_a_real_engine_trace(tiny_model):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                        use_tqdm=False)[0]
     spans = spans_from_steps(llm.trace.records, out.request_id)
-    assert [s.kind for s in spans] == ["prefill"] + ["decode"] * 4
-    assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))
+    core = [s for s in spans if s.lane == "engine core"]
+    assert [s.kind for s in core] == ["prefill"] + ["decode"] * 4
+    assert all(a.end <= b.start for a, b in zip(core, core[1:]))
+    detok = [s for s in spans if s.kind == "detokenize"]
+    if "detokenize" in llm.trace.records[0].timings:  # LLMEngine.step times it
+        assert len(detok) == len(core)
     fig = request_timeline(spans, out.metrics.token_times, origin=out.metrics.arrival_time)
     assert len(trace(fig, "tokens").x) == len(out.outputs[0].token_ids)
 

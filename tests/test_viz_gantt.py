@@ -129,7 +129,10 @@ def test_token_budget_figure_stacks_each_step(continuous):
     assert any({k for _, k in r.scheduled.values()} == {"prefill", "decode"} for r in records)
     assert fig.layout.shapes[0].y0 == BUDGET
     legend = [t.name for t in fig.data if t.showlegend is not False]
-    assert legend == ["prefill", "decode"]
+    assert legend == ["prefill", "decode", "sequences in the step"]
+    seqs = next(t for t in fig.data if t.name == "sequences in the step")
+    assert seqs.yaxis == "y2"
+    assert list(seqs.y) == [len(r.scheduled) for r in records]
 
 
 def test_gantt_figure_bars_equal_segments(continuous):
@@ -168,7 +171,7 @@ def test_static_batches_hold_their_seats(static, continuous):
     names = [t.name for t in fig.data if t.showlegend is not False]
     assert len(names) == len(set(names))
     idle = [t for t in fig.data if t.name == "idle"]
-    assert len(idle) == 1 and idle[0].xaxis == "x"
+    assert len(idle) == 1 and idle[0].xaxis == "x" and idle[0].marker.pattern.shape == "/"
 
 
 def test_preemption_is_marked_and_outputs_are_kept(pressured):

@@ -60,7 +60,10 @@ def test_tile_visit_figure_data():
     assert list(fig.layout.xaxis.ticktext) == [f"b{b}" for b in table]
     hlines = [s for s in fig.layout.shapes if s.y0 == s.y1]
     assert sorted(s.y0 for s in hlines) == [t.first_query - 0.5 for t in plan.tiles[1:]]
-    vlines = [s for s in fig.layout.shapes if s.x0 == s.x1]
+    vlines = [s for s in fig.layout.shapes if s.x0 == s.x1 and s.line.dash == "dash"]
+    boundaries = [s for s in fig.layout.shapes if s.x0 == s.x1 and s.line.dash == "dot"]
+    assert sorted(s.x0 for s in boundaries) == [16 * b - 0.5 for b in range(1, 5)]
+    assert list(fig.layout.xaxis.tickvals) == [7.5, 23.5, 39.5, 55.5, 64.0]
     starts = {s for t in plan.tiles for s, _ in t.kv_tiles if s > 0}
     assert sorted(s.x0 for s in vlines) == [s - 0.5 for s in sorted(starts)] == [31.5, 63.5]
     # The last query tile needs 65 keys: a third key tile of one position.
@@ -117,6 +120,7 @@ def test_attention_bench_figure_from_a_real_run():
             assert list(trace.y) == [s["results"][trace.name][metric]
                                      for s in results["shapes"]]
         assert len(fig.data[0].x) == len(results["shapes"])
+    assert ("interpreter" in fig.layout.title.text) == results["triton_interpreted"]
     assert attention_bench_figure({"bench": results}).data[0].y == \
         attention_bench_figure(results).data[0].y
     assert fig.layout.yaxis.type != "log"

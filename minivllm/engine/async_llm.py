@@ -54,6 +54,7 @@ class AsyncLLM:
         self.queues: dict[str, asyncio.Queue] = {}
         self.errored: Optional[BaseException] = None
         self._output_handler: Optional[asyncio.Task] = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # set by start()
         self._shut_down = False
 
     @classmethod
@@ -83,8 +84,9 @@ class AsyncLLM:
     def start(self) -> None:
         """Start the output handler; needs a running event loop (idempotent)."""
         if self._output_handler is None:
+            self.loop = asyncio.get_running_loop()
             self.engine_core.start()
-            self._output_handler = asyncio.get_running_loop().create_task(
+            self._output_handler = self.loop.create_task(
                 self._run_output_handler(), name="minivllm-output-handler")
 
     # -- requests ------------------------------------------------------------------
@@ -118,7 +120,7 @@ class AsyncLLM:
             raise ValueError(f"request_id={request_id!r} is already in use")
         arrival_time = time.monotonic()
         text, token_ids = self.request_builder.tokenize(prompt)
-        self.request_builder.input_processor.check_length(len(token_ids), params)
+        self.request_builder.validate(token_ids, params)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
                                                       arrival_time)
         requests = self.request_builder.build(child_ids, token_ids, params, arrival_time)
@@ -147,6 +149,11 @@ class AsyncLLM:
             self.engine_core.abort_requests(child_ids)
         except EngineDeadError:
             pass  # nothing left to free
+
+    def abort_all(self) -> None:
+        """Abort every request: each stream ends with a last output ("abort")."""
+        for request_id in list(self.queues):
+            self.abort(request_id)
 
     # -- the output handler -----------------------------------------------------------
     async def _run_output_handler(self) -> None:

@@ -37,6 +37,9 @@ class EngineCore:
                                    sc.max_model_len, self.kv_cache_manager)
         self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
         self.step_count = 0
+        # Set when a step failed inside the model: the KV cache and the
+        # scheduler may be half-updated, so no further step is trustworthy.
+        self.dead_error: Optional[BaseException] = None
 
     # -- requests ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -54,11 +57,18 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """One iteration: schedule, run the model once, apply the sampled tokens."""
+        if self.dead_error is not None:
+            raise RuntimeError(f"the engine core is dead since an earlier step failed "
+                               f"({self.dead_error!r}); create a new engine") from self.dead_error
         t0 = time.perf_counter()
         start = time.monotonic()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
-        result = self.executor.execute_model(so)
+        try:
+            result = self.executor.execute_model(so)
+        except BaseException as e:
+            self.dead_error = e
+            raise
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(so, result.sampled)
         t3 = time.perf_counter()

@@ -36,9 +36,22 @@ class RequestBuilder:
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         return self.input_processor.tokenize(prompt)
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against this model; returns its resolved max_tokens.
+
+        Call it before registering the request anywhere, so a bad one leaves no trace.
+        """
+        max_tokens = self.input_processor.check_length(len(prompt_token_ids), params)
+        vocab = self.config.model.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids contains {bad[:5]}: token IDs "
+                             f"must be in [0, {vocab})")
+        return max_tokens
+
     def build(self, child_ids: list[str], prompt_token_ids: list[int],
               params: SamplingParams, arrival_time: float) -> list[Request]:
-        max_tokens = self.input_processor.check_length(len(prompt_token_ids), params)
+        max_tokens = self.validate(prompt_token_ids, params)
         return [Request(cid, prompt_token_ids, child_params(params, i), max_tokens,
                         self.eos_token_ids, arrival_time)
                 for i, cid in enumerate(child_ids)]
@@ -64,8 +77,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         text, token_ids = self.request_builder.tokenize(prompt)
-        # Validate before registering anything, so a bad request leaves no trace.
-        self.request_builder.input_processor.check_length(len(token_ids), params)
+        self.request_builder.validate(token_ids, params)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
                                                       arrival_time)
         for req in self.request_builder.build(child_ids, token_ids, params, arrival_time):
@@ -87,7 +99,12 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
+        t0 = time.perf_counter()
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        trace = self.engine_core.trace
+        if trace is not None and core_outputs and trace.records:
+            # Detokenizing happens here, after the core's step: add it to its record.
+            trace.records[-1].timings["detokenize"] = time.perf_counter() - t0
         if stopped:  # a stop string ended these: free their blocks now
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

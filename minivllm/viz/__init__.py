@@ -8,6 +8,9 @@ Import from the module that owns the concept::
     from minivllm.viz.tokens import token_boundaries       # token pieces, coloured
     from minivllm.viz.heatmap import attention_heatmap     # who attends to whom
     from minivllm.viz.bars import topk_bars, lines         # probabilities, trends
+    from minivllm.viz.blocks import block_map_figure       # the paged KV cache, per step
+    from minivllm.viz.gantt import gantt_figure            # who ran at which engine step
+    from minivllm.viz.kernel import tile_visit_figure      # the Triton kernel's tiles
     from minivllm.viz.export import save_key_figure        # `make figures`
 
 plotly is an optional dependency (``pip install minivllm[book]``): importing

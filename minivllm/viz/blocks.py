@@ -148,7 +148,7 @@ def block_map_figure(state: BlockMapState, columns: int = 16,
     x, y = xy(free)
     fig.add_trace(go.Scatter(
         x=x, y=y, mode="markers", name="free", customdata=free,
-        marker=dict(symbol="square", size=22, color=FREE_COLOR,
+        marker=dict(symbol="square", size=28, color=FREE_COLOR,
                     line=dict(width=1, color="#cccccc")),
         hovertemplate="block %{customdata}: free<extra></extra>"))
     for rid, blocks in by_request.items():
@@ -168,17 +168,19 @@ def block_map_figure(state: BlockMapState, columns: int = 16,
             x=x, y=y, mode="markers+text", name=rid, customdata=blocks,
             text=[str(i) for i in logical], textfont=dict(size=10, color="white"),
             hovertext=hover, hoverinfo="text",
-            marker=dict(symbol="square", size=22, color=colors.get(rid, "#555555"),
+            marker=dict(symbol="square", size=28, color=colors.get(rid, "#555555"),
                         opacity=[0.35 + 0.65 * f / state.block_size for f in filled])))
     rows = max(1, math.ceil(state.num_blocks / columns))
     fig.update_layout(
         title=title or (f"step {state.step}: {state.num_used_blocks} of {state.num_blocks} "
                         f"blocks in use, {state.num_tokens} tokens"),
         xaxis=dict(range=[-0.7, columns - 0.3], showgrid=False, zeroline=False,
-                   title=f"physical block id mod {columns}", dtick=1),
+                   tickvals=list(range(columns)), ticktext=[f"+{c}" for c in range(columns)],
+                   title="physical block id = row + column"),
         yaxis=dict(range=[rows - 0.3, -0.7], showgrid=False, zeroline=False,
-                   title=f"block id // {columns}", dtick=1),
-        height=max(220, 60 + 34 * rows), legend_title_text="request",
+                   tickvals=list(range(rows)), ticktext=[str(r * columns) for r in range(rows)],
+                   title="row"),
+        height=max(320, 140 + 40 * rows), legend_title_text="request",
         plot_bgcolor="white")
     return fig
 

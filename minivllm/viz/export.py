@@ -19,7 +19,9 @@ import argparse
 import os
 import re
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,16 +96,45 @@ def save_key_figure(fig, name: str) -> Optional[Path]:
     problem = export_problem()
     if problem is None:
         target = out / f"{name}.png"
-        try:
-            height = fig.layout.height or PNG_HEIGHT
-            fig.write_image(str(target), width=PNG_WIDTH, height=height, scale=PNG_SCALE)
+        problem = render_png(fig, target)
+        if problem is None:
             return target
-        except Exception as e:  # a browser that starts but fails: still leave a figure
-            problem = f"the PNG export failed ({type(e).__name__}: {e})"
     target = out / f"{name}.html"
     fig.write_html(str(target), include_plotlyjs="cdn")
     print(f"minivllm: wrote {target} instead of a PNG: {problem}.")
     return target
+
+
+def render_png(fig, target: Path, timeout_s: float = 300.0) -> Optional[str]:
+    """Write ``fig`` as a PNG in a separate process; None on success, else why not.
+
+    kaleido drives Chromium from an asyncio loop of its own. Inside a Jupyter
+    kernel, which runs its own loop, that occasionally left the kernel's next
+    messages stuck; a short-lived process keeps the kernel out of it.
+    """
+    height = fig.layout.height or PNG_HEIGHT
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "figure.json"
+        spec.write_text(fig.to_json())
+        cmd = [sys.executable, "-m", "minivllm.viz.export", "render", str(spec), str(target),
+               "--width", str(PNG_WIDTH), "--height", str(height)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"the PNG export took longer than {timeout_s:.0f} s"
+    if done.returncode != 0 or not target.is_file():
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return f"the PNG export failed ({lines[-1] if lines else f'exit {done.returncode}'})"
+    return None
+
+
+def render_main(spec: Path, target: Path, width: int, height: int) -> int:
+    """The ``render`` subcommand: one figure JSON -> one PNG (what ``render_png`` runs)."""
+    import plotly.io as pio
+
+    fig = pio.from_json(spec.read_text())
+    fig.write_image(str(target), width=width, height=height, scale=PNG_SCALE)
+    return 0
 
 
 # -- every chapter -----------------------------------------------------------------------
@@ -187,7 +218,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     figs.add_argument("--only", nargs="*", default=None, metavar="NN",
                       help="only chapters whose file name starts with these, e.g. 01 04")
     figs.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    render = sub.add_parser("render", help="one figure JSON to PNG (used by save_key_figure)")
+    render.add_argument("spec", type=Path)
+    render.add_argument("target", type=Path)
+    render.add_argument("--width", type=int, default=PNG_WIDTH)
+    render.add_argument("--height", type=int, default=PNG_HEIGHT)
     ns = parser.parse_args(argv)
+    if ns.command == "render":
+        return render_main(ns.spec, ns.target, ns.width, ns.height)
     if not ns.book.is_dir():
         print(f"error: --book {ns.book} is not a folder", file=sys.stderr)
         return 2

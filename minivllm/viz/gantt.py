@@ -137,10 +137,13 @@ def _add_gantt_traces(fig: go.Figure, segments: Sequence[GanttSegment],
         segs = [s for s in segments if s.kind == kind]
         if not segs:
             continue
+        # Idle seats are hatched: they hold memory and a batch slot but compute nothing.
+        pattern = dict(shape="/", fgcolor="#969696") if kind == "idle" else None
         fig.add_trace(go.Bar(
             name=kind, orientation="h", y=[s.request_id for s in segs],
             x=[s.length for s in segs], base=[s.start for s in segs],
-            marker=dict(color=COLORS[kind], line=dict(width=0.5, color="white")),
+            marker=dict(color=COLORS[kind], line=dict(width=0.5, color="white"),
+                        pattern=pattern),
             legendgroup=kind, showlegend=show_legend,
             customdata=[[s.start, s.end - 1, s.tokens] for s in segs],
             hovertemplate=(f"%{{y}}: {kind}, steps %{{customdata[0]}}–%{{customdata[1]}}, "
@@ -199,8 +202,10 @@ def token_budget_figure(records: Sequence, budget: Optional[int] = None,
     """Stacked bars per step: prefill tokens, decode tokens; a line at the budget.
 
     Each step's prefill bar is split by request (hover names it), so a
-    chunked prompt shows as the same request in consecutive steps.
-    Preemptions are marked above their step.
+    chunked prompt shows as the same request in consecutive steps. A line on
+    the right axis counts the sequences in each step (a decode is only one
+    token, too thin to see next to a prompt chunk). Preemptions are marked
+    above their step.
     """
     steps = _relative_steps(records)
     fig = go.Figure()
@@ -224,6 +229,11 @@ def token_budget_figure(records: Sequence, budget: Optional[int] = None,
                     hovertemplate=f"step %{{x}}: %{{customdata}} {kind} %{{y}} tokens"
                                   "<extra></extra>"))
                 shown = True
+    fig.add_trace(go.Scatter(
+        name="sequences in the step", x=steps, y=[len(r.scheduled) for r in records],
+        mode="lines+markers", line=dict(color="#636363", width=1, shape="hvh"),
+        marker=dict(size=4), yaxis="y2",
+        hovertemplate="step %{x}: %{y} sequences<extra></extra>"))
     events = preemption_events(records)
     if events:
         top = max((r.num_batched_tokens for r in records), default=0)
@@ -236,8 +246,12 @@ def token_budget_figure(records: Sequence, budget: Optional[int] = None,
         fig.add_hline(y=budget, line_dash="dash", line_color="#636363",
                       annotation_text=f"max_num_batched_tokens = {budget}",
                       annotation_position="top left")
+    most = max((len(r.scheduled) for r in records), default=1)
     fig.update_layout(barmode="stack", title=title, xaxis_title="engine step",
-                      yaxis_title="tokens computed", height=420)
+                      yaxis_title="tokens computed", height=420,
+                      yaxis2=dict(title="sequences", overlaying="y", side="right",
+                                  range=[0, most * 1.25], showgrid=False, dtick=1),
+                      legend=dict(x=1.08))
     return fig
 
 

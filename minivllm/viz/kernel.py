@@ -126,13 +126,18 @@ def tile_visit_figure(plan: TilePlan, title: Optional[str] = None) -> go.Figure:
     for tile in plan.tiles[1:]:
         fig.add_hline(y=tile.first_query - 0.5, line_color="black", line_width=2)
     starts = sorted({s for t in plan.tiles for s, _ in t.kv_tiles if s > 0})
-    for s in starts:
-        fig.add_vline(x=s - 0.5, line_dash="dash", line_color="#d62728", line_width=1)
     n_blocks = math.ceil(plan.seq_len / plan.block_size)
-    fig.update_xaxes(tickvals=[b * plan.block_size + (plan.block_size - 1) / 2
+    for b in range(1, n_blocks):  # block boundaries, thin, under the key-tile lines
+        fig.add_vline(x=b * plan.block_size - 0.5, line_dash="dot", line_color="white",
+                      line_width=1)
+    # Each label sits in the middle of the part of its block the sequence uses.
+    fig.update_xaxes(tickvals=[(b * plan.block_size
+                                + min((b + 1) * plan.block_size, plan.seq_len) - 1) / 2
                                for b in range(n_blocks)],
                      ticktext=[f"b{plan.block_table[b]}" for b in range(n_blocks)],
                      title="key position, labelled by the physical block that holds it")
+    for s in starts:
+        fig.add_vline(x=s - 0.5, line_dash="dash", line_color="#d62728", line_width=1.5)
     fig.update_yaxes(autorange="reversed", title="new token (query) of the chunk")
     fig.update_layout(title=title or (
         f"{plan.query_len} new tokens after {plan.context_len} cached: "
@@ -247,9 +252,11 @@ def attention_bench_figure(results: dict, metric: str = "time_ms",
                              textposition="outside"))
     units = {"time_ms": "ms per call", "bandwidth_gbps": "GB/s", "tflops": "TFLOP/s",
              "pct_copy_bandwidth": "% of copy bandwidth"}
+    interpreted = " — triton in the interpreter" if bench.get("triton_interpreted") else ""
     fig.update_layout(
         barmode="group", height=420, yaxis_title=units.get(metric, metric),
-        title=title or f"attention on {bench.get('device', '?')} ({bench.get('dtype', '?')})")
+        title=title or (f"attention on {bench.get('device', '?')} "
+                        f"({bench.get('dtype', '?')}){interpreted}"))
     if metric == "time_ms":
         fig.update_yaxes(type="log")
     return fig

@@ -53,9 +53,10 @@ def spans_from_steps(records: Sequence, request_id: str,
                      lane: str = "engine core") -> list[Span]:
     """The engine-core steps that worked on ``request_id``, from ``StepRecord``s.
 
-    ``step_ends[i]``, if given, is when the ``LLMEngine.step()`` that produced
-    ``records[i]`` returned; the time between the core step's end and that is
-    the API side's output processing (detokenize, stop strings), drawn too.
+    After each core step the API side processes its outputs (detokenize, stop
+    strings); that is drawn too, from the record's ``timings["detokenize"]``
+    (``LLMEngine.step`` fills it in) or, when given, up to ``step_ends[i]``: the
+    time the ``LLMEngine.step()`` that produced ``records[i]`` returned.
     """
     if step_ends is not None and len(step_ends) != len(records):
         raise ValueError(f"step_ends has {len(step_ends)} entries for {len(records)} "
@@ -74,8 +75,13 @@ def spans_from_steps(records: Sequence, request_id: str,
             label = f"prefill ({n} tokens)"
         spans.append(Span(lane, phase, rec.start, end, f"step {rec.step}: {label}"))
         if step_ends is not None:
-            spans.append(Span("API side", "detokenize", end, max(end, step_ends[i]),
-                              f"step {rec.step}: detokenize + stop checks"))
+            detok_end = max(end, step_ends[i])
+        elif "detokenize" in rec.timings:
+            detok_end = end + rec.timings["detokenize"]
+        else:
+            continue
+        spans.append(Span("API side", "detokenize", end, detok_end,
+                          f"step {rec.step}: detokenize + stop checks"))
     return spans
 
 
@@ -100,13 +106,19 @@ def request_timeline(spans: Sequence[Span], marks: Sequence[float],
     ms = lambda t: (t - origin) * 1000.0  # noqa: E731
     ttft, gaps = ttft_and_gaps(list(marks), origin)
     marks_lane, ttft_lane = f"{marks_name}s", "TTFT"
-    lanes = list(dict.fromkeys(s.lane for s in spans)) + [marks_lane, ttft_lane]
+    # Each lane is labelled with its total time: spans of a millisecond next to
+    # seconds of compute are too thin to see, but their cost still shows.
+    totals: dict[str, float] = {}
+    for s in spans:
+        totals[s.lane] = totals.get(s.lane, 0.0) + s.duration * 1000.0
+    names = {lane: f"{lane} · {_ms(total)}" for lane, total in totals.items()}
+    lanes = list(names.values()) + [marks_lane, ttft_lane]
 
     fig = go.Figure()
     for kind in dict.fromkeys(s.kind for s in spans):
         group = [s for s in spans if s.kind == kind]
         fig.add_trace(go.Bar(
-            name=kind, orientation="h", y=[s.lane for s in group],
+            name=kind, orientation="h", y=[names[s.lane] for s in group],
             base=[ms(s.start) for s in group], x=[s.duration * 1000.0 for s in group],
             marker_color=KIND_COLORS.get(kind), marker_line_width=0.5,
             hovertext=[f"{s.label or s.kind}: {s.duration * 1000:.1f} ms" for s in group],
@@ -132,3 +144,8 @@ def request_timeline(spans: Sequence[Span], marks: Sequence[float],
         yaxis=dict(categoryorder="array", categoryarray=lanes[::-1]),
         legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=50, b=10))
     return fig
+
+
+def _ms(value: float) -> str:
+    """Milliseconds, with a decimal only where it matters."""
+    return f"{value:.1f} ms" if value < 10 else f"{value:,.0f} ms"

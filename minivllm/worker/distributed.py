@@ -113,6 +113,10 @@ class WorkerError:
     traceback: str
 
 
+class WorkerFailed(RuntimeError):
+    """A worker reported an error instead of a result."""
+
+
 def broadcast_command(command: Optional[Command], control: dist.ProcessGroup) -> Command:
     box = [command]
     dist.broadcast_object_list(box, src=0, group=control)
@@ -411,25 +415,27 @@ class TPExecutor:
     def _collective(self, when: str):
         """Code between a command and its last collective.
 
-        A failure here leaves the ranks out of step, so the group is stopped;
-        a dead worker is named, anything else propagates as it was.
+        A failure here leaves the ranks out of step, so the group is stopped.
+        A dead worker is named, a failed collective says so; anything else (a
+        worker's reported error, Ctrl-C, a bad value) propagates as it was.
         """
         self._check_alive()
         try:
             yield
         except BaseException as exc:
-            # A worker that died shows up here as a broken connection; give
-            # its exit status a moment to become visible.
-            dead = self.workers.dead_workers(wait_s=2.0 if isinstance(exc, dist.DistError)
-                                             else 0.0)
+            # A collective fails with a RuntimeError (a broken connection, a
+            # timeout); if a worker died, give its exit status a moment to show.
+            collective_failed = isinstance(exc, RuntimeError) and \
+                not isinstance(exc, WorkerFailed)
+            dead = self.workers.dead_workers(wait_s=2.0 if collective_failed else 0.0)
             self.workers.close(graceful=False)
             if dead and isinstance(exc, Exception):
                 raise RuntimeError(f"{'; '.join(dead)} {when}; the engine cannot go "
                                    f"on") from exc
-            if isinstance(exc, dist.DistError):
-                raise RuntimeError(f"a tensor-parallel collective failed {when} (timeout "
-                                   f"{TIMEOUT_ENV}={step_timeout().total_seconds():.0f} s): "
-                                   f"{exc}") from exc
+            if collective_failed:
+                raise RuntimeError(f"a tensor-parallel collective failed {when} (they time "
+                                   f"out after {TIMEOUT_ENV}="
+                                   f"{step_timeout().total_seconds():.0f} s): {exc}") from exc
             raise
 
     def _check_alive(self) -> None:
@@ -445,7 +451,7 @@ class TPExecutor:
     def _check_replies(replies: list) -> None:
         for reply in replies:
             if isinstance(reply, WorkerError):
-                raise RuntimeError(f"tensor-parallel rank {reply.rank} failed:\n"
+                raise WorkerFailed(f"tensor-parallel rank {reply.rank} failed:\n"
                                    f"{reply.traceback}")
 
 

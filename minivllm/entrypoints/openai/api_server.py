@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Awaitable, Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -44,8 +45,9 @@ from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError, error
 from minivllm.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 
 STATIC_DIR = Path(__file__).parent / "static"
-# Streams still open at shutdown get this long to finish before they are cut.
-GRACEFUL_SHUTDOWN_S = 2
+# At shutdown, open requests are aborted; their responses get this long to
+# send their last bytes before uvicorn cuts the connections.
+GRACEFUL_SHUTDOWN_S = 5
 
 
 # -- errors in OpenAI's shape ---------------------------------------------------------
@@ -271,13 +273,30 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, plus: on SIGINT/SIGTERM, open requests end now, as aborted.
+
+    Otherwise uvicorn would wait for every stream to finish on its own (or
+    cut it mid-event after the grace period); aborting them lets each one
+    send its last chunk and ``[DONE]``, so clients see a clean end.
+    """
+
+    def __init__(self, config: "uvicorn.Config", engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        loop = self.engine.loop
+        if not self.should_exit and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.engine.abort_all)
+        super().handle_exit(sig, frame)
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(0)  # unwinds through every `finally`: the engine core is stopped
 
 
 def run_server(ns: argparse.Namespace) -> int:
-    import uvicorn
-
     from minivllm.entrypoints.cli import engine_args_from
     from minivllm.model.loader import DEFAULT_MODEL_NAME
 
@@ -298,8 +317,8 @@ def run_server(ns: argparse.Namespace) -> int:
         print(f"minivllm: serving {model_name} on http://{ns.host}:{ns.port} "
               f"(engine core {'in process' if ns.inprocess else f'pid {engine.engine_core.pid}'})",
               flush=True)
-        server = uvicorn.Server(uvicorn.Config(
-            app, log_level=ns.uvicorn_log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        server = _Server(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
+                                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), engine)
         server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass

@@ -49,17 +49,33 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # Full head width, with the sign of rotate-half folded into sin:
+        #   rotated = x * [cos, cos] + [x2, x1] * [-sin, sin]
+        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
+        # The last positions seen and their (cos, sin): every layer of a step
+        # rotates at the same positions, so one lookup serves them all.
+        self._last: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, D] cos and signed sin for ``positions`` (cached for the same tensor)."""
+        last = self._last
+        if last is not None and last[0] is positions:
+            return last[1], last[2]
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        self._last = (positions, cos, sin)
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hk, D], positions [T] -> rotated (q, k)."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+        cos, sin = self.cos_sin(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x32 = x.float()  # a no-op for float32 models; 16-bit ones rotate in float32
+    x1, x2 = x32.chunk(2, dim=-1)
+    out = torch.addcmul(x32 * cos, torch.cat((x2, x1), dim=-1), sin)
     return out.to(x.dtype)

@@ -31,8 +31,14 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+def make_rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                           cfg.rope_scaling)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
         d = cfg.dtype
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim,
@@ -45,8 +51,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim,
                                         cfg.hidden_size, bias=False, dtype=d)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                          cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_emb = rotary_emb or make_rotary_embedding(cfg)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, d) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, d) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend)
@@ -77,10 +82,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.self_attn = LlamaAttention(cfg, backend)
+        self.self_attn = LlamaAttention(cfg, backend, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = LlamaMLP(cfg)
 
@@ -100,7 +106,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend)
+        # One RoPE table for all layers: they rotate at the same positions, so
+        # the step's cos/sin are looked up once, not once per layer.
+        rotary_emb = make_rotary_embedding(cfg)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, rotary_emb)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 

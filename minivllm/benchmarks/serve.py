@@ -1,0 +1,332 @@
+"""`minivllm bench serve`: load an OpenAI-compatible server, measure what users feel.
+
+    minivllm serve &                      # or vLLM's, transformers', llama.cpp's server
+    minivllm bench serve --base-url http://127.0.0.1:8000 --num-prompts 32 \\
+        --request-rate 4                  # Poisson arrivals, 4 requests/s on average
+
+Requests are streamed (``"stream": true``) so that every chunk's arrival is
+timed on this side. Per request:
+  TTFT  time to first token: from sending the request to the first chunk with text;
+  ITL   inter-token latencies: the gaps between consecutive chunks with text;
+  TPOT  time per output token after the first: (latency - TTFT) / (tokens - 1);
+  E2EL  end-to-end latency: from sending to the last byte.
+Reported, as ``vllm bench serve`` does: successful and failed requests, the
+duration, request / output / total token throughput, and mean, median and
+p99 of TTFT, TPOT, ITL and E2EL in milliseconds.
+
+Arrivals follow a Poisson process at ``--request-rate`` (``inf``: all at
+once), optionally capped at ``--max-concurrency`` requests in flight. The
+number of requests and the total time are bounded, and only local servers
+are accepted: this is a tool for one's own machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Optional
+from urllib.parse import urlparse
+
+from minivllm.benchmarks.datasets import CHAT_PROMPTS
+from minivllm.metrics.summary import summarize
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+MAX_PROMPTS = 10_000
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request did, as seen from the client."""
+
+    success: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    start: float = 0.0  # time.perf_counter() when the request was sent
+    chunk_times: list[float] = field(default_factory=list)  # chunks carrying text
+    end: float = 0.0
+    text: str = ""
+    error: str = ""
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.output_tokens < 2 or self.ttft is None:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class ServeMetrics:
+    completed: int
+    failed: int
+    duration: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    max_concurrent_requests: int
+    # name -> {"mean", "median", "p99", ...} in milliseconds
+    ttft_ms: dict
+    tpot_ms: dict
+    itl_ms: dict
+    e2el_ms: dict
+
+
+def compute_metrics(results: list[RequestResult], duration: float) -> ServeMetrics:
+    """Aggregate per-request results the way ``vllm bench serve`` does."""
+    if duration <= 0:
+        raise ValueError(f"duration={duration} is invalid: must be > 0")
+    ok = [r for r in results if r.success]
+    inputs = sum(r.prompt_tokens for r in ok)
+    outputs = sum(r.output_tokens for r in ok)
+    return ServeMetrics(
+        completed=len(ok), failed=len(results) - len(ok), duration=duration,
+        total_input_tokens=inputs, total_output_tokens=outputs,
+        request_throughput=len(ok) / duration, output_throughput=outputs / duration,
+        total_token_throughput=(inputs + outputs) / duration,
+        max_concurrent_requests=max_concurrency_seen(ok),
+        ttft_ms=summarize(r.ttft for r in ok if r.ttft is not None).as_dict(1000),
+        tpot_ms=summarize(r.tpot for r in ok if r.tpot is not None).as_dict(1000),
+        itl_ms=summarize(g for r in ok for g in r.itl).as_dict(1000),
+        e2el_ms=summarize(r.latency for r in ok).as_dict(1000))
+
+
+def max_concurrency_seen(results: list[RequestResult]) -> int:
+    """Most requests in flight at once (from their start and end times)."""
+    events = sorted([(r.start, 1) for r in results] + [(r.end, -1) for r in results],
+                    key=lambda e: (e[0], e[1]))  # an end before a start at the same time
+    best = now = 0
+    for _, delta in events:
+        now += delta
+        best = max(best, now)
+    return best
+
+
+def poisson_delays(num: int, rate: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: exponential gaps of mean 1/rate (0 if inf)."""
+    if not rate > 0:
+        raise ValueError(f"request_rate={rate} is invalid: must be > 0 (inf = all at once)")
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    return [rng.expovariate(rate) for _ in range(num)]
+
+
+def check_local(base_url: str) -> str:
+    """The URL without a trailing slash, if it points at this machine."""
+    parsed = urlparse(base_url)
+    if parsed.scheme not in ("http", "https") or parsed.hostname is None:
+        raise ValueError(f"base_url={base_url!r} is invalid: give http://HOST:PORT")
+    if parsed.hostname not in LOCAL_HOSTS:
+        raise ValueError(f"base_url={base_url!r} is not allowed: this benchmark only "
+                         f"loads servers on this machine ({', '.join(LOCAL_HOSTS[:3])})")
+    return base_url.rstrip("/")
+
+
+# --------------------------------------------------------------------------
+# One request
+# --------------------------------------------------------------------------
+
+async def _sse_events(response) -> AsyncIterator[dict]:
+    """The JSON payloads of a server-sent event stream, until ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _chunk_text(event: dict, chat: bool) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+async def send_request(client, url: str, payload: dict, chat: bool,
+                       timeout: float) -> RequestResult:
+    result = RequestResult(success=False, start=time.perf_counter())
+    try:
+        async with client.stream("POST", url, json=payload, timeout=timeout) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:200]}"
+                return result
+            chunks = 0
+            async for event in _sse_events(response):
+                text = _chunk_text(event, chat)
+                if text:
+                    result.chunk_times.append(time.perf_counter())
+                    result.text += text
+                    chunks += 1
+                usage = event.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens") or 0
+                    result.output_tokens = usage.get("completion_tokens") or 0
+            result.output_tokens = result.output_tokens or chunks
+            result.success = True
+    except Exception as e:  # network errors, timeouts, bad JSON: a failed request
+        result.error = f"{type(e).__name__}: {e}"
+    finally:
+        result.end = time.perf_counter()
+    return result
+
+
+# --------------------------------------------------------------------------
+# The benchmark
+# --------------------------------------------------------------------------
+
+def build_payloads(args: argparse.Namespace) -> list[dict]:
+    """One request body per prompt: the built-in chat prompts, cycled."""
+    chat = args.endpoint_type == "chat"
+    payloads = []
+    for i in range(args.num_prompts):
+        text = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
+        body = {"model": args.model, "max_tokens": args.max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if args.ignore_eos:  # vLLM's and minivllm's extension of the OpenAI API
+            body["ignore_eos"] = True
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        payloads.append(body)
+    return payloads
+
+
+async def benchmark(base_url: str, payloads: list[dict], chat: bool, request_rate: float,
+                    max_concurrency: Optional[int], max_duration: float, timeout: float,
+                    seed: int = 0, api_key: Optional[str] = None
+                    ) -> tuple[list[RequestResult], float]:
+    """Send every payload on the Poisson schedule; (results, wall seconds)."""
+    import httpx
+
+    url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
+    delays = poisson_delays(len(payloads), request_rate, seed)
+    limit = asyncio.Semaphore(max_concurrency or len(payloads))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency or len(payloads))
+
+    async with httpx.AsyncClient(headers=headers, limits=limits, trust_env=False) as client:
+        async def one(payload: dict) -> RequestResult:
+            async with limit:
+                return await send_request(client, url, payload, chat, timeout)
+
+        start = time.perf_counter()
+        tasks = []
+        for payload, delay in zip(payloads, delays):
+            await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(payload)))
+        done, pending = await asyncio.wait(tasks, timeout=max_duration)
+        for task in pending:  # over the time bound: cancelled, counted as failed
+            task.cancel()
+        results = []
+        for task in tasks:
+            if task in done and not task.cancelled() and task.exception() is None:
+                results.append(task.result())
+            else:
+                results.append(RequestResult(success=False, error="cancelled: over "
+                                             f"--max-duration={max_duration:.0f} s"))
+        return results, time.perf_counter() - start
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n")[0]
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="default",
+                        help="the model name the server expects in requests")
+    parser.add_argument("--endpoint-type", default="chat", choices=["chat", "completions"])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="ask the server to produce exactly --max-tokens tokens")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests/s, Poisson arrivals (inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight at once")
+    parser.add_argument("--max-duration", type=float, default=600,
+                        help="seconds; requests still running then count as failed")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> ServeMetrics:
+    base_url = check_local(args.base_url)
+    if not 1 <= args.num_prompts <= MAX_PROMPTS:
+        raise ValueError(f"num_prompts={args.num_prompts} is invalid: must be in "
+                         f"[1, {MAX_PROMPTS}]")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"max_concurrency={args.max_concurrency} is invalid: must be >= 1")
+    if not args.max_duration > 0:
+        raise ValueError(f"max_duration={args.max_duration} is invalid: must be > 0")
+    chat = args.endpoint_type == "chat"
+    results, duration = asyncio.run(benchmark(
+        base_url, build_payloads(args), chat, args.request_rate, args.max_concurrency,
+        args.max_duration, args.timeout, args.seed, args.api_key))
+    metrics = compute_metrics(results, duration)
+    print_metrics(metrics)
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        print(f"first failure: {failed[0]}", file=sys.stderr)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(
+            {"base_url": base_url, "request_rate": args.request_rate,
+             "max_concurrency": args.max_concurrency, "metrics": asdict(metrics)}, indent=2))
+        print(f"wrote {args.output}")
+    return metrics
+
+
+def print_metrics(m: ServeMetrics) -> None:
+    rows = [("Successful requests", m.completed), ("Failed requests", m.failed),
+            ("Peak concurrent requests", m.max_concurrent_requests),
+            ("Benchmark duration (s)", f"{m.duration:.2f}"),
+            ("Total input tokens", m.total_input_tokens),
+            ("Total generated tokens", m.total_output_tokens),
+            ("Request throughput (req/s)", f"{m.request_throughput:.2f}"),
+            ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}"),
+            ("Total token throughput (tok/s)", f"{m.total_token_throughput:.2f}")]
+    for title, stats in (("Time to First Token", m.ttft_ms),
+                         ("Time per Output Token (excl. 1st token)", m.tpot_ms),
+                         ("Inter-token Latency", m.itl_ms), ("End-to-end Latency", m.e2el_ms)):
+        rows.append((f"-- {title}", ""))
+        short = title.split(" (")[0]
+        abbrev = {"Time to First Token": "TTFT", "Time per Output Token": "TPOT",
+                  "Inter-token Latency": "ITL", "End-to-end Latency": "E2EL"}[short]
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{stat.capitalize()} {abbrev} (ms)", f"{stats[stat]:.2f}"))
+    print("=" * 50)
+    for name, value in rows:
+        print(f"{name:<40} {value:>9}" if value != "" else name)
+    print("=" * 50)
+
+
+__all__ = ["RequestResult", "ServeMetrics", "benchmark", "compute_metrics", "check_local",
+           "poisson_delays", "max_concurrency_seen", "send_request", "run", "add_cli_args"]

@@ -1,0 +1,194 @@
+"""`minivllm bench throughput` and `bench roofline`: the arithmetic behind the
+reported numbers, checked against real models and by hand-derivable cases,
+and one end-to-end run with two backends in their own processes (slow)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from minivllm.benchmarks import roofline as rl
+from minivllm.benchmarks import throughput as tp
+from minivllm.benchmarks.datasets import CHAT_PROMPTS, chat_workload, random_workload
+from minivllm.config import ModelConfig
+
+
+# -- roofline: the model's side ---------------------------------------------------------
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", {}), ("llama", {"tie_word_embeddings": False}), ("qwen2", {}),
+    ("qwen3", {}), ("mistral", {})])
+def test_param_count_matches_transformers(tiny_model, family, overrides):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model(family, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    cfg = ModelConfig.from_pretrained(folder)
+    assert rl.model_param_count(cfg) == sum(p.numel() for p in hf.parameters())
+    # FLOPs: 2 per weight that multiplies (the embedding lookup does not, unless it
+    # is also the LM head).
+    embed = cfg.vocab_size * cfg.hidden_size
+    matmul = rl.model_param_count(cfg) - (0 if cfg.tie_word_embeddings else embed)
+    assert rl.flops_per_token(cfg) == 2 * matmul
+    assert rl.flops_per_token(cfg, context_len=10) == 2 * matmul + 10 * 4 * (
+        cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim)
+    assert rl.weight_bytes(cfg, torch.bfloat16) == 2 * rl.model_param_count(cfg)
+
+
+def test_default_model_size(default_model_path):
+    cfg = ModelConfig.from_pretrained(default_model_path)
+    # The GGUF holds 134.5 M parameters (DESIGN.md); the embedding is tied.
+    assert rl.model_param_count(cfg) == pytest.approx(134.5e6, rel=1e-3)
+
+
+def _roofline(flops=100e9, bandwidth=10e9, params=1_000_000_000 // 8):
+    return rl.Roofline("float32", flops, bandwidth, bandwidth, bandwidth / 2, params,
+                       2.0 * params, 4 * params)
+
+
+def test_ceilings_take_the_tighter_bound():
+    r = _roofline()  # 250 M FLOPs and 500 MB per token / pass
+    assert r.compute_tokens_per_s == pytest.approx(100e9 / 250e6)  # 400 tok/s
+    assert r.bandwidth_steps_per_s == pytest.approx(10e9 / 500e6)  # 20 passes/s
+    assert r.ceiling_tokens_per_s(1) == pytest.approx(20)  # one stream: bandwidth
+    assert r.ceiling_tokens_per_s(64) == pytest.approx(400)  # big batch: compute
+    assert r.min_seconds(num_tokens=400, num_steps=10) == pytest.approx(1.0)
+    assert r.min_seconds(num_tokens=40, num_steps=40) == pytest.approx(2.0)
+    assert r.fraction(400, 10, seconds=4.0) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="batch_size"):
+        r.ceiling_tokens_per_s(0)
+
+
+def test_measurements_are_positive_and_finite():
+    flops = rl.measure_matmul_flops(torch.float32, size=64, repeats=2, min_seconds=0.0)
+    bw = rl.measure_bandwidth(num_bytes=1 << 20, repeats=2, min_seconds=0.0)
+    for value in (flops, bw.read, bw.copy, bw.best):
+        assert 0 < value < math.inf
+    with pytest.raises(ValueError, match="size"):
+        rl.measure_matmul_flops(size=0)
+
+
+def test_roofline_cli_writes_json(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    rl.add_cli_args(parser)
+    out = tmp_path / "roofline.json"
+    args = parser.parse_args(["--dtype", "float32", "--matmul-size", "128",
+                              "--min-seconds", "0", "--output", str(out)])
+    report = rl.run(args)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(report))
+    r = saved["rooflines"][0]
+    assert r["dtype"] == "float32" and r["weight_bytes"] == 4 * r["params"]
+    assert r["compute_tokens_per_s"] == pytest.approx(r["matmul_flops"] / r["flops_per_token"])
+    assert "GFLOP/s" in capsys.readouterr().out
+
+
+# -- throughput: the report's arithmetic ------------------------------------------------
+
+def _runs():
+    R = tp.RunResult
+    return [R("minivllm", 2.0, 4, 100, 400), R("hf", 4.0, 4, 100, 400),
+            R("minivllm", 1.0, 4, 100, 400), R("hf", 5.0, 4, 100, 400)]
+
+
+def test_run_rates_and_paired_ratios():
+    runs = _runs()
+    r = runs[0]
+    assert (r.requests_per_s, r.input_tokens_per_s, r.output_tokens_per_s,
+            r.total_tokens_per_s) == (2.0, 50.0, 200.0, 250.0)
+    # Paired by repeat: (400/2)/(400/4) and (400/1)/(400/5).
+    assert tp.paired_ratios(runs, "minivllm", "hf") == [2.0, 5.0]
+
+
+def test_min_forward_passes():
+    assert tp.min_forward_passes([128] * 32, concurrency=32) == 128
+    assert tp.min_forward_passes([128] * 256, concurrency=128) == 256
+    assert tp.min_forward_passes([10, 200], concurrency=2) == 200  # the longest request
+    assert tp.min_forward_passes([5] * 10, concurrency=3) == math.ceil(50 / 3)
+    with pytest.raises(ValueError, match="concurrency"):
+        tp.min_forward_passes([1], 0)
+
+
+def test_roofline_fraction_and_stage_shares():
+    roof = {"compute_tokens_per_s": 400.0, "bandwidth_steps_per_s": 20.0}
+    assert tp.roofline_fraction(roof, num_tokens=800, num_steps=10, seconds=4.0) == 0.5
+    assert tp.roofline_fraction(roof, num_tokens=40, num_steps=40, seconds=4.0) == 0.5
+    shares = tp.stage_shares({"schedule": 1.0, "forward": 6.0, "sample": 1.0,
+                              "detokenize": 2.0, "collective_bytes": 99.0})
+    assert shares == {"schedule": 0.1, "forward": 0.6, "sample": 0.1, "detokenize": 0.2}
+
+
+def test_figure_bars_are_medians_with_ranges():
+    args = argparse.Namespace(dataset="chat", dtype="float32", threads=2,
+                              omp_wait_policy="passive", repeats=2)
+    runs = _runs()
+    infos = {"minivllm": {}, "hf": {}}
+    report = tp.make_report(args, ["minivllm", "hf"], infos, runs, None, [[1] * 25] * 4,
+                            [100] * 4, concurrency=4)
+    fig = tp.throughput_figure(report)
+    bar = fig.data[0]
+    assert list(bar.x) == ["minivllm", "hf"]
+    assert list(bar.y) == [300.0, 90.0]  # medians of (200, 400) and (100, 80)
+    assert list(bar.error_y.array) == [100.0, 10.0]
+    assert list(bar.error_y.arrayminus) == [100.0, 10.0]
+    assert report["ratios_output_tokens_per_s"]["hf"]["median"] == 3.5
+
+
+# -- workloads -----------------------------------------------------------------------
+
+def test_builtin_prompts_are_varied():
+    assert len(CHAT_PROMPTS) == 64 and len(set(CHAT_PROMPTS)) == 64
+    chinese = [p for p in CHAT_PROMPTS if any("\u4e00" <= ch <= "\u9fff" for ch in p)]
+    assert 8 <= len(chinese) < 32
+    w = chat_workload(70, 16)
+    assert [r.messages[0]["content"] for r in w[64:]] == list(CHAT_PROMPTS[:6])
+    assert all(r.max_tokens == 16 for r in w)
+
+
+def test_random_workload_lengths_and_tokens():
+    avoid = frozenset({0, 1, 2})
+    w = random_workload(50, (5, 9), (3, 4), vocab_size=20, seed=1, avoid_token_ids=avoid)
+    assert w == random_workload(50, (5, 9), (3, 4), vocab_size=20, seed=1,
+                                avoid_token_ids=avoid)
+    assert all(5 <= len(r.prompt_token_ids) <= 9 and 3 <= r.max_tokens <= 4 for r in w)
+    assert all(3 <= t < 20 for r in w for t in r.prompt_token_ids)
+    with pytest.raises(ValueError, match="input_len"):
+        random_workload(1, (4, 2), (1, 1), vocab_size=10)
+
+
+def test_chat_workload_is_the_chat_template(default_model_path, default_tokenizer):
+    from tests.conftest import chat_ids
+
+    args = argparse.Namespace(dataset="chat", num_prompts=3, max_tokens=7)
+    prompts, max_tokens = tp.build_workload(args, str(default_model_path))
+    assert prompts == [chat_ids(default_tokenizer, p) for p in CHAT_PROMPTS[:3]]
+    assert max_tokens == [7, 7, 7]
+
+
+# -- end to end ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_backends_side_by_side(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    tp.add_cli_args(parser)
+    out, fig = tmp_path / "t.json", tmp_path / "t.html"
+    args = parser.parse_args(["--backend", "minivllm", "--backend", "hf",
+                              "--num-prompts", "3", "--max-tokens", "4", "--repeats", "2",
+                              "--output", str(out), "--figure", str(fig)])
+    report = tp.run(args)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert fig.is_file()
+    runs = report["runs"]
+    # Alternating: the second repeat starts with the other backend.
+    assert [r["backend"] for r in runs] == ["minivllm", "hf", "hf", "minivllm"]
+    assert all(r["output_tokens"] == 12 for r in runs)  # ignore_eos: exactly 3 x 4
+    assert report["ratios_output_tokens_per_s"]["hf"]["count"] == 2
+    mv = report["backends"]["minivllm"]
+    assert set(mv["step_breakdown_share"]) >= {"schedule", "prepare", "forward", "sample"}
+    assert sum(mv["step_breakdown_share"].values()) == pytest.approx(1.0)
+    assert 0 < mv["roofline_fraction"]["median"] < 1
+    assert "minivllm / hf" in capsys.readouterr().out
