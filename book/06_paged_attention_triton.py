@@ -72,7 +72,7 @@ from minivllm.viz.kernel import (attention_bench_figure, kernel_tile_plan, onlin
 print("Triton interprets:", triton_attn.interpreter_active())
 assert triton_attn.interpreter_active() == (not ON_GPU)
 triton_backend = triton_attn.TritonAttentionBackend()
-reference = TorchAttentionBackend()  # the plain-PyTorch reference from chapter 3
+reference = TorchAttentionBackend()  # the plain-PyTorch reference (torch_attn.py)
 
 # %% [markdown]
 # ## The kernel
@@ -115,7 +115,8 @@ plan = kernel_tile_plan(QUERY_LEN, CONTEXT_LEN, table, BLOCK_SIZE, triton_attn.K
                         queries_per_tile)
 for t in plan.tiles:
     print(f"query tile {t.index}: new tokens {t.first_query}..{t.last_query}, reads keys "
-          f"0..{t.keys_needed - 1} in {len(t.kv_tiles)} key tiles, blocks {plan.blocks_read(t.index)}")
+          f"0..{t.keys_needed - 1} in {len(t.kv_tiles)} key tiles, "
+          f"blocks {plan.blocks_read(t.index)}")
 
 # %% [markdown]
 # The map below shows the same thing for every (new token, key) pair. Blue pairs are
