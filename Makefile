@@ -8,7 +8,7 @@ BOOK_SOURCES := $(filter-out book/conftest.py,$(wildcard book/[0-9][0-9]_*.py))
 NOTEBOOKS    := $(BOOK_SOURCES:.py=.ipynb)
 PYTEST_ARGS  ?=
 
-.PHONY: setup book notebooks chat test test-fast test-book serve figures bench sysdeps clean
+.PHONY: setup book notebooks chat test test-fast test-book serve figures bench bench-peers sysdeps clean
 
 setup: $(STAMP)
 
@@ -64,6 +64,25 @@ figures: setup sysdeps
 
 bench: setup
 	$(VENV)/bin/minivllm bench throughput
+
+# The README's benchmark table: minivllm side by side with its peers, one run
+# per workload (see README "Benchmarks" for building the peers' environments).
+# A peer whose interpreter is not given is left out and said so.
+VLLM_PYTHON  ?=
+LLAMA_PYTHON ?=
+REPEATS      ?= 3
+PEERS = --backend minivllm --backend hf $(if $(VLLM_PYTHON),--backend vllm --vllm-python $(VLLM_PYTHON))
+BENCH = $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
+bench-peers: setup
+	$(VENV)/bin/minivllm bench roofline --output figures/bench_roofline.json
+	$(BENCH) $(PEERS) $(if $(LLAMA_PYTHON),--backend llama.cpp --llama-python $(LLAMA_PYTHON)) \
+	  --num-prompts 1 --max-tokens 128 --output figures/bench_throughput_1x128.json
+	$(BENCH) $(PEERS) --backend hf-cb --num-prompts 32 --max-tokens 128 \
+	  --output figures/bench_throughput_32x128.json --figure figures/bench_throughput_32x128.png
+	$(BENCH) $(PEERS) --hf-batch-size 128 --num-prompts 128 --max-tokens 128 \
+	  --output figures/bench_throughput_128x128.json
+	$(BENCH) $(PEERS) --dtype bfloat16 --num-prompts 32 --max-tokens 128 \
+	  --output figures/bench_throughput_32x128_bf16.json
 
 clean:
 	rm -rf $(VENV) book/*.ipynb .pytest_cache

@@ -71,8 +71,10 @@ def free_port() -> int:
 
 
 port = free_port()
-cli = Path(sys.executable).with_name("minivllm")  # the console script of this environment
-command = [str(cli), "serve", "--port", str(port), "--num-kv-blocks", "64",
+script = Path(sys.executable).with_name("minivllm")  # this environment's console script
+launcher = ([str(script)] if script.exists()
+            else [sys.executable, "-m", "minivllm.entrypoints.cli"])
+command = [*launcher, "serve", "--port", str(port), "--num-kv-blocks", "64",
            "--uvicorn-log-level", "warning"]
 server_log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
 server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
@@ -87,10 +89,13 @@ def stop_server() -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+    if not server_log.closed:
+        server_log.close()
+        os.unlink(server_log.name)
 
 
 atexit.register(stop_server)  # even if a cell fails, no server outlives this kernel
-print(" ".join(["minivllm", *command[1:]]), "-> pid", server.pid)
+print(" ".join(["minivllm", *command[len(launcher):]]), "-> pid", server.pid)
 
 # %% [markdown]
 # ## 2. Messages have to become numbers

@@ -34,6 +34,7 @@ from IPython.display import display
 from minivllm import LLM, SamplingParams
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.tokens import pieces_from_ids, split_tokens, token_boundaries
+from minivllm.viz.widgets import show_in
 
 llm = LLM(num_kv_blocks=64)  # the default model, SmolLM2-135M-Instruct; 64 blocks is plenty
 tokenizer = llm.get_tokenizer()
@@ -138,7 +139,8 @@ token_boundaries(english, title=f"{len(words)} words, {len(english)} tokens")
 # split over 2 or 3 tokens. Orange boxes below are such pieces, written as hex bytes.
 
 # %%
-chinese = "今天天气很好，我们去公园散步吧。"  # "The weather is nice today, let's walk in the park."
+# "The weather is nice today, let's go for a walk in the park."
+chinese = "今天天气很好，我们去公园散步吧。"
 zh = split_tokens(tokenizer, chinese)
 num_bytes = len(chinese.encode("utf-8"))
 print(f"{len(chinese)} characters, {num_bytes} UTF-8 bytes, {len(zh)} tokens")
@@ -215,11 +217,7 @@ shown = widgets.Output()
 
 def on_change(change=None) -> None:
     note, fig = show_tokens(box.value)
-    shown.clear_output(wait=True)
-    with shown:
-        print(note)
-        if fig is not None:
-            display(fig)
+    show_in(shown, note, *([fig] if fig is not None else []))
 
 
 box.observe(on_change, names="value")

@@ -40,6 +40,7 @@ from minivllm.model.loader import resolve_model_path
 from minivllm.viz.bars import component_bars, line_chart, topk_bars
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.heatmap import attention_heatmap
+from minivllm.viz.widgets import show_in
 
 llm = LLM(num_kv_blocks=64)
 model = llm.engine_core.executor.runner.model  # the engine's own LlamaForCausalLM
@@ -116,7 +117,8 @@ print(f"{'logits':28s} {tuple(logits.shape)}")
 
 # %%
 H, D = cfg.hidden_size, cfg.head_dim
-nq, nkv, I, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size
+nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+I, V = cfg.intermediate_size, cfg.vocab_size
 assert seen["embedding"] == [(T, H)]
 assert seen["Q K V projection"] == [(T, (nq + 2 * nkv) * D)]
 assert seen["RoPE (rotates q and k)"] == [(T, nq, D), (T, nkv, D)]
@@ -276,9 +278,7 @@ heat = widgets.Output()
 
 
 def on_change(change=None) -> None:
-    heat.clear_output(wait=True)
-    with heat:
-        display(show_attention(layer_slider.value, head_slider.value))
+    show_in(heat, show_attention(layer_slider.value, head_slider.value))
 
 
 layer_slider.observe(on_change, names="value")

@@ -38,6 +38,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.viz.blocks import (all_request_ids, block_map_figure, block_map_states,
                                  footprint_lines, request_colors, reserved_slots, waste_bars)
 from minivllm.viz.export import save_key_figure
+from minivllm.viz.widgets import show_in
 
 BLOCK_SIZE = 16  # token slots per block
 NUM_BLOCKS = 64  # a deliberately small cache, so the map fits on the screen
@@ -196,9 +197,7 @@ shown = widgets.Output()
 
 
 def on_change(change=None) -> None:
-    shown.clear_output(wait=True)
-    with shown:
-        display(show_step(slider.value))
+    show_in(shown, show_step(slider.value))
 
 
 slider.observe(on_change, names="value")

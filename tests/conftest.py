@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from minivllm.benchmarks.datasets import CHAT_PROMPTS as BENCH_CHAT_PROMPTS
+
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "用一句话介绍一下北京。",
-    "List three prime numbers.",
-    "Explain what a KV cache is in one sentence.",
-    "今天天气很好，我们去公园散步吧。请把这句话翻译成英文。",
-    "What is 12 times 7?",
-    "Give me a short tip for learning Python.",
-    "Who wrote Romeo and Juliet?",
-    "Translate 'good morning' into Spanish.",
-    "Name a famous painting by Leonardo da Vinci.",
-    "What does a CPU do?",
-    "写一首关于月亮的短诗。",
-    "Why is the sky blue? Answer briefly.",
-    "Suggest a name for a pet cat.",
-    "What is the boiling point of water in Celsius?",
-]
+# The first 16 of the benchmark's chat prompts (3 in Chinese): one list, not two.
+CHAT_PROMPTS = list(BENCH_CHAT_PROMPTS[:16])
 
 
 @pytest.fixture(scope="session")
@@ -100,3 +88,15 @@ def tiny_model(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, default_model_path):
+    """A tiny random Llama that shares SmolLM2's tokenizer and chat template."""
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    build_tiny_model(folder, "llama", vocab_size=49152, eos_token_id=2,
+                     max_position_embeddings=1024)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(default_model_path) / name).is_file():
+            shutil.copy(Path(default_model_path) / name, folder / name)
+    return str(folder)

@@ -192,3 +192,57 @@ def test_two_backends_side_by_side(tmp_path, capsys):
     assert sum(mv["step_breakdown_share"].values()) == pytest.approx(1.0)
     assert 0 < mv["roofline_fraction"]["median"] < 1
     assert "minivllm / hf" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_run_reports_its_collectives(tiny_chat_model, tmp_path, monkeypatch,
+                                                     capsys):
+    """TP=2 on a tiny model: every timed run's collective bytes are the theory's, the
+    breakdown counts them once, and the workers are gone when the benchmark is."""
+    import uuid
+
+    import psutil
+
+    from minivllm.model.layers.parallel import expected_collective_bytes
+    from tests.helpers import WORKER_MARK
+
+    tag = uuid.uuid4().hex  # marks the processes this run starts (environment)
+    monkeypatch.setenv("MINIVLLM_TEST_RUN", tag)
+    parser = argparse.ArgumentParser()
+    tp.add_cli_args(parser)
+    out = tmp_path / "tp.json"
+    args = parser.parse_args(["--model", tiny_chat_model, "--tensor-parallel-size", "2",
+                              "--dataset", "random", "--num-prompts", "3", "--input-len", "8",
+                              "--output-len", "4", "--repeats", "2", "--threads", "2",
+                              "--output", str(out)])
+    report = tp.run(args)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    mv = report["backends"]["minivllm"]
+    assert report["workload"]["tensor_parallel_size"] == mv["info"]["tensor_parallel_size"] == 2
+    assert mv["info"]["threads_per_rank"] == 1  # the two ranks share --threads 2
+    # Each run: one step prefills 3 prompts of 8 tokens (shorter than a block, so no
+    # prefix-cache hit on the repeat) and samples 3 tokens; 3 decode steps follow.
+    cfg = ModelConfig.from_pretrained(tiny_chat_model, dtype="float32")
+    per_run = (expected_collective_bytes(cfg, 24, 2, num_logits_rows=3)
+               + 3 * expected_collective_bytes(cfg, 3, 2))
+    assert [(r["num_steps"], r["collective_bytes"]) for r in report["runs"]] == \
+        [(4, per_run)] * 2
+    assert mv["collective_bytes_per_step"] == per_run / 4
+    assert mv["collective_seconds_per_step"] > 0 and mv["broadcast_seconds_per_step"] > 0
+    # Collectives and the input broadcast happen inside the forward pass: the shares
+    # count them once, as themselves.
+    seconds, shares = mv["step_breakdown_seconds"], mv["step_breakdown_share"]
+    assert seconds["forward"] >= seconds["collective"] + seconds["broadcast"]
+    assert shares["collective"] > 0 and shares["broadcast"] > 0
+    assert sum(shares.values()) == pytest.approx(1.0)
+    printed = capsys.readouterr().out
+    assert "collective" in printed and "minivllm tensor parallel (2 ranks)" in printed
+    left = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if WORKER_MARK in " ".join(proc.info["cmdline"] or []) and \
+                    proc.environ().get("MINIVLLM_TEST_RUN") == tag:
+                left.append(proc)
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            pass
+    assert left == []

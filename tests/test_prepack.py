@@ -1,4 +1,4 @@
-"""Prepacked (MKL) CPU float32 linears give F.linear's results, up to rounding."""
+"""Prepacked CPU linears (MKL float32, oneDNN bfloat16) give F.linear's results, up to rounding."""
 
 from __future__ import annotations
 
@@ -16,29 +16,41 @@ pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(2, 2)),
                                 reason="this torch build has no MKL packed GEMM")
 
 
+# bfloat16: both sides round their float32 sums to bfloat16 (8 bits of mantissa),
+# so one rounding step apart at most.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 7, 32, 129])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, bias):
+def test_packed_linear_matches_f_linear(rows, bias, dtype):
+    if not prepack_supported(torch.zeros(2, 2, dtype=dtype)):
+        pytest.skip(f"this torch build cannot pack {dtype} weights")
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 80, generator=gen)
-    b = torch.randn(96, generator=gen) if bias else None
-    x = torch.randn(rows, 80, generator=gen)
+    w = torch.randn(96, 80, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, 80, generator=gen).to(dtype)
     out = linear(x, w, b, pack_weight(w))
-    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=tol, atol=tol)
 
 
 def test_not_supported_for_other_dtypes():
-    assert not prepack_supported(torch.zeros(4, 4, dtype=torch.bfloat16))
+    assert not prepack_supported(torch.zeros(4, 4, dtype=torch.float16))
+    assert not prepack_supported(torch.zeros(4, dtype=torch.float32))  # not a matrix
     # A packed weight is only used for 2-D inputs; others take F.linear.
     w = torch.randn(8, 6)
     x = torch.randn(2, 3, 6)
     torch.testing.assert_close(linear(x, w, None, pack_weight(w)), F.linear(x, w))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_packed_model_matches_unpacked(tiny_model, family):
-    model = load_model(ModelConfig.from_pretrained(tiny_model(family)),
-                       TorchAttentionBackend(), torch.device("cpu"))
+def test_packed_model_matches_unpacked(tiny_model, family, dtype):
+    cfg = ModelConfig.from_pretrained(tiny_model(family), dtype=dtype)
+    model = load_model(cfg, TorchAttentionBackend(), torch.device("cpu"))
     lens = [5, 9, 1]
     ids = torch.randint(0, 256, (sum(lens),), generator=torch.Generator().manual_seed(0))
     pos = torch.cat([torch.arange(n) for n in lens])
@@ -51,6 +63,7 @@ def test_packed_model_matches_unpacked(tiny_model, family):
     plain = logits()
     assert prepack_model(model) > 0
     packed = logits()
-    torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
+    tol = TOLERANCE[cfg.dtype] * 10  # rounding differences compound through the layers
+    torch.testing.assert_close(packed, plain, rtol=tol, atol=tol)
     unpack_model(model)
     assert torch.equal(logits(), plain)  # unpacked again: exactly F.linear

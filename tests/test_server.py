@@ -15,39 +15,22 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from minivllm.engine.scheduler import SchedulerStats
 from minivllm.metrics.request_metrics import RequestMetrics
-from tests.conftest import CHAT_PROMPTS, build_tiny_model, chat_ids
+from tests.conftest import CHAT_PROMPTS, chat_ids
+from tests.helpers import ServerProcess, metric_samples, wait_for
 
 API_KEY = "test-key-123"
-REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 16
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 # -- fast checks, no server ---------------------------------------------------------------
-def metric_samples(text: str) -> dict[tuple, float]:
-    """{(sample name, sorted labels without model_name): value} from Prometheus text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-            out[(s.name, labels)] = s.value
-    return out
-
-
 def test_prometheus_logger_follows_its_feeds():
     from minivllm.metrics.prometheus import PrometheusStatLogger
 
@@ -114,85 +97,7 @@ def test_request_models_map_to_sampling_params():
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
 
 
-# -- a server in a subprocess -------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """``minivllm serve`` on a free localhost port; its output goes to a log file."""
-
-    def __init__(self, tmp: Path, *args: str) -> None:
-        import httpx
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"server-{self.port}.log"
-        self.log = open(self.log_path, "w")
-        # One torch thread: the test process runs an engine of its own, and two
-        # processes that each spin threads on every core slow each other tenfold.
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-                   OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port",
-             str(self.port), "--uvicorn-log-level", "warning", *args],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True)  # its own process group: nothing leaks on failure
-        self.http = httpx.Client(base_url=self.url, timeout=120)
-        self.wait_until_healthy()
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text()[-3000:]
-
-    def wait_until_healthy(self, deadline_s: float = 600) -> None:
-        import httpx
-
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if self.http.get("/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"server not healthy after {deadline_s} s:\n{self.log_tail()}")
-
-    def stats(self) -> dict:
-        return self.http.get("/stats").json()
-
-    def metrics(self) -> dict:
-        return metric_samples(self.http.get("/metrics").text)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever is left of the group (only after a failure)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.http.close()
-        self.log.close()
-
-
-def wait_for(condition, what: str, deadline_s: float = 120, poll_s: float = 0.2):
-    """Poll until ``condition()`` is truthy; fail naming ``what`` (no timing is asserted)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll_s)
-    pytest.fail(f"gave up waiting for {what}")
-
-
+# -- a server in a subprocess (ServerProcess: tests/helpers.py) ---------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(tmp_path_factory.mktemp("server"), "--api-key", API_KEY)
@@ -620,18 +525,7 @@ def test_demo_page_streams_an_answer(server, offline, tmp_path):
 
 
 # -- a small server of its own: in-process core, and a killed core ------------------------
-@pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, default_model_path):
-    """A tiny random Llama that shares SmolLM2's tokenizer and chat template."""
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    build_tiny_model(folder, "llama", vocab_size=49152, eos_token_id=2,
-                     max_position_embeddings=1024)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(default_model_path) / name).is_file():
-            shutil.copy(Path(default_model_path) / name, folder / name)
-    return str(folder)
-
-
+# (tiny_chat_model: tests/conftest.py)
 @pytest.mark.slow
 def test_inprocess_core_matches_offline(tmp_path, tiny_chat_model):
     from openai import OpenAI

@@ -334,3 +334,22 @@ def test_figures_command_runs_chapters_and_reports(monkeypatch, tmp_path, capsys
     assert (out / "01_demo.html").is_file()
     assert f"wrote {out / '01_demo.html'}" in report
     assert "02_broken.py" in report and "FAILED" in report and "boom" in report
+
+
+# -- widgets -----------------------------------------------------------------------------
+def test_show_in_replaces_what_an_output_widget_shows(monkeypatch):
+    widgets = pytest.importorskip("ipywidgets")
+    import plotly.io as pio
+
+    from minivllm.viz.widgets import show_in
+
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # as in a kernel
+    out = widgets.Output()
+    fig = small_figure()
+    show_in(out, "first", fig)
+    assert [o["output_type"] for o in out.outputs] == ["stream", "display_data"]
+    assert out.outputs[0]["text"] == "first\n"
+    drawn = out.outputs[1]["data"]["application/vnd.plotly.v1+json"]
+    assert [list(t["y"]) for t in drawn["data"]] == [list(t.y) for t in fig.data]
+    show_in(out, "second")  # replaces, does not append
+    assert [o.get("text") for o in out.outputs] == ["second\n"]

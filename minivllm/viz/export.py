@@ -108,9 +108,9 @@ def save_key_figure(fig, name: str) -> Optional[Path]:
 def render_png(fig, target: Path, timeout_s: float = 300.0) -> Optional[str]:
     """Write ``fig`` as a PNG in a separate process; None on success, else why not.
 
-    kaleido drives Chromium from an asyncio loop of its own. Inside a Jupyter
-    kernel, which runs its own loop, that occasionally left the kernel's next
-    messages stuck; a short-lived process keeps the kernel out of it.
+    kaleido drives Chromium from an asyncio loop of its own, and a Jupyter
+    kernel already runs one; a short-lived process keeps the browser, its
+    loop and anything they leave behind out of the chapter's kernel.
     """
     height = fig.layout.height or PNG_HEIGHT
     with tempfile.TemporaryDirectory() as tmp:

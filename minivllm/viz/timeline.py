@@ -103,7 +103,10 @@ def request_timeline(spans: Sequence[Span], marks: Sequence[float],
     the first mark; each gap between marks is written above it."""
     times = [s.start for s in spans] + list(marks)
     origin = min(times) if origin is None else origin
-    ms = lambda t: (t - origin) * 1000.0  # noqa: E731
+
+    def ms(t: float) -> float:
+        return (t - origin) * 1000.0
+
     ttft, gaps = ttft_and_gaps(list(marks), origin)
     marks_lane, ttft_lane = f"{marks_name}s", "TTFT"
     # Each lane is labelled with its total time: spans of a millisecond next to

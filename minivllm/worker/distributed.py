@@ -15,9 +15,11 @@ workers only run the model:
 Two process groups join the ranks. The default group (gloo on CPU, NCCL on
 CUDA) carries the model's collectives and replies, with a timeout
 (``MINIVLLM_TP_TIMEOUT`` seconds, default 300), so a stuck rank becomes an
-error. A second, gloo-only "control" group carries the commands; it has no
-practical timeout, because a worker waits on it for as long as the engine
-sits idle.
+error. A second, gloo-only "control" group carries the commands; a worker
+waits on it without a deadline, for as long as the engine sits idle. A gloo
+broadcast returns on the sending rank only once every rank has taken it, so
+rank 0 sends each command with a deadline of its own: the step timeout, and
+a short one for "stop", which must never hold up an exit.
 
 Rendezvous is by environment, as with ``torchrun``: ``MASTER_ADDR``,
 ``MASTER_PORT`` (a free port when unset), ``WORLD_SIZE`` (must equal
@@ -32,6 +34,10 @@ Life cycle: workers exit when told (``shutdown``), when the engine object is
 garbage collected or the interpreter exits (a finalizer), when the engine
 process dies (they watch their parent), and when any collective fails. The
 engine checks its workers before each step and names a dead one in its error.
+Ctrl-C belongs to the engine: workers it started ignore SIGINT. An interrupt
+in the middle of a step leaves the ranks out of step, so the engine then
+terminates its workers at once instead of asking them to stop; on the way
+out, every wait for another rank or process has a deadline.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 # Workers wait for the next command for as long as the engine sits idle.
 IDLE_TIMEOUT = timedelta(days=365)
+# How long rank 0 waits for the workers to take "stop" before terminating them.
+STOP_TIMEOUT = timedelta(seconds=10)
 CONFIG_KEY = "minivllm/engine_config"
 
 
@@ -117,10 +125,29 @@ class WorkerFailed(RuntimeError):
     """A worker reported an error instead of a result."""
 
 
-def broadcast_command(command: Optional[Command], control: dist.ProcessGroup) -> Command:
-    box = [command]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
+def broadcast_command(command: Optional[Command], control: dist.ProcessGroup,
+                      timeout: Optional[timedelta] = None) -> Command:
+    """Rank 0 sends ``command`` and returns it; the other ranks receive it.
+
+    Rank 0 waits at most ``timeout`` for every rank to take it (the operation
+    is left pending if one does not, and fails when that rank goes away).
+    The others wait as long as it takes. The command travels as its pickle:
+    its length, then its bytes.
+    """
+    if command is not None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(command)), dtype=torch.uint8)
+        for tensor in (torch.tensor([payload.numel()], dtype=torch.int64), payload):
+            work = dist.broadcast(tensor, src=0, group=control, async_op=True)
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+        return command
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=control)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=control)
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def gather_replies(value: Any) -> Optional[list]:
@@ -164,15 +191,21 @@ def run_worker(rank: int, world_size: int, master_addr: str, master_port: int,
     gather_replies(ready)
     if runner is None:
         raise SystemExit(1)  # rank 0 reports the traceback
+    try:
+        _serve_commands(rank, runner, control)
+    except dist.DistError as exc:  # the engine is gone, or stopped mid-step
+        print(f"minivllm TP rank {rank}: lost the engine ({str(exc).splitlines()[0]}); "
+              f"exiting", file=sys.stderr)
+        raise SystemExit(1)
+    dist.destroy_process_group()
+
+
+def _serve_commands(rank: int, runner, control: dist.ProcessGroup) -> None:
+    """Run rank 0's commands until "stop"."""
     while True:
-        try:
-            command = broadcast_command(None, control)
-        except dist.DistError as exc:  # the engine is gone
-            print(f"minivllm TP rank {rank}: lost the engine ({str(exc).splitlines()[0]}); "
-                  f"exiting", file=sys.stderr)
-            raise SystemExit(1)
+        command = broadcast_command(None, control)
         if command.name == "stop":
-            break
+            return
         if command.name == "forward":
             runner.forward(step_inputs_to(command.payload, runner.device))
         elif command.name == "determine_num_blocks":
@@ -181,7 +214,6 @@ def run_worker(rank: int, world_size: int, master_addr: str, master_port: int,
             _reply(rank, lambda: runner.initialize_kv_cache(command.payload))
         else:
             raise RuntimeError(f"rank {rank}: unknown command {command.name!r}")
-    dist.destroy_process_group()
 
 
 def _reply(rank: int, fn) -> None:
@@ -273,7 +305,11 @@ class WorkerGroup:
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root,
                                                           env.get("PYTHONPATH")]))
-        threads = max(1, (os.cpu_count() or 1) // self.rdzv.local_world_size)
+        # A worker's share of the host's cores, and no more threads than the
+        # engine was given (torch.set_num_threads, OMP_NUM_THREADS): a budget
+        # set for the engine is one for every rank.
+        threads = max(1, min((os.cpu_count() or 1) // self.rdzv.local_world_size,
+                             torch.get_num_threads()))
         cmd = [sys.executable, "-m", "minivllm.worker.distributed",
                "--threads", str(threads), "--parent-pid", str(os.getpid())]
         return subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -295,8 +331,9 @@ class WorkerGroup:
             time.sleep(0.05)
         self.control = init_process_groups(self.store, 0, self.rdzv.world_size, device)
 
-    def send(self, command: Command) -> None:
-        broadcast_command(command, self.control)
+    def send(self, command: Command, timeout: Optional[timedelta] = None) -> None:
+        """Broadcast ``command``; raise if a worker has not taken it within ``timeout``."""
+        broadcast_command(command, self.control, timeout or step_timeout())
 
     def dead_workers(self, wait_s: float = 0.0) -> list[str]:
         """Local workers that have exited, waiting up to ``wait_s`` for one to show."""
@@ -320,25 +357,34 @@ class WorkerGroup:
         self.closed = True
         if graceful and self.control is not None and not self.dead_workers():
             try:
-                self.send(Command("stop"))
-            except Exception:  # a worker died meanwhile: the terminations below suffice
+                self.send(Command("stop"), timeout=STOP_TIMEOUT)
+            except Exception:  # a worker died or is stuck: the terminations below suffice
                 graceful = False
-        for proc in self.procs.values():
-            _stop_process(proc, grace_s=10.0 if graceful else 0.0)
+        stop_processes(list(self.procs.values()), grace_s=10.0 if graceful else 0.0)
         if dist.is_initialized():
             dist.destroy_process_group()
         self.control = self.store = None
 
 
-def _stop_process(proc: subprocess.Popen, grace_s: float) -> None:
-    for action, wait_s in ((None, grace_s), (proc.terminate, 5.0), (proc.kill, 5.0)):
-        if action is not None:
-            action()
-        try:
-            proc.wait(timeout=wait_s)
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Give ``procs`` ``grace_s`` to exit, then terminate, then kill the rest.
+
+    All at once, with one deadline per stage, so that stopping N workers takes
+    no longer than stopping one: at most ``grace_s`` + 10 s in all.
+    """
+    for action, wait_s in ((None, grace_s), ("terminate", 5.0), ("kill", 5.0)):
+        alive = [p for p in procs if p.poll() is None]
+        if not alive:
             return
-        except subprocess.TimeoutExpired:
-            continue
+        for proc in alive:
+            if action is not None:
+                getattr(proc, action)()
+        deadline = time.monotonic() + wait_s
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 class TPExecutor:
@@ -495,6 +541,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--rank={ns.rank} is invalid: workers are ranks 1..{ns.world_size - 1} "
                      f"(rank 0 is the engine)")
     if ns.parent_pid is not None:
+        # Started by an engine: Ctrl-C is the engine's to handle, and it stops
+        # us itself. A KeyboardInterrupt here, at a random point of a step,
+        # would only add a second, confusing failure.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         _exit_with_parent(ns.parent_pid)
     if ns.threads:
         torch.set_num_threads(ns.threads)

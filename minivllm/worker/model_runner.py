@@ -65,7 +65,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.attn_backend, self.device)
         if prepack_enabled():
-            prepack_model(self.model)  # CPU float32: pack GEMM weights once
+            prepack_model(self.model)  # CPU float32 / bfloat16: pack GEMM weights once
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

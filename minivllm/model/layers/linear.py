@@ -36,7 +36,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        # MKL's packed copy of the weight (CPU float32), set by prepack_model.
+        # The GEMM library's packed copy of the weight (CPU float32 / bfloat16), see prepack.py.
         self.packed_weight: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
