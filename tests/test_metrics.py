@@ -167,3 +167,19 @@ def test_engine_counts_tokens_of_all_n_completions(tiny_llm):
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     expected = sum(t[-1] - t[0] for t in m.completion_token_times) / (3 * 4)
     assert m.tpot == pytest.approx(expected)
+
+
+def test_prometheus_series_exist_before_any_request():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minivllm.engine.request import FINISH_REASONS
+    from minivllm.metrics.prometheus import PrometheusStatLogger
+
+    text = PrometheusStatLogger("m").render().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    for reason in FINISH_REASONS:
+        key = ("minivllm:request_success_total",
+               (("finished_reason", reason), ("model_name", "m")))
+        assert samples[key] == 0, key
+    assert samples[("minivllm:time_to_first_token_seconds_count", (("model_name", "m"),))] == 0

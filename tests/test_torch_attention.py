@@ -93,11 +93,23 @@ STEPS = {
 }
 
 
+def make_backend(name: str):
+    if name == "torch":
+        return TorchAttentionBackend()
+    from minivllm.model.attention.cpu_attn import CPUAttentionBackend, cpu_kernel_problem
+
+    problem = cpu_kernel_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    return CPUAttentionBackend()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("name", list(STEPS))
 @pytest.mark.parametrize("num_heads,num_kv", [(6, 2), (4, 4), (3, 1)])
-def test_matches_per_sequence_reference(name, num_heads, num_kv):
+def test_matches_per_sequence_reference(name, num_heads, num_kv, backend_name):
     q, k, v, k_cache, v_cache, meta, tables = make_step(1, STEPS[name], num_heads, num_kv)
-    backend = TorchAttentionBackend()
+    backend = make_backend(backend_name)
     backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     scale = 0.3
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
@@ -135,7 +147,41 @@ def test_fresh_prefill_without_cache_matches_reference():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_in_16_bit(dtype):
+    # 16-bit caches, float32 accumulation: close to the float32 answer on the same inputs.
+    backend = make_backend("cpu")
+    q, k, v, k_cache, v_cache, meta, tables = make_step(5, STEPS["pure decode"])
+    q16, k16, v16 = q.to(dtype), k.to(dtype), v.to(dtype)
+    kc16, vc16 = k_cache.to(dtype), v_cache.to(dtype)
+    backend.write_kv(k16, v16, kc16, vc16, meta.slot_mapping)
+    out = backend.forward(q16, k16, v16, kc16, vc16, meta, 0.25)
+    ref = reference(q16.float(), kc16.float(), vc16.float(), tables,
+                    meta.query_start_loc_cpu, meta.seq_lens_cpu, 0.25)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_context_without_cache_is_an_error():
     q, k, v, _, _, meta, _ = make_step(4, STEPS["pure decode"])
     with pytest.raises(ValueError, match="no KV cache"):
         TorchAttentionBackend().forward(q, k, v, None, None, meta, 0.25)
+
+
+# -- the CPU backend in the selector ---------------------------------------------------
+
+def test_cpu_default_uses_the_kernel_when_it_builds(monkeypatch):
+    from minivllm.model.attention import cpu_attn
+    from minivllm.model.attention.selector import ENV_VAR, get_attention_backend
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    expected = "cpu" if cpu_attn.cpu_kernel_problem() is None else "torch"
+    assert get_attention_backend(None, "cpu").name == expected
+    # Without the kernel the default quietly takes the pure torch path; asking
+    # for "cpu" by name is an error that says why.
+    monkeypatch.setattr(cpu_attn, "cpu_kernel_problem", lambda: "no compiler here")
+    assert get_attention_backend(None, "cpu").name == "torch"
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        get_attention_backend("cpu", "cpu")
+    with pytest.raises(RuntimeError, match="'cpu' cannot run on device 'meta'"):
+        get_attention_backend("cpu", "meta")

@@ -305,7 +305,8 @@ def test_import_minivllm_without_triton_in_subprocess():
     """)
     done = _run(["-c", script])
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-1] == "torch"
+    # The CPU default: the C++-kernel backend, or plain torch where it cannot build.
+    assert done.stdout.split()[-1] in ("cpu", "torch")
 
 
 @pytest.mark.skipif(interpreter_active(), reason="the kernel tests ran in this process")

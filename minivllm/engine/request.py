@@ -42,6 +42,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+FINISH_REASONS = tuple(_FINISH_REASONS.values())
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from minivllm.engine.request import FINISH_REASONS
 from minivllm.engine.scheduler import SchedulerStats
 from minivllm.metrics.request_metrics import RequestMetrics
 
@@ -74,6 +75,10 @@ class PrometheusStatLogger:
                                         "Finished requests, by finish reason.",
                                         ["model_name", "finished_reason"],
                                         registry=self.registry)
+        # Every reason from the start, at 0, as vLLM does: a scraper sees the
+        # series before the first request of its kind finishes.
+        for reason in FINISH_REASONS:
+            self._request_success.labels(model_name, reason)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
                               FIRST_TOKEN_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds",

@@ -2,8 +2,10 @@
 
 Precedence: the engine argument ``attention_backend`` if given, else the
 environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the device default
-("triton" on CUDA, "torch" elsewhere). Triton is imported only here, and only
-when the Triton backend is wanted, so ``import minivllm`` works without it.
+("triton" on CUDA, "cpu" on CPU — the torch backend with a C++ decode kernel —
+falling back to "torch" where that kernel cannot be built). Triton is imported
+only here, and only when the Triton backend is wanted, so ``import minivllm``
+works without it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import torch
 from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = ("torch", "triton", "cpu")
 ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
 
 
 def default_backend_name(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
+    return {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
 
 
 def get_attention_backend(name: Optional[str] = None,
@@ -41,6 +43,8 @@ def get_attention_backend(name: Optional[str] = None,
 
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        return _cpu_backend(device, source)
     problem = triton_problem(device)
     if problem is None:
         from minivllm.model.attention.triton_attn import TritonAttentionBackend
@@ -51,6 +55,18 @@ def get_attention_backend(name: Optional[str] = None,
                       f"{problem}; using 'torch' instead", RuntimeWarning, stacklevel=2)
         return TorchAttentionBackend()
     raise RuntimeError(f"{source}='triton' cannot run on device {str(device)!r}: {problem}")
+
+
+def _cpu_backend(device: torch.device, source: str) -> AttentionBackend:
+    from minivllm.model.attention.cpu_attn import CPUAttentionBackend, cpu_kernel_problem
+
+    problem = (cpu_kernel_problem() if device.type == "cpu"
+               else f"it runs on CPU tensors, not on {device.type!r}")
+    if problem is None:
+        return CPUAttentionBackend()
+    if source == "default":  # nobody asked for it: the torch path does the same work
+        return TorchAttentionBackend()
+    raise RuntimeError(f"{source}='cpu' cannot run on device {str(device)!r}: {problem}")
 
 
 def triton_problem(device: torch.device) -> Optional[str]:

@@ -61,6 +61,10 @@ class DecodePlan:
     kv_len: int  # L: keys gathered per sequence (the longest one's, block-rounded)
     kv_rows: torch.Tensor  # [B * Hkv * L] rows of the cache viewed as [-1, head_dim]
     mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where key position < seq_len, else -inf
+    # The decode sequences' own rows of the metadata (for kernels that read the
+    # cache through the block tables themselves).
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
 
 
 @dataclass
@@ -157,9 +161,14 @@ def _plan_decode(meta, seqs, starts, seq_lens, shape: _Shape) -> DecodePlan:
     kv_rows = _head_major_rows(_cache_rows(meta, seqs, num_blocks, shape), shape.num_kv_heads)
     key_pos = torch.arange(kv_len, device=shape.device)
     allowed = key_pos[None, :] < torch.tensor(lens, device=shape.device)[:, None]
-    token_idx = (None if in_order
-                 else torch.tensor([starts[i] for i in seqs], device=shape.device))
-    return DecodePlan(token_idx, kv_len, kv_rows, _additive(allowed, shape.dtype)[:, None, None])
+    if in_order:
+        token_idx, tables, lens_t = None, meta.block_tables, meta.seq_lens
+    else:
+        token_idx = torch.tensor([starts[i] for i in seqs], device=shape.device)
+        rows = torch.tensor(seqs, device=shape.device)
+        tables, lens_t = meta.block_tables[rows], meta.seq_lens[rows]
+    return DecodePlan(token_idx, kv_len, kv_rows, _additive(allowed, shape.dtype)[:, None, None],
+                      tables.to(torch.int32), lens_t.to(torch.int32))
 
 
 def _group_by_length(seqs: list[tuple[int, int, int]], seq_lens: list[int]
