@@ -26,17 +26,19 @@ import json
 import os
 import sys
 import time
+from abc import ABC, abstractmethod
 
 
-class Backend:
+class Backend(ABC):
     """Load once, then run workloads: prompts (token ids) -> output token counts."""
 
     def __init__(self, setup: dict) -> None:
         self.setup = setup
         self.info: dict = {}
 
+    @abstractmethod
     def run(self, prompts: list, max_tokens: list) -> dict:
-        raise NotImplementedError
+        """Generate ``max_tokens[i]`` tokens for ``prompts[i]``; report the counts."""
 
     def close(self) -> None:
         """Release what outlives the process on its own (worker processes)."""
