@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import AttentionMetadata, TorchAttentionBackend
-from minivllm.model.layers.prepack import (linear, pack_weight, prepack_model,
-                                           prepack_supported, unpack_model)
+from minivllm.model.layers.prepack import (PANEL_MAX_ROWS, linear, pack_weight,
+                                           prepack_model, prepack_supported, unpack_model)
 from minivllm.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(2, 2)),
@@ -22,19 +22,33 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 7, 32, 129])
+@pytest.mark.parametrize("rows", [1, 2, 7, 13, 32, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 129])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(rows, bias, dtype):
+@pytest.mark.parametrize("out_features", [96, 100])  # 100: a last panel of 4 columns
+def test_packed_linear_matches_f_linear(rows, bias, dtype, out_features):
     if not prepack_supported(torch.zeros(2, 2, dtype=dtype)):
         pytest.skip(f"this torch build cannot pack {dtype} weights")
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 80, generator=gen).to(dtype)
-    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    w = torch.randn(out_features, 80, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
     x = torch.randn(rows, 80, generator=gen).to(dtype)
     out = linear(x, w, b, pack_weight(w))
     assert out.dtype == dtype
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=tol, atol=tol)
+
+
+def test_float32_decode_rows_take_the_panel_kernel():
+    from minivllm import _custom_ops as ops
+
+    if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
+        pytest.skip("the panel kernel is not built here (needs a compiler and AVX-512)")
+    w = torch.randn(100, 80)
+    packed = pack_weight(w)
+    assert packed.panels is not None and packed.panels.shape == (4, 80, 32)
+    # Zero padding past the 100 real columns, the weight's columns in order before.
+    assert torch.equal(packed.panels.transpose(1, 2).reshape(128, 80)[:100], w)
+    assert not packed.panels.transpose(1, 2).reshape(128, 80)[100:].any()
 
 
 def test_not_supported_for_other_dtypes():

@@ -96,9 +96,10 @@ STEPS = {
 def make_backend(name: str):
     if name == "torch":
         return TorchAttentionBackend()
-    from minivllm.model.attention.cpu_attn import CPUAttentionBackend, cpu_kernel_problem
+    from minivllm._custom_ops import cpu_kernels_problem
+    from minivllm.model.attention.cpu_attn import CPUAttentionBackend
 
-    problem = cpu_kernel_problem()
+    problem = cpu_kernels_problem()
     if problem is not None:
         pytest.skip(problem)
     return CPUAttentionBackend()
@@ -171,15 +172,15 @@ def test_context_without_cache_is_an_error():
 # -- the CPU backend in the selector ---------------------------------------------------
 
 def test_cpu_default_uses_the_kernel_when_it_builds(monkeypatch):
-    from minivllm.model.attention import cpu_attn
+    from minivllm import _custom_ops
     from minivllm.model.attention.selector import ENV_VAR, get_attention_backend
 
     monkeypatch.delenv(ENV_VAR, raising=False)
-    expected = "cpu" if cpu_attn.cpu_kernel_problem() is None else "torch"
+    expected = "cpu" if _custom_ops.cpu_kernels_problem() is None else "torch"
     assert get_attention_backend(None, "cpu").name == expected
     # Without the kernel the default quietly takes the pure torch path; asking
     # for "cpu" by name is an error that says why.
-    monkeypatch.setattr(cpu_attn, "cpu_kernel_problem", lambda: "no compiler here")
+    monkeypatch.setattr(_custom_ops, "cpu_kernels_problem", lambda: "no compiler here")
     assert get_attention_backend(None, "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="no compiler here"):
         get_attention_backend("cpu", "cpu")

@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from minivllm import _custom_ops as ops
 from minivllm.sampling_params import SamplingParams
 
 
@@ -267,7 +268,15 @@ def exponential_race(probs: torch.Tensor,
     # A zero draw would turn a zero-probability token into 0/0 = nan, which
     # argmax ranks first; the smallest normal float keeps every ratio finite.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a [rows, vocab] tensor; on CPU a C++ kernel several
+    times faster than ATen's (``csrc/sampler.cpp``), with the same answer."""
+    if x.dim() == 2 and ops.use_cpu_kernels(x):
+        return ops.argmax(x)
+    return x.argmax(dim=-1)
 
 
 class TopLogprobs(NamedTuple):
@@ -317,8 +326,8 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+            return argmax(logits)
+        greedy = None if md.all_random else argmax(logits)
         logits = logits / md.temperature[:, None]
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)

@@ -58,9 +58,10 @@ def get_attention_backend(name: Optional[str] = None,
 
 
 def _cpu_backend(device: torch.device, source: str) -> AttentionBackend:
-    from minivllm.model.attention.cpu_attn import CPUAttentionBackend, cpu_kernel_problem
+    from minivllm import _custom_ops
+    from minivllm.model.attention.cpu_attn import CPUAttentionBackend
 
-    problem = (cpu_kernel_problem() if device.type == "cpu"
+    problem = (_custom_ops.cpu_kernels_problem() if device.type == "cpu"
                else f"it runs on CPU tensors, not on {device.type!r}")
     if problem is None:
         return CPUAttentionBackend()

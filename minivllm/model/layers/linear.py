@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
-from minivllm.model.layers.prepack import linear
+from minivllm.model.layers.prepack import PackedWeight, linear
 
 
 class LinearBase(nn.Module):
@@ -37,7 +37,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         # The GEMM library's packed copy of the weight (CPU float32 / bfloat16), see prepack.py.
-        self.packed_weight: Optional[torch.Tensor] = None
+        self.packed_weight: Optional[PackedWeight] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)

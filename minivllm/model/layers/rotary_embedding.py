@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from minivllm import _custom_ops as ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -69,7 +71,19 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hk, D], positions [T] -> rotated (q, k)."""
+        """q [T, Hq, D], k [T, Hk, D], positions [T] -> rotated (q, k).
+
+        On CPU the C++ kernel (``csrc/pos_encoding.cpp``) rotates q and k in
+        place, so they must belong to the caller (slices of the step's fresh
+        qkv projection output do).
+        """
+        if (ops.use_cpu_kernels(q) and self.cos_cache.dtype == torch.float32
+                and positions.dtype == torch.int64):
+            ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.cos_sin(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
-from minivllm.model.layers.prepack import linear
+from minivllm.model.layers.prepack import PackedWeight, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -53,7 +53,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__(vocab_size, hidden_size, dtype)
-        self.packed_weight: Optional[torch.Tensor] = None  # see prepack.py
+        self.packed_weight: Optional[PackedWeight] = None  # see prepack.py
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits [rows of hidden, vocab_size] on rank 0; None on the other ranks."""

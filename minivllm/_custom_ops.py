@@ -1,0 +1,135 @@
+"""The C++ CPU kernels in ``minivllm/csrc/``, built once and called as ``torch.ops.minivllm.*``.
+
+Eager PyTorch runs a decode step of a small model as thousands of tiny
+operators, each of which reads and writes whole tensors and costs a few
+microseconds of dispatch. On a 2-core CPU that overhead rivals the matrix
+products. These kernels do the same math in one pass each:
+
+- ``paged_attention.cpp`` — decode attention reading K/V in place through the block tables;
+- ``layernorm.cpp`` — RMSNorm, and RMSNorm fused with the residual add;
+- ``pos_encoding.cpp`` — rotary embedding, in place on q and k;
+- ``activation.cpp`` — SwiGLU's ``silu(gate) * up``;
+- ``cache.cpp`` — writing new keys and values into their cache slots;
+- ``sampler.cpp`` — greedy argmax over the vocabulary;
+- ``gemm.cpp`` — float32 matrix products for decode-sized batches (see ``prepack.py``).
+
+Each layer keeps its PyTorch code as ``forward_native`` (the reference the
+tests compare against) and uses the kernel on CPU tensors when it is
+available. The library is compiled on first use with PyTorch's C++ extension
+builder (a C++ compiler with OpenMP and ``ninja``; ``make setup`` does it
+ahead of time), cached under ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``). Without a compiler everything runs on the
+PyTorch paths. ``MINIVLLM_CPU_KERNELS=0`` turns the kernels off (for A/B
+benchmarks).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+LIBRARY_NAME = "minivllm_C"
+ENV_SWITCH = "MINIVLLM_CPU_KERNELS"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def _build() -> Optional[str]:
+    """Compile and load the library; None when it worked, else why not."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler (c++ / g++) on the PATH"
+    try:
+        from torch.utils.cpp_extension import load
+
+        sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
+        load(LIBRARY_NAME, sources, is_python_module=False, verbose=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        return None
+    except Exception as e:  # compiler errors, no ninja, ...
+        return f"building {CSRC.name}/*.cpp failed: {type(e).__name__}: {e}"
+
+
+def cpu_kernels_problem() -> Optional[str]:
+    """Why the CPU kernels cannot be used here (builds them if needed), or None."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"turned off by {ENV_SWITCH}=0"
+    return _build()
+
+
+@functools.lru_cache(maxsize=1)
+def _ready() -> bool:
+    return cpu_kernels_problem() is None
+
+
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether ``x`` (a CPU tensor of a supported dtype) should take the C++ kernels."""
+    return x.device.type == "cpu" and x.dtype in DTYPES and _ready()
+
+
+def _lib():
+    """``torch.ops.minivllm``, loaded (built if needed) on first use."""
+    problem = _build()
+    if problem is not None:
+        raise RuntimeError(f"the minivllm CPU kernels are unavailable: {problem}")
+    return torch.ops.minivllm
+
+
+# Thin wrappers, so callers read like the PyTorch code they replace.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _lib().rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """``residual += x`` in place; returns ``rms_norm(residual)``."""
+    return _lib().fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+    _lib().rotary_embedding(positions, q, k, cos_cache, sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _lib().silu_and_mul(x)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _lib().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                           scale: float) -> torch.Tensor:
+    return _lib().paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                     seq_lens, scale)
+
+
+def packed_linear_available() -> bool:
+    """Whether this build has the float32 decode GEMM (it needs AVX-512)."""
+    return _lib().packed_linear_available()
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    return _lib().pack_linear_weight(weight)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _lib().packed_linear(x, packed, out_features, bias)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return _lib().argmax(logits)
+
+
+if __name__ == "__main__":  # `python -m minivllm._custom_ops`: build now (make setup does)
+    problem = cpu_kernels_problem()
+    print(f"minivllm CPU kernels: {problem or 'built'}"
+          + ("; the PyTorch paths will be used" if problem else ""))

@@ -1,0 +1,164 @@
+// float32 matrix products for decode-sized batches: y = x W^T (+ bias), with W
+// packed once into column panels.
+//
+// With a few dozen rows, a decode step's products are neither purely
+// compute-bound nor purely memory-bound: every weight is streamed from DRAM
+// once and used by each row. MKL's packed GEMM does them one after the other
+// (wait for weights, then compute); this kernel overlaps the two. W [N, K] is
+// stored as panels of NR = 32 output columns, each panel [K][32] contiguous,
+// so the inner loop reads the weights strictly front to back. While one panel
+// is multiplied with the rows (kept in 24 vector registers: MR = 12 rows x
+// two 16-wide column vectors), the next panel is prefetched into L2, so
+// memory traffic proceeds during the arithmetic instead of between it.
+//
+// AVX-512 only: elsewhere packed_linear_available() is false and the caller
+// keeps using MKL.
+#include <ATen/Parallel.h>
+
+#include "cpu_types.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace minivllm {
+namespace {
+
+constexpr int64_t NR = 32;  // output columns per panel: two 16-float vectors
+constexpr int64_t MR = 12;  // rows per register tile
+
+#ifdef __AVX512F__
+// rows x 32 outputs of one panel. Meanwhile it prefetches its share of the
+// next panel: `next` points at that share, `step` floats further each k (a
+// panel's row tiles split its next panel between them, so the prefetches are
+// spread over the whole time the panel is being multiplied).
+template <int R>
+void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* next,
+          int64_t step, float* y, int64_t ldy, const float* bias, int64_t ncols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_load_ps(panel + k * NR);
+    const __m512 w1 = _mm512_load_ps(panel + k * NR + 16);
+    _mm_prefetch(reinterpret_cast<const char*>(next + k * step), _MM_HINT_T1);
+    if (step > 16) _mm_prefetch(reinterpret_cast<const char*>(next + k * step + 16), _MM_HINT_T1);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+  // The last panel may be narrower than 32 columns: masked loads and stores.
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32   ? 0xFFFF
+                       : ncols <= 16 ? 0
+                                     : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    b0 = _mm512_maskz_loadu_ps(m0, bias);
+    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_add_ps(acc[r][0], b0));
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_add_ps(acc[r][1], b1));
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t,
+                        float*, int64_t, const float*, int64_t);
+constexpr TileFn kTiles[MR + 1] = {nullptr,  tile<1>, tile<2>, tile<3>,  tile<4>,
+                                   tile<5>,  tile<6>, tile<7>, tile<8>,  tile<9>,
+                                   tile<10>, tile<11>, tile<12>};
+#endif
+
+void check_packed(const at::Tensor& packed, const char* op) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat,
+              op, ": packed weight must come from pack_linear_weight (float32 [panels, K, ",
+              NR, "])");
+}
+
+}  // namespace
+
+bool packed_linear_available() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// W [N, K] float32 -> panels [ceil(N / 32), K, 32], zero-padded past N.
+at::Tensor pack_linear_weight(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "pack_linear_weight: weight must be a 2-D float32 CPU tensor, got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + NR - 1) / NR;
+  auto padded = at::zeros({panels * NR, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  // [panels, 32, K] -> [panels, K, 32]
+  return padded.view({panels, NR, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
+                         c10::optional<at::Tensor> bias) {
+  check_cpu(x, "packed_linear", "x");
+  check_packed(packed, "packed_linear");
+  TORCH_CHECK(packed_linear_available(), "packed_linear: this build has no AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == packed.size(1),
+              "packed_linear: x must be float32 [rows, ", packed.size(1), "], got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
+  TORCH_CHECK(N > (panels - 1) * NR && N <= panels * NR, "packed_linear: out_features ", N,
+              " does not match the packed weight's ", panels, " panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kFloat,
+                "packed_linear: bias must be a contiguous float32 [", N, "]");
+    bp = bias->data_ptr<float>();
+  }
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+#ifdef __AVX512F__
+  const float* xp = x.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = pp + p * K * NR;
+      const float* next = pp + std::min(p + 1, panels - 1) * K * NR;
+      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+      // Tile i of T prefetches the i-th T-th of the next panel: its 2K cache
+      // lines spread over T * K iterations, one or two lines (16 or 32 floats)
+      // per iteration.
+      const int64_t tiles = (M + MR - 1) / MR, share = K * NR / tiles;
+      const int64_t step = tiles == 1 ? 32 : 16;
+      for (int64_t m = 0, i = 0; m < M; m += MR, ++i) {
+        const int64_t rows = std::min(MR, M - m);
+        kTiles[rows](xp + m * K, K, panel, K, next + i * share, step, yp + m * N + n0, N,
+                     bp != nullptr ? bp + n0 : nullptr, ncols);
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+}  // namespace minivllm
+
+TORCH_LIBRARY_FRAGMENT(minivllm, m) {
+  m.def("packed_linear_available() -> bool");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
+  m.impl("pack_linear_weight", &minivllm::pack_linear_weight);
+  m.impl("packed_linear", &minivllm::packed_linear);
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CompositeExplicitAutograd, m) {
+  m.impl("packed_linear_available", &minivllm::packed_linear_available);
+}

@@ -1,0 +1,133 @@
+"""The C++ CPU kernels (minivllm/csrc) give the PyTorch reference's results.
+
+Each kernel is compared with the ``forward_native`` PyTorch code it replaces,
+in float32, bfloat16 and float16, on strided inputs like the ones the model
+passes (slices of the fused qkv output), and for the in-place ones on what
+they leave behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm import _custom_ops as ops
+from minivllm.model.layers.activation import SiluAndMul
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(ops.cpu_kernels_problem() is not None,
+                                reason=f"CPU kernels unavailable: {ops.cpu_kernels_problem()}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# float32: summation order only; 16-bit: at most one rounding step of the output.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def close(actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_rms_norm_and_fused_add(dtype, rows):
+    norm = RMSNorm(96, eps=1e-5, dtype=dtype)
+    norm.weight.data = randn(96, dtype=dtype, seed=1)
+    x, residual = randn(rows, 96, dtype=dtype), randn(rows, 96, dtype=dtype, seed=2)
+    close(norm.forward_cpu(x), norm.forward_native(x), dtype)
+
+    expected_out, expected_sum = norm.forward_native(x, residual.clone())
+    out, new_residual = norm.forward_cpu(x, residual)
+    assert new_residual is residual  # the running sum is updated in place
+    close(residual, expected_sum, dtype)
+    close(out, expected_out, dtype)
+
+
+def test_rms_norm_takes_strided_rows():
+    base = randn(5, 200)
+    x = base[:, 8:104]  # rows 200 apart
+    norm = RMSNorm(96)
+    torch.testing.assert_close(norm.forward_cpu(x), norm.forward_native(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = randn(9, 2 * 80, dtype=dtype) * 4  # large |gate| on both sides of zero
+    close(ops.silu_and_mul(x), SiluAndMul.forward_native(x), dtype)
+    strided = randn(3, 400, dtype=dtype)[:, :160]
+    close(ops.silu_and_mul(strided), SiluAndMul.forward_native(strided), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0,
+                                                 "original_max_position_embeddings": 64}])
+def test_rotary_embedding_in_place_on_qkv_slices(dtype, rope_scaling):
+    heads, kv_heads, dim, tokens = 4, 2, 32, 6
+    rope = RotaryEmbedding(dim, 512, 10000.0, rope_scaling)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    positions = torch.tensor([0, 1, 2, 100, 7, 511])
+    q = qkv[:, :heads * dim].reshape(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    q_ref, k_ref = rope.forward_native(positions, q.clone(), k.clone())
+    q_out, k_out = rope(positions, q, k)
+    assert q_out.data_ptr() == q.data_ptr()  # rotated where they lie
+    close(q_out, q_ref, dtype)
+    close(k_out, k_ref, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+
+
+def test_rotary_embedding_rejects_positions_past_the_table():
+    rope = RotaryEmbedding(16, 8, 10000.0)
+    q, k = randn(1, 2, 16), randn(1, 1, 16)
+    with pytest.raises(RuntimeError, match="position 8 is outside"):
+        ops.rotary_embedding(torch.tensor([8]), q, k, rope.cos_cache, rope.sin_cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_writes_the_slots_and_skips_padding(dtype):
+    blocks, block_size, kv_heads, dim = 5, 4, 2, 16
+    k_cache = torch.zeros(blocks, block_size, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    kv = randn(4, 2 * kv_heads * dim + 8, dtype=dtype)  # strided rows, like qkv slices
+    k = kv[:, :kv_heads * dim].view(4, kv_heads, dim)
+    v = kv[:, kv_heads * dim:2 * kv_heads * dim].view(4, kv_heads, dim)
+    slots = torch.tensor([3, 17, -1, 8])
+    ops.reshape_and_cache(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], k[t]) and torch.equal(flat_v[slot], v[t])
+    written = {3, 17, 8}
+    others = [s for s in range(blocks * block_size) if s not in written]
+    assert not flat_k[others].any() and not flat_v[others].any()
+    with pytest.raises(RuntimeError, match="slot 20 is outside the cache's 20 slots"):
+        ops.reshape_and_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 20]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_matches_torch_including_ties_and_nan(dtype):
+    logits = randn(6, 1000, dtype=dtype)
+    logits[1, 10] = logits[1, 700] = 50  # a tie: the first index wins
+    logits[2, :] = float("-inf")
+    logits[3, 999] = 100  # the very last column
+    logits[4, 300] = float("nan")  # NaN ranks first, as in torch
+    logits[5, 20] = 50
+    logits[5, 900] = float("nan")  # after the maximum: still the NaN
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    sliced = randn(4, 1100, dtype=dtype)[:, :1000]  # padded vocabulary, sliced
+    assert torch.equal(ops.argmax(sliced), sliced.argmax(dim=-1))
+
+
+def test_kernels_check_their_inputs():
+    with pytest.raises(RuntimeError, match="silu_and_mul: x must be"):
+        ops.silu_and_mul(torch.zeros(3, 5))
+    with pytest.raises(RuntimeError, match="rms_norm: weight dtype"):
+        ops.rms_norm(torch.zeros(2, 4), torch.ones(4, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="argmax: logits must be"):
+        ops.argmax(torch.zeros(4))
