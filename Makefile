@@ -84,6 +84,8 @@ bench-peers: setup
 	  --output figures/bench_throughput_128x128.json
 	$(BENCH) $(PEERS) --dtype bfloat16 --num-prompts 32 --max-tokens 128 \
 	  --output figures/bench_throughput_32x128_bf16.json
+	$(PY) -m minivllm.benchmarks.report $(addprefix figures/bench_throughput_,1x128.json \
+	  32x128.json 128x128.json 32x128_bf16.json) | tee figures/bench_table.md
 
 clean:
 	rm -rf $(VENV) book/*.ipynb .pytest_cache

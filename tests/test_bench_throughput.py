@@ -246,3 +246,23 @@ def test_tensor_parallel_run_reports_its_collectives(tiny_chat_model, tmp_path, 
         except psutil.Error:  # gone meanwhile, or not ours to read
             pass
     assert left == []
+
+
+def test_report_row_shows_medians_ranges_and_paired_ratios():
+    from minivllm.benchmarks.report import row, table
+
+    def stats(values):
+        values = sorted(values)
+        return {"median": values[1], "min": values[0], "max": values[2]}
+
+    result = {
+        "workload": {"num_prompts": 32, "output_tokens": 32 * 128, "dtype": "float32"},
+        "backends": {"minivllm": {"output_tokens_per_s": stats([290, 300, 310]),
+                                  "roofline_fraction": stats([0.4, 0.5, 0.6])},
+                     "vllm": {"output_tokens_per_s": stats([240, 250, 260])}},
+        "ratios_output_tokens_per_s": {"vllm": stats([1.1, 1.2, 1.3])},
+    }
+    line = row(result)
+    assert line.startswith("| 32 requests × 128 tokens, float32 | 300 (290–310) | 250 (240–260) |")
+    assert "| 1.20× | — | 50 % |" in line
+    assert table([]).count("\n") == 1  # header and rule only

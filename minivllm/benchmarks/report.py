@@ -1,0 +1,52 @@
+"""The README's benchmark table, from the JSON files ``bench throughput`` wrote.
+
+    python -m minivllm.benchmarks.report figures/bench_throughput_*.json
+
+One row per file (workload): output tokens/s per backend as median (range)
+over the repeats, minivllm's ratios to vLLM and to Hugging Face ``generate``
+(medians of the per-repeat ratios, so each pairs runs made side by side), and
+minivllm's fraction of the roofline the same run measured.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+COLUMNS = ("minivllm", "vllm", "hf", "hf-cb", "llama.cpp")
+
+
+def _rate(stats: dict) -> str:
+    return f"{stats['median']:.0f} ({stats['min']:.0f}–{stats['max']:.0f})"
+
+
+def _workload(w: dict) -> str:
+    n = w["num_prompts"]
+    tokens = w["output_tokens"] // n
+    return f"{n} request{'s' if n > 1 else ''} × {tokens} tokens, {w['dtype']}"
+
+
+def row(result: dict) -> str:
+    backends, ratios = result["backends"], result["ratios_output_tokens_per_s"]
+    cells = [_workload(result["workload"])]
+    cells += [_rate(backends[b]["output_tokens_per_s"]) if b in backends else "—"
+              for b in COLUMNS]
+    cells += [f"{ratios[p]['median']:.2f}×" if p in ratios else "—" for p in ("vllm", "hf")]
+    fraction = backends["minivllm"].get("roofline_fraction")
+    cells.append(f"{fraction['median']:.0%}".replace("%", " %") if fraction else "—")
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(paths: list[str]) -> str:
+    head = ("| workload | " + " | ".join(COLUMNS) + " | minivllm / vLLM | minivllm / HF | "
+            "minivllm, % of roofline |")
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 4)]
+    lines += [row(json.loads(Path(p).read_text())) for p in paths]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m minivllm.benchmarks.report FILE.json [FILE.json ...]")
+    print(table(sys.argv[1:]))
