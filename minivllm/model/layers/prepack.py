@@ -35,10 +35,12 @@ float32 batches of 2 to ``PANEL_MAX_ROWS`` rows (decode steps) take a third
 way, minivllm's own kernel (``csrc/gemm.cpp``): the weight in panels of 32
 columns, the next panel prefetched while the current one is multiplied, so
 that streaming the weights from memory overlaps the arithmetic. Measured on
-the 2-core CPU, all weights of the default model in turn, five alternating
-repeats: 8 rows 28 ms against MKL's 35, 16 rows 34 against 41, 48 rows 86
-against 99, 32 rows even (59 / 60); from about 100 rows on MKL is as fast
-or faster. It needs AVX-512; elsewhere MKL serves these rows too.
+the 2-core CPU, all 121 weights of the default model in turn, best of five
+alternating repeats (a busy moment of a shared machine): 8 rows 34 ms against
+MKL's 43, 16 rows 48 against 56, 32 rows 59 against 65, 64 rows 110 against
+118; from about 100 rows on MKL is as fast or faster. It needs AVX-512;
+elsewhere MKL serves these rows too. The panels are one more copy of each
+float32 weight.
 """
 
 from __future__ import annotations
