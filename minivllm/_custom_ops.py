@@ -107,8 +107,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                            scale: float) -> torch.Tensor:
-    return _lib().paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                     seq_lens, scale)
+    return _lib().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def packed_linear_available() -> bool:

@@ -49,6 +49,7 @@ def test_float32_decode_rows_take_the_panel_kernel():
     # Zero padding past the 100 real columns, the weight's columns in order before.
     assert torch.equal(packed.panels.transpose(1, 2).reshape(128, 80)[:100], w)
     assert not packed.panels.transpose(1, 2).reshape(128, 80)[100:].any()
+    assert ops.packed_linear(torch.zeros(0, 80), packed.panels, 100).shape == (0, 100)
 
 
 def test_not_supported_for_other_dtypes():

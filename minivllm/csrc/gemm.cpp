@@ -121,6 +121,7 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
   }
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
 #ifdef __AVX512F__
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();

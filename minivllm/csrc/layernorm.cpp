@@ -50,44 +50,45 @@ void add_row(const T* x, T* residual, int64_t n) {
     residual[i] = from_float<T>(to_float(x[i]) + to_float(residual[i]));
 }
 
-}  // namespace
-
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
-  check(x, weight, "rms_norm");
+// Normalizes the rows of x into a new tensor; with `residual`, first adds
+// each row of x into it (in place) and normalizes the sum instead.
+at::Tensor norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
+                     double eps) {
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1), ldx = x.stride(0);
   MINIVLLM_DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* rp = residual != nullptr ? residual->data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) norm_row(xp + r * ldx, wp, op + r * n, n, float(eps));
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* src = xp + r * ldx;
+        if (rp != nullptr) {
+          add_row(src, rp + r * n, n);
+          src = rp + r * n;
+        }
+        norm_row(src, wp, op + r * n, n, float(eps));
+      }
     });
   });
   return out;
 }
 
-at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual,
-                                 at::Tensor weight, double eps) {
+}  // namespace
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check(x, weight, "rms_norm");
+  return norm_rows(x, nullptr, weight, eps);
+}
+
+at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight,
+                              double eps) {
   check(x, weight, "fused_add_rms_norm");
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
                   residual.scalar_type() == x.scalar_type(),
               "fused_add_rms_norm: residual must be contiguous, shaped and typed like x");
-  auto out = at::empty({x.size(0), x.size(1)}, x.options());
-  const int64_t n = x.size(1), ldx = x.stride(0);
-  MINIVLLM_DISPATCH_FLOATS(x.scalar_type(), "fused_add_rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    scalar_t* rp = residual.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        add_row(xp + r * ldx, rp + r * n, n);
-        norm_row(rp + r * n, wp, op + r * n, n, float(eps));
-      }
-    });
-  });
-  return out;
+  return norm_rows(x, &residual, weight, eps);
 }
 
 }  // namespace minivllm

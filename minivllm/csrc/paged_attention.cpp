@@ -169,7 +169,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
       case 128: run(decode_attention<scalar_t, 128>); break;
       default: run(decode_attention<scalar_t, 0>);
     }
-      });
+  });
   return out;
 }
 
