@@ -37,11 +37,13 @@ notebooks: setup
 	$(VENV)/bin/jupytext --quiet --to ipynb $(BOOK_SOURCES)
 
 # The main job: the book in JupyterLab (falls back to a streamed chat answer
-# while no chapter exists).
+# while no chapter exists). JupyterLab refuses to start as root unless told to:
+# containers and fresh cloud machines often run as root.
+JUPYTER_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 book: setup
 	@if [ -n "$(BOOK_SOURCES)" ]; then \
 	  $(MAKE) --no-print-directory notebooks && \
-	  $(VENV)/bin/jupyter lab --notebook-dir=book; \
+	  $(VENV)/bin/jupyter lab --notebook-dir=book $(JUPYTER_ROOT); \
 	else $(MAKE) --no-print-directory chat; fi
 
 chat: setup
