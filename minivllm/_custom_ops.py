@@ -11,7 +11,9 @@ products. These kernels do the same math in one pass each:
 - ``activation.cpp`` — SwiGLU's ``silu(gate) * up``;
 - ``cache.cpp`` — writing new keys and values into their cache slots;
 - ``sampler.cpp`` — greedy argmax over the vocabulary;
-- ``gemm.cpp`` — float32 matrix products for decode-sized batches (see ``prepack.py``).
+- ``gemm.cpp`` — float32 matrix products for decode-sized batches and single rows (see ``prepack.py``);
+- ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
+
 
 Each layer keeps its PyTorch code as ``forward_native`` (the reference the
 tests compare against) and uses the kernel on CPU tensors when it is
@@ -122,6 +124,22 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     return _lib().packed_linear(x, packed, out_features, bias)
+
+
+def matvec(x: torch.Tensor, weight: torch.Tensor,
+           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` for one float32 row, streaming the row-major weight."""
+    return _lib().matvec(x, weight, bias)
+
+
+def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache,
+                         sin_cache, k_caches, v_caches, weights, final_norm, num_heads: int,
+                         num_kv_heads: int, head_dim: int, eps: float,
+                         scale: float) -> torch.Tensor:
+    """A whole Llama decode step (see ``llama_fused_decode.py``)."""
+    return _lib().llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
+                                       cos_cache, sin_cache, k_caches, v_caches, weights,
+                                       final_norm, num_heads, num_kv_heads, head_dim, eps, scale)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -131,3 +131,16 @@ def test_kernels_check_their_inputs():
         ops.rms_norm(torch.zeros(2, 4), torch.ones(4, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(RuntimeError, match="argmax: logits must be"):
         ops.argmax(torch.zeros(4))
+
+
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 100])  # tails of a 16-float vector
+@pytest.mark.parametrize("n", [1, 3, 4, 9, 37])  # tails of the four-row groups
+@pytest.mark.parametrize("bias", [False, True])
+def test_matvec_matches_f_linear(n, k, bias):
+    if not ops.packed_linear_available():
+        pytest.skip("matvec needs AVX-512")
+    w, x = randn(n, k, seed=n), randn(1, k, seed=k)
+    b = randn(n, seed=3) if bias else None
+    close(ops.matvec(x, w, b), F.linear(x, w, b), torch.float32)
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[1, "):
+        ops.matvec(randn(2, k), w)

@@ -17,7 +17,12 @@ At batch size ``b`` the ceiling is the smaller of the two:
 
 Both rates are measured here, in the same run: the best of several large
 matrix products per dtype, and the best of several reductions (reads) and
-copies (reads + writes) of a tensor much larger than the caches.
+copies (reads + writes) of a tensor much larger than the caches. Where
+minivllm's CPU kernels are built, the bandwidth also counts the best of
+several one-row matrix products over a weight matrix that large
+(``csrc/gemm.cpp``'s ``matvec``, the very loop a single-stream decode step
+runs): with software prefetching it streams faster than PyTorch's sum or
+copy, and a ceiling that an engine can beat would be no ceiling.
 """
 
 from __future__ import annotations
@@ -75,11 +80,12 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048,
 class Bandwidth:
     read: float  # bytes/s of a reduction over the tensor (reads only)
     copy: float  # bytes/s of a copy, reads + writes counted
+    matvec: float = 0.0  # bytes/s of csrc/gemm.cpp's one-row product; 0 if not built
 
     @property
     def best(self) -> float:
         """The rate weights can stream at during decode (a read-only pass)."""
-        return max(self.read, self.copy)
+        return max(self.read, self.copy, self.matvec)
 
 
 def measure_bandwidth(num_bytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 5,
@@ -92,7 +98,23 @@ def measure_bandwidth(num_bytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 5
     nbytes = src.numel() * 4
     t_read = _best_time(lambda: src.sum(), repeats, min_seconds)
     t_copy = _best_time(lambda: dst.copy_(src), repeats, min_seconds)
-    return Bandwidth(read=nbytes / t_read, copy=2 * nbytes / t_copy)
+    del dst
+    return Bandwidth(read=nbytes / t_read, copy=2 * nbytes / t_copy,
+                     matvec=_matvec_bandwidth(src, repeats, min_seconds))
+
+
+def _matvec_bandwidth(src: torch.Tensor, repeats: int, min_seconds: float) -> float:
+    """bytes/s of minivllm's one-row matrix product over ``src`` as a [rows, 1024]
+    weight, or 0.0 where the CPU kernels are not built."""
+    from minivllm import _custom_ops as ops
+
+    if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
+        return 0.0
+    cols = 1024
+    weight = src[: src.numel() // cols * cols].view(-1, cols)
+    x = torch.ones(1, cols)
+    seconds = _best_time(lambda: ops.matvec(x, weight), repeats, min_seconds)
+    return weight.numel() * 4 / seconds
 
 
 # --------------------------------------------------------------------------
@@ -145,12 +167,13 @@ class Roofline:
 
     dtype: str
     matmul_flops: float  # FLOP/s
-    bandwidth: float  # bytes/s: the better of the two below (the ceiling uses it)
+    bandwidth: float  # bytes/s: the best of the three below (the ceiling uses it)
     bandwidth_read: float  # bytes/s of a reduction
     bandwidth_copy: float  # bytes/s of a copy (read + write)
     params: int
     flops_per_token: float
     weight_bytes: int
+    bandwidth_matvec: float = 0.0  # bytes/s of a one-row product (0: kernels not built)
 
     @property
     def compute_tokens_per_s(self) -> float:
@@ -197,8 +220,9 @@ def measure_roofline(cfg: ModelConfig, dtype: Optional[torch.dtype] = None,
     return Roofline(
         dtype=_dtype_name(dtype),
         matmul_flops=measure_matmul_flops(dtype, matmul_size, min_seconds=min_seconds),
-        bandwidth=bw.best, bandwidth_read=bw.read, bandwidth_copy=bw.copy, params=model_param_count(cfg),
-        flops_per_token=flops_per_token(cfg), weight_bytes=weight_bytes(cfg, dtype))
+        bandwidth=bw.best, bandwidth_read=bw.read, bandwidth_copy=bw.copy,
+        params=model_param_count(cfg), flops_per_token=flops_per_token(cfg),
+        weight_bytes=weight_bytes(cfg, dtype), bandwidth_matvec=bw.matvec)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -245,7 +269,8 @@ def run(args: argparse.Namespace) -> dict:
                for name in (args.dtype or ["float32", "bfloat16"])]
     print(f"model {Path(cfg.path).name}: {results[0].params / 1e6:.1f} M parameters, "
           f"{results[0].flops_per_token / 1e6:.0f} MFLOP per token")
-    print(f"memory bandwidth: read {bw.read / 1e9:.1f} GB/s, copy {bw.copy / 1e9:.1f} GB/s")
+    print(f"memory bandwidth: read {bw.read / 1e9:.1f} GB/s, copy {bw.copy / 1e9:.1f} GB/s, "
+          f"one-row matmul {bw.matvec / 1e9:.1f} GB/s")
     print(f"{'dtype':>9} {'GFLOP/s':>9} {'weights MB':>11} {'compute tok/s':>14} "
           f"{'1-stream tok/s':>15}")
     for r in results:

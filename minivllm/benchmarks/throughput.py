@@ -418,8 +418,9 @@ def best_roofline(a: Optional[dict], b: dict) -> dict:
     out = {"machine": b["machine"], "rooflines": []}
     for ra, rb in zip(a["rooflines"], b["rooflines"]):
         merged = dict(ra)
-        for key in ("matmul_flops", "bandwidth", "bandwidth_read", "bandwidth_copy"):
-            merged[key] = max(ra[key], rb[key])
+        for key in ("matmul_flops", "bandwidth", "bandwidth_read", "bandwidth_copy",
+                    "bandwidth_matvec"):
+            merged[key] = max(ra.get(key, 0.0), rb.get(key, 0.0))
         merged["compute_tokens_per_s"] = merged["matmul_flops"] / merged["flops_per_token"]
         merged["bandwidth_steps_per_s"] = merged["bandwidth"] / merged["weight_bytes"]
         out["rooflines"].append(merged)

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "cpu_types.h"
+#include "ops.h"
 
 namespace minivllm {
 namespace {

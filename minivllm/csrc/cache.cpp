@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "cpu_types.h"
+#include "ops.h"
 
 namespace minivllm {
 

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "cpu_types.h"
+#include "ops.h"
 
 namespace minivllm {
 namespace {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu_types.h"
+#include "ops.h"
 
 namespace minivllm {
 namespace {

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_types.h"
+#include "ops.h"
 
 namespace minivllm {
 namespace {

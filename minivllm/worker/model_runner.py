@@ -64,8 +64,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.attn_backend, self.device)
+        # Why pure decode steps do not run as one C++ call (None: they do).
+        self.fused_decode_problem: Optional[str] = "weights are not prepacked"
         if prepack_enabled():
             prepack_model(self.model)  # CPU float32 / bfloat16: pack GEMM weights once
+            self.fused_decode_problem = self.model.enable_fused_decode()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

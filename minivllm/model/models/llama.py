@@ -22,6 +22,7 @@ from minivllm.model.layers.linear import (MergedColumnParallelLinear, QKVParalle
                                           RowParallelLinear)
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.model.models.llama_fused_decode import LlamaFusedDecode, fused_decode_problem
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -112,8 +113,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, rotary_emb)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        # Set by LlamaForCausalLM.enable_fused_decode: pure decode steps in one C++ call.
+        self.fused_decode: Optional[LlamaFusedDecode] = None
 
     def forward(self, input_ids, positions, meta, observer=None):
+        fused = self.fused_decode
+        if fused is not None and observer is None and fused.accepts(input_ids, meta):
+            return fused(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -151,6 +157,13 @@ class LlamaForCausalLM(nn.Module):
         """Vocabulary scores of ``hidden``'s rows; with tensor parallelism they are
         gathered on rank 0 and the other ranks get None."""
         return self.lm_head.compute_logits(hidden)
+
+    def enable_fused_decode(self) -> Optional[str]:
+        """Run pure decode steps as one C++ call (after prepacking); returns why
+        not, or None when enabled. See llama_fused_decode.py."""
+        problem = fused_decode_problem(self.model)
+        self.model.fused_decode = LlamaFusedDecode(self.model) if problem is None else None
+        return problem
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,111 @@
+"""The C++ decode loop (csrc/llama_decode.cpp) gives the Python layers' results bit for bit.
+
+It runs the same kernels in the same order, so greedy tokens and their
+logprobs must be identical, not just close; and it must stand aside wherever
+that would not hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm import _custom_ops as ops
+from minivllm.model.layers.prepack import prepack_model
+
+pytestmark = pytest.mark.skipif(
+    ops.cpu_kernels_problem() is not None or not ops.packed_linear_available(),
+    reason="the fused decode loop needs the CPU kernels with AVX-512")
+
+PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [12, 3], [200, 201, 202, 203, 9, 9, 9, 9, 9, 9, 100],
+           [77], [60, 61, 62, 63, 64]]
+
+
+def _inner(llm: LLM):
+    return llm.llm_engine.engine_core.executor.runner.model.model
+
+
+def _generate(llm: LLM, prompts, n=12):
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("batch", [1, 5])  # 1: one-row products (matvec); 5: panel GEMM
+def test_fused_decode_equals_python_layers(tiny_model, family, batch):
+    # Small blocks: tables of several blocks. No prefix cache: the second run must
+    # prefill exactly as the first did.
+    llm = LLM(tiny_model(family), block_size=4, enable_prefix_caching=False)
+    inner = _inner(llm)
+    fused = inner.fused_decode
+    assert fused is not None, llm.llm_engine.engine_core.executor.runner.fused_decode_problem
+    got = _generate(llm, PROMPTS[:batch])
+    assert fused.steps >= 11  # every decode step of that run went through C++
+    inner.fused_decode = None
+    expected = _generate(llm, PROMPTS[:batch])
+    assert got == expected  # tokens and logprobs, exactly
+
+
+def test_fused_decode_hidden_states_match_bitwise(tiny_model):
+    llm = LLM(tiny_model("llama"))
+    inner = _inner(llm)
+    # Prefill two prompts, then take one decode step both ways on the same cache.
+    _generate(llm, PROMPTS[:2], n=1)
+    runner = llm.llm_engine.engine_core.executor.runner
+    from minivllm.model.attention import AttentionMetadata
+
+    k_caches = [layer.self_attn.attn.k_cache for layer in inner.layers]
+    before = [k.clone() for k in k_caches]
+    ids = torch.tensor([4, 9])
+    pos = torch.tensor([7, 2])
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([8, 3], dtype=torch.int32),
+        slot_mapping=torch.tensor([7, runner.block_size + 2]),
+        block_tables=torch.tensor([[0, 2], [1, -1]], dtype=torch.int32),
+        max_query_len=1, max_seq_len=8, query_start_loc_cpu=[0, 1, 2], seq_lens_cpu=[8, 3])
+    with torch.inference_mode():
+        assert inner.fused_decode.accepts(ids, meta)
+        fused = inner(ids, pos, meta)
+        after_fused = [k.clone() for k in k_caches]
+        for k, b in zip(k_caches, before):
+            k.copy_(b)
+        python = inner(ids, pos, meta, observer=lambda i, h: None)  # an observer: Python
+    assert torch.equal(fused, python)
+    assert all(torch.equal(a, k) for a, k in zip(after_fused, k_caches))
+
+
+def test_fused_decode_stands_aside(tiny_model, monkeypatch):
+    qwen3 = LLM(tiny_model("qwen3"))
+    assert "q/k norm" in qwen3.llm_engine.engine_core.executor.runner.fused_decode_problem
+    bf16 = LLM(tiny_model("llama"), dtype="bfloat16")
+    assert "float32 only" in bf16.llm_engine.engine_core.executor.runner.fused_decode_problem
+    torch_attn = LLM(tiny_model("llama"), attention_backend="torch")
+    assert "'torch'" in torch_attn.llm_engine.engine_core.executor.runner.fused_decode_problem
+    monkeypatch.setenv("MINIVLLM_FUSED_DECODE", "0")
+    off = LLM(tiny_model("llama"))
+    assert "MINIVLLM_FUSED_DECODE=0" in off.llm_engine.engine_core.executor.runner.fused_decode_problem
+
+
+def test_fused_decode_notices_repacked_weights(tiny_model):
+    llm = LLM(tiny_model("llama"), enable_prefix_caching=False)
+    inner = _inner(llm)
+    fused = inner.fused_decode
+    before = _generate(llm, PROMPTS[:2])
+    steps = fused.steps
+    prepack_model(llm.llm_engine.engine_core.executor.runner.model)  # new packed copies
+    assert _generate(llm, PROMPTS[:2]) == before
+    assert fused.steps == steps  # the captured panels were stale: the Python layers ran
+
+
+def test_decode_forward_names_bad_weight_lists():
+    hidden = torch.zeros(1, 8)
+    one = torch.zeros(1, dtype=torch.int32)
+    cache = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="14 tensors per layer"):
+        ops.llama_decode_forward(hidden, torch.zeros(1, dtype=torch.int64),
+                                 torch.zeros(1, dtype=torch.int64), one[None], one,
+                                 torch.zeros(4, 8), torch.zeros(4, 8), [cache], [cache],
+                                 [torch.zeros(8)], torch.zeros(8), 1, 1, 8, 1e-6, 1.0)
