@@ -134,12 +134,13 @@ def matvec(x: torch.Tensor, weight: torch.Tensor,
 
 def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache,
                          sin_cache, k_caches, v_caches, weights, final_norm, num_heads: int,
-                         num_kv_heads: int, head_dim: int, eps: float,
-                         scale: float) -> torch.Tensor:
+                         num_kv_heads: int, head_dim: int, eps: float, scale: float,
+                         panel_max_rows: int) -> torch.Tensor:
     """A whole Llama decode step (see ``llama_fused_decode.py``)."""
     return _lib().llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
                                        cos_cache, sin_cache, k_caches, v_caches, weights,
-                                       final_norm, num_heads, num_kv_heads, head_dim, eps, scale)
+                                       final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
+                                       panel_max_rows)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

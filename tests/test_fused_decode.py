@@ -12,7 +12,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm import _custom_ops as ops
-from minivllm.model.layers.prepack import prepack_model
+from minivllm.model.layers.prepack import PANEL_MAX_ROWS, prepack_model
 
 pytestmark = pytest.mark.skipif(
     ops.cpu_kernels_problem() is not None or not ops.packed_linear_available(),
@@ -20,6 +20,8 @@ pytestmark = pytest.mark.skipif(
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [12, 3], [200, 201, 202, 203, 9, 9, 9, 9, 9, 9, 100],
            [77], [60, 61, 62, 63, 64]]
+# More sequences than the panel GEMM takes (PANEL_MAX_ROWS): MKL's packed GEMM.
+MANY = [[(7 * i + j) % 250 + 3 for j in range(1 + i % 6)] for i in range(PANEL_MAX_ROWS + 4)]
 
 
 def _inner(llm: LLM):
@@ -32,19 +34,26 @@ def _generate(llm: LLM, prompts, n=12):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("batch", [1, 5])  # 1: one-row products (matvec); 5: panel GEMM
-def test_fused_decode_equals_python_layers(tiny_model, family, batch):
+@pytest.mark.parametrize("family,dtype,batch", [
+    ("llama", "float32", 1),  # one-row products (matvec)
+    ("llama", "float32", 5),  # the panel GEMM
+    ("llama", "float32", len(MANY)),  # MKL's packed GEMM
+    ("qwen2", "float32", 5),  # q/k/v biases
+    ("llama", "bfloat16", 5),  # oneDNN's packed bfloat16 GEMM
+])
+def test_fused_decode_equals_python_layers(tiny_model, family, dtype, batch):
     # Small blocks: tables of several blocks. No prefix cache: the second run must
     # prefill exactly as the first did.
-    llm = LLM(tiny_model(family), block_size=4, enable_prefix_caching=False)
+    llm = LLM(tiny_model(family), dtype=dtype, block_size=4, enable_prefix_caching=False,
+              max_num_seqs=len(MANY))
     inner = _inner(llm)
     fused = inner.fused_decode
     assert fused is not None, llm.llm_engine.engine_core.executor.runner.fused_decode_problem
-    got = _generate(llm, PROMPTS[:batch])
+    prompts = PROMPTS[:batch] if batch <= len(PROMPTS) else MANY[:batch]
+    got = _generate(llm, prompts)
     assert fused.steps >= 11  # every decode step of that run went through C++
     inner.fused_decode = None
-    expected = _generate(llm, PROMPTS[:batch])
+    expected = _generate(llm, prompts)
     assert got == expected  # tokens and logprobs, exactly
 
 
@@ -80,8 +89,8 @@ def test_fused_decode_hidden_states_match_bitwise(tiny_model):
 def test_fused_decode_stands_aside(tiny_model, monkeypatch):
     qwen3 = LLM(tiny_model("qwen3"))
     assert "q/k norm" in qwen3.llm_engine.engine_core.executor.runner.fused_decode_problem
-    bf16 = LLM(tiny_model("llama"), dtype="bfloat16")
-    assert "float32 only" in bf16.llm_engine.engine_core.executor.runner.fused_decode_problem
+    fp16 = LLM(tiny_model("llama"), dtype="float16")
+    assert "float16" in fp16.llm_engine.engine_core.executor.runner.fused_decode_problem
     torch_attn = LLM(tiny_model("llama"), attention_backend="torch")
     assert "'torch'" in torch_attn.llm_engine.engine_core.executor.runner.fused_decode_problem
     monkeypatch.setenv("MINIVLLM_FUSED_DECODE", "0")
@@ -104,8 +113,8 @@ def test_decode_forward_names_bad_weight_lists():
     hidden = torch.zeros(1, 8)
     one = torch.zeros(1, dtype=torch.int32)
     cache = torch.zeros(1, 4, 1, 8)
-    with pytest.raises(RuntimeError, match="14 tensors per layer"):
+    with pytest.raises(RuntimeError, match="18 tensors per layer"):
         ops.llama_decode_forward(hidden, torch.zeros(1, dtype=torch.int64),
                                  torch.zeros(1, dtype=torch.int64), one[None], one,
                                  torch.zeros(4, 8), torch.zeros(4, 8), [cache], [cache],
-                                 [torch.zeros(8)], torch.zeros(8), 1, 1, 8, 1e-6, 1.0)
+                                 [torch.zeros(8)], torch.zeros(8), 1, 1, 8, 1e-6, 1.0, 64)

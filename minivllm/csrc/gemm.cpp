@@ -108,6 +108,16 @@ void check_packed(const at::Tensor& packed, const char* op) {
               NR, "])");
 }
 
+// The optional bias of an N-output product as a pointer (nullptr: none).
+const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                  bias->scalar_type() == at::kFloat,
+              op, ": bias must be a contiguous float32 [", N, "], got ", bias->scalar_type(),
+              " ", bias->sizes());
+  return bias->data_ptr<float>();
+}
+
 }  // namespace
 
 bool packed_linear_available() {
@@ -141,13 +151,7 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
   const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
   TORCH_CHECK(N > (panels - 1) * NR && N <= panels * NR, "packed_linear: out_features ", N,
               " does not match the packed weight's ", panels, " panels");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kFloat,
-                "packed_linear: bias must be a contiguous float32 [", N, "]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, N, "packed_linear");
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -186,13 +190,7 @@ at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == K && x.scalar_type() == at::kFloat,
               "matvec: x must be float32 [1, ", K, "], got ", x.scalar_type(), " ", x.sizes());
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kFloat,
-                "matvec: bias must be a contiguous float32 [", N, "]");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, N, "matvec");
   x = x.contiguous();
   auto y = at::empty({1, N}, x.options());
 #ifdef __AVX512F__

@@ -31,16 +31,20 @@ model spent about 280 ms in its matrix products against about 18 ms packed
 (measured on the 2-core CPU, all 121 weights in turn). In bfloat16 every row
 count therefore goes through the packed weight.
 
-float32 batches of 2 to ``PANEL_MAX_ROWS`` rows (decode steps) take a third
+float32 batches of 2 to ``PANEL_MAX_ROWS`` rows (decode steps, small prefill
+chunks) take a third
 way, minivllm's own kernel (``csrc/gemm.cpp``): the weight in panels of 32
 columns, the next panel prefetched while the current one is multiplied, so
 that streaming the weights from memory overlaps the arithmetic. Measured on
 the 2-core CPU, all 121 weights of the default model in turn, best of five
 alternating repeats (a busy moment of a shared machine): 8 rows 34 ms against
 MKL's 43, 16 rows 48 against 56, 32 rows 59 against 65, 64 rows 110 against
-118; from about 100 rows on MKL is as fast or faster. It needs AVX-512;
-elsewhere MKL serves these rows too. The panels are one more copy of each
-float32 weight.
+118. A later session, the 120 weights of the decoder layers, best of six
+alternating: 128 rows 169 ms against 181, 192 rows 251 against 256, 256 rows
+323 against 329. Beyond that the rows no longer fit in the 2 MB L2 cache
+next to a panel and would stream from memory once per panel, so MKL takes
+over. It needs AVX-512; elsewhere MKL serves these rows too. The panels are
+one more copy of each float32 weight.
 
 A single float32 row takes minivllm's ``matvec`` (``csrc/gemm.cpp``) over
 the row-major weight: four weight rows streamed side by side with software
@@ -64,7 +68,7 @@ from minivllm import _custom_ops as ops
 # Rows below this use F.linear (a matrix-vector product for one row).
 MIN_PACKED_ROWS = 2
 # float32 rows up to this many use the panel kernel (csrc/gemm.cpp) when built.
-PANEL_MAX_ROWS = 64
+PANEL_MAX_ROWS = 256
 ENV_SWITCH = "MINIVLLM_CPU_PREPACK"  # "0" turns prepacking off (for A/B benchmarks)
 
 

@@ -10,12 +10,13 @@ it. Here the layer loop is simply written out in C++ over the kernels the
 Python layers call, with the same weights in the same order, so a step gives
 bit for bit the hidden states of ``LlamaModel``'s Python loop.
 
-It takes a step only when that equality holds: CPU float32 weights packed
-for the panel GEMM (``prepack.py``, AVX-512), one rank, no q/k norm, the
-``cpu`` attention backend, a pure decode step (one new token per sequence)
-of at most ``PANEL_MAX_ROWS`` sequences, and nobody observing the layers.
-Everything else (prefill, mixed steps, bfloat16, tensor parallelism) runs
-the Python layers. ``MINIVLLM_FUSED_DECODE=0`` turns it off (for A/B runs).
+It takes a step only when that equality holds: CPU float32 or bfloat16
+weights packed once (``prepack.py``; the C++ picks each product as
+``prepack.linear`` does), one rank, no q/k norm, the ``cpu`` attention
+backend, a pure decode step (one new token per sequence), and nobody
+observing the layers. Everything else (prefill, mixed steps, tensor
+parallelism) runs the Python layers. ``MINIVLLM_FUSED_DECODE=0`` turns it
+off (for A/B runs).
 
 The weights are captured when it is built (after prepacking); if the layers
 are repacked or unpacked later it notices and stands aside.
@@ -43,8 +44,11 @@ def fused_decode_enabled() -> bool:
 
 
 def _linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """weight, float32 panels, bias, the GEMM library's packed copy (as the C++ reads them)."""
+    packed = layer.packed_weight
+    panels = packed.panels if packed.panels is not None else _NONE
     bias = layer.bias if layer.bias is not None else _NONE
-    return [layer.weight, layer.packed_weight.panels, bias]
+    return [layer.weight, panels, bias, packed.gemm]
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
@@ -65,12 +69,9 @@ def fused_decode_problem(model: nn.Module) -> Optional[str]:
     """Why ``model`` (a LlamaModel) cannot take the fused path, or None."""
     if not fused_decode_enabled():
         return f"turned off by {ENV_SWITCH}=0"
-    problem = ops.cpu_kernels_problem()
-    if problem is not None:
-        return problem
     first = model.layers[0]
-    if first.input_layernorm.weight.dtype != torch.float32:
-        return f"dtype {first.input_layernorm.weight.dtype} (float32 only)"
+    if first.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {first.input_layernorm.weight.dtype} (float32 and bfloat16 only)"
     if first.input_layernorm.weight.device.type != "cpu":
         return "not on the CPU"
     if tp_size() != 1:
@@ -79,10 +80,11 @@ def fused_decode_problem(model: nn.Module) -> Optional[str]:
         return "q/k norm (Qwen3) is not in the C++ loop"
     if first.self_attn.attn.backend.name != "cpu":
         return f"attention backend {first.self_attn.attn.backend.name!r} (needs 'cpu')"
-    if any(lin.packed_weight is None or lin.packed_weight.panels is None
-           for lin in _linears(model)):
-        return "linear weights are not packed into panels (prepack off, or no AVX-512)"
-    return None
+    if first.self_attn.rotary_emb.cos_cache.dtype != torch.float32:
+        return "the RoPE tables are not float32 (the C++ RoPE kernel needs them so)"
+    if any(lin.packed_weight is None for lin in _linears(model)):
+        return "linear weights are not prepacked (prepack off: MINIVLLM_CPU_PREPACK=0)"
+    return ops.cpu_kernels_problem()  # last: it may compile the kernels
 
 
 class LlamaFusedDecode:
@@ -102,8 +104,7 @@ class LlamaFusedDecode:
 
     def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A pure decode step this loop can run with the weights it captured."""
-        rows = input_ids.shape[0]
-        return (meta.max_query_len == 1 and rows == meta.num_seqs and rows <= PANEL_MAX_ROWS
+        return (meta.max_query_len == 1 and input_ids.shape[0] == meta.num_seqs
                 and self._caches_bound() and self._weights_current())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -115,7 +116,7 @@ class LlamaFusedDecode:
             hidden, positions, meta.slot_mapping, meta.block_tables.to(torch.int32),
             meta.seq_lens.to(torch.int32), self.rotary.cos_cache, self.rotary.sin_cache,
             k_caches, v_caches, self.weights, self.model.norm.weight, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.eps, self.scale)
+            self.num_kv_heads, self.head_dim, self.eps, self.scale, PANEL_MAX_ROWS)
 
     def _caches_bound(self) -> bool:
         """The attention layers' KV caches (re-read when the runner rebinds them)."""
