@@ -133,6 +133,17 @@ def test_kernels_check_their_inputs():
         ops.argmax(torch.zeros(4))
 
 
+def test_paged_decode_attention_checks_the_block_tables():
+    q, cache = torch.zeros(1, 2, 16), torch.zeros(4, 8, 1, 16)
+    lens = torch.tensor([9], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 9 needs 2 blocks"):
+        ops.paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                   lens, 1.0)
+    with pytest.raises(RuntimeError, match=r"block_tables\[0\]\[1\] = 4 is not a block"):
+        ops.paged_decode_attention(q, cache, cache, torch.tensor([[0, 4]], dtype=torch.int32),
+                                   lens, 1.0)
+
+
 @pytest.mark.parametrize("k", [1, 15, 16, 17, 100])  # tails of a 16-float vector
 @pytest.mark.parametrize("n", [1, 3, 4, 9, 37])  # tails of the four-row groups
 @pytest.mark.parametrize("bias", [False, True])

@@ -118,3 +118,20 @@ def test_decode_forward_names_bad_weight_lists():
                                  torch.zeros(1, dtype=torch.int64), one[None], one,
                                  torch.zeros(4, 8), torch.zeros(4, 8), [cache], [cache],
                                  [torch.zeros(8)], torch.zeros(8), 1, 1, 8, 1e-6, 1.0, 64)
+
+
+def test_one_token_prefill_without_cache_slots_takes_the_python_layers(tiny_model):
+    """AttentionMetadata.for_prefill([1]) looks like a decode step (one query per
+    sequence) but has no cache slots: the book computes logits from scratch so."""
+    from minivllm.model.attention import AttentionMetadata
+
+    llm = LLM(tiny_model("llama"))
+    inner = _inner(llm)
+    fused = inner.fused_decode
+    with torch.inference_mode():
+        got = inner(torch.tensor([17]), torch.tensor([0]), AttentionMetadata.for_prefill([1]))
+        inner.fused_decode = None
+        expected = inner(torch.tensor([17]), torch.tensor([0]),
+                         AttentionMetadata.for_prefill([1]))
+    assert fused.steps == 0
+    assert torch.equal(got, expected)

@@ -133,6 +133,32 @@ void decode_attention(const T* q, const T* k_cache, const T* v_cache,
   });
 }
 
+// Every block a sequence reads must be in its table and in the cache: the
+// kernel follows the table without bounds checks of its own.
+void check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_seqs,
+                  int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs,
+              "paged_decode_attention: block_tables must be [", num_seqs,
+              ", W] and seq_lens [", num_seqs, "], got ", block_tables.sizes(), " and ",
+              seq_lens.sizes());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t used = (lens[b] + block_size - 1) / block_size;
+    TORCH_CHECK(lens[b] >= 1 && used <= width, "paged_decode_attention: seq_lens[", b, "] = ",
+                lens[b], " needs ", used, " blocks; allowed: 1 to ", width * block_size,
+                " tokens (", width, " table entries of ", block_size, ")");
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t block = tables[b * width + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block_tables[",
+                  b, "][", i, "] = ", block, " is not a block of the cache (0 to ",
+                  num_blocks - 1, ")");
+    }
+  }
+}
+
 }  // namespace
 
 // q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables
@@ -156,6 +182,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   v_cache = v_cache.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
+  check_tables(block_tables, seq_lens, q.size(0), k_cache.size(0), k_cache.size(1));
   auto out = at::empty_like(q);
   MINIVLLM_DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto kernel) {

@@ -104,8 +104,13 @@ class LlamaFusedDecode:
 
     def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A pure decode step this loop can run with the weights it captured."""
+        # Not a pure prefill: the C++ loop reads every sequence back through its
+        # block table, which fresh one-token prompts without cache slots lack
+        # (AttentionMetadata.for_prefill); the Python layers attend to them directly.
         return (meta.max_query_len == 1 and input_ids.shape[0] == meta.num_seqs
-                and self._caches_bound() and self._weights_current())
+                and meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None
+                and not meta.is_pure_prefill and self._caches_bound()
+                and self._weights_current())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
