@@ -56,8 +56,10 @@ test: setup sysdeps
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
+# A cell that runs 10 minutes has hung (each takes seconds): fail it rather
+# than wait, e.g. on a kernel that died, which nbval would otherwise wait out.
 test-book: notebooks
-	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env $(notdir $(NOTEBOOKS))
+	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 $(notdir $(NOTEBOOKS))
 
 serve: setup
 	$(VENV)/bin/minivllm serve
