@@ -11,9 +11,9 @@ products. These kernels do the same math in one pass each:
 - ``activation.cpp`` — SwiGLU's ``silu(gate) * up``;
 - ``cache.cpp`` — writing new keys and values into their cache slots;
 - ``sampler.cpp`` — greedy argmax over the vocabulary;
-- ``gemm.cpp`` — float32 matrix products for decode-sized batches and single rows (see ``prepack.py``);
+- ``gemm.cpp`` — float32 matrix products for decode-sized batches and single rows
+  (see ``prepack.py``);
 - ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
-
 
 Each layer keeps its PyTorch code as ``forward_native`` (the reference the
 tests compare against) and uses the kernel on CPU tensors when it is

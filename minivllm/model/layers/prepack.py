@@ -32,15 +32,14 @@ model spent about 280 ms in its matrix products against about 18 ms packed
 count therefore goes through the packed weight.
 
 float32 batches of 2 to ``PANEL_MAX_ROWS`` rows (decode steps, small prefill
-chunks) take a third
-way, minivllm's own kernel (``csrc/gemm.cpp``): the weight in panels of 32
+chunks) take a third way, minivllm's own kernel (``csrc/gemm.cpp``): the weight in panels of 32
 columns, the next panel prefetched while the current one is multiplied, so
 that streaming the weights from memory overlaps the arithmetic. Measured on
 the 2-core CPU, all 121 weights of the default model in turn, best of five
 alternating repeats (a busy moment of a shared machine): 8 rows 34 ms against
 MKL's 43, 16 rows 48 against 56, 32 rows 59 against 65, 64 rows 110 against
-118. A later session, the 120 weights of the decoder layers, best of six
-alternating: 128 rows 169 ms against 181, 192 rows 251 against 256, 256 rows
+118. The 120 weights of the decoder layers, best of six alternating repeats
+(another day): 128 rows 169 ms against 181, 192 rows 251 against 256, 256 rows
 323 against 329. Beyond that the rows no longer fit in the 2 MB L2 cache
 next to a panel and would stream from memory once per panel, so MKL takes
 over. It needs AVX-512; elsewhere MKL serves these rows too. The panels are
