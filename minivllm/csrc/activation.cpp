@@ -45,6 +45,13 @@ at::Tensor silu_and_mul(at::Tensor x) {
   return out;
 }
 
+void slice::silu_and_mul(const float* x, float* out, int64_t rows, int64_t d, int64_t begin,
+                         int64_t end) {
+  for (int64_t r = 0; r < rows; ++r)
+    silu_and_mul_row(x + r * 2 * d + begin, x + r * 2 * d + d + begin, out + r * d + begin,
+                     end - begin);
+}
+
 }  // namespace minivllm
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) { m.def("silu_and_mul(Tensor x) -> Tensor"); }

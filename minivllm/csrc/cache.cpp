@@ -12,6 +12,25 @@
 #include "ops.h"
 
 namespace minivllm {
+namespace {
+
+// Tokens [begin, end): token t's head h of key at key + (t * ldk + h * hsk) elements
+// (value alike), esize bytes an element.
+void cache_tokens(const char* key, int64_t ldk, int64_t hsk, const char* value, int64_t ldv,
+                  int64_t hsv, char* key_cache, char* value_cache, const int64_t* slots,
+                  int64_t heads, int64_t dim, int64_t esize, int64_t begin, int64_t end) {
+  const int64_t bytes = dim * esize;
+  for (int64_t t = begin; t < end; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t dst = (slots[t] * heads + h) * bytes;
+      std::memcpy(key_cache + dst, key + (t * ldk + h * hsk) * esize, bytes);
+      std::memcpy(value_cache + dst, value + (t * ldv + h * hsv) * esize, bytes);
+    }
+  }
+}
+
+}  // namespace
 
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
                        at::Tensor value_cache, at::Tensor slot_mapping) {
@@ -38,21 +57,24 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] < num_slots, "reshape_and_cache: slot ", sp[t],
                 " is outside the cache's ", num_slots, " slots");
-  const int64_t bytes = dim * key.element_size(), esize = key.element_size();
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
   const auto* kp = static_cast<const char*>(key.data_ptr());
   const auto* vp = static_cast<const char*>(value.data_ptr());
   at::parallel_for(0, tokens, row_grain(2 * heads * dim), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      if (sp[t] < 0) continue;
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t dst = (sp[t] * heads + h) * bytes;
-        std::memcpy(kc + dst, kp + (t * key.stride(0) + h * key.stride(1)) * esize, bytes);
-        std::memcpy(vc + dst, vp + (t * value.stride(0) + h * value.stride(1)) * esize, bytes);
-      }
-    }
+    cache_tokens(kp, key.stride(0), key.stride(1), vp, value.stride(0), value.stride(1), kc, vc,
+                 sp, heads, dim, key.element_size(), b, e);
   });
+}
+
+void slice::reshape_and_cache(const float* key, int64_t ldk, const float* value, int64_t ldv,
+                              float* key_cache, float* value_cache, const int64_t* slot_mapping,
+                              int64_t heads, int64_t dim, int64_t begin, int64_t end) {
+  // Heads side by side, as in the qkv projection's output.
+  cache_tokens(reinterpret_cast<const char*>(key), ldk, dim,
+               reinterpret_cast<const char*>(value), ldv, dim,
+               reinterpret_cast<char*>(key_cache), reinterpret_cast<char*>(value_cache),
+               slot_mapping, heads, dim, sizeof(float), begin, end);
 }
 
 }  // namespace minivllm

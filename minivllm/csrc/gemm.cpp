@@ -29,7 +29,7 @@
 namespace minivllm {
 namespace {
 
-constexpr int64_t NR = 32;  // output columns per panel: two 16-float vectors
+constexpr int64_t NR = slice::panel_width;  // output columns per panel: two 16-float vectors
 constexpr int64_t MR = 12;  // rows per register tile
 
 #ifdef __AVX512F__
@@ -155,29 +155,33 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-#ifdef __AVX512F__
-  const float* xp = x.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = pp + p * K * NR;
-      const float* next = pp + std::min(p + 1, panels - 1) * K * NR;
-      const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
-      // Tile i of T prefetches the i-th T-th of the next panel: its 2K cache
-      // lines spread over T * K iterations, one or two lines (16 or 32 floats)
-      // per iteration.
-      const int64_t tiles = (M + MR - 1) / MR, share = K * NR / tiles;
-      const int64_t step = tiles == 1 ? 32 : 16;
-      for (int64_t m = 0, i = 0; m < M; m += MR, ++i) {
-        const int64_t rows = std::min(MR, M - m);
-        kTiles[rows](xp + m * K, K, panel, K, next + i * share, step, yp + m * N + n0, N,
-                     bp != nullptr ? bp + n0 : nullptr, ncols);
-      }
-    }
+  at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
+    slice::packed_linear(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), N, bp,
+                         y.data_ptr<float>(), b, e);
   });
-#endif
   return y;
+}
+
+void slice::packed_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
+                          const float* bias, float* y, int64_t begin, int64_t end) {
+#ifdef __AVX512F__
+  const int64_t panels = (N + NR - 1) / NR;
+  for (int64_t p = begin; p < end; ++p) {
+    const float* panel = packed + p * K * NR;
+    const float* next = packed + std::min(p + 1, panels - 1) * K * NR;
+    const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+    // Tile i of T prefetches the i-th T-th of the next panel: its 2K cache
+    // lines spread over T * K iterations, one or two lines (16 or 32 floats)
+    // per iteration.
+    const int64_t tiles = (M + MR - 1) / MR, share = K * NR / tiles;
+    const int64_t step = tiles == 1 ? 32 : 16;
+    for (int64_t m = 0, i = 0; m < M; m += MR, ++i) {
+      const int64_t rows = std::min(MR, M - m);
+      kTiles[rows](x + m * K, K, panel, K, next + i * share, step, y + m * N + n0, N,
+                   bias != nullptr ? bias + n0 : nullptr, ncols);
+    }
+  }
+#endif
 }
 
 // y [1, N] = x [1, K] W^T (+ bias), W the ordinary row-major [N, K] weight.
@@ -193,25 +197,30 @@ at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
   const float* bp = bias_data(bias, N, "matvec");
   x = x.contiguous();
   auto y = at::empty({1, N}, x.options());
-#ifdef __AVX512F__
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t quads = (N + 3) / 4;
-  at::parallel_for(0, quads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = 4 * i, rows = std::min<int64_t>(4, N - r);
-      if (r + 8 <= N) matvec_rows<4, true>(wp + r * K, xp, K, yp + r);
-      else if (rows == 4) matvec_rows<4, false>(wp + r * K, xp, K, yp + r);  // no prefetch
-      else if (rows == 3) matvec_rows<3, false>(wp + r * K, xp, K, yp + r);  // past the end
-      else if (rows == 2) matvec_rows<2, false>(wp + r * K, xp, K, yp + r);
-      else matvec_rows<1, false>(wp + r * K, xp, K, yp + r);
-      if (bp != nullptr)
-        for (int64_t j = r; j < r + rows; ++j) yp[j] += bp[j];
-    }
+  const int64_t groups = (N + slice::matvec_group_size - 1) / slice::matvec_group_size;
+  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
+    slice::matvec(x.data_ptr<float>(), weight.data_ptr<float>(), K, N, bp, y.data_ptr<float>(),
+                  b, e);
   });
-#endif
   return y;
+}
+
+void slice::matvec(const float* x, const float* weight, int64_t K, int64_t N, const float* bias,
+                   float* y, int64_t begin, int64_t end) {
+  static_assert(matvec_group_size == 4, "matvec_rows streams four weight rows at a time");
+#ifdef __AVX512F__
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t r = 4 * i, rows = std::min<int64_t>(4, N - r);
+    const float* w = weight + r * K;
+    if (r + 8 <= N) matvec_rows<4, true>(w, x, K, y + r);
+    else if (rows == 4) matvec_rows<4, false>(w, x, K, y + r);  // no prefetch
+    else if (rows == 3) matvec_rows<3, false>(w, x, K, y + r);  // past the end
+    else if (rows == 2) matvec_rows<2, false>(w, x, K, y + r);
+    else matvec_rows<1, false>(w, x, K, y + r);
+    if (bias != nullptr)
+      for (int64_t j = r; j < r + rows; ++j) y[j] += bias[j];
+  }
+#endif
 }
 
 }  // namespace minivllm

@@ -51,8 +51,21 @@ void add_row(const T* x, T* residual, int64_t n) {
     residual[i] = from_float<T>(to_float(x[i]) + to_float(residual[i]));
 }
 
-// Normalizes the rows of x into a new tensor; with `residual`, first adds
-// each row of x into it (in place) and normalizes the sum instead.
+// Rows [begin, end) of x normalized into out; with `residual`, each row of x
+// is first added into it (in place) and the sum normalized instead.
+template <typename T>
+void norm_rows(const T* x, int64_t ldx, T* residual, const T* w, T* out, int64_t n, float eps,
+               int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* src = x + r * ldx;
+    if (residual != nullptr) {
+      add_row(src, residual + r * n, n);
+      src = residual + r * n;
+    }
+    norm_row(src, w, out + r * n, n, eps);
+  }
+}
+
 at::Tensor norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
                      double eps) {
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
@@ -63,14 +76,7 @@ at::Tensor norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor
     scalar_t* rp = residual != nullptr ? residual->data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const scalar_t* src = xp + r * ldx;
-        if (rp != nullptr) {
-          add_row(src, rp + r * n, n);
-          src = rp + r * n;
-        }
-        norm_row(src, wp, op + r * n, n, float(eps));
-      }
+      norm_rows(xp, ldx, rp, wp, op, n, float(eps), b, e);
     });
   });
   return out;
@@ -90,6 +96,11 @@ at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weig
                   residual.scalar_type() == x.scalar_type(),
               "fused_add_rms_norm: residual must be contiguous, shaped and typed like x");
   return norm_rows(x, &residual, weight, eps);
+}
+
+void slice::rms_norm(const float* x, int64_t ldx, float* residual, const float* weight,
+                     float* out, int64_t n, float eps, int64_t begin, int64_t end) {
+  norm_rows(x, ldx, residual, weight, out, n, eps, begin, end);
 }
 
 }  // namespace minivllm

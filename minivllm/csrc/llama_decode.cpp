@@ -14,7 +14,13 @@
 // bfloat16 models whose linear weights are packed (prepack.py); the Python
 // side (minivllm/model/models/llama_fused_decode.py) checks that and falls
 // back to the layers otherwise.
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <atomic>
+#include <thread>
 
 #include "cpu_types.h"
 #include "ops.h"
@@ -70,6 +76,244 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_ro
   return mkl_linear(x, packed, weight, bias);
 }
 
+
+// ---------------------------------------------------------------------------
+// float32 steps whose products are all our own kernels (matvec, panel GEMM):
+// the whole step in one OpenMP parallel region.
+//
+// Why: a decode step runs ~10 parallel kernels a layer, 300 a step. Each
+// kernel its own parallel region means each ends with the threads going idle
+// and the next starts by waking them. Under OMP_WAIT_POLICY=passive (what a
+// machine shared with other processes wants) idle OpenMP threads sleep, and
+// waking one costs tens of microseconds: milliseconds a step, a tenth of a
+// single-stream step here. In one region the threads split every kernel's
+// work between them and meet at a barrier of our own that spins; they sleep
+// only between steps.
+// ---------------------------------------------------------------------------
+
+// A barrier that spins (with the CPU's pause hint), and after a while also
+// yields the core, in case it is shared with another busy process.
+class SpinBarrier {
+ public:
+  void set_threads(int threads) { threads_ = threads; }
+
+  void wait() {
+    const int gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < kSpinsBeforeYield) _mm_pause();
+      else std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr int kSpinsBeforeYield = 1 << 14;  // ~1 ms of pause instructions
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> generation_{0};
+  int threads_ = 1;
+};
+
+// Thread t of n's share [begin, end) of `items` work items.
+struct Share {
+  int64_t begin, end;
+  Share(int64_t items, int t, int n) : begin(items * t / n), end(items * (t + 1) / n) {}
+};
+
+// One float32 linear layer as its raw pointers (weights list: weight,
+// panels, bias, -).
+struct Linear {
+  const float *weight, *panels, *bias;
+  int64_t in, out;
+
+  Linear(const at::Tensor* w, int64_t in_features, int64_t out_features, const char* name,
+         int64_t layer)
+      : in(in_features), out(out_features) {
+    const int64_t panel_count = (out + slice::panel_width - 1) / slice::panel_width;
+    TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[0].is_contiguous() &&
+                    w[0].sizes() == at::IntArrayRef({out, in}),
+                "llama_decode_forward: layer ", layer, " ", name,
+                " weight must be contiguous float32 [", out, ", ", in, "], got ",
+                w[0].scalar_type(), " ", w[0].sizes());
+    TORCH_CHECK(w[1].scalar_type() == at::kFloat && w[1].is_contiguous() &&
+                    w[1].sizes() == at::IntArrayRef({panel_count, in, slice::panel_width}),
+                "llama_decode_forward: layer ", layer, " ", name,
+                " panels must be pack_linear_weight's float32 [", panel_count, ", ", in, ", ",
+                slice::panel_width, "], got ", w[1].scalar_type(), " ", w[1].sizes());
+    TORCH_CHECK(w[2].numel() == 0 || (w[2].scalar_type() == at::kFloat && w[2].is_contiguous() &&
+                                      w[2].sizes() == at::IntArrayRef({out})),
+                "llama_decode_forward: layer ", layer, " ", name,
+                " bias must be empty or float32 [", out, "], got ", w[2].sizes());
+    weight = w[0].data_ptr<float>();
+    panels = w[1].data_ptr<float>();
+    bias = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
+  }
+
+  // This thread's part of y [rows, out] = x [rows, in] W^T + b. The threads
+  // take chunks of output columns from `next` until none are left: a static
+  // split would leave a thread waiting whenever the other is slowed down
+  // (the main thread also serves Python; another process may hold a core).
+  void run(const float* x, int64_t rows, float* y, std::atomic<int64_t>& next, int n) const {
+    const int64_t width = rows == 1 ? slice::matvec_group_size : slice::panel_width;
+    const int64_t items = (out + width - 1) / width;
+    const int64_t chunk = std::max<int64_t>(1, items / (8 * n));
+    for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < items;) {
+      const int64_t e = std::min(b + chunk, items);
+      if (rows == 1) slice::matvec(x, weight, in, out, bias, y, b, e);
+      else slice::packed_linear(x, rows, in, panels, out, bias, y, b, e);
+    }
+  }
+};
+
+// Does every linear layer have float32 panels (so the step needs no MKL)?
+bool all_panels(at::TensorList weights) {
+  for (size_t i = 0; i < weights.size(); i += kTensorsPerLayer)
+    for (size_t j : {1, 5, 10, 14})
+      if (weights[i + j + 1].numel() == 0) return false;
+  return true;
+}
+
+float* f32(const at::Tensor& t) { return t.data_ptr<float>(); }
+
+void check_f32(const at::Tensor& t, at::IntArrayRef sizes, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == sizes,
+              "llama_decode_forward: ", name, " must be contiguous float32 ", sizes, ", got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+// The positions, slots and block tables are followed without bounds checks
+// in the region: check them here.
+void check_step(const at::Tensor& positions, const at::Tensor& slot_mapping,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                const at::Tensor& cos_cache, const at::Tensor& k_cache, int64_t tokens) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.sizes() == at::IntArrayRef({tokens}) &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.sizes() == at::IntArrayRef({tokens}),
+              "llama_decode_forward: positions and slot_mapping must be contiguous int64 [",
+              tokens, "]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t slot_count = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_cache.size(0), "llama_decode_forward: position ",
+                pos[t], " is outside the RoPE tables' [0, ", cos_cache.size(0), ")");
+    TORCH_CHECK(slots[t] < slot_count, "llama_decode_forward: slot ", slots[t],
+                " is outside the cache's ", slot_count, " slots");
+  }
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "llama_decode_forward: block_tables and seq_lens must be contiguous int32");
+  check_block_tables(block_tables, seq_lens, tokens, k_cache.size(0), k_cache.size(1));
+}
+
+at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
+                                at::Tensor block_tables, at::Tensor seq_lens,
+                                const at::Tensor& cos_cache,
+                                const at::Tensor& sin_cache, at::TensorList k_caches,
+                                at::TensorList v_caches, at::TensorList weights,
+                                const at::Tensor& final_norm, int64_t heads, int64_t kv_heads,
+                                int64_t dim, float eps, float scale) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  const int64_t T = hidden.size(0), E = hidden.size(1);
+  const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
+  const int64_t inter = weights[14].size(1);  // down_proj's in_features
+  check_f32(hidden, {T, E}, "hidden");
+  check_f32(final_norm, {E}, "final_norm");
+  check_f32(sin_cache, cos_cache.sizes(), "sin_cache");
+  check_f32(cos_cache, {cos_cache.size(0), dim}, "cos_cache");
+  TORCH_CHECK(dim % 2 == 0 && heads % kv_heads == 0, "llama_decode_forward: head_dim ", dim,
+              " must be even and heads ", heads, " a multiple of kv_heads ", kv_heads);
+  const at::Tensor& kc0 = k_caches[0];
+  std::vector<float*> kc, vc;
+  const at::IntArrayRef cache_shape = kc0.sizes();
+  for (int64_t i = 0; i < layers; ++i) {
+    check_f32(k_caches[i], {cache_shape[0], cache_shape[1], kv_heads, dim}, "k cache");
+    check_f32(v_caches[i], {cache_shape[0], cache_shape[1], kv_heads, dim}, "v cache");
+    kc.push_back(f32(k_caches[i]));
+    vc.push_back(f32(v_caches[i]));
+  }
+  positions = positions.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  check_step(positions, slot_mapping, block_tables, seq_lens, cos_cache, kc0, T);
+  std::vector<Linear> qkv, o, gate_up, down;
+  std::vector<const float*> in_norm, post_norm;
+
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + i * kTensorsPerLayer;
+    check_f32(w[0], {E}, "input_layernorm weight");
+    check_f32(w[9], {E}, "post_attention_layernorm weight");
+    in_norm.push_back(f32(w[0]));
+    post_norm.push_back(f32(w[9]));
+    qkv.emplace_back(w + 1, E, qkv_size, "qkv_proj", i);
+    o.emplace_back(w + 5, q_size, E, "o_proj", i);
+    gate_up.emplace_back(w + 10, E, 2 * inter, "gate_up_proj", i);
+    down.emplace_back(w + 14, inter, E, "down_proj", i);
+  }
+  auto options = hidden.options();
+  at::Tensor x = at::empty({T, E}, options), h = at::empty({T, E}, options);
+  at::Tensor qkv_out = at::empty({T, qkv_size}, options), attn = at::empty({T, q_size}, options);
+  at::Tensor gu = at::empty({T, 2 * inter}, options), act = at::empty({T, inter}, options);
+  at::Tensor out = at::empty({T, E}, options);
+  float *res = f32(hidden), *xp = f32(x), *hp = f32(h), *qkvp = f32(qkv_out);
+  float *attnp = f32(attn), *gup = f32(gu), *actp = f32(act);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float *cos = f32(cos_cache), *sin = f32(sin_cache), *final_w = f32(final_norm);
+  float* outp = f32(out);
+  const int64_t block_size = cache_shape[1], width = block_tables.size(1);
+  SpinBarrier barrier;
+  // One work counter per product of the step (4 a layer).
+  std::vector<std::atomic<int64_t>> next(4 * layers);
+  for (auto& c : next) c.store(0, std::memory_order_relaxed);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    if (t == 0) barrier.set_threads(n);
+#pragma omp barrier
+    const Share rows(T, t, n), cols(inter, t, n);
+    for (int64_t i = 0; i < layers; ++i) {
+      // Pre-norm residual blocks; the residual add is fused into the next norm.
+      if (i == 0) slice::rms_norm(res, E, nullptr, in_norm[i], xp, E, eps, rows.begin, rows.end);
+      else slice::rms_norm(hp, E, res, in_norm[i], xp, E, eps, rows.begin, rows.end);
+      barrier.wait();
+      qkv[i].run(xp, T, qkvp, next[4 * i + 0], n);
+      barrier.wait();
+      // RoPE, the cache write and attention of a sequence by the same thread:
+      // no barrier between them.
+      float *q = qkvp, *k = qkvp + q_size, *v = k + kv_size;
+      slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, cos, sin, dim,
+                              rows.begin, rows.end);
+      slice::reshape_and_cache(k, qkv_size, v, qkv_size, kc[i], vc[i], slots, kv_heads, dim,
+                               rows.begin, rows.end);
+      slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], tables,
+                                    lens, attnp, heads, kv_heads, dim, block_size, width, scale,
+                                    rows.begin, rows.end);
+      barrier.wait();
+      o[i].run(attnp, T, hp, next[4 * i + 1], n);
+      barrier.wait();
+      slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
+      barrier.wait();
+      gate_up[i].run(xp, T, gup, next[4 * i + 2], n);
+      barrier.wait();
+      // Element-wise: split by columns, so a single row uses every thread.
+      slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
+      barrier.wait();
+      down[i].run(actp, T, hp, next[4 * i + 3], n);
+      barrier.wait();
+    }
+    slice::rms_norm(hp, E, res, final_w, outp, E, eps, rows.begin, rows.end);
+  }
+  return out;
+}
+
 }  // namespace
 
 // hidden [T, E]: the step's token embeddings, one token per sequence (it is
@@ -98,6 +342,12 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
               "per sequence, got ", hidden.scalar_type(), " ", hidden.sizes(), " for ",
               seq_lens.size(0), " sequences");
   const int64_t tokens = hidden.size(0);
+  if (hidden.scalar_type() == at::kFloat && packed_linear_available() && all_panels(weights) &&
+      tokens <= panel_max_rows)
+    return decode_in_one_region(hidden, positions, slot_mapping, block_tables, seq_lens,
+                                cos_cache, sin_cache, k_caches, v_caches, weights, final_norm,
+                                num_heads, num_kv_heads, head_dim, static_cast<float>(eps),
+                                static_cast<float>(scale));
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor residual = hidden, h;
   for (int64_t i = 0; i < layers; ++i) {

@@ -13,11 +13,54 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tens
 at::Tensor silu_and_mul(at::Tensor x);
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
                        at::Tensor value_cache, at::Tensor slot_mapping);
+// block_tables [num_seqs, W] and seq_lens [num_seqs], both int32 and contiguous,
+// name only blocks of a cache of num_blocks blocks; a clear error if not.
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t num_seqs, int64_t num_blocks, int64_t block_size);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 bool packed_linear_available();
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
                          c10::optional<at::Tensor> bias);
 at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
+
+// The float32 kernels over a slice [begin, end) of their work, on raw
+// pointers, for a caller that splits a step among its own threads
+// (llama_decode.cpp's one parallel region per step). The tensor-level entry
+// points above check their arguments and call these; callers of these check
+// first, as the kernels themselves check nothing.
+namespace slice {
+// Rows of x (row stride ldx) normalized into out [rows, n]; with a residual
+// [rows, n], each row of x is first added into it and the sum normalized.
+void rms_norm(const float* x, int64_t ldx, float* residual, const float* weight, float* out,
+              int64_t n, float eps, int64_t begin, int64_t end);
+// Tokens of q [T, hq, dim] and k [T, hk, dim] (token strides ldq, ldk) rotated in place.
+void rotary_embedding(const int64_t* positions, float* q, int64_t ldq, int64_t hq, float* k,
+                      int64_t ldk, int64_t hk, const float* cos_cache, const float* sin_cache,
+                      int64_t dim, int64_t begin, int64_t end);
+// Tokens' key and value heads (token strides ldk, ldv) copied into their cache slots.
+void reshape_and_cache(const float* key, int64_t ldk, const float* value, int64_t ldv,
+                       float* key_cache, float* value_cache, const int64_t* slot_mapping,
+                       int64_t heads, int64_t dim, int64_t begin, int64_t end);
+// Sequences' decode attention; q [B, H, D] with row stride ldq, out [B, H, D] contiguous.
+void paged_decode_attention(const float* q, int64_t ldq, const float* k_cache, const float* v_cache,
+                            const int32_t* block_tables, const int32_t* seq_lens, float* out,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t table_width, float scale,
+                            int64_t begin, int64_t end);
+// Columns [begin, end) of silu(gate) * up for `rows` rows of x = [gate | up] [rows, 2d].
+void silu_and_mul(const float* x, float* out, int64_t rows, int64_t d, int64_t begin,
+                  int64_t end);
+// Output groups [begin, end) of y [1, N] = x W^T + bias, W row-major [N, K]; a group is
+// matvec_group_size outputs.
+constexpr int64_t matvec_group_size = 4;
+void matvec(const float* x, const float* weight, int64_t K, int64_t N, const float* bias,
+            float* y, int64_t begin, int64_t end);
+// Panels [begin, end) (32 output columns each) of y [M, N] = x W^T + bias, W packed
+// by pack_linear_weight.
+constexpr int64_t panel_width = 32;
+void packed_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
+                   const float* bias, float* y, int64_t begin, int64_t end);
+}  // namespace slice
 
 }  // namespace minivllm

@@ -63,6 +63,14 @@ inline void axpy(float p, const float* x, float* y, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] += p * x[i];
 }
 
+// One cache slot (all KV heads of a token) into L2.
+template <typename T>
+inline void prefetch_slot(const T* slot, int64_t elems) {
+  const char* p = reinterpret_cast<const char*>(slot);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64)
+    _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
 // Online-softmax update of one head for one block of n scores (overwritten
 // with their probabilities under the new running maximum).
 inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, int64_t d) {
@@ -84,59 +92,79 @@ inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, 
 
 // kD > 0: the head size as a compile-time constant, so the short per-token
 // loops (dot products, updates) are fully unrolled; 0: any size at run time.
+// Sequences [begin, end). One work item per sequence: a block's slots are
+// then read front to back, all KV heads of a slot together.
 template <typename T, int kD>
-void decode_attention(const T* q, const T* k_cache, const T* v_cache,
-                      const int32_t* block_tables, const int32_t* seq_lens, T* out,
-                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t block_size, int64_t table_width,
-                      float scale) {
+void attend_seqs(const T* q, int64_t ldq, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                 const int32_t* seq_lens, T* out, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, int64_t block_size, int64_t table_width, float scale,
+                 int64_t begin, int64_t end) {
   const int64_t group = num_heads / num_kv_heads, d = kD > 0 ? kD : head_dim;
   const int64_t token_stride = num_kv_heads * head_dim;  // one cache slot
-  // One work item per sequence: a block's slots are then read front to back,
-  // all KV heads of a slot together.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(num_heads * d), acc(num_heads * d), buf(d);
-    std::vector<float> m(num_heads), l(num_heads), scores(num_heads * block_size);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = seq_lens[b];
-      for (int64_t i = 0; i < num_heads * d; ++i) qs[i] = to_float(q[b * num_heads * d + i]) * scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t block = block_tables[b * table_width + start / block_size];
-        const int64_t n = std::min(block_size, len - start);
-        const T* keys = k_cache + block * block_size * token_stride;
-        const T* values = v_cache + block * block_size * token_stride;
-        // Query heads h = j * G + g read KV head j.
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t j = 0; j < num_kv_heads; ++j) {
-            const float* k = as_float(keys + t * token_stride + j * d, buf.data(), d);
-            for (int64_t h = j * group; h < (j + 1) * group; ++h)
-              scores[h * block_size + t] = dot(qs.data() + h * d, k, d);
-          }
-        for (int64_t h = 0; h < num_heads; ++h)
-          softmax_update(scores.data() + h * block_size, n, m[h], l[h], acc.data() + h * d, d);
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t j = 0; j < num_kv_heads; ++j) {
-            const float* v = as_float(values + t * token_stride + j * d, buf.data(), d);
-            for (int64_t h = j * group; h < (j + 1) * group; ++h)
-              axpy(scores[h * block_size + t], v, acc.data() + h * d, d);
-          }
+  std::vector<float> qs(num_heads * d), acc(num_heads * d), buf(d);
+  std::vector<float> m(num_heads), l(num_heads), scores(num_heads * block_size);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t len = seq_lens[b];
+    for (int64_t i = 0; i < num_heads * d; ++i) qs[i] = to_float(q[b * ldq + i]) * scale;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.end(), 0.f);
+    for (int64_t start = 0; start < len; start += block_size) {
+      const int64_t block = block_tables[b * table_width + start / block_size];
+      const int64_t n = std::min(block_size, len - start);
+      const T* keys = k_cache + block * block_size * token_stride;
+      const T* values = v_cache + block * block_size * token_stride;
+      // The next block's keys and values, a slot's worth per token of this
+      // one, so they arrive while this block is computed (all at once, the
+      // prefetches would stall the core waiting for free fill buffers).
+      const bool more = start + block_size < len;
+      const int64_t next = more ? block_tables[b * table_width + start / block_size + 1] : 0;
+      const T* next_keys = k_cache + next * block_size * token_stride;
+      const T* next_values = v_cache + next * block_size * token_stride;
+      // Query heads h = j * G + g read KV head j.
+      for (int64_t t = 0; t < n; ++t) {
+        if (more) prefetch_slot(next_keys + t * token_stride, token_stride);
+        for (int64_t j = 0; j < num_kv_heads; ++j) {
+          const float* k = as_float(keys + t * token_stride + j * d, buf.data(), d);
+          for (int64_t h = j * group; h < (j + 1) * group; ++h)
+            scores[h * block_size + t] = dot(qs.data() + h * d, k, d);
+        }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        T* o = out + (b * num_heads + h) * d;
-        const float inv = 1.f / l[h];
-        for (int64_t i = 0; i < d; ++i) o[i] = from_float<T>(acc[h * d + i] * inv);
+      for (int64_t h = 0; h < num_heads; ++h)
+        softmax_update(scores.data() + h * block_size, n, m[h], l[h], acc.data() + h * d, d);
+      for (int64_t t = 0; t < n; ++t) {
+        if (more) prefetch_slot(next_values + t * token_stride, token_stride);
+        for (int64_t j = 0; j < num_kv_heads; ++j) {
+          const float* v = as_float(values + t * token_stride + j * d, buf.data(), d);
+          for (int64_t h = j * group; h < (j + 1) * group; ++h)
+            axpy(scores[h * block_size + t], v, acc.data() + h * d, d);
+        }
       }
     }
-  });
+    for (int64_t h = 0; h < num_heads; ++h) {
+      T* o = out + (b * num_heads + h) * d;
+      const float inv = 1.f / l[h];
+      for (int64_t i = 0; i < d; ++i) o[i] = from_float<T>(acc[h * d + i] * inv);
+    }
+  }
 }
+
+// The head sizes of common models as compile-time constants, else any size.
+template <typename T, typename... Args>
+void attend_seqs_any(int64_t head_dim, Args... args) {
+  switch (head_dim) {
+    case 64: attend_seqs<T, 64>(args...); break;
+    case 128: attend_seqs<T, 128>(args...); break;
+    default: attend_seqs<T, 0>(args...);
+  }
+}
+
+}  // namespace
 
 // Every block a sequence reads must be in its table and in the cache: the
 // kernel follows the table without bounds checks of its own.
-void check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_seqs,
-                  int64_t num_blocks, int64_t block_size) {
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t num_seqs, int64_t num_blocks, int64_t block_size) {
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
                   seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs,
               "paged_decode_attention: block_tables must be [", num_seqs,
@@ -159,8 +187,6 @@ void check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, in
   }
 }
 
-}  // namespace
-
 // q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables
 // [B, W] int32; seq_lens [B] int32 (each >= 1). Returns [B, H, D].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
@@ -182,23 +208,28 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   v_cache = v_cache.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
-  check_tables(block_tables, seq_lens, q.size(0), k_cache.size(0), k_cache.size(1));
+  check_block_tables(block_tables, seq_lens, q.size(0), k_cache.size(0), k_cache.size(1));
   auto out = at::empty_like(q);
   MINIVLLM_DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
-    auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-             v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-             seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1),
-             k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1),
-             static_cast<float>(scale));
-    };
-    switch (q.size(2)) {
-      case 64: run(decode_attention<scalar_t, 64>); break;
-      case 128: run(decode_attention<scalar_t, 128>); break;
-      default: run(decode_attention<scalar_t, 0>);
-    }
+    at::parallel_for(0, q.size(0), 1, [&](int64_t b, int64_t e) {
+      attend_seqs_any<scalar_t>(q.size(2), q.data_ptr<scalar_t>(), q.size(1) * q.size(2),
+                                k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                                out.data_ptr<scalar_t>(), q.size(1), k_cache.size(2), q.size(2),
+                                k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
+                                b, e);
+    });
   });
   return out;
+}
+
+void slice::paged_decode_attention(const float* q, int64_t ldq, const float* k_cache, const float* v_cache,
+                                   const int32_t* block_tables, const int32_t* seq_lens,
+                                   float* out, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t head_dim, int64_t block_size, int64_t table_width,
+                                   float scale, int64_t begin, int64_t end) {
+  attend_seqs_any<float>(head_dim, q, ldq, k_cache, v_cache, block_tables, seq_lens, out, num_heads,
+                         num_kv_heads, head_dim, block_size, table_width, scale, begin, end);
 }
 
 }  // namespace minivllm

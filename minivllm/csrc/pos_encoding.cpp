@@ -24,10 +24,24 @@ void rotate_head(T* x, const float* c, const float* s, int64_t half) {
   }
 }
 
+// Tokens [begin, end): token t's head h of q at q + t * ldq + h * hsq (k alike).
+template <typename T>
+void rotate_tokens(const int64_t* positions, T* q, int64_t ldq, int64_t hsq, int64_t hq, T* k,
+                   int64_t ldk, int64_t hsk, int64_t hk, const float* cos_cache,
+                   const float* sin_cache, int64_t dim, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const float* c = cos_cache + positions[t] * dim;
+    const float* s = sin_cache + positions[t] * dim;
+    for (int64_t h = 0; h < hq; ++h) rotate_head(q + t * ldq + h * hsq, c, s, dim / 2);
+    for (int64_t h = 0; h < hk; ++h) rotate_head(k + t * ldk + h * hsk, c, s, dim / 2);
+  }
+}
+
 void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t dim) {
   TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == dim && t.stride(2) == 1,
               "rotary_embedding: ", name, " must be [", tokens, ", heads, ", dim,
               "] with contiguous head vectors, got sizes ", t.sizes(), " strides ", t.strides());
+
 }
 
 }  // namespace
@@ -59,16 +73,18 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k,
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k.data_ptr<scalar_t>();
     at::parallel_for(0, tokens, row_grain((hq + hk) * dim), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        const float* c = cp + pp[t] * dim;
-        const float* s = sp + pp[t] * dim;
-        for (int64_t h = 0; h < hq; ++h)
-          rotate_head(qp + t * q.stride(0) + h * q.stride(1), c, s, half);
-        for (int64_t h = 0; h < hk; ++h)
-          rotate_head(kp + t * k.stride(0) + h * k.stride(1), c, s, half);
-      }
+      rotate_tokens(pp, qp, q.stride(0), q.stride(1), hq, kp, k.stride(0), k.stride(1), hk, cp,
+                    sp, dim, b, e);
     });
   });
+}
+
+void slice::rotary_embedding(const int64_t* positions, float* q, int64_t ldq, int64_t hq,
+                             float* k, int64_t ldk, int64_t hk, const float* cos_cache,
+                             const float* sin_cache, int64_t dim, int64_t begin, int64_t end) {
+  // Heads side by side, as in the qkv projection's output.
+  rotate_tokens(positions, q, ldq, dim, hq, k, ldk, dim, hk, cos_cache, sin_cache, dim, begin,
+                end);
 }
 
 }  // namespace minivllm
