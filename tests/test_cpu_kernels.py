@@ -133,6 +133,39 @@ def test_kernels_check_their_inputs():
         ops.argmax(torch.zeros(4))
 
 
+def attention_reference(q, k_cache, v_cache, tables, lens, scale):
+    """Per sequence: gather its context through the table, plain softmax attention."""
+    out = []
+    group = q.shape[1] // k_cache.shape[2]
+    for b, n in enumerate(lens.tolist()):
+        k = k_cache[tables[b].long()].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+        v = v_cache[tables[b].long()].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float() * scale, k), dim=-1)
+        out.append(torch.einsum("ht,thd->hd", p, v))
+    return torch.stack(out)
+
+
+# Head sizes 16, 32, 64 and 128 take the register kernel, at most 256 / D query heads
+# at once (9 / 1 at 32, 16 / 2 at 64 and 6 / 2 at 128 go in chunks); 24 and 80 the
+# general one. Block size 1: a block per token; 16: the default.
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [
+    (16, 4, 2), (32, 9, 1), (64, 9, 3), (64, 16, 2), (128, 6, 2), (128, 4, 4), (24, 6, 2),
+    (80, 3, 1)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_matches_reference(head_dim, heads, kv_heads, block_size, dtype):
+    lens = torch.tensor([1, 17, 40, 5], dtype=torch.int32)
+    width = (int(lens.max()) + block_size - 1) // block_size
+    blocks = torch.randperm(4 * width + 3, generator=torch.Generator().manual_seed(1))
+    tables = blocks[: 4 * width].view(4, width).to(torch.int32)  # scattered, as after a while
+    k_cache = randn(len(blocks), block_size, kv_heads, head_dim, dtype=dtype, seed=2)
+    v_cache = randn(len(blocks), block_size, kv_heads, head_dim, dtype=dtype, seed=3)
+    q = randn(4, heads, head_dim, dtype=dtype, seed=4)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.3)
+    expected = attention_reference(q, k_cache, v_cache, tables, lens, 0.3)
+    close(out, expected.to(dtype), dtype)
+
+
 def test_paged_decode_attention_checks_the_block_tables():
     q, cache = torch.zeros(1, 2, 16), torch.zeros(4, 8, 1, 16)
     lens = torch.tensor([9], dtype=torch.int32)
@@ -142,6 +175,9 @@ def test_paged_decode_attention_checks_the_block_tables():
     with pytest.raises(RuntimeError, match=r"block_tables\[0\]\[1\] = 4 is not a block"):
         ops.paged_decode_attention(q, cache, cache, torch.tensor([[0, 4]], dtype=torch.int32),
                                    lens, 1.0)
+    big = torch.zeros(1, 256, 1, 16)
+    with pytest.raises(RuntimeError, match="block_size 256 is not allowed; allowed: 1 to 128"):
+        ops.paged_decode_attention(q, big, big, torch.zeros(1, 1, dtype=torch.int32), lens, 1.0)
 
 
 @pytest.mark.parametrize("k", [1, 15, 16, 17, 100])  # tails of a 16-float vector

@@ -270,9 +270,10 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   float* outp = f32(out);
   const int64_t block_size = cache_shape[1], width = block_tables.size(1);
   SpinBarrier barrier;
-  // One work counter per product of the step (4 a layer).
-  std::vector<std::atomic<int64_t>> next(4 * layers);
+  // Work counters: one per product of the step (4 a layer), one per attention.
+  std::vector<std::atomic<int64_t>> next(4 * layers), next_item(layers);
   for (auto& c : next) c.store(0, std::memory_order_relaxed);
+  for (auto& c : next_item) c.store(0, std::memory_order_relaxed);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -286,16 +287,17 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       barrier.wait();
       qkv[i].run(xp, T, qkvp, next[4 * i + 0], n);
       barrier.wait();
-      // RoPE, the cache write and attention of a sequence by the same thread:
-      // no barrier between them.
       float *q = qkvp, *k = qkvp + q_size, *v = k + kv_size;
       slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, cos, sin, dim,
                               rows.begin, rows.end);
       slice::reshape_and_cache(k, qkv_size, v, qkv_size, kc[i], vc[i], slots, kv_heads, dim,
                                rows.begin, rows.end);
-      slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], tables,
-                                    lens, attnp, heads, kv_heads, dim, block_size, width, scale,
-                                    rows.begin, rows.end);
+      barrier.wait();
+      // (sequence, KV head) items, taken one at a time: contexts differ in length.
+      for (int64_t item; (item = next_item[i].fetch_add(1, std::memory_order_relaxed)) <
+                         T * kv_heads;)
+        slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], tables, lens, attnp, heads,
+                                      kv_heads, dim, block_size, width, scale, item, item + 1);
       barrier.wait();
       o[i].run(attnp, T, hp, next[4 * i + 1], n);
       barrier.wait();

@@ -42,7 +42,8 @@ void rotary_embedding(const int64_t* positions, float* q, int64_t ldq, int64_t h
 void reshape_and_cache(const float* key, int64_t ldk, const float* value, int64_t ldv,
                        float* key_cache, float* value_cache, const int64_t* slot_mapping,
                        int64_t heads, int64_t dim, int64_t begin, int64_t end);
-// Sequences' decode attention; q [B, H, D] with row stride ldq, out [B, H, D] contiguous.
+// Decode attention of work items [begin, end), item i = KV head i % Hkv of sequence
+// i / Hkv with its query heads; q [B, H, D] with row stride ldq, out [B, H, D] contiguous.
 void paged_decode_attention(const float* q, int64_t ldq, const float* k_cache, const float* v_cache,
                             const int32_t* block_tables, const int32_t* seq_lens, float* out,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

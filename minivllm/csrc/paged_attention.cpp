@@ -5,9 +5,9 @@
 //   out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b,   K_b, V_b = the first
 //   seq_lens[b] tokens of sequence b, token p in block block_tables[b][p / bs]
 //
-// One work item per sequence: the G = H / Hkv query heads that share a KV head
-// are handled together, so each key and value row is loaded once for all of
-// them (grouped-query attention). Keys are visited block by block
+// One work item per (sequence, KV head): the G = H / Hkv query heads that
+// share a KV head are handled together, so each key and value row is loaded
+// once for all of them (grouped-query attention). Keys are visited block by block
 // with the online softmax: a running maximum m, a running sum l and an
 // accumulator rescaled whenever m grows, so one pass over the context suffices.
 // Everything accumulates in float32, whatever the cache dtype.
@@ -63,17 +63,10 @@ inline void axpy(float p, const float* x, float* y, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] += p * x[i];
 }
 
-// One cache slot (all KV heads of a token) into L2.
-template <typename T>
-inline void prefetch_slot(const T* slot, int64_t elems) {
-  const char* p = reinterpret_cast<const char*>(slot);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64)
-    _mm_prefetch(p + off, _MM_HINT_T1);
-}
-
-// Online-softmax update of one head for one block of n scores (overwritten
-// with their probabilities under the new running maximum).
-inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, int64_t d) {
+// Online-softmax step of one head over one block of n scores: s becomes
+// their probabilities under the new running maximum m, l the new running
+// sum; returns the factor the head's accumulator must be rescaled by.
+inline float softmax_block(float* s, int64_t n, float& m, float& l) {
   float block_max = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
   const float new_max = std::max(m, block_max);
@@ -86,76 +79,177 @@ inline void softmax_update(float* s, int64_t n, float& m, float& l, float* acc, 
   }
   l = l * correction + sum;
   m = new_max;
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
+  return correction;
 }
 
-// kD > 0: the head size as a compile-time constant, so the short per-token
-// loops (dot products, updates) are fully unrolled; 0: any size at run time.
-// Sequences [begin, end). One work item per sequence: a block's slots are
-// then read front to back, all KV heads of a slot together.
-template <typename T, int kD>
-void attend_seqs(const T* q, int64_t ldq, const T* k_cache, const T* v_cache, const int32_t* block_tables,
-                 const int32_t* seq_lens, T* out, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim, int64_t block_size, int64_t table_width, float scale,
-                 int64_t begin, int64_t end) {
-  const int64_t group = num_heads / num_kv_heads, d = kD > 0 ? kD : head_dim;
-  const int64_t token_stride = num_kv_heads * head_dim;  // one cache slot
-  std::vector<float> qs(num_heads * d), acc(num_heads * d), buf(d);
-  std::vector<float> m(num_heads), l(num_heads), scores(num_heads * block_size);
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t len = seq_lens[b];
-    for (int64_t i = 0; i < num_heads * d; ++i) qs[i] = to_float(q[b * ldq + i]) * scale;
-    std::fill(acc.begin(), acc.end(), 0.f);
-    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-    std::fill(l.begin(), l.end(), 0.f);
-    for (int64_t start = 0; start < len; start += block_size) {
-      const int64_t block = block_tables[b * table_width + start / block_size];
-      const int64_t n = std::min(block_size, len - start);
-      const T* keys = k_cache + block * block_size * token_stride;
-      const T* values = v_cache + block * block_size * token_stride;
-      // The next block's keys and values, a slot's worth per token of this
-      // one, so they arrive while this block is computed (all at once, the
-      // prefetches would stall the core waiting for free fill buffers).
-      const bool more = start + block_size < len;
-      const int64_t next = more ? block_tables[b * table_width + start / block_size + 1] : 0;
-      const T* next_keys = k_cache + next * block_size * token_stride;
-      const T* next_values = v_cache + next * block_size * token_stride;
-      // Query heads h = j * G + g read KV head j.
-      for (int64_t t = 0; t < n; ++t) {
-        if (more) prefetch_slot(next_keys + t * token_stride, token_stride);
-        for (int64_t j = 0; j < num_kv_heads; ++j) {
-          const float* k = as_float(keys + t * token_stride + j * d, buf.data(), d);
-          for (int64_t h = j * group; h < (j + 1) * group; ++h)
-            scores[h * block_size + t] = dot(qs.data() + h * d, k, d);
-        }
-      }
-      for (int64_t h = 0; h < num_heads; ++h)
-        softmax_update(scores.data() + h * block_size, n, m[h], l[h], acc.data() + h * d, d);
-      for (int64_t t = 0; t < n; ++t) {
-        if (more) prefetch_slot(next_values + t * token_stride, token_stride);
-        for (int64_t j = 0; j < num_kv_heads; ++j) {
-          const float* v = as_float(values + t * token_stride + j * d, buf.data(), d);
-          for (int64_t h = j * group; h < (j + 1) * group; ++h)
-            axpy(scores[h * block_size + t], v, acc.data() + h * d, d);
-        }
-      }
+// Where one work item reads: KV head j of sequence b, and its query heads.
+template <typename T>
+struct Item {
+  const float* q;  // its G query heads, scaled, [G][d]
+  int64_t heads;   // G
+  const T *k_cache, *v_cache;  // offset to KV head j
+  const int32_t* table;        // the sequence's block table
+  int64_t len, block_size, token_stride;
+};
+
+// The item's keys and values, block by block. `per_slot(t, k or v row)` is
+// called for each slot of a block, first for all keys (then `after_keys(n)`),
+// then for all values. Meanwhile the next block's rows of KV head j are
+// prefetched into L2, one slot per slot of this block (all at once, the
+// prefetches would stall the core waiting for free fill buffers).
+template <typename T, typename Keys, typename Softmax, typename Values>
+inline void for_each_block(const Item<T>& it, int64_t d, Keys&& keys, Softmax&& softmax,
+                           Values&& values) {
+  const int64_t bs = it.block_size, row_bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t start = 0; start < it.len; start += bs) {
+    const int64_t block = it.table[start / bs], n = std::min(bs, it.len - start);
+    const bool more = start + bs < it.len;
+    const int64_t next = more ? it.table[start / bs + 1] : block;
+    const T* k = it.k_cache + block * bs * it.token_stride;
+    const T* v = it.v_cache + block * bs * it.token_stride;
+    const char* next_k = reinterpret_cast<const char*>(it.k_cache + next * bs * it.token_stride);
+    const char* next_v = reinterpret_cast<const char*>(it.v_cache + next * bs * it.token_stride);
+    const int64_t stride_bytes = it.token_stride * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = 0; t < n; ++t) {
+      if (more)
+        for (int64_t off = 0; off < row_bytes; off += 64)
+          _mm_prefetch(next_k + t * stride_bytes + off, _MM_HINT_T1);
+      keys(t, k + t * it.token_stride);
     }
-    for (int64_t h = 0; h < num_heads; ++h) {
-      T* o = out + (b * num_heads + h) * d;
-      const float inv = 1.f / l[h];
-      for (int64_t i = 0; i < d; ++i) o[i] = from_float<T>(acc[h * d + i] * inv);
+    softmax(n);
+    for (int64_t t = 0; t < n; ++t) {
+      if (more)
+        for (int64_t off = 0; off < row_bytes; off += 64)
+          _mm_prefetch(next_v + t * stride_bytes + off, _MM_HINT_T1);
+      values(t, v + t * it.token_stride);
     }
   }
 }
 
-// The head sizes of common models as compile-time constants, else any size.
-template <typename T, typename... Args>
-void attend_seqs_any(int64_t head_dim, Args... args) {
-  switch (head_dim) {
-    case 64: attend_seqs<T, 64>(args...); break;
-    case 128: attend_seqs<T, 128>(args...); break;
-    default: attend_seqs<T, 0>(args...);
+constexpr int64_t kMaxBlockSize = 128;  // CacheConfig allows block sizes up to 128
+
+#ifdef __AVX512F__
+// kD a multiple of 16: up to kH query heads at once with their accumulators
+// in registers (16 vectors: half the AVX-512 register file), so the
+// probability-weighted sum of values never goes through memory.
+template <typename T, int kD, int kH>
+void attend_in_registers(const Item<T>& it, T* out) {
+  constexpr int V = kD / 16;
+  const int64_t heads = it.heads;
+  __m512 acc[kH][V];
+  float m[kH], l[kH], scores[kH][kMaxBlockSize], buf[kD];
+  for (int h = 0; h < kH; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0.f;
+    for (int i = 0; i < V; ++i) acc[h][i] = _mm512_setzero_ps();
+  }
+  for_each_block(
+      it, kD,
+      [&](int64_t t, const T* krow) {
+        const float* k = as_float(krow, buf, kD);
+        for (int h = 0; h < kH; ++h)
+          if (h < heads) scores[h][t] = dot(it.q + h * kD, k, kD);
+      },
+      [&](int64_t n) {
+        for (int h = 0; h < kH; ++h)
+          if (h < heads) {
+            const __m512 c = _mm512_set1_ps(softmax_block(scores[h], n, m[h], l[h]));
+            for (int i = 0; i < V; ++i) acc[h][i] = _mm512_mul_ps(acc[h][i], c);
+          }
+      },
+      [&](int64_t t, const T* vrow) {
+        const float* v = as_float(vrow, buf, kD);
+        for (int i = 0; i < V; ++i) {
+          const __m512 x = _mm512_loadu_ps(v + 16 * i);
+          for (int h = 0; h < kH; ++h)
+            if (h < heads) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h][t]), x, acc[h][i]);
+        }
+      });
+  for (int h = 0; h < kH && h < heads; ++h) {
+    alignas(64) float o[kD];
+    for (int i = 0; i < V; ++i) _mm512_store_ps(o + 16 * i, acc[h][i]);
+    const float inv = 1.f / l[h];
+    for (int i = 0; i < kD; ++i) out[h * kD + i] = from_float<T>(o[i] * inv);
+  }
+}
+#endif
+
+// Any head size: the accumulators in memory.
+template <typename T>
+void attend_in_memory(const Item<T>& it, int64_t d, T* out) {
+  const int64_t heads = it.heads;
+  std::vector<float> acc(heads * d, 0.f), buf(d), scores(heads * it.block_size);
+  std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.f);
+  for_each_block(
+      it, d,
+      [&](int64_t t, const T* krow) {
+        const float* k = as_float(krow, buf.data(), d);
+        for (int64_t h = 0; h < heads; ++h)
+          scores[h * it.block_size + t] = dot(it.q + h * d, k, d);
+      },
+      [&](int64_t n) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const float c = softmax_block(scores.data() + h * it.block_size, n, m[h], l[h]);
+          for (int64_t i = 0; i < d; ++i) acc[h * d + i] *= c;
+        }
+      },
+      [&](int64_t t, const T* vrow) {
+        const float* v = as_float(vrow, buf.data(), d);
+        for (int64_t h = 0; h < heads; ++h)
+          axpy(scores[h * it.block_size + t], v, acc.data() + h * d, d);
+      });
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.f / l[h];
+    for (int64_t i = 0; i < d; ++i) out[h * d + i] = from_float<T>(acc[h * d + i] * inv);
+  }
+}
+
+// A chunk of an item's query heads (at most the register kernel's kH).
+template <typename T>
+void attend_chunk(const Item<T>& it, int64_t d, T* out) {
+#ifdef __AVX512F__
+  switch (d) {
+    case 16: return attend_in_registers<T, 16, 16>(it, out);
+    case 32: return attend_in_registers<T, 32, 8>(it, out);
+    case 64: return attend_in_registers<T, 64, 4>(it, out);
+    case 128: return attend_in_registers<T, 128, 2>(it, out);
+  }
+#endif
+  attend_in_memory(it, d, out);
+}
+
+// Query heads the register kernel takes at once for head size d.
+inline int64_t heads_per_chunk(int64_t d) {
+  return d == 16 || d == 32 || d == 64 || d == 128 ? 256 / d : std::numeric_limits<int64_t>::max();
+}
+
+// Work items [begin, end): item i is KV head i % Hkv of sequence i / Hkv and
+// the G = H / Hkv query heads that read it (grouped-query attention: each key
+// and value row is loaded once for all of them). A sequence's items read
+// disjoint cache lines, so splitting by KV head adds no traffic, and a single
+// sequence still has Hkv items to share among the threads.
+template <typename T>
+void attend_items(const T* q, int64_t ldq, const T* k_cache, const T* v_cache,
+                  const int32_t* block_tables, const int32_t* seq_lens, T* out,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t block_size,
+                  int64_t table_width, float scale, int64_t begin, int64_t end) {
+  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * d;
+  const int64_t chunk = std::min(group, heads_per_chunk(d));
+  // The scaled queries; on the stack for common sizes (the fused decode loop
+  // calls this per item, 30 layers x sequences x KV heads a step).
+  float stack[1024];
+  std::vector<float> heap(group * d > 1024 ? group * d : 0);
+  float* qs = heap.empty() ? stack : heap.data();
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / num_kv_heads, j = i % num_kv_heads;
+    const T* qb = q + b * ldq + j * group * d;
+    for (int64_t x = 0; x < group * d; ++x) qs[x] = to_float(qb[x]) * scale;
+    for (int64_t h0 = 0; h0 < group; h0 += chunk) {
+      const Item<T> it{qs + h0 * d, std::min(chunk, group - h0), k_cache + j * d,
+                       v_cache + j * d, block_tables + b * table_width, seq_lens[b],
+                       block_size, token_stride};
+      attend_chunk(it, d, out + (b * num_heads + j * group + h0) * d);
+    }
   }
 }
 
@@ -170,6 +264,9 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
               "paged_decode_attention: block_tables must be [", num_seqs,
               ", W] and seq_lens [", num_seqs, "], got ", block_tables.sizes(), " and ",
               seq_lens.sizes());
+  TORCH_CHECK(block_size >= 1 && block_size <= kMaxBlockSize,
+              "paged_decode_attention: block_size ", block_size, " is not allowed; allowed: 1 to ",
+              kMaxBlockSize);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
@@ -211,25 +308,25 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   check_block_tables(block_tables, seq_lens, q.size(0), k_cache.size(0), k_cache.size(1));
   auto out = at::empty_like(q);
   MINIVLLM_DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
-    at::parallel_for(0, q.size(0), 1, [&](int64_t b, int64_t e) {
-      attend_seqs_any<scalar_t>(q.size(2), q.data_ptr<scalar_t>(), q.size(1) * q.size(2),
-                                k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                                out.data_ptr<scalar_t>(), q.size(1), k_cache.size(2), q.size(2),
-                                k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
-                                b, e);
+    at::parallel_for(0, q.size(0) * k_cache.size(2), 1, [&](int64_t b, int64_t e) {
+      attend_items<scalar_t>(q.data_ptr<scalar_t>(), q.size(1) * q.size(2),
+                             k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                             block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                             out.data_ptr<scalar_t>(), q.size(1), k_cache.size(2), q.size(2),
+                             k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
+                             b, e);
     });
   });
   return out;
 }
 
-void slice::paged_decode_attention(const float* q, int64_t ldq, const float* k_cache, const float* v_cache,
-                                   const int32_t* block_tables, const int32_t* seq_lens,
-                                   float* out, int64_t num_heads, int64_t num_kv_heads,
-                                   int64_t head_dim, int64_t block_size, int64_t table_width,
-                                   float scale, int64_t begin, int64_t end) {
-  attend_seqs_any<float>(head_dim, q, ldq, k_cache, v_cache, block_tables, seq_lens, out, num_heads,
-                         num_kv_heads, head_dim, block_size, table_width, scale, begin, end);
+void slice::paged_decode_attention(const float* q, int64_t ldq, const float* k_cache,
+                                   const float* v_cache, const int32_t* block_tables,
+                                   const int32_t* seq_lens, float* out, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                   int64_t table_width, float scale, int64_t begin, int64_t end) {
+  attend_items<float>(q, ldq, k_cache, v_cache, block_tables, seq_lens, out, num_heads,
+                      num_kv_heads, head_dim, block_size, table_width, scale, begin, end);
 }
 
 }  // namespace minivllm
