@@ -13,7 +13,9 @@
 // It covers pure decode steps (one new token per sequence) of float32 and
 // bfloat16 models whose linear weights are packed (prepack.py); the Python
 // side (minivllm/model/models/llama_fused_decode.py) checks that and falls
-// back to the layers otherwise.
+// back to the layers otherwise. A float32 step of up to panel_max_rows
+// sequences, whose products are all our own kernels, goes further: the whole
+// step is one OpenMP parallel region (decode_in_one_region below).
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
