@@ -11,6 +11,10 @@
 #include <cmath>
 #include <cstring>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #define MINIVLLM_DISPATCH_FLOATS(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
@@ -50,6 +54,21 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+#ifdef __AVX512F__
+// exp_nonpositive on 16 lanes at once, the same steps written with intrinsics
+// (for the loops the compiler does not vectorize by itself).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.69314718056f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, k);  // p * 2^k
+}
+#endif
 
 inline void check_cpu(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor");

@@ -282,6 +282,7 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
     if (t == 0) barrier.set_threads(n);
 #pragma omp barrier
     const Share rows(T, t, n), cols(inter, t, n);
+    const int64_t items = T * kv_heads, item_chunk = std::max<int64_t>(1, items / (8 * n));
     for (int64_t i = 0; i < layers; ++i) {
       // Pre-norm residual blocks; the residual add is fused into the next norm.
       if (i == 0) slice::rms_norm(res, E, nullptr, in_norm[i], xp, E, eps, rows.begin, rows.end);
@@ -295,11 +296,13 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       slice::reshape_and_cache(k, qkv_size, v, qkv_size, kc[i], vc[i], slots, kv_heads, dim,
                                rows.begin, rows.end);
       barrier.wait();
-      // (sequence, KV head) items, taken one at a time: contexts differ in length.
-      for (int64_t item; (item = next_item[i].fetch_add(1, std::memory_order_relaxed)) <
-                         T * kv_heads;)
+      // (sequence, KV head) items, taken a few at a time (contexts differ in
+      // length); within a chunk each item prefetches the next one's first block.
+      for (int64_t item; (item = next_item[i].fetch_add(item_chunk, std::memory_order_relaxed)) <
+                         items;)
         slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], tables, lens, attnp, heads,
-                                      kv_heads, dim, block_size, width, scale, item, item + 1);
+                                      kv_heads, dim, block_size, width, scale, item,
+                                      std::min(item + item_chunk, items));
       barrier.wait();
       o[i].run(attnp, T, hp, next[4 * i + 1], n);
       barrier.wait();

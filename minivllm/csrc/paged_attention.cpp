@@ -67,16 +67,36 @@ inline void axpy(float p, const float* x, float* y, int64_t d) {
 // their probabilities under the new running maximum m, l the new running
 // sum; returns the factor the head's accumulator must be rescaled by.
 inline float softmax_block(float* s, int64_t n, float& m, float& l) {
+#ifdef __AVX512F__
+  // 16 scores a vector: the scalar loops' max and sum were chains of
+  // dependent instructions, a sizeable part of the kernel at short contexts.
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, s + t));
+  }
+  const float new_max = std::max(m, _mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t),
+                                                   _mm512_set1_ps(new_max)));
+    _mm512_mask_storeu_ps(s + t, k, p);
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, p);
+  }
+  const float sum = _mm512_reduce_add_ps(vsum);
+#else
   float block_max = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
   const float new_max = std::max(m, block_max);
-  const float correction = exp_nonpositive(m - new_max);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) {
     s[t] = exp_nonpositive(s[t] - new_max);
     sum += s[t];
   }
+#endif
+  const float correction = exp_nonpositive(m - new_max);
   l = l * correction + sum;
   m = new_max;
   return correction;
@@ -90,37 +110,40 @@ struct Item {
   const T *k_cache, *v_cache;  // offset to KV head j
   const int32_t* table;        // the sequence's block table
   int64_t len, block_size, token_stride;
+  const T *then_k, *then_v;  // the next item's first block (at its KV head), or nullptr
 };
 
-// The item's keys and values, block by block. `per_slot(t, k or v row)` is
-// called for each slot of a block, first for all keys (then `after_keys(n)`),
-// then for all values. Meanwhile the next block's rows of KV head j are
-// prefetched into L2, one slot per slot of this block (all at once, the
-// prefetches would stall the core waiting for free fill buffers).
+// The item's keys and values, block by block: keys(t, row) for each slot of
+// a block, then softmax(n), then values(t, row) for each slot. Meanwhile the
+// next block's rows (after the last block, the next item's first block) are
+// prefetched into L2, one slot per slot of this block: issued all at once,
+// the prefetches would stall the core waiting for free fill buffers.
 template <typename T, typename Keys, typename Softmax, typename Values>
 inline void for_each_block(const Item<T>& it, int64_t d, Keys&& keys, Softmax&& softmax,
                            Values&& values) {
   const int64_t bs = it.block_size, row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t stride_bytes = it.token_stride * static_cast<int64_t>(sizeof(T));
+  auto prefetch_row = [&](const T* rows, int64_t t) {
+    const char* p = reinterpret_cast<const char*>(rows) + t * stride_bytes;
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  };
   for (int64_t start = 0; start < it.len; start += bs) {
     const int64_t block = it.table[start / bs], n = std::min(bs, it.len - start);
-    const bool more = start + bs < it.len;
-    const int64_t next = more ? it.table[start / bs + 1] : block;
     const T* k = it.k_cache + block * bs * it.token_stride;
     const T* v = it.v_cache + block * bs * it.token_stride;
-    const char* next_k = reinterpret_cast<const char*>(it.k_cache + next * bs * it.token_stride);
-    const char* next_v = reinterpret_cast<const char*>(it.v_cache + next * bs * it.token_stride);
-    const int64_t stride_bytes = it.token_stride * static_cast<int64_t>(sizeof(T));
+    const T *next_k = it.then_k, *next_v = it.then_v;
+    if (start + bs < it.len) {
+      const int64_t next = it.table[start / bs + 1];
+      next_k = it.k_cache + next * bs * it.token_stride;
+      next_v = it.v_cache + next * bs * it.token_stride;
+    }
     for (int64_t t = 0; t < n; ++t) {
-      if (more)
-        for (int64_t off = 0; off < row_bytes; off += 64)
-          _mm_prefetch(next_k + t * stride_bytes + off, _MM_HINT_T1);
+      if (next_k != nullptr) prefetch_row(next_k, t);
       keys(t, k + t * it.token_stride);
     }
     softmax(n);
     for (int64_t t = 0; t < n; ++t) {
-      if (more)
-        for (int64_t off = 0; off < row_bytes; off += 64)
-          _mm_prefetch(next_v + t * stride_bytes + off, _MM_HINT_T1);
+      if (next_v != nullptr) prefetch_row(next_v, t);
       values(t, v + t * it.token_stride);
     }
   }
@@ -129,42 +152,75 @@ inline void for_each_block(const Item<T>& it, int64_t d, Keys&& keys, Softmax&& 
 constexpr int64_t kMaxBlockSize = 128;  // CacheConfig allows block sizes up to 128
 
 #ifdef __AVX512F__
+// r[t] = the sum of v[t]'s 16 lanes, for t = 0..15: a 16 x 16 transpose
+// folded into the additions, 30 shuffles and 15 additions for 16 sums where
+// one horizontal sum at a time takes about 8 dependent instructions each.
+inline __m512 sum_lanes_16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // within each 128-bit lane, pairs of vectors
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // lane L of b[i]: lane L's sums of v[4i .. 4i+3]
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Then across the four lanes: lane i of the result sums b[i]'s lanes.
+  auto fold = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return fold(fold(b[0], b[1]), fold(b[2], b[3]));
+}
+
 // kD a multiple of 16: up to kH query heads at once with their accumulators
 // in registers (16 vectors: half the AVX-512 register file), so the
-// probability-weighted sum of values never goes through memory.
+// probability-weighted sum of values never goes through memory. With blocks
+// of 16 slots (the default) a block's 16 dot products per head are finished
+// together by sum_lanes_16.
 template <typename T, int kD, int kH>
 void attend_in_registers(const Item<T>& it, T* out) {
   constexpr int V = kD / 16;
   const int64_t heads = it.heads;
-  __m512 acc[kH][V];
-  float m[kH], l[kH], scores[kH][kMaxBlockSize], buf[kD];
+  __m512 acc[kH][V], part[kH][16];
+  float m[kH], l[kH], buf[kD];
+  alignas(64) float scores[kH][kMaxBlockSize];
   for (int h = 0; h < kH; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.f;
     for (int i = 0; i < V; ++i) acc[h][i] = _mm512_setzero_ps();
   }
-  for_each_block(
-      it, kD,
-      [&](int64_t t, const T* krow) {
-        const float* k = as_float(krow, buf, kD);
-        for (int h = 0; h < kH; ++h)
-          if (h < heads) scores[h][t] = dot(it.q + h * kD, k, kD);
-      },
-      [&](int64_t n) {
-        for (int h = 0; h < kH; ++h)
-          if (h < heads) {
-            const __m512 c = _mm512_set1_ps(softmax_block(scores[h], n, m[h], l[h]));
-            for (int i = 0; i < V; ++i) acc[h][i] = _mm512_mul_ps(acc[h][i], c);
-          }
-      },
-      [&](int64_t t, const T* vrow) {
-        const float* v = as_float(vrow, buf, kD);
-        for (int i = 0; i < V; ++i) {
-          const __m512 x = _mm512_loadu_ps(v + 16 * i);
-          for (int h = 0; h < kH; ++h)
-            if (h < heads) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h][t]), x, acc[h][i]);
-        }
-      });
+  const bool by16 = it.block_size == 16;
+  auto keys = [&](int64_t t, const T* krow) {
+    const float* k = as_float(krow, buf, kD);
+    for (int h = 0; h < kH; ++h) {
+      if (h >= heads) break;
+      if (!by16) {
+        scores[h][t] = dot(it.q + h * kD, k, kD);
+        continue;
+      }
+      const float* q = it.q + h * kD;
+      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+      for (int i = 1; i < V; ++i)
+        s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), _mm512_loadu_ps(k + 16 * i), s);
+      part[h][t] = s;
+    }
+  };
+  auto softmax = [&](int64_t n) {
+    for (int h = 0; h < kH && h < heads; ++h) {
+      // Past the block's n slots, part holds stale vectors: those scores are never read.
+      if (by16) _mm512_store_ps(scores[h], sum_lanes_16(part[h]));
+      const __m512 c = _mm512_set1_ps(softmax_block(scores[h], n, m[h], l[h]));
+      for (int i = 0; i < V; ++i) acc[h][i] = _mm512_mul_ps(acc[h][i], c);
+    }
+  };
+  auto values = [&](int64_t t, const T* vrow) {
+    const float* v = as_float(vrow, buf, kD);
+    for (int i = 0; i < V; ++i) {
+      const __m512 x = _mm512_loadu_ps(v + 16 * i);
+      for (int h = 0; h < kH; ++h)
+        if (h < heads) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h][t]), x, acc[h][i]);
+    }
+  };
+  for_each_block(it, kD, keys, softmax, values);
   for (int h = 0; h < kH && h < heads; ++h) {
     alignas(64) float o[kD];
     for (int i = 0; i < V; ++i) _mm512_store_ps(o + 16 * i, acc[h][i]);
@@ -244,10 +300,20 @@ void attend_items(const T* q, int64_t ldq, const T* k_cache, const T* v_cache,
     const int64_t b = i / num_kv_heads, j = i % num_kv_heads;
     const T* qb = q + b * ldq + j * group * d;
     for (int64_t x = 0; x < group * d; ++x) qs[x] = to_float(qb[x]) * scale;
+    // Where the next item of this range starts reading, to prefetch it.
+    const T *then_k = nullptr, *then_v = nullptr;
+    if (i + 1 < end) {
+      const int64_t nb = (i + 1) / num_kv_heads, nj = (i + 1) % num_kv_heads;
+      const int64_t first = block_tables[nb * table_width] * block_size * token_stride + nj * d;
+      then_k = k_cache + first;
+      then_v = v_cache + first;
+    }
     for (int64_t h0 = 0; h0 < group; h0 += chunk) {
+      const bool last = h0 + chunk >= group;  // earlier chunks: the same item follows
       const Item<T> it{qs + h0 * d, std::min(chunk, group - h0), k_cache + j * d,
                        v_cache + j * d, block_tables + b * table_width, seq_lens[b],
-                       block_size, token_stride};
+                       block_size, token_stride, last ? then_k : nullptr,
+                       last ? then_v : nullptr};
       attend_chunk(it, d, out + (b * num_heads + j * group + h0) * d);
     }
   }
