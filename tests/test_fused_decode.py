@@ -86,6 +86,26 @@ def test_fused_decode_hidden_states_match_bitwise(tiny_model):
     assert all(torch.equal(a, k) for a, k in zip(after_fused, k_caches))
 
 
+@pytest.mark.parametrize("batch", [1, 5])  # matvec; the panel GEMM
+@pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than this machine's cores
+def test_fused_decode_gives_the_same_bits_with_any_thread_count(tiny_model, batch, threads):
+    """The float32 step is one parallel region whose threads share out each kernel's
+    work and meet at spinning barriers. Every output is still computed whole by one
+    thread, so the split, and how many threads there are, must change no bit."""
+    llm = LLM(tiny_model("llama"), enable_prefix_caching=False)
+    fused = _inner(llm).fused_decode
+    expected = _generate(llm, PROMPTS[:batch])
+    steps = fused.steps
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _generate(llm, PROMPTS[:batch])
+    finally:
+        torch.set_num_threads(default)
+    assert fused.steps > steps
+    assert got == expected
+
+
 def test_fused_decode_stands_aside(tiny_model, monkeypatch):
     qwen3 = LLM(tiny_model("qwen3"))
     assert "q/k norm" in qwen3.llm_engine.engine_core.executor.runner.fused_decode_problem
