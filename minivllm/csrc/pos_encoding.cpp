@@ -41,7 +41,6 @@ void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t 
   TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == dim && t.stride(2) == 1,
               "rotary_embedding: ", name, " must be [", tokens, ", heads, ", dim,
               "] with contiguous head vectors, got sizes ", t.sizes(), " strides ", t.strides());
-
 }
 
 }  // namespace
@@ -55,7 +54,7 @@ void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k,
                   sin_cache.sizes() == cos_cache.sizes() && sin_cache.is_contiguous() &&
                   sin_cache.scalar_type() == at::kFloat,
               "rotary_embedding: cos_cache and sin_cache must be contiguous float32 [P, D]");
-  const int64_t tokens = positions.size(0), dim = cos_cache.size(1), half = dim / 2;
+  const int64_t tokens = positions.size(0), dim = cos_cache.size(1);
   TORCH_CHECK(dim % 2 == 0, "rotary_embedding: head_dim must be even, got ", dim);
   check_heads(q, "q", tokens, dim);
   check_heads(k, "k", tokens, dim);
