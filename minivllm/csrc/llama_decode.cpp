@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <thread>
+#include <vector>
 
 #include "cpu_types.h"
 #include "ops.h"
@@ -125,6 +126,44 @@ struct Share {
   Share(int64_t items, int t, int n) : begin(items * t / n), end(items * (t + 1) / n) {}
 };
 
+// How the threads split each parallel piece of the step ("job": a product,
+// an attention) into work items. Thread t starts on its own contiguous share
+// and takes it front to back in chunks; when it is done, it takes chunks of
+// what is left of the other threads' shares. Contiguous shares matter for
+// the products: each thread's weight reads form one long stream that the
+// prefetchers follow across chunks (a counter shared by all threads hands
+// out chunks in alternation, and each chunk starts a new stream: a single
+// stream ran about 4 % slower that way). Taking the others' leftovers keeps
+// the threads level when one of them is slowed down: the main thread also
+// serves Python, and another process may hold a core.
+class SharedWork {
+ public:
+  SharedWork(int64_t jobs, int threads) : cursors_(jobs * threads), threads_(threads) {}
+
+  int threads() const { return threads_; }
+
+  // Calls fn(begin, end) on chunks of [0, items) until the job is done.
+  template <typename Fn>
+  void run(int64_t job, int64_t items, int64_t chunk, int t, Fn&& fn) {
+    Cursor* cursors = cursors_.data() + job * threads_;
+    for (int k = 0; k < threads_; ++k) {
+      const int owner = (t + k) % threads_;
+      const Share share(items, owner, threads_);
+      std::atomic<int64_t>& taken = cursors[owner].taken;
+      for (int64_t b; (b = share.begin + taken.fetch_add(chunk, std::memory_order_relaxed)) <
+                      share.end;)
+        fn(b, std::min(b + chunk, share.end));
+    }
+  }
+
+ private:
+  struct alignas(64) Cursor {  // one cache line each: the owners never contend
+    std::atomic<int64_t> taken{0};
+  };
+  std::vector<Cursor> cursors_;
+  int threads_;
+};
+
 // One float32 linear layer as its raw pointers (weights list: weight,
 // panels, bias, -).
 struct Linear {
@@ -154,19 +193,16 @@ struct Linear {
     bias = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
   }
 
-  // This thread's part of y [rows, out] = x [rows, in] W^T + b. The threads
-  // take chunks of output columns from `next` until none are left: a static
-  // split would leave a thread waiting whenever the other is slowed down
-  // (the main thread also serves Python; another process may hold a core).
-  void run(const float* x, int64_t rows, float* y, std::atomic<int64_t>& next, int n) const {
+  // This thread's part of y [rows, out] = x [rows, in] W^T + b: output
+  // columns (groups of 4 for one row, panels of 32 for more), split by `work`.
+  void run(const float* x, int64_t rows, float* y, SharedWork& work, int64_t job, int t) const {
     const int64_t width = rows == 1 ? slice::matvec_group_size : slice::panel_width;
     const int64_t items = (out + width - 1) / width;
-    const int64_t chunk = std::max<int64_t>(1, items / (8 * n));
-    for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < items;) {
-      const int64_t e = std::min(b + chunk, items);
+    const int64_t chunk = std::max<int64_t>(1, items / (8 * work.threads()));
+    work.run(job, items, chunk, t, [&](int64_t b, int64_t e) {
       if (rows == 1) slice::matvec(x, weight, in, out, bias, y, b, e);
       else slice::packed_linear(x, rows, in, panels, out, bias, y, b, e);
-    }
+    });
   }
 };
 
@@ -272,11 +308,10 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   float* outp = f32(out);
   const int64_t block_size = cache_shape[1], width = block_tables.size(1);
   SpinBarrier barrier;
-  // Work counters: one per product of the step (4 a layer), one per attention.
-  std::vector<std::atomic<int64_t>> next(4 * layers), next_item(layers);
-  for (auto& c : next) c.store(0, std::memory_order_relaxed);
-  for (auto& c : next_item) c.store(0, std::memory_order_relaxed);
-#pragma omp parallel num_threads(at::get_num_threads())
+  // 5 jobs a layer: 4 products and the attention. (Should OpenMP start fewer
+  // threads than asked for, the shares of the missing ones are taken as leftovers.)
+  SharedWork work(5 * layers, at::get_num_threads());
+#pragma omp parallel num_threads(work.threads())
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
     if (t == 0) barrier.set_threads(n);
@@ -288,7 +323,7 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       if (i == 0) slice::rms_norm(res, E, nullptr, in_norm[i], xp, E, eps, rows.begin, rows.end);
       else slice::rms_norm(hp, E, res, in_norm[i], xp, E, eps, rows.begin, rows.end);
       barrier.wait();
-      qkv[i].run(xp, T, qkvp, next[4 * i + 0], n);
+      qkv[i].run(xp, T, qkvp, work, 5 * i + 0, t);
       barrier.wait();
       float *q = qkvp, *k = qkvp + q_size, *v = k + kv_size;
       slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, cos, sin, dim,
@@ -296,24 +331,23 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       slice::reshape_and_cache(k, qkv_size, v, qkv_size, kc[i], vc[i], slots, kv_heads, dim,
                                rows.begin, rows.end);
       barrier.wait();
-      // (sequence, KV head) items, taken a few at a time (contexts differ in
-      // length); within a chunk each item prefetches the next one's first block.
-      for (int64_t item; (item = next_item[i].fetch_add(item_chunk, std::memory_order_relaxed)) <
-                         items;)
+      // (sequence, KV head) items, a few at a time (contexts differ in length);
+      // within a chunk each item prefetches the next one's first block.
+      work.run(5 * i + 4, items, item_chunk, t, [&](int64_t b, int64_t e) {
         slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], tables, lens, attnp, heads,
-                                      kv_heads, dim, block_size, width, scale, item,
-                                      std::min(item + item_chunk, items));
+                                      kv_heads, dim, block_size, width, scale, b, e);
+      });
       barrier.wait();
-      o[i].run(attnp, T, hp, next[4 * i + 1], n);
+      o[i].run(attnp, T, hp, work, 5 * i + 1, t);
       barrier.wait();
       slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
       barrier.wait();
-      gate_up[i].run(xp, T, gup, next[4 * i + 2], n);
+      gate_up[i].run(xp, T, gup, work, 5 * i + 2, t);
       barrier.wait();
       // Element-wise: split by columns, so a single row uses every thread.
       slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
       barrier.wait();
-      down[i].run(actp, T, hp, next[4 * i + 3], n);
+      down[i].run(actp, T, hp, work, 5 * i + 3, t);
       barrier.wait();
     }
     slice::rms_norm(hp, E, res, final_w, outp, E, eps, rows.begin, rows.end);
