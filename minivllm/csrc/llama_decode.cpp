@@ -157,7 +157,7 @@ class SharedWork {
   }
 
  private:
-  struct alignas(64) Cursor {  // one cache line each: the owners never contend
+  struct alignas(64) Cursor {  // a cache line each: shared only once others steal
     std::atomic<int64_t> taken{0};
   };
   std::vector<Cursor> cursors_;
