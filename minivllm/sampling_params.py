@@ -46,6 +46,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    # vLLM's field, accepted for compatibility: it only ever changed the output
+    # of slow (Python) tokenizers, and minivllm detokenizes with fast ones.
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True

@@ -49,15 +49,13 @@ _CLEANUP_SPAN = 4
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError(f"tokenizer={type(tokenizer).__name__} is invalid: "
                             "IncrementalDetokenizer needs a Hugging Face fast tokenizer")
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -97,8 +95,7 @@ class IncrementalDetokenizer:
         # of the detokenizing time (two calls per sequence per step, 128
         # sequences a step in the benchmarks). No space clean-up here: the
         # window's edges are arbitrary, so it is done on the stream instead
-        # (_clean), where it can see across them. (spaces_between_special_tokens
-        # only ever changed slow tokenizers' output, which this class refuses.)
+        # (_clean), where it can see across them.
         return self._backend.decode(self.token_ids[start:end],
                                     skip_special_tokens=self.skip_special_tokens)
 

@@ -101,8 +101,7 @@ class OutputProcessor:
         for i in range(params.n):
             cid = child_request_id(request_id, i, params.n)
             p = child_params(params, i)
-            detok = (IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens,
-                                            p.spaces_between_special_tokens)
+            detok = (IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
                      if p.detokenize and self.tokenizer is not None else None)
             children.append(ChildState(cid, i, p, detok,
                                        StopStringChecker(p.stop, p.include_stop_str_in_output)
