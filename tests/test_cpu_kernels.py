@@ -145,16 +145,17 @@ def attention_reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(out)
 
 
-# Head sizes 16, 32, 64 and 128 take the register kernel, at most 256 / D query heads
-# at once (9 / 1 at 32, 16 / 2 at 64 and 6 / 2 at 128 go in chunks); 24 and 80 the
-# general one. Block size 1: a block per token; 16: the default.
+# Head sizes 32, 64 and 128 take the register kernel, at most 256 / D query heads
+# at once (9 / 1 at 32, 16 / 2 at 64 and 6 / 2 at 128 go in chunks); 16, 24 and 80
+# the general one. Block size 1: a block per token; 16: the default.
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [
     (16, 4, 2), (32, 9, 1), (64, 9, 3), (64, 16, 2), (128, 6, 2), (128, 4, 4), (24, 6, 2),
     (80, 3, 1)])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_matches_reference(head_dim, heads, kv_heads, block_size, dtype):
-    lens = torch.tensor([1, 17, 40, 5], dtype=torch.int32)
+def test_paged_decode_attention_matches_reference(head_dim, heads, kv_heads, block_size, dtype,
+                                                  lens=(1, 17, 40, 5)):
+    lens = torch.tensor(lens, dtype=torch.int32)
     width = (int(lens.max()) + block_size - 1) // block_size
     blocks = torch.randperm(4 * width + 3, generator=torch.Generator().manual_seed(1))
     tables = blocks[: 4 * width].view(4, width).to(torch.int32)  # scattered, as after a while
@@ -164,6 +165,15 @@ def test_paged_decode_attention_matches_reference(head_dim, heads, kv_heads, blo
     out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.3)
     expected = attention_reference(q, k_cache, v_cache, tables, lens, 0.3)
     close(out, expected.to(dtype), dtype)
+
+
+# The kernels take 256 tokens at a time (one softmax step each): contexts of one
+# span and a token, of several spans, and block sizes that do not divide 256.
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (24, 6, 2)])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_paged_decode_attention_over_several_spans(head_dim, heads, kv_heads, block_size):
+    test_paged_decode_attention_matches_reference(head_dim, heads, kv_heads, block_size,
+                                                  torch.float32, lens=(257, 600, 256, 3))
 
 
 def test_paged_decode_attention_checks_the_block_tables():

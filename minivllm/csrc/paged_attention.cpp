@@ -7,9 +7,10 @@
 //
 // One work item per (sequence, KV head): the G = H / Hkv query heads that
 // share a KV head are handled together, so each key and value row is loaded
-// once for all of them (grouped-query attention). Keys are visited block by block
-// with the online softmax: a running maximum m, a running sum l and an
-// accumulator rescaled whenever m grows, so one pass over the context suffices.
+// once for all of them (grouped-query attention). Keys are visited a span of up
+// to 256 tokens at a time with the online softmax: a running maximum m, a
+// running sum l and an accumulator rescaled whenever m grows, so one pass over
+// the context suffices.
 // Everything accumulates in float32, whatever the cache dtype.
 
 #include <ATen/Parallel.h>
@@ -105,51 +106,77 @@ inline float softmax_block(float* s, int64_t n, float& m, float& l) {
 // Where one work item reads: KV head j of sequence b, and its query heads.
 template <typename T>
 struct Item {
-  const float* q;  // its G query heads, scaled, [G][d]
-  int64_t heads;   // G
+  const float* q;              // its query heads, scaled, [heads][d]
+  int64_t heads, d;
   const T *k_cache, *v_cache;  // offset to KV head j
   const int32_t* table;        // the sequence's block table
   int64_t len, block_size, token_stride;
-  const T *then_k, *then_v;  // the next item's first block (at its KV head), or nullptr
-};
+  const T* then_k;  // the next item's first block (at its KV head), or nullptr
 
-// The item's keys and values, block by block: keys(t, row) for each slot of
-// a block, then softmax(n), then values(t, row) for each slot. Meanwhile the
-// next block's rows (after the last block, the next item's first block) are
-// prefetched into L2, one slot per slot of this block: issued all at once,
-// the prefetches would stall the core waiting for free fill buffers.
-template <typename T, typename Keys, typename Softmax, typename Values>
-inline void for_each_block(const Item<T>& it, int64_t d, Keys&& keys, Softmax&& softmax,
-                           Values&& values) {
-  const int64_t bs = it.block_size, row_bytes = d * static_cast<int64_t>(sizeof(T));
-  const int64_t stride_bytes = it.token_stride * static_cast<int64_t>(sizeof(T));
-  auto prefetch_row = [&](const T* rows, int64_t t) {
-    const char* p = reinterpret_cast<const char*>(rows) + t * stride_bytes;
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-  };
-  for (int64_t start = 0; start < it.len; start += bs) {
-    const int64_t block = it.table[start / bs], n = std::min(bs, it.len - start);
-    const T* k = it.k_cache + block * bs * it.token_stride;
-    const T* v = it.v_cache + block * bs * it.token_stride;
-    const T *next_k = it.then_k, *next_v = it.then_v;
-    if (start + bs < it.len) {
-      const int64_t next = it.table[start / bs + 1];
-      next_k = it.k_cache + next * bs * it.token_stride;
-      next_v = it.v_cache + next * bs * it.token_stride;
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      if (next_k != nullptr) prefetch_row(next_k, t);
-      keys(t, k + t * it.token_stride);
-    }
-    softmax(n);
-    for (int64_t t = 0; t < n; ++t) {
-      if (next_v != nullptr) prefetch_row(next_v, t);
-      values(t, v + t * it.token_stride);
+  // off[i] = where token p + i's row starts in k_cache and v_cache, i < n.
+  void rows(int64_t p, int64_t n, int64_t* off) const {
+    for (int64_t i = 0; i < n;) {
+      const int64_t slot = p % block_size, m = std::min(block_size - slot, n - i);
+      const int64_t first = (table[p / block_size] * block_size + slot) * token_stride;
+      for (int64_t r = 0; r < m; ++r) off[i + r] = first + r * token_stride;
+      i += m;
+      p += m;
     }
   }
+};
+
+// The kernels score a span of up to kSpan tokens, then take one online-
+// softmax step over all of them, then add up their values. Taking that step
+// once a 16-slot block instead (as an earlier version did) cost more than
+// the dot products: its reductions are chains of dependent instructions.
+constexpr int64_t kSpan = 256;
+// Rows read ahead: the kernels prefetch the row kAhead rows further along
+// their reading order (below). A block's rows are apart in memory and blocks
+// are scattered, so the hardware prefetchers alone leave the loads waiting.
+constexpr int64_t kAhead = 32;
+
+// Into L2. (Written as asm: GCC dropped _mm_prefetch from these loops.)
+template <typename T>
+inline void prefetch_row(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64)
+    asm volatile("prefetcht1 %0" : : "m"(p[b]));
 }
 
-constexpr int64_t kMaxBlockSize = 128;  // CacheConfig allows block sizes up to 128
+// One span of an item: off[0, n) the rows of its tokens, off[n, n + ahead)
+// those of the next span's first tokens. The kernels read this span's keys,
+// then its values, then the next span's keys, and so on, then the next
+// item's keys: before_key and before_value prefetch kAhead rows along.
+template <typename T>
+struct Span {
+  const Item<T>& it;
+  const int64_t* off;
+  int64_t n, ahead;
+
+  void before_key(int64_t t) const {
+    const int64_t r = t + kAhead;
+    if (r < n) prefetch_row(it.k_cache + off[r], it.d);
+    else if (r - n < n) prefetch_row(it.v_cache + off[r - n], it.d);
+  }
+  void before_value(int64_t t) const {
+    const int64_t r = t + kAhead - n;  // rows past this span's values
+    if (r < 0) prefetch_row(it.v_cache + off[t + kAhead], it.d);
+    else if (r < ahead) prefetch_row(it.k_cache + off[n + r], it.d);
+    else if (it.then_k != nullptr && r - ahead < it.block_size)
+      prefetch_row(it.then_k + (r - ahead) * it.token_stride, it.d);
+  }
+};
+
+// Calls fn(span) for the item's tokens, kSpan at a time.
+template <typename T, typename Fn>
+inline void for_each_span(const Item<T>& it, Fn&& fn) {
+  int64_t off[kSpan + kAhead];
+  for (int64_t p = 0; p < it.len; p += kSpan) {
+    const int64_t n = std::min(kSpan, it.len - p), ahead = std::min(kAhead, it.len - p - n);
+    it.rows(p, n + ahead, off);
+    fn(Span<T>{it, off, n, ahead});
+  }
+}
 
 #ifdef __AVX512F__
 // r[t] = the sum of v[t]'s 16 lanes, for t = 0..15: a 16 x 16 transpose
@@ -171,112 +198,128 @@ inline __m512 sum_lanes_16(const __m512* v) {
   return fold(fold(b[0], b[1]), fold(b[2], b[3]));
 }
 
-// kD a multiple of 16: up to kH query heads at once with their accumulators
-// in registers (16 vectors: half the AVX-512 register file), so the
-// probability-weighted sum of values never goes through memory. With blocks
-// of 16 slots (the default) a block's 16 dot products per head are finished
-// together by sum_lanes_16.
-template <typename T, int kD, int kH>
+// kD a multiple of 16 and exactly kG query heads, both known at compile
+// time, so the kG * kD / 16 accumulators (at most 16 vectors: half the
+// AVX-512 register file) stay in registers for the whole item. Scores are
+// finished 16 tokens at a time by sum_lanes_16.
+template <typename T, int kD, int kG>
 void attend_in_registers(const Item<T>& it, T* out) {
   constexpr int V = kD / 16;
-  const int64_t heads = it.heads;
-  __m512 acc[kH][V], part[kH][16];
-  float m[kH], l[kH], buf[kD];
-  alignas(64) float scores[kH][kMaxBlockSize];
-  for (int h = 0; h < kH; ++h) {
+  __m512 acc[kG][V];
+  float m[kG], l[kG];
+  alignas(64) float scores[kG][kSpan], buf[kD];
+  for (int h = 0; h < kG; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.f;
     for (int i = 0; i < V; ++i) acc[h][i] = _mm512_setzero_ps();
   }
-  const bool by16 = it.block_size == 16;
-  auto keys = [&](int64_t t, const T* krow) {
-    const float* k = as_float(krow, buf, kD);
-    for (int h = 0; h < kH; ++h) {
-      if (h >= heads) break;
-      if (!by16) {
-        scores[h][t] = dot(it.q + h * kD, k, kD);
-        continue;
+  for_each_span(it, [&](const Span<T>& span) {
+    const int64_t n = span.n;
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      __m512 part[kG][16];
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t0 + t >= n) {  // past the span: scores that are never read
+          for (int h = 0; h < kG; ++h) part[h][t] = _mm512_setzero_ps();
+          continue;
+        }
+        span.before_key(t0 + t);
+        const float* k = as_float(it.k_cache + span.off[t0 + t], buf, kD);
+        for (int h = 0; h < kG; ++h) {
+          const float* q = it.q + h * kD;
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+          for (int i = 1; i < V; ++i)
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), _mm512_loadu_ps(k + 16 * i), s);
+          part[h][t] = s;
+        }
       }
-      const float* q = it.q + h * kD;
-      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-      for (int i = 1; i < V; ++i)
-        s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), _mm512_loadu_ps(k + 16 * i), s);
-      part[h][t] = s;
+      for (int h = 0; h < kG; ++h) _mm512_store_ps(scores[h] + t0, sum_lanes_16(part[h]));
     }
-  };
-  auto softmax = [&](int64_t n) {
-    for (int h = 0; h < kH && h < heads; ++h) {
-      // Past the block's n slots, part holds stale vectors: those scores are never read.
-      if (by16) _mm512_store_ps(scores[h], sum_lanes_16(part[h]));
+    for (int h = 0; h < kG; ++h) {
       const __m512 c = _mm512_set1_ps(softmax_block(scores[h], n, m[h], l[h]));
       for (int i = 0; i < V; ++i) acc[h][i] = _mm512_mul_ps(acc[h][i], c);
     }
-  };
-  auto values = [&](int64_t t, const T* vrow) {
-    const float* v = as_float(vrow, buf, kD);
-    for (int i = 0; i < V; ++i) {
-      const __m512 x = _mm512_loadu_ps(v + 16 * i);
-      for (int h = 0; h < kH; ++h)
-        if (h < heads) acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h][t]), x, acc[h][i]);
+    for (int64_t t = 0; t < n; ++t) {
+      span.before_value(t);
+      const float* v = as_float(it.v_cache + span.off[t], buf, kD);
+      for (int i = 0; i < V; ++i) {
+        const __m512 x = _mm512_loadu_ps(v + 16 * i);
+        for (int h = 0; h < kG; ++h)
+          acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h][t]), x, acc[h][i]);
+      }
     }
-  };
-  for_each_block(it, kD, keys, softmax, values);
-  for (int h = 0; h < kH && h < heads; ++h) {
+  });
+  for (int h = 0; h < kG; ++h) {
     alignas(64) float o[kD];
     for (int i = 0; i < V; ++i) _mm512_store_ps(o + 16 * i, acc[h][i]);
     const float inv = 1.f / l[h];
     for (int i = 0; i < kD; ++i) out[h * kD + i] = from_float<T>(o[i] * inv);
   }
 }
+
+// attend_in_registers for it.heads (1 to kG) heads.
+template <typename T, int kD, int kG>
+void attend_heads(const Item<T>& it, T* out) {
+  if constexpr (kG > 1)
+    if (it.heads < kG) return attend_heads<T, kD, kG - 1>(it, out);
+  attend_in_registers<T, kD, kG>(it, out);
+}
 #endif
 
-// Any head size: the accumulators in memory.
+// Any head size and head count: the accumulators in memory.
 template <typename T>
-void attend_in_memory(const Item<T>& it, int64_t d, T* out) {
-  const int64_t heads = it.heads;
-  std::vector<float> acc(heads * d, 0.f), buf(d), scores(heads * it.block_size);
+void attend_in_memory(const Item<T>& it, T* out) {
+  const int64_t heads = it.heads, d = it.d;
+  std::vector<float> acc(heads * d, 0.f), buf(d), scores(heads * kSpan);
   std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.f);
-  for_each_block(
-      it, d,
-      [&](int64_t t, const T* krow) {
-        const float* k = as_float(krow, buf.data(), d);
-        for (int64_t h = 0; h < heads; ++h)
-          scores[h * it.block_size + t] = dot(it.q + h * d, k, d);
-      },
-      [&](int64_t n) {
-        for (int64_t h = 0; h < heads; ++h) {
-          const float c = softmax_block(scores.data() + h * it.block_size, n, m[h], l[h]);
-          for (int64_t i = 0; i < d; ++i) acc[h * d + i] *= c;
-        }
-      },
-      [&](int64_t t, const T* vrow) {
-        const float* v = as_float(vrow, buf.data(), d);
-        for (int64_t h = 0; h < heads; ++h)
-          axpy(scores[h * it.block_size + t], v, acc.data() + h * d, d);
-      });
+  for_each_span(it, [&](const Span<T>& span) {
+    for (int64_t t = 0; t < span.n; ++t) {
+      span.before_key(t);
+      const float* k = as_float(it.k_cache + span.off[t], buf.data(), d);
+      for (int64_t h = 0; h < heads; ++h) scores[h * kSpan + t] = dot(it.q + h * d, k, d);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const float c = softmax_block(scores.data() + h * kSpan, span.n, m[h], l[h]);
+      for (int64_t i = 0; i < d; ++i) acc[h * d + i] *= c;
+    }
+    for (int64_t t = 0; t < span.n; ++t) {
+      span.before_value(t);
+      const float* v = as_float(it.v_cache + span.off[t], buf.data(), d);
+      for (int64_t h = 0; h < heads; ++h) axpy(scores[h * kSpan + t], v, acc.data() + h * d, d);
+    }
+  });
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.f / l[h];
     for (int64_t i = 0; i < d; ++i) out[h * d + i] = from_float<T>(acc[h * d + i] * inv);
   }
 }
 
-// A chunk of an item's query heads (at most the register kernel's kH).
+// The register kernel covers the 16- and 32-bit caches and the common head
+// sizes; double caches (tests only) and other sizes take the memory kernel.
 template <typename T>
-void attend_chunk(const Item<T>& it, int64_t d, T* out) {
+constexpr bool kRegisterKernel = !std::is_same_v<T, double>;
+
+// Query heads the kernels take at once for head size d: as many as the
+// register kernel's accumulators fit in 16 vectors, else all.
+template <typename T>
+int64_t heads_per_chunk(int64_t d) {
 #ifdef __AVX512F__
-  switch (d) {
-    case 16: return attend_in_registers<T, 16, 16>(it, out);
-    case 32: return attend_in_registers<T, 32, 8>(it, out);
-    case 64: return attend_in_registers<T, 64, 4>(it, out);
-    case 128: return attend_in_registers<T, 128, 2>(it, out);
-  }
+  if (kRegisterKernel<T> && (d == 32 || d == 64 || d == 128)) return 256 / d;
 #endif
-  attend_in_memory(it, d, out);
+  return std::numeric_limits<int64_t>::max();
 }
 
-// Query heads the register kernel takes at once for head size d.
-inline int64_t heads_per_chunk(int64_t d) {
-  return d == 16 || d == 32 || d == 64 || d == 128 ? 256 / d : std::numeric_limits<int64_t>::max();
+template <typename T>
+void attend_chunk(const Item<T>& it, T* out) {
+#ifdef __AVX512F__
+  if constexpr (kRegisterKernel<T>) {
+    switch (it.d) {
+      case 32: return attend_heads<T, 32, 8>(it, out);
+      case 64: return attend_heads<T, 64, 4>(it, out);
+      case 128: return attend_heads<T, 128, 2>(it, out);
+    }
+  }
+#endif
+  attend_in_memory(it, out);
 }
 
 // Work items [begin, end): item i is KV head i % Hkv of sequence i / Hkv and
@@ -290,7 +333,7 @@ void attend_items(const T* q, int64_t ldq, const T* k_cache, const T* v_cache,
                   int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t block_size,
                   int64_t table_width, float scale, int64_t begin, int64_t end) {
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * d;
-  const int64_t chunk = std::min(group, heads_per_chunk(d));
+  const int64_t chunk = std::min(group, heads_per_chunk<T>(d));
   // The scaled queries; on the stack for common sizes (the fused decode loop
   // calls this per item, 30 layers x sequences x KV heads a step).
   float stack[1024];
@@ -301,23 +344,22 @@ void attend_items(const T* q, int64_t ldq, const T* k_cache, const T* v_cache,
     const T* qb = q + b * ldq + j * group * d;
     for (int64_t x = 0; x < group * d; ++x) qs[x] = to_float(qb[x]) * scale;
     // Where the next item of this range starts reading, to prefetch it.
-    const T *then_k = nullptr, *then_v = nullptr;
+    const T* then_k = nullptr;
     if (i + 1 < end) {
       const int64_t nb = (i + 1) / num_kv_heads, nj = (i + 1) % num_kv_heads;
-      const int64_t first = block_tables[nb * table_width] * block_size * token_stride + nj * d;
-      then_k = k_cache + first;
-      then_v = v_cache + first;
+      then_k = k_cache + block_tables[nb * table_width] * block_size * token_stride + nj * d;
     }
     for (int64_t h0 = 0; h0 < group; h0 += chunk) {
       const bool last = h0 + chunk >= group;  // earlier chunks: the same item follows
-      const Item<T> it{qs + h0 * d, std::min(chunk, group - h0), k_cache + j * d,
+      const Item<T> it{qs + h0 * d, std::min(chunk, group - h0), d, k_cache + j * d,
                        v_cache + j * d, block_tables + b * table_width, seq_lens[b],
-                       block_size, token_stride, last ? then_k : nullptr,
-                       last ? then_v : nullptr};
-      attend_chunk(it, d, out + (b * num_heads + j * group + h0) * d);
+                       block_size, token_stride, last ? then_k : nullptr};
+      attend_chunk(it, out + (b * num_heads + j * group + h0) * d);
     }
   }
 }
+
+constexpr int64_t kMaxBlockSize = 128;  // CacheConfig allows block sizes up to 128
 
 }  // namespace
 
