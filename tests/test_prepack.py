@@ -38,6 +38,16 @@ def test_packed_linear_matches_f_linear(rows, bias, dtype, out_features):
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("rows", [47, 48, 49, 64])
+def test_a_lower_panel_limit_hands_the_larger_batches_to_mkl(rows):
+    # The LM head's limit (48): both sides of it give F.linear's result.
+    gen = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(100, 80, generator=gen), torch.randn(rows, 80, generator=gen)
+    packed = pack_weight(w, panel_max_rows=48)
+    assert packed.panel_max_rows == 48
+    torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_float32_decode_rows_take_the_panel_kernel():
     from minivllm import _custom_ops as ops
 
@@ -77,6 +87,8 @@ def test_packed_model_matches_unpacked(tiny_model, family, dtype):
 
     plain = logits()
     assert prepack_model(model) > 0
+    if cfg.dtype == torch.float32:  # the LM head keeps its own panel limit
+        assert model.lm_head.packed_weight.panel_max_rows == type(model.lm_head).panel_max_rows
     packed = logits()
     tol = TOLERANCE[cfg.dtype] * 10  # rounding differences compound through the layers
     torch.testing.assert_close(packed, plain, rtol=tol, atol=tol)

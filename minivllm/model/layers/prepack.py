@@ -71,9 +71,16 @@ PANEL_MAX_ROWS = 256
 ENV_SWITCH = "MINIVLLM_CPU_PREPACK"  # "0" turns prepacking off (for A/B benchmarks)
 
 
-# The batch-size hint given to the packing: a decode-sized one. A packed weight
-# serves any number of rows; the hint only steers the kernel's blocking.
+# The batch-size hint given to MKL's packing. A packed weight serves any
+# number of rows, but the hint picks the layout, and a product far from it
+# runs slower. With the panel kernel built, MKL serves only the larger
+# batches (prefill chunks, and the LM head's bigger steps): there a hint of 512
+# ran 3-15 % faster than 32 at 512 and 2048 rows, and 20-50 % faster on the
+# LM head's 64-256 rows, while 2048 was up to 40 % slower below 2048 rows
+# (2-core CPU, alternating in one process). Without it MKL also serves the
+# decode steps, hence the decode-sized hint.
 PACK_HINT_ROWS = 32
+PACK_HINT_ROWS_LARGE = 512
 
 
 def prepack_supported(weight: torch.Tensor) -> bool:
@@ -98,19 +105,23 @@ class PackedWeight:
 
     gemm: torch.Tensor  # MKL (float32) or oneDNN (bfloat16) layout, opaque
     panels: Optional[torch.Tensor] = None  # float32 [out / 32, in, 32] for csrc/gemm.cpp
+    panel_max_rows: int = PANEL_MAX_ROWS  # more rows than this go to MKL
 
 
 def _panels_available() -> bool:
     return ops.cpu_kernels_problem() is None and ops.packed_linear_available()
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """The GEMM libraries' packed copies of a [out, in] weight."""
+def pack_weight(weight: torch.Tensor, panel_max_rows: int = PANEL_MAX_ROWS) -> PackedWeight:
+    """The GEMM libraries' packed copies of a [out, in] weight; float32 batches of
+    up to ``panel_max_rows`` rows will take the panel kernel."""
     w = weight.detach().contiguous()
     if w.dtype == torch.bfloat16:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS))
     panels = ops.pack_linear_weight(w) if _panels_available() else None
-    return PackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_HINT_ROWS), panels)
+    hint = PACK_HINT_ROWS if panels is None else PACK_HINT_ROWS_LARGE
+    return PackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(w, hint), panels,
+                        panel_max_rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -126,7 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         if packed.panels is not None and rows == 1:
             return ops.matvec(x, weight, bias)
         return F.linear(x, weight, bias)
-    if packed.panels is not None and rows <= PANEL_MAX_ROWS:
+    if packed.panels is not None and rows <= packed.panel_max_rows:
         return ops.packed_linear(x, packed.panels, weight.shape[0], bias)
     # The last argument tells the op the rows match the packing: use it.
     return torch.ops.mkl._mkl_linear(x.contiguous(), packed.gemm, weight, bias, rows)
@@ -136,13 +147,14 @@ def prepack_model(model: nn.Module) -> int:
     """Pack every weight of a module that supports it; returns how many were packed.
 
     A module opts in by having a ``packed_weight`` attribute (the linear
-    layers and the LM head do).
+    layers and the LM head do), and may set its own ``panel_max_rows``.
     """
     count = 0
     for module in model.modules():
         if hasattr(module, "packed_weight"):
             supported = prepack_supported(module.weight)
-            module.packed_weight = pack_weight(module.weight) if supported else None
+            rows = getattr(module, "panel_max_rows", PANEL_MAX_ROWS)
+            module.packed_weight = pack_weight(module.weight, rows) if supported else None
             count += supported
     return count
 
