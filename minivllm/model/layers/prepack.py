@@ -75,9 +75,10 @@ ENV_SWITCH = "MINIVLLM_CPU_PREPACK"  # "0" turns prepacking off (for A/B benchma
 # number of rows, but the hint picks the layout, and a product far from it
 # runs slower. With the panel kernel built, MKL serves only the larger
 # batches (prefill chunks, and the LM head's bigger steps): there a hint of 512
-# ran 3-15 % faster than 32 at 512 and 2048 rows, and 20-50 % faster on the
-# LM head's 64-256 rows, while 2048 was up to 40 % slower below 2048 rows
-# (2-core CPU, alternating in one process). Without it MKL also serves the
+# ran 1-29 % faster than 32 on the layers' products at 512 and 2048 rows
+# (most on the largest) and 20-50 % faster on the LM head's 64-256 rows,
+# while a hint of 2048 was up to 40 % slower below 2048 rows (2-core CPU,
+# alternating in one process). Without it MKL also serves the
 # decode steps, hence the decode-sized hint.
 PACK_HINT_ROWS = 32
 PACK_HINT_ROWS_LARGE = 512
