@@ -25,13 +25,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m minivllm._custom_ops
 	touch $(STAMP)
 
-# Headless Chromium for the demo-page test and static figure export (root only).
+# Headless Chromium for the demo-page test and static figure export, and a
+# CJK font so the Chinese text in exported figures is not drawn as boxes (root only).
+SYSDEPS := chromium chromium-driver fonts-wqy-microhei
 sysdeps:
-	@command -v chromium >/dev/null 2>&1 || { \
+	@{ command -v chromium >/dev/null 2>&1 && dpkg -s fonts-wqy-microhei >/dev/null 2>&1; } || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
-	      || echo "note: could not install chromium; browser tests will skip"; \
-	  else echo "note: chromium not installed; browser tests will skip (apt-get install chromium chromium-driver)"; fi; }
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSDEPS) >/dev/null) \
+	      || echo "note: could not install $(SYSDEPS); browser tests will skip"; \
+	  else echo "note: $(SYSDEPS) not all installed; browser tests will skip (apt-get install $(SYSDEPS))"; fi; }
 
 notebooks: setup
 	$(VENV)/bin/jupytext --quiet --to ipynb $(BOOK_SOURCES)

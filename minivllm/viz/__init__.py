@@ -11,6 +11,11 @@ Import from the module that owns the concept::
     from minivllm.viz.blocks import block_map_figure       # the paged KV cache, per step
     from minivllm.viz.gantt import gantt_figure            # who ran at which engine step
     from minivllm.viz.kernel import tile_visit_figure      # the Triton kernel's tiles
+    from minivllm.viz.prefix import hash_chain_figure      # prefix caching: the hash chain
+    from minivllm.viz.sampling import filter_figure        # sampling knobs on a distribution
+    from minivllm.viz.stream import stream_figure          # tokens vs stream events
+    from minivllm.viz.latency import batch_tradeoff_figure # throughput vs latency
+    from minivllm.viz.sequence import sequence_figure      # API side <-> engine core messages
     from minivllm.viz.export import save_key_figure        # `make figures`
 
 plotly is an optional dependency (``pip install minivllm[book]``): importing

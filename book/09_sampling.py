@@ -1,0 +1,318 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 9. Sampling
+#
+# The model's last layer gives one score (a logit) per vocabulary entry: 49,152 numbers
+# for SmolLM2. Softmax turns them into a probability distribution over the next token.
+# Which token is then taken is not the model's decision: it is the **sampler's**, and
+# the request's `SamplingParams` are its knobs.
+#
+# **What you will see**
+#
+# - a real next-token distribution from the default model, checked against the
+#   engine's own logprobs;
+# - temperature, top-k, top-p and min-p computed by hand, each compared with the
+#   engine's sampler (`minivllm/worker/sampler.py`), and sliders that redraw the
+#   distribution after each filter;
+# - sampling itself: draws from the sampler match the probabilities;
+# - repetition, frequency and presence penalties, by hand and on a real generation;
+# - seeds: the same seed gives the same text, different seeds differ, and temperature
+#   0 is the argmax.
+
+# %%
+import ipywidgets as widgets
+import torch
+from IPython.display import display
+
+from minivllm import LLM, SamplingParams
+from minivllm.model.attention import AttentionMetadata
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.sampling import count_bars, filter_figure
+from minivllm.viz.widgets import show_in
+from minivllm.worker.sampler import (Sampler, SamplingMetadata, SamplingRow, apply_min_p,
+                                     apply_penalties, apply_top_k_top_p)
+
+llm = LLM(num_kv_blocks=64)
+model = llm.engine_core.executor.runner.model
+tokenizer = llm.get_tokenizer()
+V = model.config.vocab_size
+
+# %% [markdown]
+# ## A real next-token distribution
+#
+# A plain text prompt whose next word has many good candidates. We run the engine's
+# model once over it (as in chapter 4) and keep the logits at the last position.
+
+# %%
+PROMPT = "On the first day of spring, the children went outside and saw a"
+ids = tokenizer.encode(PROMPT)
+with torch.inference_mode():
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)),
+                   AttentionMetadata.for_prefill([len(ids)]))
+    logits = model.compute_logits(hidden[-1:])[0].float()
+probs = logits.softmax(-1)
+top = probs.topk(12)
+print([(tokenizer.decode([i]), round(p, 3)) for i, p in zip(top.indices.tolist(),
+                                                             top.values.tolist())])
+
+# %% [markdown]
+# The engine reports the same distribution: ask for the 5 best `logprobs` of the first
+# token. (The engine's logprobs are taken from the raw logits, before any knob.)
+
+# %%
+first = llm.generate([{"prompt_token_ids": ids}],
+                     SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                     use_tqdm=False)[0].outputs[0]
+engine_top = first.logprobs[0]
+log_probs = logits.log_softmax(-1)
+for token_id, lp in engine_top.items():
+    assert abs(lp.logprob - log_probs[token_id].item()) < 1e-3
+assert sorted(engine_top, key=lambda t: engine_top[t].rank) == top.indices[:5].tolist()
+assert first.token_ids[0] == int(logits.argmax())  # temperature 0: the argmax
+print({lp.decoded_token: round(lp.logprob, 3) for lp in engine_top.values()})
+
+# %% [markdown]
+# ## The knobs, by hand
+#
+# Each knob is a few lines of tensor code on the logits (`l`):
+#
+# - **temperature** `T`: softmax of `l / T`. Below 1 it sharpens the distribution,
+#   above 1 it flattens it; as `T → 0` all mass goes to the argmax.
+# - **top-k**: keep the `k` most likely tokens.
+# - **top-p** (nucleus): sort by probability, keep the smallest set of most likely
+#   tokens whose probabilities add up to at least `p`.
+# - **min-p**: keep tokens whose probability is at least `min_p` times the top one's.
+#
+# Dropped tokens get logit `-inf` (probability 0) and the rest are renormalised. The
+# engine applies them in this order: temperature, top-k, top-p, min-p.
+
+# %%
+def by_hand(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """The kept-and-renormalised distribution, written out step by step."""
+    l = logits / temperature
+    keep = torch.ones_like(l, dtype=torch.bool)
+    order = l.argsort(descending=True)
+    if top_k:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        p = l.masked_fill(~keep, float("-inf")).softmax(-1)[order]
+        mass_before = p.cumsum(0) - p  # probability of the tokens ranked above
+        keep[order[mass_before >= top_p]] = False
+    if min_p > 0.0:
+        p = l.masked_fill(~keep, float("-inf")).softmax(-1)
+        keep &= p >= min_p * p.max()
+    return l.masked_fill(~keep, float("-inf")).softmax(-1)
+
+# %% [markdown]
+# The engine's sampler does the same with batched tensors (one row per request). For
+# a few settings, the set of tokens that survive by hand equals the set the sampler's
+# own filter functions keep, and the probabilities agree:
+
+# %%
+def engine_filtered(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    l = (logits / temperature)[None]
+    l = apply_top_k_top_p(l, torch.tensor([top_k or V]) if top_k else None,
+                          torch.tensor([top_p]) if top_p < 1.0 else None)
+    if min_p > 0.0:
+        l = apply_min_p(l, torch.tensor([min_p]))
+    return l.softmax(-1)[0]
+
+
+settings = [dict(top_p=0.9), dict(temperature=0.7, top_p=0.5), dict(top_k=5),
+            dict(min_p=0.1), dict(temperature=1.5, top_k=40, top_p=0.8, min_p=0.05)]
+for s in settings:
+    mine, engine = by_hand(logits, **s), engine_filtered(logits, **s)
+    survivors = set(torch.nonzero(mine).flatten().tolist())
+    assert survivors == set(torch.nonzero(engine).flatten().tolist()), s
+    assert torch.allclose(mine, engine, atol=1e-6), s
+    print(f"{s}: {len(survivors)} tokens survive")
+
+# %% [markdown]
+# Turn the knobs. Grey bars: the distribution after temperature, what the filters see.
+# Blue bars: what is left after top-k, top-p and min-p, renormalised: what a sample is
+# drawn from. The 15 most likely tokens are shown; the count of survivors is in the
+# title.
+
+# %%
+SHOWN = 15
+
+
+def knob_figure(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    before = (logits / temperature).softmax(-1)
+    after = engine_filtered(logits, temperature, top_k, top_p, min_p)
+    shown = before.topk(SHOWN).indices.tolist()
+    return filter_figure(
+        [tokenizer.decode([i]) for i in shown], [before[i].item() for i in shown],
+        [after[i].item() for i in shown],
+        title=f"T={temperature}, top_k={top_k}, top_p={top_p}, min_p={min_p}: "
+              f"{int((after > 0).sum())} of {V:,} tokens survive")
+
+
+fig = knob_figure(temperature=0.8, top_p=0.9)
+save_key_figure(fig, "09_sampling")
+fig
+
+# %%
+knobs = dict(
+    temperature=widgets.FloatSlider(value=0.8, min=0.1, max=2.0, step=0.1),
+    top_k=widgets.IntSlider(value=0, min=0, max=50, description="top_k (0: off)"),
+    top_p=widgets.FloatSlider(value=0.9, min=0.05, max=1.0, step=0.05),
+    min_p=widgets.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.01))
+for name, w in knobs.items():
+    w.description = w.description or name
+    w.continuous_update = False
+shown_fig = widgets.Output()
+
+
+def redraw(_=None) -> None:
+    show_in(shown_fig, knob_figure(**{k: w.value for k, w in knobs.items()}))
+
+
+for w in knobs.values():
+    w.observe(redraw, names="value")
+redraw()
+display(widgets.VBox([*knobs.values(), shown_fig]))
+
+# %% [markdown]
+# ## Drawing the token
+#
+# After the filters the sampler draws one token from what is left. It uses the
+# *exponential race*: divide each probability by an independent Exponential(1) draw and
+# take the argmax, which picks token *i* with probability *pᵢ* exactly. Run the
+# engine's `Sampler` on 1,000 copies of our row (top-p 0.9, temperature 0.8): every draw
+# is a survivor, and the counts follow the probabilities.
+
+# %%
+N = 1000
+params = SamplingParams(temperature=0.8, top_p=0.9)
+rows = [SamplingRow(params, ids, []) for _ in range(N)]
+md = SamplingMetadata.from_rows(rows, V)
+torch.manual_seed(0)
+draws = Sampler()(logits.expand(N, V).contiguous(), md).sampled_token_ids.tolist()
+target = by_hand(logits, temperature=0.8, top_p=0.9)
+assert set(draws) <= set(torch.nonzero(target).flatten().tolist())
+best = target.topk(8).indices.tolist()
+counts = [draws.count(t) for t in best]
+for t, c in zip(best, counts):  # each share within 5 standard errors of its probability
+    p = target[t].item()
+    assert abs(c / N - p) < 5 * (p * (1 - p) / N) ** 0.5, tokenizer.decode([t])
+count_bars([tokenizer.decode([t]) for t in best], counts, [target[t].item() for t in best],
+           title=f"{N:,} draws by the engine's sampler (T=0.8, top_p=0.9)")
+
+# %% [markdown]
+# ## Penalties
+#
+# Penalties change the logits of tokens that already appeared, before temperature and
+# the filters (and they change greedy choices too):
+#
+# - **repetition penalty** `r` (Hugging Face's, CTRL's rule): for every token in the
+#   prompt *or* the output, a positive logit is divided by `r`, a negative one
+#   multiplied by `r`: both make it less likely;
+# - **frequency penalty** `f` and **presence penalty** `pr` (OpenAI's): for tokens in the
+#   output only, subtract `f × count + pr × (count > 0)`.
+#
+# By hand, for an output so far, against the sampler's `apply_penalties`:
+
+# %%
+output_so_far = tokenizer.encode(" bird, a bird and a", add_special_tokens=False)
+r, f, pr = 1.3, 0.5, 0.4
+counts_out = torch.bincount(torch.tensor(output_so_far), minlength=V).float()
+seen = counts_out > 0
+seen[ids] = True
+mine = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+mine = mine - f * counts_out - pr * (counts_out > 0)
+engine = apply_penalties(logits[None], torch.tensor([ids]), torch.tensor([output_so_far]),
+                         torch.tensor([r]), torch.tensor([pr]), torch.tensor([f]))[0]
+assert torch.allclose(mine, engine)
+bird = tokenizer.encode(" bird", add_special_tokens=False)[0]
+print(f"' bird' appeared {int(counts_out[bird])} times: probability "
+      f"{probs[bird]:.4f} -> {mine.softmax(-1)[bird]:.4f}")
+assert mine.softmax(-1)[bird] < probs[bird]
+
+# %% [markdown]
+# On a real generation: a small model asked to repeat itself, greedy, with and without
+# a repetition penalty. Greedy means the only difference is the penalty.
+
+# %%
+repeat = [{"role": "user", "content": "List the days of the week, then list them again, "
+           "and again."}]
+texts = {}
+for rp in (1.0, 1.3):
+    out = llm.chat(repeat, SamplingParams(temperature=0, max_tokens=48, repetition_penalty=rp),
+                   use_tqdm=False)[0].outputs[0]
+    texts[rp] = out.token_ids
+    print(f"repetition_penalty={rp}: {len(set(out.token_ids))} distinct of "
+          f"{len(out.token_ids)} tokens: {out.text!r}")
+distinct = {rp: len(set(t)) / len(t) for rp, t in texts.items()}
+assert distinct[1.3] > distinct[1.0]
+
+# %% [markdown]
+# The penalty removes the loop, and with it some sense: a repeated token is not
+# always a mistake (the days of the week *are* repeated here). That is why these
+# penalties are off by default.
+#
+# ## Seeds and reproducibility
+#
+# A request with a `seed` draws its random numbers from its own generator, so its
+# text does not depend on anything else: the same seed gives the same text, in another
+# call or in a batch with other requests. A different seed gives a different text.
+
+# %%
+question = [{"role": "user", "content": "Write a one-line poem about the sea."}]
+def seeded(seed): return SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=seed)
+
+
+a, b = (llm.chat(question, seeded(7), use_tqdm=False)[0].outputs[0] for _ in range(2))
+c = llm.chat(question, seeded(8), use_tqdm=False)[0].outputs[0]
+batch = llm.chat([[{"role": "user", "content": "Name a colour."}], question],
+                 [SamplingParams(temperature=1.0, max_tokens=24), seeded(7)],
+                 use_tqdm=False)  # our seed-7 request is row 1 now, next to another
+for name, out in (("seed 7", a), ("seed 7 again", b), ("seed 8", c),
+                  ("seed 7 in a batch", batch[1].outputs[0])):
+    print(f"{name:18s}: {out.text!r}")
+assert a.token_ids == b.token_ids == batch[1].outputs[0].token_ids
+assert a.token_ids != c.token_ids
+
+# %% [markdown]
+# Temperature 0 is greedy decoding: no randomness at all, every step takes the argmax.
+# Without a seed, two sampled runs use the global generator and (almost surely) differ;
+# two greedy runs are always equal, and their first token is the argmax we computed
+# by hand at the start.
+
+# %%
+greedy = SamplingParams(temperature=0, max_tokens=12)
+g1, g2 = (llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0].outputs[0]
+          for _ in range(2))
+print(repr(PROMPT + g1.text))
+assert g1.token_ids == g2.token_ids and g1.token_ids[0] == int(logits.argmax())
+
+# %% [markdown]
+# ## Summary
+#
+# - The model gives logits; the sampler turns them into one token with the request's
+#   knobs: penalties first, then temperature, top-k, top-p, min-p, then a draw.
+# - Each filter only removes tokens and renormalises the rest; what survives is easy to
+#   compute by hand, and the engine's sampler agrees token for token.
+# - A `seed` makes a sampled request reproducible on its own, independent of the batch
+#   it runs in; temperature 0 is the argmax.
+#
+# ## What to try next
+#
+# - Set temperature to 2.0 with no filters, then add `min_p=0.1`: how many tokens
+#   survive, and why does min-p adapt where top-k cannot?
+# - Find the smallest `top_p` for which only one token survives for `PROMPT`.
+# - Add `frequency_penalty=1.0` (and no repetition penalty) to the days-of-the-week
+#   request and compare.
+# - Run the seeded poem with `max_tokens=48`: are its first 24 tokens the same as
+#   before?

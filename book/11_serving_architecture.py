@@ -1,0 +1,453 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 11. The serving architecture
+#
+# The first seed article splits an online vLLM service into parts with different jobs:
+#
+# > | API Server | 接收请求、输入处理、输出处理 | 用户发来了什么，结果怎样交付？ |
+# > | Engine Core | 请求状态、调度、KV 管理、协调执行 | 这一轮处理哪些 token，缓存够不够？ |
+#
+# and says how they are joined: "API 与引擎核心通过消息通信解耦", the API server and
+# the engine core are decoupled by passing messages. minivllm is built the same way:
+# `minivllm serve` is two processes, and a pipe between them carries a handful of
+# message types. This chapter records those messages, then talks to the real server.
+#
+# **What you will see**
+#
+# - the API side and the engine core as two processes, and every message between them
+#   for three concurrent requests, drawn as a sequence diagram from recorded times;
+# - a streamed request through the real `minivllm serve` with the OpenAI client, with
+#   fewer stream chunks than tokens;
+# - cancellation: a client closes its connection mid-stream, and the engine aborts
+#   the request and frees its KV blocks, seen from `/stats` and `/metrics`.
+
+# %%
+import asyncio
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import aclosing
+from pathlib import Path
+
+from openai import OpenAI
+
+from minivllm import SamplingParams
+from minivllm.config import engine_args_from_kwargs
+from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.detokenizer import REPLACEMENT_CHAR
+from minivllm.model.loader import DEFAULT_MODEL_NAME
+from minivllm.sampling_params import RequestOutputKind
+from minivllm.viz.bars import line_chart
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.sequence import attach_message_log, sequence_figure
+
+# %% [markdown]
+# The real server takes a while to load the model, so we start it now, as chapter 1
+# does: `minivllm serve` on a free port, as a subprocess that is stopped (SIGTERM, as
+# Ctrl-C would) when this notebook's kernel exits, even if a cell fails.
+
+# %%
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+port = free_port()
+script = Path(sys.executable).with_name("minivllm")
+launcher = ([str(script)] if script.exists()
+            else [sys.executable, "-m", "minivllm.entrypoints.cli"])
+command = [*launcher, "serve", "--port", str(port), "--num-kv-blocks", "256",
+           "--uvicorn-log-level", "warning"]
+server_log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
+
+
+def stop_server() -> None:
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    if not server_log.closed:
+        server_log.close()
+        os.unlink(server_log.name)
+
+
+atexit.register(stop_server)
+
+
+def wait_until_healthy(url: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            server_log.seek(0)
+            raise RuntimeError(f"the server exited with {server.returncode}:\n"
+                               + server_log.read()[-3000:])
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+print(" ".join(["minivllm", *command[len(launcher):]]), "-> pid", server.pid)
+
+# %% [markdown]
+# ## The two sides, in this notebook
+#
+# The server's engine is an `AsyncLLM` (`minivllm/engine/async_llm.py`). We build the
+# same object here. Its constructor starts the **engine core** in a new process
+# (`minivllm/engine/core_proc.py`: scheduler, KV cache, model) and keeps the
+# **API side** in ours: chat template, tokenizer, detokenizer, stop strings.
+
+# %%
+engine = AsyncLLM.from_engine_args(engine_args_from_kwargs(
+    None, {"num_kv_blocks": 64, "enable_prefix_caching": False}))
+core_pid = engine.engine_core.pid
+print(f"API side: pid {os.getpid()}; engine core: pid {core_pid}")
+assert core_pid != os.getpid()
+os.kill(core_pid, 0)  # raises if there is no such process
+
+# %% [markdown]
+# They talk over one `multiprocessing` pipe, with pickled dataclasses:
+#
+# | message | direction | when |
+# |---|---|---|
+# | `AddRequests` | API → core | a request was tokenized (token IDs + sampling params) |
+# | `FinishRequests` | API → core | a stop string matched, or the client went away (abort) |
+# | `EngineCoreOutputs` | core → API | after every engine step: each request's new token IDs, finish reasons, scheduler stats |
+#
+# The core never sees text and the API side never sees the model. The core's loop
+# (`EngineCoreProc.run_busy_loop`) takes every waiting message, runs one step, sends
+# one `EngineCoreOutputs`, and sleeps on the pipe when there is no work.
+#
+# `attach_message_log` wraps the notebook's end of the pipe and notes the time of
+# every message. `time.monotonic()` reads one clock for all processes of a machine, so
+# the core's own timestamps (when a step made its outputs) line up with ours. One
+# warm-up request first, unrecorded, so that the first forward pass's one-time costs
+# do not stretch the picture; and we let the server finish loading its model, so
+# that the two engines do not compete for the CPU while we time messages.
+
+# %%
+base = f"http://127.0.0.1:{port}"
+engine.start()  # the API side's output handler, on this notebook's event loop
+warm_up = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+async for _ in engine.generate(warm_up, SamplingParams(max_tokens=4), "warm-up"):
+    pass
+wait_until_healthy(base + "/health")
+log = attach_message_log(engine)
+
+# %% [markdown]
+# Three students ask at once. A asks a question in Chinese and reads the whole answer.
+# B's request has a stop string. C asks for a long story, and its client leaves after
+# four outputs (the `break` below), as a user closing the tab would. `aclosing` closes
+# the stream as soon as the loop is left; a bare `break` out of an `async for` leaves
+# an async generator open until it is garbage-collected, and the abort would wait
+# for that. (In the server, Starlette cancels the streaming task, which closes it.)
+
+# %%
+DELTA = RequestOutputKind.DELTA
+CHINESE = [{"role": "user", "content": "用中文回答：北京是哪个国家的首都？"}]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Write a long story about a cat."}]
+jobs = {"A": (CHINESE, SamplingParams(temperature=0, max_tokens=32), None),
+        "B": (FRANCE, SamplingParams(temperature=0, max_tokens=32, stop=[" Paris"]), None),
+        "C": (STORY, SamplingParams(temperature=0, max_tokens=64), 4)}
+finals: dict[str, dict] = {}
+
+
+async def student(rid: str) -> None:
+    prompt, params, leave_after = jobs[rid]
+    text, tokens, n, reason = "", [], 0, None
+    async with aclosing(engine.generate(prompt, params.clone(output_kind=DELTA), rid)) as outs:
+        async for out in outs:
+            c = out.outputs[0]
+            text, tokens, n = text + c.text, tokens + c.token_ids, n + 1
+            reason = c.finish_reason
+            log.deliver(rid, c.text, c.finish_reason)
+            if leave_after is not None and n >= leave_after:
+                break  # closing the unfinished generator makes AsyncLLM abort the request
+    finals[rid] = {"text": text, "tokens": tokens, "outputs": n, "finish_reason": reason,
+                   "left_at": time.monotonic()}
+
+
+await asyncio.gather(*(student(rid) for rid in jobs))
+for _ in range(100):  # C's abort is on its way: wait for the core's answer to it
+    if engine.scheduler_stats.num_running_reqs == 0:
+        break
+    await asyncio.sleep(0.05)
+for rid, f in finals.items():
+    print(f"{rid}: {len(f['tokens'])} tokens, finish_reason={f['finish_reason']!r}: "
+          f"{f['text'][:50]!r}")
+
+# %% [markdown]
+# ## The sequence diagram
+#
+# Three lanes: the engine-core process on top, the API side in the middle, the
+# students' code below. Each line is one message, from when it was sent to when it
+# arrived (hover over an arrow head to read it). API → core messages arrive at once
+# through the pipe; `EngineCoreOutputs` leave the core when its step ends. One
+# `EngineCoreOutputs` serves every request of the step; the API side then fans it out
+# as one `RequestOutput` per request.
+
+# %%
+fig = sequence_figure(log.messages, title="Three requests: the messages between the processes")
+save_key_figure(fig, "11_serving_architecture")
+fig
+
+# %% [markdown]
+# Every claim in that picture, checked on the recorded messages:
+
+# %%
+adds = log.of_kind("AddRequests")
+outs = log.of_kind("EngineCoreOutputs")
+finishes = {m.request_ids[0]: m for m in log.of_kind("FinishRequests")}
+print(f"{len(adds)} AddRequests, {len(outs)} EngineCoreOutputs, "
+      f"FinishRequests: {[m.label for m in finishes.values()]}")
+assert sorted(r for m in adds for r in m.request_ids) == sorted(jobs)
+# A's tokens are exactly what the core's messages carried for A
+assert sum(m.tokens.get("A", 0) for m in outs) == len(finals["A"]["tokens"])
+# one message per step, several requests per message
+assert len(outs) >= len(finals["A"]["tokens"]) and max(len(m.tokens) for m in outs) == 3
+
+# %% [markdown]
+# B ended on its stop string. The core cannot know that (it sees no text), so when the
+# message that completed `" Paris"` arrived, the API side sent `FinishRequests` with
+# status `finished_stopped`, and the core freed B. C's student left after four
+# outputs; the API side sent an abort. In both cases the core may already be in the
+# middle of its next step, so one more `EngineCoreOutputs` may still carry a token for
+# B or C; the API side drops it. After that, none does.
+
+# %%
+def carried_after(rid: str, t: float) -> int:
+    """How many EngineCoreOutputs received after time t still carried a token of rid."""
+    return sum(rid in m.tokens for m in outs if m.received > t)
+
+
+assert "stopped" in finishes["B"].label
+assert any("B" in m.tokens and m.received <= finishes["B"].sent for m in outs)
+assert carried_after("B", finishes["B"].sent) <= 1
+assert finals["B"]["finish_reason"] == "stop" and " Paris" not in finals["B"]["text"]
+assert "abort" in finishes["C"].label and finals["C"]["outputs"] == 4
+assert finishes["C"].sent <= finals["C"]["left_at"]
+assert carried_after("C", finishes["C"].sent) <= 1
+assert outs[-1].num_running == 0 and outs[-1].kv_cache_usage == 0.0
+print(f"after the last step: {outs[-1].num_running} running, KV usage {outs[-1].kv_cache_usage}")
+
+# %% [markdown]
+# This engine has done its part. `shutdown()` sends `Shutdown` down the pipe and the
+# core process exits.
+
+# %%
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while process_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not process_exists(pid)
+
+
+engine.shutdown()
+assert wait_gone(core_pid)
+
+# %% [markdown]
+# ## The real server
+#
+# `minivllm serve` wraps the same `AsyncLLM` in a FastAPI app: one more layer that
+# turns `RequestOutput`s into OpenAI's JSON and Server-Sent Events. It is up (`/health`
+# answered 200 above, once its engine core had loaded the model); `/stats` names its
+# engine core's process.
+
+# %%
+def get_json(path: str) -> dict:
+    with urllib.request.urlopen(base + path, timeout=10) as r:
+        return json.loads(r.read())
+
+
+stats = get_json("/stats")
+server_core = stats["engine_pid"]
+print(f"API server pid {server.pid}, its engine core pid {server_core}, "
+      f"{stats['num_blocks']} KV blocks")
+assert server_core != server.pid and process_exists(server_core)
+
+# %% [markdown]
+# Student A's question again, streamed through HTTP with the OpenAI client. The
+# server sends one chunk per engine step that has text (or a finish reason) and skips
+# steps whose token ended inside a character (chapter 10), so there are fewer
+# content chunks than tokens, and no chunk holds half a character.
+
+# %%
+client = OpenAI(base_url=base + "/v1", api_key="unused")
+stream = client.chat.completions.create(
+    model=DEFAULT_MODEL_NAME, messages=CHINESE, max_tokens=32, temperature=0, stream=True,
+    stream_options={"include_usage": True})
+pieces, usage = [], None
+for chunk in stream:
+    usage = chunk.usage or usage
+    pieces += [c.delta.content for c in chunk.choices if c.delta.content]
+print(pieces)
+print(f"{len(pieces)} content chunks for {usage.completion_tokens} tokens")
+assert "".join(pieces) == finals["A"]["text"]  # the notebook's engine gave the same answer
+assert usage.completion_tokens == len(finals["A"]["tokens"])
+assert len(pieces) < usage.completion_tokens
+assert all(REPLACEMENT_CHAR not in p for p in pieces)
+
+# %% [markdown]
+# ## Cancellation when a client disconnects
+#
+# Now the user closes the tab. We ask for a long completion (`ignore_eos`, so it
+# would run for 1,500 tokens), read a few chunks, then close the HTTP connection.
+# Meanwhile a background thread polls `/stats`, which reports the engine core's
+# running requests and free KV blocks, every 50 ms.
+
+# %%
+import threading
+
+polls: list[tuple[float, int, int]] = []  # (time, running, free blocks)
+polling = threading.Event()
+
+
+def poll_stats() -> None:
+    while not polling.is_set():
+        s = get_json("/stats")
+        polls.append((time.monotonic(), s["num_requests_running"], s["num_free_blocks"]))
+        time.sleep(0.05)
+
+
+def metric(name: str, label: str = "") -> float:
+    """One series of the server's Prometheus text, e.g. a counter for one finish reason."""
+    text = urllib.request.urlopen(base + "/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith(f"minivllm:{name}{{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+ABORTED = 'finished_reason="abort"'
+aborted_before = metric("request_success_total", ABORTED)
+generated_before = metric("generation_tokens_total")
+
+# %%
+MAX_TOKENS = 1500
+poller = threading.Thread(target=poll_stats, daemon=True)
+t0 = time.monotonic()
+poller.start()
+stream = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Count slowly: 1, 2,",
+                                   max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True})
+received = 0
+for chunk in stream:
+    received += 1
+    if received == 5:
+        break
+during = get_json("/stats")
+stream.close()  # closes the HTTP connection: the client is gone
+t_closed = time.monotonic()
+print(f"read {received} chunks, then closed; during the stream: {during}")
+
+# %% [markdown]
+# Starlette notices the closed connection and cancels the task that iterates the
+# request's stream; `AsyncLLM.generate` ends without having finished, and its
+# `finally` calls `abort`, which sends `FinishRequests(..., FINISHED_ABORTED)` to the
+# engine core. The core drops the request and returns its blocks.
+
+# %%
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    s = get_json("/stats")
+    if s["num_requests_running"] == 0 and s["num_free_blocks"] == s["num_blocks"]:
+        break
+    time.sleep(0.1)
+time.sleep(0.2)
+polling.set()
+poller.join()
+generated = metric("generation_tokens_total") - generated_before
+print(f"after: {s['num_requests_running']} running, {s['num_free_blocks']} of "
+      f"{s['num_blocks']} blocks free; {generated:.0f} tokens generated of {MAX_TOKENS}")
+assert during["num_requests_running"] == 1 and during["num_free_blocks"] < during["num_blocks"]
+assert s["num_requests_running"] == 0 and s["num_free_blocks"] == s["num_blocks"]
+assert metric("request_success_total", ABORTED) == aborted_before + 1
+assert received <= generated < MAX_TOKENS
+
+# %% [markdown]
+# The blocks in use, as `/stats` saw them: they grow with the answer, and drop to zero
+# shortly after the connection closed (the dashed line).
+
+# %%
+times = [(t - t0) * 1e3 for t, _, _ in polls]
+in_use = [during["num_blocks"] - free for _, _, free in polls]
+fig = line_chart(times, {"KV blocks in use": in_use, "running requests": [r for _, r, _ in polls]},
+                 title="A client disconnects: the engine frees the request's KV blocks",
+                 x_title="ms since the request was sent", y_title="count")
+fig.add_vline(x=(t_closed - t0) * 1e3, line_dash="dash", annotation_text="connection closed")
+assert max(in_use) > 0 and in_use[-1] == 0
+fig
+
+# %% [markdown]
+# ## Stopping the server
+#
+# SIGTERM, as Ctrl-C or a process manager would send: the server aborts what is open,
+# stops its engine core and exits. Both processes are gone, and the port is free again.
+
+# %%
+stop_server()
+print("server exit code", server.returncode)
+assert server.returncode is not None and wait_gone(server_core)
+with socket.socket() as sock:
+    # SO_REUSEADDR: closed connections may linger in TIME_WAIT; a listener may not
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()  # raises if anything still listens there
+
+# %% [markdown]
+# ## Summary
+#
+# - The API side (HTTP, chat template, tokenizer, detokenizer, stop strings) and the
+#   engine core (scheduler, KV cache, model) are separate processes. The model's
+#   forward pass never blocks the event loop that serves HTTP.
+# - They exchange three kinds of messages: `AddRequests` and `FinishRequests` one
+#   way, one `EngineCoreOutputs` per engine step the other way, token IDs only.
+# - Stop strings are text, so the API side detects them and tells the core to finish
+#   the request; the core only knows EOS, stop token IDs and `max_tokens` itself.
+# - A client that disconnects cancels its stream; the API side aborts the request in
+#   the core, which frees its KV blocks at once. Without that, an abandoned
+#   1,500-token answer would keep its blocks, and a seat in the batch, to the end.
+#
+# ## What to try next
+#
+# - Give student C `leave_after=None`: how many more `EngineCoreOutputs` are there?
+# - Start the server with `--inprocess`: `/stats` then reports no separate engine pid.
+# - In the cancellation cell, break after 50 chunks instead of 5 and watch the block
+#   count climb higher before it drops.
+# - Send the disconnecting request with `stream=False` and a short client timeout
+#   (`OpenAI(..., timeout=3)`): is it aborted too?
