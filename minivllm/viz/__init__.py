@@ -16,6 +16,7 @@ Import from the module that owns the concept::
     from minivllm.viz.stream import stream_figure          # tokens vs stream events
     from minivllm.viz.latency import batch_tradeoff_figure # throughput vs latency
     from minivllm.viz.sequence import sequence_figure      # API side <-> engine core messages
+    from minivllm.viz.parallel import weight_split_figure  # tensor parallelism: shards, bytes
     from minivllm.viz.export import save_key_figure        # `make figures`
 
 plotly is an optional dependency (``pip install minivllm[book]``): importing

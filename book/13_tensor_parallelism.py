@@ -1,0 +1,431 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 13. Tensor parallelism
+#
+# When a model does not fit on one GPU, or one GPU is too slow, its weights are cut
+# into pieces and several devices run one forward pass together. The seed article's
+# process diagram shows exactly that case:
+#
+# > 以一份模型采用 TP=2 为例，两张 GPU 协作执行同一份模型。
+#
+# "Take a model served with TP=2: two GPUs cooperate to run one copy of the model."
+# And it notes why the model code looks the way it does:
+#
+# > [Llama 实现] 使用了并行线性层和独立的 Attention 接口，方便结合分片权重与不同 Attention 后端。
+#
+# "The Llama implementation uses parallel linear layers [...] so that it works with
+# sharded weights." This chapter opens those parallel linear layers.
+#
+# **What you will see**
+#
+# - one real layer of the default model, its four weight matrices cut by hand among
+#   ranks, drawn as coloured blocks;
+# - **column-parallel** layers (qkv, gate/up): each rank computes some output columns,
+#   and the pieces side by side are the full product;
+# - **row-parallel** layers (o_proj, down_proj): each rank computes a *partial sum*,
+#   and only the sum of all of them is the full product: that sum is the **all-reduce**,
+#   two per layer;
+# - the real engine on 3 processes giving the same tokens as on one;
+# - the bytes the ranks exchange per step, counted by the engine and derived by hand.
+#
+# This machine has no GPUs: the ranks are CPU processes that talk through gloo. The
+# arithmetic and the bytes are the same as on GPUs with NCCL; the speed is not.
+
+# %%
+import psutil
+import torch
+import torch.nn.functional as F
+
+from minivllm import LLM, SamplingParams
+from minivllm.model.attention import AttentionMetadata
+from minivllm.model.layers.linear import RowParallelLinear
+from minivllm.model.layers.parallel import (check_tensor_parallel_sizes, collective_stats,
+                                            expected_collective_bytes)
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.parallel import collective_bytes_figure, weight_shards, weight_split_figure
+
+llm = LLM(num_kv_blocks=64)  # one process: tensor_parallel_size=1
+model = llm.engine_core.executor.runner.model
+cfg = model.config
+H, L, D = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
+nq, nkv, I, V = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
+                 cfg.vocab_size)
+print(f"hidden {H}, {L} layers, {nq} query heads and {nkv} KV heads of {D}, "
+      f"MLP {I}, vocabulary {V}, {cfg.dtype}")
+
+# %% [markdown]
+# ## How many ranks?
+#
+# Attention is split by heads and the MLP by its intermediate features, so the number
+# of ranks must divide them. SmolLM2 has 9 query heads: **2 ranks cannot split them**,
+# and the engine says so before it starts any process. 3 can: 3 query heads and 1 KV
+# head per rank.
+
+# %%
+try:
+    check_tensor_parallel_sizes(cfg, 2)
+    raise AssertionError("TP=2 should not split 9 heads")
+except ValueError as exc:
+    print("TP=2:", exc)
+    assert "num_attention_heads=9" in str(exc)
+TP = 3
+check_tensor_parallel_sizes(cfg, TP)  # no error
+assert nq % TP == 0 and nkv % TP == 0 and I % TP == 0
+
+# %% [markdown]
+# ## One real layer, recorded
+#
+# We run a prompt through the one-process model and record, with forward hooks, what
+# goes in and out of layer 0's four matrix products. These are the numbers the split
+# must reproduce. (Clones: the CPU RoPE kernel rotates q and k in place, inside the
+# qkv output.)
+
+# %%
+tokenizer = llm.get_tokenizer()
+ids = tokenizer.encode("Two GPUs can share one model by cutting every weight matrix.")
+T = len(ids)
+layer = model.model.layers[0]
+linears = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+           "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
+seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (input, output)
+
+
+def record(name):
+    def hook(module, args, out):
+        seen[name] = (args[0].clone(), out.clone())
+    return hook
+
+
+hooks = [m.register_forward_hook(record(n)) for n, m in linears.items()]
+with torch.inference_mode():
+    model(torch.tensor(ids), torch.arange(T), AttentionMetadata.for_prefill([T]))
+for h in hooks:
+    h.remove()
+for name, (x, y) in seen.items():
+    print(f"{name:13s} {tuple(x.shape)} -> {tuple(y.shape)}")
+assert seen["qkv_proj"][1].shape == (T, (nq + 2 * nkv) * D)
+
+# %% [markdown]
+# ## Cutting the weights
+#
+# Write a linear layer as `y = x @ W`, with `W` of shape (input features × output
+# features). There are two ways to cut `W` among ranks:
+#
+# - **by columns** (column-parallel): rank *r* keeps some output columns and computes
+#   `x @ W[:, cols_r]`, which is a piece of `y`. qkv is cut so that each rank gets
+#   whole heads: 3 of the 9 query heads and their 1 KV head. gate/up is cut so that
+#   each rank gets matching gate and up features.
+# - **by rows** (row-parallel): rank *r* keeps some input rows and computes
+#   `x[:, rows_r] @ W[rows_r, :]`, a full-sized output that holds only part of a sum.
+#
+# `weight_shards` lists each rank's blocks; the figure draws them to scale (torch
+# stores `W` transposed, as output × input, so the code below slices the other way).
+
+# %%
+parts = {"qkv_proj": (H, {"q": nq * D, "k": nkv * D, "v": nkv * D}, "column"),
+         "o_proj": (nq * D, {"o_proj": H}, "row"),
+         "gate_up_proj": (H, {"gate": I, "up": I}, "column"),
+         "down_proj": (I, {"down_proj": H}, "row")}
+shards = {name: weight_shards(name, kind, n_in, outs, TP)
+          for name, (n_in, outs, kind) in parts.items()}
+
+
+def rank_weight(name: str, r: int) -> torch.Tensor:
+    """Rank r's slice of the layer's torch weight (output × input), cut by hand."""
+    w = linears[name].weight
+    mine = [s for s in shards[name] if s.rank == r]
+    if mine[0].kind == "column":  # whole input, some outputs: rows of the torch weight
+        return torch.cat([w[s.cols[0]:s.cols[1]] for s in mine])
+    return w[:, mine[0].rows[0]:mine[0].rows[1]]  # some inputs: columns of the torch weight
+
+
+fig = weight_split_figure([s for group in shards.values() for s in group],
+                          title=f"Layer 0 of SmolLM2 cut for {TP} ranks (to scale)")
+save_key_figure(fig, "13_tensor_parallelism")
+fig
+
+# %% [markdown]
+# Every rank holds exactly a third of each matrix:
+
+# %%
+for name in linears:
+    sizes = [rank_weight(name, r).numel() for r in range(TP)]
+    print(f"{name:13s} {tuple(linears[name].weight.shape)} -> "
+          f"{[tuple(rank_weight(name, r).shape) for r in range(TP)]}")
+    assert sizes == [linears[name].weight.numel() // TP] * TP
+
+# %% [markdown]
+# ## Column-parallel: pieces side by side
+#
+# Each rank multiplies the same input by its columns. Put in the right places, the
+# pieces are the layer's output.
+#
+# **How close is "equal"?** The engine's products run through packed GEMM kernels,
+# ours through `torch`; both add the same 576 (or 1,536) products per output but in a
+# different order, and float32 rounds each addition (unit roundoff 2⁻²⁴ ≈ 6e-8). So
+# we allow differences up to 1e-5 of the output's largest value: room for hundreds of
+# rounding steps, yet far below what a wrong split gives (a missing rank is off by
+# the size of the output itself, as shown further down).
+
+# %%
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=0, atol=1e-5 * b.abs().max().item())
+
+
+for name in ("qkv_proj", "gate_up_proj"):
+    x, y = seen[name]
+    rebuilt = torch.empty_like(y)
+    for r in range(TP):
+        piece = x @ rank_weight(name, r).T  # rank r's output, no communication
+        at = torch.cat([torch.arange(*s.cols) for s in shards[name] if s.rank == r])
+        rebuilt[:, at] = piece
+    err = (rebuilt - y).abs().max().item() / y.abs().max().item()
+    print(f"{name}: {TP} pieces put together vs the layer's output: max error {err:.1e}")
+    assert close(rebuilt, y)
+
+# %% [markdown]
+# ## Row-parallel: a sum in pieces
+#
+# o_proj's input is the attention output, one block of columns per head. A rank that
+# computed heads 0–2 holds exactly the first third of those columns, which is the
+# input slice its row-parallel o_proj needs. So nothing travels between qkv and
+# o_proj: the column split of one feeds the row split of the next. Each rank's o_proj
+# gives a full-sized tensor that is only a partial sum:
+
+# %%
+x, y = seen["o_proj"]
+partials = [x[:, s.rows[0]:s.rows[1]] @ rank_weight("o_proj", s.rank).T
+            for s in shards["o_proj"]]
+for r, p in enumerate(partials):
+    off = (p - y).abs().max().item() / y.abs().max().item()
+    print(f"rank {r} alone: off by {off:.0%} of the output's largest value")
+    assert not close(p, y)
+total = torch.stack(partials).sum(0)  # what the all-reduce computes
+print(f"sum of the {TP} partials: max error "
+      f"{(total - y).abs().max().item() / y.abs().max().item():.1e}")
+assert close(total, y)
+
+# %% [markdown]
+# ## A whole rank, end to end
+#
+# Now chain the four products the way one rank runs them: its qkv columns, RoPE and
+# attention over its own 3 heads (and its 1 KV head), its o_proj rows; then its
+# gate/up columns, SiLU(gate) × up on its own features, its down_proj rows. Only two
+# things need the other ranks: the two sums. Everything between them is local.
+
+# %%
+attn = layer.self_attn
+positions = torch.arange(T)
+
+
+def rank_attention(x: torch.Tensor, r: int) -> torch.Tensor:
+    q_size, kv_size = nq // TP * D, nkv // TP * D  # 3 query heads, 1 KV head
+    q, k, v = (x @ rank_weight("qkv_proj", r).T).split([q_size, kv_size, kv_size], dim=-1)
+    q, k = attn.rotary_emb.forward_native(positions, q.view(T, -1, D), k.view(T, -1, D))
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.view(T, -1, D).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return out.transpose(0, 1).reshape(T, -1) @ rank_weight("o_proj", r).T  # partial
+
+
+def rank_mlp(x: torch.Tensor, r: int) -> torch.Tensor:
+    gate, up = (x @ rank_weight("gate_up_proj", r).T).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ rank_weight("down_proj", r).T  # partial
+
+
+with torch.inference_mode():
+    attn_sum = sum(rank_attention(seen["qkv_proj"][0], r) for r in range(TP))  # all-reduce 1
+    mlp_sum = sum(rank_mlp(seen["gate_up_proj"][0], r) for r in range(TP))  # all-reduce 2
+assert close(attn_sum, seen["o_proj"][1]) and close(mlp_sum, seen["down_proj"][1])
+print("3 ranks × (attention, MLP), summed: equal to the one-process layer")
+
+# %% [markdown]
+# So each decoder layer has **two all-reduces**, after o_proj and after down_proj: the
+# two row-parallel layers. The model has two more collectives. The embedding table is
+# cut by vocabulary rows: a rank looks up the tokens it owns, writes zeros for the
+# others, and an all-reduce adds them (one non-zero row per token). The LM head is cut
+# the same way: each rank scores its third of the vocabulary, and rank 0, which
+# samples, **gathers** the three slices. Counted on the model's modules:
+
+# %%
+row_parallel = [n for n, m in model.named_modules() if isinstance(m, RowParallelLinear)]
+print(len(row_parallel), "row-parallel layers, e.g.", row_parallel[:2])
+assert len(row_parallel) == 2 * L
+COLLECTIVES_PER_PASS = 1 + 2 * L + 1  # embedding all-reduce, 2 per layer, logits gather
+
+# %% [markdown]
+# ## The real engine on 3 processes
+#
+# `LLM(tensor_parallel_size=3)` makes this process rank 0 (it schedules, runs its third
+# of the model and samples) and starts ranks 1 and 2 as worker processes. Each loads
+# only its own shards. Rank 0's layer-0 weights are exactly our hand-cut rank 0 blocks:
+
+# %%
+# Prefix caching (chapter 8) is off so that the trace counts every prompt token below.
+tp = LLM(tensor_parallel_size=TP, num_kv_blocks=64, trace=True, enable_prefix_caching=False)
+workers = dict(tp.engine_core.executor.workers.procs)  # rank -> Popen
+print("worker processes:", {r: p.pid for r, p in workers.items()})
+assert sorted(workers) == list(range(1, TP))
+tp_layer = tp.engine_core.executor.runner.model.model.layers[0]
+tp_linears = {"qkv_proj": tp_layer.self_attn.qkv_proj, "o_proj": tp_layer.self_attn.o_proj,
+              "gate_up_proj": tp_layer.mlp.gate_up_proj, "down_proj": tp_layer.mlp.down_proj}
+for name, m in tp_linears.items():
+    assert torch.equal(m.weight, rank_weight(name, 0)), name
+k_cache, _ = tp.engine_core.executor.runner.kv_caches[0]
+print("rank 0's KV cache of layer 0:", tuple(k_cache.shape), "(blocks, block size, heads, dim)")
+assert k_cache.shape[2] == nkv // TP  # one KV head per rank
+
+# %% [markdown]
+# Two short chat prompts, greedy, on both engines. Same tokens, token for token:
+
+# %%
+chats = [[{"role": "user", "content": "What is tensor parallelism?"}],
+         [{"role": "user", "content": "Name three colours."}]]
+greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=0)  # + the chosen token's
+one = llm.chat(chats, greedy, use_tqdm=False)
+three = tp.chat(chats, greedy, use_tqdm=False)
+for a, b in zip(one, three):
+    print(f"TP=1: {a.outputs[0].text!r}\nTP={TP}: {b.outputs[0].text!r}\n")
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+assert all(len(o.outputs[0].token_ids) > 1 for o in one)
+
+# %% [markdown]
+# Why exactly the same, when the sums above differ from the one-process layer by
+# rounding? The numbers do differ, in their last bits: compare the log-probability
+# each engine gave its chosen tokens. Greedy picks the most likely token, and a
+# difference this small changes it only if two tokens are that close. On these
+# prompts none are. (Longer answers, or bfloat16, can flip a near-tie: tensor
+# parallelism is arithmetically the same model, not bit for bit.)
+
+# %%
+def chosen_logprobs(out) -> list[float]:
+    c = out.outputs[0]
+    return [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]
+
+
+gaps = [abs(a - b) for x, y in zip(one, three)
+        for a, b in zip(chosen_logprobs(x), chosen_logprobs(y))]
+print(f"largest difference of a chosen token's log-probability: {max(gaps):.1e}")
+assert 0 < max(gaps) < 1e-3  # not bit for bit, yet far from changing a choice
+
+# %% [markdown]
+#
+# ## What the ranks send each step
+#
+# From the code (`all_reduce` and `gather_last_dim` in
+# `minivllm/model/layers/parallel.py`), with **T** tokens in the step, **S** rows of
+# logits (one per sequence that samples), itemsize 4 bytes (float32) and N ranks,
+# rank 0's collectives carry:
+#
+# | collective | how many | payload |
+# |---|---|---|
+# | embedding all-reduce | 1 | T × hidden × 4 |
+# | o_proj, down_proj all-reduces | 2 × layers | T × hidden × 4 each |
+# | logits gather to rank 0 | 1 | (N − 1) × S × ⌈vocab / N⌉ × 4 received |
+#
+# The engine counts the bytes it passes to each collective and stores the total of a
+# step in the trace as `collective_bytes`. The table, step by step:
+
+# %%
+itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+rows_per_rank = -(-V // TP)
+prompt_len = {o.request_id: len(o.prompt_token_ids) for o in three}
+done, table = {}, []
+for rec in tp.trace:
+    S = 0
+    for rid, (n, _) in rec.scheduled.items():
+        done[rid] = done.get(rid, 0) + n
+        S += done[rid] >= prompt_len[rid]  # this step reaches past the prompt: it samples
+    Tk = rec.num_batched_tokens
+    table.append({"embedding all-reduce": Tk * H * itemsize,
+                  f"{2 * L} layer all-reduces": 2 * L * Tk * H * itemsize,
+                  "logits gather": (TP - 1) * S * rows_per_rank * itemsize,
+                  "T": Tk, "S": S, "measured": int(rec.timings["collective_bytes"])})
+for i, row in enumerate(table[:3]):
+    print(f"step {i}: T={row['T']:3d} S={row['S']} measured {row['measured']:>10,} bytes")
+for row in table:
+    by_hand = sum(v for k, v in row.items() if k not in ("T", "S", "measured"))
+    assert row["measured"] == by_hand
+    assert by_hand == expected_collective_bytes(cfg, row["T"], TP, num_logits_rows=row["S"])
+
+# %% [markdown]
+# The last step's calls are still in rank 0's counter: one collective per row of the
+# table above.
+
+# %%
+print(collective_stats.calls, "collectives in the last step")
+assert collective_stats.calls == COLLECTIVES_PER_PASS
+assert collective_stats.bytes == table[-1]["measured"]
+
+# %%
+kinds = [k for k in table[0] if k not in ("T", "S", "measured")]
+fig = collective_bytes_figure(
+    [f"{i}: T={r['T']}" for i, r in enumerate(table)],
+    {k: [r[k] for r in table] for k in kinds}, [r["measured"] for r in table],
+    title=f"Bytes rank 0 exchanges per step, TP={TP}, by collective")
+fig
+
+# %% [markdown]
+# The first step is the prefill of both prompts: T is large and the layer all-reduces
+# dominate. In decode steps T = S = 2, and the one logits gather is almost as big as
+# all 61 all-reduces together: 2 × 2 × 16,384 floats received against 61 × 2 × 576. The
+# hidden state is small (576 numbers per token), the vocabulary is not.
+
+# %%
+decode = table[-1]
+share = decode["logits gather"] / decode["measured"]
+print(f"decode step: {decode['measured']:,} bytes, {share:.0%} of them logits")
+assert decode["T"] == decode["S"] == len(chats) and share > 0.4
+seconds = sum(r.timings["collective"] for r in tp.trace)
+forward = sum(r.timings["forward"] for r in tp.trace)
+print(f"time in collectives: {seconds:.2f} s of {forward:.2f} s forward (shared CPU cores)")
+
+# %% [markdown]
+# ## Shutting the workers down
+#
+# `shutdown()` sends the workers "stop" and waits for them (terminating any that does
+# not answer within 10 s). The worker processes are gone afterwards:
+
+# %%
+tp.shutdown()
+for r, proc in workers.items():
+    proc.wait(timeout=30)
+    print(f"rank {r} (pid {proc.pid}) exited with {proc.returncode}")
+    assert proc.returncode is not None and not psutil.pid_exists(proc.pid)
+left = [p for p in psutil.Process().children(recursive=True)
+        if "minivllm.worker.distributed" in " ".join(p.cmdline())]
+assert left == []
+assert not torch.distributed.is_initialized()
+
+# %% [markdown]
+# ## Summary
+#
+# - Column-parallel layers cut the output features: each rank computes its own slice,
+#   no communication. qkv is cut by heads, so attention runs on each rank alone.
+# - Row-parallel layers cut the input features: each rank's output is a partial sum,
+#   and an all-reduce adds the partials. Pairing them (column then row) costs one
+#   all-reduce per pair: two per decoder layer.
+# - With the vocabulary-split embedding and LM head, one forward pass of this engine
+#   makes 2 × layers + 1 all-reduces of T × hidden values and one gather of the logits.
+# - The result is the same model, up to float rounding: greedy tokens match TP=1.
+#
+# ## What to try next
+#
+# - Ask for `LLM(tensor_parallel_size=9)`: 9 query heads, but only 3 KV heads; read
+#   the README's rule for copying KV heads and check the KV cache shape of rank 0.
+# - Add more prompts: how do the all-reduce bytes and the gather bytes of a decode
+#   step grow with the number of sequences?
+# - Compute the table for an 8B model (hidden 4096, 32 layers, vocab 128,256, bfloat16)
+#   with `expected_collective_bytes`: which collective dominates a decode step there?
+# - `minivllm bench throughput --tensor-parallel-size 3` reports the collective bytes
+#   and seconds per step.
