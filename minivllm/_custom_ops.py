@@ -135,12 +135,14 @@ def matvec(x: torch.Tensor, weight: torch.Tensor,
 def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache,
                          sin_cache, k_caches, v_caches, weights, final_norm, num_heads: int,
                          num_kv_heads: int, head_dim: int, eps: float, scale: float,
-                         panel_max_rows: int) -> torch.Tensor:
-    """A whole Llama decode step (see ``llama_fused_decode.py``)."""
+                         panel_max_rows: int, lm_head=(),
+                         lm_head_panel_max_rows: int = 0) -> torch.Tensor:
+    """A whole Llama decode step (see ``llama_fused_decode.py``): the final hidden
+    states, or with ``lm_head`` (weight, panels, bias, packed) the logits."""
     return _lib().llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
                                        cos_cache, sin_cache, k_caches, v_caches, weights,
                                        final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
-                                       panel_max_rows)
+                                       panel_max_rows, list(lm_head), lm_head_panel_max_rows)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

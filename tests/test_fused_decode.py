@@ -13,6 +13,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm import _custom_ops as ops
 from minivllm.model.layers.prepack import PANEL_MAX_ROWS, prepack_model
+from minivllm.model.layers.vocab_embedding import ParallelLMHead
 
 pytestmark = pytest.mark.skipif(
     ops.cpu_kernels_problem() is not None or not ops.packed_linear_available(),
@@ -52,6 +53,7 @@ def test_fused_decode_equals_python_layers(tiny_model, family, dtype, batch):
     prompts = PROMPTS[:batch] if batch <= len(PROMPTS) else MANY[:batch]
     got = _generate(llm, prompts)
     assert fused.steps >= 11  # every decode step of that run went through C++
+    assert fused.head_steps == fused.steps  # with the LM head: every sequence samples
     inner.fused_decode = None
     expected = _generate(llm, prompts)
     assert got == expected  # tokens and logprobs, exactly
@@ -84,6 +86,40 @@ def test_fused_decode_hidden_states_match_bitwise(tiny_model):
         python = inner(ids, pos, meta, observer=lambda i, h: None)  # an observer: Python
     assert torch.equal(fused, python)
     assert all(torch.equal(a, k) for a, k in zip(after_fused, k_caches))
+
+
+@pytest.mark.parametrize("batch", [1, 5, ParallelLMHead.panel_max_rows,
+                                   ParallelLMHead.panel_max_rows + 1])
+def test_fused_decode_logits_match_the_lm_head_bitwise(tiny_model, batch):
+    """With the LM head in the call, the logits are compute_logits' of the Python
+    layers' hidden states, bit for bit: in the parallel region for one row (matvec)
+    and up to the head's panel_max_rows (panel GEMM), after it beyond (MKL)."""
+    from minivllm.model.attention import AttentionMetadata
+
+    llm = LLM(tiny_model("llama"))
+    runner = llm.llm_engine.engine_core.executor.runner
+    model, inner = runner.model, _inner(llm)
+    bs = runner.block_size
+    # Sequence i: block i, one cached token (slot 0, left as the cache holds it), the
+    # new token at position 1.
+    ids = torch.tensor([(11 * i) % 200 + 3 for i in range(batch)])
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        seq_lens=torch.full((batch,), 2, dtype=torch.int32),
+        slot_mapping=torch.arange(batch) * bs + 1,
+        block_tables=torch.arange(batch, dtype=torch.int32)[:, None],
+        max_query_len=1, max_seq_len=2, query_start_loc_cpu=list(range(batch + 1)),
+        seq_lens_cpu=[2] * batch)
+    pos = torch.ones(batch, dtype=torch.int64)
+    with torch.inference_mode():
+        assert inner.fused_decode.accepts(ids, meta)
+        got = inner.fused_decode.logits(ids, pos, meta)
+        expected = model.compute_logits(inner(ids, pos, meta, observer=lambda i, h: None))
+        step = model.compute_step_logits(ids, pos, meta, torch.arange(batch))
+    assert got.shape == (batch, model.config.vocab_size)
+    assert torch.equal(got, expected)
+    assert torch.equal(step, expected)
+    assert inner.fused_decode.head_steps == 2
 
 
 @pytest.mark.parametrize("batch", [1, 5])  # matvec; the panel GEMM
@@ -138,6 +174,12 @@ def test_decode_forward_names_bad_weight_lists():
                                  torch.zeros(1, dtype=torch.int64), one[None], one,
                                  torch.zeros(4, 8), torch.zeros(4, 8), [cache], [cache],
                                  [torch.zeros(8)], torch.zeros(8), 1, 1, 8, 1e-6, 1.0, 64)
+    with pytest.raises(RuntimeError, match="lm_head must be empty or hold 4 tensors"):
+        ops.llama_decode_forward(hidden, torch.zeros(1, dtype=torch.int64),
+                                 torch.zeros(1, dtype=torch.int64), one[None], one,
+                                 torch.zeros(4, 8), torch.zeros(4, 8), [cache], [cache],
+                                 [torch.zeros(8)] * 18, torch.zeros(8), 1, 1, 8, 1e-6, 1.0, 64,
+                                 [torch.zeros(4, 8)], 48)
 
 
 def test_one_token_prefill_without_cache_slots_takes_the_python_layers(tiny_model):

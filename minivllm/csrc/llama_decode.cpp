@@ -22,6 +22,8 @@
 #include <omp.h>
 
 #include <atomic>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -170,24 +172,23 @@ struct Linear {
   const float *weight, *panels, *bias;
   int64_t in, out;
 
-  Linear(const at::Tensor* w, int64_t in_features, int64_t out_features, const char* name,
-         int64_t layer)
+  // `what` names the layer in error messages ("layer 3 qkv_proj", "lm_head").
+  Linear(const at::Tensor* w, int64_t in_features, int64_t out_features, const std::string& what)
       : in(in_features), out(out_features) {
     const int64_t panel_count = (out + slice::panel_width - 1) / slice::panel_width;
     TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[0].is_contiguous() &&
                     w[0].sizes() == at::IntArrayRef({out, in}),
-                "llama_decode_forward: layer ", layer, " ", name,
-                " weight must be contiguous float32 [", out, ", ", in, "], got ",
-                w[0].scalar_type(), " ", w[0].sizes());
+                "llama_decode_forward: ", what, " weight must be contiguous float32 [", out,
+                ", ", in, "], got ", w[0].scalar_type(), " ", w[0].sizes());
     TORCH_CHECK(w[1].scalar_type() == at::kFloat && w[1].is_contiguous() &&
                     w[1].sizes() == at::IntArrayRef({panel_count, in, slice::panel_width}),
-                "llama_decode_forward: layer ", layer, " ", name,
-                " panels must be pack_linear_weight's float32 [", panel_count, ", ", in, ", ",
-                slice::panel_width, "], got ", w[1].scalar_type(), " ", w[1].sizes());
+                "llama_decode_forward: ", what, " panels must be pack_linear_weight's float32 [",
+                panel_count, ", ", in, ", ", slice::panel_width, "], got ", w[1].scalar_type(),
+                " ", w[1].sizes());
     TORCH_CHECK(w[2].numel() == 0 || (w[2].scalar_type() == at::kFloat && w[2].is_contiguous() &&
                                       w[2].sizes() == at::IntArrayRef({out})),
-                "llama_decode_forward: layer ", layer, " ", name,
-                " bias must be empty or float32 [", out, "], got ", w[2].sizes());
+                "llama_decode_forward: ", what, " bias must be empty or float32 [", out,
+                "], got ", w[2].sizes());
     weight = w[0].data_ptr<float>();
     panels = w[1].data_ptr<float>();
     bias = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
@@ -253,8 +254,9 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
                                 const at::Tensor& cos_cache,
                                 const at::Tensor& sin_cache, at::TensorList k_caches,
                                 at::TensorList v_caches, at::TensorList weights,
-                                const at::Tensor& final_norm, int64_t heads, int64_t kv_heads,
-                                int64_t dim, float eps, float scale) {
+                                const at::Tensor& final_norm, at::TensorList lm_head,
+                                int64_t heads, int64_t kv_heads, int64_t dim, float eps,
+                                float scale) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t T = hidden.size(0), E = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
@@ -288,11 +290,17 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
     check_f32(w[9], {E}, "post_attention_layernorm weight");
     in_norm.push_back(f32(w[0]));
     post_norm.push_back(f32(w[9]));
-    qkv.emplace_back(w + 1, E, qkv_size, "qkv_proj", i);
-    o.emplace_back(w + 5, q_size, E, "o_proj", i);
-    gate_up.emplace_back(w + 10, E, 2 * inter, "gate_up_proj", i);
-    down.emplace_back(w + 14, inter, E, "down_proj", i);
+    const std::string layer = "layer " + std::to_string(i) + " ";
+    qkv.emplace_back(w + 1, E, qkv_size, layer + "qkv_proj");
+    o.emplace_back(w + 5, q_size, E, layer + "o_proj");
+    gate_up.emplace_back(w + 10, E, 2 * inter, layer + "gate_up_proj");
+    down.emplace_back(w + 14, inter, E, layer + "down_proj");
   }
+  // The LM head, when given, is the step's last product: logits without
+  // leaving the region (for one row, the Python and thread wake-up around a
+  // separate call were about 0.3 ms of a 22 ms step).
+  std::optional<Linear> head;
+  if (!lm_head.empty()) head.emplace(lm_head.data(), E, lm_head[0].size(0), "lm_head");
   auto options = hidden.options();
   at::Tensor x = at::empty({T, E}, options), h = at::empty({T, E}, options);
   at::Tensor qkv_out = at::empty({T, qkv_size}, options), attn = at::empty({T, q_size}, options);
@@ -305,12 +313,14 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float *cos = f32(cos_cache), *sin = f32(sin_cache), *final_w = f32(final_norm);
-  float* outp = f32(out);
+  at::Tensor logits = head ? at::empty({T, head->out}, options) : at::Tensor();
+  float *outp = f32(out), *logitsp = head ? f32(logits) : nullptr;
   const int64_t block_size = cache_shape[1], width = block_tables.size(1);
   SpinBarrier barrier;
-  // 5 jobs a layer: 4 products and the attention. (Should OpenMP start fewer
-  // threads than asked for, the shares of the missing ones are taken as leftovers.)
-  SharedWork work(5 * layers, at::get_num_threads());
+  // 5 jobs a layer: 4 products and the attention; then the LM head. (Should
+  // OpenMP start fewer threads than asked for, the shares of the missing ones
+  // are taken as leftovers.)
+  SharedWork work(5 * layers + 1, at::get_num_threads());
 #pragma omp parallel num_threads(work.threads())
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -351,28 +361,38 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       barrier.wait();
     }
     slice::rms_norm(hp, E, res, final_w, outp, E, eps, rows.begin, rows.end);
+    if (head) {
+      barrier.wait();
+      head->run(outp, T, logitsp, work, 5 * layers, t);
+    }
   }
-  return out;
+  return head ? logits : out;
 }
 
 }  // namespace
 
 // hidden [T, E]: the step's token embeddings, one token per sequence (it is
 // used as the residual stream and changed in place). Returns the final
-// norm's output [T, E]. The caches, block tables and slots are those of the
-// attention layers; cos_cache / sin_cache are RotaryEmbedding's tables;
-// panel_max_rows is prepack.PANEL_MAX_ROWS.
+// norm's output [T, E], or with lm_head (its 4 tensors, as a linear layer's
+// above) the logits [T, vocab rows]. The caches, block tables and slots are
+// those of the attention layers; cos_cache / sin_cache are RotaryEmbedding's
+// tables; panel_max_rows is prepack.PANEL_MAX_ROWS, lm_head_panel_max_rows
+// the LM head's PackedWeight.panel_max_rows.
 at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 at::Tensor slot_mapping, at::Tensor block_tables,
                                 at::Tensor seq_lens, at::Tensor cos_cache, at::Tensor sin_cache,
                                 at::TensorList k_caches, at::TensorList v_caches,
                                 at::TensorList weights, at::Tensor final_norm,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                double eps, double scale, int64_t panel_max_rows) {
+                                double eps, double scale, int64_t panel_max_rows,
+                                at::TensorList lm_head, int64_t lm_head_panel_max_rows) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
               "llama_decode_forward: need one K and one V cache per layer, got ",
               k_caches.size(), " and ", v_caches.size());
+  TORCH_CHECK(lm_head.empty() || static_cast<int64_t>(lm_head.size()) == kTensorsPerLinear,
+              "llama_decode_forward: lm_head must be empty or hold ", kTensorsPerLinear,
+              " tensors (weight, panels, bias, packed), got ", lm_head.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kTensorsPerLayer,
               "llama_decode_forward: weights must hold ", kTensorsPerLayer,
               " tensors per layer (", layers * kTensorsPerLayer, "), got ", weights.size());
@@ -384,11 +404,18 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
               seq_lens.size(0), " sequences");
   const int64_t tokens = hidden.size(0);
   if (hidden.scalar_type() == at::kFloat && packed_linear_available() && all_panels(weights) &&
-      tokens <= panel_max_rows)
-    return decode_in_one_region(hidden, positions, slot_mapping, block_tables, seq_lens,
-                                cos_cache, sin_cache, k_caches, v_caches, weights, final_norm,
-                                num_heads, num_kv_heads, head_dim, static_cast<float>(eps),
-                                static_cast<float>(scale));
+      tokens <= panel_max_rows) {
+    // The LM head joins the region when its product is also the panel kernel's
+    // (or matvec's) at this many rows; otherwise it runs after it.
+    const bool head_inside = !lm_head.empty() && lm_head[1].numel() > 0 &&
+                             tokens <= lm_head_panel_max_rows;
+    at::Tensor out = decode_in_one_region(
+        hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache, sin_cache, k_caches,
+        v_caches, weights, final_norm, head_inside ? lm_head : at::TensorList(), num_heads,
+        num_kv_heads, head_dim, static_cast<float>(eps), static_cast<float>(scale));
+    if (head_inside || lm_head.empty()) return out;
+    return linear(out, lm_head.data(), lm_head_panel_max_rows);
+  }
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor residual = hidden, h;
   for (int64_t i = 0; i < layers; ++i) {
@@ -407,7 +434,8 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     x = fused_add_rms_norm(h, residual, w[9], eps);
     h = linear(silu_and_mul(linear(x, w + 10, panel_max_rows)), w + 14, panel_max_rows);
   }
-  return fused_add_rms_norm(h, residual, final_norm, eps);
+  at::Tensor out = fused_add_rms_norm(h, residual, final_norm, eps);
+  return lm_head.empty() ? out : linear(out, lm_head.data(), lm_head_panel_max_rows);
 }
 
 }  // namespace minivllm
@@ -417,7 +445,7 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor cos_cache, Tensor sin_cache, "
         "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] weights, Tensor final_norm, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int panel_max_rows) -> Tensor");
+        "int panel_max_rows, Tensor[] lm_head, int lm_head_panel_max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {

@@ -160,8 +160,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the flat batch -> logits of the sampling rows only."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.model.compute_step_logits(inputs.input_ids, inputs.positions, inputs.meta,
+                                              inputs.logits_indices)
 
     def execute_model(self, so: SchedulerOutput, forward_fn=None) -> ModelRunnerOutput:
         """Prepare, run (``forward_fn`` lets a TP executor fan the inputs out), sample."""

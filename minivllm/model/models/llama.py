@@ -158,11 +158,32 @@ class LlamaForCausalLM(nn.Module):
         gathered on rank 0 and the other ranks get None."""
         return self.lm_head.compute_logits(hidden)
 
+    def compute_step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                            meta: AttentionMetadata,
+                            logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """One step, model and LM head: the logits of the flat batch's rows
+        ``logits_indices`` (None on ranks other than 0, as ``compute_logits``).
+
+        A pure decode step that samples every sequence runs both in one C++
+        call (llama_fused_decode.py).
+        """
+        fused = self.model.fused_decode
+        # The sampled rows are distinct and in order, so as many as there are
+        # tokens means all of them.
+        if (fused is not None and logits_indices.numel() == input_ids.shape[0]
+                and fused.accepts(input_ids, meta)):
+            logits = fused.logits(input_ids, positions, meta)
+            if logits is not None:
+                return logits
+        hidden = self(input_ids, positions, meta)
+        return self.compute_logits(hidden[logits_indices])
+
     def enable_fused_decode(self) -> Optional[str]:
         """Run pure decode steps as one C++ call (after prepacking); returns why
         not, or None when enabled. See llama_fused_decode.py."""
         problem = fused_decode_problem(self.model)
-        self.model.fused_decode = LlamaFusedDecode(self.model) if problem is None else None
+        self.model.fused_decode = (LlamaFusedDecode(self.model, self.lm_head)
+                                   if problem is None else None)
         return problem
 
     def attention_layers(self) -> list[Attention]:

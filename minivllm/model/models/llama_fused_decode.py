@@ -25,6 +25,13 @@ observing the layers. Everything else (prefill, mixed steps, tensor
 parallelism) runs the Python layers. ``MINIVLLM_FUSED_DECODE=0`` turns it
 off (for A/B runs).
 
+When the step samples every sequence (a pure decode step always does), the
+LM head runs in the same call: ``logits`` returns the vocabulary scores
+straight away, and for up to the head's own ``panel_max_rows`` sequences
+its product is the region's last piece of work. For one stream that saves
+the Python and the thread wake-up of a separate call, about 0.3 ms of a
+22 ms step on the 2-core CPU.
+
 The weights are captured when it is built (after prepacking); if the layers
 are repacked or unpacked later it notices and stands aside.
 """
@@ -54,8 +61,8 @@ def _linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
     """weight, float32 panels, bias, the GEMM library's packed copy (as the C++ reads them)."""
     packed = layer.packed_weight
     panels = packed.panels if packed.panels is not None else _NONE
-    bias = layer.bias if layer.bias is not None else _NONE
-    return [layer.weight, panels, bias, packed.gemm]
+    bias = getattr(layer, "bias", None)  # (an LM head has none)
+    return [layer.weight, panels, bias if bias is not None else _NONE, packed.gemm]
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
@@ -97,16 +104,22 @@ def fused_decode_problem(model: nn.Module) -> Optional[str]:
 class LlamaFusedDecode:
     """Runs a LlamaModel's pure decode steps through ``llama_decode_forward``."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, lm_head: Optional[nn.Module] = None) -> None:
         self.model = model
         self.weights = [t for layer in model.layers for t in _layer_tensors(layer)]
         self.packed = [lin.packed_weight for lin in _linears(model)]
+        # The LM head, if it is packed (else ``logits`` leaves it to the caller's
+        # compute_logits and returns None).
+        self.lm_head = lm_head if getattr(lm_head, "packed_weight", None) is not None else None
+        self.head_tensors = _linear_tensors(self.lm_head) if self.lm_head is not None else []
+        self.head_packed = self.lm_head.packed_weight if self.lm_head is not None else None
         first = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim, self.scale = first.head_dim, first.attn.scale
         self.eps = model.norm.eps
         self.rotary = first.rotary_emb
         self.steps = 0  # decode steps taken here (the tests check the path is used)
+        self.head_steps = 0  # of which with the LM head
         self._caches: Optional[tuple[list, list]] = None
         self._first_attn = first.attn
 
@@ -122,14 +135,29 @@ class LlamaFusedDecode:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states [T, hidden] of an accepted step."""
+        return self._run(input_ids, positions, meta, head=False)
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """Every sequence's logits [T, vocab_size] of an accepted step, or None
+        when the LM head is not packed (then: compute_logits on ``__call__``'s)."""
+        if self.lm_head is None or self.lm_head.packed_weight is not self.head_packed:
+            return None
+        return self._run(input_ids, positions, meta, head=True)[:, :self.lm_head.vocab_size]
+
+    def _run(self, input_ids, positions, meta, head: bool) -> torch.Tensor:
         k_caches, v_caches = self._caches
         hidden = self.model.embed_tokens(input_ids)
         self.steps += 1
+        self.head_steps += head
         return ops.llama_decode_forward(
             hidden, positions, meta.slot_mapping, meta.block_tables.to(torch.int32),
             meta.seq_lens.to(torch.int32), self.rotary.cos_cache, self.rotary.sin_cache,
             k_caches, v_caches, self.weights, self.model.norm.weight, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.eps, self.scale, PANEL_MAX_ROWS)
+            self.num_kv_heads, self.head_dim, self.eps, self.scale, PANEL_MAX_ROWS,
+            self.head_tensors if head else [],
+            self.head_packed.panel_max_rows if head else 0)
 
     def _caches_bound(self) -> bool:
         """The attention layers' KV caches (re-read when the runner rebinds them)."""
