@@ -4,7 +4,9 @@ They differ in three switches of ``ModelConfig`` (``attention_bias``,
 ``qk_norm``, ``tie_word_embeddings``), so one implementation serves all.
 The model takes one flat batch of tokens — no batch dimension, no padding —
 and returns hidden states; ``compute_logits`` turns only the rows that
-sample into vocabulary scores.
+sample into vocabulary scores. The model runner calls both through
+``compute_step_logits``, which lets a pure decode step run them as one C++
+call.
 """
 
 from __future__ import annotations
