@@ -34,24 +34,21 @@
 
 # %%
 import asyncio
-import atexit
 import json
 import os
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from contextlib import aclosing
-from pathlib import Path
 
+import psutil
 from openai import OpenAI
 
 from minivllm import SamplingParams
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.detokenizer import REPLACEMENT_CHAR
+from minivllm.entrypoints.launch import ServerProcess
 from minivllm.model.loader import DEFAULT_MODEL_NAME
 from minivllm.sampling_params import RequestOutputKind
 from minivllm.viz.bars import line_chart
@@ -60,60 +57,13 @@ from minivllm.viz.sequence import attach_message_log, sequence_figure
 
 # %% [markdown]
 # The real server takes a while to load the model, so we start it now, as chapter 1
-# does: `minivllm serve` on a free port, as a subprocess that is stopped (SIGTERM, as
-# Ctrl-C would) when this notebook's kernel exits, even if a cell fails.
+# does: `minivllm serve` on a free port, as a subprocess. `ServerProcess`
+# (`minivllm/entrypoints/launch.py`) does chapter 1's steps: it stops the server
+# (SIGTERM, as Ctrl-C would) when this notebook's kernel exits, even if a cell fails.
 
 # %%
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-port = free_port()
-script = Path(sys.executable).with_name("minivllm")
-launcher = ([str(script)] if script.exists()
-            else [sys.executable, "-m", "minivllm.entrypoints.cli"])
-command = [*launcher, "serve", "--port", str(port), "--num-kv-blocks", "256",
-           "--uvicorn-log-level", "warning"]
-server_log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
-
-
-def stop_server() -> None:
-    if server.poll() is None:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    if not server_log.closed:
-        server_log.close()
-        os.unlink(server_log.name)
-
-
-atexit.register(stop_server)
-
-
-def wait_until_healthy(url: str, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            server_log.seek(0)
-            raise RuntimeError(f"the server exited with {server.returncode}:\n"
-                               + server_log.read()[-3000:])
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
-
-
-print(" ".join(["minivllm", *command[len(launcher):]]), "-> pid", server.pid)
+server = ServerProcess("--num-kv-blocks", "256")
+print(server.command, "-> pid", server.pid)
 
 # %% [markdown]
 # ## The two sides, in this notebook
@@ -152,12 +102,12 @@ os.kill(core_pid, 0)  # raises if there is no such process
 # that the two engines do not compete for the CPU while we time messages.
 
 # %%
-base = f"http://127.0.0.1:{port}"
+base = server.url
 engine.start()  # the API side's output handler, on this notebook's event loop
 warm_up = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
 async for _ in engine.generate(warm_up, SamplingParams(max_tokens=4), "warm-up"):
     pass
-wait_until_healthy(base + "/health")
+server.wait_until_healthy()
 log = attach_message_log(engine)
 
 # %% [markdown]
@@ -262,19 +212,11 @@ print(f"after the last step: {outs[-1].num_running} running, KV usage {outs[-1].
 # core process exits.
 
 # %%
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
-    while process_exists(pid) and time.monotonic() < deadline:
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not process_exists(pid)
+    return not psutil.pid_exists(pid)
 
 
 engine.shutdown()
@@ -298,7 +240,7 @@ stats = get_json("/stats")
 server_core = stats["engine_pid"]
 print(f"API server pid {server.pid}, its engine core pid {server_core}, "
       f"{stats['num_blocks']} KV blocks")
-assert server_core != server.pid and process_exists(server_core)
+assert server_core != server.pid and psutil.pid_exists(server_core)
 
 # %% [markdown]
 # Student A's question again, streamed through HTTP with the OpenAI client. The
@@ -420,13 +362,13 @@ fig
 # stops its engine core and exits. Both processes are gone, and the port is free again.
 
 # %%
-stop_server()
-print("server exit code", server.returncode)
-assert server.returncode is not None and wait_gone(server_core)
+exit_code = server.stop()
+print("server exit code", exit_code)
+assert exit_code is not None and wait_gone(server_core)
 with socket.socket() as sock:
     # SO_REUSEADDR: closed connections may linger in TIME_WAIT; a listener may not
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
+    sock.bind(("127.0.0.1", server.port))
     sock.listen()  # raises if anything still listens there
 
 # %% [markdown]

@@ -37,16 +37,9 @@
 
 # %%
 import argparse
-import atexit
 import math
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
-from pathlib import Path
 
 import torch
 
@@ -57,6 +50,7 @@ from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
 from minivllm.benchmarks.serve import (add_cli_args, benchmark, build_payloads,
                                        compute_metrics, poisson_delays)
 from minivllm.benchmarks.throughput import min_forward_passes
+from minivllm.entrypoints.launch import ServerProcess
 from minivllm.model.loader import DEFAULT_MODEL_NAME
 from minivllm.viz.bars import component_bars
 from minivllm.viz.export import save_key_figure
@@ -71,15 +65,9 @@ N, MAX_TOKENS = 8, 16  # the shared workload: 8 chat requests, 16 output tokens 
 # caching is off in both, so that repeated runs of the same prompts compute them again.
 
 # %%
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-server_log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-server = subprocess.Popen(
-    [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port", str(port),
-     "--num-kv-blocks", "64", "--no-enable-prefix-caching", "--uvicorn-log-level", "warning"],
-    stdout=server_log, stderr=subprocess.STDOUT)
-atexit.register(server.kill)  # no server outlives this kernel, even if a cell fails
+# ServerProcess (minivllm/entrypoints/launch.py): `minivllm serve` on a free port, stopped
+# when this kernel exits, even if a cell fails.
+server = ServerProcess("--num-kv-blocks", "64", "--no-enable-prefix-caching")
 llm = LLM(trace=True, enable_prefix_caching=False)
 engine = llm.llm_engine
 
@@ -88,18 +76,8 @@ engine = llm.llm_engine
 # loading, so we wait until it answers `/health`.
 
 # %%
-base = f"http://127.0.0.1:{port}"
-for _ in range(600):
-    assert server.poll() is None, Path(server_log.name).read_text()[-2000:]
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=2) as r:
-            if r.status == 200:
-                break
-    except OSError:
-        time.sleep(0.5)
-else:
-    raise TimeoutError("the server did not become healthy in 5 minutes")
-print("server healthy")
+base = server.url
+print(f"server healthy after {server.wait_until_healthy():.0f} s")
 
 # %% [markdown]
 # ## One request's timestamps
@@ -251,10 +229,7 @@ for label, rate in RATES.items():
     if schedule > 0:
         assert sm.output_throughput <= N * MAX_TOKENS / schedule
         print(f"{label}: {sm.output_throughput:.1f} <= {N * MAX_TOKENS / schedule:.1f} tok/s")
-server.terminate()
-server.wait(timeout=60)
-server_log.close()
-Path(server_log.name).unlink()
+server.stop()
 
 # %% [markdown]
 # ## The batch-size trade-off

@@ -614,3 +614,17 @@ def test_sigterm_stops_everything(server):
     # The open stream was ended properly: its request aborted, then [DONE].
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"
+
+
+def test_launcher_reports_a_server_that_exits_and_cleans_up():
+    """minivllm.entrypoints.launch (the book's servers): a server that dies at start
+    is reported with its exit code and its log, and stop() leaves no log file behind."""
+    from minivllm.entrypoints.launch import ServerProcess as Launched
+
+    server = Launched("--no-such-flag")
+    with pytest.raises(RuntimeError, match=r"exited with 2:(.|\n)*--no-such-flag"):
+        server.wait_until_healthy(timeout_s=120)
+    log = server.log_path
+    assert server.stop() == 2
+    assert not log.exists()
+    assert server.stop() == 2  # a second stop is harmless
