@@ -14,7 +14,7 @@ pytest.importorskip("plotly")
 
 from minivllm.trace import StepRecord  # noqa: E402
 from minivllm.viz import export  # noqa: E402
-from minivllm.viz.bars import component_bars, line_chart, topk_bars  # noqa: E402
+from minivllm.viz.bars import component_bars, line_chart, stacked_bars, topk_bars  # noqa: E402
 from minivllm.viz.heatmap import attention_heatmap  # noqa: E402
 from minivllm.viz.labels import unique_labels, visible  # noqa: E402
 from minivllm.viz.timeline import (Span, request_timeline, spans_from_steps,  # noqa: E402
@@ -249,6 +249,22 @@ def test_component_bars_values_and_shares():
     assert list(unsorted.data[0].y) == ["b", "a"] and "%" not in unsorted.data[0].text[0]
     with pytest.raises(ValueError, match="negative"):
         component_bars({"a": -1.0}, "t")
+
+
+def test_stacked_bars_lines_on_a_second_axis_markers_on_the_first():
+    parts = {"cached": [0, 32, 48], "computed": [40, 12, 4]}
+    total = [sum(v) for v in zip(*parts.values())]
+    fig = stacked_bars(["t1", "t2", "t3"], parts, "t", "tokens", x_name="turns",
+                       lines={"TTFT": [0.5, 0.2, 0.1]}, y2_title="s",
+                       markers={"measured": total}, fmt=str)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [b.name for b in bars] == ["cached", "computed"] and fig.layout.barmode == "stack"
+    assert list(bars[1].text) == ["40", "12", "4"]
+    line, marker = [t for t in fig.data if t.type == "scatter"]
+    assert line.yaxis == "y2" and fig.layout.yaxis2.overlaying == "y"
+    assert marker.yaxis in (None, "y") and list(marker.y) == [40, 44, 52]
+    with pytest.raises(ValueError, match="'TTFT' has 1 values for 3 turns"):
+        stacked_bars(["t1", "t2", "t3"], parts, "t", "y", x_name="turns", lines={"TTFT": [1]})
 
 
 def test_line_chart_one_trace_per_series():

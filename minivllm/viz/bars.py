@@ -5,6 +5,9 @@
   component, bytes per token), each bar labelled with its value and share.
 - ``line_chart``: one line per series over a common x (step time vs context
   length, error per layer).
+- ``stacked_bars``: several quantities stacked per x (cached and computed
+  tokens per turn, bytes per step by collective), optionally with lines on a
+  second axis or markers on the bars' own.
 """
 
 from __future__ import annotations
@@ -80,4 +83,48 @@ def line_chart(x: Sequence[float], series: Mapping[str, Sequence[float]], title:
     fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title,
                       yaxis_type="log" if log_y else "linear", height=450,
                       margin=dict(l=10, r=10, t=50, b=10))
+    return fig
+
+
+def stacked_bars(x: Sequence[str], stacks: Mapping[str, Sequence[float]], title: str,
+                 y_title: str, *, x_title: str = "", x_name: str = "points",
+                 lines: Optional[Mapping[str, Sequence[float]]] = None, y2_title: str = "",
+                 markers: Optional[Mapping[str, Sequence[float]]] = None,
+                 colors: Optional[Mapping[str, str]] = None,
+                 fmt: Optional[Callable[[float], str]] = None) -> go.Figure:
+    """One bar trace per ``stacks`` entry, stacked at each ``x``.
+
+    ``lines`` are drawn against a second y axis (another unit, e.g. TTFT next
+    to token counts); ``markers`` against the bars' axis (e.g. a measured
+    total over the parts it should add up to). ``fmt`` labels each bar with
+    its value. ``x_name`` names the x values in errors ("turns", "steps").
+    """
+    if not x:
+        raise ValueError(f"no {x_name} given: nothing to draw")
+    if not stacks:
+        raise ValueError("stacks is empty: give at least one series of bars")
+    for name, ys in {**stacks, **(lines or {}), **(markers or {})}.items():
+        if len(ys) != len(x):
+            raise ValueError(f"series {name!r} has {len(ys)} values for {len(x)} {x_name}")
+    colors = dict(colors or {})
+    fig = go.Figure([go.Bar(name=name, x=list(x), y=list(ys), marker_color=colors.get(name),
+                            text=[fmt(v) for v in ys] if fmt else None, textposition="inside",
+                            hovertemplate=f"%{{x}}: {name} %{{y:,}}<extra></extra>")
+                     for name, ys in stacks.items()])
+    for name, ys in (lines or {}).items():
+        fig.add_trace(go.Scatter(name=name, x=list(x), y=list(ys), mode="lines+markers",
+                                 yaxis="y2", line=dict(color=colors.get(name), width=2),
+                                 hovertemplate=f"%{{x}}: {name} %{{y:,.3~f}}<extra></extra>"))
+    for name, ys in (markers or {}).items():
+        fig.add_trace(go.Scatter(name=name, x=list(x), y=list(ys), mode="markers",
+                                 marker=dict(symbol="diamond", size=11,
+                                             color=colors.get(name, "black")),
+                                 hovertemplate=f"%{{x}}: {name} %{{y:,}}<extra></extra>"))
+    layout = dict(barmode="stack", title=title, yaxis_title=y_title, xaxis_title=x_title or None,
+                  height=450, legend=dict(orientation="h", y=-0.2),
+                  margin=dict(l=10, r=10, t=50, b=10))
+    if lines:
+        layout["yaxis2"] = dict(title=y2_title, overlaying="y", side="right", rangemode="tozero",
+                                showgrid=False)
+    fig.update_layout(**layout)
     return fig

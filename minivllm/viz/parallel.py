@@ -19,6 +19,8 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
+from minivllm.viz.bars import stacked_bars
+
 RANK_COLORS = ("#3182bd", "#e6550d", "#31a354", "#756bb1", "#e7ba52", "#d6616b",
                "#17becf", "#8c6d31")
 KINDS = ("column", "row")
@@ -135,24 +137,8 @@ def collective_bytes_figure(labels: Sequence[str], parts: Mapping[str, Sequence[
 
     ``labels`` names the steps; each of ``parts`` and ``measured`` has one value per step.
     """
-    if not labels:
-        raise ValueError("labels is empty: give at least one step")
-    if not parts:
-        raise ValueError("parts is empty: give at least one collective kind")
     for name, values in list(parts.items()) + [("measured", measured)]:
-        if len(values) != len(labels):
-            raise ValueError(f"{name!r} has {len(values)} values for {len(labels)} steps")
         if any(v < 0 for v in values):
             raise ValueError(f"{name!r} has negative byte counts")
-    x = list(labels)
-    fig = go.Figure([go.Bar(name=name, x=x, y=list(values),
-                            hovertemplate=f"{name}: %{{y:,}} bytes<extra></extra>")
-                     for name, values in parts.items()])
-    fig.add_trace(go.Scatter(name="measured by the engine", x=x, y=list(measured),
-                             mode="markers", marker=dict(symbol="diamond", size=11,
-                                                         color="black"),
-                             hovertemplate="measured: %{y:,} bytes<extra></extra>"))
-    fig.update_layout(title=title, barmode="stack", height=440,
-                      yaxis_title="payload bytes (rank 0)", xaxis_title="engine step",
-                      margin=dict(l=10, r=10, t=50, b=10))
-    return fig
+    return stacked_bars(labels, parts, title, "payload bytes (rank 0)", x_title="engine step",
+                        x_name="steps", markers={"measured by the engine": measured})

@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import plotly.graph_objects as go
 
 from minivllm.engine.kv_cache_manager import hash_request_tokens
+from minivllm.viz.bars import stacked_bars
 
 STATUS_COLORS = {"hit": "#41ab5d", "computed": "#fd8d3c", "tail": "#d9d9d9"}
 STATUS_NAMES = {"hit": "full block, hash found in the cache: K/V reused",
@@ -151,32 +152,9 @@ def turn_bars_figure(turns: Sequence[str], stacks: Mapping[str, Sequence[float]]
                      lines: Optional[Mapping[str, Sequence[float]]] = None,
                      y2_title: str = "", colors: Optional[Mapping[str, str]] = None,
                      fmt: Callable[[float], str] = lambda v: f"{v:,.0f}") -> go.Figure:
-    """Stacked bars per turn (one trace per ``stacks`` entry), optional lines on a right axis."""
-    if not turns:
-        raise ValueError("turns is empty: nothing to draw")
-    if not stacks:
-        raise ValueError("stacks is empty: give at least one series of bars")
-    for name, ys in {**stacks, **(lines or {})}.items():
-        if len(ys) != len(turns):
-            raise ValueError(f"series {name!r} has {len(ys)} values for {len(turns)} turns")
-    colors = dict(colors or {})
-    fig = go.Figure()
-    for name, ys in stacks.items():
-        fig.add_trace(go.Bar(name=name, x=list(turns), y=list(ys),
-                             text=[fmt(v) for v in ys], textposition="inside",
-                             marker_color=colors.get(name),
-                             hovertemplate=f"%{{x}}: {name} %{{y}}<extra></extra>"))
-    for name, ys in (lines or {}).items():
-        fig.add_trace(go.Scatter(name=name, x=list(turns), y=list(ys), mode="lines+markers",
-                                 yaxis="y2", line=dict(color=colors.get(name), width=2),
-                                 hovertemplate=f"%{{x}}: {name} %{{y:,.3~f}}<extra></extra>"))
-    layout = dict(barmode="stack", title=title, yaxis_title=y_title, height=450,
-                  legend=dict(orientation="h", y=-0.2), margin=dict(l=10, r=10, t=50, b=10))
-    if lines:
-        layout["yaxis2"] = dict(title=y2_title, overlaying="y", side="right", rangemode="tozero",
-                                showgrid=False)
-    fig.update_layout(**layout)
-    return fig
+    """Stacked bars per turn, each labelled with its value; optional lines on a right axis."""
+    return stacked_bars(turns, stacks, title, y_title, x_name="turns", lines=lines,
+                        y2_title=y2_title, colors=colors, fmt=fmt)
 
 
 __all__ = ["ChainRow", "chain_rows", "short_hash", "hash_chain_figure", "turn_bars_figure",
