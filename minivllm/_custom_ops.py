@@ -117,13 +117,16 @@ def packed_linear_available() -> bool:
     return _lib().packed_linear_available()
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    return _lib().pack_linear_weight(weight)
+def pack_linear_weight(weight: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """The panels of ``packed_linear``; ``halves``: for a [gate; up] weight, each
+    panel holds 16 gate columns and the same 16 up columns (out % 32 == 0)."""
+    return _lib().pack_linear_weight(weight, halves)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _lib().packed_linear(x, packed, out_features, bias)
+                  bias: Optional[torch.Tensor] = None, halves: bool = False) -> torch.Tensor:
+    """``F.linear`` through panels; ``halves`` as they were packed (same output)."""
+    return _lib().packed_linear(x, packed, out_features, bias, halves)
 
 
 def matvec(x: torch.Tensor, weight: torch.Tensor,
@@ -136,13 +139,15 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                          sin_cache, k_caches, v_caches, weights, final_norm, num_heads: int,
                          num_kv_heads: int, head_dim: int, eps: float, scale: float,
                          panel_max_rows: int, lm_head=(),
-                         lm_head_panel_max_rows: int = 0) -> torch.Tensor:
+                         lm_head_panel_max_rows: int = 0,
+                         gate_up_halves: bool = False) -> torch.Tensor:
     """A whole Llama decode step (see ``llama_fused_decode.py``): the final hidden
     states, or with ``lm_head`` (weight, panels, bias, packed) the logits."""
     return _lib().llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
                                        cos_cache, sin_cache, k_caches, v_caches, weights,
                                        final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
-                                       panel_max_rows, list(lm_head), lm_head_panel_max_rows)
+                                       panel_max_rows, list(lm_head), lm_head_panel_max_rows,
+                                       gate_up_halves)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,9 @@ def test_fused_decode_equals_python_layers(tiny_model, family, dtype, batch):
     got = _generate(llm, prompts)
     assert fused.steps >= 11  # every decode step of that run went through C++
     assert fused.head_steps == fused.steps  # with the LM head: every sequence samples
+    # float32 gate_up panels pair gate and up columns: with more than one row the
+    # C++ step applies SiLU-and-mul in that product's epilogue, checked here too.
+    assert fused.gate_up_halves == (dtype == "float32")
     inner.fused_decode = None
     expected = _generate(llm, prompts)
     assert got == expected  # tokens and logprobs, exactly

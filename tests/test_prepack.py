@@ -62,6 +62,43 @@ def test_float32_decode_rows_take_the_panel_kernel():
     assert ops.packed_linear(torch.zeros(0, 80), packed.panels, 100).shape == (0, 100)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 12, 13, 30, PANEL_MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panels_in_halves_give_the_same_bits_as_plain_panels(rows, bias):
+    # A [gate; up] weight packed with each panel holding 16 gate columns and the
+    # same 16 up columns: every output column is the same chain of products, in the
+    # same order, so the output equals plain panels' bit for bit.
+    from minivllm import _custom_ops as ops
+
+    if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
+        pytest.skip("the panel kernel is not built here (needs a compiler and AVX-512)")
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=gen)  # halves of 48: three 16-column groups each
+    b = torch.randn(96, generator=gen) if bias else None
+    x = torch.randn(rows, 80, generator=gen)
+    packed = pack_weight(w, halves=True)
+    assert packed.halves
+    # Panel 1: gate columns 16..31, then up columns 16..31 (rows 64..79 of w).
+    panel = packed.panels[1].t()
+    assert torch.equal(panel[:16], w[16:32]) and torch.equal(panel[16:], w[64:80])
+    plain = ops.packed_linear(x, ops.pack_linear_weight(w), 96, b)
+    assert torch.equal(ops.packed_linear(x, packed.panels, 96, b, halves=True), plain)
+    torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_halves_need_whole_16_column_groups():
+    from minivllm import _custom_ops as ops
+
+    if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
+        pytest.skip("the panel kernel is not built here (needs a compiler and AVX-512)")
+    w = torch.randn(48, 80)  # halves of 24 columns
+    assert not pack_weight(w, halves=True).halves  # falls back to plain panels
+    with pytest.raises(RuntimeError, match="halves need out_features a multiple of 32.*48"):
+        ops.pack_linear_weight(w, halves=True)
+    with pytest.raises(RuntimeError, match="halves need out_features a multiple of 32.*48"):
+        ops.packed_linear(torch.randn(2, 80), ops.pack_linear_weight(w), 48, None, halves=True)
+
+
 def test_not_supported_for_other_dtypes():
     assert not prepack_supported(torch.zeros(4, 4, dtype=torch.float16))
     assert not prepack_supported(torch.zeros(4, dtype=torch.float32))  # not a matrix

@@ -10,24 +10,6 @@
 #include "ops.h"
 
 namespace minivllm {
-namespace {
-
-template <typename T>
-void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) {
-    const float g = to_float(gate[i]);
-    // sigmoid(g) from e = exp(-|g|) <= 1 (the vectorizable exp; no overflow).
-    const float e = exp_nonpositive(-std::abs(g));
-    // One division, the numerator chosen (a select of two divisions compiles to both).
-    const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
-    // silu rounded to the dtype first, as F.silu(gate) * up does.
-    const T s = from_float<T>(g * sigmoid);
-    out[i] = from_float<T>(to_float(s) * to_float(up[i]));
-  }
-}
-
-}  // namespace
 
 at::Tensor silu_and_mul(at::Tensor x) {
   check_cpu(x, "silu_and_mul", "x");

@@ -70,6 +70,24 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 #endif
 
+// One row of SwiGLU's gate: out = silu(gate) * up, d values. Shared by the
+// silu_and_mul kernel and the panel GEMM's fused epilogue (gemm.cpp), so the
+// two give the same bits.
+template <typename T>
+inline void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    const float g = to_float(gate[i]);
+    // sigmoid(g) from e = exp(-|g|) <= 1 (the vectorizable exp; no overflow).
+    const float e = exp_nonpositive(-std::abs(g));
+    // One division, the numerator chosen (a select of two divisions compiles to both).
+    const float sigmoid = (g >= 0.f ? 1.f : e) / (1.f + e);
+    // silu rounded to the dtype first, as F.silu(gate) * up does.
+    const T s = from_float<T>(g * sigmoid);
+    out[i] = from_float<T>(to_float(s) * to_float(up[i]));
+  }
+}
+
 inline void check_cpu(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor");
 }

@@ -11,6 +11,14 @@
 // two 16-wide column vectors), the next panel is prefetched into L2, so
 // memory traffic proceeds during the arithmetic instead of between it.
 //
+// An MLP's [gate; up] weight can be packed "in halves": panel p then holds
+// gate columns 16p .. 16p + 15 and the same up columns, so one tile has the
+// gate and the up value of the same 16 outputs in its two accumulators. The
+// product's output is the same (each column is the same chain of products);
+// the fused decode step (llama_decode.cpp) also uses it to apply
+// SiLU-and-mul in the epilogue, instead of writing [gate | up] out and
+// reading it back in a pass of its own.
+//
 // One row is a different problem (`matvec` below): each weight is used once,
 // so the product is a pure stream over the row-major weight, and what counts
 // is keeping enough loads in flight.
@@ -33,13 +41,24 @@ constexpr int64_t NR = slice::panel_width;  // output columns per panel: two 16-
 constexpr int64_t MR = 12;  // rows per register tile
 
 #ifdef __AVX512F__
+// Where one panel's 32 outputs go: two 16-column halves, y0 and y1 (row
+// stride ldy), each with its bias (or none), the last ncols <= 32 of them
+// valid; or, with silu, the single output silu(half 0) * half 1 at y0.
+struct PanelOut {
+  float *y0, *y1;
+  int64_t ldy;
+  const float *b0, *b1;
+  int64_t ncols;
+  bool silu;
+};
+
 // rows x 32 outputs of one panel. Meanwhile it prefetches its share of the
 // next panel: `next` points at that share, `step` floats further each k (a
 // panel's row tiles split its next panel between them, so the prefetches are
 // spread over the whole time the panel is being multiplied).
 template <int R>
 void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* next,
-          int64_t step, float* y, int64_t ldy, const float* bias, int64_t ncols) {
+          int64_t step, const PanelOut& out) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
@@ -55,18 +74,24 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const floa
     }
   }
   // The last panel may be narrower than 32 columns: masked loads and stores.
+  const int64_t ncols = out.ncols;
   const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
   const __mmask16 m1 = ncols >= 32   ? 0xFFFF
                        : ncols <= 16 ? 0
                                      : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b0 = _mm512_maskz_loadu_ps(m0, bias);
-    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-  }
+  const __m512 b0 = out.b0 != nullptr ? _mm512_maskz_loadu_ps(m0, out.b0) : _mm512_setzero_ps();
+  const __m512 b1 = out.b1 != nullptr ? _mm512_maskz_loadu_ps(m1, out.b1) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_add_ps(acc[r][0], b0));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_add_ps(acc[r][1], b1));
+    const __m512 h0 = _mm512_add_ps(acc[r][0], b0), h1 = _mm512_add_ps(acc[r][1], b1);
+    if (out.silu) {  // (the halves layout: always 16 + 16 columns)
+      alignas(64) float gate[16], up[16];
+      _mm512_store_ps(gate, h0);
+      _mm512_store_ps(up, h1);
+      silu_and_mul_row(gate, up, out.y0 + r * out.ldy, 16);
+    } else {
+      _mm512_mask_storeu_ps(out.y0 + r * out.ldy, m0, h0);
+      _mm512_mask_storeu_ps(out.y1 + r * out.ldy, m1, h1);
+    }
   }
 }
 
@@ -95,7 +120,7 @@ void matvec_rows(const float* w, const float* x, int64_t K, float* y) {
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t,
-                        float*, int64_t, const float*, int64_t);
+                        const PanelOut&);
 constexpr TileFn kTiles[MR + 1] = {nullptr,  tile<1>, tile<2>, tile<3>,  tile<4>,
                                    tile<5>,  tile<6>, tile<7>, tile<8>,  tile<9>,
                                    tile<10>, tile<11>, tile<12>};
@@ -128,12 +153,22 @@ bool packed_linear_available() {
 #endif
 }
 
-// W [N, K] float32 -> panels [ceil(N / 32), K, 32], zero-padded past N.
-at::Tensor pack_linear_weight(at::Tensor weight) {
+// W [N, K] float32 -> panels [ceil(N / 32), K, 32], zero-padded past N. With
+// halves (W = [A; B], two halves of N / 2 rows, a multiple of 16), panel p
+// holds A's columns 16p .. 16p + 15 and then B's same columns instead: the
+// gate and the up projection of the same 16 outputs side by side, for the
+// SiLU epilogue.
+at::Tensor pack_linear_weight(at::Tensor weight, bool halves) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_linear_weight: weight must be a 2-D float32 CPU tensor, got ",
               weight.scalar_type(), " ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + NR - 1) / NR;
+  if (halves) {
+    TORCH_CHECK(N % NR == 0, "pack_linear_weight: halves need out_features a multiple of ",
+                NR, " (two halves of whole 16-column groups), got ", N);
+    // [2, N/32, 16, K] -> [N/32, 2, 16, K]: A's 16 rows, B's 16 rows, panel by panel.
+    weight = weight.reshape({2, panels, NR / 2, K}).transpose(0, 1).reshape({N, K});
+  }
   auto padded = at::zeros({panels * NR, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
   // [panels, 32, K] -> [panels, K, 32]
@@ -141,7 +176,7 @@ at::Tensor pack_linear_weight(at::Tensor weight) {
 }
 
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
-                         c10::optional<at::Tensor> bias) {
+                         c10::optional<at::Tensor> bias, bool halves) {
   check_cpu(x, "packed_linear", "x");
   check_packed(packed, "packed_linear");
   TORCH_CHECK(packed_linear_available(), "packed_linear: this build has no AVX-512");
@@ -151,25 +186,35 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
   const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
   TORCH_CHECK(N > (panels - 1) * NR && N <= panels * NR, "packed_linear: out_features ", N,
               " does not match the packed weight's ", panels, " panels");
+  TORCH_CHECK(!halves || N % NR == 0, "packed_linear: halves need out_features a multiple of ",
+              NR, ", got ", N);
   const float* bp = bias_data(bias, N, "packed_linear");
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
     slice::packed_linear(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), N, bp,
-                         y.data_ptr<float>(), b, e);
+                         y.data_ptr<float>(), b, e,
+                         halves ? slice::PanelLayout::kHalves : slice::PanelLayout::kColumns);
   });
   return y;
 }
 
 void slice::packed_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
-                          const float* bias, float* y, int64_t begin, int64_t end) {
+                          const float* bias, float* y, int64_t begin, int64_t end,
+                          PanelLayout layout) {
 #ifdef __AVX512F__
-  const int64_t panels = (N + NR - 1) / NR;
+  const int64_t panels = (N + NR - 1) / NR, half = N / 2;
   for (int64_t p = begin; p < end; ++p) {
     const float* panel = packed + p * K * NR;
     const float* next = packed + std::min(p + 1, panels - 1) * K * NR;
-    const int64_t n0 = p * NR, ncols = std::min(NR, N - n0);
+    // Panel p's two 16-column halves: columns 32p and 32p + 16, or with
+    // halves, column 16p of each half of the output.
+    const int64_t c0 = layout == PanelLayout::kColumns ? p * NR : p * (NR / 2);
+    const int64_t c1 = layout == PanelLayout::kColumns ? c0 + NR / 2 : half + c0;
+    const bool silu = layout == PanelLayout::kHalvesSiluAndMul;
+    PanelOut out{y + c0, y + c1, silu ? half : N, bias != nullptr ? bias + c0 : nullptr,
+                 bias != nullptr ? bias + c1 : nullptr, std::min(NR, N - p * NR), silu};
     // Tile i of T prefetches the i-th T-th of the next panel: its 2K cache
     // lines spread over T * K iterations, one or two lines (16 or 32 floats)
     // per iteration.
@@ -177,8 +222,9 @@ void slice::packed_linear(const float* x, int64_t M, int64_t K, const float* pac
     const int64_t step = tiles == 1 ? 32 : 16;
     for (int64_t m = 0, i = 0; m < M; m += MR, ++i) {
       const int64_t rows = std::min(MR, M - m);
-      kTiles[rows](x + m * K, K, panel, K, next + i * share, step, y + m * N + n0, N,
-                   bias != nullptr ? bias + n0 : nullptr, ncols);
+      kTiles[rows](x + m * K, K, panel, K, next + i * share, step, out);
+      out.y0 += MR * out.ldy;
+      out.y1 += MR * out.ldy;
     }
   }
 #endif
@@ -227,8 +273,9 @@ void slice::matvec(const float* x, const float* weight, int64_t K, int64_t N, co
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("packed_linear_available() -> bool");
-  m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("pack_linear_weight(Tensor weight, bool halves=False) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, "
+        "bool halves=False) -> Tensor");
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 

@@ -68,7 +68,9 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 // One linear layer, choosing its product exactly as prepack.linear does:
 // bfloat16 through oneDNN; float32 one row through matvec, up to
 // panel_max_rows through the panel GEMM, more through MKL's packed GEMM.
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_rows) {
+// `halves`: the panels are laid out in halves (pack_linear_weight).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_rows,
+                  bool halves = false) {
   const at::Tensor &weight = w[0], &panels = w[1], &packed = w[3];
   c10::optional<at::Tensor> bias;
   if (w[2].numel() > 0) bias = w[2];
@@ -77,7 +79,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_ro
   const bool has_panels = panels.numel() > 0;
   if (rows < 2) return has_panels ? matvec(x, weight, bias) : at::linear(x, weight, bias);
   if (has_panels && rows <= panel_max_rows)
-    return packed_linear(x, panels, weight.size(0), bias);
+    return packed_linear(x, panels, weight.size(0), bias, halves);
   return mkl_linear(x, packed, weight, bias);
 }
 
@@ -171,6 +173,7 @@ class SharedWork {
 struct Linear {
   const float *weight, *panels, *bias;
   int64_t in, out;
+  bool halves = false;  // panels in halves (gate_up_proj: the SiLU epilogue can run)
 
   // `what` names the layer in error messages ("layer 3 qkv_proj", "lm_head").
   Linear(const at::Tensor* w, int64_t in_features, int64_t out_features, const std::string& what)
@@ -196,13 +199,18 @@ struct Linear {
 
   // This thread's part of y [rows, out] = x [rows, in] W^T + b: output
   // columns (groups of 4 for one row, panels of 32 for more), split by `work`.
-  void run(const float* x, int64_t rows, float* y, SharedWork& work, int64_t job, int t) const {
+  // With silu (halves, more than one row): y [rows, out / 2] = silu(gate) * up.
+  void run(const float* x, int64_t rows, float* y, SharedWork& work, int64_t job, int t,
+           bool silu = false) const {
+    const slice::PanelLayout layout = silu     ? slice::PanelLayout::kHalvesSiluAndMul
+                                      : halves ? slice::PanelLayout::kHalves
+                                               : slice::PanelLayout::kColumns;
     const int64_t width = rows == 1 ? slice::matvec_group_size : slice::panel_width;
     const int64_t items = (out + width - 1) / width;
     const int64_t chunk = std::max<int64_t>(1, items / (8 * work.threads()));
     work.run(job, items, chunk, t, [&](int64_t b, int64_t e) {
       if (rows == 1) slice::matvec(x, weight, in, out, bias, y, b, e);
-      else slice::packed_linear(x, rows, in, panels, out, bias, y, b, e);
+      else slice::packed_linear(x, rows, in, panels, out, bias, y, b, e, layout);
     });
   }
 };
@@ -256,7 +264,7 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
                                 at::TensorList v_caches, at::TensorList weights,
                                 const at::Tensor& final_norm, at::TensorList lm_head,
                                 int64_t heads, int64_t kv_heads, int64_t dim, float eps,
-                                float scale) {
+                                float scale, bool gate_up_halves) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t T = hidden.size(0), E = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
@@ -294,6 +302,7 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
     qkv.emplace_back(w + 1, E, qkv_size, layer + "qkv_proj");
     o.emplace_back(w + 5, q_size, E, layer + "o_proj");
     gate_up.emplace_back(w + 10, E, 2 * inter, layer + "gate_up_proj");
+    gate_up.back().halves = gate_up_halves;
     down.emplace_back(w + 14, inter, E, layer + "down_proj");
   }
   // The LM head, when given, is the step's last product: logits without
@@ -321,6 +330,9 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   // OpenMP start fewer threads than asked for, the shares of the missing ones
   // are taken as leftovers.)
   SharedWork work(5 * layers + 1, at::get_num_threads());
+  // More than one row takes the panel kernel, whose epilogue can do SiLU-and-mul
+  // when gate_up's panels are in halves (one row takes matvec: a pass after it).
+  const bool fuse_silu = gate_up_halves && T > 1;
 #pragma omp parallel num_threads(work.threads())
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -352,11 +364,18 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       barrier.wait();
       slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
       barrier.wait();
-      gate_up[i].run(xp, T, gup, work, 5 * i + 2, t);
-      barrier.wait();
-      // Element-wise: split by columns, so a single row uses every thread.
-      slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
-      barrier.wait();
+      if (fuse_silu) {
+        // The panels hold gate and up columns side by side: the product's
+        // epilogue applies SiLU-and-mul, so no pass over [gate | up] follows.
+        gate_up[i].run(xp, T, actp, work, 5 * i + 2, t, /*silu=*/true);
+        barrier.wait();
+      } else {
+        gate_up[i].run(xp, T, gup, work, 5 * i + 2, t);
+        barrier.wait();
+        // Element-wise: split by columns, so a single row uses every thread.
+        slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
+        barrier.wait();
+      }
       down[i].run(actp, T, hp, work, 5 * i + 3, t);
       barrier.wait();
     }
@@ -377,7 +396,8 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
 // above) the logits [T, vocab rows]. The caches, block tables and slots are
 // those of the attention layers; cos_cache / sin_cache are RotaryEmbedding's
 // tables; panel_max_rows is prepack.PANEL_MAX_ROWS, lm_head_panel_max_rows
-// the LM head's PackedWeight.panel_max_rows.
+// the LM head's PackedWeight.panel_max_rows; gate_up_halves says every
+// gate_up weight's panels are in halves (PackedWeight.halves).
 at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 at::Tensor slot_mapping, at::Tensor block_tables,
                                 at::Tensor seq_lens, at::Tensor cos_cache, at::Tensor sin_cache,
@@ -385,7 +405,8 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 at::TensorList weights, at::Tensor final_norm,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                 double eps, double scale, int64_t panel_max_rows,
-                                at::TensorList lm_head, int64_t lm_head_panel_max_rows) {
+                                at::TensorList lm_head, int64_t lm_head_panel_max_rows,
+                                bool gate_up_halves) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
               "llama_decode_forward: need one K and one V cache per layer, got ",
@@ -412,7 +433,8 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     at::Tensor out = decode_in_one_region(
         hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache, sin_cache, k_caches,
         v_caches, weights, final_norm, head_inside ? lm_head : at::TensorList(), num_heads,
-        num_kv_heads, head_dim, static_cast<float>(eps), static_cast<float>(scale));
+        num_kv_heads, head_dim, static_cast<float>(eps), static_cast<float>(scale),
+        gate_up_halves);
     if (head_inside || lm_head.empty()) return out;
     return linear(out, lm_head.data(), lm_head_panel_max_rows);
   }
@@ -432,7 +454,8 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                              scale);
     h = linear(attn.view({tokens, q_size}), w + 5, panel_max_rows);
     x = fused_add_rms_norm(h, residual, w[9], eps);
-    h = linear(silu_and_mul(linear(x, w + 10, panel_max_rows)), w + 14, panel_max_rows);
+    h = linear(silu_and_mul(linear(x, w + 10, panel_max_rows, gate_up_halves)), w + 14,
+               panel_max_rows);
   }
   at::Tensor out = fused_add_rms_norm(h, residual, final_norm, eps);
   return lm_head.empty() ? out : linear(out, lm_head.data(), lm_head_panel_max_rows);
@@ -445,7 +468,8 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
         "Tensor block_tables, Tensor seq_lens, Tensor cos_cache, Tensor sin_cache, "
         "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] weights, Tensor final_norm, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
-        "int panel_max_rows, Tensor[] lm_head, int lm_head_panel_max_rows) -> Tensor");
+        "int panel_max_rows, Tensor[] lm_head, int lm_head_panel_max_rows, "
+        "bool gate_up_halves=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {

@@ -21,7 +21,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 bool packed_linear_available();
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
-                         c10::optional<at::Tensor> bias);
+                         c10::optional<at::Tensor> bias, bool halves);
 at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
 
 // The float32 kernels over a slice [begin, end) of their work, on raw
@@ -58,10 +58,13 @@ constexpr int64_t matvec_group_size = 4;
 void matvec(const float* x, const float* weight, int64_t K, int64_t N, const float* bias,
             float* y, int64_t begin, int64_t end);
 // Panels [begin, end) (32 output columns each) of y [M, N] = x W^T + bias, W packed
-// by pack_linear_weight.
+// by pack_linear_weight: kColumns without halves; with them kHalves (y as
+// usual) or kHalvesSiluAndMul (y [M, N / 2] = silu(first half) * second half).
 constexpr int64_t panel_width = 32;
+enum class PanelLayout { kColumns, kHalves, kHalvesSiluAndMul };
 void packed_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
-                   const float* bias, float* y, int64_t begin, int64_t end);
+                   const float* bias, float* y, int64_t begin, int64_t end,
+                   PanelLayout layout = PanelLayout::kColumns);
 }  // namespace slice
 
 }  // namespace minivllm

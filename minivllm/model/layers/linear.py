@@ -77,6 +77,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  dtype: torch.dtype = torch.float32) -> None:
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, dtype)
+        # Two equal outputs ([gate; up]): the panel kernel may pair them (prepack.py).
+        self.pack_halves = len(output_sizes) == 2 and output_sizes[0] == output_sizes[1]
 
     def weight_loader(self, param, loaded, shard_id=None):
         index = int(shard_id)

@@ -107,22 +107,29 @@ class PackedWeight:
     gemm: torch.Tensor  # MKL (float32) or oneDNN (bfloat16) layout, opaque
     panels: Optional[torch.Tensor] = None  # float32 [out / 32, in, 32] for csrc/gemm.cpp
     panel_max_rows: int = PANEL_MAX_ROWS  # more rows than this go to MKL
+    # The panels pair the two halves of a [gate; up] weight column by column
+    # (ops.pack_linear_weight), so the fused decode step can apply SiLU-and-mul
+    # in the product's epilogue. The product's output is the same either way.
+    halves: bool = False
 
 
 def _panels_available() -> bool:
     return ops.cpu_kernels_problem() is None and ops.packed_linear_available()
 
 
-def pack_weight(weight: torch.Tensor, panel_max_rows: int = PANEL_MAX_ROWS) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, panel_max_rows: int = PANEL_MAX_ROWS,
+                halves: bool = False) -> PackedWeight:
     """The GEMM libraries' packed copies of a [out, in] weight; float32 batches of
-    up to ``panel_max_rows`` rows will take the panel kernel."""
+    up to ``panel_max_rows`` rows will take the panel kernel. ``halves`` asks for
+    panels that pair the weight's two halves (taken when out is a multiple of 32)."""
     w = weight.detach().contiguous()
     if w.dtype == torch.bfloat16:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS))
-    panels = ops.pack_linear_weight(w) if _panels_available() else None
+    halves = halves and w.shape[0] % 32 == 0
+    panels = ops.pack_linear_weight(w, halves) if _panels_available() else None
     hint = PACK_HINT_ROWS if panels is None else PACK_HINT_ROWS_LARGE
     return PackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(w, hint), panels,
-                        panel_max_rows)
+                        panel_max_rows, halves=halves and panels is not None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -139,7 +146,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             return ops.matvec(x, weight, bias)
         return F.linear(x, weight, bias)
     if packed.panels is not None and rows <= packed.panel_max_rows:
-        return ops.packed_linear(x, packed.panels, weight.shape[0], bias)
+        return ops.packed_linear(x, packed.panels, weight.shape[0], bias, packed.halves)
     # The last argument tells the op the rows match the packing: use it.
     return torch.ops.mkl._mkl_linear(x.contiguous(), packed.gemm, weight, bias, rows)
 
@@ -148,14 +155,17 @@ def prepack_model(model: nn.Module) -> int:
     """Pack every weight of a module that supports it; returns how many were packed.
 
     A module opts in by having a ``packed_weight`` attribute (the linear
-    layers and the LM head do), and may set its own ``panel_max_rows``.
+    layers and the LM head do), and may set its own ``panel_max_rows`` and
+    ``pack_halves`` (a [gate; up] projection).
     """
     count = 0
     for module in model.modules():
         if hasattr(module, "packed_weight"):
             supported = prepack_supported(module.weight)
             rows = getattr(module, "panel_max_rows", PANEL_MAX_ROWS)
-            module.packed_weight = pack_weight(module.weight, rows) if supported else None
+            halves = getattr(module, "pack_halves", False)
+            module.packed_weight = (pack_weight(module.weight, rows, halves) if supported
+                                    else None)
             count += supported
     return count
 
