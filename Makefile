@@ -77,7 +77,7 @@ bench: setup
 # A peer whose interpreter is not given is left out and said so.
 VLLM_PYTHON  ?=
 LLAMA_PYTHON ?=
-REPEATS      ?= 3
+REPEATS      ?= 5
 PEERS = --backend minivllm --backend hf $(if $(VLLM_PYTHON),--backend vllm --vllm-python $(VLLM_PYTHON))
 BENCH = $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
 bench-peers: setup
