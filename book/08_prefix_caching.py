@@ -45,7 +45,7 @@ import torch
 from openai.types import CompletionUsage
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.kv_cache_manager import hash_block_tokens, hash_request_tokens
+from minivllm.core.kv_cache_manager import hash_block_tokens, hash_request_tokens
 from minivllm.entrypoints.openai.serving_engine import UsageCounter
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.prefix import (STATUS_COLORS, chain_rows, hash_chain_figure, short_hash,

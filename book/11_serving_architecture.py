@@ -70,7 +70,7 @@ print(server.command, "-> pid", server.pid)
 #
 # The server's engine is an `AsyncLLM` (`minivllm/engine/async_llm.py`). We build the
 # same object here. Its constructor starts the **engine core** in a new process
-# (`minivllm/engine/core_proc.py`: scheduler, KV cache, model) and keeps the
+# (`minivllm/core/core_proc.py`: scheduler, KV cache, model) and keeps the
 # **API side** in ours: chat template, tokenizer, detokenizer, stop strings.
 
 # %%

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from minivllm.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from minivllm.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.engine.kv_cache_manager import (KVCacheManager, hash_block_tokens,
+from minivllm.core.kv_cache_manager import (KVCacheManager, hash_block_tokens,
                                               hash_request_tokens)
-from minivllm.engine.request import Request
+from minivllm.core.request import Request
 from minivllm.sampling_params import SamplingParams
 
 BS = 4
@@ -62,7 +62,7 @@ def test_extra_keys_and_parent_enter_the_hash():
 
 def test_hashes_are_the_same_in_another_process():
     tokens = list(range(50, 70))
-    code = ("from minivllm.engine.kv_cache_manager import hash_request_tokens;"
+    code = ("from minivllm.core.kv_cache_manager import hash_request_tokens;"
             f"print(hash_request_tokens({tokens!r}, {BS}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, env={"PYTHONHASHSEED": "123"},

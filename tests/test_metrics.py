@@ -172,7 +172,7 @@ def test_engine_counts_tokens_of_all_n_completions(tiny_llm):
 def test_prometheus_series_exist_before_any_request():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from minivllm.engine.request import FINISH_REASONS
+    from minivllm.core.request import FINISH_REASONS
     from minivllm.metrics.prometheus import PrometheusStatLogger
 
     text = PrometheusStatLogger("m").render().decode()

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput
-from minivllm.engine.request import Request, RequestStatus
-from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sched_output import SchedulerOutput
+from minivllm.core.request import Request, RequestStatus
+from minivllm.core.scheduler import Scheduler
+from minivllm.core.sched_output import SchedulerOutput
 from minivllm.sampling_params import SamplingParams
 
 VOCAB = 64

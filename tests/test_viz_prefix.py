@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("plotly")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm.engine.kv_cache_manager import hash_request_tokens  # noqa: E402
+from minivllm.core.kv_cache_manager import hash_request_tokens  # noqa: E402
 from minivllm.viz.prefix import (STATUS_COLORS, chain_rows, hash_chain_figure,  # noqa: E402
                                  short_hash, turn_bars_figure)
 

@@ -28,8 +28,8 @@ from minivllm.engine.core_client import EngineCoreClient, EngineDeadError
 from minivllm.engine.llm_engine import RequestBuilder
 from minivllm.engine.outputs import EngineCoreOutputs
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.request import RequestStatus
-from minivllm.engine.scheduler import SchedulerStats
+from minivllm.core.request import RequestStatus
+from minivllm.core.scheduler import SchedulerStats
 from minivllm.inputs import PromptType
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams

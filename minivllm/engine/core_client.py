@@ -23,10 +23,10 @@ import threading
 from typing import Iterable, Optional, Union
 
 from minivllm.config import EngineConfig
-from minivllm.engine.core_proc import (AddRequests, EngineCoreReady, FinishRequests,
+from minivllm.core.core_proc import (AddRequests, EngineCoreReady, FinishRequests,
                                        Shutdown, run_engine_core)
 from minivllm.engine.outputs import EngineCoreOutputs
-from minivllm.engine.request import Request, RequestStatus
+from minivllm.core.request import Request, RequestStatus
 
 
 class EngineDeadError(RuntimeError):

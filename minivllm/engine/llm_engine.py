@@ -15,9 +15,9 @@ import time
 from typing import Optional
 
 from minivllm.config import EngineArgs, EngineConfig
-from minivllm.engine.core import EngineCore
+from minivllm.core.core import EngineCore
 from minivllm.engine.output_processor import OutputProcessor, child_params
-from minivllm.engine.request import Request, RequestStatus
+from minivllm.core.request import Request, RequestStatus
 from minivllm.inputs import InputProcessor, PromptType, load_tokenizer, read_eos_token_ids
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams

@@ -25,8 +25,8 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from minivllm.engine.request import FINISH_REASONS
-from minivllm.engine.scheduler import SchedulerStats
+from minivllm.core.request import FINISH_REASONS
+from minivllm.core.scheduler import SchedulerStats
 from minivllm.metrics.request_metrics import RequestMetrics
 
 PREFIX = "minivllm:"

@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import plotly.graph_objects as go
 
-from minivllm.engine.kv_cache_manager import hash_request_tokens
+from minivllm.core.kv_cache_manager import hash_request_tokens
 from minivllm.viz.bars import stacked_bars
 
 STATUS_COLORS = {"hit": "#41ab5d", "computed": "#fd8d3c", "tail": "#d9d9d9"}

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from minivllm.config import EngineConfig
-from minivllm.engine.sched_output import SchedulerOutput
+from minivllm.core.sched_output import SchedulerOutput
 from minivllm.model.layers.parallel import check_tensor_parallel_sizes
 
 TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT"

@@ -7,7 +7,7 @@ the model is one process or N ranks is invisible to the scheduler.
 from __future__ import annotations
 
 from minivllm.config import EngineConfig
-from minivllm.engine.sched_output import SchedulerOutput
+from minivllm.core.sched_output import SchedulerOutput
 
 
 class UniProcExecutor:

@@ -25,7 +25,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.engine.outputs import LogprobInfo
-from minivllm.engine.sched_output import SchedulerOutput
+from minivllm.core.sched_output import SchedulerOutput
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.attention.selector import get_attention_backend
 from minivllm.model.layers.parallel import collective_stats, tp_size

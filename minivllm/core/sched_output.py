@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minivllm.engine.request import Request
+    from minivllm.core.request import Request
 
 
 @dataclass

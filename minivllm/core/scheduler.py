@@ -26,10 +26,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
-from minivllm.engine.request import Request, RequestStatus
-from minivllm.engine.sched_output import SchedulerOutput
+from minivllm.core.request import Request, RequestStatus
+from minivllm.core.sched_output import SchedulerOutput
 
 if TYPE_CHECKING:
     from minivllm.config import SchedulerConfig

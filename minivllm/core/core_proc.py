@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from minivllm.config import EngineConfig
-from minivllm.engine.core import EngineCore
+from minivllm.core.core import EngineCore
 from minivllm.engine.outputs import EngineCoreOutputs
-from minivllm.engine.request import Request, RequestStatus
+from minivllm.core.request import Request, RequestStatus
 
 
 # -- messages: API side -> engine core ------------------------------------------

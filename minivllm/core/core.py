@@ -13,10 +13,10 @@ import time
 from typing import Iterable, Optional
 
 from minivllm.config import EngineConfig
-from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput
-from minivllm.engine.request import Request, RequestStatus
-from minivllm.engine.scheduler import Scheduler
+from minivllm.core.request import Request, RequestStatus
+from minivllm.core.scheduler import Scheduler
 from minivllm.trace import StepRecord, StepTrace
 
 

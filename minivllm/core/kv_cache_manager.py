@@ -28,10 +28,10 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from minivllm.engine.block_pool import BlockPool, KVCacheBlock
+from minivllm.core.block_pool import BlockPool, KVCacheBlock
 
 if TYPE_CHECKING:
-    from minivllm.engine.request import Request
+    from minivllm.core.request import Request
 
 _NO_PARENT = bytes(32)
 
