@@ -62,6 +62,31 @@ def test_batch_matches_transformers(prompts, hf_greedy, cpu_kernels):
     assert_all_blocks_free(llm)
 
 
+def test_prefill_limits_are_engine_arguments(tiny_model):
+    """long_prefill_token_threshold caps each step's share of a prompt; without chunked
+    prefill a prompt is scheduled whole; both give the unlimited run's tokens."""
+    prompts = [list(range(3, 43)), list(range(50, 60))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(**kwargs):
+        llm = LLM(tiny_model("llama"), trace=True, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        shares = [n for record in llm.trace for n, _ in record.scheduled.values()]
+        return [o.outputs[0].token_ids for o in outs], shares
+
+    expected, shares = run()
+    assert max(shares) == 40  # the long prompt in one step
+    capped, shares = run(long_prefill_token_threshold=8)
+    assert capped == expected and max(shares) == 8
+    whole, shares = run(enable_chunked_prefill=False, max_num_batched_tokens=2048)
+    assert whole == expected and 40 in shares
+    with pytest.raises(ValueError, match="long_prefill_token_threshold=-1 is invalid"):
+        LLM(tiny_model("llama"), long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16 is invalid without "
+                                         "chunked prefill"):
+        LLM(tiny_model("llama"), enable_chunked_prefill=False, max_num_batched_tokens=16)
+
+
 def test_reference_path_imports_no_acceleration(tmp_path, tiny_model):
     """cpu_kernels=False (and MINIVLLM_CPU_KERNELS=0): not one module of minivllm.cpu."""
     import subprocess

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels in ``minivllm/csrc/``, built once and called as ``torch.ops.minivllm.*``.
+"""The C++ CPU kernels in ``minivllm/cpu/csrc/``, built once and called as ``torch.ops.minivllm.*``.
 
 Eager PyTorch runs a decode step of a small model as thousands of tiny
 operators, each of which reads and writes whole tensors and costs a few
@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -54,7 +55,9 @@ def _build(name: str) -> Optional[str]:
         return "no C++ compiler (c++ / g++) on the PATH"
     features = cpu_features()
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
 
         sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
         load(name, sources, is_python_module=False, verbose=False,
@@ -64,6 +67,22 @@ def _build(name: str) -> Optional[str]:
         return f"building {CSRC.name}/*.cpp failed: {type(e).__name__}: {e}"
     info_once(f"CPU kernels built for {features.describe()}")
     return None
+
+
+# A build that was killed (Ctrl-C, a timeout) leaves its lock file behind, and
+# every later load would wait on it for ever. No build takes this long.
+STALE_LOCK_SECONDS = 20 * 60
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_SECONDS:
+        info_once(f"removing a stale build lock {lock} ({age / 60:.0f} minutes old; a build "
+                  f"was interrupted)")
+        lock.unlink(missing_ok=True)
 
 
 def build_problem() -> Optional[str]:
@@ -146,7 +165,7 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                          panel_max_rows: int, lm_head=(),
                          lm_head_panel_max_rows: int = 0,
                          gate_up_halves: bool = False) -> torch.Tensor:
-    """A whole Llama decode step (see ``llama_fused_decode.py``): the final hidden
+    """A whole Llama decode step (see ``fused_decode.py``): the final hidden
     states, or with ``lm_head`` (weight, panels, bias, packed) the logits."""
     return _lib().llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
                                        cos_cache, sin_cache, k_caches, v_caches, weights,

@@ -84,7 +84,9 @@ def cpu_kernels_problem(config: EngineConfig) -> Optional[str]:
     if problem is not None and config.cpu_kernels:
         raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
     if problem is not None and torch.device(config.device).type == "cpu":
-        info_once(f"CPU kernels unavailable ({problem}): running the reference path")
+        info_once(f"CPU kernels unavailable ({problem}): running the reference path. "
+                  f"They need a C++ compiler with OpenMP (g++; on macOS LLVM's clang with "
+                  f"libomp) and ninja; `python -m minivllm.cpu._custom_ops` builds them")
     return problem
 
 

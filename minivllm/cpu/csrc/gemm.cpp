@@ -96,8 +96,8 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const floa
 }
 
 // ROWS (<= 4) rows of W times x: the weight rows read side by side, each
-// prefetched four rows ahead when PREFETCH (the hardware prefetcher alone left
-// the 2-core machine's memory bus about 15 % idle). K % 16 takes masked loads.
+// prefetched four rows ahead when PREFETCH (the hardware prefetcher alone
+// leaves the memory bus partly idle). K % 16 takes masked loads.
 template <int ROWS, bool PREFETCH>
 void matvec_rows(const float* w, const float* x, int64_t K, float* y) {
   __m512 acc[ROWS];

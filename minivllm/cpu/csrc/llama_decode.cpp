@@ -12,7 +12,7 @@
 //
 // It covers pure decode steps (one new token per sequence) of float32 and
 // bfloat16 models whose linear weights are packed (prepack.py); the Python
-// side (minivllm/model/models/llama_fused_decode.py) checks that and falls
+// side (minivllm/cpu/fused_decode.py) checks that and falls
 // back to the layers otherwise. A float32 step of up to panel_max_rows
 // sequences, whose products are all our own kernels, goes further: the whole
 // step is one OpenMP parallel region (decode_in_one_region below).
@@ -39,7 +39,7 @@ namespace {
 // and each linear layer's 4 are: the weight, its float32 panels for gemm.cpp,
 // the bias, and the GEMM library's packed copy (prepack.PackedWeight.gemm).
 // An absent bias or panels is an empty tensor. Keep in step with
-// llama_fused_decode.py.
+// fused_decode.py.
 constexpr int64_t kTensorsPerLinear = 4;
 constexpr int64_t kTensorsPerLayer = 2 + 4 * kTensorsPerLinear;
 
@@ -136,8 +136,8 @@ struct Share {
 // what is left of the other threads' shares. Contiguous shares matter for
 // the products: each thread's weight reads form one long stream that the
 // prefetchers follow across chunks (a counter shared by all threads hands
-// out chunks in alternation, and each chunk starts a new stream: a single
-// stream ran about 4 % slower that way). Taking the others' leftovers keeps
+// out chunks in alternation, and each chunk starts a new stream, which a
+// single stream measurably pays for). Taking the others' leftovers keeps
 // the threads level when one of them is slowed down: the main thread also
 // serves Python, and another process may hold a core.
 class SharedWork {
@@ -307,7 +307,7 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   }
   // The LM head, when given, is the step's last product: logits without
   // leaving the region (for one row, the Python and thread wake-up around a
-  // separate call were about 0.3 ms of a 22 ms step).
+  // separate call are a visible share of a step).
   std::optional<Linear> head;
   if (!lm_head.empty()) head.emplace(lm_head.data(), E, lm_head[0].size(0), "lm_head");
   auto options = hidden.options();

@@ -128,7 +128,7 @@ struct Item {
 // The kernels score a span of up to kSpan tokens, then take one online-
 // softmax step over all of them, then add up their values. Taken once a
 // 16-slot block instead (as an earlier version did), that step's reductions,
-// chains of dependent instructions, were about 30 % of the kernel's time.
+// chains of dependent instructions, took a large share of the kernel's time.
 constexpr int64_t kSpan = 256;
 // Rows read ahead: the kernels prefetch the row kAhead rows further along
 // their reading order (below). A block's rows are apart in memory and blocks
