@@ -63,9 +63,7 @@ def reference_ngram(tokens, k, lo, hi):
         suffix = tokens[-n:]
         starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == suffix]
         if starts:
-            full = [i for i in starts if i + n + k <= len(tokens)]
-            i = full[-1] if full else starts[0]
-            return tokens[i + n:i + n + k]
+            return tokens[starts[0] + n:starts[0] + n + k]
     return []
 
 
@@ -78,7 +76,7 @@ def test_ngram_proposer_matches_brute_force():
         hi = lo + rng.randint(0, 3)
         got = NgramProposer(k, lo, hi).propose(tokens)
         assert got == reference_ngram(tokens, k, lo, hi), (tokens, k, lo, hi)
-    quoted = [7, 1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    quoted = [7, 1, 2, 3, 4, 5, 9, 9, 1, 2, 3]  # the earliest "1 2 3" wins
     assert NgramProposer(2, 1, 3).propose(quoted) == [4, 5]
     assert NgramProposer(5, 1, 3).propose(quoted, max_tokens=1) == [4]
 

@@ -9,9 +9,10 @@ a search over the token list.
     n = 3   suffix "the quick brown" occurred at i  ->  propose "fox jumps ..."
 
 The largest n in [min_n, max_n] that occurs wins (a longer match is a
-stronger hint); among its occurrences the latest one with k tokens after it
-(the nearest context), else the earliest (the most tokens after it: in a
-run like "a a a a" the latest occurrence is followed by one token only).
+stronger hint); among its occurrences the earliest one. The latest would be
+the nearest context, but in a run ("a a a a") the latest occurrence is the
+run's end, followed by what ended the run: the earliest is followed by the
+run itself, and it always has the most tokens after it.
 """
 
 from __future__ import annotations
@@ -43,21 +44,20 @@ class NgramProposer:
         if k < 1:
             return []
         for n in range(min(self.max_n, n_total - 1), self.min_n - 1, -1):
-            start = self._best_match(tokens, n, k)
+            start = self._best_match(tokens, n)
             if start is not None:
                 return tokens[start + n:start + n + k].tolist()
         return []
 
     @staticmethod
-    def _best_match(tokens: np.ndarray, n: int, k: int) -> int | None:
+    def _best_match(tokens: np.ndarray, n: int) -> int | None:
         """Start of the earlier occurrence of the last ``n`` tokens to copy from, or None."""
         # Windows that start before the suffix itself, so each has a follower.
         windows = sliding_window_view(tokens[:-1], n)
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if not hits.size:
             return None
-        full = hits[hits + n + k <= len(tokens)]
-        return int(full[-1]) if full.size else int(hits[0])
+        return int(hits[0])
 
 
 __all__ = ["NgramProposer"]
