@@ -25,6 +25,7 @@ BENCHMARKS = {
     "serve": "minivllm.benchmarks.serve",
     "roofline": "minivllm.benchmarks.roofline",
     "attention": "minivllm.benchmarks.attention",
+    "spec-decode": "minivllm.benchmarks.spec_decode",
 }
 
 
