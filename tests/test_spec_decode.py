@@ -253,3 +253,44 @@ def test_logprobs_of_verified_tokens_equal_unspeculated(tiny, baseline):
             for t in lx:
                 assert lx[t].logprob == pytest.approx(ly[t].logprob, abs=1e-4)
         assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-3)
+
+
+def test_prometheus_counters_follow_the_scheduler_totals(tiny, baseline):
+    from minivllm.metrics.prometheus import PrometheusStatLogger
+    from tests.helpers import metric_samples
+
+    ps, params, _ = baseline
+    llm = LLM(tiny, speculative_config=NGRAM)
+    logger = PrometheusStatLogger("tiny")
+    scheduler = llm.engine_core.scheduler
+    engine = llm.llm_engine
+    for p in ps[:4]:
+        engine.add_request(p, params)
+    while engine.has_unfinished_requests():  # one snapshot per step, as the server sends
+        engine.step()
+        logger.record_scheduler_stats(scheduler.make_stats())
+    stats = scheduler.spec_decoding_stats
+    samples = metric_samples(logger.render().decode())
+    assert samples[("minivllm:spec_decode_num_drafts_total", ())] == stats.num_drafts > 0
+    assert samples[("minivllm:spec_decode_num_draft_tokens_total", ())] == \
+        stats.num_draft_tokens
+    assert samples[("minivllm:spec_decode_num_accepted_tokens_total", ())] == \
+        stats.num_accepted_tokens
+    per_pos = [samples[("minivllm:spec_decode_num_accepted_tokens_per_pos_total",
+                        (("position", str(i)),))]
+               for i in range(len(stats.num_accepted_tokens_per_pos))]
+    assert per_pos == stats.num_accepted_tokens_per_pos
+
+
+def test_cli_takes_the_speculative_config_as_json():
+    from minivllm.entrypoints.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(["serve", "--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert engine_args_from(ns).speculative_config == {"method": "ngram",
+                                                       "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "{ngram"])
+    ns = build_parser().parse_args(["bench", "throughput", "--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert ns.speculative_config["num_speculative_tokens"] == 3
