@@ -294,3 +294,14 @@ def test_cli_takes_the_speculative_config_as_json():
     ns = build_parser().parse_args(["bench", "throughput", "--speculative-config",
                                     '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert ns.speculative_config["num_speculative_tokens"] == 3
+
+
+def test_ngram_with_tensor_parallelism_equals_one_process(tiny, baseline):
+    ps, params, expected = baseline
+    llm = LLM(tiny, tensor_parallel_size=2, speculative_config=NGRAM, trace=True)
+    try:
+        assert token_ids(llm, ps[:6], params) == expected[:6]
+        assert llm.trace.spec_decoding_stats().num_accepted_tokens > 0
+        assert_no_blocks_held(llm)
+    finally:
+        llm.shutdown()
