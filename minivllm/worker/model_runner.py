@@ -131,9 +131,18 @@ class ModelRunner:
             drafts = so.scheduled_spec_decode_tokens.get(rid, ())
             tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
             input_ids += tokens[start:end]
-            computed.append(start)
-            seq_lens.append(end)
-            tables.append(so.block_ids[rid])
+            if drafts:
+                # Verifying k drafts: k + 1 one-token sequences over the same blocks,
+                # the j-th seeing j more tokens. Every layer stores the step's K/V
+                # before attending, so each sees the drafts before it, and the step
+                # stays a pure decode step (the fused path takes it).
+                computed += range(start, end)
+                seq_lens += range(start + 1, end + 1)
+                tables += [so.block_ids[rid]] * (end - start)
+            else:
+                computed.append(start)
+                seq_lens.append(end)
+                tables.append(so.block_ids[rid])
             if end == len(tokens):  # this step reaches the last known token
                 # With k drafts: k + 1 rows, the last known token's and each draft's.
                 logits_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
