@@ -22,7 +22,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
 
-NUM_SAMPLES = 1500
+NUM_SAMPLES = 1000
 SCALE = 3
 MAX_TOKENS = 4
 ALPHA = 1e-3
