@@ -129,6 +129,10 @@ class ParallelConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Left out of the dict, disable_by_batch_size is this: on a CPU a batch this
+# large is compute-bound, and `minivllm bench spec-decode` measures plain chat
+# losing from here on. An explicit None keeps speculation on at any batch size.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 12
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max",
                      "prompt_lookup_min", "model", "disable_by_batch_size")
 
@@ -143,7 +147,8 @@ class SpeculativeConfig:
     a smaller model with the target's vocabulary proposes them.
     ``disable_by_batch_size``: no drafts in steps with at least this many
     running requests (a large batch is compute-bound: verifying rejected
-    drafts then costs more than the steps it saves).
+    drafts then costs more than the steps it saves); left out, it is
+    ``DEFAULT_DISABLE_BY_BATCH_SIZE``, and an explicit None means never.
     """
 
     method: str
@@ -155,6 +160,11 @@ class SpeculativeConfig:
 
     @staticmethod
     def from_dict(raw: Any) -> "SpeculativeConfig":
+        if isinstance(raw, str):  # JSON, as on the command line
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise _bad("speculative_config", raw, f"is not valid JSON ({e})") from None
         if isinstance(raw, SpeculativeConfig):
             raw = asdict(raw)
         if not isinstance(raw, dict):
@@ -181,6 +191,7 @@ class SpeculativeConfig:
                 raise _bad(f"speculative_config.{name}", v, f"must be an integer >= {minimum}")
             return v
 
+        raw.setdefault("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         config = SpeculativeConfig(method, count("num_speculative_tokens"),
                                    count("prompt_lookup_max"), count("prompt_lookup_min"),
                                    raw.get("model"), count("disable_by_batch_size"))

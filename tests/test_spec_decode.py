@@ -15,8 +15,9 @@ from minivllm.core.kv_cache_manager import hash_request_tokens
 from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 
+# Drafts at every batch size: these tests are about the mechanics.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "disable_by_batch_size": None}
 
 
 # -- configuration ----------------------------------------------------------------
@@ -36,7 +37,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
     ({"method": "draft_model", "num_speculative_tokens": 2}, r"model=None.*path"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
      r"disable_by_batch_size=0"),
-    ("ngram", r"speculative_config='ngram' is invalid: must be a dict"),
+    ("ngram", r"speculative_config='ngram' is invalid: is not valid JSON"),
+    ([3], r"speculative_config=\[3\] is invalid: must be a dict"),
 ])
 def test_bad_speculative_config_names_the_field(raw, match):
     with pytest.raises(ValueError, match=match):
@@ -50,6 +52,12 @@ def test_lookup_bounds_fill_each_other_as_in_vllm():
     only_min = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_min": 3})
     assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (3, 3)
+    from minivllm.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    assert only_max.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 2, '
+                                       '"disable_by_batch_size": null}'
+                                       ).disable_by_batch_size is None
     # A model alone means a draft model, as in vLLM.
     assert SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 1}
                                        ).method == "draft_model"

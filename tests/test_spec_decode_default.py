@@ -12,7 +12,7 @@ from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
 PARAMS = SamplingParams(temperature=0, max_tokens=32)
 PROMPTS = CHAT_PROMPTS + grounded_prompts(4)  # 16 chat turns + 4 that quote their input
 

@@ -27,7 +27,8 @@ def expected(target):
 
 
 def draft_config(path, k=3):
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+            "disable_by_batch_size": None}
 
 
 def assert_draft_cache_empty(llm):

@@ -30,7 +30,7 @@ ALPHA = 1e-3
 # always has a draft, and it guesses a repeat (which this model likes).
 PROMPT = [t for t in (*range(3, 16), 0, 1, 2) for _ in range(4)]
 SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 2}
+        "prompt_lookup_max": 2, "disable_by_batch_size": None}
 KNOBS = dict(temperature=0.8, top_k=10, top_p=0.95, min_p=0.02, repetition_penalty=1.05,
              frequency_penalty=0.05)
 
