@@ -1,4 +1,4 @@
-"""One validated configuration tree: model, cache, scheduler, parallel.
+"""One validated configuration tree: model, cache, scheduler, parallel, speculative.
 
 ``EngineArgs`` is the flat, user-facing list of knobs (the same names as
 ``minivllm serve --kebab-case`` flags and vLLM's engine arguments).
@@ -132,6 +132,103 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Left out of the dict, disable_by_batch_size is this: on a CPU a batch this
+# large is compute-bound, and `minivllm bench spec-decode` measures plain chat
+# losing from here on. An explicit None keeps speculation on at any batch size.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 12
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max",
+                     "prompt_lookup_min", "model", "disable_by_batch_size")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` dict, checked (see minivllm/spec_decode/).
+
+    ``ngram``: propose the ``num_speculative_tokens`` tokens that followed the
+    latest earlier occurrence of the request's last n tokens, for the largest
+    n in [prompt_lookup_min, prompt_lookup_max] that occurs. ``draft_model``:
+    a smaller model with the target's vocabulary proposes them.
+    ``disable_by_batch_size``: no drafts in steps with at least this many
+    running requests (a large batch is compute-bound: verifying rejected
+    drafts then costs more than the steps it saves); left out, it is
+    ``DEFAULT_DISABLE_BY_BATCH_SIZE``, and an explicit None means never.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: Optional[int] = None
+    prompt_lookup_min: Optional[int] = None
+    model: Optional[str] = None
+    disable_by_batch_size: Optional[int] = None
+
+    @staticmethod
+    def from_dict(raw: Any) -> "SpeculativeConfig":
+        if isinstance(raw, str):  # JSON, as on the command line
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise _bad("speculative_config", raw, f"is not valid JSON ({e})") from None
+        if isinstance(raw, SpeculativeConfig):
+            raw = asdict(raw)
+        if not isinstance(raw, dict):
+            raise _bad("speculative_config", raw, "must be a dict such as "
+                       '{"method": "ngram", "num_speculative_tokens": 3}')
+        unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: "
+                             f"{', '.join(_SPECULATIVE_KEYS)}")
+        raw = dict(raw)
+        if raw.get("method") is None and raw.get("model") is not None:
+            raw["method"] = "draft_model"  # as vLLM: a model alone means a draft model
+        method = raw.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise _bad("speculative_config.method", method,
+                       f"must be one of {', '.join(SPECULATIVE_METHODS)}")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config.num_speculative_tokens is missing: "
+                             "must be an integer >= 1 (tokens proposed per step)")
+
+        def count(name: str, minimum: int = 1) -> Optional[int]:
+            v = raw.get(name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < minimum):
+                raise _bad(f"speculative_config.{name}", v, f"must be an integer >= {minimum}")
+            return v
+
+        raw.setdefault("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        config = SpeculativeConfig(method, count("num_speculative_tokens"),
+                                   count("prompt_lookup_max"), count("prompt_lookup_min"),
+                                   raw.get("model"), count("disable_by_batch_size"))
+        if method == "ngram":
+            config._resolve_ngram()
+        else:
+            config._check_draft_model()
+        return config
+
+    def _resolve_ngram(self) -> None:
+        if self.model is not None:
+            raise _bad("speculative_config.model", self.model,
+                       'only the "draft_model" method takes a model')
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        # As vLLM: one bound given sets the other.
+        if lo is None and hi is None:
+            lo, hi = 2, 5
+        self.prompt_lookup_min = hi if lo is None else lo
+        self.prompt_lookup_max = lo if hi is None else hi
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise _bad("speculative_config.prompt_lookup_min", self.prompt_lookup_min,
+                       f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def _check_draft_model(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise _bad("speculative_config.model", self.model,
+                       "the draft_model method needs the path of a model folder")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None:
+                raise _bad(f"speculative_config.{name}", getattr(self, name),
+                           'only the "ngram" method takes it')
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -144,6 +241,7 @@ class EngineConfig:
     cpu_kernels: Optional[bool] = None
     seed: int = 0
     trace: bool = False
+    speculative: Optional[SpeculativeConfig] = None
 
 
 @dataclass
@@ -169,6 +267,8 @@ class EngineArgs:
     cpu_kernels: Optional[bool] = None
     seed: int = 0
     trace: bool = False
+    # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
+    speculative_config: Optional[dict] = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -178,6 +278,8 @@ class EngineArgs:
         from minivllm.model.loader import resolve_model_path
 
         self._validate()
+        speculative = (None if self.speculative_config is None
+                       else SpeculativeConfig.from_dict(self.speculative_config))
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,7 +299,8 @@ class EngineArgs:
                                       self.enable_chunked_prefill),
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device, attention_backend=self.attention_backend,
-            cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace)
+            cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
+            speculative=speculative)
 
     def _validate(self) -> None:
         def positive(name):
@@ -240,4 +343,4 @@ def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
 
 
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig",
-           "SchedulerConfig", "ParallelConfig", "SUPPORTED_ARCHITECTURES"]
+           "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "SUPPORTED_ARCHITECTURES"]

@@ -32,6 +32,8 @@ class StepRecord:
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     # seconds per stage: schedule, prepare, forward, sample, update (+ collective)
     timings: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding: request_id -> (draft tokens verified, accepted).
+    spec_decode: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class StepTrace:
@@ -52,6 +54,16 @@ class StepTrace:
 
     def as_dicts(self) -> list[dict]:
         return [asdict(r) for r in self.records]
+
+    def spec_decoding_stats(self):
+        """Acceptance counts over all recorded steps (a SpecDecodingStats)."""
+        from minivllm.spec_decode.metrics import SpecDecodingStats
+
+        stats = SpecDecodingStats()
+        for r in self.records:
+            for num_drafts, num_accepted in r.spec_decode.values():
+                stats.observe(num_drafts, num_accepted)
+        return stats
 
     def time_breakdown(self) -> dict[str, float]:
         """Total seconds per stage over all recorded steps."""

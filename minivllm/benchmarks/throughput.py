@@ -285,6 +285,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="minivllm and vLLM: ranks on this host, sharing --threads "
                              "(hf, hf-cb and llama.cpp run as one process)")
+    from minivllm.entrypoints.cli import json_dict
+
+    parser.add_argument("--speculative-config", type=json_dict("speculative_config"),
+                        default=None, metavar="JSON",
+                        help="minivllm only: speculative decoding, e.g. '{\"method\": "
+                             "\"ngram\", \"num_speculative_tokens\": 3}' (greedy, so the "
+                             "tokens are the same; see also `minivllm bench spec-decode`)")
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--hf-cb-attn", default=None,
                         help="attn_implementation for hf-cb (default: transformers' choice)")
@@ -389,7 +396,8 @@ def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProces
              "tensor_parallel_size": args.tensor_parallel_size,
              "engine_args": {"max_num_seqs": args.max_num_seqs,
                              "max_num_batched_tokens": args.max_num_batched_tokens,
-                             "tensor_parallel_size": args.tensor_parallel_size}}
+                             "tensor_parallel_size": args.tensor_parallel_size,
+                             "speculative_config": args.speculative_config}}
     pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}
     drivers: dict[str, DriverProcess] = {}
     for name in backends:

@@ -35,6 +35,11 @@ class EngineCore:
         sc = config.scheduler
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.max_model_len, self.kv_cache_manager)
+        self.speculator = None
+        if config.speculative is not None:
+            from minivllm.spec_decode.proposer import Speculator
+
+            self.speculator = Speculator(config)
         self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
         self.step_count = 0
         # Set when a step failed inside the model: the KV cache and the
@@ -70,7 +75,9 @@ class EngineCore:
             self.dead_error = e
             raise
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(so, result.sampled)
+        outputs = self.scheduler.update_from_output(so, result.sampled, result.verified)
+        if self.speculator is not None:  # drafts for the next step
+            self.speculator.propose(self.scheduler.running)
         t3 = time.perf_counter()
         now = time.monotonic()
         by_id = {r.request_id: r for r in so.scheduled_requests}
@@ -88,7 +95,9 @@ class EngineCore:
         for req in so.scheduled_requests:
             rid = req.request_id
             n = so.num_scheduled_tokens[rid]
-            is_prefill = so.num_computed_tokens[rid] + n <= req.num_prompt_tokens or n > 1
+            # A decode that verifies k drafts computes 1 + k tokens.
+            k = len(so.scheduled_spec_decode_tokens.get(rid, ()))
+            is_prefill = so.num_computed_tokens[rid] + n <= req.num_prompt_tokens or n - k > 1
             scheduled[rid] = (n, "prefill" if is_prefill else "decode")
         kv = self.kv_cache_manager
         return StepRecord(
@@ -102,7 +111,11 @@ class EngineCore:
             finished=[o.request_id for o in outputs if o.finished],
             kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             block_tables={rid: list(b) for rid, b in so.block_ids.items()},
-            timings=timings)
+            timings=timings,
+            spec_decode={o.request_id: (o.num_draft_tokens, o.num_accepted_tokens)
+                         for o in outputs if o.num_draft_tokens})
 
     def shutdown(self) -> None:
+        if self.speculator is not None:
+            self.speculator.shutdown()
         self.executor.shutdown()

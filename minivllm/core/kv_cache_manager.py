@@ -173,10 +173,14 @@ class KVCacheManager:
         num_computed = (request.num_computed_tokens
                         + len(new_computed_blocks) * self.block_size)
         num_tokens = num_computed + num_new_tokens
-        if num_tokens > request.num_tokens:
+        # Draft tokens (speculative decoding) get slots too, but are not known yet.
+        num_known = request.num_tokens + len(request.spec_token_ids)
+        if num_tokens > num_known:
+            drafts = (f" + {len(request.spec_token_ids)} draft"
+                      if request.spec_token_ids else "")
             raise ValueError(f"allocate_slots for {rid!r}: {num_computed} computed + "
                              f"{num_new_tokens} new tokens exceeds its "
-                             f"{request.num_tokens} known tokens")
+                             f"{request.num_tokens}{drafts} known tokens")
 
         num_to_allocate = (self.num_blocks_needed(num_tokens)
                            - len(blocks) - len(new_computed_blocks))
@@ -193,7 +197,8 @@ class KVCacheManager:
             self.num_cached_block[rid] = len(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, num_tokens)
+        # Only blocks of known tokens are cached: drafts may still be rejected.
+        self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_blocks
 
     def _cache_full_blocks(self, request: "Request", num_tokens: int) -> None:
@@ -220,6 +225,18 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def free_tail(self, request: "Request", num_tokens: int) -> int:
+        """Return the blocks past the first ``num_tokens`` tokens (slots of rejected
+        draft tokens); returns how many. They hold no known token, so none is cached."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = self.num_blocks_needed(num_tokens)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        return len(tail)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; returns False (doing nothing) if blocks are held."""

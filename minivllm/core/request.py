@@ -89,6 +89,12 @@ class Request:
         # Per output token: (chosen logprob, {token_id: logprob} top-n) or None.
         self.logprobs: list[tuple[float, dict[int, float]]] = []
         self.cumulative_logprob = 0.0
+        # Speculative decoding: tokens a proposer guessed to follow the known
+        # ones (minivllm/spec_decode/), verified in the next step; only valid
+        # while the request is one token short of computed. ``spec_token_probs``:
+        # the draft model's [k, vocab] probabilities of them (None: one-hot).
+        self.spec_token_ids: list[int] = []
+        self.spec_token_probs = None
         self.times = RequestTimes(arrival=arrival_time or time.monotonic())
 
     # -- sizes -----------------------------------------------------------

@@ -26,6 +26,10 @@ class SchedulerOutput:
     # request_id -> tokens whose K/V were already in the cache *before* this
     # step (prefix-cache hits included); the new tokens start at this position.
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    # request_id -> draft tokens verified this step (speculative decoding):
+    # they follow the request's known tokens, and are counted in its
+    # num_scheduled_tokens. Absent: no drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # request_id -> its whole block table (physical block ids, logical order).
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0

@@ -17,6 +17,11 @@ scheduler hands out a budget of ``max_num_batched_tokens`` tokens:
 it advances ``num_computed_tokens``, appends sampled tokens and checks the
 token-level stop conditions. Stop *strings* need text, so the output
 processor checks them and calls ``finish_requests``.
+
+Speculative decoding (minivllm/spec_decode/) adds one thing: a decoding
+request that carries draft tokens (``Request.spec_token_ids``) asks for
+1 + k slots, and ``update_from_output`` applies the verified run of tokens
+(``_apply_verified``) instead of one.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.sched_output import SchedulerOutput
+from minivllm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from minivllm.config import SchedulerConfig
@@ -76,6 +82,8 @@ class SchedulerStats:
     prefix_cache_requests: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Speculative decoding totals (None when no request had drafts yet).
+    spec_decoding_stats: Optional[SpecDecodingStats] = None
 
 
 class Scheduler:
@@ -101,6 +109,7 @@ class Scheduler:
         self.step = 0
         self._pool_counters = self._read_pool_counters()
         self._awaiting_output = False
+        self.spec_decoding_stats: Optional[SpecDecodingStats] = None
 
     @classmethod
     def from_config(cls, config: "SchedulerConfig",
@@ -194,7 +203,9 @@ class Scheduler:
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=self.num_preemptions, prefix_cache_requests=pc.requests,
-            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits)
+            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
+            spec_decoding_stats=(None if self.spec_decoding_stats is None
+                                 else self.spec_decoding_stats.copy()))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -226,7 +237,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._cap(request.num_tokens - request.num_computed_tokens
+                                + len(self._drafts(request)), budget)
             if num_new < 1:
                 raise RuntimeError(f"running request {request.request_id!r} has nothing "
                                    "to compute: was update_from_output() skipped?")
@@ -264,6 +276,13 @@ class Scheduler:
             self._add_to_batch(out, request, num_new)
             budget -= num_new
 
+    @staticmethod
+    def _drafts(request: Request) -> list[int]:
+        """The draft tokens to verify; drafts are stale unless one token is left."""
+        if request.num_tokens - request.num_computed_tokens != 1:
+            request.spec_token_ids, request.spec_token_probs = [], None
+        return request.spec_token_ids
+
     def _cap(self, num_tokens: int, budget: int) -> int:
         threshold = self.long_prefill_token_threshold
         if threshold:
@@ -276,6 +295,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids, request.spec_token_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
         # Front of the queue: it was admitted before anyone still waiting.
@@ -286,6 +306,10 @@ class Scheduler:
         rid = request.request_id
         out.scheduled_requests.append(request)
         out.num_scheduled_tokens[rid] = num_new
+        # What the budget left of the drafts (none when cut to the known tokens).
+        num_drafts = request.num_computed_tokens + num_new - request.num_tokens
+        if num_drafts > 0:
+            out.scheduled_spec_decode_tokens[rid] = request.spec_token_ids[:num_drafts]
         out.num_computed_tokens[rid] = request.num_computed_tokens
         out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
 
@@ -295,14 +319,18 @@ class Scheduler:
 
     # -- one step: apply -------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled: SampledTokens) -> list[EngineCoreOutput]:
+                           sampled: SampledTokens,
+                           verified: Optional[dict[str, list]] = None
+                           ) -> list[EngineCoreOutput]:
         """Advance requests by the step's result; one output per new token or finish.
 
         ``sampled`` holds an entry for each request whose scheduled tokens
         reached the end of its known tokens; a partial prefill chunk produces
         no token (an entry for one is ignored: its logits came from the middle
-        of the prompt).
+        of the prompt). ``verified`` holds, for each request that had drafts,
+        the accepted drafts plus one token from the target (1 to k + 1 tokens).
         """
+        verified = verified or {}
         step = scheduler_output.step
         unknown = set(sampled) - set(scheduler_output.num_scheduled_tokens)
         if unknown:
@@ -316,13 +344,18 @@ class Scheduler:
             if request.num_computed_tokens != scheduler_output.num_computed_tokens[rid]:
                 raise RuntimeError(f"step {step} was already applied to request {rid!r}")
             done = request.num_computed_tokens + scheduler_output.num_scheduled_tokens[rid]
-            if done >= request.num_tokens and rid not in sampled:
+            if done >= request.num_tokens and rid not in sampled and rid not in verified:
                 raise ValueError(f"request {rid!r} reached the end of its tokens in step "
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
         outputs = []
         for request in live:
             rid = request.request_id
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                outputs.append(self._apply_verified(request, scheduler_output, drafts,
+                                                    verified[rid]))
+                continue
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
             if request.num_computed_tokens == request.num_tokens:
                 outputs.append(self._append_token(request, *sampled[rid]))
@@ -330,6 +363,13 @@ class Scheduler:
 
     def _append_token(self, request: Request, token_id: int,
                       logprob_info: Optional[LogprobInfo]) -> EngineCoreOutput:
+        stopped = self._add_output_token(request, token_id, logprob_info)
+        return self._core_output(request, [token_id], None if logprob_info is None
+                                 else [logprob_info], finished=stopped)
+
+    def _add_output_token(self, request: Request, token_id: int,
+                          logprob_info: Optional[LogprobInfo]) -> bool:
+        """Append one token and check the stop conditions; True if it finished."""
         request.append_output_token(token_id)
         if logprob_info is not None:
             request.logprobs.append(logprob_info)
@@ -338,12 +378,51 @@ class Scheduler:
         stop = self._check_stop(request)
         if stop is not None:
             self._finish(request, *stop)
+        return stop is not None
+
+    def _core_output(self, request: Request, token_ids: list[int],
+                     logprobs: Optional[list[LogprobInfo]], finished: bool,
+                     **spec) -> EngineCoreOutput:
         return EngineCoreOutput(
-            request_id=request.request_id, new_token_ids=[token_id],
-            new_logprobs=None if logprob_info is None else [logprob_info],
+            request_id=request.request_id, new_token_ids=token_ids, new_logprobs=logprobs,
             finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_preemptions=request.num_preemptions)
+            num_preemptions=request.num_preemptions, **spec)
+
+    def _apply_verified(self, request: Request, so: SchedulerOutput, drafts: list[int],
+                        tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:
+        """Apply a verification: accepted drafts + one target token, stops honoured.
+
+        The K/V of the known tokens and of the accepted drafts are valid; the
+        slots of the rejected ones are overwritten next step, and the blocks
+        past what the request now holds go back to the pool. A stop inside the
+        run ends it there: the tokens after it are dropped, as if never sampled.
+        """
+        k = len(drafts)
+        if not 1 <= len(tokens) <= k + 1:
+            raise ValueError(f"request {request.request_id!r}: verification of {k} drafts "
+                             f"returned {len(tokens)} tokens, must be 1 to {k + 1}")
+        num_accepted = len(tokens) - 1
+        request.num_computed_tokens += so.num_scheduled_tokens[request.request_id] - k
+        request.spec_token_ids, request.spec_token_probs = [], None
+        if self.spec_decoding_stats is None:
+            self.spec_decoding_stats = SpecDecodingStats()
+        self.spec_decoding_stats.observe(k, num_accepted)
+        new_ids, new_logprobs, finished = [], [], False
+        for token_id, info in tokens:
+            # The token before this one is known now: its K/V (written this step) count.
+            if new_ids:
+                request.num_computed_tokens += 1
+            new_ids.append(token_id)
+            new_logprobs.append(info)
+            if self._add_output_token(request, token_id, info):
+                finished = True
+                break
+        if not finished:
+            self.kv_cache_manager.free_tail(request, request.num_tokens)
+        return self._core_output(
+            request, new_ids, None if new_logprobs[0] is None else new_logprobs, finished,
+            num_draft_tokens=k, num_accepted_tokens=num_accepted)
 
     def _check_stop(self, request: Request
                     ) -> Optional[tuple[RequestStatus, Optional[int]]]:

@@ -13,6 +13,7 @@ gathers its children's completions here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -162,6 +163,10 @@ class OutputProcessor:
         # Each child reports its own running total of preemptions.
         m.num_preemptions += o.num_preemptions - child.num_preemptions
         child.num_preemptions = o.num_preemptions
+        if o.num_draft_tokens:
+            m.record_spec_decode(o.num_draft_tokens, o.num_accepted_tokens)
+        if len(o.new_token_ids) > 1 and child.stop_checker is not None:
+            return self._apply_run(state, child, o)
         m.record_tokens(len(o.new_token_ids), o.timestamp, child.index)
         child.token_ids.extend(o.new_token_ids)
         if o.new_logprobs is not None and child.logprobs is not None:
@@ -187,6 +192,22 @@ class OutputProcessor:
         if state.finished:
             m.finished_time = o.timestamp
         return matched
+
+    def _apply_run(self, state: RequestState, child: ChildState, o: EngineCoreOutput) -> bool:
+        """Several tokens at once (a verified speculative run) with stop strings:
+        one token at a time, so a stop string ends the run at the token that
+        completes it, exactly as without speculation."""
+        ids, lps = o.new_token_ids, o.new_logprobs
+        for i, token_id in enumerate(ids):
+            last = i == len(ids) - 1
+            one = dataclasses.replace(
+                o, new_token_ids=[token_id], new_logprobs=None if lps is None else [lps[i]],
+                finish_reason=o.finish_reason if last else None,
+                stop_reason=o.stop_reason if last else None, num_draft_tokens=0)
+            matched = self._apply(state, child, one)
+            if child.finish_reason is not None:
+                return matched
+        return False
 
     def _logprob_dict(self, token_id: int, chosen: float, top: dict[int, float]
                       ) -> dict[int, Logprob]:

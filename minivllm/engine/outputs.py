@@ -29,6 +29,9 @@ class EngineCoreOutput:
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: drafts verified this step and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Filled by EngineCore.step: when the step produced this output, and when
     # the request was first scheduled (the API side computes latencies).
     timestamp: float = 0.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import sys
 import typing
 from typing import Optional
@@ -24,6 +25,7 @@ BENCHMARKS = {
     "serve": "minivllm.benchmarks.serve",
     "roofline": "minivllm.benchmarks.roofline",
     "attention": "minivllm.benchmarks.attention",
+    "spec-decode": "minivllm.benchmarks.spec_decode",
 }
 
 
@@ -39,8 +41,34 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
         base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
         if base[0] is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif base[0] is dict or typing.get_origin(base[0]) is dict:
+            group.add_argument(flag, type=json_dict(f.name), default=f.default, metavar="JSON",
+                               help=DICT_HELP.get(f.name))
         else:
             group.add_argument(flag, type=base[0], default=f.default, metavar=f.name.upper())
+
+
+DICT_HELP = {
+    "speculative_config": "speculative decoding, vLLM's dict as JSON, e.g. "
+                          '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+                          '\'{"method": "draft_model", "model": PATH, '
+                          '"num_speculative_tokens": 3}\'',
+}
+
+
+def json_dict(name: str):
+    """An argparse type: a JSON object, or an error naming the flag."""
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r} is not "
+                                             f"valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r} is "
+                                             "invalid: must be a JSON object")
+        return value
+    return parse
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

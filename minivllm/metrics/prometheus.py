@@ -11,6 +11,10 @@ Two feeds keep them current:
   queue, prefill, decode), the prompt-token counter and the finish-reason
   counter.
 
+Speculative decoding's counters (vLLM's ``spec_decode_*`` names) come from
+the scheduler's running totals too; accepted tokens per draft position are
+one counter with a ``position`` label.
+
 Generated tokens are counted as they come, one engine step at a time, so a
 long generation shows up before it ends.
 
@@ -94,6 +98,15 @@ class PrometheusStatLogger:
                                       "First scheduled to first token.", REQUEST_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
                                      "First token to last token.", REQUEST_BUCKETS)
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts",
+                                              "Verification steps of draft tokens.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                                    "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted.")
+        self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     ["model_name", "position"], registry=self.registry)
         self._last_stats: Optional[SchedulerStats] = None
 
     # -- feeds -------------------------------------------------------------------
@@ -107,7 +120,21 @@ class PrometheusStatLogger:
                               (self.prefix_cache_hits, "prefix_cache_hits")):
             before = 0 if last is None else getattr(last, name)
             counter.inc(max(getattr(stats, name) - before, 0))
+        self._record_spec_decode(stats.spec_decoding_stats,
+                                 None if last is None else last.spec_decoding_stats)
         self._last_stats = stats
+
+    def _record_spec_decode(self, now, before) -> None:
+        if now is None:
+            return
+        for counter, name in ((self.spec_decode_num_drafts, "num_drafts"),
+                              (self.spec_decode_num_draft_tokens, "num_draft_tokens"),
+                              (self.spec_decode_num_accepted_tokens, "num_accepted_tokens")):
+            counter.inc(max(getattr(now, name) - (getattr(before, name) if before else 0), 0))
+        old = before.num_accepted_tokens_per_pos if before else []
+        for pos, n in enumerate(now.num_accepted_tokens_per_pos):
+            delta = n - (old[pos] if pos < len(old) else 0)
+            self._spec_per_pos.labels(self.model_name, str(pos)).inc(max(delta, 0))
 
     def record_generation_tokens(self, count: int) -> None:
         self.generation_tokens.inc(count)

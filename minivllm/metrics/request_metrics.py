@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from minivllm.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclass
 class RequestMetrics:
@@ -32,6 +34,13 @@ class RequestMetrics:
     num_generation_tokens: int = 0  # over all completions
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding of this request's completions (None: no drafts).
+    spec_decoding: Optional[SpecDecodingStats] = None
+
+    def record_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if self.spec_decoding is None:
+            self.spec_decoding = SpecDecodingStats()
+        self.spec_decoding.observe(num_draft_tokens, num_accepted_tokens)
 
     def record_tokens(self, count: int, when: float, index: int = 0) -> None:
         """``count`` new tokens of completion ``index`` arrived at ``when``."""

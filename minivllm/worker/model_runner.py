@@ -39,6 +39,7 @@ from minivllm.logger import info_once
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
 from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from minivllm.spec_decode.rejection_sampler import RejectionSampler, verify_step
 
 CPU_KERNELS_ENV = "MINIVLLM_CPU_KERNELS"  # "0": the environment form of cpu_kernels=False
 # On CPU the KV cache gets this much memory unless told otherwise.
@@ -61,6 +62,8 @@ class StepInputs:
 class ModelRunnerOutput:
     # request_id -> (sampled token, logprob info or None); only requests that sample.
     sampled: dict[str, tuple[int, Optional[LogprobInfo]]] = field(default_factory=dict)
+    # request_id -> accepted drafts + one target token; only requests with drafts.
+    verified: dict[str, list[tuple[int, Optional[LogprobInfo]]]] = field(default_factory=dict)
     # Seconds spent in each stage of this step (for the step trace).
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -101,6 +104,7 @@ class ModelRunner:
                                                   cpu_kernels=use_kernels)
         self.model = load_model(config.model, self.attn_backend, self.device)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         # A pure decode step replayed in one call (None: every step runs the model).
         self.decode_replay = None
         self.decode_replay_problem: Optional[str] = self.cpu_kernels_problem
@@ -164,12 +168,25 @@ class ModelRunner:
             rid = req.request_id
             start = so.num_computed_tokens[rid]
             end = start + so.num_scheduled_tokens[rid]
-            input_ids += req.all_token_ids[start:end]
-            computed.append(start)
-            seq_lens.append(end)
-            tables.append(so.block_ids[rid])
-            if end == req.num_tokens:  # this step reaches the last known token
-                logits_rows.append(len(input_ids) - 1)
+            # Draft tokens (speculative decoding) follow the known ones.
+            drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+            tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
+            input_ids += tokens[start:end]
+            if drafts:
+                # Verifying k drafts: k + 1 one-token sequences over the same blocks,
+                # the j-th seeing j more tokens. Every layer stores the step's K/V
+                # before attending, so each sees the drafts before it, and the step
+                # stays a pure decode step (the fused path takes it).
+                computed += range(start, end)
+                seq_lens += range(start + 1, end + 1)
+                tables += [so.block_ids[rid]] * (end - start)
+            else:
+                computed.append(start)
+                seq_lens.append(end)
+                tables.append(so.block_ids[rid])
+            if end == len(tokens):  # this step reaches the last known token
+                # With k drafts: k + 1 rows, the last known token's and each draft's.
+                logits_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 samplers.append(req)
         num_seqs = len(seq_lens)
         query_lens = np.subtract(seq_lens, computed)
@@ -222,7 +239,11 @@ class ModelRunner:
         logits = (forward_fn or self.forward)(inputs)
         self._sync()
         t2 = time.perf_counter()
-        if samplers:
+        if samplers and so.scheduled_spec_decode_tokens:
+            out.sampled, out.verified = verify_step(
+                logits, samplers, so.scheduled_spec_decode_tokens, self._sample,
+                self._sampling_row, self.rejection_sampler)
+        elif samplers:
             out.sampled = self._sample(logits, samplers)
         t3 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
@@ -231,10 +252,13 @@ class ModelRunner:
                        "tp_size": float(tp_size())}
         return out
 
+    def _sampling_row(self, req) -> SamplingRow:
+        return SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
+                           self._generator(req), req.eos_token_ids)
+
     @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
-        rows = [SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
-                            self._generator(req), req.eos_token_ids) for req in reqs]
+        rows = [self._sampling_row(req) for req in reqs]
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
         result = self.sampler(logits.float(), meta)
         tokens = result.sampled_token_ids.tolist()
