@@ -45,6 +45,10 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     logprobs: Optional[int] = None
+    # Top-n logprobs at every prompt position (the prompt token itself always
+    # included); the first position has none. Such a request computes its whole
+    # prompt: it takes no prefix-cache hits.
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     # vLLM's field, accepted for compatibility: it only ever changed the output
     # of slow (Python) tokenizers, and minivllm detokenizes with fast ones.
@@ -104,6 +108,9 @@ class SamplingParams:
                        f"must be <= max_tokens ({self.max_tokens})")
         check("logprobs", self.logprobs is None
               or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+              "must be None or an integer in [0, 20]")
+        check("prompt_logprobs", self.prompt_logprobs is None
+              or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
               "must be None or an integer in [0, 20]")
 
     @property

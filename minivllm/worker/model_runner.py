@@ -31,6 +31,7 @@ from minivllm.model.attention.selector import get_attention_backend
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.layers.prepack import prepack_enabled, prepack_model
 from minivllm.model.loader import load_model
+from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
 # On CPU the KV cache gets this much memory unless told otherwise.
@@ -46,13 +47,18 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are needed
+    # Where in the logits the sampled rows are (None: all of them, in order;
+    # other rows are prompt positions scored for prompt logprobs).
+    sample_indices: Optional[torch.Tensor] = None
 
 
 @dataclass
 class ModelRunnerOutput:
     # request_id -> (sampled token, logprob info or None); only requests that sample.
     sampled: dict[str, tuple[int, Optional[LogprobInfo]]] = field(default_factory=dict)
+    # request_id -> its whole prompt's logprobs, in the step of its first token.
+    prompt_logprobs: dict[str, list[PromptLogprobEntry]] = field(default_factory=dict)
     # Seconds spent in each stage of this step (for the step trace).
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -71,6 +77,8 @@ class ModelRunner:
             self.fused_decode_problem = self.model.enable_fused_decode()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_logprobs = PromptLogprobsCollector()
+        self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- KV cache ----------------------------------------------------------
@@ -119,10 +127,13 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         computed, seq_lens, tables, logits_rows, samplers = [], [], [], [], []
+        self.prompt_plans = prompt_rows = []
         for req in so.scheduled_requests:
             rid = req.request_id
             start = so.num_computed_tokens[rid]
             end = start + so.num_scheduled_tokens[rid]
+            if (rows := self.prompt_logprobs.plan(req, start, end, len(input_ids))):
+                prompt_rows.append(rows)
             input_ids += req.all_token_ids[start:end]
             computed.append(start)
             seq_lens.append(end)
@@ -155,7 +166,25 @@ class ModelRunner:
             positions=torch.from_numpy(pos).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        if prompt_rows:
+            self._add_prompt_rows(inputs, logits_rows, prompt_rows)
         return inputs, samplers
+
+    def _add_prompt_rows(self, inputs: StepInputs, sample_rows: list[int],
+                         prompt_rows: list) -> None:
+        """Also compute the logits of the prompt positions scored this step.
+
+        The rows stay sorted, as the model expects; each plan is told where
+        its rows landed.
+        """
+        rows = sorted(set(sample_rows).union(*(p.flat_rows for p in prompt_rows)))
+        where = {r: i for i, r in enumerate(rows)}
+        dev = self.device
+        inputs.logits_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
+        inputs.sample_indices = torch.tensor([where[r] for r in sample_rows],
+                                             dtype=torch.int64, device=dev)
+        for p in prompt_rows:
+            p.flat_rows = [where[r] for r in p.flat_rows]
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -167,6 +196,7 @@ class ModelRunner:
         """Prepare, run (``forward_fn`` lets a TP executor fan the inputs out), sample."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
+            self.prompt_logprobs.forget(rid)
         out = ModelRunnerOutput()
         if so.is_empty:
             return out
@@ -177,8 +207,15 @@ class ModelRunner:
         logits = (forward_fn or self.forward)(inputs)
         self._sync()
         t2 = time.perf_counter()
+        if inputs.sample_indices is not None:
+            for plan in self.prompt_plans:
+                self.prompt_logprobs.add(plan, logits[plan.flat_rows])
+            logits = logits[inputs.sample_indices]
         if samplers:
             out.sampled = self._sample(logits, samplers)
+            for req in samplers:
+                if (entries := self.prompt_logprobs.take_finished(req)) is not None:
+                    out.prompt_logprobs[req.request_id] = entries
         t3 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
                        "collective": collective_stats.seconds,
