@@ -76,6 +76,9 @@ class SamplingRequest(RequestModel):
     def num_logprobs(self) -> Optional[int]:
         return None
 
+    def num_prompt_logprobs(self) -> Optional[int]:
+        return None
+
     def check(self, vocab_size: int) -> None:
         """Checks that span several fields (pydantic checked each one alone)."""
         if self.stream_options is not None and not self.stream:
@@ -101,6 +104,7 @@ class SamplingRequest(RequestModel):
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, max_tokens=self.requested_max_tokens(),
                 min_tokens=self.min_tokens, logprobs=self.num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, output_kind=output_kind)
         except ValueError as e:  # SamplingParams names the field: pass it on
@@ -157,12 +161,30 @@ class CompletionRequest(SamplingRequest):
     # One prompt (text or token IDs) or a batch of them.
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     logprobs: Optional[int] = Field(None, ge=0, le=20)
+    # The prompt in front of the completion (text, and logprobs when asked):
+    # how clients score a text (lm-eval's loglikelihood) with max_tokens 0 or 1.
+    echo: StrictBool = False
+    max_tokens: Optional[int] = Field(None, ge=0)
 
     def num_logprobs(self) -> Optional[int]:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> Optional[int]:
+        return self.logprobs if self.echo else None
+
+    def requested_max_tokens(self) -> Optional[int]:
+        # Echo only: generate one token and drop it (the engine always samples one).
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequestError("max_tokens=0 is only allowed with echo=true (it returns "
+                                  "the prompt); otherwise it must be >= 1", "max_tokens")
         if isinstance(self.prompt, list) and not self.prompt:
             raise BadRequestError("prompt is empty: give a string, a list of token IDs, or "
                                   "a non-empty batch of them", "prompt")

@@ -1,0 +1,92 @@
+"""The OpenAI request surface beyond plain chat: echo and prompt logprobs, checked
+against the offline engine on a tiny random model with SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from minivllm import LLM, SamplingParams
+from tests.helpers import ServerProcess
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_chat_model):
+    srv = ServerProcess(tmp_path_factory.mktemp("surface"), tiny_chat_model, "--inprocess",
+                        "--served-model-name", "tiny", "--num-kv-blocks", "256")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_chat_model):
+    with LLM(tiny_chat_model, num_kv_blocks=256) as llm:
+        yield llm
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def test_echo_with_logprobs_matches_offline_prompt_logprobs(server, offline):
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3,
+                                                  prompt_logprobs=2, logprobs=2),
+                           use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+    for max_tokens in (0, 3):
+        # Twice: the second time the prompt is in the prefix cache.
+        for _ in range(2):
+            r = post(server, "/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 2,
+                                                 "max_tokens": max_tokens, "temperature": 0})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            lp = choice["logprobs"]
+            n = len(ids) + max_tokens
+            assert choice["text"] == PROMPT + (ref.outputs[0].text if max_tokens else "")
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            for pos in range(1, len(ids)):
+                want = ref.prompt_logprobs[pos][ids[pos]].logprob
+                assert lp["token_logprobs"][pos] == pytest.approx(want, abs=1e-4)
+                top = lp["top_logprobs"][pos]
+                # The prompt token itself, and the top 2.
+                assert lp["tokens"][pos] in top and 2 <= len(top) <= 3
+            assert "".join(lp["tokens"][:len(ids)]) == PROMPT
+            assert lp["text_offset"][:3] == [0, len(lp["tokens"][0]),
+                                             len(lp["tokens"][0]) + len(lp["tokens"][1])]
+            if max_tokens:
+                gen = [ref.outputs[0].logprobs[i][t].logprob
+                       for i, t in enumerate(ref.outputs[0].token_ids)]
+                assert lp["token_logprobs"][len(ids):] == pytest.approx(gen, abs=1e-4)
+                assert choice["finish_reason"] == "length"
+            else:
+                assert choice["finish_reason"] == "length"
+                assert r.json()["usage"]["completion_tokens"] == 0
+
+
+def test_echo_streamed_and_token_prompts(server, offline):
+    ref = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4),
+                           use_tqdm=False)[0]
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120, json={
+            "prompt": PROMPT, "echo": True, "max_tokens": 4, "temperature": 0,
+            "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == PROMPT + ref.outputs[0].text
+    # A token-ID prompt echoes its decoded text.
+    r = post(server, "/v1/completions", {"prompt": ref.prompt_token_ids, "echo": True,
+                                         "max_tokens": 0})
+    assert r.json()["choices"][0]["text"] == PROMPT
+
+
+def test_max_tokens_zero_needs_echo(server):
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert "echo" in r.json()["error"]["message"]
