@@ -29,6 +29,43 @@ def _bad(name: str, value, allowed: str) -> ValueError:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's names); give exactly one.
+
+    ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON
+    object; ``regex``: a regular expression; ``choice``: one of these strings;
+    ``grammar``: an EBNF grammar (GBNF style, start rule ``root``). The engine
+    compiles it with xgrammar and masks, at every step, the tokens that
+    cannot continue a valid output (``minivllm.structured_output``).
+    """
+
+    json: Union[None, str, dict] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    # JSON only: no free whitespace between tokens (vLLM's field); a model
+    # that likes newlines then cannot pad its answer indefinitely.
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"StructuredOutputsParams has {given or 'none'} set: give exactly one of "
+                f"{', '.join(self.KINDS)}")
+        from minivllm.structured_output.grammar_spec import check_spec
+
+        check_spec(self)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0
@@ -56,6 +93,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -109,6 +147,9 @@ class SamplingParams:
         check("logprobs", self.logprobs is None
               or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "must be None or an integer in [0, 20]")
+        check("structured_outputs", self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "must be None or a StructuredOutputsParams")
         check("prompt_logprobs", self.prompt_logprobs is None
               or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
               "must be None or an integer in [0, 20]")
@@ -127,4 +168,4 @@ class SamplingParams:
         return new
 
 
-__all__ = ["SamplingParams", "RequestOutputKind"]
+__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams"]

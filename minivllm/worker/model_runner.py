@@ -31,6 +31,7 @@ from minivllm.model.attention.selector import get_attention_backend
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.layers.prepack import prepack_enabled, prepack_model
 from minivllm.model.loader import load_model
+from minivllm.structured_output import StructuredOutputManager
 from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
@@ -79,6 +80,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
         self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
+        self.structured_output = StructuredOutputManager(config.model.path,
+                                                         config.model.vocab_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- KV cache ----------------------------------------------------------
@@ -197,6 +200,9 @@ class ModelRunner:
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
             self.prompt_logprobs.forget(rid)
+            self.structured_output.release(rid)
+        for rid in so.preempted_req_ids:  # rebuilt from its tokens when it samples again
+            self.structured_output.release(rid)
         out = ModelRunnerOutput()
         if so.is_empty:
             return out
@@ -228,8 +234,13 @@ class ModelRunner:
         rows = [SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
                             self._generator(req), req.eos_token_ids) for req in reqs]
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
-        result = self.sampler(logits.float(), meta)
+        logits = logits.float()
+        # Structured outputs: tokens that would break a request's grammar get -inf.
+        constrained = self.structured_output.mask_logits(logits, reqs)
+        result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.tolist()
+        if constrained:
+            self.structured_output.accept(reqs, constrained, tokens)
         chosen = result.logprobs.tolist() if result.logprobs is not None else None
         top = result.top_logprobs
         top_ids = top.token_ids.tolist() if top is not None else None
