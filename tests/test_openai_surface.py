@@ -90,3 +90,61 @@ def test_max_tokens_zero_needs_echo(server):
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "max_tokens"
     assert "echo" in r.json()["error"]["message"]
+
+
+# -- structured outputs through the API ---------------------------------------------------
+CITY = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12},
+    "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+    "required": ["city", "population"], "additionalProperties": False}
+HELLO = [{"role": "user", "content": "Name a city."}]
+
+
+def chat(server, **body) -> httpx.Response:
+    # A random model pads with whitespace wherever JSON allows it: disallow that.
+    return post(server, "/v1/chat/completions", {
+        "messages": HELLO, "max_tokens": 100, "seed": 1,
+        "structured_outputs": {"disable_any_whitespace": True}, **body})
+
+
+def test_response_format_and_vllm_fields_constrain(server):
+    import jsonschema
+
+    r = chat(server, response_format={"type": "json_schema", "json_schema": {
+        "name": "city", "schema": CITY, "strict": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), CITY)
+    for body, ok in (
+            ({"guided_choice": ["north", "south"]}, lambda t: t in ("north", "south")),
+            ({"structured_outputs": {"regex": "[a-z]{2,5}-[0-9]"}, "max_tokens": 20},
+             lambda t: len(t.split("-")) == 2 and t[-1].isdigit()),
+            ({"guided_grammar": 'root ::= "x" [0-9]'}, lambda t: len(t) == 2),
+            ({"response_format": {"type": "json_object"}, "max_tokens": 60},
+             lambda t: t.startswith("{"))):
+        choice = chat(server, **body).json()["choices"][0]
+        text = choice["message"]["content"]
+        assert ok(text), (body, text)
+        if choice["finish_reason"] == "stop" and "response_format" in body:
+            assert isinstance(json.loads(text), dict)
+    # Completions take them too.
+    r = post(server, "/v1/completions", {"prompt": "Answer:", "guided_json": CITY,
+                                         "max_tokens": 100, "seed": 3, "structured_outputs":
+                                         {"disable_any_whitespace": True}})
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), CITY)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objec"}}}}, "response_format", "Unsupported type"),
+    ({"guided_regex": "a(b"}, "guided_regex", "parenthesis"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "only one"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
+])
+def test_bad_structured_outputs_are_400_naming_the_field(server, body, param, words):
+    r = chat(server, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param in (err["param"] or "") and words in err["message"], err

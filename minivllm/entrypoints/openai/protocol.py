@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt,
                       model_serializer)
 
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's own limit on completions per request
 MAX_STOP = 16
@@ -43,6 +43,53 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(max_length=64)
+    description: Optional[str] = None
+    # `schema` would shadow pydantic's own attribute: stored as json_schema.
+    json_schema: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's ``structured_outputs`` extra body field (``StructuredOutputsParams``)."""
+
+    json_: Union[str, dict, None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[StrictBool] = None
+    disable_any_whitespace: StrictBool = False
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    def sets_a_kind(self) -> bool:
+        """False when it only carries options for response_format or guided_*."""
+        return any(v not in (None, False) for v in (self.json_, self.regex, self.choice,
+                                                    self.grammar, self.json_object))
+
+
+# vLLM's older fields -> the StructuredOutputsParams kind each one sets.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def _structured_params(field: str, **kwargs) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise BadRequestError(f"{field}: {e}", field) from None
 
 
 class SamplingRequest(RequestModel):
@@ -69,6 +116,44 @@ class SamplingRequest(RequestModel):
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs,
+    # and vLLM's older guided_* fields (aliases of structured_outputs' kinds).
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Union[str, dict, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The one constraint asked for, from whichever field carries it."""
+        rf = self.response_format
+        so = self.structured_outputs
+        given = [name for name in _GUIDED if getattr(self, name) is not None]
+        if so is not None and so.sets_a_kind():
+            given.insert(0, "structured_outputs")
+        if rf is not None and rf.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise BadRequestError(f"{' and '.join(given)} are set together: give only one way "
+                                  "to constrain the output", given[1])
+        if not given:
+            return None
+        field = given[0]
+        # structured_outputs may carry only options for the other fields (as in vLLM).
+        options = {"disable_any_whitespace": bool(so and so.disable_any_whitespace)}
+        if field == "response_format":
+            if rf.type == "json_object":
+                return _structured_params(field, json_object=True, **options)
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise BadRequestError("response_format of type json_schema needs "
+                                      "json_schema.schema", "response_format")
+            return _structured_params(field, json=rf.json_schema.json_schema, **options)
+        if field == "structured_outputs":
+            return _structured_params(field, json=so.json_, regex=so.regex,
+                                      choice=so.choice, grammar=so.grammar,
+                                      json_object=so.json_object, **options)
+        return _structured_params(field, **{_GUIDED[field]: getattr(self, field)}, **options)
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -106,7 +191,10 @@ class SamplingRequest(RequestModel):
                 min_tokens=self.min_tokens, logprobs=self.num_logprobs(),
                 prompt_logprobs=self.num_prompt_logprobs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, output_kind=output_kind)
+                skip_special_tokens=self.skip_special_tokens, output_kind=output_kind,
+                structured_outputs=self.structured_outputs_params())
+        except BadRequestError:
+            raise
         except ValueError as e:  # SamplingParams names the field: pass it on
             match = re.search(r"SamplingParams\.(\w+)=", str(e))
             raise BadRequestError(str(e), match.group(1) if match else None) from None
