@@ -148,3 +148,78 @@ def test_bad_structured_outputs_are_400_naming_the_field(server, body, param, wo
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert param in (err["param"] or "") and words in err["message"], err
+
+
+# -- tool calls -------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
+        "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_full_and_streamed(server):
+    import jsonschema
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(server, tools=[WEATHER, TIME], tool_choice=named)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                        WEATHER["function"]["parameters"])
+    # Streamed: the same arguments, in pieces, after one chunk with id and name.
+    pieces, reasons, names = [], [], []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
+            "messages": HELLO, "max_tokens": 100, "seed": 1, "stream": True,
+            "tools": [WEATHER, TIME], "tool_choice": named,
+            "structured_outputs": {"disable_any_whitespace": True}}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                reasons.append(c["finish_reason"])
+                for d in c["delta"].get("tool_calls") or []:
+                    names.append(d["function"].get("name"))
+                    pieces.append(d["function"].get("arguments") or "")
+    assert "".join(pieces) == call["function"]["arguments"]
+    assert names[0] == "get_weather" and reasons[-1] == "tool_calls"
+    # "required": a list of calls, each one of the tools.
+    r = chat(server, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+             max_tokens=150)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]
+    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                        tool["function"]["parameters"])
+
+
+def test_tool_history_and_errors(server):
+    history = HELLO + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    r = post(server, "/v1/chat/completions", {"messages": history, "tools": [TIME],
+                                              "max_tokens": 5, "tool_choice": "auto"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["tool_calls"] == []
+    for body, param, words in (
+            ({"tools": [TIME], "tool_choice": {"type": "function",
+                                               "function": {"name": "nope"}}},
+             "tool_choice", "not among the tools"),
+            ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+            ({"tools": [TIME], "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "tool_choice", "cannot both"),
+            ({"messages": [{"role": "user"}]}, "messages[0].content", "missing")):
+        r = post(server, "/v1/chat/completions", {"messages": HELLO, "max_tokens": 5, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], err

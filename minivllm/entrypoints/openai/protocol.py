@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt,
@@ -39,6 +40,10 @@ class BadRequestError(ValueError):
 class RequestModel(BaseModel):
     # Booleans are strict: "yes" or 1 for `stream` is an error, not a guess.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(RequestModel):
@@ -200,22 +205,82 @@ class SamplingRequest(RequestModel):
             raise BadRequestError(str(e), match.group(1) if match else None) from None
 
 
+# -- tools (the logic is in tools.py) ------------------------------------------------
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[StrictBool] = None
+
+    def schema(self) -> dict:  # noqa: D102 - OpenAI: no parameters = no arguments
+        return self.parameters or {"type": "object", "properties": {}}
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+# -- in messages (history) and in answers ----------------------------------------
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(ResponseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallDelta(ResponseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCallDelta
+
+
 class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextContentPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only on an assistant message that called tools.
+    content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: which call it answers
 
     def to_template_dict(self) -> dict:
-        text = (self.content if isinstance(self.content, str)
+        text = (self.content if isinstance(self.content, str) or self.content is None
                 else "".join(part.text for part in self.content))
         # "developer" is OpenAI's newer name for the system role.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        out = {"role": role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -223,6 +288,30 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[ChatTool]] = Field(None, max_length=128)
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+
+    @property
+    def effective_tool_choice(self) -> Optional[ToolChoice]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        from minivllm.entrypoints.openai.tools import forced_schema
+
+        schema = forced_schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
+        other = super().structured_outputs_params()
+        if schema is None:
+            return other
+        if other is not None:
+            raise BadRequestError("a forced tool call (tool_choice) and a response format "
+                                  "cannot both constrain the output", "tool_choice")
+        so = self.structured_outputs
+        return _structured_params("tools", json=schema, disable_any_whitespace=bool(
+            so and so.disable_any_whitespace))
 
     def requested_max_tokens(self) -> Optional[int]:
         return (self.max_completion_tokens if self.max_completion_tokens is not None
@@ -240,6 +329,14 @@ class ChatCompletionRequest(SamplingRequest):
             raise BadRequestError(
                 f"max_tokens={self.max_tokens} and max_completion_tokens="
                 f"{self.max_completion_tokens} disagree: give one of them", "max_tokens")
+        from minivllm.entrypoints.openai.tools import check_tools
+
+        check_tools(self.tools, self.tool_choice)
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise BadRequestError(f"messages[{i}].content is missing: only an assistant "
+                                      "message with tool_calls may leave it out",
+                                      f"messages[{i}].content")
 
     def prompt(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
@@ -286,10 +383,6 @@ class CompletionRequest(SamplingRequest):
 
 
 # -- responses ---------------------------------------------------------------------
-class ResponseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
@@ -343,7 +436,8 @@ class ChatChoiceLogprobs(ResponseModel):
 
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -368,6 +462,7 @@ class DeltaMessage(ResponseModel):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
