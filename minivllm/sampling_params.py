@@ -94,6 +94,13 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # Token-level knobs (minivllm/worker/logits_processors.py), applied to the
+    # logits before sampling: OpenAI's logit_bias ({token id: bias in [-100, 100]},
+    # added), vLLM's allowed_token_ids (every other token masked) and bad_words
+    # (a word's last token masked where the output already ends in its other tokens).
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -150,6 +157,18 @@ class SamplingParams:
         check("structured_outputs", self.structured_outputs is None
               or isinstance(self.structured_outputs, StructuredOutputsParams),
               "must be None or a StructuredOutputsParams")
+        check("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100
+            for k, v in self.logit_bias.items())),
+            "must be a dict of token id (>= 0) -> bias in [-100, 100]")
+        check("allowed_token_ids", self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
+            and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "must be None or a non-empty list of token ids >= 0")
+        check("bad_words", self.bad_words is None or (
+            isinstance(self.bad_words, (list, tuple))
+            and all(isinstance(w, str) and w for w in self.bad_words)),
+            "must be None or a list of non-empty strings")
         check("prompt_logprobs", self.prompt_logprobs is None
               or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
               "must be None or an integer in [0, 20]")

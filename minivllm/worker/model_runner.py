@@ -32,6 +32,7 @@ from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.layers.prepack import prepack_enabled, prepack_model
 from minivllm.model.loader import load_model
 from minivllm.structured_output import StructuredOutputManager
+from minivllm.worker import logits_processors
 from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
@@ -82,6 +83,7 @@ class ModelRunner:
         self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
         self.structured_output = StructuredOutputManager(config.model.path,
                                                          config.model.vocab_size)
+        self.logits_processors = logits_processors.LogitsProcessors(config.model.path)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- KV cache ----------------------------------------------------------
@@ -235,6 +237,8 @@ class ModelRunner:
                             self._generator(req), req.eos_token_ids) for req in reqs]
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
         logits = logits.float()
+        if logits_processors.wanted(reqs):  # logit_bias, allowed_token_ids, bad_words
+            self.logits_processors.apply(logits, reqs)
         # Structured outputs: tokens that would break a request's grammar get -inf.
         constrained = self.structured_output.mask_logits(logits, reqs)
         result = self.sampler(logits, meta)

@@ -13,6 +13,7 @@ and any OpenAI-compatible tool can parse them.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -23,7 +24,30 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt,
 
 from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+logger = logging.getLogger("minivllm.server")
 MAX_N = 128  # OpenAI's own limit on completions per request
+
+# Fields OpenAI documents that change nothing here (no storage, no tiers, no
+# audio, no reasoning models). They are accepted so clients that always send
+# them work; the server names each in its log the first time it sees it.
+NO_OP_FIELDS = {
+    "store": "responses are not stored", "metadata": "only used with store",
+    "service_tier": "there is one tier", "user": "no per-user tracking",
+    "modalities": "text only", "audio": "text only", "prediction": "no predicted outputs",
+    "reasoning_effort": "not a reasoning model", "verbosity": "not a reasoning model",
+    "web_search_options": "no web search", "prompt_cache_key": "prefix caching is automatic",
+    "safety_identifier": "no per-user tracking", "function_call": "use tool_choice",
+    "functions": "use tools", "best_of": "one candidate per completion",
+}
+_logged_no_ops: set[str] = set()
+
+
+def log_no_ops(request: BaseModel) -> None:
+    for name in NO_OP_FIELDS:
+        if getattr(request, name, None) is not None and name not in _logged_no_ops:
+            _logged_no_ops.add(name)
+            logger.warning("request field %r is accepted and has no effect: %s", name,
+                           NO_OP_FIELDS[name])
 MAX_STOP = 16
 INT64 = 2 ** 63
 
@@ -112,6 +136,14 @@ class SamplingRequest(RequestModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    # OpenAI: {token id (as a string in JSON): bias in [-100, 100]}.
+    logit_bias: Optional[dict[str, float]] = None
+    store: Optional[StrictBool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    # vLLM's token-level extras.
+    allowed_token_ids: Optional[list[StrictInt]] = Field(None, min_length=1)
+    bad_words: Optional[list[str]] = None
     # vLLM's extras
     top_k: Optional[int] = Field(None, ge=-1, lt=2 ** 31)
     min_p: Optional[float] = Field(None, ge=0, le=1)
@@ -169,15 +201,30 @@ class SamplingRequest(RequestModel):
     def num_prompt_logprobs(self) -> Optional[int]:
         return None
 
+    def token_logit_bias(self) -> Optional[dict[int, float]]:
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isdigit():
+                raise BadRequestError(f"logit_bias has key {key!r}: keys must be token IDs "
+                                      "(integers as strings)", "logit_bias")
+            out[int(key)] = bias
+        return out
+
     def check(self, vocab_size: int) -> None:
         """Checks that span several fields (pydantic checked each one alone)."""
+        log_no_ops(self)
         if self.stream_options is not None and not self.stream:
             raise BadRequestError("stream_options is only allowed when stream is true",
                                   "stream_options")
-        bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
-        if bad:
-            raise BadRequestError(f"stop_token_ids contains {bad}: token IDs must be in "
-                                  f"[0, {vocab_size})", "stop_token_ids")
+        for name, ids in (("stop_token_ids", self.stop_token_ids or []),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logit_bias", self.token_logit_bias() or {})):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise BadRequestError(f"{name} contains {bad[:5]}: token IDs must be in "
+                                      f"[0, {vocab_size})", name)
 
     def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
         try:
@@ -197,7 +244,9 @@ class SamplingRequest(RequestModel):
                 prompt_logprobs=self.num_prompt_logprobs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, output_kind=output_kind,
-                structured_outputs=self.structured_outputs_params())
+                structured_outputs=self.structured_outputs_params(),
+                logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words)
         except BadRequestError:
             raise
         except ValueError as e:  # SamplingParams names the field: pass it on
@@ -289,6 +338,16 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[ChatTool]] = Field(None, max_length=128)
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict] = None
+    prediction: Optional[dict] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    web_search_options: Optional[dict] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    function_call: Union[str, dict, None] = None
+    functions: Optional[list[dict]] = None
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[StrictBool] = None
 
@@ -350,6 +409,9 @@ class CompletionRequest(SamplingRequest):
     # how clients score a text (lm-eval's loglikelihood) with max_tokens 0 or 1.
     echo: StrictBool = False
     max_tokens: Optional[int] = Field(None, ge=0)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    # OpenAI documents it; it needs a model trained to fill in the middle.
+    suffix: Optional[str] = None
 
     def num_logprobs(self) -> Optional[int]:
         return self.logprobs
@@ -367,6 +429,12 @@ class CompletionRequest(SamplingRequest):
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
+        if self.suffix:
+            raise BadRequestError("suffix is not supported: this model does not fill in "
+                                  "the middle", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequestError(f"best_of={self.best_of} is not supported: it must equal "
+                                  f"n ({self.n})", "best_of")
         if self.max_tokens == 0 and not self.echo:
             raise BadRequestError("max_tokens=0 is only allowed with echo=true (it returns "
                                   "the prompt); otherwise it must be >= 1", "max_tokens")
