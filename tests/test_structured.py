@@ -196,3 +196,20 @@ def test_default_model_valid_at_temperature_one_and_greedy_equals_hf_xgrammar(
     ref_ids = ref[0, len(greedy.prompt_token_ids):].tolist()
     assert greedy.outputs[0].token_ids == ref_ids
     jsonschema.validate(json.loads(greedy.outputs[0].text), PERSON)
+
+
+def test_bench_structured_runs_both_modes(tiny_chat_model, capsys):
+    import argparse
+
+    from minivllm.benchmarks import structured
+
+    p = argparse.ArgumentParser()
+    structured.add_cli_args(p)
+    result = structured.run(p.parse_args(["--model", tiny_chat_model, "--batch-sizes", "1,3",
+                                          "--max-tokens", "4"]))
+    rows = result["rows"]
+    assert [(r["batch"], r["constrained"]) for r in rows] == [
+        (1, False), (1, True), (3, False), (3, True)]
+    assert all(r["fill_ms"] == 0 for r in rows if not r["constrained"])
+    assert all(r["fill_ms"] > 0 and r["apply_ms"] > 0 for r in rows if r["constrained"])
+    assert "constrained step / free step" in capsys.readouterr().out
