@@ -213,3 +213,15 @@ def test_bench_structured_runs_both_modes(tiny_chat_model, capsys):
     assert all(r["fill_ms"] == 0 for r in rows if not r["constrained"])
     assert all(r["fill_ms"] > 0 and r["apply_ms"] > 0 for r in rows if r["constrained"])
     assert "constrained step / free step" in capsys.readouterr().out
+
+
+def test_ignore_eos_runs_past_the_grammar(tiny_llm):
+    """Once the grammar has ended, an ignore_eos request goes on unconstrained."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            structured_outputs=SO(choice=["red", "blue"]))
+    out = tiny_llm.generate([{"prompt_token_ids": [4, 5, 6]}], params,
+                            use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    tok = tiny_llm.get_tokenizer()
+    assert any(tok.decode(out.token_ids, skip_special_tokens=False).startswith(w)
+               for w in ("red", "blue"))

@@ -17,9 +17,11 @@ class RequestGrammar:
             self.accept(token_id)
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False if the grammar refuses it (or has ended)."""
+        """Advance by one sampled token; False if the grammar refuses it."""
         if self.matcher.is_terminated():
-            return False
+            # Ended (its stop token accepted) but still running (ignore_eos):
+            # nothing left to constrain.
+            return True
         ok = self.matcher.accept_token(token_id)
         self.num_accepted += ok
         self.num_refused += not ok
@@ -27,6 +29,8 @@ class RequestGrammar:
 
     def fill(self, bitmask, row: int) -> None:
         """Row ``row`` of ``bitmask``: 1 bits for the tokens that may come next."""
+        if self.matcher.is_terminated():
+            return  # the row keeps every bit (see accept)
         self.matcher.fill_next_token_bitmask(bitmask, row)
         if self.extra_mask is not None:
             bitmask[row] &= self.extra_mask
