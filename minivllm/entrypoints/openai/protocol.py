@@ -261,9 +261,9 @@ class FunctionDefinition(RequestModel):
     parameters: Optional[dict] = None
     strict: Optional[StrictBool] = None
 
-    def schema(self) -> dict:  # noqa: D102 - OpenAI: no parameters = no arguments
+    def parameter_schema(self) -> dict:
+        """The parameters schema; OpenAI: none given means no arguments."""
         return self.parameters or {"type": "object", "properties": {}}
-
 
 class ChatTool(RequestModel):
     type: Literal["function"]

@@ -43,11 +43,11 @@ def forced_schema(tools: Optional[list[ChatTool]], choice: Optional[ToolChoice],
                   parallel: Optional[bool]) -> Optional[dict]:
     """The JSON schema a forced call's output must follow; None when not forced."""
     if isinstance(choice, NamedToolChoice):
-        return _named(tools, choice.function.name).function.schema()
+        return _named(tools, choice.function.name).function.parameter_schema()
     if choice != "required":
         return None
     one = {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": t.function.name}, "parameters": t.function.schema()},
+        "name": {"const": t.function.name}, "parameters": t.function.parameter_schema()},
         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
     schema = {"type": "array", "minItems": 1, "items": one}
     if parallel is False:
