@@ -17,6 +17,8 @@ class Logprob:
 
 # One dict per generated token: token_id -> Logprob (the chosen one and the top-n).
 SampleLogprobs = list[dict[int, Logprob]]
+# The same per prompt token; None for the first one (nothing predicts it).
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
 
 
 @dataclass
@@ -42,7 +44,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
-    prompt_logprobs: None = field(default=None, repr=False)
+    prompt_logprobs: Optional[PromptLogprobs] = field(default=None, repr=False)
 
     @property
     def text(self) -> str:

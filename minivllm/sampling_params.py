@@ -29,6 +29,43 @@ def _bad(name: str, value, allowed: str) -> ValueError:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's names); give exactly one.
+
+    ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON
+    object; ``regex``: a regular expression; ``choice``: one of these strings;
+    ``grammar``: an EBNF grammar (GBNF style, start rule ``root``). The engine
+    compiles it with xgrammar and masks, at every step, the tokens that
+    cannot continue a valid output (``minivllm.structured_output``).
+    """
+
+    json: Union[None, str, dict] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    # JSON only: no free whitespace between tokens (vLLM's field); a model
+    # that likes newlines then cannot pad its answer indefinitely.
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"StructuredOutputsParams has {given or 'none'} set: give exactly one of "
+                f"{', '.join(self.KINDS)}")
+        from minivllm.structured_output.grammar_spec import check_spec
+
+        check_spec(self)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0
@@ -45,6 +82,10 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     logprobs: Optional[int] = None
+    # Top-n logprobs at every prompt position (the prompt token itself always
+    # included); the first position has none. Such a request computes its whole
+    # prompt: it takes no prefix-cache hits.
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     # vLLM's field, accepted for compatibility: it only ever changed the output
     # of slow (Python) tokenizers, and minivllm detokenizes with fast ones.
@@ -52,6 +93,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    # Token-level knobs (minivllm/worker/logits_processors.py), applied to the
+    # logits before sampling: OpenAI's logit_bias ({token id: bias in [-100, 100]},
+    # added), vLLM's allowed_token_ids (every other token masked) and bad_words
+    # (a word's last token masked where the output already ends in its other tokens).
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -105,6 +154,24 @@ class SamplingParams:
         check("logprobs", self.logprobs is None
               or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "must be None or an integer in [0, 20]")
+        check("structured_outputs", self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "must be None or a StructuredOutputsParams")
+        check("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100
+            for k, v in self.logit_bias.items())),
+            "must be a dict of token id (>= 0) -> bias in [-100, 100]")
+        check("allowed_token_ids", self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
+            and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+            "must be None or a non-empty list of token ids >= 0")
+        check("bad_words", self.bad_words is None or (
+            isinstance(self.bad_words, (list, tuple))
+            and all(isinstance(w, str) and w for w in self.bad_words)),
+            "must be None or a list of non-empty strings")
+        check("prompt_logprobs", self.prompt_logprobs is None
+              or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "must be None or an integer in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -120,4 +187,4 @@ class SamplingParams:
         return new
 
 
-__all__ = ["SamplingParams", "RequestOutputKind"]
+__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams"]

@@ -82,6 +82,7 @@ class EngineCore:
         now = time.monotonic()
         by_id = {r.request_id: r for r in so.scheduled_requests}
         for o in outputs:
+            o.prompt_logprobs = result.prompt_logprobs.get(o.request_id)
             o.timestamp = now
             o.first_scheduled_time = by_id[o.request_id].times.first_scheduled
         self.step_count += 1

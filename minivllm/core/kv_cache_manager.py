@@ -141,6 +141,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            # Its logprobs need the logits of every prompt position: compute all.
+            return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:

@@ -21,7 +21,7 @@ from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.outputs import EngineCoreOutput
 from minivllm.engine.stop_checker import StopStringChecker
 from minivllm.metrics.request_metrics import RequestMetrics
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -69,6 +69,8 @@ class RequestState:
     children: list[ChildState]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: Optional[PromptLogprobs] = None
+    sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -160,6 +162,9 @@ class OutputProcessor:
         if child.index == 0:  # the children share the prompt: one count is enough
             state.num_cached_tokens = max(o.num_cached_tokens, 0)
             m.num_cached_tokens = state.num_cached_tokens
+            if o.prompt_logprobs is not None:
+                state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids,
+                                                              o.prompt_logprobs)
         # Each child reports its own running total of preemptions.
         m.num_preemptions += o.num_preemptions - child.num_preemptions
         child.num_preemptions = o.num_preemptions
@@ -219,6 +224,20 @@ class OutputProcessor:
             out[token_id] = Logprob(chosen, rank=rank, decoded_token=self._token_text(token_id))
         return out
 
+    def _prompt_logprobs(self, prompt_token_ids: list[int], entries: list
+                         ) -> PromptLogprobs:
+        """vLLM's shape: None for the first token, then {id: Logprob} with the
+        prompt token itself and the top-n."""
+        out: PromptLogprobs = [None]
+        for token_id, (chosen, rank, top) in zip(prompt_token_ids[1:], entries):
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])
+            d = {tid: Logprob(lp, rank=i + 1, decoded_token=self._token_text(tid))
+                 for i, (tid, lp) in enumerate(ranked)}
+            d.setdefault(token_id, Logprob(chosen, rank=rank,
+                                           decoded_token=self._token_text(token_id)))
+            out.append(d)
+        return out
+
     def _token_text(self, token_id: int) -> Optional[str]:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -231,11 +250,13 @@ class OutputProcessor:
         completions = [c.completion(delta) for c in state.children]
         if finished:
             self._forget(state)
+        prompt_logprobs = None if delta and state.sent_prompt_logprobs else state.prompt_logprobs
+        state.sent_prompt_logprobs = state.prompt_logprobs is not None
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=finished, num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics)
+            metrics=state.metrics, prompt_logprobs=prompt_logprobs)
 
     # -- aborts --------------------------------------------------------------
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:

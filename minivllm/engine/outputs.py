@@ -24,6 +24,9 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     # One entry per new token when the request asked for logprobs, else None.
     new_logprobs: Optional[list[LogprobInfo]] = None
+    # With the first token of a request that asked for prompt logprobs: one
+    # (logprob, rank, {top id: logprob}) per prompt token after the first.
+    prompt_logprobs: Optional[list[tuple[float, int, dict[int, float]]]] = None
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None
     # The stop token id that ended the request (None for EOS or no stop).
     stop_reason: Optional[int | str] = None

@@ -3,7 +3,7 @@
     minivllm generate "What is the capital of France?" --chat
     minivllm chat
     minivllm serve [MODEL] --port 8000
-    minivllm bench {throughput,serve,roofline,attention} ...
+    minivllm bench {throughput,serve,roofline,attention,structured} ...
 
 Every engine argument is a ``--kebab-case`` flag (``--max-num-seqs 64``).
 """
@@ -26,6 +26,7 @@ BENCHMARKS = {
     "roofline": "minivllm.benchmarks.roofline",
     "attention": "minivllm.benchmarks.attention",
     "spec-decode": "minivllm.benchmarks.spec_decode",
+    "structured": "minivllm.benchmarks.structured",
 }
 
 

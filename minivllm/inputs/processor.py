@@ -56,8 +56,21 @@ class InputProcessor:
                              f"[0, {self.vocab_size})")
         return None, items
 
+    def check_token_fields(self, params: SamplingParams) -> None:
+        """Token ids in logit_bias / allowed_token_ids must exist in this vocabulary."""
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token ids {bad[:5]}: they must "
+                                 f"be in [0, {self.vocab_size})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer, and this model "
+                             "folder has none")
+
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Validate the prompt length and resolve ``max_tokens``; returns the cap."""
+        self.check_token_fields(params)
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
         room = self.max_model_len - num_prompt_tokens

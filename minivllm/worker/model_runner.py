@@ -38,6 +38,9 @@ from minivllm.model.attention.selector import get_attention_backend
 from minivllm.logger import info_once
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
+from minivllm.structured_output import StructuredOutputManager
+from minivllm.worker import logits_processors
+from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 from minivllm.spec_decode.rejection_sampler import RejectionSampler, verify_step
 
@@ -55,7 +58,10 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are needed
+    # Where in the logits the sampled rows are (None: all of them, in order;
+    # other rows are prompt positions scored for prompt logprobs).
+    sample_indices: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -64,6 +70,8 @@ class ModelRunnerOutput:
     sampled: dict[str, tuple[int, Optional[LogprobInfo]]] = field(default_factory=dict)
     # request_id -> accepted drafts + one target token; only requests with drafts.
     verified: dict[str, list[tuple[int, Optional[LogprobInfo]]]] = field(default_factory=dict)
+    # request_id -> its whole prompt's logprobs, in the step of its first token.
+    prompt_logprobs: dict[str, list[PromptLogprobEntry]] = field(default_factory=dict)
     # Seconds spent in each stage of this step (for the step trace).
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -116,6 +124,11 @@ class ModelRunner:
             self.decode_replay, self.decode_replay_problem = (acc.decode_replay,
                                                               acc.decode_replay_problem)
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_logprobs = PromptLogprobsCollector()
+        self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
+        self.structured_output = StructuredOutputManager(config.model.path,
+                                                         config.model.vocab_size)
+        self.logits_processors = logits_processors.LogitsProcessors(config.model.path)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- KV cache ----------------------------------------------------------
@@ -164,6 +177,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         computed, seq_lens, tables, logits_rows, samplers = [], [], [], [], []
+        self.prompt_plans = prompt_rows = []
         for req in so.scheduled_requests:
             rid = req.request_id
             start = so.num_computed_tokens[rid]
@@ -171,6 +185,8 @@ class ModelRunner:
             # Draft tokens (speculative decoding) follow the known ones.
             drafts = so.scheduled_spec_decode_tokens.get(rid, ())
             tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
+            if (rows := self.prompt_logprobs.plan(req, start, end, len(input_ids))):
+                prompt_rows.append(rows)
             input_ids += tokens[start:end]
             if drafts:
                 # Verifying k drafts: k + 1 one-token sequences over the same blocks,
@@ -213,7 +229,25 @@ class ModelRunner:
             positions=torch.from_numpy(pos).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        if prompt_rows:
+            self._add_prompt_rows(inputs, logits_rows, prompt_rows)
         return inputs, samplers
+
+    def _add_prompt_rows(self, inputs: StepInputs, sample_rows: list[int],
+                         prompt_rows: list) -> None:
+        """Also compute the logits of the prompt positions scored this step.
+
+        The rows stay sorted, as the model expects; each plan is told where
+        its rows landed.
+        """
+        rows = sorted(set(sample_rows).union(*(p.flat_rows for p in prompt_rows)))
+        where = {r: i for i, r in enumerate(rows)}
+        dev = self.device
+        inputs.logits_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
+        inputs.sample_indices = torch.tensor([where[r] for r in sample_rows],
+                                             dtype=torch.int64, device=dev)
+        for p in prompt_rows:
+            p.flat_rows = [where[r] for r in p.flat_rows]
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -229,6 +263,10 @@ class ModelRunner:
         """Prepare, run (``forward_fn`` lets a TP executor fan the inputs out), sample."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
+            self.prompt_logprobs.forget(rid)
+            self.structured_output.release(rid)
+        for rid in so.preempted_req_ids:  # rebuilt from its tokens when it samples again
+            self.structured_output.release(rid)
         out = ModelRunnerOutput()
         if so.is_empty:
             return out
@@ -239,12 +277,19 @@ class ModelRunner:
         logits = (forward_fn or self.forward)(inputs)
         self._sync()
         t2 = time.perf_counter()
+        if inputs.sample_indices is not None:
+            for plan in self.prompt_plans:
+                self.prompt_logprobs.add(plan, logits[plan.flat_rows])
+            logits = logits[inputs.sample_indices]
         if samplers and so.scheduled_spec_decode_tokens:
             out.sampled, out.verified = verify_step(
                 logits, samplers, so.scheduled_spec_decode_tokens, self._sample,
                 self._sampling_row, self.rejection_sampler)
         elif samplers:
             out.sampled = self._sample(logits, samplers)
+        for req in samplers:
+            if (entries := self.prompt_logprobs.take_finished(req)) is not None:
+                out.prompt_logprobs[req.request_id] = entries
         t3 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
                        "collective": collective_stats.seconds,
@@ -260,8 +305,15 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
         rows = [self._sampling_row(req) for req in reqs]
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
-        result = self.sampler(logits.float(), meta)
+        logits = logits.float()
+        if logits_processors.wanted(reqs):  # logit_bias, allowed_token_ids, bad_words
+            self.logits_processors.apply(logits, reqs)
+        # Structured outputs: tokens that would break a request's grammar get -inf.
+        constrained = self.structured_output.mask_logits(logits, reqs)
+        result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.tolist()
+        if constrained:
+            self.structured_output.accept(reqs, constrained, tokens)
         chosen = result.logprobs.tolist() if result.logprobs is not None else None
         top = result.top_logprobs
         top_ids = top.token_ids.tolist() if top is not None else None

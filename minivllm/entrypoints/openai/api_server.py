@@ -37,6 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import minivllm
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core_client import EngineDeadError
+from minivllm.entrypoints.openai import serving_tokenization
+from minivllm.entrypoints.openai.serving_tokenization import DetokenizeRequest, TokenizeRequest
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletionRequest,
                                                   CompletionRequest, ModelCard, ModelList)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -190,6 +192,17 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def create_completion(body: CompletionRequest, request: Request):
         return _respond(await run_until_disconnected(
             request, completion.create_completion(body)))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        chat.check_model(body.model)
+        return JSONResponse(serving_tokenization.tokenize(engine, body).model_dump(
+            exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        chat.check_model(body.model)
+        return JSONResponse(serving_tokenization.detokenize(engine, body).model_dump())
 
     @app.get("/v1/models")
     async def list_models():

@@ -13,16 +13,41 @@ and any OpenAI-compatible tool can parse them.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
+import uuid
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt,
                       model_serializer)
 
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
+logger = logging.getLogger("minivllm.server")
 MAX_N = 128  # OpenAI's own limit on completions per request
+
+# Fields OpenAI documents that change nothing here (no storage, no tiers, no
+# audio, no reasoning models). They are accepted so clients that always send
+# them work; the server names each in its log the first time it sees it.
+NO_OP_FIELDS = {
+    "store": "responses are not stored", "metadata": "only used with store",
+    "service_tier": "there is one tier", "user": "no per-user tracking",
+    "modalities": "text only", "audio": "text only", "prediction": "no predicted outputs",
+    "reasoning_effort": "not a reasoning model", "verbosity": "not a reasoning model",
+    "web_search_options": "no web search", "prompt_cache_key": "prefix caching is automatic",
+    "safety_identifier": "no per-user tracking", "function_call": "use tool_choice",
+    "functions": "use tools", "best_of": "one candidate per completion",
+}
+_logged_no_ops: set[str] = set()
+
+
+def log_no_ops(request: BaseModel) -> None:
+    for name in NO_OP_FIELDS:
+        if getattr(request, name, None) is not None and name not in _logged_no_ops:
+            _logged_no_ops.add(name)
+            logger.warning("request field %r is accepted and has no effect: %s", name,
+                           NO_OP_FIELDS[name])
 MAX_STOP = 16
 INT64 = 2 ** 63
 
@@ -41,8 +66,59 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
 class StreamOptions(RequestModel):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(RequestModel):
+    name: str = Field(max_length=64)
+    description: Optional[str] = None
+    # `schema` would shadow pydantic's own attribute: stored as json_schema.
+    json_schema: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's ``structured_outputs`` extra body field (``StructuredOutputsParams``)."""
+
+    json_: Union[str, dict, None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[StrictBool] = None
+    disable_any_whitespace: StrictBool = False
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    def sets_a_kind(self) -> bool:
+        """False when it only carries options for response_format or guided_*."""
+        return any(v not in (None, False) for v in (self.json_, self.regex, self.choice,
+                                                    self.grammar, self.json_object))
+
+
+# vLLM's older fields -> the StructuredOutputsParams kind each one sets.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def _structured_params(field: str, **kwargs) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        raise BadRequestError(f"{field}: {e}", field) from None
 
 
 class SamplingRequest(RequestModel):
@@ -60,6 +136,14 @@ class SamplingRequest(RequestModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    # OpenAI: {token id (as a string in JSON): bias in [-100, 100]}.
+    logit_bias: Optional[dict[str, float]] = None
+    store: Optional[StrictBool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    # vLLM's token-level extras.
+    allowed_token_ids: Optional[list[StrictInt]] = Field(None, min_length=1)
+    bad_words: Optional[list[str]] = None
     # vLLM's extras
     top_k: Optional[int] = Field(None, ge=-1, lt=2 ** 31)
     min_p: Optional[float] = Field(None, ge=0, le=1)
@@ -69,6 +153,44 @@ class SamplingRequest(RequestModel):
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs,
+    # and vLLM's older guided_* fields (aliases of structured_outputs' kinds).
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Union[str, dict, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The one constraint asked for, from whichever field carries it."""
+        rf = self.response_format
+        so = self.structured_outputs
+        given = [name for name in _GUIDED if getattr(self, name) is not None]
+        if so is not None and so.sets_a_kind():
+            given.insert(0, "structured_outputs")
+        if rf is not None and rf.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise BadRequestError(f"{' and '.join(given)} are set together: give only one way "
+                                  "to constrain the output", given[1])
+        if not given:
+            return None
+        field = given[0]
+        # structured_outputs may carry only options for the other fields (as in vLLM).
+        options = {"disable_any_whitespace": bool(so and so.disable_any_whitespace)}
+        if field == "response_format":
+            if rf.type == "json_object":
+                return _structured_params(field, json_object=True, **options)
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise BadRequestError("response_format of type json_schema needs "
+                                      "json_schema.schema", "response_format")
+            return _structured_params(field, json=rf.json_schema.json_schema, **options)
+        if field == "structured_outputs":
+            return _structured_params(field, json=so.json_, regex=so.regex,
+                                      choice=so.choice, grammar=so.grammar,
+                                      json_object=so.json_object, **options)
+        return _structured_params(field, **{_GUIDED[field]: getattr(self, field)}, **options)
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -76,15 +198,33 @@ class SamplingRequest(RequestModel):
     def num_logprobs(self) -> Optional[int]:
         return None
 
+    def num_prompt_logprobs(self) -> Optional[int]:
+        return None
+
+    def token_logit_bias(self) -> Optional[dict[int, float]]:
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isdigit():
+                raise BadRequestError(f"logit_bias has key {key!r}: keys must be token IDs "
+                                      "(integers as strings)", "logit_bias")
+            out[int(key)] = bias
+        return out
+
     def check(self, vocab_size: int) -> None:
         """Checks that span several fields (pydantic checked each one alone)."""
+        log_no_ops(self)
         if self.stream_options is not None and not self.stream:
             raise BadRequestError("stream_options is only allowed when stream is true",
                                   "stream_options")
-        bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
-        if bad:
-            raise BadRequestError(f"stop_token_ids contains {bad}: token IDs must be in "
-                                  f"[0, {vocab_size})", "stop_token_ids")
+        for name, ids in (("stop_token_ids", self.stop_token_ids or []),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logit_bias", self.token_logit_bias() or {})):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise BadRequestError(f"{name} contains {bad[:5]}: token IDs must be in "
+                                      f"[0, {vocab_size})", name)
 
     def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
         try:
@@ -101,11 +241,69 @@ class SamplingRequest(RequestModel):
                 seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, max_tokens=self.requested_max_tokens(),
                 min_tokens=self.min_tokens, logprobs=self.num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, output_kind=output_kind)
+                skip_special_tokens=self.skip_special_tokens, output_kind=output_kind,
+                structured_outputs=self.structured_outputs_params(),
+                logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words)
+        except BadRequestError:
+            raise
         except ValueError as e:  # SamplingParams names the field: pass it on
             match = re.search(r"SamplingParams\.(\w+)=", str(e))
             raise BadRequestError(str(e), match.group(1) if match else None) from None
+
+
+# -- tools (the logic is in tools.py) ------------------------------------------------
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[StrictBool] = None
+
+    def parameter_schema(self) -> dict:
+        """The parameters schema; OpenAI: none given means no arguments."""
+        return self.parameters or {"type": "object", "properties": {}}
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+# -- in messages (history) and in answers ----------------------------------------
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(ResponseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallDelta(ResponseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCallDelta
 
 
 class TextContentPart(RequestModel):
@@ -114,16 +312,24 @@ class TextContentPart(RequestModel):
 
 
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextContentPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only on an assistant message that called tools.
+    content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: which call it answers
 
     def to_template_dict(self) -> dict:
-        text = (self.content if isinstance(self.content, str)
+        text = (self.content if isinstance(self.content, str) or self.content is None
                 else "".join(part.text for part in self.content))
         # "developer" is OpenAI's newer name for the system role.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        out = {"role": role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -131,6 +337,40 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[ChatTool]] = Field(None, max_length=128)
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict] = None
+    prediction: Optional[dict] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    web_search_options: Optional[dict] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    function_call: Union[str, dict, None] = None
+    functions: Optional[list[dict]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+
+    @property
+    def effective_tool_choice(self) -> Optional[ToolChoice]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        from minivllm.entrypoints.openai.tools import forced_schema
+
+        schema = forced_schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
+        other = super().structured_outputs_params()
+        if schema is None:
+            return other
+        if other is not None:
+            raise BadRequestError("a forced tool call (tool_choice) and a response format "
+                                  "cannot both constrain the output", "tool_choice")
+        so = self.structured_outputs
+        return _structured_params("tools", json=schema, disable_any_whitespace=bool(
+            so and so.disable_any_whitespace))
 
     def requested_max_tokens(self) -> Optional[int]:
         return (self.max_completion_tokens if self.max_completion_tokens is not None
@@ -148,6 +388,14 @@ class ChatCompletionRequest(SamplingRequest):
             raise BadRequestError(
                 f"max_tokens={self.max_tokens} and max_completion_tokens="
                 f"{self.max_completion_tokens} disagree: give one of them", "max_tokens")
+        from minivllm.entrypoints.openai.tools import check_tools
+
+        check_tools(self.tools, self.tool_choice)
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise BadRequestError(f"messages[{i}].content is missing: only an assistant "
+                                      "message with tool_calls may leave it out",
+                                      f"messages[{i}].content")
 
     def prompt(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
@@ -157,12 +405,39 @@ class CompletionRequest(SamplingRequest):
     # One prompt (text or token IDs) or a batch of them.
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     logprobs: Optional[int] = Field(None, ge=0, le=20)
+    # The prompt in front of the completion (text, and logprobs when asked):
+    # how clients score a text (lm-eval's loglikelihood) with max_tokens 0 or 1.
+    echo: StrictBool = False
+    max_tokens: Optional[int] = Field(None, ge=0)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    # OpenAI documents it; it needs a model trained to fill in the middle.
+    suffix: Optional[str] = None
 
     def num_logprobs(self) -> Optional[int]:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> Optional[int]:
+        return self.logprobs if self.echo else None
+
+    def requested_max_tokens(self) -> Optional[int]:
+        # Echo only: generate one token and drop it (the engine always samples one).
+        return 1 if self.echo_only else self.max_tokens
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
+        if self.suffix:
+            raise BadRequestError("suffix is not supported: this model does not fill in "
+                                  "the middle", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequestError(f"best_of={self.best_of} is not supported: it must equal "
+                                  f"n ({self.n})", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequestError("max_tokens=0 is only allowed with echo=true (it returns "
+                                  "the prompt); otherwise it must be >= 1", "max_tokens")
         if isinstance(self.prompt, list) and not self.prompt:
             raise BadRequestError("prompt is empty: give a string, a list of token IDs, or "
                                   "a non-empty batch of them", "prompt")
@@ -176,10 +451,6 @@ class CompletionRequest(SamplingRequest):
 
 
 # -- responses ---------------------------------------------------------------------
-class ResponseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
@@ -233,7 +504,8 @@ class ChatChoiceLogprobs(ResponseModel):
 
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -258,6 +530,7 @@ class DeltaMessage(ResponseModel):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -4,6 +4,11 @@ With a batch of prompts and ``n`` completions each, choice ``i * n + j`` is
 completion ``j`` of prompt ``i``, as in OpenAI's API. Streaming sends one
 chunk per choice and engine step; the last chunk of a choice carries its
 ``finish_reason``.
+
+``echo`` puts the prompt in front of each choice's text, and with
+``logprobs`` the prompt tokens' logprobs in front of its logprobs (the first
+token has none: ``null``). ``max_tokens: 0`` with ``echo`` returns the
+prompt alone; that is how clients score a text.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from minivllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         UsageCounter, merge_streams, now,
                                                         random_id, sse, stream_error_event,
                                                         with_first)
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import RequestOutputKind
 
 
@@ -43,6 +48,38 @@ def completion_logprobs(c: CompletionOutput, top_n: int, offset: int = 0
     return out
 
 
+def echo_logprobs(final: RequestOutput, top_n: int, decode) -> CompletionLogprobs:
+    """The prompt's part of the legacy logprobs: its tokens, their logprobs and the
+    top-n at each position (with the prompt token itself, as vLLM does)."""
+    out = CompletionLogprobs()
+    offset = 0
+    ids = final.prompt_token_ids
+    for pos, token_id in enumerate(ids):
+        entry = final.prompt_logprobs[pos] if final.prompt_logprobs else None
+        chosen: Optional[Logprob] = entry.get(token_id) if entry else None
+        token = chosen.decoded_token if chosen and chosen.decoded_token is not None \
+            else decode([token_id])
+        out.tokens.append(token)
+        out.token_logprobs.append(None if chosen is None else chosen.logprob)
+        out.top_logprobs.append(None if entry is None else {
+            (lp.decoded_token or ""): lp.logprob for tid, lp in
+            sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+            if tid == token_id or (lp.rank or 0) <= top_n})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def join_logprobs(head: CompletionLogprobs, tail: Optional[CompletionLogprobs]
+                  ) -> CompletionLogprobs:
+    if tail is not None:
+        head.tokens += tail.tokens
+        head.token_logprobs += tail.token_logprobs
+        head.top_logprobs += tail.top_logprobs
+        head.text_offset += tail.text_offset
+    return head
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest):
         """A ``CompletionResponse``, or an async iterator of SSE strings."""
@@ -62,14 +99,36 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageCounter()
         choices = []
         for i, final in enumerate(finals):
+            if request.echo_only:  # the one token generated is not part of the answer
+                for c in final.outputs:
+                    c.text, c.token_ids, c.logprobs = "", [], c.logprobs and []
+                    c.finish_reason, c.stop_reason = "length", None
             usage.add(i, final)
-            choices += [CompletionChoice(
-                index=i * request.n + c.index, text=c.text,
-                logprobs=completion_logprobs(c, request.logprobs or 0),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                for c in final.outputs]
+            for c in final.outputs:
+                choices.append(self._choice(request, final, c, i * request.n + c.index))
         return CompletionResponse(id=request_id, created=now(), model=self.model_name,
                                   choices=choices, usage=usage.usage())
+
+    def _choice(self, request: CompletionRequest, final: RequestOutput, c: CompletionOutput,
+                index: int, offset: int = 0) -> CompletionChoice:
+        """One choice; with echo (``offset`` 0: the first chunk) the prompt goes first."""
+        top_n = request.logprobs or 0
+        text, logprobs = c.text, None
+        echo = request.echo and offset == 0
+        prompt = self._prompt_text(final) if echo else ""
+        if request.logprobs is not None:
+            logprobs = completion_logprobs(c, top_n, offset + len(prompt))
+            if echo:
+                logprobs = join_logprobs(echo_logprobs(final, top_n, self._decode), logprobs)
+        return CompletionChoice(index=index, text=prompt + text, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids)
+
+    def _prompt_text(self, final: RequestOutput) -> str:
+        return final.prompt if final.prompt is not None else self._decode(
+            final.prompt_token_ids)
 
     async def completion_stream(self, request: CompletionRequest, request_id: str,
                                 streams: list[Stream]) -> AsyncIterator[str]:
@@ -92,16 +151,20 @@ class OpenAIServingCompletion(OpenAIServing):
                     index = i * request.n + c.index
                     if index in finished:
                         continue
-                    if not c.text and c.finish_reason is None and not c.logprobs:
+                    if request.echo_only:  # only the prompt, then "length"
+                        c.text, c.token_ids, c.logprobs = "", [], c.logprobs and []
+                        c.finish_reason, c.stop_reason = "length", None
+                    first = index not in text_offsets
+                    if (not c.text and c.finish_reason is None and not c.logprobs
+                            and not (first and request.echo)):
                         continue  # bytes of a character held back: nothing to send yet
                     if c.finish_reason is not None:
                         finished.add(index)
                     offset = text_offsets.get(index, 0)
-                    text_offsets[index] = offset + len(c.text)
-                    yield chunk(choices=[CompletionChoice(
-                        index=index, text=c.text,
-                        logprobs=completion_logprobs(c, request.logprobs or 0, offset),
-                        finish_reason=c.finish_reason)])
+                    choice = self._choice(request, out, c, index, offset)
+                    choice.stop_reason = None
+                    text_offsets[index] = offset + len(choice.text)
+                    yield chunk(choices=[choice])
             if include_usage:
                 yield chunk(choices=[], usage=usage.usage())
         except Exception as e:  # the engine died mid-stream: tell the client, then end

@@ -56,9 +56,12 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
 
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(model, self.model_name)
+
     def check_request(self, request: SamplingRequest) -> None:
-        if request.model is not None and request.model != self.model_name:
-            raise ModelNotFoundError(request.model, self.model_name)
+        self.check_model(request.model)
         request.check(self.engine.config.model.vocab_size)
 
     async def start_requests(self, prompts: Sequence, params, request_id: str,

@@ -1,0 +1,80 @@
+"""The model runner's hook for structured outputs.
+
+Per step, for the rows it samples: ``mask_logits`` fills one bitmask row per
+constrained request (free requests keep all bits) and sets the disallowed
+logits to -inf; after sampling, ``accept`` advances each grammar by its
+sampled token. A grammar is built the first time its request samples and
+dropped when the request finishes, is aborted or is preempted; a preempted
+request's grammar is rebuilt by replaying the tokens it already generated.
+
+The compiler (and xgrammar itself) loads on the first constrained request,
+so an engine that never sees one never imports it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from minivllm.structured_output import bitmask as bm
+from minivllm.structured_output.request_grammar import RequestGrammar
+
+
+class StructuredOutputManager:
+    def __init__(self, model_path: str | Path, vocab_size: int) -> None:
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self._compiler = None
+        self.grammars: dict[str, RequestGrammar] = {}
+        # Seconds spent filling masks and applying them (the benchmark reads these).
+        self.fill_seconds = 0.0
+        self.apply_seconds = 0.0
+        # Sampled tokens a grammar refused (the mask should make this impossible).
+        self.num_refused = 0
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            from minivllm.inputs.tokenizer import load_tokenizer, read_eos_token_ids
+            from minivllm.structured_output.compiler import GrammarCompilerCache
+
+            tokenizer = load_tokenizer(self.model_path)
+            if tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer, and "
+                                 f"{self.model_path} has none")
+            eos = read_eos_token_ids(self.model_path, tokenizer)
+            self._compiler = GrammarCompilerCache(tokenizer, self.vocab_size, eos)
+        return self._compiler
+
+    def release(self, request_id: str) -> None:
+        self.grammars.pop(request_id, None)
+
+    def grammar_for(self, req) -> RequestGrammar:
+        g = self.grammars.get(req.request_id)
+        if g is None:
+            compiled, extra = self.compiler.compile(req.sampling_params.structured_outputs)
+            g = self.grammars[req.request_id] = RequestGrammar(compiled, req.output_token_ids,
+                                                               extra)
+        return g
+
+    def mask_logits(self, logits: torch.Tensor, reqs: list) -> Optional[list[int]]:
+        """Mask the constrained rows of ``logits`` in place; returns those rows."""
+        rows = [i for i, r in enumerate(reqs) if r.sampling_params.structured_outputs]
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        mask = bm.allocate(logits.shape[0], logits.shape[-1])
+        for i in rows:
+            self.grammar_for(reqs[i]).fill(mask, i)
+        t1 = time.perf_counter()
+        bm.apply(logits, mask, rows)
+        self.fill_seconds += t1 - t0
+        self.apply_seconds += time.perf_counter() - t1
+        return rows
+
+    def accept(self, reqs: list, rows: list[int], tokens: list[int]) -> None:
+        for i in rows:
+            self.num_refused += not self.grammars[reqs[i].request_id].accept(tokens[i])

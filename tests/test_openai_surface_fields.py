@@ -1,0 +1,128 @@
+"""logit_bias, allowed_token_ids and bad_words (offline, checked against the
+unbiased run's own logprobs and Hugging Face), and the rest of the request
+surface through the server: documented no-ops, unknown fields, /tokenize."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from tests.helpers import ServerProcess
+
+PROMPT = [1, 20, 30, 40, 50]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_chat_model):
+    with LLM(tiny_chat_model, num_kv_blocks=128) as llm:
+        yield llm
+
+
+def first_step(llm, **kwargs):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5, **kwargs)
+    return llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_validation():
+    for kwargs, words in (({"logit_bias": {5: 101}}, "logit_bias"),
+                          ({"allowed_token_ids": []}, "allowed_token_ids"),
+                          ({"bad_words": [""]}, "bad_words")):
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(**kwargs)
+
+
+def test_logit_bias_and_allowed_token_ids(llm, tiny_chat_model):
+    free = first_step(llm)
+    top = sorted(free.logprobs[0].values(), key=lambda lp: lp.rank)
+    best, second = (next(t for t, lp in free.logprobs[0].items() if lp is x) for x in top[:2])
+    # -100 on the greedy token: the runner-up wins.
+    assert first_step(llm, logit_bias={best: -100.0}).token_ids[0] == second
+    # +100 on one token: it is chosen every step.
+    assert first_step(llm, logit_bias={777: 100.0}).token_ids == [777] * 6
+    # allowed_token_ids: the argmax among them, from Hugging Face's logits.
+    from transformers import AutoModelForCausalLM
+
+    allowed = [300, 400, 500, 600]
+    got = first_step(llm, allowed_token_ids=allowed)
+    assert set(got.token_ids) <= set(allowed)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([PROMPT])).logits[0, -1]
+    assert got.token_ids[0] == allowed[int(logits[allowed].argmax())]
+
+
+def test_bad_words(llm):
+    free = first_step(llm)
+    tok = llm.get_tokenizer()
+    word = tok.decode(free.token_ids[:2])  # the first two tokens as one "word"
+    runner = llm.engine_core.executor.runner.logits_processors
+    seqs = runner.tokenized([word])
+    assert free.token_ids[:2] in seqs
+    got = first_step(llm, bad_words=[word])
+    assert got.token_ids[:2] != free.token_ids[:2]
+    for seq in seqs:  # no banned sequence anywhere in the output
+        n = len(seq)
+        assert all(got.token_ids[i:i + n] != seq for i in range(len(got.token_ids)))
+
+
+# -- through the server -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_chat_model):
+    srv = ServerProcess(tmp_path_factory.mktemp("fields"), tiny_chat_model, "--inprocess",
+                        "--served-model-name", "tiny", "--num-kv-blocks", "128")
+    yield srv
+    srv.stop()
+
+
+def post(server, path, body):
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_server_fields(server, llm):
+    hello = [{"role": "user", "content": "hi"}]
+    r = post(server, "/v1/chat/completions", {
+        "messages": hello, "max_tokens": 4, "temperature": 0, "store": False,
+        "metadata": {"a": "b"}, "service_tier": "auto", "parallel_tool_calls": True,
+        "user": "u1", "logit_bias": {"777": 100}, "reasoning_effort": "low"})
+    assert r.status_code == 200, r.text
+    ids = llm.get_tokenizer().encode(r.json()["choices"][0]["message"]["content"],
+                                     add_special_tokens=False)
+    assert ids == [777] * 4
+    # Each no-op field is named once in the server log.
+    r = post(server, "/v1/chat/completions", {"messages": hello, "max_tokens": 1,
+                                              "store": True})
+    log = server.log_tail(20000)
+    assert log.count("'store' is accepted and has no effect") == 1
+    assert "'metadata' is accepted" in log
+    for path, body, param in (
+            ("/v1/chat/completions", {"messages": hello, "made_up_field": 1}, "made_up_field"),
+            ("/v1/chat/completions", {"messages": hello, "logit_bias": {"x": 1}}, "logit_bias"),
+            ("/v1/chat/completions", {"messages": hello, "logit_bias": {"99999999": 1}},
+             "logit_bias"),
+            ("/v1/completions", {"prompt": "a", "allowed_token_ids": [10 ** 9]},
+             "allowed_token_ids"),
+            ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix")):
+        r = post(server, path, body)
+        assert r.status_code == 400 and param in r.json()["error"]["param"], r.text
+    r = post(server, "/v1/completions", {"prompt": "a b", "allowed_token_ids": [300, 400],
+                                         "max_tokens": 3, "bad_words": ["zz"]})
+    assert r.status_code == 200, r.text
+
+
+def test_tokenize_detokenize(server, llm):
+    tok = llm.get_tokenizer()
+    r = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(server, "/tokenize", {"messages": messages})
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r.json()["tokens"] == tok.encode(text, add_special_tokens=False)
+    r = post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert r.json() == {"prompt": "Hello world"}
+    assert post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
+    assert post(server, "/tokenize", {"prompt": "a", "messages": messages}).status_code == 400
+    assert post(server, "/tokenize", {"prompt": "a", "model": "other"}).status_code == 404
