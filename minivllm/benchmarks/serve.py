@@ -124,12 +124,35 @@ def max_concurrency_seen(results: list[RequestResult]) -> int:
 
 def poisson_delays(num: int, rate: float, seed: int) -> list[float]:
     """Seconds to wait before each request: exponential gaps of mean 1/rate (0 if inf)."""
+    return request_delays(num, rate, 1.0, seed)
+
+
+def request_delays(num: int, rate: float, burstiness: float = 1.0,
+                   seed: int = 0) -> list[float]:
+    """Gaps before each request, mean ``1/rate``, as ``vllm bench serve`` draws them.
+
+    Gamma-distributed with shape ``burstiness`` (1: exponential gaps, a Poisson
+    process; below 1 burstier, above 1 more regular); all 0 for ``rate=inf``.
+    """
     if not rate > 0:
         raise ValueError(f"request_rate={rate} is invalid: must be > 0 (inf = all at once)")
+    if not burstiness > 0 or math.isinf(burstiness):
+        raise ValueError(f"burstiness={burstiness} is invalid: must be a finite number > 0")
     if math.isinf(rate):
         return [0.0] * num
     rng = random.Random(seed)
-    return [rng.expovariate(rate) for _ in range(num)]
+    if burstiness == 1.0:
+        return [rng.expovariate(rate) for _ in range(num)]
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(num)]
+
+
+def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """When each request is sent, seconds after the start (the running sum of the gaps)."""
+    t, out = 0.0, []
+    for gap in request_delays(num, rate, burstiness, seed):
+        t += gap
+        out.append(t)
+    return out
 
 
 def check_local(base_url: str) -> str:

@@ -13,6 +13,7 @@ import time
 from typing import Iterable, Optional
 
 from minivllm.config import EngineConfig
+from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
@@ -21,8 +22,12 @@ from minivllm.trace import StepRecord, StepTrace
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor=None) -> None:
+    def __init__(self, config: EngineConfig, executor=None,
+                 clock: Optional[Clock] = None) -> None:
         self.config = config
+        # Timestamps (request times, step starts) come from here; the
+        # simulator passes a virtual clock that its executor advances.
+        self.clock = clock or MONOTONIC
         if executor is None:
             from minivllm.worker.executor import make_executor
 
@@ -34,7 +39,8 @@ class EngineCore:
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         sc = config.scheduler
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
-                                   sc.max_model_len, self.kv_cache_manager)
+                                   sc.max_model_len, self.kv_cache_manager,
+                                   clock=self.clock)
         self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
         self.step_count = 0
         # Set when a step failed inside the model: the KV cache and the
@@ -61,7 +67,7 @@ class EngineCore:
             raise RuntimeError(f"the engine core is dead since an earlier step failed "
                                f"({self.dead_error!r}); create a new engine") from self.dead_error
         t0 = time.perf_counter()
-        start = time.monotonic()
+        start = self.clock.now()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
         try:
@@ -72,7 +78,7 @@ class EngineCore:
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(so, result.sampled)
         t3 = time.perf_counter()
-        now = time.monotonic()
+        now = self.clock.now()
         by_id = {r.request_id: r for r in so.scheduled_requests}
         for o in outputs:
             o.timestamp = now
@@ -80,7 +86,7 @@ class EngineCore:
         self.step_count += 1
         if self.trace is not None and not so.is_empty:
             timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
-            self.trace.append(self._record(so, start, t3 - t0, timings, outputs))
+            self.trace.append(self._record(so, start, now - start, timings, outputs))
         return outputs
 
     def _record(self, so, start, duration, timings, outputs) -> StepRecord:

@@ -89,7 +89,9 @@ class Request:
         # Per output token: (chosen logprob, {token_id: logprob} top-n) or None.
         self.logprobs: list[tuple[float, dict[int, float]]] = []
         self.cumulative_logprob = 0.0
-        self.times = RequestTimes(arrival=arrival_time or time.monotonic())
+        # (``is None``: a virtual clock may start at 0.0.)
+        self.times = RequestTimes(
+            arrival=time.monotonic() if arrival_time is None else arrival_time)
 
     # -- sizes -----------------------------------------------------------
     @property

@@ -21,11 +21,11 @@ processor checks them and calls ``finish_requests``.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
+from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
@@ -81,7 +81,8 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True,
+                 clock: Optional[Clock] = None) -> None:
         _check_limits(max_num_batched_tokens, max_num_seqs, max_model_len,
                       long_prefill_token_threshold, enable_chunked_prefill)
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget per step
@@ -92,6 +93,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
         self.kv_cache_manager = kv_cache_manager
+        self.clock = clock or MONOTONIC  # request timestamps (virtual in the simulator)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -168,7 +170,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
-        request.times.finished = time.monotonic()
+        request.times.finished = self.clock.now()
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -258,7 +260,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             if request.times.first_scheduled is None:
-                request.times.first_scheduled = time.monotonic()
+                request.times.first_scheduled = self.clock.now()
             out.new_req_ids.append(request.request_id)
             out.num_prefix_cache_hit_tokens += num_hit_tokens
             self._add_to_batch(out, request, num_new)
@@ -330,7 +332,7 @@ class Scheduler:
 
     def _append_token(self, request: Request, token_id: int,
                       logprob_info: Optional[LogprobInfo]) -> EngineCoreOutput:
-        request.append_output_token(token_id)
+        request.append_output_token(token_id, self.clock.now())
         if logprob_info is not None:
             request.logprobs.append(logprob_info)
             request.cumulative_logprob += logprob_info[0]
