@@ -39,6 +39,7 @@ class Hardware:
     per_token_overhead_s: float = 0.0
     collective_latency_s: float = 10e-6  # each all-reduce, whatever its size
     dtype: str = "bfloat16"  # what the presets' peaks are quoted for
+    device: str = "cuda"  # "cpu": the KV cache gets the CPU engine's default budget
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -97,7 +98,7 @@ def measured_cpu(min_seconds: float = 0.3) -> Hardware:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware("cpu", flops, bw, float(mem), bw, flops_efficiency=1.0,
                     bandwidth_efficiency=1.0, attention_efficiency=0.5,
-                    step_overhead_s=2e-3, per_seq_overhead_s=50e-6, dtype="float32",
+                    step_overhead_s=2e-3, per_seq_overhead_s=50e-6, dtype="float32", device="cpu",
                     source="this machine, minivllm bench roofline's measurements")
 
 

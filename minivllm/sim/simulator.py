@@ -72,7 +72,7 @@ def num_kv_blocks(config: EngineConfig, hardware: Hardware,
         return cache.num_kv_blocks
     budget = cache.kv_cache_memory_bytes
     if budget is None:
-        if hardware.name == "cpu":
+        if hardware.device == "cpu":
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         else:
             if not 0 < gpu_memory_utilization <= 1:
