@@ -290,8 +290,9 @@ class _Run:
             t.token_times, req.num_prompt_tokens, req.num_output_tokens,
             max(req.num_cached_tokens, 0), req.num_preemptions, req.get_finish_reason(),
             getattr(req, "priority", 0)))
+        if self.in_flight >= self.cap:  # a blocked request can be sent now, not earlier
+            self.slot_free_at = max(self.slot_free_at, now)
         self.in_flight -= 1
-        self.slot_free_at = max(self.slot_free_at, now)
         for nxt in self.followers.pop(rid, ()):
             heapq.heappush(self.pending, (now + nxt.think_time, self.order, nxt))
             self.order += 1
