@@ -343,7 +343,8 @@ class Scheduler:
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[token_id],
             new_logprobs=None if logprob_info is None else [logprob_info],
-            finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
+            finish_reason=None if stop is None else RequestStatus.finish_reason(stop[0]),
+            stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions)
 

@@ -42,6 +42,8 @@ def engine_summary(result: SimResult) -> dict:
         "wall_seconds": result.wall_seconds,
         # The real scheduler and engine core's own Python time per step.
         "scheduler_ms_per_step": 1000 * result.engine_seconds / n,
+        "scheduler_us_per_scheduled_seq": 1e6 * result.engine_seconds
+        / max(sum(s["num_seqs"] for s in steps), 1),
     }
 
 
