@@ -18,6 +18,8 @@ sent. Two datasets, named as in ``vllm bench serve``:
 from __future__ import annotations
 
 import random
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,19 +47,16 @@ def _length(rng: random.Random, mean: int, ratio: float) -> int:
     return rng.randint(lo, hi)
 
 
-def _tokens(rng: random.Random, n: int, vocab_size: int, avoid: frozenset[int]) -> list[int]:
-    """``n`` uniform token ids outside ``avoid`` (drawn in bulk: 10,000 prompts are many)."""
-    out = [int(vocab_size * x) for x in (rng.random() for _ in range(n))]
+def _tokens(rng: np.random.Generator, n: int, vocab_size: int,
+            avoid: frozenset[int]) -> list[int]:
+    """``n`` uniform token ids outside ``avoid`` (numpy: 10,000 prompts are many tokens)."""
+    out = rng.integers(0, vocab_size, n)
     if avoid:
-        out = [t if t not in avoid else _redraw(rng, vocab_size, avoid) for t in out]
-    return out
-
-
-def _redraw(rng: random.Random, vocab_size: int, avoid: frozenset[int]) -> int:
-    while True:
-        t = rng.randrange(vocab_size)
-        if t not in avoid:
-            return t
+        bad = np.isin(out, list(avoid))
+        while bad.any():
+            out[bad] = rng.integers(0, vocab_size, int(bad.sum()))
+            bad = np.isin(out, list(avoid))
+    return out.tolist()
 
 
 def _check(name: str, value, low=1) -> None:
@@ -76,10 +75,10 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
     _check("random_prefix_len", prefix_len, 0)
     if not 0 <= range_ratio < 1:
         raise ValueError(f"random_range_ratio={range_ratio} is invalid: must be in [0, 1)")
-    rng = random.Random(seed)
-    prefix = _tokens(rng, prefix_len, vocab_size, avoid_token_ids)
+    rng, tok = random.Random(seed), np.random.default_rng(seed)
+    prefix = _tokens(tok, prefix_len, vocab_size, avoid_token_ids)
     times = arrival_times(num_prompts, request_rate, burstiness, seed)
-    return [SimRequest(str(i), prefix + _tokens(rng, _length(rng, input_len, range_ratio),
+    return [SimRequest(str(i), prefix + _tokens(tok, _length(rng, input_len, range_ratio),
                                                 vocab_size, avoid_token_ids),
                        _length(rng, output_len, range_ratio), times[i])
             for i in range(num_prompts)]
@@ -96,7 +95,7 @@ def multiturn_requests(num_sessions: int, num_turns: int, system_len: int, user_
     _check("multiturn_system_len", system_len, 0)
     if not think_time >= 0:
         raise ValueError(f"multiturn_think_time={think_time} is invalid: must be >= 0")
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)
     system = _tokens(rng, system_len, vocab_size, avoid_token_ids)
     starts = arrival_times(num_sessions, request_rate, burstiness, seed)
     out = []
