@@ -121,6 +121,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 2048
+    scheduling_policy: str = "fcfs"  # or "priority" (minivllm.core.request_queue)
 
 
 @dataclass
@@ -158,6 +159,7 @@ class EngineArgs:
     attention_backend: Optional[str] = None
     seed: int = 0
     trace: bool = False
+    scheduling_policy: str = "fcfs"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -182,7 +184,7 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.num_kv_blocks,
                               self.kv_cache_memory_bytes, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
-                                      max_len),
+                                      max_len, self.scheduling_policy),
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device, attention_backend=self.attention_backend, seed=self.seed,
             trace=self.trace)
@@ -204,6 +206,9 @@ class EngineArgs:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise _bad("device", self.device, "must be 'auto', 'cpu' or 'cuda[:N]'")
         resolve_dtype(self.dtype)
+        from minivllm.core.request_queue import check_policy
+
+        check_policy(self.scheduling_policy)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -46,11 +46,13 @@ def real_trace(model, prompts, max_tokens, engine_kwargs):
         llm.shutdown()
 
 
-def sim_trace(model, prompts, max_tokens, engine_kwargs, ids, scripts=None):
+def sim_trace(model, prompts, max_tokens, engine_kwargs, ids, scripts=None, priority=None):
     sim = Simulator(load_model_config(model, "float32", "cpu"), HW,
                     EngineArgs(model=str(model), **engine_kwargs), trace=True)
-    reqs = [SimRequest(rid, p, n, 0.0, output_token_ids=None if scripts is None else s)
-            for rid, p, n, s in zip(ids, prompts, max_tokens, scripts or [None] * len(ids))]
+    scripts = scripts or [None] * len(ids)
+    priority = priority or [0] * len(ids)
+    reqs = [SimRequest(rid, p, n, 0.0, priority=pr, output_token_ids=s)
+            for rid, p, n, s, pr in zip(ids, prompts, max_tokens, scripts, priority)]
     result = sim.run(reqs)
     return list(result.traces[0]), result
 

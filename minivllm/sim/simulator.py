@@ -249,9 +249,7 @@ class _Run:
             ex.eos_at[spec.request_id] = spec.output_len
         params = SamplingParams(max_tokens=spec.output_len, ignore_eos=spec.ignore_eos)
         req = Request(spec.request_id, spec.prompt_token_ids, params, spec.output_len,
-                      self.sim.eos_token_ids, arrival_time=now)
-        if spec.priority:
-            req.priority = spec.priority
+                      self.sim.eos_token_ids, arrival_time=now, priority=spec.priority)
         replica.core.add_request(req)
         self.live[spec.request_id] = (req, i)
         self.in_flight += 1
@@ -289,7 +287,7 @@ class _Run:
             rid, i, t.arrival, t.first_scheduled, t.first_token, t.finished,
             t.token_times, req.num_prompt_tokens, req.num_output_tokens,
             max(req.num_cached_tokens, 0), req.num_preemptions, req.get_finish_reason(),
-            getattr(req, "priority", 0)))
+            req.priority))
         if self.in_flight >= self.cap:  # a blocked request can be sent now, not earlier
             self.slot_free_at = max(self.slot_free_at, now)
         self.in_flight -= 1

@@ -69,6 +69,8 @@ class SamplingRequest(RequestModel):
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Lower runs first; needs a server started with --scheduling-policy priority.
+    priority: StrictInt = 0
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
