@@ -148,8 +148,12 @@ def _nelder_mead(f, x0: np.ndarray, iterations: int, step: float = 1.0) -> np.nd
 
 
 def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
-              base: Hardware = None) -> Calibration:
-    """Run the real engine briefly and fit; ``model`` None is the default model."""
+              base: Hardware = None, rounds=None) -> Calibration:
+    """Run the real engine briefly and fit; ``model`` None is the default model.
+
+    ``rounds``: the workload, as (prompts, output lengths) pairs run one after
+    the other (default: ``calibration_workload``).
+    """
     from minivllm import LLM
 
     base = base or measured_cpu()
@@ -157,8 +161,8 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
     try:
         cfg = llm.llm_engine.config
         cost = CostModel(cfg.model, base, cfg.parallel.tensor_parallel_size)
-        rows, measured = collect(llm, cost, calibration_workload(cfg.model.vocab_size, seed,
-                                                                 scale))
+        rounds = rounds or calibration_workload(cfg.model.vocab_size, seed, scale)
+        rows, measured = collect(llm, cost, rounds)
     finally:
         llm.shutdown()
     cal = fit(base, rows, measured, cfg.parallel.tensor_parallel_size)
