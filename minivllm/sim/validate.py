@@ -24,11 +24,15 @@ from minivllm.config import EngineArgs
 
 
 def measure(base_url: str, work, rate: float, seed: int):
-    payloads = [{"model": "default", "prompt": w.prompt_token_ids, "max_tokens": w.output_len,
+    payloads = [{"prompt": w.prompt_token_ids, "max_tokens": w.output_len,
                  "temperature": 0.0, "ignore_eos": True, "stream": True,
                  "stream_options": {"include_usage": True}} for w in work]
     results, duration = asyncio.run(benchmark(base_url, payloads, False, rate, None, 1800,
                                               600, seed))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed; first: "
+                           f"{failed[0]}")
     return compute_metrics(results, duration)
 
 
@@ -68,6 +72,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the numbers as JSON here")
+    p.add_argument("--save-calibration", default=None, help="write the fitted hardware here")
     args = p.parse_args(argv)
 
     model_path = resolve_model_path(None)
@@ -76,8 +81,12 @@ def main(argv=None) -> dict:
         hw = load_hardware(args.calibration)
     else:
         t = time.perf_counter()
-        hw = calibrate(None, engine_kwargs).hardware
-        print(f"calibrated in {time.perf_counter() - t:.0f} s")
+        cal = calibrate(None, engine_kwargs)
+        hw = cal.hardware
+        print(f"calibrated in {time.perf_counter() - t:.0f} s on {len(cal.measured)} steps "
+              f"(median |error| per step {cal.median_abs_error:.0%})")
+        if args.save_calibration:
+            hw.save(args.save_calibration)
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     report = {"hardware": hw.to_dict(), "rates": {}}
     with ServerProcess("--max-num-batched-tokens", str(args.max_num_batched_tokens)) as server:
