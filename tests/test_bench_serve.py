@@ -247,3 +247,35 @@ def test_cli_run_end_to_end(server, tmp_path, capsys):
     assert saved["metrics"]["completed"] == 5
     text = capsys.readouterr().out
     assert "Successful requests" in text and "Median TTFT (ms)" in text
+
+
+def test_random_dataset_sends_token_ids_with_bursty_arrivals_and_reports_goodput(server,
+                                                                                  tmp_path):
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    out = tmp_path / "serve.json"
+    args = parser.parse_args(["--base-url", server.url, "--endpoint-type", "completions",
+                              "--dataset-name", "random", "--num-prompts", "6",
+                              "--random-input-len", "20", "--random-output-len", "4",
+                              "--random-range-ratio", "0.5", "--random-prefix-len", "3",
+                              "--request-rate", "100", "--burstiness", "0.5",
+                              "--goodput", "ttft:100000", "e2el:0.001", "--output", str(out)])
+    m = serve.run(args)
+    prompts = [b["prompt"] for b in server.requests]
+    assert all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts)
+    assert all(10 + 3 <= len(p) <= 30 + 3 for p in prompts)
+    assert len({tuple(p[:3]) for p in prompts}) == 1  # the shared prefix
+    assert all(2 <= b["max_tokens"] <= 6 for b in server.requests)
+    # No request ends within a microsecond: the e2el objective fails them all.
+    assert m.request_goodput == 0.0 and m.goodput_slos_ms == {"ttft": 100000, "e2el": 0.001}
+    assert json.loads(out.read_text())["burstiness"] == 0.5
+    with pytest.raises(ValueError, match="goodput='tpot' is invalid"):
+        serve.parse_goodput(["tpot"])
+
+
+def test_random_dataset_needs_the_completions_endpoint():
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--dataset-name", "random"])
+    with pytest.raises(ValueError, match="endpoint_type='chat'"):
+        serve.build_payloads(args)
