@@ -91,6 +91,8 @@ def main(argv=None) -> dict:
     report = {"hardware": hw.to_dict(), "rates": {}}
     with ServerProcess("--max-num-batched-tokens", str(args.max_num_batched_tokens)) as server:
         server.wait_until_healthy()
+        # Warm-up: the first requests of a fresh server pay one-time costs.
+        measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99), 100.0, 0)
         for rate in args.rates:
             work = random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
                                    0.25, rate, 1.0, args.seed, 0, frozenset(range(3)))
