@@ -94,3 +94,24 @@ def test_the_server_protocol_takes_a_priority():
 
     assert CompletionRequest(prompt="hi", priority=-3).priority == -3
     assert CompletionRequest(prompt="hi").priority == 0
+
+
+@pytest.mark.slow
+def test_the_server_serves_a_priority_only_under_the_priority_policy(tmp_path,
+                                                                     tiny_chat_model):
+    from tests.helpers import ServerProcess
+
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True, "priority": 2}
+    for policy, status in (("priority", 200), ("fcfs", 400)):
+        (tmp_path / policy).mkdir()
+        srv = ServerProcess(tmp_path / policy, tiny_chat_model, "--inprocess",
+                            "--num-kv-blocks", "64", "--scheduling-policy", policy)
+        try:
+            r = srv.http.post("/v1/completions", json=body)
+            assert r.status_code == status, r.text
+            if status == 400:
+                assert "priority" in r.text and "scheduling_policy" in r.text
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 3
+        finally:
+            srv.stop()

@@ -15,7 +15,6 @@ by ``bench roofline``). The result is a hardware JSON for ``--hardware``.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import time
 from dataclasses import dataclass, field
