@@ -279,3 +279,22 @@ def test_random_dataset_needs_the_completions_endpoint():
     args = parser.parse_args(["--dataset-name", "random"])
     with pytest.raises(ValueError, match="endpoint_type='chat'"):
         serve.build_payloads(args)
+
+
+def test_multiturn_sessions_resend_the_conversation_with_the_servers_answers(server):
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--base-url", server.url, "--dataset-name", "multiturn",
+                              "--num-prompts", "6", "--multiturn-num-turns", "3",
+                              "--multiturn-system-len", "20", "--multiturn-user-len", "5",
+                              "--multiturn-output-len", "4", "--request-rate", "100"])
+    m = serve.run(args)
+    assert (m.completed, m.failed) == (6, 0)
+    bodies = server.requests
+    systems = {b["messages"][0]["content"] for b in bodies}
+    assert len(systems) == 1 and len(systems.pop().split()) == 20  # one shared prompt
+    by_len = sorted(bodies, key=lambda b: len(b["messages"]))
+    assert [len(b["messages"]) for b in by_len] == [2, 2, 4, 4, 6, 6]
+    for b in by_len[2:]:  # later turns carry the server's earlier answers
+        answers = [x["content"] for x in b["messages"] if x["role"] == "assistant"]
+        assert answers and all(a.startswith("tok0 ") for a in answers)

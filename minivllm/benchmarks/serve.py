@@ -16,7 +16,9 @@ p99 of TTFT, TPOT, ITL and E2EL in milliseconds.
 
 Arrivals follow a Poisson process at ``--request-rate`` (``inf``: all at
 once; ``--burstiness`` other than 1 draws gamma gaps instead), optionally
-capped at ``--max-concurrency`` requests in flight. ``--dataset-name random``
+capped at ``--max-concurrency`` requests in flight. ``--dataset-name multiturn``
+runs agent-like conversations over a shared system prompt (benchmarks/multiturn.py);
+``--dataset-name random``
 sends random token-ID prompts (``--random-input-len``, ``--random-output-len``,
 ``--random-range-ratio``, ``--random-prefix-len``) to the completions endpoint;
 ``--goodput ttft:500 tpot:50`` also reports the requests/s that met those SLOs. The
@@ -314,7 +316,8 @@ def random_workload_from_args(args: argparse.Namespace):
     return work
 
 
-def add_workload_args(parser: argparse.ArgumentParser, datasets=("chat", "random")) -> None:
+def add_workload_args(parser: argparse.ArgumentParser,
+                      datasets=("chat", "random", "multiturn")) -> None:
     """The workload flags ``bench serve`` and ``simulate`` share (vLLM's names)."""
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset-name", choices=datasets, default=datasets[0],
@@ -338,6 +341,14 @@ def add_workload_args(parser: argparse.ArgumentParser, datasets=("chat", "random
     g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="service-level objectives, e.g. ttft:500 tpot:50 (ms): report the "
                    "requests/s that met all of them")
+    m = parser.add_argument_group("multiturn dataset (--num-prompts = sessions x turns)")
+    m.add_argument("--multiturn-num-turns", type=int, default=4)
+    m.add_argument("--multiturn-system-len", type=int, default=512,
+                   help="tokens of the system prompt all sessions share")
+    m.add_argument("--multiturn-user-len", type=int, default=64)
+    m.add_argument("--multiturn-output-len", type=int, default=128)
+    m.add_argument("--multiturn-think-time", type=float, default=0.0,
+                   help="seconds between an answer and the next turn")
 
 
 async def benchmark(base_url: str, payloads: list[dict], chat: bool, request_rate: float,
@@ -408,10 +419,15 @@ def run(args: argparse.Namespace) -> ServeMetrics:
     if not args.max_duration > 0:
         raise ValueError(f"max_duration={args.max_duration} is invalid: must be > 0")
     chat = args.endpoint_type == "chat"
-    results, duration = asyncio.run(benchmark(
-        base_url, build_payloads(args), chat, args.request_rate, args.max_concurrency,
-        args.max_duration, args.timeout, args.seed, args.api_key,
-        getattr(args, "burstiness", 1.0)))
+    if getattr(args, "dataset_name", "chat") == "multiturn":
+        from minivllm.benchmarks.multiturn import run_sessions
+
+        results, duration = asyncio.run(run_sessions(base_url, args, args.api_key))
+    else:
+        results, duration = asyncio.run(benchmark(
+            base_url, build_payloads(args), chat, args.request_rate, args.max_concurrency,
+            args.max_duration, args.timeout, args.seed, args.api_key,
+            getattr(args, "burstiness", 1.0)))
     metrics = compute_metrics(results, duration, parse_goodput(getattr(args, "goodput", None)))
     print_metrics(metrics)
     failed = [r.error for r in results if not r.success]

@@ -64,14 +64,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="data-parallel replicas, each with its own scheduler and KV cache")
     f.add_argument("--router", choices=ROUTERS, default="round_robin")
     add_workload_args(parser, datasets=("random", "multiturn"))
-    m = parser.add_argument_group("multiturn dataset (--num-prompts = sessions x turns)")
-    m.add_argument("--multiturn-num-turns", type=int, default=4)
-    m.add_argument("--multiturn-system-len", type=int, default=512,
-                   help="tokens of the system prompt all sessions share")
-    m.add_argument("--multiturn-user-len", type=int, default=64)
-    m.add_argument("--multiturn-output-len", type=int, default=128)
-    m.add_argument("--multiturn-think-time", type=float, default=0.0,
-                   help="seconds between an answer and the next turn")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     parser.add_argument("--no-steps", action="store_true",
                         help="leave the per-step rows out of --output")
