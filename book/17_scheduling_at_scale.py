@@ -44,7 +44,7 @@ from minivllm.config import EngineArgs
 from minivllm.model.loader import resolve_model_path
 from minivllm.sim import (SimExecutor, SimRequest, Simulator, load_hardware,
                           load_model_config, multiturn_requests, random_requests)
-from minivllm.sim.calibrate import calibrate, calibration_workload
+from minivllm.sim.calibrate import calibrate
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.report import engine_summary, serve_metrics
 from minivllm.viz.bars import line_chart
@@ -82,19 +82,29 @@ show(CostModel.breakdown)
 # `calibrate` runs the real engine on a short mixed workload (one stream, a few, a
 # batch), records every step's composition and measured duration, and fits the
 # efficiencies and overheads (Nelder-Mead on the squared log error). The peaks stay
-# as `bench roofline` measures them. A small workload keeps this cell short.
+# as `bench roofline` measures them. A small workload keeps this cell short (the
+# command `minivllm simulate calibrate` runs a longer one).
 
 # %%
+import random
+
 ENGINE = dict(max_num_batched_tokens=256, num_kv_blocks=512)
-rounds = calibration_workload(49152, seed=0, scale=0.4)
-rounds = [(prompts[:n], lens[:n]) for (prompts, lens), n in zip(rounds, (1, 4, 8))]
+rng = random.Random(0)
+
+
+def batch(n, lo, hi, out):  # n random prompts of lo..hi tokens, out tokens each
+    return ([[rng.randrange(3, 49152) for _ in range(rng.randint(lo, hi))]
+             for _ in range(n)], [out] * n)
+
+
+rounds = [batch(1, 48, 64, 16), batch(4, 24, 96, 10), batch(10, 16, 48, 6)]
 cal = calibrate(None, ENGINE, rounds=rounds)
 cpu = cal.hardware
 print(f"{len(cal.measured)} steps; median |error| per step {cal.median_abs_error:.0%}, "
       f"total {cal.total_error:+.0%}")
 for name in ("flops_efficiency", "bandwidth_efficiency", "step_overhead_s"):
     print(f"  {name:<22} {getattr(cpu, name):.3g}")
-assert len(cal.measured) > 30
+assert len(cal.measured) > 20
 assert 0 < cpu.flops_efficiency <= 1 and 0 < cpu.bandwidth_efficiency <= 1
 
 # %%
@@ -112,8 +122,6 @@ step_fit_figure(cal.measured, cal.predicted)
 # outputs replayed.
 
 # %%
-import random
-
 rng = random.Random(7)
 prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(16, 80))] for _ in range(6)]
 lens = [rng.randint(8, 20) for _ in prompts]
