@@ -147,3 +147,18 @@ def test_eos_ends_a_request_at_its_output_length():
     res = small_sim().run([SimRequest("a", [5] * 10, 7, ignore_eos=False)])
     r = res.requests[0]
     assert (r.output_tokens, r.finish_reason) == (7, "stop")
+
+
+def test_calibrate_on_a_real_engine_fits_better_than_its_starting_point(tiny_model):
+    from minivllm.sim.calibrate import calibrate
+
+    base = Hardware("x", 1e10, 1e10, 1e10, 1e10, dtype="float32", device="cpu",
+                    flops_efficiency=1.0, bandwidth_efficiency=1.0, attention_efficiency=1.0,
+                    step_overhead_s=0.0, per_seq_overhead_s=0.0)
+    rounds = [([[5 + i] * (8 + 4 * i) for i in range(n)], [3 + n] * n) for n in (1, 3, 6)]
+    cal = calibrate(tiny_model("llama"), {"num_kv_blocks": 64}, rounds=rounds, base=base)
+    assert len(cal.measured) == len(cal.rows) > 10
+    before = np.mean(np.log(times_of(cal.rows, base) / cal.measured) ** 2)
+    after = np.mean(np.log(cal.predicted / cal.measured) ** 2)
+    assert after < before
+    assert cal.hardware.device == "cpu" and cal.hardware.name == "cpu-calibrated"

@@ -41,8 +41,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
     g.add_argument("--tensor-parallel-size", type=int, default=1)
-    if "scheduling_policy" in EngineArgs.field_names():
-        g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: lower SimRequest.priority first (the Python API sets it)")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -86,8 +86,7 @@ def build(args: argparse.Namespace):
                   kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                   enable_prefix_caching=args.enable_prefix_caching,
                   tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
-    if getattr(args, "scheduling_policy", None):
-        kwargs["scheduling_policy"] = args.scheduling_policy
+    kwargs["scheduling_policy"] = args.scheduling_policy
     sim = Simulator(model, hw, EngineArgs(model=model.path, **kwargs), args.num_replicas,
                     args.router, args.gpu_memory_utilization)
     if args.dataset_name == "random":
