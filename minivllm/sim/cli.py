@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> dict:
     result = sim.run(work, args.max_concurrency, progress=not args.disable_tqdm)
     metrics = serve_metrics(result, parse_goodput(args.goodput))
     print(f"simulated {len(work)} requests of {Path(sim.model.path).name} on "
-          f"{args.num_replicas} x {sim.hardware.name} (tp={args.tensor_parallel_size}), "
+          f"{args.num_replicas} replica(s) of {args.tensor_parallel_size} x "
+          f"{sim.hardware.name}, "
           f"{sim.num_blocks} KV blocks of {args.block_size} tokens per replica")
     print_metrics(metrics)
     engine = engine_summary(result)
