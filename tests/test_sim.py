@@ -162,3 +162,11 @@ def test_calibrate_on_a_real_engine_fits_better_than_its_starting_point(tiny_mod
     after = np.mean(np.log(cal.predicted / cal.measured) ** 2)
     assert after < before
     assert cal.hardware.device == "cpu" and cal.hardware.name == "cpu-calibrated"
+
+
+def test_a_slowed_hardware_makes_every_step_that_much_longer():
+    m = load_model_config("llama-3-8b")
+    fast = CostModel(m, H100, 2)
+    slow = CostModel(m, H100.slowed(1.7), 2)
+    f = fast.features_from(300, 40, 40, 300 * 900, 40 * 900 + 600)
+    assert slow.time(f) == pytest.approx(1.7 * fast.time(f))

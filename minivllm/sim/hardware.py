@@ -72,6 +72,18 @@ class Hardware:
     def with_(self, **changes) -> "Hardware":
         return replace(self, **changes)
 
+    def slowed(self, factor: float) -> "Hardware":
+        """Every step ``factor`` times as long (efficiencies divided, overheads multiplied)."""
+        if not factor > 0:
+            raise ValueError(f"factor={factor!r} is invalid: must be > 0")
+        return replace(self, flops_efficiency=self.flops_efficiency / factor,
+                       bandwidth_efficiency=self.bandwidth_efficiency / factor,
+                       link_bandwidth=self.link_bandwidth / factor,
+                       step_overhead_s=self.step_overhead_s * factor,
+                       per_seq_overhead_s=self.per_seq_overhead_s * factor,
+                       per_token_overhead_s=self.per_token_overhead_s * factor,
+                       collective_latency_s=self.collective_latency_s * factor)
+
 
 _DATASHEET = "NVIDIA data sheet: dense BF16 tensor FLOP/s, memory bandwidth, link per direction"
 

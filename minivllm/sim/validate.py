@@ -46,6 +46,19 @@ def simulate(hw, model_path, work, engine_kwargs):
     return serve_metrics(sim.run(work))
 
 
+def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
+    """Scale the offline fit by measured / simulated median TPOT of an all-at-once run."""
+    from minivllm.sim.workload import random_requests
+
+    work = random_requests(args.num_prompts, args.input_len, args.output_len, vocab, 0.25,
+                           seed=args.seed + 1000, avoid_token_ids=frozenset(range(3)))
+    measured = measure(base_url, work, float("inf"), 0)
+    simulated = simulate(hw, model_path, work, engine_kwargs)
+    factor = measured.tpot_ms["median"] / simulated.tpot_ms["median"]
+    print(f"serving calibration (all at once, other prompts): steps x {factor:.2f}")
+    return hw.slowed(factor).with_(source=hw.source + f"; serving factor {factor:.3f}")
+
+
 def rows(measured, simulated) -> list[tuple[str, float, float, float]]:
     out = []
     for name, get in (("median TTFT (ms)", lambda m: m.ttft_ms["median"]),
@@ -73,6 +86,9 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write the numbers as JSON here")
     p.add_argument("--save-calibration", default=None, help="write the fitted hardware here")
+    p.add_argument("--serve-calibration", action=argparse.BooleanOptionalAction, default=True,
+                   help="also fit one factor for serving (the server's processes share the "
+                   "cores) from a separate all-at-once run, not one of the rates")
     args = p.parse_args(argv)
 
     model_path = resolve_model_path(None)
@@ -93,6 +109,9 @@ def main(argv=None) -> dict:
         server.wait_until_healthy()
         # Warm-up: the first requests of a fresh server pay one-time costs.
         measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99), 100.0, 0)
+        if args.serve_calibration:
+            hw = serve_calibration(server.url, hw, model_path, engine_kwargs, vocab, args)
+            report["serve_factor"] = hw.source
         for rate in args.rates:
             work = random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
                                    0.25, rate, 1.0, args.seed, 0, frozenset(range(3)))
