@@ -40,8 +40,8 @@ class EngineCore:
         sc = config.scheduler
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.max_model_len, self.kv_cache_manager,
-                                   clock=self.clock,
-                                   scheduling_policy=getattr(sc, "scheduling_policy", "fcfs"))
+                                   sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
+                                   clock=self.clock, scheduling_policy=sc.scheduling_policy)
         self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
         self.step_count = 0
         # Set when a step failed inside the model: the KV cache and the
