@@ -117,3 +117,13 @@ def test_default_model_schedule_matches(default_model_path):
     assert sum(len(r.preempted) for r in real) > 0
     simulated, _ = sim_trace(default_model_path, prompts, max_tokens, kwargs, ids, outputs)
     assert_same_schedule(real, simulated)
+
+
+def test_long_prefill_threshold_caps_chunks_in_both(tiny_model):
+    model = tiny_model("llama")
+    prompts, max_tokens = workload(5, 6, 256, 0, (20, 40), (2, 6))
+    kwargs = dict(TIGHT, num_kv_blocks=96, long_prefill_token_threshold=8)
+    real, outputs, ids = real_trace(model, prompts, max_tokens, kwargs)
+    assert max(n for r in real for n, _ in r.scheduled.values()) == 8
+    simulated, _ = sim_trace(model, prompts, max_tokens, kwargs, ids, outputs)
+    assert_same_schedule(real, simulated)
