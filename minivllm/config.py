@@ -125,6 +125,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # False: a prompt is scheduled whole or waits (no chunks).
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority" (minivllm.core.request_queue)
 
 
 @dataclass
@@ -269,6 +270,7 @@ class EngineArgs:
     trace: bool = False
     # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
     speculative_config: Optional[dict] = None
+    scheduling_policy: str = "fcfs"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -296,7 +298,7 @@ class EngineArgs:
                               self.kv_cache_memory_bytes, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       max_len, self.long_prefill_token_threshold,
-                                      self.enable_chunked_prefill),
+                                      self.enable_chunked_prefill, self.scheduling_policy),
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
@@ -327,6 +329,9 @@ class EngineArgs:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise _bad("device", self.device, "must be 'auto', 'cpu' or 'cuda[:N]'")
         resolve_dtype(self.dtype)
+        from minivllm.core.request_queue import check_policy
+
+        check_policy(self.scheduling_policy)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -247,3 +247,54 @@ def test_cli_run_end_to_end(server, tmp_path, capsys):
     assert saved["metrics"]["completed"] == 5
     text = capsys.readouterr().out
     assert "Successful requests" in text and "Median TTFT (ms)" in text
+
+
+def test_random_dataset_sends_token_ids_with_bursty_arrivals_and_reports_goodput(server,
+                                                                                  tmp_path):
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    out = tmp_path / "serve.json"
+    args = parser.parse_args(["--base-url", server.url, "--endpoint-type", "completions",
+                              "--dataset-name", "random", "--num-prompts", "6",
+                              "--random-input-len", "20", "--random-output-len", "4",
+                              "--random-range-ratio", "0.5", "--random-prefix-len", "3",
+                              "--request-rate", "100", "--burstiness", "0.5",
+                              "--goodput", "ttft:100000", "e2el:0.001", "--output", str(out)])
+    m = serve.run(args)
+    prompts = [b["prompt"] for b in server.requests]
+    assert all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts)
+    assert all(10 + 3 <= len(p) <= 30 + 3 for p in prompts)
+    assert len({tuple(p[:3]) for p in prompts}) == 1  # the shared prefix
+    assert all(2 <= b["max_tokens"] <= 6 for b in server.requests)
+    # No request ends within a microsecond: the e2el objective fails them all.
+    assert m.request_goodput == 0.0 and m.goodput_slos_ms == {"ttft": 100000, "e2el": 0.001}
+    assert json.loads(out.read_text())["burstiness"] == 0.5
+    with pytest.raises(ValueError, match="goodput='tpot' is invalid"):
+        serve.parse_goodput(["tpot"])
+
+
+def test_random_dataset_needs_the_completions_endpoint():
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--dataset-name", "random"])
+    with pytest.raises(ValueError, match="endpoint_type='chat'"):
+        serve.build_payloads(args)
+
+
+def test_multiturn_sessions_resend_the_conversation_with_the_servers_answers(server):
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--base-url", server.url, "--dataset-name", "multiturn",
+                              "--num-prompts", "6", "--multiturn-num-turns", "3",
+                              "--multiturn-system-len", "20", "--multiturn-user-len", "5",
+                              "--multiturn-output-len", "4", "--request-rate", "100"])
+    m = serve.run(args)
+    assert (m.completed, m.failed) == (6, 0)
+    bodies = server.requests
+    systems = {b["messages"][0]["content"] for b in bodies}
+    assert len(systems) == 1 and len(systems.pop().split()) == 20  # one shared prompt
+    by_len = sorted(bodies, key=lambda b: len(b["messages"]))
+    assert [len(b["messages"]) for b in by_len] == [2, 2, 4, 4, 6, 6]
+    for b in by_len[2:]:  # later turns carry the server's earlier answers
+        answers = [x["content"] for x in b["messages"] if x["role"] == "assistant"]
+        assert answers and all(a.startswith("tok0 ") for a in answers)

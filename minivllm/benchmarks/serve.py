@@ -15,7 +15,13 @@ duration, request / output / total token throughput, and mean, median and
 p99 of TTFT, TPOT, ITL and E2EL in milliseconds.
 
 Arrivals follow a Poisson process at ``--request-rate`` (``inf``: all at
-once), optionally capped at ``--max-concurrency`` requests in flight. The
+once; ``--burstiness`` other than 1 draws gamma gaps instead), optionally
+capped at ``--max-concurrency`` requests in flight. ``--dataset-name multiturn``
+runs agent-like conversations over a shared system prompt (benchmarks/multiturn.py);
+``--dataset-name random``
+sends random token-ID prompts (``--random-input-len``, ``--random-output-len``,
+``--random-range-ratio``, ``--random-prefix-len``) to the completions endpoint;
+``--goodput ttft:500 tpot:50`` also reports the requests/s that met those SLOs. The
 number of requests and the total time are bounded, and only local servers
 are accepted: this is a tool for one's own machine.
 """
@@ -90,13 +96,48 @@ class ServeMetrics:
     tpot_ms: dict
     itl_ms: dict
     e2el_ms: dict
+    # Requests/s that met every service-level objective of --goodput (None: none given).
+    request_goodput: Optional[float] = None
+    goodput_slos_ms: Optional[dict] = None
 
 
-def compute_metrics(results: list[RequestResult], duration: float) -> ServeMetrics:
-    """Aggregate per-request results the way ``vllm bench serve`` does."""
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items: Optional[list[str]]) -> Optional[dict[str, float]]:
+    """``["ttft:500", "tpot:50"]`` -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    if not items:
+        return None
+    slos = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if name not in SLO_METRICS or not ms > 0:
+            raise ValueError(f"goodput={item!r} is invalid: give NAME:MILLISECONDS with NAME "
+                             f"one of {', '.join(SLO_METRICS)} and a value > 0")
+        slos[name] = ms
+    return slos
+
+
+def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
+    values = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}
+    return all(values[k] is None or values[k] * 1000 <= ms for k, ms in slos.items())
+
+
+def compute_metrics(results: list[RequestResult], duration: float,
+                    goodput: Optional[dict[str, float]] = None) -> ServeMetrics:
+    """Aggregate per-request results the way ``vllm bench serve`` does.
+
+    ``goodput``: service-level objectives in milliseconds ({"ttft": 500, ...});
+    the request goodput counts the successful requests that met all of them.
+    """
     if duration <= 0:
         raise ValueError(f"duration={duration} is invalid: must be > 0")
     ok = [r for r in results if r.success]
+    good = None if goodput is None else sum(meets_slos(r, goodput) for r in ok) / duration
     inputs = sum(r.prompt_tokens for r in ok)
     outputs = sum(r.output_tokens for r in ok)
     return ServeMetrics(
@@ -108,7 +149,8 @@ def compute_metrics(results: list[RequestResult], duration: float) -> ServeMetri
         ttft_ms=summarize(r.ttft for r in ok if r.ttft is not None).as_dict(1000),
         tpot_ms=summarize(r.tpot for r in ok if r.tpot is not None).as_dict(1000),
         itl_ms=summarize(g for r in ok for g in r.itl).as_dict(1000),
-        e2el_ms=summarize(r.latency for r in ok).as_dict(1000))
+        e2el_ms=summarize(r.latency for r in ok).as_dict(1000),
+        request_goodput=good, goodput_slos_ms=goodput)
 
 
 def max_concurrency_seen(results: list[RequestResult]) -> int:
@@ -124,12 +166,35 @@ def max_concurrency_seen(results: list[RequestResult]) -> int:
 
 def poisson_delays(num: int, rate: float, seed: int) -> list[float]:
     """Seconds to wait before each request: exponential gaps of mean 1/rate (0 if inf)."""
+    return request_delays(num, rate, 1.0, seed)
+
+
+def request_delays(num: int, rate: float, burstiness: float = 1.0,
+                   seed: int = 0) -> list[float]:
+    """Gaps before each request, mean ``1/rate``, as ``vllm bench serve`` draws them.
+
+    Gamma-distributed with shape ``burstiness`` (1: exponential gaps, a Poisson
+    process; below 1 burstier, above 1 more regular); all 0 for ``rate=inf``.
+    """
     if not rate > 0:
         raise ValueError(f"request_rate={rate} is invalid: must be > 0 (inf = all at once)")
+    if not burstiness > 0 or math.isinf(burstiness):
+        raise ValueError(f"burstiness={burstiness} is invalid: must be a finite number > 0")
     if math.isinf(rate):
         return [0.0] * num
     rng = random.Random(seed)
-    return [rng.expovariate(rate) for _ in range(num)]
+    if burstiness == 1.0:
+        return [rng.expovariate(rate) for _ in range(num)]
+    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(num)]
+
+
+def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """When each request is sent, seconds after the start (the running sum of the gaps)."""
+    t, out = 0.0, []
+    for gap in request_delays(num, rate, burstiness, seed):
+        t += gap
+        out.append(t)
+    return out
 
 
 def check_local(base_url: str) -> str:
@@ -201,32 +266,100 @@ async def send_request(client, url: str, payload: dict, chat: bool,
 # --------------------------------------------------------------------------
 
 def build_payloads(args: argparse.Namespace) -> list[dict]:
-    """One request body per prompt: the built-in chat prompts, cycled."""
+    """One request body per prompt: the built-in chat prompts cycled (``chat``
+    dataset), or random token-ID prompts (``random``, completions endpoint)."""
     chat = args.endpoint_type == "chat"
+    dataset = getattr(args, "dataset_name", "chat")
+    if dataset == "random":
+        if chat:
+            raise ValueError("dataset_name='random' is invalid with endpoint_type='chat': "
+                             "token-ID prompts need --endpoint-type completions")
+        work = random_workload_from_args(args)
+        return [_payload(args, {"prompt": w.prompt_token_ids}, w.max_tokens) for w in work]
     payloads = []
     for i in range(args.num_prompts):
         text = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
-        body = {"model": args.model, "max_tokens": args.max_tokens, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        if args.ignore_eos:  # vLLM's and minivllm's extension of the OpenAI API
-            body["ignore_eos"] = True
-        if chat:
-            body["messages"] = [{"role": "user", "content": text}]
-        else:
-            body["prompt"] = text
-        payloads.append(body)
+        prompt = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+        payloads.append(_payload(args, prompt, args.max_tokens))
     return payloads
+
+
+def _payload(args: argparse.Namespace, prompt: dict, max_tokens: int) -> dict:
+    body = {"model": args.model, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, **prompt}
+    if args.ignore_eos:  # vLLM's and minivllm's extension of the OpenAI API
+        body["ignore_eos"] = True
+    return body
+
+
+def random_lengths(mean: int, ratio: float) -> tuple[int, int]:
+    """vLLM's --random-range-ratio: lengths uniform in [mean (1 - r), mean (1 + r)]."""
+    if not 0 <= ratio < 1:
+        raise ValueError(f"random_range_ratio={ratio} is invalid: must be in [0, 1)")
+    return max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+
+
+def random_workload_from_args(args: argparse.Namespace):
+    from minivllm.benchmarks.datasets import random_workload
+
+    work = random_workload(args.num_prompts,
+                           random_lengths(args.random_input_len, args.random_range_ratio),
+                           random_lengths(args.random_output_len, args.random_range_ratio),
+                           args.random_vocab_size, args.seed)
+    if args.random_prefix_len:
+        import random as _random
+
+        rng = _random.Random(args.seed + 1)
+        prefix = [rng.randrange(args.random_vocab_size) for _ in range(args.random_prefix_len)]
+        for w in work:
+            w.prompt_token_ids = prefix + w.prompt_token_ids
+    return work
+
+
+def add_workload_args(parser: argparse.ArgumentParser,
+                      datasets=("chat", "random", "multiturn")) -> None:
+    """The workload flags ``bench serve`` and ``simulate`` share (vLLM's names)."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--dataset-name", choices=datasets, default=datasets[0],
+                   help="chat: the built-in chat prompts; random: random token IDs"
+                   + ("; multiturn: agent conversations over a shared system prompt"
+                      if "multiturn" in datasets else ""))
+    g.add_argument("--num-prompts", type=int, default=32)
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len (1 - r), len (1 + r)]")
+    g.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens every random prompt starts with")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s (inf: all at once)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 = Poisson, < 1 burstier, > 1 steadier")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="service-level objectives, e.g. ttft:500 tpot:50 (ms): report the "
+                   "requests/s that met all of them")
+    m = parser.add_argument_group("multiturn dataset (--num-prompts = sessions x turns)")
+    m.add_argument("--multiturn-num-turns", type=int, default=4)
+    m.add_argument("--multiturn-system-len", type=int, default=512,
+                   help="tokens of the system prompt all sessions share")
+    m.add_argument("--multiturn-user-len", type=int, default=64)
+    m.add_argument("--multiturn-output-len", type=int, default=128)
+    m.add_argument("--multiturn-think-time", type=float, default=0.0,
+                   help="seconds between an answer and the next turn")
 
 
 async def benchmark(base_url: str, payloads: list[dict], chat: bool, request_rate: float,
                     max_concurrency: Optional[int], max_duration: float, timeout: float,
-                    seed: int = 0, api_key: Optional[str] = None
+                    seed: int = 0, api_key: Optional[str] = None, burstiness: float = 1.0
                     ) -> tuple[list[RequestResult], float]:
-    """Send every payload on the Poisson schedule; (results, wall seconds)."""
+    """Send every payload on the arrival schedule; (results, wall seconds)."""
     import httpx
 
     url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
-    delays = poisson_delays(len(payloads), request_rate, seed)
+    delays = request_delays(len(payloads), request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency or len(payloads))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(payloads))
@@ -261,18 +394,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="the model name the server expects in requests")
     parser.add_argument("--endpoint-type", default="chat", choices=["chat", "completions"])
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_workload_args(parser)
+    parser.add_argument("--random-vocab-size", type=int, default=49152,
+                        help="random token IDs are drawn below this (the default "
+                        "model's vocabulary)")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="output tokens per request of the chat dataset")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="ask the server to produce exactly --max-tokens tokens")
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests/s, Poisson arrivals (inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="most requests in flight at once")
     parser.add_argument("--max-duration", type=float, default=600,
                         help="seconds; requests still running then count as failed")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per request")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--output", default=None, help="write the results as JSON here")
 
@@ -287,10 +419,16 @@ def run(args: argparse.Namespace) -> ServeMetrics:
     if not args.max_duration > 0:
         raise ValueError(f"max_duration={args.max_duration} is invalid: must be > 0")
     chat = args.endpoint_type == "chat"
-    results, duration = asyncio.run(benchmark(
-        base_url, build_payloads(args), chat, args.request_rate, args.max_concurrency,
-        args.max_duration, args.timeout, args.seed, args.api_key))
-    metrics = compute_metrics(results, duration)
+    if getattr(args, "dataset_name", "chat") == "multiturn":
+        from minivllm.benchmarks.multiturn import run_sessions
+
+        results, duration = asyncio.run(run_sessions(base_url, args, args.api_key))
+    else:
+        results, duration = asyncio.run(benchmark(
+            base_url, build_payloads(args), chat, args.request_rate, args.max_concurrency,
+            args.max_duration, args.timeout, args.seed, args.api_key,
+            getattr(args, "burstiness", 1.0)))
+    metrics = compute_metrics(results, duration, parse_goodput(getattr(args, "goodput", None)))
     print_metrics(metrics)
     failed = [r.error for r in results if not r.success]
     if failed:
@@ -299,6 +437,7 @@ def run(args: argparse.Namespace) -> ServeMetrics:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(
             {"base_url": base_url, "request_rate": args.request_rate,
+             "burstiness": getattr(args, "burstiness", 1.0),
              "max_concurrency": args.max_concurrency, "metrics": asdict(metrics)}, indent=2))
         print(f"wrote {args.output}")
     return metrics
@@ -311,6 +450,8 @@ def print_metrics(m: ServeMetrics) -> None:
             ("Total input tokens", m.total_input_tokens),
             ("Total generated tokens", m.total_output_tokens),
             ("Request throughput (req/s)", f"{m.request_throughput:.2f}"),
+            *([("Request goodput (req/s)", f"{m.request_goodput:.2f}")]
+              if m.request_goodput is not None else []),
             ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}"),
             ("Total token throughput (tok/s)", f"{m.total_token_throughput:.2f}")]
     for title, stats in (("Time to First Token", m.ttft_ms),
@@ -329,4 +470,5 @@ def print_metrics(m: ServeMetrics) -> None:
 
 
 __all__ = ["RequestResult", "ServeMetrics", "benchmark", "compute_metrics", "check_local",
-           "poisson_delays", "max_concurrency_seen", "send_request", "run", "add_cli_args"]
+           "poisson_delays", "request_delays", "arrival_times", "parse_goodput",
+           "add_workload_args", "max_concurrency_seen", "send_request", "run", "add_cli_args"]

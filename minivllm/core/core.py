@@ -13,6 +13,7 @@ import time
 from typing import Iterable, Optional
 
 from minivllm.config import EngineConfig
+from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
@@ -21,8 +22,12 @@ from minivllm.trace import StepRecord, StepTrace
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor=None) -> None:
+    def __init__(self, config: EngineConfig, executor=None,
+                 clock: Optional[Clock] = None) -> None:
         self.config = config
+        # Timestamps (request times, step starts) come from here; the
+        # simulator passes a virtual clock that its executor advances.
+        self.clock = clock or MONOTONIC
         if executor is None:
             from minivllm.worker.executor import make_executor
 
@@ -34,7 +39,9 @@ class EngineCore:
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         sc = config.scheduler
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
-                                   sc.max_model_len, self.kv_cache_manager)
+                                   sc.max_model_len, self.kv_cache_manager,
+                                   sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
+                                   clock=self.clock, scheduling_policy=sc.scheduling_policy)
         self.speculator = None
         if config.speculative is not None:
             from minivllm.spec_decode.proposer import Speculator
@@ -66,7 +73,7 @@ class EngineCore:
             raise RuntimeError(f"the engine core is dead since an earlier step failed "
                                f"({self.dead_error!r}); create a new engine") from self.dead_error
         t0 = time.perf_counter()
-        start = time.monotonic()
+        start = self.clock.now()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
         try:
@@ -79,7 +86,7 @@ class EngineCore:
         if self.speculator is not None:  # drafts for the next step
             self.speculator.propose(self.scheduler.running)
         t3 = time.perf_counter()
-        now = time.monotonic()
+        now = self.clock.now()
         by_id = {r.request_id: r for r in so.scheduled_requests}
         for o in outputs:
             o.prompt_logprobs = result.prompt_logprobs.get(o.request_id)
@@ -88,7 +95,7 @@ class EngineCore:
         self.step_count += 1
         if self.trace is not None and not so.is_empty:
             timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
-            self.trace.append(self._record(so, start, t3 - t0, timings, outputs))
+            self.trace.append(self._record(so, start, now - start, timings, outputs))
         return outputs
 
     def _record(self, so, start, duration, timings, outputs) -> StepRecord:

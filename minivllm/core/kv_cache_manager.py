@@ -95,6 +95,9 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         # request_id -> its block table (logical order).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, kept alongside: the scheduler hands
+        # every scheduled request's table to the runner each step.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # request_id -> how many leading blocks were already offered to the
         # prefix cache, so each step hashes only what became full since.
         self.num_cached_block: dict[str, int] = {}
@@ -110,7 +113,7 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        return list(self.req_to_block_ids.get(request_id, ()))
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return list(self.req_to_blocks.get(request_id, ()))
@@ -124,8 +127,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         hashes, bs = request.block_hashes, self.block_size
-        parent = hashes[-1] if hashes else None
         tokens = request.all_token_ids
+        if len(hashes) >= len(tokens) // bs:
+            return  # the common case: no block became full
+        parent = hashes[-1] if hashes else None
         for i in range(len(hashes), len(tokens) // bs):
             parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
             hashes.append(parent)
@@ -188,18 +193,26 @@ class KVCacheManager:
         num_to_allocate = (self.num_blocks_needed(num_tokens)
                            - len(blocks) - len(new_computed_blocks))
         # Reviving a hit that sits in the free queue uses up a free block too.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_revived = (sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+                       if new_computed_blocks else 0)
         if num_to_allocate > self.block_pool.num_free_blocks - num_revived:
             return None
 
         # Touch first: get_new_blocks must not evict the hits we just found.
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_to_allocate, 0))
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+        # (Most decode steps need no new block: skip the pool then.)
+        new_blocks = self.block_pool.get_new_blocks(num_to_allocate) \
+            if num_to_allocate > 0 else []
         if rid not in self.req_to_blocks:
             self.req_to_blocks[rid] = blocks
+            self.req_to_block_ids[rid] = []
             self.num_cached_block[rid] = len(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        blocks.extend(new_blocks)
+        if new_computed_blocks or new_blocks:
+            blocks.extend(new_computed_blocks)
+            blocks.extend(new_blocks)
+            self.req_to_block_ids[rid].extend(
+                [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks])
         # Only blocks of known tokens are cached: drafts may still be rejected.
         self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_blocks
@@ -226,6 +239,7 @@ class KVCacheManager:
     def free(self, request: "Request") -> None:
         """Release a request's blocks, last block first (evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
@@ -238,6 +252,7 @@ class KVCacheManager:
         keep = self.num_blocks_needed(num_tokens)
         tail = blocks[keep:]
         del blocks[keep:]
+        del self.req_to_block_ids[request.request_id][keep:]  # the ids kept beside them
         self.block_pool.free_blocks(reversed(tail))
         return len(tail)
 

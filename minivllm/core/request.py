@@ -65,6 +65,7 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: Optional[float] = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -74,6 +75,10 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
+        # Lower runs first under scheduling_policy="priority" (vLLM's convention).
+        self.priority = priority
+        # Set by the scheduler when it receives the request: its rank among all.
+        self.queue_order = 0
         self.stop_reason: Optional[int | str] = None
 
         self.output_token_ids: list[int] = []
@@ -95,7 +100,9 @@ class Request:
         # the draft model's [k, vocab] probabilities of them (None: one-hot).
         self.spec_token_ids: list[int] = []
         self.spec_token_probs = None
-        self.times = RequestTimes(arrival=arrival_time or time.monotonic())
+        # (``is None``: a virtual clock may start at 0.0.)
+        self.times = RequestTimes(
+            arrival=time.monotonic() if arrival_time is None else arrival_time)
 
     # -- sizes -----------------------------------------------------------
     @property

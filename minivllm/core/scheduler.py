@@ -26,14 +26,14 @@ request that carries draft tokens (``Request.spec_token_ids``) asks for
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
+from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
+from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.spec_decode.metrics import SpecDecodingStats
 
@@ -89,7 +89,8 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True,
+                 clock: Optional[Clock] = None, scheduling_policy: str = "fcfs") -> None:
         _check_limits(max_num_batched_tokens, max_num_seqs, max_model_len,
                       long_prefill_token_threshold, enable_chunked_prefill)
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget per step
@@ -100,12 +101,17 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
         self.kv_cache_manager = kv_cache_manager
+        self.clock = clock or MONOTONIC  # request timestamps (virtual in the simulator)
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: deque[Request] = deque()
+        # "fcfs" or "priority" (minivllm.core.request_queue): the waiting
+        # queue's order and who is preempted first.
+        self.policy = scheduling_policy
+        self.waiting = create_request_queue(scheduling_policy)
         self.running: list[Request] = []  # in admission order
         # Finished/aborted since the last schedule(), reported in its output.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self._num_added = 0
         self.step = 0
         self._pool_counters = self._read_pool_counters()
         self._awaiting_output = False
@@ -117,7 +123,8 @@ class Scheduler:
         """Build from ``minivllm.config.SchedulerConfig``."""
         return cls(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
                    kv_cache_manager, config.long_prefill_token_threshold,
-                   config.enable_chunked_prefill)
+                   config.enable_chunked_prefill,
+                   scheduling_policy=config.scheduling_policy)
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -143,6 +150,8 @@ class Scheduler:
                 f"the cache has {self.kv_cache_manager.num_blocks}: lower max_tokens "
                 "or max_model_len, or give the cache more blocks")
         self.requests[rid] = request
+        request.queue_order = self._num_added
+        self._num_added += 1
         self.waiting.append(request)
 
     def _max_kv_tokens(self, request: Request) -> int:
@@ -177,7 +186,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
-        request.times.finished = time.monotonic()
+        request.times.finished = self.clock.now()
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -243,10 +252,14 @@ class Scheduler:
                 raise RuntimeError(f"running request {request.request_id!r} has nothing "
                                    "to compute: was update_from_output() skipped?")
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                victim = self.running[-1]
+                victim = choose_victim(self.running, self.policy)
+                j = self.running.index(victim)
+                if j < i:  # (priority only) scheduled earlier in this step: undo that
+                    budget += self._unschedule(out, victim)
+                    i -= 1
                 self._preempt(victim, out)
                 if victim is request:
-                    return budget  # nothing younger left to preempt
+                    return budget  # nothing less important left to preempt
             self._add_to_batch(out, request, num_new)
             budget -= num_new
             i += 1
@@ -270,7 +283,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             if request.times.first_scheduled is None:
-                request.times.first_scheduled = time.monotonic()
+                request.times.first_scheduled = self.clock.now()
             out.new_req_ids.append(request.request_id)
             out.num_prefix_cache_hit_tokens += num_hit_tokens
             self._add_to_batch(out, request, num_new)
@@ -301,6 +314,13 @@ class Scheduler:
         # Front of the queue: it was admitted before anyone still waiting.
         self.waiting.appendleft(request)
         out.preempted_req_ids.append(request.request_id)
+
+    def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
+        """Take a request back out of this step's batch; returns its tokens."""
+        rid = request.request_id
+        out.scheduled_requests.remove(request)
+        del out.num_computed_tokens[rid], out.block_ids[rid]
+        return out.num_scheduled_tokens.pop(rid)
 
     def _add_to_batch(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         rid = request.request_id
@@ -370,7 +390,7 @@ class Scheduler:
     def _add_output_token(self, request: Request, token_id: int,
                           logprob_info: Optional[LogprobInfo]) -> bool:
         """Append one token and check the stop conditions; True if it finished."""
-        request.append_output_token(token_id)
+        request.append_output_token(token_id, self.clock.now())
         if logprob_info is not None:
             request.logprobs.append(logprob_info)
             request.cumulative_logprob += logprob_info[0]

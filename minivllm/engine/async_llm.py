@@ -91,7 +91,7 @@ class AsyncLLM:
 
     # -- requests ------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (of ``sampling_params.output_kind``) as they come.
 
         Bad input (too long, bad token IDs, a chat template error) raises
@@ -99,7 +99,7 @@ class AsyncLLM:
         ``EngineDeadError``.
         """
         self.start()
-        queue = self._add_request(prompt, sampling_params, request_id)
+        queue = self._add_request(prompt, sampling_params, request_id, priority)
         finished = False
         try:
             while not finished:
@@ -114,16 +114,18 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def _add_request(self, prompt: PromptType, params: SamplingParams,
-                     request_id: str) -> asyncio.Queue:
+                     request_id: str, priority: int = 0) -> asyncio.Queue:
         self._check_running()
         if request_id in self.queues:
             raise ValueError(f"request_id={request_id!r} is already in use")
         arrival_time = time.monotonic()
         text, token_ids = self.request_builder.tokenize(prompt)
         self.request_builder.validate(token_ids, params)
+        self.request_builder.check_priority(priority)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
                                                       arrival_time)
-        requests = self.request_builder.build(child_ids, token_ids, params, arrival_time)
+        requests = self.request_builder.build(child_ids, token_ids, params, arrival_time,
+                                              priority)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:

@@ -36,6 +36,15 @@ class RequestBuilder:
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         return self.input_processor.tokenize(prompt)
 
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} is invalid with scheduling_policy="
+                             f"{self.config.scheduler.scheduling_policy!r}: start the engine "
+                             "with scheduling_policy='priority' (--scheduling-policy priority)")
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against this model; returns its resolved max_tokens.
 
@@ -50,10 +59,12 @@ class RequestBuilder:
         return max_tokens
 
     def build(self, child_ids: list[str], prompt_token_ids: list[int],
-              params: SamplingParams, arrival_time: float) -> list[Request]:
+              params: SamplingParams, arrival_time: float,
+              priority: int = 0) -> list[Request]:
         max_tokens = self.validate(prompt_token_ids, params)
+        self.check_priority(priority)
         return [Request(cid, prompt_token_ids, child_params(params, i), max_tokens,
-                        self.eos_token_ids, arrival_time)
+                        self.eos_token_ids, arrival_time, priority)
                 for i, cid in enumerate(child_ids)]
 
 
@@ -73,14 +84,16 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None) -> str:
+                    arrival_time: Optional[float] = None, priority: int = 0) -> str:
         request_id = str(next(self._ids)) if request_id is None else request_id
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         text, token_ids = self.request_builder.tokenize(prompt)
         self.request_builder.validate(token_ids, params)
+        self.request_builder.check_priority(priority)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
                                                       arrival_time)
-        for req in self.request_builder.build(child_ids, token_ids, params, arrival_time):
+        for req in self.request_builder.build(child_ids, token_ids, params, arrival_time,
+                                              priority):
             self.engine_core.add_request(req)
         return request_id
 

@@ -3,7 +3,8 @@
     minivllm generate "What is the capital of France?" --chat
     minivllm chat
     minivllm serve [MODEL] --port 8000
-    minivllm bench {throughput,serve,roofline,attention,structured} ...
+    minivllm bench {throughput,serve,roofline,attention,structured,spec-decode} ...
+    minivllm simulate --model llama-3-8b --hardware h100-sxm ...   (simulate calibrate)
 
 Every engine argument is a ``--kebab-case`` flag (``--max-num-seqs 64``).
 """
@@ -146,6 +147,18 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(ns: argparse.Namespace) -> int:
+    if ns.sim_command == "calibrate":
+        from minivllm.sim import calibrate
+
+        calibrate.run(ns)
+    else:
+        from minivllm.sim import cli as sim_cli
+
+        sim_cli.run(ns)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError as e:
             p.set_defaults(_unavailable=str(e))
         p.set_defaults(func=cmd_bench)
+
+    from minivllm.sim import calibrate, cli as sim_cli
+
+    sim = sub.add_parser("simulate", help="the real scheduler on simulated hardware")
+    sim_cli.add_cli_args(sim)
+    ssub = sim.add_subparsers(dest="sim_command")
+    calibrate.add_cli_args(ssub.add_parser("calibrate", help=calibrate.__doc__.split("\n")[0]))
+    sim.set_defaults(func=cmd_simulate)
     return parser
 
 

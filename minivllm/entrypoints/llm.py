@@ -40,12 +40,24 @@ class LLM:
     # -- generation --------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: ParamsArg = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of the prompts."""
+                 use_tqdm: bool = True,
+                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of the prompts.
+
+        ``priority``: one integer per prompt, lower first (needs
+        ``LLM(..., scheduling_policy="priority")``, as in vLLM).
+        """
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
+        priority = [0] * len(items) if priority is None else list(priority)
+        if len(priority) != len(items):
+            raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts: "
+                             "give one per prompt")
+        for p in priority:
+            self.llm_engine.request_builder.check_priority(p)
         ids = [self.llm_engine.add_request(_unwrap(p), sp.clone(
-            output_kind=RequestOutputKind.FINAL_ONLY)) for p, sp in zip(items, params)]
+            output_kind=RequestOutputKind.FINAL_ONLY), priority=pr)
+            for p, sp, pr in zip(items, params, priority)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],

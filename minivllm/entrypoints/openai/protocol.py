@@ -153,6 +153,8 @@ class SamplingRequest(RequestModel):
     stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Lower runs first; needs a server started with --scheduling-policy priority.
+    priority: StrictInt = 0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs,
     # and vLLM's older guided_* fields (aliases of structured_outputs' kinds).
     response_format: Optional[ResponseFormat] = None

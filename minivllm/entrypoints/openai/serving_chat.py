@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params(kind)
         request_id = random_id("chatcmpl")
         streams, firsts = await self.start_requests([self._prompt(request)], params,
-                                                    request_id, "messages")
+                                                    request_id, "messages", request.priority)
         if request.stream:
             return self.chat_stream(request, request_id, with_first(firsts[0], streams[0]))
         return self.chat_full_response(request, request_id, firsts[0])

@@ -88,7 +88,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = request.to_sampling_params(kind)
         request_id = random_id("cmpl")
         streams, firsts = await self.start_requests(request.prompts(), params, request_id,
-                                                    "prompt")
+                                                    "prompt", request.priority)
         if request.stream:
             return self.completion_stream(request, request_id,
                                           [with_first(f, s) for f, s in zip(firsts, streams)])

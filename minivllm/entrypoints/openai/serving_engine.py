@@ -65,10 +65,11 @@ class OpenAIServing:
         request.check(self.engine.config.model.vocab_size)
 
     async def start_requests(self, prompts: Sequence, params, request_id: str,
-                             prompt_field: str) -> tuple[list[Stream], list[RequestOutput]]:
+                             prompt_field: str, priority: int = 0
+                             ) -> tuple[list[Stream], list[RequestOutput]]:
         """Start one engine request per prompt; returns the streams and first outputs."""
         streams = [self.engine.generate(p, params, request_id if len(prompts) == 1
-                                        else f"{request_id}-{i}")
+                                        else f"{request_id}-{i}", priority)
                    for i, p in enumerate(prompts)]
         firsts = [asyncio.ensure_future(anext(s)) for s in streams]
         try:

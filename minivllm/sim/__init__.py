@@ -1,0 +1,21 @@
+"""The real scheduler at scale: a simulated executor, a cost model, fleets.
+
+    from minivllm.sim import Simulator, load_hardware, load_model_config, random_requests
+    sim = Simulator(load_model_config("llama-3-8b"), load_hardware("h100-sxm"))
+    result = sim.run(random_requests(1000, 512, 128, 128256, request_rate=20))
+
+``minivllm simulate`` is the same from the command line.
+"""
+
+from minivllm.sim.clock import VirtualClock
+from minivllm.sim.cost_model import CostModel, StepFeatures
+from minivllm.sim.executor import SimExecutor
+from minivllm.sim.hardware import HARDWARE_PRESETS, Hardware, load_hardware
+from minivllm.sim.models import MODEL_PRESETS, load_model_config
+from minivllm.sim.simulator import RequestRecord, SimResult, Simulator, make_engine_config
+from minivllm.sim.workload import SimRequest, multiturn_requests, random_requests
+
+__all__ = ["VirtualClock", "CostModel", "StepFeatures", "SimExecutor", "Hardware",
+           "HARDWARE_PRESETS", "load_hardware", "MODEL_PRESETS", "load_model_config",
+           "Simulator", "SimResult", "RequestRecord", "make_engine_config", "SimRequest",
+           "random_requests", "multiturn_requests"]

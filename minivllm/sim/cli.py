@@ -1,0 +1,142 @@
+"""`minivllm simulate`: a serving benchmark on simulated hardware, same vocabulary.
+
+    minivllm simulate --model llama-3-8b --hardware h100-sxm \\
+        --dataset-name random --random-input-len 1024 --random-output-len 128 \\
+        --num-prompts 1000 --request-rate 20 --output sim.json
+    minivllm simulate calibrate --output cpu.json     # fit this machine, then
+    minivllm simulate --model smollm2-135m --hardware cpu.json ...
+
+The real scheduler, KV cache manager and block pool run; each step's time
+comes from the cost model (minivllm.sim.cost_model: a roofline per operator
+group plus fixed overheads, from config.json alone). ``--output`` writes the
+keys ``bench serve --output`` writes (metrics: TTFT, TPOT, ITL, E2EL, throughput,
+goodput) plus ``engine`` (steps, preemptions, prefix hits, the scheduler's own
+cost per step) and ``steps`` (one row per engine step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from minivllm.config import EngineArgs
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine (the real engine's arguments)")
+    d = EngineArgs()
+    g.add_argument("--dtype", default="auto",
+                   help="auto: the checkpoint's dtype (float32 on --hardware cpu)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of device memory for weights + KV cache (without "
+                   "--num-kv-blocks / --kv-cache-memory-bytes)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: lower SimRequest.priority first (the Python API sets it)")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from minivllm.benchmarks.serve import add_workload_args
+    from minivllm.sim.hardware import HARDWARE_NAMES
+    from minivllm.sim.models import MODEL_PRESETS
+    from minivllm.sim.router import ROUTERS
+
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--model", default="llama-3-8b",
+                        help=f"a preset ({', '.join(MODEL_PRESETS)}), a model folder or a "
+                        "config.json")
+    parser.add_argument("--hardware", default="h100-sxm",
+                        help=f"a preset ({', '.join(HARDWARE_NAMES)}) or a calibration JSON")
+    add_engine_flags(parser)
+    f = parser.add_argument_group("fleet")
+    f.add_argument("--num-replicas", type=int, default=1,
+                   help="data-parallel replicas, each with its own scheduler and KV cache")
+    f.add_argument("--router", choices=ROUTERS, default="round_robin")
+    add_workload_args(parser, datasets=("random", "multiturn"))
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--no-steps", action="store_true",
+                        help="leave the per-step rows out of --output")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def build(args: argparse.Namespace):
+    """(Simulator, workload) from the command line's arguments."""
+    from minivllm.sim.hardware import load_hardware
+    from minivllm.sim.models import load_model_config
+    from minivllm.sim.simulator import Simulator
+    from minivllm.sim.workload import multiturn_requests, random_requests
+
+    hw = load_hardware(args.hardware)
+    model = load_model_config(args.model, args.dtype, hw.device)
+    kwargs = dict(max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, block_size=args.block_size,
+                  num_kv_blocks=args.num_kv_blocks,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+    kwargs["scheduling_policy"] = args.scheduling_policy
+    sim = Simulator(model, hw, EngineArgs(model=model.path, **kwargs), args.num_replicas,
+                    args.router, args.gpu_memory_utilization)
+    if args.dataset_name == "random":
+        work = random_requests(args.num_prompts, args.random_input_len,
+                               args.random_output_len, model.vocab_size,
+                               args.random_range_ratio, args.request_rate, args.burstiness,
+                               args.seed, args.random_prefix_len, sim.eos_token_ids)
+    else:
+        turns = args.multiturn_num_turns
+        work = multiturn_requests(max(1, args.num_prompts // max(turns, 1)), turns,
+                                  args.multiturn_system_len, args.multiturn_user_len,
+                                  args.multiturn_output_len, model.vocab_size,
+                                  args.request_rate, args.burstiness,
+                                  args.multiturn_think_time, args.seed, sim.eos_token_ids)
+    return sim, work
+
+
+def run(args: argparse.Namespace) -> dict:
+    from minivllm.benchmarks.serve import parse_goodput, print_metrics
+    from minivllm.sim.report import engine_summary, serve_metrics, to_json
+
+    sim, work = build(args)
+    result = sim.run(work, args.max_concurrency, progress=not args.disable_tqdm)
+    metrics = serve_metrics(result, parse_goodput(args.goodput))
+    print(f"simulated {len(work)} requests of {Path(sim.model.path).name} on "
+          f"{args.num_replicas} replica(s) of {args.tensor_parallel_size} x "
+          f"{sim.hardware.name}, "
+          f"{sim.num_blocks} KV blocks of {args.block_size} tokens per replica")
+    print_metrics(metrics)
+    engine = engine_summary(result)
+    for k, v in engine.items():
+        print(f"{k:<40} {v:>9.4g}" if isinstance(v, float) else f"{k:<40} {v:>9}")
+    header = {"simulated": True, "model": sim.model.path, "hardware": sim.hardware.to_dict(),
+              "num_replicas": args.num_replicas, "router": args.router,
+              "dataset_name": args.dataset_name, "request_rate": args.request_rate,
+              "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+              "engine_args": {k: getattr(args, k) for k in (
+                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                  "enable_prefix_caching", "tensor_parallel_size")},
+              "cost_model_assumptions": "see minivllm/sim/cost_model.py"}
+    out = to_json(result, metrics, header, with_steps=not args.no_steps)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(out, default=_json_number))
+        print(f"wrote {args.output}")
+    return out
+
+
+def _json_number(x):
+    return None if isinstance(x, float) and math.isinf(x) else str(x)
+
+
+__all__ = ["add_cli_args", "run", "build"]

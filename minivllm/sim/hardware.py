@@ -1,0 +1,132 @@
+"""What a simulated accelerator can do: peak rates, efficiencies, fixed costs.
+
+A ``Hardware`` is a handful of numbers. The presets take the peak rates from
+the vendors' data sheets (dense BF16 tensor-core FLOP/s, HBM bandwidth,
+memory size, one direction of the GPU-to-GPU link) and assume the same
+fractions of them for every GPU; ``minivllm simulate calibrate`` replaces the
+assumptions by constants fitted to the real engine on this machine and writes
+them to a JSON file that ``--hardware FILE`` reads back. ``cpu`` is this
+machine's float32 peak as ``minivllm bench roofline`` measures it, with
+untuned efficiencies: calibrate it before trusting its numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+GB = 1e9
+TB = 1e12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # FLOP/s of dense matrix products in the model's dtype
+    mem_bandwidth: float  # bytes/s of device memory
+    memory_bytes: float  # device memory per accelerator
+    link_bandwidth: float  # bytes/s, one direction, between tensor-parallel ranks
+    # Fractions of the peaks that the engine's kernels reach.
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    # Attention kernels reach a different fraction than matrix products.
+    attention_efficiency: float = 0.5
+    # Fixed CPU-side costs: per step (schedule, launch, sample, update), per
+    # scheduled sequence (its inputs, its sampling) and per token.
+    step_overhead_s: float = 1e-3
+    per_seq_overhead_s: float = 5e-6
+    per_token_overhead_s: float = 0.0
+    collective_latency_s: float = 10e-6  # each all-reduce, whatever its size
+    dtype: str = "bfloat16"  # what the presets' peaks are quoted for
+    device: str = "cuda"  # "cpu": the KV cache gets the CPU engine's default budget
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("float", float) and not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"Hardware {f.name}={v!r} is invalid: must be a number >= 0")
+        for name in ("peak_flops", "mem_bandwidth", "flops_efficiency",
+                     "bandwidth_efficiency", "attention_efficiency"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Hardware {name}={getattr(self, name)!r} is invalid: "
+                                 "must be > 0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @staticmethod
+    def from_dict(d: dict) -> "Hardware":
+        known = {f.name for f in fields(Hardware)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"hardware file has unknown field(s) {unknown}; "
+                             f"known: {', '.join(sorted(known))}")
+        return Hardware(**d)
+
+    def with_(self, **changes) -> "Hardware":
+        return replace(self, **changes)
+
+    def slowed(self, factor: float) -> "Hardware":
+        """Every step ``factor`` times as long (efficiencies divided, overheads multiplied)."""
+        if not factor > 0:
+            raise ValueError(f"factor={factor!r} is invalid: must be > 0")
+        return replace(self, flops_efficiency=self.flops_efficiency / factor,
+                       bandwidth_efficiency=self.bandwidth_efficiency / factor,
+                       link_bandwidth=self.link_bandwidth / factor,
+                       step_overhead_s=self.step_overhead_s * factor,
+                       per_seq_overhead_s=self.per_seq_overhead_s * factor,
+                       per_token_overhead_s=self.per_token_overhead_s * factor,
+                       collective_latency_s=self.collective_latency_s * factor)
+
+
+_DATASHEET = "NVIDIA data sheet: dense BF16 tensor FLOP/s, memory bandwidth, link per direction"
+
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    "h100-sxm": Hardware("h100-sxm", 989e12, 3.35 * TB, 80 * GB, 450 * GB, source=_DATASHEET),
+    "h200": Hardware("h200", 989e12, 4.8 * TB, 141 * GB, 450 * GB, source=_DATASHEET),
+    "a100-80g": Hardware("a100-80g", 312e12, 2.039 * TB, 80 * GB, 300 * GB,
+                         source=_DATASHEET),
+    "l4": Hardware("l4", 121e12, 300 * GB, 24 * GB, 32 * GB, source=_DATASHEET + " (PCIe 4)"),
+}
+HARDWARE_NAMES = (*HARDWARE_PRESETS, "cpu")
+
+
+def measured_cpu(min_seconds: float = 0.3) -> Hardware:
+    """This machine's float32 matmul FLOP/s and memory bandwidth, measured now."""
+    import os
+
+    import torch
+
+    from minivllm.benchmarks.roofline import measure_bandwidth, measure_matmul_flops
+
+    flops = measure_matmul_flops(torch.float32, 1024, min_seconds=min_seconds)
+    bw = measure_bandwidth(num_bytes=1 << 28, min_seconds=min_seconds).best
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware("cpu", flops, bw, float(mem), bw, flops_efficiency=1.0,
+                    bandwidth_efficiency=1.0, attention_efficiency=0.5,
+                    step_overhead_s=2e-3, per_seq_overhead_s=50e-6, dtype="float32", device="cpu",
+                    source="this machine, minivllm bench roofline's measurements")
+
+
+def load_hardware(spec: "str | Hardware") -> Hardware:
+    """A preset name, ``cpu`` (measured now), or a JSON file (e.g. from calibrate)."""
+    if isinstance(spec, Hardware):
+        return spec
+    if spec in HARDWARE_PRESETS:
+        return HARDWARE_PRESETS[spec]
+    if spec == "cpu":
+        return measured_cpu()
+    path = Path(spec)
+    if path.is_file():
+        return Hardware.from_dict(json.loads(path.read_text()))
+    raise ValueError(f"hardware={spec!r} is invalid: give one of {', '.join(HARDWARE_NAMES)} "
+                     "or a calibration JSON file")
+
+
+__all__ = ["Hardware", "HARDWARE_PRESETS", "HARDWARE_NAMES", "load_hardware", "measured_cpu"]

@@ -1,0 +1,36 @@
+"""The model a simulation is about: its ``config.json`` alone, no weights.
+
+``--model`` takes a built-in preset (config files written from the published
+Hugging Face configs of the models), a model folder, or a ``config.json``
+path. Only the architecture numbers matter: sizes of the matrices, heads,
+layers, vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from minivllm.config import ModelConfig
+
+PRESET_DIR = Path(__file__).parent / "models"
+MODEL_PRESETS = ("llama-3-8b", "llama-3-70b", "qwen3-8b", "smollm2-135m")
+
+
+def model_folder(spec: str) -> Path:
+    if spec in MODEL_PRESETS:
+        return PRESET_DIR / spec
+    path = Path(spec)
+    if path.is_file() and path.name == "config.json":
+        return path.parent
+    if (path / "config.json").is_file():
+        return path
+    raise ValueError(f"model={spec!r} is invalid: give a preset ({', '.join(MODEL_PRESETS)}), "
+                     "a model folder with a config.json, or the path of a config.json")
+
+
+def load_model_config(spec: str, dtype: str = "auto", device: str = "cuda") -> ModelConfig:
+    """The ``ModelConfig`` the real engine would build, in the dtype it would run in."""
+    return ModelConfig.from_pretrained(model_folder(spec), dtype, device)
+
+
+__all__ = ["MODEL_PRESETS", "load_model_config", "model_folder"]

@@ -1,0 +1,58 @@
+"""A simulation's result in ``bench serve``'s terms: the same metrics, the same JSON keys.
+
+Each simulated request becomes a ``RequestResult`` whose send time is its
+arrival and whose chunks are its tokens (one per step that produced one, as
+a streaming server sends them), so ``compute_metrics`` computes TTFT, TPOT,
+ITL, E2EL, throughput and goodput exactly as for a measured run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Optional
+
+from minivllm.benchmarks.serve import RequestResult, ServeMetrics, compute_metrics
+from minivllm.sim.simulator import SimResult
+
+
+def as_request_results(result: SimResult) -> list[RequestResult]:
+    return [RequestResult(success=True, prompt_tokens=r.prompt_tokens,
+                          output_tokens=r.output_tokens, start=r.arrival,
+                          chunk_times=list(r.token_times), end=r.finished)
+            for r in result.requests]
+
+
+def serve_metrics(result: SimResult, goodput: Optional[dict] = None) -> ServeMetrics:
+    return compute_metrics(as_request_results(result), max(result.duration, 1e-12), goodput)
+
+
+def engine_summary(result: SimResult) -> dict:
+    """What the engine did, beyond what a client sees."""
+    steps = result.steps
+    n = max(len(steps), 1)
+    hits = sum(r.num_cached_tokens for r in result.requests)
+    prompt = sum(r.prompt_tokens for r in result.requests)
+    return {
+        "num_steps": len(steps), "num_kv_blocks": result.num_kv_blocks,
+        "num_preemptions": sum(r.num_preemptions for r in result.requests),
+        "prefix_cache_hit_rate": hits / prompt if prompt else 0.0,
+        "mean_batch_size": sum(s["num_seqs"] for s in steps) / n,
+        "mean_tokens_per_step": sum(s["num_tokens"] for s in steps) / n,
+        "peak_kv_usage": max((s["kv_usage"] for s in steps), default=0.0),
+        "wall_seconds": result.wall_seconds,
+        # The real scheduler and engine core's own Python time per step.
+        "scheduler_ms_per_step": 1000 * result.engine_seconds / n,
+        "scheduler_us_per_scheduled_seq": 1e6 * result.engine_seconds
+        / max(sum(s["num_seqs"] for s in steps), 1),
+    }
+
+
+def to_json(result: SimResult, metrics: ServeMetrics, header: dict,
+            with_steps: bool = True) -> dict:
+    out = {**header, "metrics": asdict(metrics), "engine": engine_summary(result)}
+    if with_steps:
+        out["steps"] = result.steps
+    return out
+
+
+__all__ = ["as_request_results", "serve_metrics", "engine_summary", "to_json"]

@@ -1,0 +1,172 @@
+"""The simulator's pieces: CLI output keys, fitting, fleets, workloads, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from minivllm.benchmarks.serve import ServeMetrics, arrival_times
+from minivllm.config import EngineArgs
+from minivllm.sim import (Hardware, SimRequest, Simulator, load_hardware, load_model_config,
+                          multiturn_requests, random_requests)
+from minivllm.sim.calibrate import fit
+from minivllm.sim.cost_model import CostModel, times_of
+from minivllm.sim.report import serve_metrics
+
+H100 = load_hardware("h100-sxm")
+
+
+def small_sim(**kw):
+    args = dict(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096)
+    args.update(kw.pop("engine", {}))
+    return Simulator(load_model_config("llama-3-8b"), H100, EngineArgs(**args), **kw)
+
+
+def test_cli_writes_bench_serve_keys_and_the_step_trace(tmp_path, capsys):
+    from minivllm.entrypoints.cli import main
+
+    out = tmp_path / "sim.json"
+    rc = main(["simulate", "--model", "llama-3-8b", "--hardware", "h100-sxm",
+               "--num-prompts", "40", "--random-input-len", "256", "--random-output-len",
+               "32", "--request-rate", "10", "--burstiness", "0.5", "--goodput", "ttft:50",
+               "--disable-tqdm", "--output", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    keys = {f for f in ServeMetrics.__dataclass_fields__}
+    assert set(data["metrics"]) == keys
+    m = data["metrics"]
+    assert m["completed"] == 40 and m["total_output_tokens"] == 40 * 32
+    assert 0 < m["request_goodput"] <= m["request_throughput"]
+    assert len(data["steps"]) == data["engine"]["num_steps"] > 0
+    assert sum(s["num_sampled"] for s in data["steps"]) == 40 * 32
+    assert "Time to First Token" in capsys.readouterr().out
+
+
+def test_cli_rejects_an_unknown_hardware_naming_the_choices(capsys):
+    from minivllm.entrypoints.cli import main
+
+    assert main(["simulate", "--hardware", "tpu-v9", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "tpu-v9" in err and "h100-sxm" in err
+
+
+def test_fit_recovers_constants_that_generated_the_step_times():
+    m = load_model_config("smollm2-135m", "float32", "cpu")
+    base = Hardware("x", 1e11, 1e10, 1e10, 1e10, dtype="float32", device="cpu")
+    truth = base.with_(flops_efficiency=0.4, bandwidth_efficiency=0.7,
+                       attention_efficiency=0.3, step_overhead_s=2e-3,
+                       per_seq_overhead_s=1e-4, per_token_overhead_s=2e-5)
+    cost = CostModel(m, base)
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(80):
+        seqs = int(rng.integers(1, 32))
+        prefill = int(rng.integers(0, 2)) * int(rng.integers(16, 512))
+        tokens = seqs + prefill
+        ctx = int(rng.integers(16, 1024))
+        rows.append(cost.features_from(tokens, seqs, seqs, tokens * ctx, seqs * ctx + 2 * tokens)
+                    .as_row())
+    rows = np.array(rows, dtype=float)
+    cal = fit(base, rows, times_of(rows, truth), iterations=2000)
+    assert cal.median_abs_error < 0.01
+    assert abs(cal.total_error) < 0.01
+
+
+def test_a_replica_of_a_fleet_schedules_its_share_as_a_lone_engine():
+    """Round robin: replica i gets requests i, i + N, ...; each behaves as one engine."""
+    work = random_requests(24, 300, 40, 128256, 0.5, request_rate=50, seed=3)
+    fleet = small_sim(num_replicas=3, router="round_robin").run(work)
+    for i in range(3):
+        share = [w for k, w in enumerate(work) if k % 3 == i]
+        alone = small_sim().run(share)
+        got = {r.request_id: r for r in fleet.requests if r.replica == i}
+        assert set(got) == {w.request_id for w in share}
+        for r in alone.requests:
+            assert got[r.request_id].token_times == pytest.approx(r.token_times)
+
+
+def test_prefix_aware_routing_hits_the_cache_more_than_round_robin():
+    work = multiturn_requests(16, 4, 1024, 128, 64, 128256, request_rate=4, seed=0)
+    results = {router: small_sim(num_replicas=4, router=router).run(work)
+               for router in ("round_robin", "prefix_aware")}
+    hits = {k: sum(r.num_cached_tokens for r in v.requests) for k, v in results.items()}
+    assert hits["prefix_aware"] > hits["round_robin"]
+    ttft = {k: np.median([r.ttft for r in v.requests]) for k, v in results.items()}
+    assert ttft["prefix_aware"] < ttft["round_robin"]
+
+
+def test_multiturn_turns_follow_their_answers_and_reuse_them():
+    work = multiturn_requests(2, 3, 64, 16, 8, 1000, think_time=0.5, seed=1)
+    res = small_sim().run(work)
+    by = {r.request_id: r for r in res.requests}
+    for s in range(2):
+        for k in range(1, 3):
+            prev, cur = by[f"s{s}-t{k - 1}"], by[f"s{s}-t{k}"]
+            assert cur.arrival == pytest.approx(prev.finished + 0.5)
+            # The previous prompt and its answer are in the cache (full blocks).
+            assert cur.num_cached_tokens >= (prev.prompt_tokens + prev.output_tokens) // 16 * 16 - 16
+
+
+def test_max_concurrency_caps_requests_in_flight():
+    work = random_requests(30, 128, 16, 128256, request_rate=float("inf"))
+    res = small_sim().run(work, max_concurrency=4)
+    m = serve_metrics(res)
+    assert m.max_concurrent_requests == 4
+
+
+def test_kv_blocks_from_device_memory_and_tp():
+    one = small_sim()
+    two = small_sim(engine={"tensor_parallel_size": 2})
+    assert two.num_blocks > 2 * one.num_blocks  # weights split too, more left for KV
+    with pytest.raises(ValueError, match="less than one block"):
+        Simulator(load_model_config("llama-3-70b"), load_hardware("l4"))
+
+
+def test_gamma_arrivals_keep_the_mean_rate_and_burst():
+    poisson = np.diff([0.0] + arrival_times(4000, 10.0, 1.0, seed=0))
+    bursty = np.diff([0.0] + arrival_times(4000, 10.0, 0.25, seed=0))
+    assert poisson.mean() == pytest.approx(0.1, rel=0.05)
+    assert bursty.mean() == pytest.approx(0.1, rel=0.1)
+    assert bursty.std() > 1.5 * poisson.std()  # coefficient of variation 1/sqrt(shape)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(output_len=5000), "max_model_len"),
+    (dict(output_token_ids=[1, 2]), "output_token_ids"),
+])
+def test_bad_requests_name_the_problem(bad, match):
+    spec = dict(request_id="a", prompt_token_ids=[5] * 10, output_len=4)
+    spec.update(bad)
+    with pytest.raises(ValueError, match=match):
+        small_sim().run([SimRequest(**spec)])
+
+
+def test_eos_ends_a_request_at_its_output_length():
+    res = small_sim().run([SimRequest("a", [5] * 10, 7, ignore_eos=False)])
+    r = res.requests[0]
+    assert (r.output_tokens, r.finish_reason) == (7, "stop")
+
+
+def test_calibrate_on_a_real_engine_fits_better_than_its_starting_point(tiny_model):
+    from minivllm.sim.calibrate import calibrate
+
+    base = Hardware("x", 1e10, 1e10, 1e10, 1e10, dtype="float32", device="cpu",
+                    flops_efficiency=1.0, bandwidth_efficiency=1.0, attention_efficiency=1.0,
+                    step_overhead_s=0.0, per_seq_overhead_s=0.0)
+    rounds = [([[5 + i] * (8 + 4 * i) for i in range(n)], [3 + n] * n) for n in (1, 3, 6)]
+    cal = calibrate(tiny_model("llama"), {"num_kv_blocks": 64}, rounds=rounds, base=base)
+    assert len(cal.measured) == len(cal.rows) > 10
+    before = np.mean(np.log(times_of(cal.rows, base) / cal.measured) ** 2)
+    after = np.mean(np.log(cal.predicted / cal.measured) ** 2)
+    assert after < before
+    assert cal.hardware.device == "cpu" and cal.hardware.name == "cpu-calibrated"
+
+
+def test_a_slowed_hardware_makes_every_step_that_much_longer():
+    m = load_model_config("llama-3-8b")
+    fast = CostModel(m, H100, 2)
+    slow = CostModel(m, H100.slowed(1.7), 2)
+    f = fast.features_from(300, 40, 40, 300 * 900, 40 * 900 + 600)
+    assert slow.time(f) == pytest.approx(1.7 * fast.time(f))
