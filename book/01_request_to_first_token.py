@@ -33,6 +33,12 @@
 # latency numbers. Later chapters open each stage up; this one shows the whole path
 # once.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(1)  # where this chapter is on the request path
+
 # %%
 import atexit
 import os

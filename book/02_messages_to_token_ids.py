@@ -27,6 +27,12 @@
 # - that the engine receives exactly the IDs we built;
 # - a text box that re-tokenizes whatever you type.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(2)  # where this chapter is on the request path
+
 # %%
 import ipywidgets as widgets
 from IPython.display import display

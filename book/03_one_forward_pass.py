@@ -29,6 +29,12 @@
 # - the top next-token probabilities, and the engine choosing the same token;
 # - where the parameters live.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(3)  # where this chapter is on the request path
+
 # %%
 import ipywidgets as widgets
 import torch

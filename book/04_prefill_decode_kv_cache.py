@@ -30,6 +30,12 @@
 #   nearly flat;
 # - what the cache costs: bytes per token for this model and for an 8B model.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(4)  # where this chapter is on the request path
+
 # %%
 import time
 

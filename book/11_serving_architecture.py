@@ -32,6 +32,12 @@
 # - cancellation: a client closes its connection mid-stream, and the engine aborts
 #   the request and frees its KV blocks, seen from `/stats` and `/metrics`.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(11)  # where this chapter is on the request path
+
 # %%
 import asyncio
 import json
@@ -221,6 +227,61 @@ def wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
 
 engine.shutdown()
 assert wait_gone(core_pid)
+
+# %% [markdown]
+# ## Inside the engine core
+#
+# What does the core process do between messages? One iteration of `EngineCore.step`:
+# schedule (chapter 7), run the model on the scheduled tokens (chapters 3 to 6), hand
+# the sampled tokens back to the scheduler. Taken from the package as it runs:
+
+# %%
+from minivllm.core.core import EngineCore
+from minivllm.core.core_proc import (AddRequests, EngineCoreProc, EngineCoreReady, Shutdown,
+                                     run_engine_core)
+from minivllm.viz.source import show_source
+
+show_source(EngineCore.step, start="so = self.scheduler.schedule()",
+            end="outputs = self.scheduler.update_from_output")
+
+# %% [markdown]
+# Around it, the process's **busy loop**. When the engine has nothing to do it blocks
+# on the pipe (an idle engine uses no CPU); when it is busy it only takes the messages
+# already there, so a step never waits for the API side. Then one step, and one
+# `EngineCoreOutputs` back, for every request the step advanced:
+
+# %%
+show_source(EngineCoreProc.run_busy_loop)
+
+# %% [markdown]
+# Run that loop ourselves: the same entry point the server's core process runs, in a
+# thread of this notebook, on our end of a fresh pipe. We play the API side: send one
+# `AddRequests` with a request of plain token IDs, read `EngineCoreOutputs` until the
+# request finishes, then send `Shutdown`.
+
+# %%
+import threading
+from multiprocessing import Pipe
+
+from minivllm.core.request import Request
+
+ours, theirs = Pipe()
+config = engine_args_from_kwargs(None, {"num_kv_blocks": 16}).create_engine_config()
+core_thread = threading.Thread(target=run_engine_core, args=(config, theirs, True))
+core_thread.start()
+ready = ours.recv()
+assert isinstance(ready, EngineCoreReady) and ready.num_blocks == 16
+ours.send(AddRequests([Request("r1", list(range(100, 120)),
+                               SamplingParams(temperature=0, max_tokens=4), max_tokens=4)]))
+received, done = [], False
+while not done:  # one EngineCoreOutputs per pass of the loop
+    received.append(ours.recv())
+    print([(o.request_id, o.new_token_ids, o.finish_reason) for o in received[-1].outputs])
+    done = any(o.finished for o in received[-1].outputs)
+ours.send(Shutdown())
+core_thread.join(timeout=60)
+assert not core_thread.is_alive()
+assert sum(len(o.new_token_ids) for m in received for o in m.outputs) == 4
 
 # %% [markdown]
 # ## The real server

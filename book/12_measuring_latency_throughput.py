@@ -35,6 +35,12 @@
 # check definitions, counts and relations wide enough to hold every time, not exact
 # speeds.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(12)  # where this chapter is on the request path
+
 # %%
 import argparse
 import math

@@ -42,6 +42,12 @@
 # This machine has no GPUs: the ranks are CPU processes that talk through gloo. The
 # arithmetic and the bytes are the same as on GPUs with NCCL; the speed is not.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(13)  # where this chapter is on the request path
+
 # %%
 import psutil
 import torch
