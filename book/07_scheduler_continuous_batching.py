@@ -399,6 +399,91 @@ print(f"{len(mine)} steps, identical; e.g. step {ARRIVAL_B + 1}: {mine[ARRIVAL_B
 
 
 # %% [markdown]
+# ## The flat batch: what one mixed step looks like to the model
+#
+# The scheduler's answer is a list of requests and a token count for each. The model
+# runner turns it into **one flat batch**: every scheduled token of every request in
+# one row of `input_ids`, with no padding and no batch dimension. Build one mixed step
+# by hand with the engine's scheduler, blocks of the engine's size: two requests D1
+# and D2 that are decoding, a request H whose first block is in the prefix cache (its
+# prompt starts with D1's first 16 tokens), and a long prompt L that gets a chunk.
+
+# %%
+runner = llm.engine_core.executor.runner
+BS = runner.block_size
+flat = Scheduler(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
+                 kv_cache_manager=KVCacheManager(num_blocks=32, block_size=BS))
+
+
+def ids_request(rid: str, token_ids: list[int]) -> Request:
+    return Request(rid, token_ids, SamplingParams(max_tokens=8, ignore_eos=True), 8)
+
+
+d1, d2 = ids_request("D1", list(range(1, 21))), ids_request("D2", list(range(500, 510)))
+flat.add_request(d1)
+flat.add_request(d2)
+first = flat.schedule()  # both prompts in one step; each samples a token (say 7)
+flat.update_from_output(first, {"D1": (7, None), "D2": (7, None)})
+flat.add_request(ids_request("H", list(range(1, BS + 1)) + list(range(900, 910))))
+flat.add_request(ids_request("L", list(range(2000, 2100))))
+mixed = flat.schedule()
+print("tokens this step:", mixed.num_scheduled_tokens)
+print("already computed:", mixed.num_computed_tokens, "| block tables:", mixed.block_ids)
+assert mixed.num_computed_tokens["H"] == BS  # the prefix-cache hit
+assert mixed.num_scheduled_tokens == {"D1": 1, "D2": 1, "H": 10, "L": 52}
+
+# %% [markdown]
+# Every index of the flat batch follows from those numbers. Request *i*'s new tokens
+# are rows `query_start_loc[i]` to `query_start_loc[i + 1]` (a running sum of the token
+# counts). A token's **position** is its index in its own sequence: it starts at the
+# request's `num_computed_tokens`, so D1's decode token sits at position 20 and H's
+# first new token at 16, after its 16 cached ones. Its **slot** is where its K/V go:
+# `block_table[position // block_size] * block_size + position % block_size`.
+# `seq_lens` is computed + new, what attention must read; and the rows whose logits
+# are sampled (`logits_indices`) are each request's last row, except for a chunk
+# that stops inside its prompt (L). By hand, then against `ModelRunner.prepare_inputs`:
+
+# %%
+order = [r.request_id for r in mixed.scheduled_requests]
+new = [mixed.num_scheduled_tokens[r] for r in order]
+done = [mixed.num_computed_tokens[r] for r in order]
+qsl = [sum(new[:i]) for i in range(len(new) + 1)]
+positions = [p for n, c in zip(new, done) for p in range(c, c + n)]
+tables = [mixed.block_ids[r] for r in order]
+owner = [i for i, n in enumerate(new) for _ in range(n)]
+slots = [tables[i][p // BS] * BS + p % BS for i, p in zip(owner, positions)]
+tokens = [t for r, n, c in zip(mixed.scheduled_requests, new, done)
+          for t in r.all_token_ids[c:c + n]]
+sampled_rows = [qsl[i + 1] - 1 for i, r in enumerate(mixed.scheduled_requests)
+                if done[i] + new[i] == r.num_tokens]
+
+inputs, _ = runner.prepare_inputs(mixed)
+meta = inputs.meta
+assert inputs.input_ids.tolist() == tokens and inputs.positions.tolist() == positions
+assert meta.query_start_loc.tolist() == qsl and meta.slot_mapping.tolist() == slots
+assert meta.seq_lens.tolist() == [c + n for c, n in zip(done, new)]
+assert [row[:len(t)] for row, t in zip(meta.block_tables.tolist(), tables)] == tables
+assert inputs.logits_indices.tolist() == sampled_rows == [0, 1, 11]
+print("query_start_loc", qsl, "| seq_lens", meta.seq_lens.tolist(),
+      "| logits_indices", sampled_rows)
+
+# %%
+from minivllm.viz.batch import flat_batch_figure
+
+flat_batch_figure({"input_ids": tokens, "positions": positions, "slot_mapping": slots},
+                  qsl, order, sampled_rows,
+                  title="One mixed step as the model sees it: two decodes, a prefix-cache "
+                        "hit, a prefill chunk (stars: rows whose logits are sampled)")
+
+# %% [markdown]
+# The model never sees "requests", only rows; the attention layer is the only
+# part that needs `query_start_loc`, `seq_lens` and the block tables, to know which
+# rows may attend to which cached keys. Everything else (the projections, the MLP) is
+# one matrix product over all the rows at once, whatever mix of prefill and decode
+# they come from.
+
+
+# %% [markdown]
 # ## Preemption under KV pressure
 #
 # Admission only checks that the *prompt* fits in the KV cache. Answers then grow one

@@ -60,6 +60,7 @@ from minivllm.sampling_params import RequestOutputKind
 from minivllm.viz.bars import line_chart
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.sequence import attach_message_log, sequence_figure
+from minivllm.viz.stream import arrivals_figure
 
 # %% [markdown]
 # The real server takes a while to load the model, so we start it now, as chapter 1
@@ -326,6 +327,44 @@ assert len(pieces) < usage.completion_tokens
 assert all(REPLACEMENT_CHAR not in p for p in pieces)
 
 # %% [markdown]
+# ## Streaming or not: the same text, at different times
+#
+# `stream=True` changes nothing in the engine: the same steps produce the same tokens.
+# It only changes *when the client hears about them*. Ask the same question both ways
+# and note when each piece of text arrives:
+
+# %%
+def timed_chat(stream: bool) -> tuple[str, list[tuple[float, int]]]:
+    """The answer and (seconds after sending, characters received so far) points."""
+    sent, text, arrived = time.monotonic(), "", []
+    reply = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CHINESE,
+                                           max_tokens=32, temperature=0, stream=stream)
+    if not stream:
+        text = reply.choices[0].message.content
+        return text, [(time.monotonic() - sent, len(text))]
+    for chunk in reply:
+        for c in chunk.choices:
+            if c.delta.content:
+                text += c.delta.content
+                arrived.append((time.monotonic() - sent, len(text)))
+    return text, arrived
+
+
+streamed_text, streamed_at = timed_chat(stream=True)
+whole_text, whole_at = timed_chat(stream=False)
+print(f"streamed: first text after {streamed_at[0][0] * 1000:.0f} ms, all of it after "
+      f"{streamed_at[-1][0] * 1000:.0f} ms; not streamed: all at {whole_at[0][0] * 1000:.0f} ms")
+assert streamed_text == whole_text == finals["A"]["text"]  # the same text either way
+assert streamed_at[0][0] < whole_at[0][0]  # the stream's first piece comes before the whole
+arrivals_figure({"stream=True": streamed_at, "stream=False": whole_at},
+                title="The same answer, streamed and not: when its characters arrive")
+
+# %% [markdown]
+# The non-streamed client waits for the last token, then gets everything at once; the
+# streamed one starts reading after the first step. The total time is about the same:
+# streaming does not make the engine faster, it lets the reader start earlier.
+
+# %% [markdown]
 # ## Cancellation when a client disconnects
 #
 # Now the user closes the tab. We ask for a long completion (`ignore_eos`, so it
@@ -431,6 +470,21 @@ with socket.socket() as sock:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", server.port))
     sock.listen()  # raises if anything still listens there
+
+# %% [markdown]
+# ## Exercise
+#
+# Go back to the busy loop we ran in a thread. The request had a 20-token prompt and
+# `max_tokens=4`. How many `EngineCoreOutputs` messages did the loop send, and how many
+# tokens did each carry? Predict from `run_busy_loop`, then open the solution.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+per_message = [sum(len(o.new_token_ids) for o in m.outputs) for m in received]
+print(len(received), "messages, tokens in each:", per_message)
+# One pass of the loop = one step = one message. The prefill step samples the first
+# token, each of the three decode steps one more; then the loop blocks on the pipe
+# (nothing unfinished) until our Shutdown arrives.
+assert per_message == [1, 1, 1, 1]
 
 # %% [markdown]
 # ## Summary

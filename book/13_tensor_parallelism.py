@@ -414,6 +414,22 @@ assert left == []
 assert not torch.distributed.is_initialized()
 
 # %% [markdown]
+# ## Exercise
+#
+# A pure decode step of 4 sequences on the same 3 ranks: how many bytes do rank 0's
+# collectives carry, and which share of it is the logits gather? Use the table above,
+# then open the solution, which asks the engine's own `expected_collective_bytes`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+T4 = S4 = 4  # a decode: one token and one row of logits per sequence
+reduces = (1 + 2 * L) * T4 * H * itemsize  # embedding + two per layer, T x hidden each
+gather = (TP - 1) * S4 * rows_per_rank * itemsize
+print(f"all-reduces {reduces:,} bytes + logits gather {gather:,} bytes: "
+      f"the gather is {gather / (reduces + gather):.0%}")
+assert reduces + gather == expected_collective_bytes(cfg, T4, TP, num_logits_rows=S4)
+assert gather > reduces  # at decode the vocabulary, not the hidden size, dominates
+
+# %% [markdown]
 # ## Summary
 #
 # - Column-parallel layers cut the output features: each rank computes its own slice,
