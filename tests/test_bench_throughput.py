@@ -69,7 +69,7 @@ def test_measurements_are_positive_and_finite():
     for value in (flops, bw.read, bw.copy, bw.best):
         assert 0 < value < math.inf
     assert bw.best == max(bw.read, bw.copy, bw.matvec)
-    from minivllm import _custom_ops as ops
+    from minivllm.cpu import _custom_ops as ops
     if ops.cpu_kernels_problem() is None and ops.packed_linear_available():
         assert 0 < bw.matvec < math.inf
     with pytest.raises(ValueError, match="size"):

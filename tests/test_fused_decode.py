@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm import _custom_ops as ops
-from minivllm.model.layers.prepack import PANEL_MAX_ROWS, prepack_model
+from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.prepack import PANEL_MAX_ROWS, prepack_model
 from minivllm.model.layers.vocab_embedding import ParallelLMHead
 
 pytestmark = pytest.mark.skipif(

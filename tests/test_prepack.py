@@ -8,9 +8,10 @@ import torch.nn.functional as F
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import AttentionMetadata, TorchAttentionBackend
-from minivllm.model.layers.prepack import (PANEL_MAX_ROWS, linear, pack_weight,
+from minivllm.cpu.prepack import (PANEL_MAX_ROWS, linear, pack_weight,
                                            prepack_model, prepack_supported, unpack_model)
 from minivllm.model.loader import load_model
+from tests.cpu_requirements import needs_avx512, needs_bf16_prepack
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(2, 2)),
                                 reason="this torch build has no MKL packed GEMM")
@@ -21,13 +22,15 @@ pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(2, 2)),
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+BF16 = pytest.param(torch.bfloat16, marks=needs_bf16_prepack())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("rows", [1, 2, 7, 13, 32, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 129])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [96, 100])  # 100: a last panel of 4 columns
 def test_packed_linear_matches_f_linear(rows, bias, dtype, out_features):
-    if not prepack_supported(torch.zeros(2, 2, dtype=dtype)):
-        pytest.skip(f"this torch build cannot pack {dtype} weights")
+    assert prepack_supported(torch.zeros(2, 2, dtype=dtype))
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(out_features, 80, generator=gen).to(dtype)
     b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
@@ -48,11 +51,10 @@ def test_a_lower_panel_limit_hands_the_larger_batches_to_mkl(rows):
     torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@needs_avx512("the panel GEMM")
 def test_float32_decode_rows_take_the_panel_kernel():
-    from minivllm import _custom_ops as ops
+    from minivllm.cpu import _custom_ops as ops
 
-    if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
-        pytest.skip("the panel kernel is not built here (needs a compiler and AVX-512)")
     w = torch.randn(100, 80)
     packed = pack_weight(w)
     assert packed.panels is not None and packed.panels.shape == (4, 80, 32)
@@ -62,16 +64,15 @@ def test_float32_decode_rows_take_the_panel_kernel():
     assert ops.packed_linear(torch.zeros(0, 80), packed.panels, 100).shape == (0, 100)
 
 
+@needs_avx512("the panel GEMM")
 @pytest.mark.parametrize("rows", [1, 2, 12, 13, 30, PANEL_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panels_in_halves_give_the_same_bits_as_plain_panels(rows, bias):
     # A [gate; up] weight packed with each panel holding 16 gate columns and the
     # same 16 up columns: every output column is the same chain of products, in the
     # same order, so the output equals plain panels' bit for bit.
-    from minivllm import _custom_ops as ops
+    from minivllm.cpu import _custom_ops as ops
 
-    if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
-        pytest.skip("the panel kernel is not built here (needs a compiler and AVX-512)")
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=gen)  # halves of 48: three 16-column groups each
     b = torch.randn(96, generator=gen) if bias else None
@@ -86,11 +87,10 @@ def test_panels_in_halves_give_the_same_bits_as_plain_panels(rows, bias):
     torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@needs_avx512("the panel GEMM")
 def test_halves_need_whole_16_column_groups():
-    from minivllm import _custom_ops as ops
+    from minivllm.cpu import _custom_ops as ops
 
-    if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
-        pytest.skip("the panel kernel is not built here (needs a compiler and AVX-512)")
     w = torch.randn(48, 80)  # halves of 24 columns
     assert not pack_weight(w, halves=True).halves  # falls back to plain panels
     with pytest.raises(RuntimeError, match="halves need out_features a multiple of 32.*48"):
@@ -108,7 +108,8 @@ def test_not_supported_for_other_dtypes():
     torch.testing.assert_close(linear(x, w, None, pack_weight(w)), F.linear(x, w))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16",
+                                                            marks=needs_bf16_prepack())])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_packed_model_matches_unpacked(tiny_model, family, dtype):
     cfg = ModelConfig.from_pretrained(tiny_model(family), dtype=dtype)

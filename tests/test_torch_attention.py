@@ -96,8 +96,8 @@ STEPS = {
 def make_backend(name: str):
     if name == "torch":
         return TorchAttentionBackend()
-    from minivllm._custom_ops import cpu_kernels_problem
-    from minivllm.model.attention.cpu_attn import CPUAttentionBackend
+    from minivllm.cpu._custom_ops import cpu_kernels_problem
+    from minivllm.cpu.attention import CPUAttentionBackend
 
     problem = cpu_kernels_problem()
     if problem is not None:
@@ -172,7 +172,7 @@ def test_context_without_cache_is_an_error():
 # -- the CPU backend in the selector ---------------------------------------------------
 
 def test_cpu_default_uses_the_kernel_when_it_builds(monkeypatch):
-    from minivllm import _custom_ops
+    from minivllm.cpu import _custom_ops
     from minivllm.model.attention.selector import ENV_VAR, get_attention_backend
 
     monkeypatch.delenv(ENV_VAR, raising=False)

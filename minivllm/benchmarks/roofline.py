@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -40,18 +41,30 @@ import torch
 
 from minivllm.config import DTYPES, ModelConfig
 
-# A tensor this large cannot sit in any cache level of a CPU (L3 here: 300 MiB).
+# A tensor this large cannot sit in the caches of most CPUs; smaller where memory is short.
 DEFAULT_BANDWIDTH_BYTES = 1 << 30
+# The largest square product timed, and the time one product may take at most
+# when the size is chosen automatically: a dtype the CPU computes slowly (bfloat16
+# without native support) is then measured on a smaller product, not for minutes.
+MAX_MATMUL_SIZE = 2048
+TARGET_CALL_SECONDS = 0.1
+# No measurement runs longer than this many times its min_seconds (plus one call).
+BUDGET_FACTOR = 3.0
 
 
 # --------------------------------------------------------------------------
 # Measurements
 # --------------------------------------------------------------------------
 
-def _best_time(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
+def _best_time(fn: Callable[[], object], repeats: int, min_seconds: float,
+               max_seconds: Optional[float] = None) -> float:
     """Fastest of ``repeats`` timed calls (after one warm-up), and of at least
     ``min_seconds`` of calls: on a shared machine the fastest run is the one
-    least disturbed by others, the closest to what the hardware can do."""
+    least disturbed by others, the closest to what the hardware can do.
+    Stops after ``max_seconds`` (default ``BUDGET_FACTOR x min_seconds``, at
+    least one second) even if fewer than ``repeats`` calls were made."""
+    if max_seconds is None:
+        max_seconds = max(1.0, BUDGET_FACTOR * min_seconds)
     fn()
     best = math.inf
     start = time.perf_counter()
@@ -61,19 +74,48 @@ def _best_time(fn: Callable[[], object], repeats: int, min_seconds: float) -> fl
         fn()
         best = min(best, time.perf_counter() - t0)
         done += 1
+        if time.perf_counter() - start >= max_seconds:
+            break
     return best
 
 
-def measure_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 2048,
+def fit_matmul_size(dtype: torch.dtype, max_size: int = MAX_MATMUL_SIZE,
+                    target_seconds: float = TARGET_CALL_SECONDS) -> int:
+    """The largest power-of-two size (at most ``max_size``) whose product in ``dtype``
+    takes at most about ``target_seconds`` here, found by doubling from 128."""
+    size = 128
+    while size * 2 <= max_size:
+        a = torch.randn(size, size).to(dtype)
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        if 8 * (time.perf_counter() - t0) > target_seconds:  # the next size: 8x the work
+            break
+        size *= 2
+    return size
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, size: Optional[int] = None,
                          repeats: int = 5, min_seconds: float = 1.0) -> float:
-    """FLOP/s of a square ``size x size`` matrix product in ``dtype`` (2 n^3 FLOPs)."""
-    if size < 1:
+    """FLOP/s of a square ``size x size`` matrix product in ``dtype`` (2 n^3 FLOPs);
+    ``size=None`` fits it to this CPU's speed in ``dtype`` (``fit_matmul_size``)."""
+    if size is not None and size < 1:
         raise ValueError(f"size={size} is invalid: must be >= 1")
+    size = size or fit_matmul_size(dtype)
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
     out = torch.empty(size, size, dtype=dtype)
     seconds = _best_time(lambda: torch.mm(a, b, out=out), repeats, min_seconds)
     return 2 * size ** 3 / seconds
+
+
+def default_bandwidth_bytes() -> int:
+    """``DEFAULT_BANDWIDTH_BYTES``, or an eighth of the available memory if that is less
+    (the measurement holds two such tensors)."""
+    try:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return DEFAULT_BANDWIDTH_BYTES
+    return max(1 << 24, min(DEFAULT_BANDWIDTH_BYTES, pages // 8))
 
 
 @dataclass
@@ -88,9 +130,10 @@ class Bandwidth:
         return max(self.read, self.copy, self.matvec)
 
 
-def measure_bandwidth(num_bytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 5,
+def measure_bandwidth(num_bytes: Optional[int] = None, repeats: int = 5,
                       min_seconds: float = 1.0) -> Bandwidth:
     """Memory bandwidth from a large float32 sum (read) and copy (read + write)."""
+    num_bytes = default_bandwidth_bytes() if num_bytes is None else num_bytes
     if num_bytes < 4:
         raise ValueError(f"num_bytes={num_bytes} is invalid: must be >= 4")
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
@@ -106,7 +149,7 @@ def measure_bandwidth(num_bytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 5
 def _matvec_bandwidth(src: torch.Tensor, repeats: int, min_seconds: float) -> float:
     """bytes/s of minivllm's one-row matrix product over ``src`` as a [rows, 1024]
     weight, or 0.0 where the CPU kernels are not built."""
-    from minivllm import _custom_ops as ops
+    from minivllm.cpu import _custom_ops as ops
 
     if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
         return 0.0
@@ -209,7 +252,7 @@ class Roofline:
 
 
 def measure_roofline(cfg: ModelConfig, dtype: Optional[torch.dtype] = None,
-                     bandwidth: Optional[Bandwidth] = None, matmul_size: int = 2048,
+                     bandwidth: Optional[Bandwidth] = None, matmul_size: Optional[int] = None,
                      min_seconds: float = 1.0) -> Roofline:
     """Measure this machine now and combine it with ``cfg``'s sizes in ``dtype``.
 
@@ -239,7 +282,11 @@ def machine_description() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "logical_cpus": __import__("os").cpu_count(),
+    from minivllm.cpu.features import cpu_features
+
+    features = cpu_features()
+    return {"cpu": cpu, "isa": features.isa, "cpu_features": features.describe(),
+            "logical_cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
 
@@ -254,7 +301,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="model folder or .gguf (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", action="append", choices=sorted(DTYPES), default=None,
                         help="dtype to measure (repeatable; default float32 and bfloat16)")
-    parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help=f"side of the timed square product (default: fitted to this "
+                             f"CPU's speed in each dtype, at most {MAX_MATMUL_SIZE})")
     parser.add_argument("--min-seconds", type=float, default=1.0,
                         help="time spent on each measurement (the best run counts)")
     parser.add_argument("--output", default=None, help="write the results as JSON here")

@@ -29,7 +29,7 @@ from minivllm.core.sched_output import SchedulerOutput
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.attention.selector import get_attention_backend
 from minivllm.model.layers.parallel import collective_stats, tp_size
-from minivllm.model.layers.prepack import prepack_enabled, prepack_model
+from minivllm.cpu.prepack import prepack_enabled, prepack_model
 from minivllm.model.loader import load_model
 from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 

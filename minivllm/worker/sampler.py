@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from minivllm import _custom_ops as ops
+from minivllm.cpu import _custom_ops as ops
 from minivllm.sampling_params import SamplingParams
 
 

@@ -58,8 +58,8 @@ def get_attention_backend(name: Optional[str] = None,
 
 
 def _cpu_backend(device: torch.device, source: str) -> AttentionBackend:
-    from minivllm import _custom_ops
-    from minivllm.model.attention.cpu_attn import CPUAttentionBackend
+    from minivllm.cpu import _custom_ops
+    from minivllm.cpu.attention import CPUAttentionBackend
 
     problem = (_custom_ops.cpu_kernels_problem() if device.type == "cpu"
                else f"it runs on CPU tensors, not on {device.type!r}")

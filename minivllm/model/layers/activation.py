@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm import _custom_ops as ops
+from minivllm.cpu import _custom_ops as ops
 
 
 class SiluAndMul(nn.Module):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm import _custom_ops as ops
+from minivllm.cpu import _custom_ops as ops
 
 _FUSED = hasattr(F, "rms_norm")  # torch >= 2.4
 

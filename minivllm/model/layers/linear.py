@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
-from minivllm.model.layers.prepack import PackedWeight, linear
+from minivllm.cpu.prepack import PackedWeight, linear
 
 
 class LinearBase(nn.Module):

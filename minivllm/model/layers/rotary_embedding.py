@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from minivllm import _custom_ops as ops
+from minivllm.cpu import _custom_ops as ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

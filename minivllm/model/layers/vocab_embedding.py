@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
-from minivllm.model.layers.prepack import PackedWeight, linear
+from minivllm.cpu.prepack import PackedWeight, linear
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -24,7 +24,7 @@ from minivllm.model.layers.linear import (MergedColumnParallelLinear, QKVParalle
                                           RowParallelLinear)
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.model.models.llama_fused_decode import LlamaFusedDecode, fused_decode_problem
+from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

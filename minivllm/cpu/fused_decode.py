@@ -50,10 +50,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from minivllm import _custom_ops as ops
+from minivllm.cpu import _custom_ops as ops
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.parallel import tp_size
-from minivllm.model.layers.prepack import PANEL_MAX_ROWS
+from minivllm.cpu.prepack import PANEL_MAX_ROWS
 
 ENV_SWITCH = "MINIVLLM_FUSED_DECODE"
 _NONE = torch.empty(0)  # "no bias" in the flat weight list

@@ -35,33 +35,44 @@ from typing import Optional
 
 import torch
 
+from minivllm.cpu.features import cpu_features
+from minivllm.logger import info_once
+
 CSRC = Path(__file__).with_name("csrc")
 LIBRARY_NAME = "minivllm_C"
 ENV_SWITCH = "MINIVLLM_CPU_KERNELS"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.lru_cache(maxsize=1)
-def _build() -> Optional[str]:
+def library_name() -> str:
+    """One library per ISA, so an AVX2 build and a native one never overwrite each other."""
+    return f"{LIBRARY_NAME}_{cpu_features().isa}"
+
+
+@functools.lru_cache(maxsize=None)
+def _build(name: str) -> Optional[str]:
     """Compile and load the library; None when it worked, else why not."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         return "no C++ compiler (c++ / g++) on the PATH"
+    features = cpu_features()
     try:
         from torch.utils.cpp_extension import load
 
         sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
-        load(LIBRARY_NAME, sources, is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-        return None
-    except Exception as e:  # compiler errors, no ninja, ...
+        load(name, sources, is_python_module=False, verbose=False,
+             extra_cflags=["-O3", f"-march={features.march}", "-fopenmp"],
+             extra_ldflags=["-fopenmp"])
+    except Exception as e:  # compiler errors, no OpenMP, no ninja, ...
         return f"building {CSRC.name}/*.cpp failed: {type(e).__name__}: {e}"
+    info_once(f"CPU kernels built for {features.describe()}")
+    return None
 
 
 def cpu_kernels_problem() -> Optional[str]:
     """Why the CPU kernels cannot be used here (builds them if needed), or None."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"turned off by {ENV_SWITCH}=0"
-    return _build()
+    return _build(library_name())
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,7 +87,7 @@ def use_cpu_kernels(x: torch.Tensor) -> bool:
 
 def _lib():
     """``torch.ops.minivllm``, loaded (built if needed) on first use."""
-    problem = _build()
+    problem = _build(library_name())
     if problem is not None:
         raise RuntimeError(f"the minivllm CPU kernels are unavailable: {problem}")
     return torch.ops.minivllm
@@ -154,7 +165,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return _lib().argmax(logits)
 
 
-if __name__ == "__main__":  # `python -m minivllm._custom_ops`: build now (make setup does)
+if __name__ == "__main__":  # `python -m minivllm.cpu._custom_ops`: build now (make setup does)
     problem = cpu_kernels_problem()
     print(f"minivllm CPU kernels: {problem or 'built'}"
           + ("; the PyTorch paths will be used" if problem else ""))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm import _custom_ops as ops
+from minivllm.cpu import _custom_ops as ops
 from minivllm.model.attention.torch_attn import DecodePlan, TorchAttentionBackend
 
 

@@ -62,7 +62,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm import _custom_ops as ops
+from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.features import cpu_features
+from minivllm.logger import info_once
 
 # Rows below this use F.linear (a matrix-vector product for one row).
 MIN_PACKED_ROWS = 2
@@ -91,9 +93,21 @@ def prepack_supported(weight: torch.Tensor) -> bool:
     if weight.dtype == torch.float32:
         return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
     if weight.dtype == torch.bfloat16:
-        return (torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+        return bf16_prepack_problem() is None
     return False
+
+
+def bf16_prepack_problem() -> Optional[str]:
+    """Why bfloat16 weights cannot be prepacked here (said once in the log), or None."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        problem = "this PyTorch has no oneDNN linear ops"
+    else:
+        problem = cpu_features().bf16_prepack_problem()
+    if problem is not None:
+        info_once(f"bfloat16 weights are not prepacked ({problem}): their products "
+                  f"take plain F.linear")
+    return problem
 
 
 def prepack_enabled() -> bool:

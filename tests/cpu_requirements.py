@@ -1,0 +1,46 @@
+"""Skip markers for tests that need a CPU feature, each naming the feature it lacks.
+
+A test that needs AVX-512 or oneDNN's bfloat16 packing runs where the CPU has
+it and is skipped, with the reason, where it has not: it never passes without
+having run the path it names. ``AVX2_ENV`` makes a subprocess see this CPU as
+an AVX2-only one (``tests/test_cpu_isa.py`` runs the engine under it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.cpu.features import cpu_features
+
+FEATURES = cpu_features()
+
+# A subprocess with these sees no AVX-512 anywhere: our kernels build for
+# x86-64-v3, PyTorch dispatches its AVX2 kernels, oneDNN stops at AVX2.
+AVX2_ENV = {"MINIVLLM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def _kernels_problem():
+    from minivllm.cpu import _custom_ops as ops
+
+    return ops.cpu_kernels_problem()
+
+
+def needs_cpu_kernels():
+    problem = _kernels_problem()
+    return pytest.mark.skipif(problem is not None,
+                              reason=f"the C++ CPU kernels are unavailable: {problem}")
+
+
+def needs_avx512(what: str):
+    """For the kernels' AVX-512 code (panel GEMM, matvec, vectorised attention spans)."""
+    return pytest.mark.skipif(
+        not FEATURES.avx512 or _kernels_problem() is not None,
+        reason=f"{what} needs AVX-512 (F, BW, VL, DQ) and the CPU kernels; "
+               f"this CPU: {FEATURES.describe()}")
+
+
+def needs_bf16_prepack():
+    problem = FEATURES.bf16_prepack_problem()
+    return pytest.mark.skipif(problem is not None,
+                              reason=f"oneDNN cannot prepack bfloat16 here: {problem}")
