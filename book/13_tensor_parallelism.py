@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.linear import RowParallelLinear
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.parallel import (check_tensor_parallel_sizes, collective_stats,
                                             expected_collective_bytes)
 from minivllm.viz.export import save_key_figure
@@ -238,7 +239,7 @@ positions = torch.arange(T)
 def rank_attention(x: torch.Tensor, r: int) -> torch.Tensor:
     q_size, kv_size = nq // TP * D, nkv // TP * D  # 3 query heads, 1 KV head
     q, k, v = (x @ rank_weight("qkv_proj", r).T).split([q_size, kv_size, kv_size], dim=-1)
-    q, k = attn.rotary_emb.forward_native(positions, q.view(T, -1, D), k.view(T, -1, D))
+    q, k = RotaryEmbedding.forward(attn.rotary_emb, positions, q.view(T, -1, D), k.view(T, -1, D))
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.view(T, -1, D).transpose(0, 1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return out.transpose(0, 1).reshape(T, -1) @ rank_weight("o_proj", r).T  # partial

@@ -121,6 +121,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 2048
+    # > 0: no request gets more than this many prompt tokens in one step.
+    long_prefill_token_threshold: int = 0
+    # False: a prompt is scheduled whole or waits (no chunks).
+    enable_chunked_prefill: bool = True
 
 
 @dataclass
@@ -136,6 +140,8 @@ class EngineConfig:
     parallel: ParallelConfig
     device: str = "cpu"
     attention_backend: Optional[str] = None
+    # The C++ CPU acceleration (minivllm/cpu): None = on where it builds.
+    cpu_kernels: Optional[bool] = None
     seed: int = 0
     trace: bool = False
 
@@ -154,8 +160,13 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     attention_backend: Optional[str] = None
+    # None: the CPU acceleration where it builds (MINIVLLM_CPU_KERNELS=0 turns it
+    # off); False: the pure reference path; True: require it.
+    cpu_kernels: Optional[bool] = None
     seed: int = 0
     trace: bool = False
 
@@ -182,10 +193,11 @@ class EngineArgs:
             cache=CacheConfig(self.block_size, self.num_kv_blocks,
                               self.kv_cache_memory_bytes, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
-                                      max_len),
+                                      max_len, self.long_prefill_token_threshold,
+                                      self.enable_chunked_prefill),
             parallel=ParallelConfig(self.tensor_parallel_size),
-            device=device, attention_backend=self.attention_backend, seed=self.seed,
-            trace=self.trace)
+            device=device, attention_backend=self.attention_backend,
+            cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace)
 
     def _validate(self) -> None:
         def positive(name):
@@ -198,6 +210,14 @@ class EngineArgs:
             positive(name)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise _bad("block_size", self.block_size, "must be a power of two in [1, 128]")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "must be True or False")
+        if self.cpu_kernels not in (None, True, False):
+            raise _bad("cpu_kernels", self.cpu_kernels, "must be None (auto), True or False")
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise _bad("long_prefill_token_threshold", t, "must be an integer >= 0 (0: off)")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise _bad("attention_backend", self.attention_backend,
                        f"must be one of {', '.join(ATTENTION_BACKENDS)}")

@@ -1,6 +1,7 @@
 """The C++ CPU kernels (minivllm/csrc) give the PyTorch reference's results.
 
-Each kernel is compared with the ``forward_native`` PyTorch code it replaces,
+Each kernel, as its layer's twin (minivllm/cpu/layers.py), is compared with the
+reference layer it replaces,
 in float32, bfloat16 and float16, on strided inputs like the ones the model
 passes (slices of the fused qkv output), and for the in-place ones on what
 they leave behind.
@@ -16,9 +17,20 @@ from minivllm.cpu import _custom_ops as ops
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
+from tests.cpu_requirements import needs_avx512, needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(ops.cpu_kernels_problem() is not None,
-                                reason=f"CPU kernels unavailable: {ops.cpu_kernels_problem()}")
+pytestmark = needs_cpu_kernels()
+
+
+def twin(module):
+    """A copy of ``module`` with its accelerated twin's class."""
+    import copy
+
+    from minivllm.cpu.layers import swap_in_twins
+
+    module = copy.deepcopy(module)
+    assert swap_in_twins(module) == 1
+    return module
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # float32: summation order only; 16-bit: at most one rounding step of the output.
@@ -39,10 +51,10 @@ def test_rms_norm_and_fused_add(dtype, rows):
     norm = RMSNorm(96, eps=1e-5, dtype=dtype)
     norm.weight.data = randn(96, dtype=dtype, seed=1)
     x, residual = randn(rows, 96, dtype=dtype), randn(rows, 96, dtype=dtype, seed=2)
-    close(norm.forward_cpu(x), norm.forward_native(x), dtype)
+    close(twin(norm)(x), norm(x), dtype)
 
-    expected_out, expected_sum = norm.forward_native(x, residual.clone())
-    out, new_residual = norm.forward_cpu(x, residual)
+    expected_out, expected_sum = norm(x, residual.clone())
+    out, new_residual = twin(norm)(x, residual)
     assert new_residual is residual  # the running sum is updated in place
     close(residual, expected_sum, dtype)
     close(out, expected_out, dtype)
@@ -52,15 +64,15 @@ def test_rms_norm_takes_strided_rows():
     base = randn(5, 200)
     x = base[:, 8:104]  # rows 200 apart
     norm = RMSNorm(96)
-    torch.testing.assert_close(norm.forward_cpu(x), norm.forward_native(x))
+    torch.testing.assert_close(twin(norm)(x), norm(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     x = randn(9, 2 * 80, dtype=dtype) * 4  # large |gate| on both sides of zero
-    close(ops.silu_and_mul(x), SiluAndMul.forward_native(x), dtype)
+    close(twin(SiluAndMul())(x), SiluAndMul()(x), dtype)
     strided = randn(3, 400, dtype=dtype)[:, :160]
-    close(ops.silu_and_mul(strided), SiluAndMul.forward_native(strided), dtype)
+    close(twin(SiluAndMul())(strided), SiluAndMul()(strided), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,8 +86,8 @@ def test_rotary_embedding_in_place_on_qkv_slices(dtype, rope_scaling):
     q = qkv[:, :heads * dim].reshape(tokens, heads, dim)
     k = qkv[:, heads * dim:(heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
     v_before = qkv[:, (heads + kv_heads) * dim:].clone()
-    q_ref, k_ref = rope.forward_native(positions, q.clone(), k.clone())
-    q_out, k_out = rope(positions, q, k)
+    q_ref, k_ref = rope(positions, q.clone(), k.clone())
+    q_out, k_out = twin(rope)(positions, q, k)
     assert q_out.data_ptr() == q.data_ptr()  # rotated where they lie
     close(q_out, q_ref, dtype)
     close(k_out, k_ref, dtype)
@@ -193,9 +205,9 @@ def test_paged_decode_attention_checks_the_block_tables():
 @pytest.mark.parametrize("k", [1, 15, 16, 17, 100])  # tails of a 16-float vector
 @pytest.mark.parametrize("n", [1, 3, 4, 9, 37])  # tails of the four-row groups
 @pytest.mark.parametrize("bias", [False, True])
+@needs_avx512("the one-row product (matvec)")
 def test_matvec_matches_f_linear(n, k, bias):
-    if not ops.packed_linear_available():
-        pytest.skip("matvec needs AVX-512")
+    assert ops.packed_linear_available()
     w, x = randn(n, k, seed=n), randn(1, k, seed=k)
     b = randn(n, seed=3) if bias else None
     close(ops.matvec(x, w, b), F.linear(x, w, b), torch.float32)

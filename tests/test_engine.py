@@ -49,10 +49,35 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
-def test_batch_matches_transformers(prompts, hf_greedy):
-    llm = LLM()
+@pytest.mark.parametrize("cpu_kernels", [None, False])  # accelerated, and the reference path
+def test_batch_matches_transformers(prompts, hf_greedy, cpu_kernels):
+    llm = LLM(cpu_kernels=cpu_kernels)
+    runner = llm.llm_engine.engine_core.executor.runner
+    if cpu_kernels is False:
+        assert runner.cpu_kernels_problem == "cpu_kernels=False"
+        assert runner.decode_replay is None and runner.attn_backend.name == "torch"
     assert engine_tokens(llm, prompts) == hf_greedy
+    if runner.decode_replay is not None:  # the accelerated run did replay its decode steps
+        assert runner.decode_replay.steps >= MAX_TOKENS - 1
     assert_all_blocks_free(llm)
+
+
+def test_reference_path_imports_no_acceleration(tmp_path, tiny_model):
+    """cpu_kernels=False (and MINIVLLM_CPU_KERNELS=0): not one module of minivllm.cpu."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from minivllm import LLM, SamplingParams; "
+              f"llm = LLM({str(tiny_model('llama'))!r}, cpu_kernels=False); "
+              "llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=4), "
+              "use_tqdm=False); "
+              "print(sorted(m for m in sys.modules if m.startswith('minivllm.cpu')))")
+    for env in ({}, {"MINIVLLM_CPU_KERNELS": "0"}):
+        code = script if not env else script.replace("cpu_kernels=False", "")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**__import__("os").environ, **env}, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
 def test_preemption_gives_same_tokens(prompts, hf_greedy):

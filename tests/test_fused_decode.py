@@ -1,4 +1,5 @@
-"""The C++ decode loop (csrc/llama_decode.cpp) gives the Python layers' results bit for bit.
+"""The decode-step replay (minivllm/cpu/fused_decode.py, csrc/llama_decode.cpp) gives the
+model's results bit for bit.
 
 It runs the same kernels in the same order, so greedy tokens and their
 logprobs must be identical, not just close; and it must stand aside wherever
@@ -12,12 +13,11 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.layers import PackedLMHead
 from minivllm.cpu.prepack import PANEL_MAX_ROWS, prepack_model
-from minivllm.model.layers.vocab_embedding import ParallelLMHead
+from tests.cpu_requirements import FEATURES, needs_bf16_prepack, needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(
-    ops.cpu_kernels_problem() is not None or not ops.packed_linear_available(),
-    reason="the fused decode loop needs the CPU kernels with AVX-512")
+pytestmark = needs_cpu_kernels()
 
 PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [12, 3], [200, 201, 202, 203, 9, 9, 9, 9, 9, 9, 100],
            [77], [60, 61, 62, 63, 64]]
@@ -25,8 +25,12 @@ PROMPTS = [[5, 17, 33, 8, 90, 41, 7], [12, 3], [200, 201, 202, 203, 9, 9, 9, 9, 
 MANY = [[(7 * i + j) % 250 + 3 for j in range(1 + i % 6)] for i in range(PANEL_MAX_ROWS + 4)]
 
 
+def _runner(llm: LLM):
+    return llm.llm_engine.engine_core.executor.runner
+
+
 def _inner(llm: LLM):
-    return llm.llm_engine.engine_core.executor.runner.model.model
+    return _runner(llm).model.model
 
 
 def _generate(llm: LLM, prompts, n=12):
@@ -36,35 +40,34 @@ def _generate(llm: LLM, prompts, n=12):
 
 
 @pytest.mark.parametrize("family,dtype,batch", [
-    ("llama", "float32", 1),  # one-row products (matvec)
-    ("llama", "float32", 5),  # the panel GEMM
+    ("llama", "float32", 1),  # one-row products (matvec with AVX-512, else MKL)
+    ("llama", "float32", 5),  # the panel GEMM with AVX-512, else MKL
     ("llama", "float32", len(MANY)),  # MKL's packed GEMM
     ("qwen2", "float32", 5),  # q/k/v biases
-    ("llama", "bfloat16", 5),  # oneDNN's packed bfloat16 GEMM
+    pytest.param("llama", "bfloat16", 5, marks=needs_bf16_prepack()),  # oneDNN's bfloat16
 ])
 def test_fused_decode_equals_python_layers(tiny_model, family, dtype, batch):
     # Small blocks: tables of several blocks. No prefix cache: the second run must
     # prefill exactly as the first did.
     llm = LLM(tiny_model(family), dtype=dtype, block_size=4, enable_prefix_caching=False,
               max_num_seqs=len(MANY))
-    inner = _inner(llm)
-    fused = inner.fused_decode
-    assert fused is not None, llm.llm_engine.engine_core.executor.runner.fused_decode_problem
+    runner = _runner(llm)
+    fused = runner.decode_replay
+    assert fused is not None, runner.decode_replay_problem
     prompts = PROMPTS[:batch] if batch <= len(PROMPTS) else MANY[:batch]
     got = _generate(llm, prompts)
     assert fused.steps >= 11  # every decode step of that run went through C++
-    assert fused.head_steps == fused.steps  # with the LM head: every sequence samples
-    # float32 gate_up panels pair gate and up columns: with more than one row the
-    # C++ step applies SiLU-and-mul in that product's epilogue, checked here too.
-    assert fused.gate_up_halves == (dtype == "float32")
-    inner.fused_decode = None
+    # float32 gate_up panels (AVX-512) pair gate and up columns: with more than one
+    # row the C++ step applies SiLU-and-mul in that product's epilogue, checked too.
+    assert fused.gate_up_halves == (dtype == "float32" and FEATURES.avx512)
+    runner.decode_replay = None  # the model runs every step: the twins' Python layers
     expected = _generate(llm, prompts)
     assert got == expected  # tokens and logprobs, exactly
 
 
 def test_fused_decode_hidden_states_match_bitwise(tiny_model):
     llm = LLM(tiny_model("llama"))
-    inner = _inner(llm)
+    inner, fused_decode = _inner(llm), _runner(llm).decode_replay
     # Prefill two prompts, then take one decode step both ways on the same cache.
     _generate(llm, PROMPTS[:2], n=1)
     runner = llm.llm_engine.engine_core.executor.runner
@@ -81,27 +84,28 @@ def test_fused_decode_hidden_states_match_bitwise(tiny_model):
         block_tables=torch.tensor([[0, 2], [1, -1]], dtype=torch.int32),
         max_query_len=1, max_seq_len=8, query_start_loc_cpu=[0, 1, 2], seq_lens_cpu=[8, 3])
     with torch.inference_mode():
-        assert inner.fused_decode.accepts(ids, meta)
-        fused = inner(ids, pos, meta)
+        assert fused_decode.accepts(ids, meta, torch.arange(2))
+        fused = fused_decode.hidden_states(ids, pos, meta)
         after_fused = [k.clone() for k in k_caches]
         for k, b in zip(k_caches, before):
             k.copy_(b)
-        python = inner(ids, pos, meta, observer=lambda i, h: None)  # an observer: Python
+        python = inner(ids, pos, meta)
     assert torch.equal(fused, python)
     assert all(torch.equal(a, k) for a, k in zip(after_fused, k_caches))
 
 
-@pytest.mark.parametrize("batch", [1, 5, ParallelLMHead.panel_max_rows,
-                                   ParallelLMHead.panel_max_rows + 1])
+@pytest.mark.parametrize("batch", [1, 5, PackedLMHead.panel_max_rows,
+                                   PackedLMHead.panel_max_rows + 1])
 def test_fused_decode_logits_match_the_lm_head_bitwise(tiny_model, batch):
     """With the LM head in the call, the logits are compute_logits' of the Python
     layers' hidden states, bit for bit: in the parallel region for one row (matvec)
     and up to the head's panel_max_rows (panel GEMM), after it beyond (MKL)."""
     from minivllm.model.attention import AttentionMetadata
+    from minivllm.worker.model_runner import StepInputs
 
     llm = LLM(tiny_model("llama"))
-    runner = llm.llm_engine.engine_core.executor.runner
-    model, inner = runner.model, _inner(llm)
+    runner = _runner(llm)
+    model, inner, fused = runner.model, _inner(llm), runner.decode_replay
     bs = runner.block_size
     # Sequence i: block i, one cached token (slot 0, left as the cache holds it), the
     # new token at position 1.
@@ -114,15 +118,17 @@ def test_fused_decode_logits_match_the_lm_head_bitwise(tiny_model, batch):
         max_query_len=1, max_seq_len=2, query_start_loc_cpu=list(range(batch + 1)),
         seq_lens_cpu=[2] * batch)
     pos = torch.ones(batch, dtype=torch.int64)
+    rows = torch.arange(batch)
     with torch.inference_mode():
-        assert inner.fused_decode.accepts(ids, meta)
-        got = inner.fused_decode.logits(ids, pos, meta)
-        expected = model.compute_logits(inner(ids, pos, meta, observer=lambda i, h: None))
-        step = model.compute_step_logits(ids, pos, meta, torch.arange(batch))
+        assert fused.accepts(ids, meta, rows)
+        assert not fused.accepts(ids, meta, rows[:-1])  # a row that does not sample
+        got = fused(ids, pos, meta)
+        expected = model.compute_logits(inner(ids, pos, meta))
+        step = runner.forward(StepInputs(ids, pos, meta, rows))  # the runner replays it
     assert got.shape == (batch, model.config.vocab_size)
     assert torch.equal(got, expected)
     assert torch.equal(step, expected)
-    assert inner.fused_decode.head_steps == 2
+    assert fused.steps == 2
 
 
 @pytest.mark.parametrize("batch", [1, 5])  # matvec; the panel GEMM
@@ -132,7 +138,7 @@ def test_fused_decode_gives_the_same_bits_with_any_thread_count(tiny_model, batc
     work and meet at spinning barriers. Every output is still computed whole by one
     thread, so the split, and how many threads there are, must change no bit."""
     llm = LLM(tiny_model("llama"), enable_prefix_caching=False)
-    fused = _inner(llm).fused_decode
+    fused = _runner(llm).decode_replay
     expected = _generate(llm, PROMPTS[:batch])
     steps = fused.steps
     default = torch.get_num_threads()
@@ -146,24 +152,28 @@ def test_fused_decode_gives_the_same_bits_with_any_thread_count(tiny_model, batc
 
 
 def test_fused_decode_stands_aside(tiny_model, monkeypatch):
-    qwen3 = LLM(tiny_model("qwen3"))
-    assert "q/k norm" in qwen3.llm_engine.engine_core.executor.runner.fused_decode_problem
-    fp16 = LLM(tiny_model("llama"), dtype="float16")
-    assert "float16" in fp16.llm_engine.engine_core.executor.runner.fused_decode_problem
-    torch_attn = LLM(tiny_model("llama"), attention_backend="torch")
-    assert "'torch'" in torch_attn.llm_engine.engine_core.executor.runner.fused_decode_problem
+    def problem(**kwargs):
+        runner = _runner(LLM(tiny_model(kwargs.pop("family", "llama")), **kwargs))
+        assert runner.decode_replay is None
+        return runner.decode_replay_problem
+
+    assert "q/k norm" in problem(family="qwen3")
+    assert "float16" in problem(dtype="float16")
+    assert "'torch'" in problem(attention_backend="torch")
+    assert problem(cpu_kernels=False) == "cpu_kernels=False"
     monkeypatch.setenv("MINIVLLM_FUSED_DECODE", "0")
-    off = LLM(tiny_model("llama"))
-    assert "MINIVLLM_FUSED_DECODE=0" in off.llm_engine.engine_core.executor.runner.fused_decode_problem
+    assert "MINIVLLM_FUSED_DECODE=0" in problem()
+    monkeypatch.setenv("MINIVLLM_FUSED_DECODE", "1")
+    monkeypatch.setenv("MINIVLLM_CPU_PREPACK", "0")
+    assert "not prepacked" in problem()
 
 
 def test_fused_decode_notices_repacked_weights(tiny_model):
     llm = LLM(tiny_model("llama"), enable_prefix_caching=False)
-    inner = _inner(llm)
-    fused = inner.fused_decode
+    fused = _runner(llm).decode_replay
     before = _generate(llm, PROMPTS[:2])
     steps = fused.steps
-    prepack_model(llm.llm_engine.engine_core.executor.runner.model)  # new packed copies
+    prepack_model(_runner(llm).model)  # new packed copies
     assert _generate(llm, PROMPTS[:2]) == before
     assert fused.steps == steps  # the captured panels were stale: the Python layers ran
 
@@ -185,18 +195,14 @@ def test_decode_forward_names_bad_weight_lists():
                                  [torch.zeros(4, 8)], 48)
 
 
-def test_one_token_prefill_without_cache_slots_takes_the_python_layers(tiny_model):
+def test_one_token_prefill_without_cache_slots_is_not_replayed(tiny_model):
     """AttentionMetadata.for_prefill([1]) looks like a decode step (one query per
-    sequence) but has no cache slots: the book computes logits from scratch so."""
+    sequence) but has no cache slots (the book computes logits from scratch so):
+    the replay refuses it, and the model runs."""
     from minivllm.model.attention import AttentionMetadata
 
     llm = LLM(tiny_model("llama"))
-    inner = _inner(llm)
-    fused = inner.fused_decode
-    with torch.inference_mode():
-        got = inner(torch.tensor([17]), torch.tensor([0]), AttentionMetadata.for_prefill([1]))
-        inner.fused_decode = None
-        expected = inner(torch.tensor([17]), torch.tensor([0]),
-                         AttentionMetadata.for_prefill([1]))
-    assert fused.steps == 0
-    assert torch.equal(got, expected)
+    fused = _runner(llm).decode_replay
+    meta = AttentionMetadata.for_prefill([1])
+    assert meta.max_query_len == 1 and meta.num_seqs == 1  # it looks like a decode step
+    assert not fused.accepts(torch.tensor([17]), meta, torch.arange(1))

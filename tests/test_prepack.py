@@ -10,6 +10,7 @@ from minivllm.config import ModelConfig
 from minivllm.model.attention import AttentionMetadata, TorchAttentionBackend
 from minivllm.cpu.prepack import (PANEL_MAX_ROWS, linear, pack_weight,
                                            prepack_model, prepack_supported, unpack_model)
+from minivllm.cpu.layers import swap_in_twins
 from minivllm.model.loader import load_model
 from tests.cpu_requirements import needs_avx512, needs_bf16_prepack
 
@@ -123,12 +124,14 @@ def test_packed_model_matches_unpacked(tiny_model, family, dtype):
             hidden = model(ids, pos, AttentionMetadata.for_prefill(lens))
             return model.compute_logits(hidden)
 
-    plain = logits()
+    plain = logits()  # the reference layers
+    swap_in_twins(model)
     assert prepack_model(model) > 0
     if cfg.dtype == torch.float32:  # the LM head keeps its own panel limit
         assert model.lm_head.packed_weight.panel_max_rows == type(model.lm_head).panel_max_rows
     packed = logits()
     tol = TOLERANCE[cfg.dtype] * 10  # rounding differences compound through the layers
     torch.testing.assert_close(packed, plain, rtol=tol, atol=tol)
-    unpack_model(model)
-    assert torch.equal(logits(), plain)  # unpacked again: exactly F.linear
+    unpack_model(model)  # the twins' products on plain F.linear again
+    torch.testing.assert_close(logits(), plain, rtol=tol, atol=tol)
+    assert all(m.packed_weight is None for m in model.modules() if hasattr(m, "packed_weight"))

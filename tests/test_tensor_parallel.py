@@ -292,6 +292,14 @@ while True:
 """
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C reaches a program a terminal started with SIGINT at its default. A
+    launcher without job control (a CI runner, `cmd &` in a script) starts its
+    children with SIGINT ignored, exec keeps it so, and Python then never raises
+    KeyboardInterrupt: the engine would generate on, untouched by the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "sigint", "sigkill"])
 def test_workers_end_with_the_engine_process(tiny_model, tmp_path, how):
@@ -300,7 +308,8 @@ def test_workers_end_with_the_engine_process(tiny_model, tmp_path, how):
     # stderr goes to a file: a pipe nobody reads could fill up and block the engine.
     with open(tmp_path / "engine.err", "w") as err:
         engine = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(folder), how],
-                                  stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO)
+                                  stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO,
+                                  preexec_fn=_as_from_a_terminal)
     try:
         pids = [int(p) for p in engine.stdout.readline().split()]
         assert len(pids) == 1, (tmp_path / "engine.err").read_text()

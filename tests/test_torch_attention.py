@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minivllm.model.attention.backend import AttentionMetadata
-from minivllm.model.attention.torch_attn import TorchAttentionBackend, plan_step
+from minivllm.model.attention.torch_attn import TorchAttentionBackend
 
 
 def reference(q, k_cache, v_cache, tables, starts, seq_lens, scale):
@@ -117,13 +117,13 @@ def test_matches_per_sequence_reference(name, num_heads, num_kv, backend_name):
     ref = reference(q, k_cache, v_cache, tables, meta.query_start_loc_cpu,
                     meta.seq_lens_cpu, scale)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    # Every layer after the first reuses the plan: same answer again.
-    assert "torch" in meta.plan_cache
+    # Every layer after the first reuses the plan (the batched backend): same answer again.
+    assert (backend_name in meta.plan_cache) == (backend_name == "cpu")
     torch.testing.assert_close(backend.forward(q, k, v, k_cache, v_cache, meta, scale), out)
 
 
 def test_uneven_prompts_are_split_into_batches():
-    from minivllm.model.attention.torch_attn import MAX_PADDING_FACTOR, PADDING_ALLOWANCE
+    from minivllm.cpu.attention import MAX_PADDING_FACTOR, PADDING_ALLOWANCE, plan_step
 
     *_, meta, _ = make_step(2, STEPS["uneven prefill"])
     plan = plan_step(meta, block_size=4, num_kv_heads=2, dtype=torch.float32,
@@ -176,11 +176,15 @@ def test_cpu_default_uses_the_kernel_when_it_builds(monkeypatch):
     from minivllm.model.attention.selector import ENV_VAR, get_attention_backend
 
     monkeypatch.delenv(ENV_VAR, raising=False)
-    expected = "cpu" if _custom_ops.cpu_kernels_problem() is None else "torch"
+    expected = "cpu" if _custom_ops.build_problem() is None else "torch"
     assert get_attention_backend(None, "cpu").name == expected
+    # The engine without its CPU acceleration: the reference, and "cpu" is refused.
+    assert get_attention_backend(None, "cpu", cpu_kernels=False).name == "torch"
+    with pytest.raises(RuntimeError, match="needs the CPU acceleration, which this engine runs without"):
+        get_attention_backend("cpu", "cpu", cpu_kernels=False)
     # Without the kernel the default quietly takes the pure torch path; asking
     # for "cpu" by name is an error that says why.
-    monkeypatch.setattr(_custom_ops, "cpu_kernels_problem", lambda: "no compiler here")
+    monkeypatch.setattr(_custom_ops, "build_problem", lambda: "no compiler here")
     assert get_attention_backend(None, "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="no compiler here"):
         get_attention_backend("cpu", "cpu")

@@ -119,10 +119,6 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- hashing -----------------------------------------------------------
-    def _extra_keys(self, request: "Request") -> Optional[tuple]:
-        # Nothing besides token ids changes a block's K/V in minivllm yet.
-        return None
-
     def update_block_hashes(self, request: "Request") -> None:
         """Extend ``request.block_hashes`` over blocks that became full."""
         if not self.enable_caching:
@@ -131,8 +127,7 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs],
-                                       self._extra_keys(request))
+            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
             hashes.append(parent)
 
     # -- the two questions -------------------------------------------------

@@ -105,10 +105,10 @@ class Scheduler:
     @classmethod
     def from_config(cls, config: "SchedulerConfig",
                     kv_cache_manager: KVCacheManager) -> "Scheduler":
-        """Build from ``minivllm.config.SchedulerConfig``; fields it lacks keep their defaults."""
+        """Build from ``minivllm.config.SchedulerConfig``."""
         return cls(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
-                   kv_cache_manager, getattr(config, "long_prefill_token_threshold", 0),
-                   getattr(config, "enable_chunked_prefill", True))
+                   kv_cache_manager, config.long_prefill_token_threshold,
+                   config.enable_chunked_prefill)
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:

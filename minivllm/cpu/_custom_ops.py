@@ -15,14 +15,13 @@ products. These kernels do the same math in one pass each:
   (see ``prepack.py``);
 - ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
 
-Each layer keeps its PyTorch code as ``forward_native`` (the reference the
-tests compare against) and uses the kernel on CPU tensors when it is
-available. The library is compiled on first use with PyTorch's C++ extension
-builder (a C++ compiler with OpenMP and ``ninja``; ``make setup`` does it
-ahead of time), cached under ``TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``). Without a compiler everything runs on the
-PyTorch paths. ``MINIVLLM_CPU_KERNELS=0`` turns the kernels off (for A/B
-benchmarks).
+The layers' twins (``layers.py``), the CPU attention backend and the fused
+decode step call these. The library is compiled on first use with
+PyTorch's C++ extension builder (a C++ compiler with OpenMP and ``ninja``;
+``make setup`` does it ahead of time) for this CPU's instruction set
+(``features.py``), one library per ISA, cached under
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). Without a
+compiler the engine runs the reference path and says why, once.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from minivllm.logger import info_once
 CSRC = Path(__file__).with_name("csrc")
 LIBRARY_NAME = "minivllm_C"
 ENV_SWITCH = "MINIVLLM_CPU_KERNELS"
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def library_name() -> str:
@@ -68,21 +66,17 @@ def _build(name: str) -> Optional[str]:
     return None
 
 
-def cpu_kernels_problem() -> Optional[str]:
-    """Why the CPU kernels cannot be used here (builds them if needed), or None."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"turned off by {ENV_SWITCH}=0"
+def build_problem() -> Optional[str]:
+    """Why the CPU kernels cannot be built and loaded here (builds them if needed), or None."""
     return _build(library_name())
 
 
-@functools.lru_cache(maxsize=1)
-def _ready() -> bool:
-    return cpu_kernels_problem() is None
-
-
-def use_cpu_kernels(x: torch.Tensor) -> bool:
-    """Whether ``x`` (a CPU tensor of a supported dtype) should take the C++ kernels."""
-    return x.device.type == "cpu" and x.dtype in DTYPES and _ready()
+def cpu_kernels_problem() -> Optional[str]:
+    """Why the CPU kernels are not to be used here: ``MINIVLLM_CPU_KERNELS=0`` or
+    ``build_problem()``; None when they are."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"turned off by {ENV_SWITCH}=0"
+    return build_problem()
 
 
 def _lib():

@@ -1,45 +1,29 @@
-"""A Llama decode step in one C++ call (``csrc/llama_decode.cpp``).
+"""A Llama decode step in one C++ call (``csrc/llama_decode.cpp``), replayed by
+the model runner.
 
 In eager PyTorch every operator of a decode step costs twice on a CPU: the
 kernel, and the Python around it (the module call, the argument checks, the
-dispatcher). A decode step of the default model runs about 300 operators
-whose kernels are short, so the Python side adds up to several milliseconds:
-about a fifth of a single-stream step on the 2-core CPU. vLLM removes the
-same cost on GPUs by capturing the step once as a CUDA graph and replaying
-it. Here the layer loop is simply written out in C++ over the kernels the
-Python layers call, with the same weights in the same order, so a step gives
-bit for bit the hidden states of ``LlamaModel``'s Python loop.
+dispatcher). A decode step of a small model runs a few hundred such
+operators. vLLM removes that cost on GPUs by capturing the step once as a
+CUDA graph and replaying it from the model runner; here the layer loop is
+written out in C++ over the same kernels the twins call (``layers.py``), with
+the same weights in the same order, so a step gives bit for bit the hidden
+states and logits of the Python layers.
 
-A float32 step of up to ``PANEL_MAX_ROWS`` sequences goes one step further:
-it is a single OpenMP parallel region. The threads split each kernel's work
-between them (output columns of the products, (sequence, KV head) items of
-attention) and meet at a barrier that spins, so they never go to sleep
-between two of the step's ~300 kernels; waking a sleeping thread costs tens
-of microseconds, which added up to a tenth of a single-stream step.
+A float32 step is a single OpenMP parallel region: the threads split each
+kernel's work between them (output columns of the products, (sequence, KV
+head) items of attention) and meet at a barrier that spins, so they never go
+to sleep between two of the step's kernels. With more than one sequence,
+SiLU-and-mul is the gate/up product's epilogue when that weight's panels
+pair gate and up columns (``PackedWeight.halves``). The LM head runs in the
+same call.
 
-It takes a step only when that equality holds: CPU float32 or bfloat16
-weights packed once (``prepack.py``; the C++ picks each product as
-``prepack.linear`` does), one rank, no q/k norm, the ``cpu`` attention
-backend, a pure decode step (one new token per sequence), and nobody
-observing the layers. Everything else (prefill, mixed steps, tensor
-parallelism) runs the Python layers. ``MINIVLLM_FUSED_DECODE=0`` turns it
-off (for A/B runs).
-
-When the step samples every sequence (a pure decode step always does), the
-LM head runs in the same call: ``logits`` returns the vocabulary scores
-straight away, and for up to the head's own ``panel_max_rows`` sequences
-its product is the region's last piece of work. For one stream that saves
-the Python and the thread wake-up of a separate call, about 0.3 ms of a
-22 ms step on the 2-core CPU.
-
-With more than one sequence, SiLU-and-mul is the gate/up product's
-epilogue when that weight's panels pair gate and up columns
-(``PackedWeight.halves``): the step skips writing [gate | up] out and the
-pass that reads it back. 128 sequences, alternating in one process on the
-2-core CPU: 558 against 518 tokens/s (median of 4 runs each), same tokens.
-
-The weights are captured when it is built (after prepacking); if the layers
-are repacked or unpacked later it notices and stands aside.
+The runner replays a step only when that equality holds: CPU float32 or
+bfloat16 weights packed (``prepack.py``), one rank, no q/k norm, the ``cpu``
+attention backend, and a pure decode step (one new token per sequence, all
+of them sampled). Everything else — prefill, mixed steps, tensor
+parallelism — runs the model. The weights are captured when it is built;
+if the layers are repacked later it notices and stands aside.
 """
 
 from __future__ import annotations
@@ -51,9 +35,9 @@ import torch
 from torch import nn
 
 from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.parallel import tp_size
-from minivllm.cpu.prepack import PANEL_MAX_ROWS
 
 ENV_SWITCH = "MINIVLLM_FUSED_DECODE"
 _NONE = torch.empty(0)  # "no bias" in the flat weight list
@@ -85,10 +69,11 @@ def _linears(model: nn.Module) -> list[nn.Module]:
                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
 
-def fused_decode_problem(model: nn.Module) -> Optional[str]:
-    """Why ``model`` (a LlamaModel) cannot take the fused path, or None."""
+def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
+    """Why ``causal_lm`` (a LlamaForCausalLM) cannot be replayed so, or None."""
     if not fused_decode_enabled():
         return f"turned off by {ENV_SWITCH}=0"
+    model = causal_lm.model
     first = model.layers[0]
     if first.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {first.input_layernorm.weight.dtype} (float32 and bfloat16 only)"
@@ -102,67 +87,65 @@ def fused_decode_problem(model: nn.Module) -> Optional[str]:
         return f"attention backend {first.self_attn.attn.backend.name!r} (needs 'cpu')"
     if first.self_attn.rotary_emb.cos_cache.dtype != torch.float32:
         return "the RoPE tables are not float32 (the C++ RoPE kernel needs them so)"
-    if any(lin.packed_weight is None for lin in _linears(model)):
-        return "linear weights are not prepacked (prepack off: MINIVLLM_CPU_PREPACK=0)"
+    if any(getattr(lin, "packed_weight", None) is None
+           for lin in _linears(model) + [causal_lm.lm_head]):
+        return ("linear weights are not prepacked (MINIVLLM_CPU_PREPACK=0, or a dtype "
+                "this CPU cannot pack)")
     if len({layer.mlp.gate_up_proj.packed_weight.halves for layer in model.layers}) > 1:
         return "gate_up weights packed in two layouts (the C++ loop takes one for all)"
     return ops.cpu_kernels_problem()  # last: it may compile the kernels
 
 
 class LlamaFusedDecode:
-    """Runs a LlamaModel's pure decode steps through ``llama_decode_forward``."""
+    """Replays a LlamaForCausalLM's pure decode steps through ``llama_decode_forward``."""
 
-    def __init__(self, model: nn.Module, lm_head: Optional[nn.Module] = None) -> None:
-        self.model = model
+    def __init__(self, causal_lm: nn.Module) -> None:
+        model = self.model = causal_lm.model
         self.weights = [t for layer in model.layers for t in _layer_tensors(layer)]
         self.packed = [lin.packed_weight for lin in _linears(model)]
         # gate_up's panels pair gate and up columns (every layer packed alike):
         # the C++ step then applies SiLU-and-mul in that product's epilogue.
         self.gate_up_halves = all(layer.mlp.gate_up_proj.packed_weight.halves
                                   for layer in model.layers)
-        # The LM head, if it is packed (else ``logits`` leaves it to the caller's
-        # compute_logits and returns None).
-        self.lm_head = lm_head if getattr(lm_head, "packed_weight", None) is not None else None
-        self.head_tensors = _linear_tensors(self.lm_head) if self.lm_head is not None else []
-        self.head_packed = self.lm_head.packed_weight if self.lm_head is not None else None
+        self.lm_head = causal_lm.lm_head
+        self.head_tensors = _linear_tensors(self.lm_head)
+        self.head_packed = self.lm_head.packed_weight
         first = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim, self.scale = first.head_dim, first.attn.scale
         self.eps = model.norm.eps
         self.rotary = first.rotary_emb
-        self.steps = 0  # decode steps taken here (the tests check the path is used)
-        self.head_steps = 0  # of which with the LM head
+        self.steps = 0  # decode steps replayed (the tests check the path is used)
         self._caches: Optional[tuple[list, list]] = None
         self._first_attn = first.attn
 
-    def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A pure decode step this loop can run with the weights it captured."""
+    def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> bool:
+        """A pure decode step that samples every sequence, with the weights captured."""
+        # The sampled rows are distinct and in order: as many as tokens means all.
         # Not a pure prefill: the C++ loop reads every sequence back through its
-        # block table, which fresh one-token prompts without cache slots lack
-        # (AttentionMetadata.for_prefill); the Python layers attend to them directly.
+        # block table, which one-token prompts without cache slots lack
+        # (AttentionMetadata.for_prefill); the model attends to them directly.
         return (meta.max_query_len == 1 and input_ids.shape[0] == meta.num_seqs
+                and logits_indices.numel() == input_ids.shape[0]
                 and meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None
                 and not meta.is_pure_prefill and self._caches_bound()
                 and self._weights_current())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """The final hidden states [T, hidden] of an accepted step."""
-        return self._run(input_ids, positions, meta, head=False)
-
-    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               meta: AttentionMetadata) -> Optional[torch.Tensor]:
-        """Every sequence's logits [T, vocab_size] of an accepted step, or None
-        when the LM head is not packed (then: compute_logits on ``__call__``'s)."""
-        if self.lm_head is None or self.lm_head.packed_weight is not self.head_packed:
-            return None
+        """Every sequence's logits [T, vocab_size] of an accepted step."""
         return self._run(input_ids, positions, meta, head=True)[:, :self.lm_head.vocab_size]
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states [T, hidden] (what the model's forward returns)."""
+        return self._run(input_ids, positions, meta, head=False)
 
     def _run(self, input_ids, positions, meta, head: bool) -> torch.Tensor:
         k_caches, v_caches = self._caches
         hidden = self.model.embed_tokens(input_ids)
         self.steps += 1
-        self.head_steps += head
         return ops.llama_decode_forward(
             hidden, positions, meta.slot_mapping, meta.block_tables.to(torch.int32),
             meta.seq_lens.to(torch.int32), self.rotary.cos_cache, self.rotary.sin_cache,
@@ -184,4 +167,5 @@ class LlamaFusedDecode:
 
     def _weights_current(self) -> bool:
         # Repacking makes new PackedWeight objects; then our captured panels are stale.
-        return self.model.layers[0].self_attn.qkv_proj.packed_weight is self.packed[0]
+        return (self.model.layers[0].self_attn.qkv_proj.packed_weight is self.packed[0]
+                and self.lm_head.packed_weight is self.head_packed)

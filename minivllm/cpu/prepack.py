@@ -3,53 +3,35 @@
 A GEMM kernel reads its right-hand matrix in its own tile order, so a plain
 ``F.linear`` first copies ("packs") the whole weight into that order — on
 every call, for every layer. With the few dozen rows of a decode step the
-packing costs about as much as the product itself. MKL can pack a weight
-once (``cblas_sgemm_pack``) and multiply by the packed copy afterwards;
-PyTorch exposes that as ``torch.ops.mkl._mkl_reorder_linear_weight`` and
-``torch.ops.mkl._mkl_linear`` (what ``torch.compile`` uses for frozen CPU
-linears). On this project's 2-core CPU, running every weight of the default
-model once (so they stream from memory, as in a real step), the products
-take 75 ms instead of 116 ms at 32 rows and 173 ms instead of 226 ms at 128
-rows; whole decode runs of 32 requests get 25-40 % more tokens/s. A single
-row is a matrix-vector product: every weight is used once, so packing buys
-nothing, and it reads the ordinary weight (see the end of this note).
+packing costs about as much as the product itself. So the weights are
+packed once, after loading, and each product picks by its row count:
 
-The price is memory: the packed copies (about 1.3x the weights) sit next to
-the originals, which stay for the embedding lookup, one-row steps and
-anyone who reads the weights. ``MINIVLLM_CPU_PREPACK=0`` turns it off.
+- **one float32 row** (a single stream's decode step): ``matvec``
+  (``csrc/gemm.cpp``) over the ordinary row-major weight. Every weight is
+  used once, so packing buys nothing; four weight rows stream side by side
+  with software prefetching.
+- **2 to ``panel_max_rows`` float32 rows** (decode batches, small prefill
+  chunks), with AVX-512: minivllm's panel kernel (``csrc/gemm.cpp``), the
+  weight in panels of 32 columns, the next panel prefetched while the
+  current one is multiplied, so that streaming the weights from memory
+  overlaps the arithmetic. Beyond ``panel_max_rows`` the rows no longer fit
+  in the L2 cache next to a panel.
+- **more float32 rows**, or no AVX-512: MKL's packed GEMM
+  (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``, what
+  ``torch.compile`` uses for frozen CPU linears).
+- **bfloat16**, any rows: oneDNN's packed GEMM
+  (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``),
+  where the CPU lets oneDNN pack bfloat16 (AVX-512 or AVX-NE-CONVERT,
+  ``features.py``); elsewhere plain ``F.linear``, said once in the log.
+
+The price is memory: the packed copies sit next to the originals, which stay
+for the embedding lookup, one-row steps and anyone who reads the weights.
+Results equal ``F.linear`` up to float rounding (a different summation
+order), like any change of GEMM kernel. Chapter 14 measures each choice.
 
 The packed copy is a snapshot: ``prepack_model`` runs once after the
-weights are loaded (the model runner does it); change the weights later and
-call it again (or ``unpack_model``). Results equal ``F.linear`` up to float
-rounding (a different summation order), like any change of GEMM kernel.
-
-bfloat16 takes oneDNN's equivalent (``torch.ops.mkldnn._reorder_linear_weight``
-and ``_linear_pointwise``, again what ``torch.compile`` emits), and there it
-matters even more: the unpacked bfloat16 product re-lays the weight out on
-every call, whatever the number of rows, so a one-row step of the default
-model spent about 280 ms in its matrix products against about 18 ms packed
-(measured on the 2-core CPU, all 121 weights in turn). In bfloat16 every row
-count therefore goes through the packed weight.
-
-float32 batches of 2 to ``PANEL_MAX_ROWS`` rows (decode steps, small prefill
-chunks) take a third way, minivllm's own kernel (``csrc/gemm.cpp``): the weight in panels of 32
-columns, the next panel prefetched while the current one is multiplied, so
-that streaming the weights from memory overlaps the arithmetic. Measured on
-the 2-core CPU, all 121 weights of the default model in turn, best of five
-alternating repeats (a busy moment of a shared machine): 8 rows 34 ms against
-MKL's 43, 16 rows 48 against 56, 32 rows 59 against 65, 64 rows 110 against
-118. The 120 weights of the decoder layers, best of six alternating repeats
-(another day): 128 rows 169 ms against 181, 192 rows 251 against 256, 256 rows
-323 against 329. Beyond that the rows no longer fit in the 2 MB L2 cache
-next to a panel and would stream from memory once per panel, so MKL takes
-over. It needs AVX-512; elsewhere MKL serves these rows too. The panels are
-one more copy of each float32 weight.
-
-A single float32 row takes minivllm's ``matvec`` (``csrc/gemm.cpp``) over
-the row-major weight: four weight rows streamed side by side with software
-prefetching. All 121 weights in turn, best of seven: 23-24 ms against 25-27
-ms for ``F.linear`` (MKL's sgemv), about 23 GB/s against 20-21, which is
-more than a PyTorch sum over a large tensor reaches on this machine.
+weights are loaded; change the weights later and call it again (or
+``unpack_model``).
 """
 
 from __future__ import annotations
@@ -73,15 +55,10 @@ PANEL_MAX_ROWS = 256
 ENV_SWITCH = "MINIVLLM_CPU_PREPACK"  # "0" turns prepacking off (for A/B benchmarks)
 
 
-# The batch-size hint given to MKL's packing. A packed weight serves any
-# number of rows, but the hint picks the layout, and a product far from it
-# runs slower. With the panel kernel built, MKL serves only the larger
-# batches (prefill chunks, and the LM head's bigger steps): there a hint of 512
-# ran 1-29 % faster than 32 on the layers' products at 512 and 2048 rows
-# (most on the largest) and 20-50 % faster on the LM head's 64-256 rows,
-# while a hint of 2048 was up to 40 % slower below 2048 rows (2-core CPU,
-# alternating in one process). Without it MKL also serves the
-# decode steps, hence the decode-sized hint.
+# The batch-size hint given to MKL's packing picks its layout; a product far
+# from it runs slower. With the panel kernel, MKL serves only the larger
+# batches (prefill chunks, the LM head's bigger steps); without it, the
+# decode steps too.
 PACK_HINT_ROWS = 32
 PACK_HINT_ROWS_LARGE = 512
 
@@ -169,8 +146,8 @@ def prepack_model(model: nn.Module) -> int:
     """Pack every weight of a module that supports it; returns how many were packed.
 
     A module opts in by having a ``packed_weight`` attribute (the linear
-    layers and the LM head do), and may set its own ``panel_max_rows`` and
-    ``pack_halves`` (a [gate; up] projection).
+    layers' and the LM head's twins do, ``layers.py``), with its own
+    ``panel_max_rows`` and ``pack_halves`` (a [gate; up] projection).
     """
     count = 0
     for module in model.modules():

@@ -12,10 +12,17 @@ chunks and decode tokens alike — into one flat batch:
 runs the model once over it, and samples only for the sequences whose step
 reaches the end of their known tokens (a middle prefill chunk produces no
 token: its logits would predict a prompt token we already know).
+
+On a CPU with the C++ acceleration (``minivllm/cpu``, ``cpu_kernels``), the
+runner plugs it in once at start-up: the layers get their accelerated twins,
+and a pure decode step is replayed through one C++ call instead of running
+the model, as vLLM's runner replays CUDA graphs. The model itself never
+knows.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,11 +35,12 @@ from minivllm.engine.outputs import LogprobInfo
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.attention.selector import get_attention_backend
+from minivllm.logger import info_once
 from minivllm.model.layers.parallel import collective_stats, tp_size
-from minivllm.cpu.prepack import prepack_enabled, prepack_model
 from minivllm.model.loader import load_model
 from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
+CPU_KERNELS_ENV = "MINIVLLM_CPU_KERNELS"  # "0": the environment form of cpu_kernels=False
 # On CPU the KV cache gets this much memory unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # On CUDA, this fraction of the memory free after loading the model.
@@ -57,19 +65,50 @@ class ModelRunnerOutput:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def cpu_kernels_problem(config: EngineConfig) -> Optional[str]:
+    """Why this engine runs without the CPU acceleration, or None when it uses it.
+
+    ``cpu_kernels=None`` takes it where it builds; ``True`` insists (an error
+    if it cannot build); ``False`` or ``MINIVLLM_CPU_KERNELS=0`` never import it.
+    """
+    if config.cpu_kernels is False:
+        return "cpu_kernels=False"
+    if config.cpu_kernels is None and os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+        return f"turned off by {CPU_KERNELS_ENV}=0"
+    if torch.device(config.device).type != "cpu":
+        problem = f"device {config.device!r} is not the CPU"
+    else:
+        from minivllm.cpu._custom_ops import build_problem
+
+        problem = build_problem()
+    if problem is not None and config.cpu_kernels:
+        raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
+    if problem is not None and torch.device(config.device).type == "cpu":
+        info_once(f"CPU kernels unavailable ({problem}): running the reference path")
+    return problem
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
-        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.cpu_kernels_problem = cpu_kernels_problem(config)
+        use_kernels = self.cpu_kernels_problem is None
+        self.attn_backend = get_attention_backend(config.attention_backend, self.device,
+                                                  cpu_kernels=use_kernels)
         self.model = load_model(config.model, self.attn_backend, self.device)
-        # Why pure decode steps do not run as one C++ call (None: they do).
-        self.fused_decode_problem: Optional[str] = "weights are not prepacked"
-        if prepack_enabled():
-            prepack_model(self.model)  # CPU float32 / bfloat16: pack GEMM weights once
-            self.fused_decode_problem = self.model.enable_fused_decode()
         self.sampler = Sampler()
+        # A pure decode step replayed in one call (None: every step runs the model).
+        self.decode_replay = None
+        self.decode_replay_problem: Optional[str] = self.cpu_kernels_problem
+        if use_kernels:
+            from minivllm.cpu.accelerate import accelerate
+
+            acc = accelerate(self.model)
+            self.sampler = acc.sampler
+            self.decode_replay, self.decode_replay_problem = (acc.decode_replay,
+                                                              acc.decode_replay_problem)
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -160,8 +199,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the flat batch -> logits of the sampling rows only."""
-        return self.model.compute_step_logits(inputs.input_ids, inputs.positions, inputs.meta,
-                                              inputs.logits_indices)
+        replay = self.decode_replay
+        if replay is not None and replay.accepts(inputs.input_ids, inputs.meta,
+                                                 inputs.logits_indices):
+            return replay(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def execute_model(self, so: SchedulerOutput, forward_fn=None) -> ModelRunnerOutput:
         """Prepare, run (``forward_fn`` lets a TP executor fan the inputs out), sample."""

@@ -38,7 +38,6 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from minivllm.cpu import _custom_ops as ops
 from minivllm.sampling_params import SamplingParams
 
 
@@ -251,8 +250,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def exponential_race(probs: torch.Tensor,
-                     generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                     argmax=torch.argmax) -> torch.Tensor:
     """Sample one token per row: ``argmax(probs / E)``, ``E ~ Exponential(1)``.
 
     ``E_i / probs_i`` is exponential with rate ``probs_i``, and the smallest
@@ -268,15 +267,7 @@ def exponential_race(probs: torch.Tensor,
     # A zero draw would turn a zero-probability token into 0/0 = nan, which
     # argmax ranks first; the smallest normal float keeps every ratio finite.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return argmax(probs / noise)
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of a [rows, vocab] tensor; on CPU a C++ kernel several
-    times faster than ATen's (``csrc/sampler.cpp``), with the same answer."""
-    if x.dim() == 2 and ops.use_cpu_kernels(x):
-        return ops.argmax(x)
-    return x.argmax(dim=-1)
+    return argmax(probs / noise, dim=-1)
 
 
 class TopLogprobs(NamedTuple):
@@ -324,16 +315,20 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The most likely token of each row: greedy sampling."""
+        return x.argmax(dim=dim)
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
-            return argmax(logits)
-        greedy = None if md.all_random else argmax(logits)
+            return self.argmax(logits)
+        greedy = None if md.all_random else self.argmax(logits)
         logits = logits / md.temperature[:, None]
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        sampled = exponential_race(logits.softmax(dim=-1), md.generators)
+        sampled = exponential_race(logits.softmax(dim=-1), md.generators, self.argmax)
         if md.all_random:
             return sampled
         return torch.where(md.greedy_mask, greedy, sampled)

@@ -2,10 +2,10 @@
 
 Precedence: the engine argument ``attention_backend`` if given, else the
 environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the device default
-("triton" on CUDA, "cpu" on CPU — the torch backend with a C++ decode kernel —
-falling back to "torch" where that kernel cannot be built). Triton is imported
-only here, and only when the Triton backend is wanted, so ``import minivllm``
-works without it.
+("triton" on CUDA; on CPU "cpu" — batched, with C++ kernels, from
+``minivllm/cpu`` — when the CPU acceleration is on, else the "torch"
+reference). Triton and ``minivllm.cpu`` are imported only here, and only
+when their backend is wanted, so ``import minivllm`` works without them.
 """
 
 from __future__ import annotations
@@ -23,20 +23,23 @@ BACKEND_NAMES = ("torch", "triton", "cpu")
 ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
 
 
-def default_backend_name(device: torch.device) -> str:
-    return {"cuda": "triton", "cpu": "cpu"}.get(device.type, "torch")
+def default_backend_name(device: torch.device, cpu_kernels: bool = True) -> str:
+    if device.type == "cpu":
+        return "cpu" if cpu_kernels else "torch"
+    return {"cuda": "triton"}.get(device.type, "torch")
 
 
-def get_attention_backend(name: Optional[str] = None,
-                          device: torch.device | str = "cpu") -> AttentionBackend:
-    """A backend instance. Raises if the one asked for is unknown or cannot run here."""
+def get_attention_backend(name: Optional[str] = None, device: torch.device | str = "cpu",
+                          cpu_kernels: bool = True) -> AttentionBackend:
+    """A backend instance. Raises if the one asked for is unknown or cannot run here.
+    ``cpu_kernels=False``: the engine runs without the CPU acceleration."""
     device = torch.device(device)
     if name is not None:
         source = "attention_backend"
     elif os.environ.get(ENV_VAR, "").strip():
         name, source = os.environ[ENV_VAR].strip(), f"environment variable {ENV_VAR}"
     else:
-        name, source = default_backend_name(device), "default"
+        name, source = default_backend_name(device, cpu_kernels), "default"
     if name not in BACKEND_NAMES:
         allowed = ", ".join(repr(n) for n in BACKEND_NAMES)
         raise ValueError(f"{source}={name!r} is not an attention backend; allowed: {allowed}")
@@ -44,6 +47,9 @@ def get_attention_backend(name: Optional[str] = None,
     if name == "torch":
         return TorchAttentionBackend()
     if name == "cpu":
+        if not cpu_kernels:
+            raise RuntimeError(f"{source}='cpu' needs the CPU acceleration, which this "
+                               f"engine runs without (cpu_kernels); use 'torch'")
         return _cpu_backend(device, source)
     problem = triton_problem(device)
     if problem is None:
@@ -58,12 +64,14 @@ def get_attention_backend(name: Optional[str] = None,
 
 
 def _cpu_backend(device: torch.device, source: str) -> AttentionBackend:
-    from minivllm.cpu import _custom_ops
-    from minivllm.cpu.attention import CPUAttentionBackend
-
-    problem = (_custom_ops.cpu_kernels_problem() if device.type == "cpu"
-               else f"it runs on CPU tensors, not on {device.type!r}")
+    problem = None if device.type == "cpu" else f"it runs on CPU tensors, not on {device.type!r}"
     if problem is None:
+        from minivllm.cpu import _custom_ops
+
+        problem = _custom_ops.build_problem()
+    if problem is None:
+        from minivllm.cpu.attention import CPUAttentionBackend
+
         return CPUAttentionBackend()
     if source == "default":  # nobody asked for it: the torch path does the same work
         return TorchAttentionBackend()

@@ -1,300 +1,75 @@
-"""Reference paged attention in plain PyTorch: runs on any device.
+"""Reference paged attention in plain PyTorch: one sequence at a time, any device.
 
-It is also the CPU production path, so it batches instead of looping over
-sequences, and it plans each step once instead of once per layer:
+For each sequence of the flat batch:
 
-- **decode** rows (one new token after cached ones) are gathered into one
-  padded batch: one ``index_select`` copies every sequence's keys out of the
-  paged cache, already ordered [sequence, KV head, position], and one
-  ``scaled_dot_product_attention`` call covers them all. The query heads that
-  share a KV head become rows of one query matrix (grouped-query attention
-  without copying K/V once per query head).
-- **prefill** rows (several new tokens) are padded into batches of similar
-  length; a prompt with no cached context attends to its fresh K/V, a chunk
-  after cached tokens reads its context through the block table.
+1. its new queries are rows ``query_start_loc[i] : query_start_loc[i + 1]``;
+2. its keys and values — cached context and the new tokens, which the layer
+   has just written — are read back from the paged cache through its block
+   table (``gather_kv``);
+3. each query attends causally: the query at position ``p`` sees keys
+   ``0..p``; query heads share KV heads in groups (grouped-query attention).
 
-What depends only on the step's metadata — which rows decode, the block ids
-to gather, the masks — is computed at the first layer and kept on the
-metadata object (``AttentionMetadata.plan_cache``) for the other layers.
+This is the oracle the tests hold the other backends to. The CPU's
+production backend (``minivllm/cpu/attention.py``) batches the same work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from minivllm.model.attention.backend import AttentionBackend, AttentionMetadata
-
-# A prefill batch may cost at most this many times the attention work of its
-# sequences unpadded (plus a small allowance), or it is split.
-MAX_PADDING_FACTOR = 2.0
-PADDING_ALLOWANCE = 4096
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """K or V of one sequence, [seq_len, num_kv_heads, head_dim], read through its blocks."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]
+    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, Hkv, D]
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
-def _sdpa(q, k, v, scale, mask=None, causal=False):
-    """q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H, D] (GQA by head groups)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """One sequence: q [n, H, D] its last n positions; k, v [L, Hkv, D] all L of them."""
+    n, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads  # query heads per KV head
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [H, n, L]
+    positions = torch.arange(seq_len - n, seq_len, device=q.device)  # the queries'
+    future = torch.arange(seq_len, device=q.device)[None, :] > positions[:, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return out.to(q.dtype)
 
-
-# --------------------------------------------------------------------------
-# The per-step plan (built once, used by every layer)
-# --------------------------------------------------------------------------
-
-@dataclass
-class DecodePlan:
-    token_idx: Optional[torch.Tensor]  # [B] rows of the flat batch; None: all rows, in order
-    kv_len: int  # L: keys gathered per sequence (the longest one's, block-rounded)
-    kv_rows: torch.Tensor  # [B * Hkv * L] rows of the cache viewed as [-1, head_dim]
-    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where key position < seq_len, else -inf
-    # The decode sequences' own rows of the metadata (for kernels that read the
-    # cache through the block tables themselves).
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32
-
-
-@dataclass
-class PrefillBatch:
-    """Sequences padded to ``q_len`` query rows and ``kv_len`` keys each."""
-
-    num_seqs: int
-    q_len: int
-    kv_len: int
-    q_idx: torch.Tensor  # [S * q_len] rows of the flat batch (padding repeats a real row)
-    # [S * Hkv * kv_len] rows of the fresh k/v (no context) or of the cache
-    # (with context), both viewed as [-1, head_dim].
-    kv_rows: torch.Tensor
-    from_cache: bool
-    # [S, 1, q_len, kv_len] additive; None for fresh prompts: queries and keys
-    # then both start at position 0, so plain causal masking is exact for the
-    # real rows (padding rows, at the end, see padding keys and are dropped).
-    mask: Optional[torch.Tensor]
-    valid: torch.Tensor  # [real tokens] positions in the padded [S * q_len] layout
-    out_idx: torch.Tensor  # [real tokens] their rows in the flat batch
-
-
-@dataclass
-class StepPlan:
-    decode: Optional[DecodePlan]
-    prefills: list[PrefillBatch]
-
-
-def plan_step(meta: AttentionMetadata, block_size: int, num_kv_heads: int,
-              dtype: torch.dtype, device: torch.device) -> StepPlan:
-    """Sort the step's sequences into one decode batch and padded prefill batches."""
-    starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
-    decode_rows: list[int] = []
-    fresh: list[tuple[int, int, int]] = []  # (seq index, first row, query length)
-    chunks: list[tuple[int, int, int]] = []
-    for i, seq_len in enumerate(seq_lens):
-        lo, q_len = starts[i], starts[i + 1] - starts[i]
-        if q_len == 0:
-            continue
-        if q_len == seq_len:
-            fresh.append((i, lo, q_len))
-        elif q_len == 1:
-            decode_rows.append(i)
-        else:
-            chunks.append((i, lo, q_len))
-    shape = _Shape(block_size, num_kv_heads, dtype, device)
-    decode = _plan_decode(meta, decode_rows, starts, seq_lens, shape) if decode_rows else None
-    prefills = [_plan_prefill(meta, group, seq_lens, False, shape)
-                for group in _group_by_length(fresh, seq_lens)]
-    prefills += [_plan_prefill(meta, group, seq_lens, True, shape)
-                 for group in _group_by_length(chunks, seq_lens)]
-    return StepPlan(decode, prefills)
-
-
-@dataclass
-class _Shape:
-    block_size: int
-    num_kv_heads: int
-    dtype: torch.dtype
-    device: torch.device
-
-
-def _head_major_rows(token_rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Token rows [S, L] of a [tokens, Hkv, D] tensor -> rows of its [-1, D] view,
-    ordered [S, Hkv, L]: one gather yields K/V already laid out head by head.
-
-    (Gathering 256-byte head rows this way is also about twice as fast on CPU
-    as gathering whole 16-token blocks and transposing.)"""
-    heads = torch.arange(num_kv_heads, device=token_rows.device)
-    return (token_rows[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
-
-
-def _cache_rows(meta, seqs: list[int], num_blocks: int, shape: _Shape) -> torch.Tensor:
-    """Cache token slots of the first ``num_blocks`` blocks of each sequence, [S, L]."""
-    rows = torch.tensor(seqs, device=shape.device)
-    # Padding entries (-1) point at block 0: read, then masked out.
-    blocks = meta.block_tables[rows, :num_blocks].long().clamp_min(0)
-    offsets = torch.arange(shape.block_size, device=shape.device)
-    return (blocks[:, :, None] * shape.block_size + offsets).reshape(len(seqs), -1)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as the additive one attention kernels use (made once per step)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf"))
-
-
-def _plan_decode(meta, seqs, starts, seq_lens, shape: _Shape) -> DecodePlan:
-    lens = [seq_lens[i] for i in seqs]
-    num_blocks = (max(lens) + shape.block_size - 1) // shape.block_size
-    kv_len = num_blocks * shape.block_size
-    in_order = len(seqs) == len(seq_lens) and all(starts[i] == i for i in seqs)
-    kv_rows = _head_major_rows(_cache_rows(meta, seqs, num_blocks, shape), shape.num_kv_heads)
-    key_pos = torch.arange(kv_len, device=shape.device)
-    allowed = key_pos[None, :] < torch.tensor(lens, device=shape.device)[:, None]
-    if in_order:
-        token_idx, tables, lens_t = None, meta.block_tables, meta.seq_lens
-    else:
-        token_idx = torch.tensor([starts[i] for i in seqs], device=shape.device)
-        rows = torch.tensor(seqs, device=shape.device)
-        tables, lens_t = meta.block_tables[rows], meta.seq_lens[rows]
-    return DecodePlan(token_idx, kv_len, kv_rows, _additive(allowed, shape.dtype)[:, None, None],
-                      tables.to(torch.int32), lens_t.to(torch.int32))
-
-
-def _group_by_length(seqs: list[tuple[int, int, int]], seq_lens: list[int]
-                     ) -> list[list[tuple[int, int, int]]]:
-    """Split sequences into batches whose padding does not blow up the work."""
-    seqs = sorted(seqs, key=lambda s: seq_lens[s[0]], reverse=True)
-    groups: list[list[tuple[int, int, int]]] = []
-    for s in seqs:
-        if groups:
-            group = groups[-1] + [s]
-            real = sum(q * seq_lens[i] for i, _, q in group)
-            padded = len(group) * max(q for _, _, q in group) * seq_lens[group[0][0]]
-            if padded <= MAX_PADDING_FACTOR * real + PADDING_ALLOWANCE:
-                groups[-1] = group
-                continue
-        groups.append([s])
-    return groups
-
-
-def _plan_prefill(meta, group, seq_lens, from_cache, shape: _Shape) -> PrefillBatch:
-    q_len = max(q for _, _, q in group)
-    kv_len = max(seq_lens[i] for i, _, _ in group)
-    q_idx, valid, out_idx, kv_idx, q_pos, kv_valid = [], [], [], [], [], []
-    for s, (i, lo, n) in enumerate(group):
-        ctx = seq_lens[i] - n  # cached tokens before this chunk
-        q_idx += [lo + min(j, n - 1) for j in range(q_len)]
-        valid += range(s * q_len, s * q_len + n)
-        out_idx += range(lo, lo + n)
-        # A padding query row sits at the last real position: it sees real keys.
-        q_pos.append([ctx + min(j, n - 1) for j in range(q_len)])
-        kv_valid.append(seq_lens[i])
-        if not from_cache:
-            kv_idx.append([lo + min(j, n - 1) for j in range(kv_len)])
-    tensor = lambda x: torch.tensor(x, device=shape.device)  # noqa: E731
-    if not from_cache:
-        kv_rows = _head_major_rows(tensor(kv_idx), shape.num_kv_heads)
-        return PrefillBatch(len(group), q_len, kv_len, tensor(q_idx), kv_rows, False,
-                            None, tensor(valid), tensor(out_idx))
-    num_blocks = (kv_len + shape.block_size - 1) // shape.block_size
-    slots = _cache_rows(meta, [i for i, _, _ in group], num_blocks, shape)
-    key_pos = torch.arange(num_blocks * shape.block_size, device=shape.device)
-    # Query j of a chunk after ctx cached tokens sits at position ctx + j and
-    # sees keys up to it (bottom-right causal); keys past seq_len are padding.
-    allowed = ((key_pos[None, None, :] <= tensor(q_pos)[:, :, None])
-               & (key_pos[None, None, :] < tensor(kv_valid)[:, None, None]))
-    return PrefillBatch(len(group), q_len, num_blocks * shape.block_size, tensor(q_idx),
-                        _head_major_rows(slots, shape.num_kv_heads), True,
-                        _additive(allowed, shape.dtype)[:, None], tensor(valid),
-                        tensor(out_idx))
-
-
-# --------------------------------------------------------------------------
-# The backend
-# --------------------------------------------------------------------------
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
-        # (slot_mapping, its entries >= 0 or None if all are): every layer of a
-        # step writes through the same slot_mapping, so check it once.
-        self._last_slots: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
-
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        last = self._last_slots
-        if last is None or last[0] is not slot_mapping:
-            keep = slot_mapping >= 0
-            last = self._last_slots = (slot_mapping, None if bool(keep.all()) else keep)
-        keep = last[1]
-        if keep is not None:
-            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        """Token t's K and V go to slot ``slot_mapping[t]`` (-1: nowhere)."""
+        keep = slot_mapping >= 0
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
 
     def forward(self, q, k, v, k_cache: Optional[torch.Tensor],
                 v_cache: Optional[torch.Tensor], meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        plan = self._plan(meta, k_cache, k.shape[1], q.dtype, q.device)
-        if plan.decode is not None and not plan.prefills and plan.decode.token_idx is None:
-            return self._decode(q, k_cache, v_cache, plan.decode, scale)  # pure decode step
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
         out = torch.empty_like(q)
-        for batch in plan.prefills:
-            self._prefill(q, k, v, k_cache, v_cache, batch, scale, out)
-        if plan.decode is not None:
-            d = plan.decode
-            out[d.token_idx] = self._decode(q[d.token_idx], k_cache, v_cache, d, scale)
+        for i, seq_len in enumerate(seq_lens):
+            lo, hi = starts[i], starts[i + 1]
+            if seq_len == hi - lo:  # no cached context: the new tokens are all there is
+                keys, values = k[lo:hi], v[lo:hi]
+            elif k_cache is None:
+                raise ValueError(f"sequence {i} has {seq_len - (hi - lo)} cached tokens "
+                                 f"(seq_len > query length) but no KV cache was given")
+            else:
+                keys = gather_kv(k_cache, meta.block_tables[i], seq_len)
+                values = gather_kv(v_cache, meta.block_tables[i], seq_len)
+            out[lo:hi] = sequence_attention(q[lo:hi], keys, values, scale)
         return out
-
-    @staticmethod
-    def _plan(meta: AttentionMetadata, k_cache, num_kv_heads, dtype, device) -> StepPlan:
-        # Keyed by backend: another backend may keep its own plan on the same metadata.
-        plan = meta.plan_cache.get("torch")
-        if plan is None:
-            block_size = k_cache.shape[1] if k_cache is not None else 1
-            plan = plan_step(meta, block_size, num_kv_heads, dtype, device)
-            if k_cache is None and (plan.decode is not None
-                                    or any(b.from_cache for b in plan.prefills)):
-                raise ValueError("a sequence has cached context (seq_len > query length) "
-                                 "but no KV cache was given")
-            meta.plan_cache["torch"] = plan
-        return plan
-
-    @staticmethod
-    def _decode(q, k_cache, v_cache, d: DecodePlan, scale) -> torch.Tensor:
-        """q [B, H, D], one row per decode sequence -> [B, H, D]."""
-        b, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        shape = (b, num_kv_heads, d.kv_len, head_dim)
-        keys = k_cache.view(-1, head_dim).index_select(0, d.kv_rows).view(shape)
-        values = v_cache.view(-1, head_dim).index_select(0, d.kv_rows).view(shape)
-        # Query heads h = j * G + g read KV head j: group them as G query rows.
-        qg = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=d.mask, scale=scale)
-        return out.reshape(b, num_heads, head_dim)
-
-    @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, p: PrefillBatch, scale, out) -> None:
-        num_heads, head_dim = q.shape[1:]
-        num_kv_heads = k.shape[1]
-        qb = q.index_select(0, p.q_idx).view(p.num_seqs, p.q_len, num_heads, head_dim)
-        src_k, src_v = (k_cache, v_cache) if p.from_cache else (k, v)
-        shape = (p.num_seqs, num_kv_heads, p.kv_len, head_dim)
-        keys = src_k.reshape(-1, head_dim).index_select(0, p.kv_rows).view(shape)
-        values = src_v.reshape(-1, head_dim).index_select(0, p.kv_rows).view(shape)
-        res = F.scaled_dot_product_attention(
-            qb.transpose(1, 2), keys, values, attn_mask=p.mask, is_causal=p.mask is None,
-            scale=scale, enable_gqa=num_heads != num_kv_heads)
-        res = res.transpose(1, 2).reshape(p.num_seqs * p.q_len, num_heads, head_dim)
-        out.index_copy_(0, p.out_idx, res.index_select(0, p.valid))

@@ -19,8 +19,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
-from minivllm.cpu.prepack import PackedWeight, linear
 
 
 class LinearBase(nn.Module):
@@ -36,11 +37,9 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        # The GEMM library's packed copy of the weight (CPU float32 / bfloat16), see prepack.py.
-        self.packed_weight: Optional[PackedWeight] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return F.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: Optional[str] = None) -> None:
@@ -52,10 +51,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError(f"weight shape mismatch: checkpoint {tuple(src.shape)}, "
                          f"model expects {tuple(dst.shape)}")
     dst.copy_(src)
-
-
-class ReplicatedLinear(LinearBase):
-    """The same full matrix on every rank."""
 
 
 class ColumnParallelLinear(LinearBase):
@@ -77,8 +72,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  dtype: torch.dtype = torch.float32) -> None:
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, dtype)
-        # Two equal outputs ([gate; up]): the panel kernel may pair them (prepack.py).
-        self.pack_halves = len(output_sizes) == 2 and output_sizes[0] == output_sizes[1]
 
     def weight_loader(self, param, loaded, shard_id=None):
         index = int(shard_id)
@@ -140,5 +133,5 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.packed_weight)
+        out = super().forward(x)
         return all_reduce(out) if self.tp_size > 1 else out

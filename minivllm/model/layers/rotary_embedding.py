@@ -17,7 +17,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from minivllm.cpu import _custom_ops as ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -56,35 +55,11 @@ class RotaryEmbedding(nn.Module):
         #   rotated = x * [cos, cos] + [x2, x1] * [-sin, sin]
         self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
-        # The last positions seen and their (cos, sin): every layer of a step
-        # rotates at the same positions, so one lookup serves them all.
-        self._last: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, D] cos and signed sin for ``positions`` (cached for the same tensor)."""
-        last = self._last
-        if last is not None and last[0] is positions:
-            return last[1], last[2]
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        self._last = (positions, cos, sin)
-        return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hk, D], positions [T] -> rotated (q, k).
-
-        On CPU the C++ kernel (``csrc/pos_encoding.cpp``) rotates q and k in
-        place, so they must belong to the caller (slices of the step's fresh
-        qkv projection output do).
-        """
-        if (ops.use_cpu_kernels(q) and self.cos_cache.dtype == torch.float32
-                and positions.dtype == torch.int64):
-            ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
-            return q, k
-        return self.forward_native(positions, q, k)
-
-    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin(positions)
+        """q [T, Hq, D], k [T, Hk, D], positions [T] -> rotated (q, k)."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D]: the same for every head
+        sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

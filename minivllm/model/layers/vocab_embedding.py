@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
-from minivllm.cpu.prepack import PackedWeight, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -50,22 +49,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the vocabulary; each rank scores its rows, rank 0 gathers."""
 
-    # float32 batches of more rows go to MKL's packed GEMM rather than the panel
-    # kernel (see prepack.py). On a vocabulary-sized weight MKL pulls ahead
-    # sooner than on the layers': the default model's LM head (49152 x 576),
-    # 2-core CPU, alternating in one process, panel kernel against MKL: 32 rows
-    # 10.6 against 12.9 ms, 48 rows 14.8 against 15.5, 64 rows 19.6 against
-    # 18.5, 128 rows 38.0 against 31.7.
-    panel_max_rows = 48
-
-    def __init__(self, vocab_size: int, hidden_size: int,
-                 dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(vocab_size, hidden_size, dtype)
-        self.packed_weight: Optional[PackedWeight] = None  # see prepack.py
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the vocabulary scores of ``hidden``'s rows."""
+        return F.linear(hidden, self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits [rows of hidden, vocab_size] on rank 0; None on the other ranks."""
-        logits = linear(hidden, self.weight, packed=self.packed_weight)
+        logits = self.scores(hidden)
         if self.tp_size > 1:
             logits = gather_last_dim(logits, dst=0)
             if logits is None:

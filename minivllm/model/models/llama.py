@@ -4,9 +4,7 @@ They differ in three switches of ``ModelConfig`` (``attention_bias``,
 ``qk_norm``, ``tie_word_embeddings``), so one implementation serves all.
 The model takes one flat batch of tokens — no batch dimension, no padding —
 and returns hidden states; ``compute_logits`` turns only the rows that
-sample into vocabulary scores. The model runner calls both through
-``compute_step_logits``, which lets a pure decode step run them as one C++
-call.
+sample into vocabulary scores.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from minivllm.model.layers.linear import (MergedColumnParallelLinear, QKVParalle
                                           RowParallelLinear)
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -115,13 +112,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, rotary_emb)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        # Set by LlamaForCausalLM.enable_fused_decode: pure decode steps in one C++ call.
-        self.fused_decode: Optional[LlamaFusedDecode] = None
 
     def forward(self, input_ids, positions, meta, observer=None):
-        fused = self.fused_decode
-        if fused is not None and observer is None and fused.accepts(input_ids, meta):
-            return fused(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -159,34 +151,6 @@ class LlamaForCausalLM(nn.Module):
         """Vocabulary scores of ``hidden``'s rows; with tensor parallelism they are
         gathered on rank 0 and the other ranks get None."""
         return self.lm_head.compute_logits(hidden)
-
-    def compute_step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                            meta: AttentionMetadata,
-                            logits_indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """One step, model and LM head: the logits of the flat batch's rows
-        ``logits_indices`` (None on ranks other than 0, as ``compute_logits``).
-
-        A pure decode step that samples every sequence runs both in one C++
-        call (llama_fused_decode.py).
-        """
-        fused = self.model.fused_decode
-        # The sampled rows are distinct and in order, so as many as there are
-        # tokens means all of them.
-        if (fused is not None and logits_indices.numel() == input_ids.shape[0]
-                and fused.accepts(input_ids, meta)):
-            logits = fused.logits(input_ids, positions, meta)
-            if logits is not None:
-                return logits
-        hidden = self(input_ids, positions, meta)
-        return self.compute_logits(hidden[logits_indices])
-
-    def enable_fused_decode(self) -> Optional[str]:
-        """Run pure decode steps as one C++ call (after prepacking); returns why
-        not, or None when enabled. See llama_fused_decode.py."""
-        problem = fused_decode_problem(self.model)
-        self.model.fused_decode = (LlamaFusedDecode(self.model, self.lm_head)
-                                   if problem is None else None)
-        return problem
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
