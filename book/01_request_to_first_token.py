@@ -35,9 +35,12 @@
 
 
 # %%
+from minivllm.viz.export import save_key_figure
 from minivllm.viz.path import request_path_figure
 
-request_path_figure(1)  # where this chapter is on the request path
+path_map = request_path_figure(1)  # where this chapter is on the request path: all of it
+save_key_figure(path_map, "00_request_path")  # (for `make figures`; a no-op otherwise)
+path_map
 
 # %%
 import os

@@ -274,15 +274,15 @@ ready = ours.recv()
 assert isinstance(ready, EngineCoreReady) and ready.num_blocks == 16
 ours.send(AddRequests([Request("r1", list(range(100, 120)),
                                SamplingParams(temperature=0, max_tokens=4), max_tokens=4)]))
-received, done = [], False
+core_messages, done = [], False
 while not done:  # one EngineCoreOutputs per pass of the loop
-    received.append(ours.recv())
-    print([(o.request_id, o.new_token_ids, o.finish_reason) for o in received[-1].outputs])
-    done = any(o.finished for o in received[-1].outputs)
+    core_messages.append(ours.recv())
+    print([(o.request_id, o.new_token_ids, o.finish_reason) for o in core_messages[-1].outputs])
+    done = any(o.finished for o in core_messages[-1].outputs)
 ours.send(Shutdown())
 core_thread.join(timeout=60)
 assert not core_thread.is_alive()
-assert sum(len(o.new_token_ids) for m in received for o in m.outputs) == 4
+assert sum(len(o.new_token_ids) for m in core_messages for o in m.outputs) == 4
 
 # %% [markdown]
 # ## The real server
@@ -479,8 +479,8 @@ with socket.socket() as sock:
 # tokens did each carry? Predict from `run_busy_loop`, then open the solution.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-per_message = [sum(len(o.new_token_ids) for o in m.outputs) for m in received]
-print(len(received), "messages, tokens in each:", per_message)
+per_message = [sum(len(o.new_token_ids) for o in m.outputs) for m in core_messages]
+print(len(core_messages), "messages, tokens in each:", per_message)
 # One pass of the loop = one step = one message. The prefill step samples the first
 # token, each of the three decode steps one more; then the loop blocks on the pipe
 # (nothing unfinished) until our Shutdown arrives.
