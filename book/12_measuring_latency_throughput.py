@@ -319,9 +319,11 @@ assert 16 / best16 > 2 * (1 / best1)  # ...and the step yields more tokens per s
 
 # %%
 cfg = llm.llm_engine.config.model
+# A fixed 2048 x 2048 product: sized automatically, a busy moment picks a small one
+# whose FLOP/s say more about the load than about the machine.
 roof = measure_roofline(cfg, torch.float32,
                         measure_bandwidth(num_bytes=1 << 29, min_seconds=0.2),
-                        min_seconds=0.2)
+                        matmul_size=2048, min_seconds=0.2)
 ceiling = [roof.ceiling_tokens_per_s(b) for b in BATCHES]
 print(f"{roof.matmul_flops / 1e9:.0f} GFLOP/s, {roof.bandwidth / 1e9:.1f} GB/s, "
       f"{roof.params / 1e6:.1f} M parameters = {roof.weight_bytes / 1e6:.0f} MB")
