@@ -232,6 +232,9 @@ assert exit_code is not None and not process_exists(engine_pid)
 # %%
 engine = llm.llm_engine
 params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+# A short unrelated request first: an engine's first forward pass pays one-time costs
+# (allocations, kernel set-up) that would otherwise land in this request's TTFT.
+llm.generate("Warm-up.", SamplingParams(max_tokens=2), use_tqdm=False)
 llm.trace.clear()
 arrival = time.monotonic()
 request_id = engine.add_request(messages, params, arrival_time=arrival)

@@ -94,6 +94,7 @@ steps = {
     "MLP down": layer0.mlp.down_proj,
     "final RMSNorm": model.model.norm,
 }
+# %%
 seen: dict[str, list] = {}
 
 

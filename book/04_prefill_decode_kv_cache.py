@@ -268,6 +268,7 @@ def timed_forward(inputs, plain=runner.forward):
     return logits
 
 
+# %%
 def recompute_step_seconds(n: int, repeats: int = 2) -> float:
     ids = torch.randint(100, cfg.vocab_size, (n,), generator=gen).tolist()
     best = float("inf")
@@ -289,6 +290,7 @@ def cached_step_seconds(n: int, decode_steps: int = 4) -> float:
     return min(decode_cpu)
 
 
+# %%
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
 runner.forward = timed_forward

@@ -126,6 +126,7 @@ def serve(batches=None):
     return llm.trace.records[first:], outputs
 
 
+# %%
 arrivals = {rid: s.arrival for rid, s in students.items()}
 static_records, static_out = serve(batches=[["A", "C"], ["B"]])
 records, outputs = serve()
@@ -457,6 +458,7 @@ tokens = [t for r, n, c in zip(mixed.scheduled_requests, new, done)
 sampled_rows = [qsl[i + 1] - 1 for i, r in enumerate(mixed.scheduled_requests)
                 if done[i] + new[i] == r.num_tokens]
 
+# %%
 inputs, _ = runner.prepare_inputs(mixed)
 meta = inputs.meta
 assert inputs.input_ids.tolist() == tokens and inputs.positions.tolist() == positions
@@ -588,6 +590,7 @@ def life_of(watched: Request, scheduler: Scheduler, others: list[Request]) -> li
     return rows
 
 
+# %%
 q = make_request("Q", 8, 8)
 tight = Scheduler(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
                   kv_cache_manager=KVCacheManager(num_blocks=5, block_size=4,

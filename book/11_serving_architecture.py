@@ -151,6 +151,7 @@ async def student(rid: str) -> None:
                    "left_at": time.monotonic()}
 
 
+# %%
 await asyncio.gather(*(student(rid) for rid in jobs))
 for _ in range(100):  # C's abort is on its way: wait for the core's answer to it
     if engine.scheduler_stats.num_running_reqs == 0:
@@ -350,6 +351,7 @@ def timed_chat(stream: bool) -> tuple[str, list[tuple[float, int]]]:
     return text, arrived
 
 
+# %%
 streamed_text, streamed_at = timed_chat(stream=True)
 whole_text, whole_at = timed_chat(stream=False)
 print(f"streamed: first text after {streamed_at[0][0] * 1000:.0f} ms, all of it after "
