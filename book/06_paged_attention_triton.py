@@ -176,15 +176,8 @@ assert mixed_diff < 1e-4
 # to match, and the kernel returns exactly the same numbers:
 
 # %%
-def lines(text: str, first: str, last: str) -> str:
-    """The lines of ``text`` from the one containing ``first`` to the one with ``last``."""
-    rows = text.splitlines()
-    i = next(n for n, r in enumerate(rows) if first in r)
-    j = next(n for n, r in enumerate(rows) if n > i and last in r)
-    return "\n".join(rows[i:j + 1])
-
-
-print(lines(source, "# 1. Block-table lookup", "kv_mask ="))
+show_source(triton_attn.paged_attention_kernel.fn, start="# 1. Block-table lookup",
+            end="kv_mask =")
 
 # %%
 gen = torch.Generator().manual_seed(7)
@@ -328,7 +321,8 @@ padded = max(triton_attn.MIN_DOT_ROWS, 1 << math.ceil(math.log2(rows_per_tile)))
 print(f"group size {GROUP}: {queries_per_tile} tokens x {GROUP} heads = {rows_per_tile} rows, "
       f"padded to {padded}")
 print("first rows (token, head in group):", [(r // GROUP, r % GROUP) for r in range(8)])
-print(lines(source, "rows = tl.arange(0, ROWS)", "row_head ="))
+show_source(triton_attn.paged_attention_kernel.fn, start="rows = tl.arange(0, ROWS)",
+            end="row_head =")
 
 # %% [markdown]
 # Sharing a KV head is the same as giving every query head its own copy of it. Copy
