@@ -66,8 +66,9 @@ test-book: notebooks
 serve: setup
 	$(VENV)/bin/minivllm serve
 
+# Every chapter's key figure into figures/; ONLY="01 12" re-runs just those chapters.
 figures: setup sysdeps
-	$(PY) -m minivllm.viz.export figures
+	$(PY) -m minivllm.viz.export figures $(if $(ONLY),--only $(ONLY))
 
 bench: setup
 	$(VENV)/bin/minivllm bench throughput

@@ -33,20 +33,23 @@
 # latency numbers. Later chapters open each stage up; this one shows the whole path
 # once.
 
+
 # %%
-import atexit
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.path import request_path_figure
+
+path_map = request_path_figure(1)  # where this chapter is on the request path: all of it
+save_key_figure(path_map, "00_request_path")  # (for `make figures`; a no-op otherwise)
+path_map
+
+# %%
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
-from pathlib import Path
 
 from openai import OpenAI
 
 from minivllm import LLM, SamplingParams
+from minivllm.entrypoints.launch import ServerProcess
 from minivllm.model.loader import DEFAULT_MODEL_NAME
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.timeline import Span, request_timeline, spans_from_steps
@@ -62,40 +65,13 @@ from minivllm.viz.timeline import Span, request_timeline, spans_from_steps
 #
 # Start the service: `minivllm serve` on a free local port, as a subprocess. Loading the
 # model takes a little while, so we start it now and do other work meanwhile.
+# `ServerProcess` keeps the plumbing out of sight: it picks the port, keeps the server's
+# log in a file, polls `/health`, reads `/stats` and `/metrics`, and stops the server
+# (SIGTERM, as Ctrl-C would) when this notebook's kernel exits, even if a cell fails.
 
 # %%
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-port = free_port()
-script = Path(sys.executable).with_name("minivllm")  # this environment's console script
-launcher = ([str(script)] if script.exists()
-            else [sys.executable, "-m", "minivllm.entrypoints.cli"])
-command = [*launcher, "serve", "--port", str(port), "--num-kv-blocks", "64",
-           "--uvicorn-log-level", "warning"]
-server_log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-server = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
-
-
-def stop_server() -> None:
-    """SIGTERM, as Ctrl-C would: the server stops its engine core and exits."""
-    if server.poll() is None:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    if not server_log.closed:
-        server_log.close()
-        os.unlink(server_log.name)
-
-
-atexit.register(stop_server)  # even if a cell fails, no server outlives this kernel
-print(" ".join(["minivllm", *command[len(launcher):]]), "-> pid", server.pid)
+server = ServerProcess("--num-kv-blocks", "64")  # minivllm/entrypoints/launch.py
+print(server.command, "-> pid", server.pid)
 
 # %% [markdown]
 # ## 2. Messages have to become numbers
@@ -125,25 +101,8 @@ print(len(prompt_ids), "prompt tokens")
 # ready.
 
 # %%
-def wait_until_healthy(url: str, timeout_s: float = 600.0) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if server.poll() is not None:
-            server_log.seek(0)
-            raise RuntimeError(f"the server exited with {server.returncode}:\n"
-                               + server_log.read()[-3000:])
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - start
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
-
-
-base = f"http://127.0.0.1:{port}"
-waited = wait_until_healthy(base + "/health")
+waited = server.wait_until_healthy()
+base = server.url
 print(f"healthy after waiting another {waited:.1f} s")
 
 # %% [markdown]
@@ -216,9 +175,7 @@ client_view
 # process ID:
 
 # %%
-import json
-
-stats = json.loads(urllib.request.urlopen(base + "/stats").read())
+stats = server.get_json("/stats")
 engine_pid = stats["engine_pid"]
 print(f"API server pid {server.pid}, engine core pid {engine_pid}")
 assert engine_pid != server.pid
@@ -229,31 +186,20 @@ os.kill(engine_pid, 0)  # raises if there is no such process
 # starts when the request reaches the API server's input processing and stops when a
 # token leaves the engine core; the client's clock also includes the HTTP round trip
 # and the JSON events. This was the server's only request, so each histogram's sum is
-# this request's value.
+# this request's value. `server.metric(name)` reads one series of that text.
 
 # %%
-metrics_text = urllib.request.urlopen(base + "/metrics").read().decode()
-
-
-def scrape(name: str) -> float:
-    """One series' value from the Prometheus text (our server labels only the model)."""
-    for line in metrics_text.splitlines():
-        if line.startswith(f"minivllm:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-server_ttft = scrape("time_to_first_token_seconds_sum")
-server_queue = scrape("request_queue_time_seconds_sum")
-server_prefill = scrape("request_prefill_time_seconds_sum")
+server_ttft = server.metric("time_to_first_token_seconds_sum")
+server_queue = server.metric("request_queue_time_seconds_sum")
+server_prefill = server.metric("request_prefill_time_seconds_sum")
 print(f"server: TTFT {server_ttft * 1000:.0f} ms = queue {server_queue * 1000:.0f} ms "
       f"+ prefill {server_prefill * 1000:.0f} ms; client TTFT {client_ttft * 1000:.0f} ms")
-assert scrape("time_to_first_token_seconds_count") == 1
+assert server.metric("time_to_first_token_seconds_count") == 1
 assert abs(server_queue + server_prefill - server_ttft) < 1e-6  # by definition
 assert server_ttft < client_ttft  # the server's interval lies inside the client's
-assert scrape("inter_token_latency_seconds_count") == usage.completion_tokens - 1
-assert scrape("prompt_tokens_total") == usage.prompt_tokens
-assert scrape("generation_tokens_total") == usage.completion_tokens
+assert server.metric("inter_token_latency_seconds_count") == usage.completion_tokens - 1
+assert server.metric("prompt_tokens_total") == usage.prompt_tokens
+assert server.metric("generation_tokens_total") == usage.completion_tokens
 
 # %% [markdown]
 # We have what we need from the server. Stop it the way Ctrl-C would, and check that
@@ -268,12 +214,12 @@ def process_exists(pid: int) -> bool:
         return False
 
 
-stop_server()
+exit_code = server.stop()
 deadline = time.monotonic() + 30
 while process_exists(engine_pid) and time.monotonic() < deadline:
     time.sleep(0.2)
-print("server exit code", server.returncode)
-assert server.returncode is not None and not process_exists(engine_pid)
+print("server exit code", exit_code)
+assert exit_code is not None and not process_exists(engine_pid)
 
 # %% [markdown]
 # ## 5. Prefill: the whole prompt in one step
@@ -286,6 +232,9 @@ assert server.returncode is not None and not process_exists(engine_pid)
 # %%
 engine = llm.llm_engine
 params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+# A short unrelated request first: an engine's first forward pass pays one-time costs
+# (allocations, kernel set-up) that would otherwise land in this request's TTFT.
+llm.generate("Warm-up.", SamplingParams(max_tokens=2), use_tqdm=False)
 llm.trace.clear()
 arrival = time.monotonic()
 request_id = engine.add_request(messages, params, arrival_time=arrival)
@@ -387,6 +336,33 @@ decode_rate = (len(m.token_times) - 1) / m.decode_time
 print(f"this request alone decoded {decode_rate:.1f} tokens/s; a busy server's throughput "
       f"counts all requests' tokens together")
 assert abs(decode_rate - 1 / m.tpot) < 1e-6 * decode_rate  # TPOT is its inverse
+
+# %% [markdown]
+# ## Summary
+#
+# - `minivllm serve` is two processes: the API server (chat template, tokenizer,
+#   detokenizer, HTTP streaming) and the engine core (scheduler, KV cache, model).
+# - A request's prompt is computed in one step (prefill); every later step computes one
+#   token (decode), the one sampled in the step before.
+# - The forward pass is most of a step; TTFT is tokenizing + queueing + the prefill
+#   step, and the client sees it plus the HTTP round trip.
+# - The chapters that follow open each stage of the map at the top of this chapter.
+#
+# ## Exercise
+#
+# The server reported `usage.completion_tokens` output tokens. Without looking at the
+# trace: how many engine steps did the in-process replay take, how many of them were
+# decode steps, and how many inter-token gaps (`m.itl`) are there? Predict, then open
+# the solution.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+n_tokens = usage.completion_tokens
+# One step per output token: the prefill step samples the first, each decode one more.
+assert len(records) == n_tokens
+assert sum(kind == "decode" for _, kind in scheduled) == n_tokens - 1
+assert len(m.itl) == n_tokens - 1  # one gap between each two consecutive tokens
+print(f"{n_tokens} tokens: {len(records)} steps, {n_tokens - 1} of them decodes, "
+      f"{len(m.itl)} gaps")
 
 # %% [markdown]
 # ## Things to try

@@ -27,6 +27,12 @@
 # - that the engine receives exactly the IDs we built;
 # - a text box that re-tokenizes whatever you type.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(2)  # where this chapter is on the request path
+
 # %%
 import ipywidgets as widgets
 from IPython.display import display
@@ -223,6 +229,32 @@ def on_change(change=None) -> None:
 box.observe(on_change, names="value")
 on_change()
 display(box, shown)
+
+# %% [markdown]
+# ## Summary
+#
+# - The application decides what the model sees: it builds the messages (here with the
+#   lab notes in a system message).
+# - The chat template turns the messages into one string with special marker tokens,
+#   and ends with the assistant's opening so that the model answers.
+# - The tokenizer turns that string into token IDs, the only thing the engine core
+#   ever sees. Tokens are not words or characters: a Chinese character can take
+#   several tokens, and a leading space changes the ID.
+#
+# ## Exercise
+#
+# `render_chat(messages, add_generation_prompt=False)` leaves out the assistant's
+# opening at the end. How many tokens does that opening cost, and which are they?
+# Predict from the rendered prompt above, then open the solution.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+with_opening = tokenizer.encode(inputs.render_chat(messages), add_special_tokens=False)
+without = tokenizer.encode(inputs.render_chat(messages, add_generation_prompt=False),
+                           add_special_tokens=False)
+opening = with_opening[len(without):]
+print(len(opening), "tokens:", [tokenizer.decode([t]) for t in opening])
+assert with_opening[:len(without)] == without  # the opening is appended, nothing else moves
+assert tokenizer.decode(opening) == "<|im_start|>assistant\n"
 
 # %% [markdown]
 # ## Things to try

@@ -29,6 +29,12 @@
 # - the top next-token probabilities, and the engine choosing the same token;
 # - where the parameters live.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(3)  # where this chapter is on the request path
+
 # %%
 import ipywidgets as widgets
 import torch
@@ -42,7 +48,9 @@ from minivllm.viz.export import save_key_figure
 from minivllm.viz.heatmap import attention_heatmap
 from minivllm.viz.widgets import show_in
 
-llm = LLM(num_kv_blocks=64)
+# cpu_kernels=False: the plain PyTorch reference path, so the code this chapter shows
+# is the code that runs (chapter 14 switches the CPU kernels on and compares).
+llm = LLM(num_kv_blocks=64, cpu_kernels=False)
 model = llm.engine_core.executor.runner.model  # the engine's own LlamaForCausalLM
 cfg = model.config
 tokenizer = llm.get_tokenizer()
@@ -86,6 +94,7 @@ steps = {
     "MLP down": layer0.mlp.down_proj,
     "final RMSNorm": model.model.norm,
 }
+# %%
 seen: dict[str, list] = {}
 
 
@@ -129,6 +138,71 @@ assert tuple(logits.shape) == (T, V)
 # The embedding is a table lookup: row ids[i] of the weight matrix.
 emb = model.model.embed_tokens(torch.tensor(ids))
 assert torch.equal(emb, model.model.embed_tokens.weight[torch.tensor(ids)])
+
+# %% [markdown]
+# ## Inside the engine: one decoder layer
+#
+# Those shapes come from a few lines of the engine's model
+# (`minivllm/model/models/llama.py`). A decoder layer, taken from the package as it
+# runs:
+
+# %%
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding
+from minivllm.model.models.llama import LlamaDecoderLayer
+from minivllm.viz.source import show_source
+
+show_source(LlamaDecoderLayer.forward)
+
+# %% [markdown]
+# Pre-norm residual blocks: normalise, attend, add back; normalise, MLP, add back. The
+# "add back" of each block is folded into the *next* norm, which is why a norm can
+# take a `residual` and return two tensors (the normalised sum and the new running
+# sum). The norm itself is RMSNorm: divide each row by its root mean square, then
+# scale by a learned weight per channel:
+
+# %%
+show_source(RMSNorm.forward, start="if residual is not None")
+
+# %% [markdown]
+# Written out by hand on the embedding rows, it matches the layer:
+
+# %%
+norm = layer0.input_layernorm
+with torch.inference_mode():
+    x = emb.float()
+    by_hand_norm = norm.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+    torch.testing.assert_close(norm(emb), by_hand_norm.to(emb.dtype))
+    rms_after = (by_hand_norm / norm.weight).pow(2).mean(-1).sqrt()
+print(f"every row's RMS after the division: {rms_after.min():.4f} .. {rms_after.max():.4f}")
+assert torch.allclose(rms_after, torch.ones_like(rms_after), atol=1e-3)
+
+# %% [markdown]
+# RoPE gives attention its sense of order. Each query and key head vector is cut into
+# two halves, and pair *i* of the halves is rotated by the angle `position x freq_i`,
+# with frequencies from fast to slow across the pairs. The tables of cos and sin are
+# built once for every position; `forward` looks up the step's positions:
+
+# %%
+show_source(RotaryEmbedding.forward, start="cos =")
+
+# %% [markdown]
+# The point of rotating both q and k: the score `q . k` then depends only on how far
+# apart the two positions are, not on where they are. Rotate the same q and k at
+# positions (7, 3) and at (107, 103): the scores agree.
+
+# %%
+rope = layer0.self_attn.rotary_emb
+torch.manual_seed(0)
+q1, k1 = torch.randn(1, 1, D), torch.randn(1, 1, D)
+with torch.inference_mode():
+    def score(pq: int, pk: int) -> float:
+        rq, _ = rope(torch.tensor([pq]), q1, k1)
+        _, rk = rope(torch.tensor([pk]), q1, k1)
+        return float((rq * rk).sum())
+    near, far, other = score(7, 3), score(107, 103), score(7, 5)
+print(f"q.k at (7, 3): {near:.4f}; at (107, 103): {far:.4f}; at (7, 5): {other:.4f}")
+assert abs(near - far) < 1e-3 and abs(near - other) > 1e-3
 
 # %% [markdown]
 # ## Layer by layer against Hugging Face
@@ -366,7 +440,32 @@ print(f"MLP {mlp / total:.0%}, embedding {counts['embedding = output head (tied)
 assert mlp > total / 2 and counts["embedding = output head (tied)"] > attention and nkv < nq
 
 # %% [markdown]
+# ## Summary
 #
+# - A forward pass is a table lookup (the embedding), the same decoder layer repeated
+#   (RMSNorm, QKV projection, RoPE, attention, output projection, residual add,
+#   RMSNorm, MLP, residual add), a final norm and a product with the vocabulary.
+# - Every tensor's shape follows from a handful of config numbers, and the engine's
+#   model matches Hugging Face's layer by layer.
+# - RMSNorm rescales each row to unit root mean square; RoPE rotates q and k by their
+#   positions so that a score depends only on the distance between two tokens.
+#
+# ## Exercise
+#
+# Grouped-query attention: how many query heads share one KV head in this model, and
+# how many numbers does one layer's KV cache store per token? Predict from the config
+# printed at the top, then open the solution, which checks against the K/V the engine's
+# layer-0 QKV projection produced.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+group = nq // nkv
+kv_numbers = 2 * nkv * D  # one key and one value vector per KV head
+print(f"{group} query heads per KV head; {kv_numbers} K/V numbers per token per layer")
+assert seen["Q K V projection"] == [(T, (nq + 2 * nkv) * D)]  # q: nq heads, k and v: nkv
+assert kv_numbers == seen["Q K V projection"][0][1] - nq * D
+assert cfg.kv_bytes_per_token == kv_numbers * cfg.num_hidden_layers * cfg.dtype.itemsize
+
+# %% [markdown]
 # ## Things to try
 #
 # - Change `answer_start` to "The capital of Italy is" and watch the top tokens.

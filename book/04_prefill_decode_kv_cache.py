@@ -30,6 +30,12 @@
 #   nearly flat;
 # - what the cache costs: bytes per token for this model and for an 8B model.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(4)  # where this chapter is on the request path
+
 # %%
 import time
 
@@ -41,7 +47,9 @@ from minivllm.model.attention import AttentionMetadata
 from minivllm.viz.bars import component_bars, line_chart
 from minivllm.viz.export import save_key_figure
 
-llm = LLM(num_kv_blocks=64, trace=True)  # 64 blocks × 16 tokens: room for what we run
+# cpu_kernels=False: the plain PyTorch reference path, so the code this chapter shows
+# is the code that runs (chapter 14 switches the CPU kernels on and compares).
+llm = LLM(num_kv_blocks=64, trace=True, cpu_kernels=False)  # 64 blocks x 16 tokens
 model = llm.engine_core.executor.runner.model
 cfg = model.config
 tokenizer = llm.get_tokenizer()
@@ -168,6 +176,71 @@ for i, (k_cache, _) in enumerate(llm.engine_core.executor.runner.kv_caches):
 print(f"prompt keys in the cache = fresh keys, in all {len(fresh_k)} layers")
 
 # %% [markdown]
+# ## Inside the engine: writing and reading the paged cache
+#
+# Each attention layer first writes the step's new keys and values into the cache, then
+# attends. The reference backend (`minivllm/model/attention/torch_attn.py`) writes with
+# one indexed assignment: the model runner has already turned every token's position
+# into a **slot**, `block_table[p // block_size] * block_size + p % block_size`:
+
+# %%
+from minivllm.model.attention.torch_attn import (TorchAttentionBackend, gather_kv,
+                                                 sequence_attention)
+from minivllm.viz.source import show_source
+
+show_source(TorchAttentionBackend.write_kv)
+
+# %% [markdown]
+# Reading a sequence back goes the other way: take its blocks in block-table order and
+# flatten them into one `[seq_len, kv_heads, head_dim]` tensor.
+
+# %%
+show_source(gather_kv)
+
+# %% [markdown]
+# Run both on a toy cache of 4 blocks of 4 slots: 6 tokens of a sequence whose block
+# table is `[2, 0]` land in slots 8-11 and 0-1, and come back in order.
+
+# %%
+toy_k = torch.zeros(4, 4, 1, 2)
+toy_v = torch.zeros_like(toy_k)
+new_k = torch.arange(12.0).reshape(6, 1, 2)
+toy_table = torch.tensor([2, 0])
+toy_slots = torch.tensor([int(toy_table[p // 4]) * 4 + p % 4 for p in range(6)])
+TorchAttentionBackend().write_kv(new_k, new_k, toy_k, toy_v, toy_slots)
+print("slots", toy_slots.tolist(), "| blocks written:",
+      [b for b in range(4) if toy_k[b].abs().sum() > 0])
+assert toy_slots.tolist() == [8, 9, 10, 11, 0, 1]
+assert torch.equal(gather_kv(toy_k, toy_table, 6), new_k)
+
+# %% [markdown]
+# Then attention for one sequence, given its new queries and all of its keys and values.
+# The causal mask is built from positions: the `n` new queries are the *last* `n`
+# positions of the sequence. A prefill has `n = seq_len`; a decode step has `n = 1`:
+
+# %%
+show_source(sequence_attention)
+
+# %% [markdown]
+# So one decode step's attention, the new token's query against every cached key, is
+# exactly the last row of a full pass over the sequence: the reason the cache can stand
+# in for recomputation. With this model's head layout (GQA groups included):
+
+# %%
+torch.manual_seed(0)
+L, nq, nkv = 40, cfg.num_attention_heads, cfg.num_key_value_heads
+q_all = torch.randn(L, nq, cfg.head_dim)
+k_all, v_all = torch.randn(L, nkv, cfg.head_dim), torch.randn(L, nkv, cfg.head_dim)
+scale = cfg.head_dim ** -0.5
+full_pass = sequence_attention(q_all, k_all, v_all, scale)  # a prefill of all 40
+decode_step = sequence_attention(q_all[-1:], k_all, v_all, scale)  # only the newest query
+torch.testing.assert_close(decode_step[0], full_pass[-1])
+# and by hand, for head 0: softmax(q . K^T * scale) V, with K/V of its KV head
+w = torch.softmax(k_all[:, 0] @ q_all[-1, 0] * scale, dim=0)
+torch.testing.assert_close(decode_step[0, 0], w @ v_all[:, 0])
+print(f"decode = last row of the full pass, for all {nq} heads")
+
+# %% [markdown]
 # ## Step time against context length
 #
 # A recompute step at context length *n* pushes *n* tokens through the model. A cached
@@ -195,6 +268,7 @@ def timed_forward(inputs, plain=runner.forward):
     return logits
 
 
+# %%
 def recompute_step_seconds(n: int, repeats: int = 2) -> float:
     ids = torch.randint(100, cfg.vocab_size, (n,), generator=gen).tolist()
     best = float("inf")
@@ -216,6 +290,7 @@ def cached_step_seconds(n: int, decode_steps: int = 4) -> float:
     return min(decode_cpu)
 
 
+# %%
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
 runner.forward = timed_forward
@@ -323,6 +398,102 @@ print(f"{prompt_1k:,} tokens on the 8B model: {c.kv_bytes_per_token * prompt_1k 
 # token, and every generated token adds one more slice. Memory for the cache, not
 # arithmetic, is what limits how many requests can run at once; chapter 5 shows how the
 # engine hands that memory out in blocks.
+
+# %% [markdown]
+# ## How big the KV cache can be
+#
+# How many blocks does the engine allocate when it is not told? The model runner's rule,
+# taken from the package as it runs: a memory budget divided by what one block costs.
+
+# %%
+from minivllm.worker import model_runner
+from minivllm.worker.model_runner import ModelRunner
+
+show_source(ModelRunner.determine_num_blocks, start="budget = cache.kv_cache_memory_bytes")
+
+
+# %% [markdown]
+# By hand: a block holds `block_size` tokens of K/V in every layer. We ask the engine's
+# own `determine_num_blocks` the same question for a few budgets (a copy of the
+# runner's config, with the budget in place of the explicit block count):
+
+# %%
+def engine_num_blocks(budget_bytes: int) -> int:
+    cache = dataclasses.replace(runner.config.cache, num_kv_blocks=None,
+                                kv_cache_memory_bytes=budget_bytes)
+    saved, runner.config = runner.config, dataclasses.replace(runner.config, cache=cache)
+    try:
+        return runner.determine_num_blocks()
+    finally:
+        runner.config = saved
+
+
+block_bytes = block_size * cfg.kv_bytes_per_token
+default_budget = model_runner.DEFAULT_CPU_KV_CACHE_BYTES
+for budget in (64 * 2**20, default_budget, 8 * 2**30):
+    by_hand_blocks = budget // block_bytes
+    assert engine_num_blocks(budget) == by_hand_blocks
+    print(f"budget {budget / 2**30:5.2f} GiB: {by_hand_blocks:6,} blocks = "
+          f"{by_hand_blocks * block_size:7,} tokens")
+assert runner.kv_block_bytes() == block_bytes
+
+# %% [markdown]
+# On a GPU the budget is not a constant: the engine loads the weights first, then takes
+# `DEFAULT_CUDA_KV_CACHE_FRACTION` of the memory still free, and the rest stays for
+# activations (the step's hidden states, the MLP's widest intermediate, the logits).
+# The same arithmetic for the 8B Llama in bfloat16 on an 80 GB GPU, with a step of
+# 8,192 tokens and up to 256 sequences:
+
+# %%
+GPU_BYTES = 80 * 10**9
+weights_8b = params_8b * 2  # bfloat16
+free_after_weights = GPU_BYTES - weights_8b
+budget_8b = int(free_after_weights * model_runner.DEFAULT_CUDA_KV_CACHE_FRACTION)
+TOKENS, SEQS = 8192, 256  # max_num_batched_tokens, max_num_seqs
+activations = (TOKENS * 2 * c.intermediate_size * 2  # gate and up, bfloat16
+               + SEQS * c.vocab_size * 4)  # float32 logits of the sampled rows
+blocks_8b = budget_8b // (16 * c.kv_bytes_per_token)
+print(f"weights {weights_8b / 1e9:.1f} GB, KV budget {budget_8b / 1e9:.1f} GB, "
+      f"activations about {activations / 1e9:.2f} GB")
+print(f"{blocks_8b:,} blocks of 16 = {blocks_8b * 16:,} tokens: "
+      f"{blocks_8b * 16 // 8192} requests of 8,192 tokens at once")
+assert activations < free_after_weights - budget_8b  # the headroom covers them
+
+# %% [markdown]
+# ## Summary
+#
+# - Prefill computes a whole prompt in one pass (the causal mask makes every position
+#   independent of later ones); decode is a chain, one token per step.
+# - A token's K and V never change once computed, so the engine writes them into the
+#   KV cache (one slot per token, found through the block table) and a decode step only
+#   computes the newest token, attending over the cache: the same tokens as recomputing
+#   everything, with far less work per step.
+# - The cache costs `2 x layers x KV heads x head dim x bytes` per token; its size is a
+#   memory budget divided by the cost of a block.
+#
+# ## Exercise: break the cache
+#
+# Change the engine: make the attention backend's `write_kv` do nothing, so no K/V ever
+# reaches the cache, and run the same greedy request again. *Before running it*, predict:
+# is the first output token still right? And the rest of the answer?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+backend = runner.attn_backend
+llm.engine_core.scheduler.reset_prefix_cache()  # no hits from earlier runs
+for k_layer, v_layer in runner.kv_caches:
+    k_layer.zero_()
+    v_layer.zero_()
+backend.write_kv = lambda *args: None  # the engine change: the cache is never written
+try:
+    broken = llm.generate([{"prompt_token_ids": prompt}], greedy,
+                          use_tqdm=False)[0].outputs[0].token_ids
+finally:
+    del backend.write_kv  # back to the class's method
+    llm.engine_core.scheduler.reset_prefix_cache()  # forget the blocks of the broken run
+print("first token right:", broken[0] == answer[0], "| same answer:", broken == answer)
+# The prefill attends over its own new K/V, not the cache: its token survives. Every
+# decode step reads the cache, finds zeros, and goes wrong.
+assert broken[0] == answer[0] and broken != answer
 
 # %% [markdown]
 # ## Things to try

@@ -28,6 +28,12 @@
 #   **block tables** drawn as a map of physical blocks, and a slider over engine steps;
 # - the wasted memory of both layouts, measured step by step on that run.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(5)  # where this chapter is on the request path
+
 # %%
 import math
 
@@ -220,6 +226,145 @@ for rid, table in scattered.items():
 assert scattered  # at least one request's blocks are not one contiguous run
 
 # %% [markdown]
+# ## Inside the engine: the block pool
+#
+# Two small classes keep these books. `BlockPool` (`minivllm/core/block_pool.py`)
+# owns every block's metadata: a reference count (how many requests hold the block)
+# and a queue of free blocks. Handing out blocks takes them from the head of that
+# queue; here is the loop, taken from the package as it runs:
+
+# %%
+from minivllm.core.block_pool import BlockPool
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.viz.source import show_source
+
+show_source(BlockPool.get_new_blocks, start="blocks = []")
+
+# %% [markdown]
+# (`_evict` matters only with prefix caching: a free block may still hold a cached
+# prefix, chapter 8.) Freeing drops one reference per block; a block joins the
+# *tail* of the free queue only when nobody holds it any more:
+
+# %%
+show_source(BlockPool.free_blocks, start="for block in blocks")
+
+# %% [markdown]
+# Above the pool, `KVCacheManager` keeps each request's block table and answers the
+# scheduler's question "room for `n` more tokens?". `allocate_slots` counts the
+# blocks the request will need once those tokens are in, subtracts what it holds,
+# and either takes them all or, if too few are free, takes nothing and says `None`
+# (the scheduler then preempts someone, chapter 7):
+
+# %%
+show_source(KVCacheManager.allocate_slots, start="num_to_allocate = (", end="return new_blocks")
+
+# %% [markdown]
+# And `free` gives a finished request's blocks back, last block first:
+
+# %%
+show_source(KVCacheManager.free, start="blocks = self")
+
+# %% [markdown]
+# Run them by hand: a manager with 6 blocks of 4 slots, two requests growing, one
+# finishing. `Request` is the engine's request object; only its token count matters.
+
+# %%
+from minivllm.core.request import Request
+
+
+def request(rid: str, n_tokens: int) -> Request:
+    return Request(rid, list(range(n_tokens)), SamplingParams(max_tokens=8), max_tokens=8)
+
+
+kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False)
+free_ids = lambda: [b.block_id for b in kv.block_pool.free_block_queue]  # noqa: E731
+a, b = request("a", 6), request("b", 9)
+print("a gets", [x.block_id for x in kv.allocate_slots(a, 6)], "| free", free_ids())
+print("b gets", [x.block_id for x in kv.allocate_slots(b, 9)], "| free", free_ids())
+print("c asks for 20 slots:", kv.allocate_slots(request("c", 20), 20), "| free", free_ids())
+kv.free(a)
+print("a finished, free queue:", free_ids())
+assert kv.get_block_ids("b") == [2, 3, 4] and free_ids() == [5, 1, 0]
+
+# %% [markdown]
+# ## Build it once: a block allocator with reference counts
+#
+# Everything the pool does for a request without prefix caching fits in a few lines:
+# a queue of free block ids and a count per block. `share` is what prefix caching
+# adds (chapter 8): a second request taking a block someone else computed.
+
+# %%
+from collections import deque
+
+
+class MiniBlockPool:
+    def __init__(self, num_blocks: int):
+        self.free = deque(range(num_blocks))  # head: handed out next
+        self.ref_cnt = [0] * num_blocks
+
+    def allocate(self, n: int):
+        if n > len(self.free):
+            return None  # all or nothing
+        ids = [self.free.popleft() for _ in range(n)]
+        for i in ids:
+            self.ref_cnt[i] = 1
+        return ids
+
+    def share(self, ids):
+        for i in ids:
+            if self.ref_cnt[i] == 0:
+                self.free.remove(i)  # a freed block taken back
+            self.ref_cnt[i] += 1
+
+    def release(self, ids):
+        for i in ids:
+            self.ref_cnt[i] -= 1
+            if self.ref_cnt[i] == 0:
+                self.free.append(i)  # tail: reused last
+
+
+# %% [markdown]
+# Check it against the engine, step for step, on the workload above. The trace says
+# which blocks every request held after every step; our pool, asked for the same
+# number of new blocks in the same order, must hand out the very same block ids, and
+# after each step its free count must match the engine's.
+
+# %%
+mini, held = MiniBlockPool(NUM_BLOCKS), {}
+assert not any(r.preempted for r in records)  # no preemption: blocks only grow or go
+for r in records:
+    for rid, table in r.block_tables.items():  # in the order the scheduler allocated
+        have = held.setdefault(rid, [])
+        new = mini.allocate(len(table) - len(have))
+        assert have + new == table, (r.step, rid)
+        have.extend(new)
+    for rid in r.finished:
+        mini.release(reversed(held.pop(rid)))  # last block first, like KVCacheManager.free
+    assert len(mini.free) == r.num_free_blocks, r.step
+print(f"{len(records)} steps: the same block ids and free counts as the engine")
+
+# %% [markdown]
+# Reference counts never exceed 1 in that run (prefix caching was off). To check
+# them too, drive the engine's `BlockPool` and ours with the same operations,
+# sharing included, and compare every count and the order of the free queue:
+
+# %%
+pool, mine = BlockPool(8, enable_caching=False), MiniBlockPool(8)
+ops = [("allocate", 3), ("allocate", 2), ("share", [0, 1]), ("release", [4, 3]),
+       ("release", [2, 1, 0]), ("share", [3]), ("release", [1, 0]), ("allocate", 4)]
+for op, arg in ops:
+    if op == "allocate":
+        got = [b.block_id for b in pool.get_new_blocks(arg)]
+        assert got == mine.allocate(arg)
+    elif op == "share":
+        pool.touch([pool.blocks[i] for i in arg]); mine.share(arg)  # noqa: E702
+    else:
+        pool.free_blocks([pool.blocks[i] for i in arg]); mine.release(arg)  # noqa: E702
+    assert [b.ref_cnt for b in pool.blocks] == mine.ref_cnt, op
+    assert [b.block_id for b in pool.free_block_queue] == list(mine.free), op
+print("ref counts:", mine.ref_cnt, " free queue:", list(mine.free))
+
+# %% [markdown]
 # ## How much memory is wasted?
 #
 # At every step we compare three layouts holding the same requests:
@@ -280,12 +425,42 @@ for o, sp in zip(outputs, params):
               f"{sp.max_tokens} tokens; {sp.max_tokens - n} reserved slots never used")
 
 # %% [markdown]
+# ## Exercise
+#
+# With blocks of 16 slots, a request has a 100-token prompt and stops after 30 answer
+# tokens. How many blocks does it hold at the end, and how many of their slots are
+# empty? (Remember that the last sampled token never enters the cache.) Predict, then
+# open the solution: it grows a request one token at a time through the engine's
+# `KVCacheManager` and compares.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+PROMPT, ANSWER, BS = 100, 30, 16
+in_cache = PROMPT + ANSWER - 1
+predicted = -(-in_cache // BS)  # ceil
+manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=False)
+grow = request("grow", PROMPT)
+manager.allocate_slots(grow, PROMPT)  # the prefill
+grow.num_computed_tokens = PROMPT
+for _ in range(ANSWER - 1):  # each decode step: one sampled token goes into the cache
+    grow.append_output_token(0)
+    manager.allocate_slots(grow, 1)
+    grow.num_computed_tokens += 1
+held_blocks = len(manager.get_block_ids("grow"))
+print(f"{in_cache} tokens in the cache: {held_blocks} blocks, "
+      f"{held_blocks * BS - in_cache} empty slots")
+assert held_blocks == predicted == 9 and held_blocks * BS - in_cache == 15
+
+
+# %% [markdown]
 # ## Summary
 #
 # - The KV cache is one preallocated tensor per layer, cut into blocks of
 #   `block_size` token slots. Requests get block ids, not memory.
 # - A block table maps a request's logical blocks to physical ones, so a request grows
 #   one block at a time, wherever a block is free, and gives them all back when done.
+# - The pool behind it is a free queue and a reference count per block: new blocks
+#   from the head, freed ones to the tail. Our own copy handed out the same block
+#   ids as the engine at every step.
 # - Waste is bounded by one partly filled block per request. A contiguous layout must
 #   reserve for the worst case and, here, admitted far fewer requests at once.
 #

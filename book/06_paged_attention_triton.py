@@ -33,6 +33,12 @@
 # On a CPU the kernel runs in Triton's **interpreter**: the same source, executed by
 # numpy one program at a time. It is slow, so the shapes here are small.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(6)  # where this chapter is on the request path
+
 # %%
 import os
 import sys
@@ -66,8 +72,9 @@ from minivllm.benchmarks.attention import make_paged_batch
 from minivllm.model.attention import triton_attn
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
 from minivllm.viz.export import save_key_figure
-from minivllm.viz.kernel import (attention_bench_figure, kernel_tile_plan, online_softmax,
+from minivllm.viz.kernel import (OnlineSoftmaxStep, attention_bench_figure, kernel_tile_plan,
                                  online_softmax_figure, tile_visit_figure)
+from minivllm.viz.source import show_source
 
 print("Triton interprets:", triton_attn.interpreter_active())
 assert triton_attn.interpreter_active() == (not ON_GPU)
@@ -169,15 +176,8 @@ assert mixed_diff < 1e-4
 # to match, and the kernel returns exactly the same numbers:
 
 # %%
-def lines(text: str, first: str, last: str) -> str:
-    """The lines of ``text`` from the one containing ``first`` to the one with ``last``."""
-    rows = text.splitlines()
-    i = next(n for n, r in enumerate(rows) if first in r)
-    j = next(n for n, r in enumerate(rows) if n > i and last in r)
-    return "\n".join(rows[i:j + 1])
-
-
-print(lines(source, "# 1. Block-table lookup", "kv_mask ="))
+show_source(triton_attn.paged_attention_kernel.fn, start="# 1. Block-table lookup",
+            end="kv_mask =")
 
 # %%
 gen = torch.Generator().manual_seed(7)
@@ -229,13 +229,46 @@ assert torch.isnan(poisoned[rows:]).any(dim=(1, 2)).all()
 # `exp(m_old - m_new)`. After the last tile, dividing by `l` gives the exact softmax.
 
 # %%
-print(lines(source, "# 3. Scores", "# 6. Final"))
+show_source(triton_attn.paged_attention_kernel.fn, start="# 4. Online", end="# 6. Final")
+
+# %% [markdown]
+# `row_max`, `row_sum` and `acc` are the three running values, one per query row of
+# the tile. Line by line: the new maximum is the old one or this tile's, whichever is
+# larger; `rescale` is the factor by which everything summed so far must shrink to be
+# relative to the new maximum; `probs` are this tile's unnormalised weights; the sum
+# and the `P V` accumulator are rescaled and extended. Nothing is divided until step 6.
+#
+# ## Build it once: the online softmax
+#
+# The same loop for one row, in plain PyTorch (base e, in float64; the kernel's
+# `exp2` is the same up to a factor `log2(e)` folded into its scores). It records each
+# tile's state as an `OnlineSoftmaxStep` (a plain record from `minivllm.viz.kernel`,
+# so the figure below can draw it):
+
+# %%
+def online_softmax(scores, tile, values):
+    """softmax(scores) and softmax(scores) @ values, one tile of keys at a time."""
+    m = torch.tensor(float("-inf"), dtype=torch.float64)  # running max
+    l = torch.tensor(0.0, dtype=torch.float64)  # running sum of exp(score - m)
+    acc = torch.zeros(values.shape[1], dtype=torch.float64)  # running sum of exp(..) V
+    steps = []
+    for i, start in enumerate(range(0, len(scores), tile)):
+        chunk = scores[start:start + tile].double()
+        new_m = torch.maximum(m, chunk.max())
+        rescale = torch.exp(m - new_m)  # exp(-inf) = 0 on the first tile
+        p = torch.exp(chunk - new_m)
+        l = l * rescale + p.sum()
+        acc = acc * rescale + p @ values[start:start + tile].double()
+        m = new_m
+        steps.append(OnlineSoftmaxStep(i, start, start + len(chunk), chunk.max().item(),
+                                       m.item(), rescale.item(), l.item()))
+    return steps, torch.exp(scores.double() - m) / l, acc / l
 
 # %% [markdown]
 # Let us do that by hand for one row of the launch above: the last new token of the
 # chunk, and the query head whose running maximum grows most often from tile to tile.
-# `online_softmax` follows the kernel's update (in base e; the kernel works in base 2,
-# which is the same up to a constant factor in the scores).
+# Our `online_softmax` must end on the full row's maximum and sum, give the exact
+# softmax, and give the kernel's output for that row.
 
 # %%
 def row_inputs(head: int, token: int):
@@ -247,9 +280,11 @@ def row_inputs(head: int, token: int):
 
 
 token = QUERY_LEN - 1
-growth = {h: len({s.running_max for s in online_softmax(row_inputs(h, token)[0],
-                                                          triton_attn.KV_TILE)[0]})
-          for h in range(NUM_HEADS)}
+growth = {}  # head -> how many different running maxima its row goes through
+for h in range(NUM_HEADS):
+    h_scores, h_values = row_inputs(h, token)
+    growth[h] = len({s.running_max for s in online_softmax(h_scores, triton_attn.KV_TILE,
+                                                           h_values)[0]})
 head = max(growth, key=growth.get)
 scores, values = row_inputs(head, token)
 steps, probs, row_out = online_softmax(scores, triton_attn.KV_TILE, values)
@@ -286,7 +321,8 @@ padded = max(triton_attn.MIN_DOT_ROWS, 1 << math.ceil(math.log2(rows_per_tile)))
 print(f"group size {GROUP}: {queries_per_tile} tokens x {GROUP} heads = {rows_per_tile} rows, "
       f"padded to {padded}")
 print("first rows (token, head in group):", [(r // GROUP, r % GROUP) for r in range(8)])
-print(lines(source, "rows = tl.arange(0, ROWS)", "row_head ="))
+show_source(triton_attn.paged_attention_kernel.fn, start="rows = tl.arange(0, ROWS)",
+            end="row_head =")
 
 # %% [markdown]
 # Sharing a KV head is the same as giving every query head its own copy of it. Copy
@@ -374,6 +410,22 @@ for shape in results["shapes"]:
     assert set(shape["results"]) == {"triton", "torch", "sdpa"}, shape["name"]
 assert results["triton_interpreted"] == (not ON_GPU)
 attention_bench_figure(results, "time_ms")
+
+# %% [markdown]
+# ## Exercise
+#
+# Run our `online_softmax` on the same row with **one key per tile**. On how many tiles
+# does the running maximum grow, so that `rescale < 1` shrinks what was summed before?
+# Predict it from the scores alone (no softmax needed), then open the solution.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+one_per_tile, _, one_out = online_softmax(scores, 1, values)
+grew = sum(1 for s in one_per_tile[1:] if s.rescale < 1)
+# A tile grows the maximum exactly when its key's score beats every score before it.
+records_broken = sum(1 for i in range(1, len(scores)) if scores[i] > scores[:i].max())
+print(f"{grew} of {len(scores) - 1} tiles after the first rescale the sum")
+assert grew == records_broken
+torch.testing.assert_close(one_out, row_out, rtol=0, atol=1e-12)  # same answer, any tiling
 
 # %% [markdown]
 # ## Summary

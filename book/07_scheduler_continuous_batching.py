@@ -32,6 +32,12 @@
 # - **preemption**: with too few KV blocks the scheduler takes blocks from a request
 #   and recomputes it later, and the answers come out the same.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(7)  # where this chapter is on the request path
+
 # %%
 from dataclasses import dataclass
 
@@ -120,6 +126,7 @@ def serve(batches=None):
     return llm.trace.records[first:], outputs
 
 
+# %%
 arrivals = {rid: s.arrival for rid, s in students.items()}
 static_records, static_out = serve(batches=[["A", "C"], ["B"]])
 records, outputs = serve()
@@ -235,6 +242,250 @@ print([s["B"][0] for s in static_chunks])
 assert len(static_chunks) > 1 and all(set(s) == {"B"} for s in static_chunks)
 
 # %% [markdown]
+# ## Inside the scheduler: `num_computed_tokens`
+#
+# Everything above came out of one small class, `minivllm.core.scheduler.Scheduler`.
+# It has no notion of a "prefill phase" or a "decode phase". Each request carries
+# one number, `num_computed_tokens`: how many of its known tokens (prompt plus the
+# tokens sampled so far) already have K/V in the cache. A step gives a request
+# `num_tokens - num_computed_tokens` more tokens, cut to what is left of the budget.
+# For a new prompt that is a prefill (or a chunk of one); for a request that has just
+# sampled a token it is exactly 1, a decode. Here is `schedule`, taken from the
+# package as it runs:
+
+# %%
+from minivllm.viz.source import show_source
+
+show_source("minivllm.core.scheduler.Scheduler.schedule", start="out = SchedulerOutput",
+            end="self._schedule_waiting")
+
+# %% [markdown]
+# Running requests go first, oldest first. Each asks for the rest of its known
+# tokens; if the KV cache manager cannot give it room (`allocate_slots` returns
+# `None`), the youngest running request is preempted until it can:
+
+# %%
+show_source("minivllm.core.scheduler.Scheduler._schedule_running", start="i = 0")
+
+# %% [markdown]
+# Then, if nobody was preempted, waiting requests in arrival order. The prefix cache
+# (chapter 8) may already hold the start of the prompt; the rest is cut to the budget:
+# that cut *is* chunked prefill. A request the cache cannot take stops admission for
+# everyone behind it (first come, first served):
+
+# %%
+show_source("minivllm.core.scheduler.Scheduler._schedule_waiting", start="while self.waiting",
+            end="budget -= num_new")
+
+# %% [markdown]
+# `schedule` only decides. After the forward pass, `update_from_output` applies the
+# step: it advances `num_computed_tokens` by what was scheduled, and a request that
+# reached the end of its known tokens gets the token the sampler drew for it. A
+# prefill chunk that stops in the middle of the prompt gets nothing: its last logits
+# predict a prompt token we already know.
+
+# %%
+show_source("minivllm.core.scheduler.Scheduler.update_from_output",
+            start="self._awaiting_output = False")
+
+# %% [markdown]
+# The scheduler needs no model: it only moves token IDs and block IDs. So we can run
+# the engine's own `Scheduler` by hand, with its own `KVCacheManager`, and play the
+# model ourselves: every request that reaches the end of its tokens "samples" token 0.
+# A 40-token prompt X and a 3-token prompt Y, a budget of 16 tokens, blocks of 4:
+
+# %%
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.request import Request, RequestStatus
+from minivllm.core.scheduler import Scheduler
+
+
+def make_request(rid: str, n_prompt: int, max_tokens: int) -> Request:
+    return Request(rid, list(range(1, n_prompt + 1)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens)
+
+
+def by_hand(scheduler: Scheduler, requests: list[Request], show=print) -> list[dict]:
+    """Run the scheduler until every request finishes; {rid: tokens} per step."""
+    for r in requests:
+        scheduler.add_request(r)
+    steps = []
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        sampled = {r.request_id: (0, None) for r in so.scheduled_requests
+                   if so.num_computed_tokens[r.request_id] + so.num_scheduled_tokens[
+                       r.request_id] == r.num_tokens}
+        scheduler.update_from_output(so, sampled)
+        steps.append(dict(so.num_scheduled_tokens))
+        show(so.step, so.num_scheduled_tokens, requests)
+    return steps
+
+
+# %%
+def show_row(step, scheduled, requests):
+    cells = [f"{r.request_id}: {r.status.name:22s} computed {r.num_computed_tokens:2d} of "
+             f"{r.num_tokens:2d}" for r in requests]
+    print(f"step {step}: scheduled {str(scheduled):18s} | " + " | ".join(cells))
+
+
+x, y = make_request("X", 40, 3), make_request("Y", 3, 3)
+hand = Scheduler(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
+                 kv_cache_manager=KVCacheManager(num_blocks=32, block_size=4,
+                                                   enable_caching=False))
+hand_steps = by_hand(hand, [x, y], show_row)
+assert hand_steps[0] == {"X": 16}  # X's first chunk takes the whole budget
+assert hand_steps[2] == {"X": 8, "Y": 3}  # X's last chunk, and Y admitted into the rest
+assert x.num_output_tokens == y.num_output_tokens == 3
+
+# %% [markdown]
+# Read it row by row. X's prompt takes two full chunks of 16 while Y waits (the budget
+# is spent), then its last 8 tokens share a step with Y's whole 3-token prompt. From
+# then on each has `computed == tokens - 1` after every step: the newest sampled token
+# is known but not yet in the cache, and it is exactly what the next step computes.
+# That single number is the whole prefill/decode distinction.
+
+# %% [markdown]
+# ## Build it once: a token-budget scheduler
+#
+# The rules fit in a few lines. Here they are again, written from scratch with plain
+# dicts and no KV cache (the first engine's cache is large enough never to say no):
+# running requests first in admission order, then waiting ones first come first served,
+# each cut to what is left of the budget; a request that reaches the end of its known
+# tokens samples one more, and leaves when its answer is as long as the engine's was.
+
+# %%
+def mini_schedule(arrivals, prompt_len, answer_len, budget, max_seqs):
+    """FCFS token-budget scheduling with chunked prefill: {rid: tokens} per step."""
+    pending, waiting, running, steps = dict(arrivals), [], [], []
+    computed = {rid: 0 for rid in arrivals}  # tokens with K/V in the cache
+    known = dict(prompt_len)  # prompt + tokens sampled so far
+    while pending or waiting or running:
+        waiting += [rid for rid, a in pending.items() if a <= len(steps)]
+        pending = {rid: a for rid, a in pending.items() if a > len(steps)}
+        left, step = budget, {}
+        for rid in running:  # 1. running requests, oldest first
+            if left == 0:
+                break
+            step[rid] = min(known[rid] - computed[rid], left)
+            left -= step[rid]
+        while waiting and left > 0 and len(running) < max_seqs:  # 2. admit, FCFS
+            rid = waiting.pop(0)
+            running.append(rid)
+            step[rid] = min(known[rid], left)
+            left -= step[rid]
+        for rid, n in step.items():  # 3. the step ran: apply it
+            computed[rid] += n
+            if computed[rid] == known[rid]:  # reached the end: one token sampled
+                known[rid] += 1
+                if known[rid] - prompt_len[rid] == answer_len[rid]:
+                    running.remove(rid)
+        steps.append(step)
+    return steps
+
+
+# %% [markdown]
+# Fed the three students' arrival steps, prompt lengths and answer lengths, it must
+# reproduce the engine's continuous run step for step, every request's token count
+# in every step:
+
+# %%
+mine = mini_schedule(arrivals, {rid: len(o.prompt_token_ids) for rid, o in outputs.items()},
+                     {rid: len(o.outputs[0].token_ids) for rid, o in outputs.items()},
+                     BUDGET, engine.config.scheduler.max_num_seqs)
+engine_steps = [{rid: n for rid, (n, _) in r.scheduled.items()} for r in records]
+for i, (a, b) in enumerate(zip(mine, engine_steps)):
+    assert a == b, (i, a, b)
+assert len(mine) == len(engine_steps)
+print(f"{len(mine)} steps, identical; e.g. step {ARRIVAL_B + 1}: {mine[ARRIVAL_B + 1]}")
+
+
+# %% [markdown]
+# ## The flat batch: what one mixed step looks like to the model
+#
+# The scheduler's answer is a list of requests and a token count for each. The model
+# runner turns it into **one flat batch**: every scheduled token of every request in
+# one row of `input_ids`, with no padding and no batch dimension. Build one mixed step
+# by hand with the engine's scheduler, blocks of the engine's size: two requests D1
+# and D2 that are decoding, a request H whose first block is in the prefix cache (its
+# prompt starts with D1's first 16 tokens), and a long prompt L that gets a chunk.
+
+# %%
+runner = llm.engine_core.executor.runner
+BS = runner.block_size
+flat = Scheduler(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
+                 kv_cache_manager=KVCacheManager(num_blocks=32, block_size=BS))
+
+
+def ids_request(rid: str, token_ids: list[int]) -> Request:
+    return Request(rid, token_ids, SamplingParams(max_tokens=8, ignore_eos=True), 8)
+
+
+d1, d2 = ids_request("D1", list(range(1, 21))), ids_request("D2", list(range(500, 510)))
+flat.add_request(d1)
+flat.add_request(d2)
+first = flat.schedule()  # both prompts in one step; each samples a token (say 7)
+flat.update_from_output(first, {"D1": (7, None), "D2": (7, None)})
+flat.add_request(ids_request("H", list(range(1, BS + 1)) + list(range(900, 910))))
+flat.add_request(ids_request("L", list(range(2000, 2100))))
+mixed = flat.schedule()
+print("tokens this step:", mixed.num_scheduled_tokens)
+print("already computed:", mixed.num_computed_tokens, "| block tables:", mixed.block_ids)
+assert mixed.num_computed_tokens["H"] == BS  # the prefix-cache hit
+assert mixed.num_scheduled_tokens == {"D1": 1, "D2": 1, "H": 10, "L": 52}
+
+# %% [markdown]
+# Every index of the flat batch follows from those numbers. Request *i*'s new tokens
+# are rows `query_start_loc[i]` to `query_start_loc[i + 1]` (a running sum of the token
+# counts). A token's **position** is its index in its own sequence: it starts at the
+# request's `num_computed_tokens`, so D1's decode token sits at position 20 and H's
+# first new token at 16, after its 16 cached ones. Its **slot** is where its K/V go:
+# `block_table[position // block_size] * block_size + position % block_size`.
+# `seq_lens` is computed + new, what attention must read; and the rows whose logits
+# are sampled (`logits_indices`) are each request's last row, except for a chunk
+# that stops inside its prompt (L). By hand, then against `ModelRunner.prepare_inputs`:
+
+# %%
+order = [r.request_id for r in mixed.scheduled_requests]
+new = [mixed.num_scheduled_tokens[r] for r in order]
+done = [mixed.num_computed_tokens[r] for r in order]
+qsl = [sum(new[:i]) for i in range(len(new) + 1)]
+positions = [p for n, c in zip(new, done) for p in range(c, c + n)]
+tables = [mixed.block_ids[r] for r in order]
+owner = [i for i, n in enumerate(new) for _ in range(n)]
+slots = [tables[i][p // BS] * BS + p % BS for i, p in zip(owner, positions)]
+tokens = [t for r, n, c in zip(mixed.scheduled_requests, new, done)
+          for t in r.all_token_ids[c:c + n]]
+sampled_rows = [qsl[i + 1] - 1 for i, r in enumerate(mixed.scheduled_requests)
+                if done[i] + new[i] == r.num_tokens]
+
+# %%
+inputs, _ = runner.prepare_inputs(mixed)
+meta = inputs.meta
+assert inputs.input_ids.tolist() == tokens and inputs.positions.tolist() == positions
+assert meta.query_start_loc.tolist() == qsl and meta.slot_mapping.tolist() == slots
+assert meta.seq_lens.tolist() == [c + n for c, n in zip(done, new)]
+assert [row[:len(t)] for row, t in zip(meta.block_tables.tolist(), tables)] == tables
+assert inputs.logits_indices.tolist() == sampled_rows == [0, 1, 11]
+print("query_start_loc", qsl, "| seq_lens", meta.seq_lens.tolist(),
+      "| logits_indices", sampled_rows)
+
+# %%
+from minivllm.viz.batch import flat_batch_figure
+
+flat_batch_figure({"input_ids": tokens, "positions": positions, "slot_mapping": slots},
+                  qsl, order, sampled_rows,
+                  title="One mixed step as the model sees it: two decodes, a prefix-cache "
+                        "hit, a prefill chunk (stars: rows whose logits are sampled)")
+
+# %% [markdown]
+# The model never sees "requests", only rows; the attention layer is the only
+# part that needs `query_start_loc`, `seq_lens` and the block tables, to know which
+# rows may attend to which cached keys. Everything else (the projections, the MLP) is
+# one matrix product over all the rows at once, whatever mix of prefill and decode
+# they come from.
+
+
+# %% [markdown]
 # ## Preemption under KV pressure
 #
 # Admission only checks that the *prompt* fits in the KV cache. Answers then grow one
@@ -317,6 +568,97 @@ token_budget_figure(p_records, budget=BUDGET,
                     title="Tokens per step under KV pressure (x: a preemption)")
 
 # %% [markdown]
+# ## One request's life, field by field
+#
+# The same story at the level of one `Request` object. Run the engine's scheduler by
+# hand again, on a cache of only 5 blocks of 4 tokens, with two requests of 8 prompt
+# tokens and 8 answer tokens each (15 slots, 4 blocks each at full length: 8 blocks
+# for the two, more than there are). We print Q's fields whenever its status changes:
+
+# %%
+def life_of(watched: Request, scheduler: Scheduler, others: list[Request]) -> list[tuple]:
+    kv = scheduler.kv_cache_manager
+    rows = [("add", watched.status.name, 0, watched.num_tokens, 0, 0, [])]
+
+    def watch(step, scheduled, requests):
+        if watched.status.name != rows[-1][1]:
+            rows.append((f"step {step}", watched.status.name, watched.num_computed_tokens,
+                         watched.num_tokens, watched.num_output_tokens,
+                         watched.num_preemptions, kv.get_block_ids(watched.request_id)))
+
+    by_hand(scheduler, [*others, watched], watch)
+    return rows
+
+
+# %%
+q = make_request("Q", 8, 8)
+tight = Scheduler(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
+                  kv_cache_manager=KVCacheManager(num_blocks=5, block_size=4,
+                                                   enable_caching=False))
+life = life_of(q, tight, [make_request("P", 8, 8)])
+print(f"{'when':8s} {'status':22s} computed tokens output preemptions blocks")
+for when, status, comp, tokens, out, pre, blocks in life:
+    print(f"{when:8s} {status:22s} {comp:8d} {tokens:6d} {out:6d} {pre:11d} {blocks}")
+assert [row[1] for row in life] == ["WAITING", "RUNNING", "PREEMPTED", "RUNNING",
+                                    "FINISHED_LENGTH_CAPPED"]
+preempted_row, back_row = life[2], life[3]
+assert preempted_row[2] == 0 and preempted_row[6] == []  # nothing computed, no blocks
+assert back_row[2] == preempted_row[3]  # re-admitted: recomputes everything it had
+assert tight.kv_cache_manager.num_free_blocks == 5  # every block back
+
+# %% [markdown]
+# At preemption Q keeps its tokens (prompt and the answer so far: that is `tokens`) but
+# loses its blocks, and `num_computed_tokens` drops to 0. When P finishes and frees
+# its blocks, Q is admitted again and its first step computes all of its known tokens
+# at once, a prefill of prompt plus answer, after which it decodes on as before.
+
+# %% [markdown]
+# ## Exercise: change the admission rule
+#
+# The engine admits waiting requests first come, first served. Change that rule to
+# **shortest prompt first**, in a subclass of the engine's `Scheduler` that sorts the
+# waiting queue before admitting. A 60-token prompt L and a 4-token prompt S arrive
+# together (L first), budget 16. *Before running it*, predict for both rules: at which
+# step does S get its first token, and at which step L?
+#
+# (The solution is in the collapsed cell below; open it after predicting. The same
+# subclass can be put into the real engine: `llm.engine_core.scheduler.__class__ =
+# ShortestFirst`.)
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+from collections import deque
+
+
+class ShortestFirst(Scheduler):
+    def _schedule_waiting(self, out, budget):
+        self.waiting = deque(sorted(self.waiting, key=lambda r: r.num_tokens))
+        super()._schedule_waiting(out, budget)
+
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+def first_token_steps(scheduler_class) -> dict[str, int]:
+    reqs = [make_request("L", 60, 2), make_request("S", 4, 2)]
+    s = scheduler_class(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
+                        kv_cache_manager=KVCacheManager(num_blocks=32, block_size=4,
+                                                   enable_caching=False))
+    steps = by_hand(s, reqs, show=lambda *args: None)
+    done = {r.request_id: 0 for r in reqs}
+    first = {}
+    for i, step in enumerate(steps):
+        for rid, n in step.items():
+            done[rid] += n
+            if rid not in first and done[rid] >= {"L": 60, "S": 4}[rid]:
+                first[rid] = i
+    return first
+
+
+fcfs, sjf = first_token_steps(Scheduler), first_token_steps(ShortestFirst)
+print("first come, first served:", fcfs, "  shortest first:", sjf)
+# S jumps the queue by 3 steps; L loses one: S's 5 tokens came out of its budget.
+assert sjf["S"] == fcfs["S"] - 3 and sjf["L"] == fcfs["L"] + 1
+
+
+# %% [markdown]
 # ## Summary
 #
 # - One loop, no phases: every step the scheduler gives running requests their next
@@ -328,6 +670,9 @@ token_budget_figure(p_records, budget=BUDGET,
 #   decodes share steps and running answers keep flowing.
 # - When KV blocks run out, the newest request is preempted and recomputed later:
 #   it costs compute, never correctness.
+# - All of it turns on one number per request, `num_computed_tokens`; the rules are
+#   few enough to rewrite in forty lines, and our rewrite reproduced the engine's
+#   steps exactly.
 #
 # ## Things to try
 #

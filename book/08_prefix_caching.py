@@ -38,6 +38,12 @@
 #   and the bill it gives under an example price sheet;
 # - how one changing line at the top of a prompt throws all of that away.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(8)  # where this chapter is on the request path
+
 # %%
 import time
 
@@ -154,6 +160,48 @@ assert [cached[k] for k in variants] == [0, 2 * BS, BS, 0]
 # Every block the engine computed is in its prefix cache under exactly these hashes.
 assert all(kv.block_pool.get_cached_block(h) is not None
            for ids in (A, B, C) for h in hash_request_tokens(ids, BS))
+
+# %% [markdown]
+# ### Inside the engine: the chain and the lookup
+#
+# The hash of one block, taken from the package as it runs: SHA-256 over the parent's
+# hash (32 zero bytes for the first block), the block's token IDs as 8-byte integers,
+# and the "extra keys" (anything else that changes K/V; none in minivllm yet):
+
+# %%
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.request import Request
+from minivllm.viz.source import show_source
+
+show_source(hash_block_tokens, start="digest = hashlib.sha256()")
+
+# %% [markdown]
+# The lookup, `KVCacheManager.get_computed_blocks`, walks the request's chain from the
+# first block and stops at the first hash the cache does not know. The `max_blocks`
+# line is the "last token" rule we just met:
+
+# %%
+show_source(KVCacheManager.get_computed_blocks, start="self.update_block_hashes",
+            end="return blocks, num_computed")
+
+# %% [markdown]
+# Run it by hand on a manager of our own: compute `A` once (allocating its blocks
+# registers their hashes), give the blocks back, then look up `A` and `B`:
+
+# %%
+def lookup_request(rid: str, ids: list[int]) -> Request:
+    return Request(rid, ids, SamplingParams(max_tokens=1), max_tokens=1)
+
+
+own = KVCacheManager(num_blocks=16, block_size=BS)
+first_a = lookup_request("a1", A)
+own.allocate_slots(first_a, len(A))
+a_blocks = own.get_block_ids("a1")
+own.free(first_a)
+for name, ids in (("A", A), ("B", B)):
+    hits, n = own.get_computed_blocks(lookup_request(name, ids))
+    print(f"{name}: {n} tokens cached, blocks {[b.block_id for b in hits]} of A's {a_blocks}")
+    assert n == cached["A again" if name == "A" else name]  # what the engine reported
 
 # %% [markdown]
 # The requests have finished, so nobody holds these blocks: they sit in the free
@@ -430,7 +478,45 @@ for at_top in (True, False):
 # So keep what stays the same (system prompt, tool descriptions, documents) first and in
 # the same order, and append what changes at the end: the seed's advice, "保持固定内容与
 # 可变内容的合理组织".
+
+# %% [markdown]
+# ## Exercise: change the eviction order
 #
+# `KVCacheManager.free` hands a finished request's blocks back **last block first**, so
+# the end of a sequence sits at the head of the free queue and is evicted first. Change
+# that rule: a manager that frees **first block first**. Then, on a cache of 4 blocks of
+# `BS` tokens: request A with a 3-block prompt plus one token runs and finishes; an
+# unrelated request X takes 2 blocks; A is sent again. *Before running it*, predict how
+# many of A's tokens the prefix cache still holds under each rule.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+class FirstBlockFirst(KVCacheManager):
+    def free(self, request):
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(blocks)  # block 0 to the head: evicted first
+
+
+def hits_after_eviction(manager_class) -> int:
+    m = manager_class(num_blocks=4, block_size=BS)
+    prompt = turn1_ids[:3 * BS + 1]
+    a = lookup_request("a", prompt)
+    m.allocate_slots(a, len(prompt))
+    m.free(a)
+    x = lookup_request("x", [7] * (2 * BS))
+    m.allocate_slots(x, 2 * BS)  # takes the 2 blocks at the head of the free queue
+    return m.get_computed_blocks(lookup_request("a again", prompt))[1]
+
+
+last_first, first_first = hits_after_eviction(KVCacheManager), hits_after_eviction(FirstBlockFirst)
+print(f"last block first (the engine): {last_first} tokens hit; "
+      f"first block first: {first_first}")
+# The engine loses A's partial 4th block and its block 2: blocks 0-1 still hit. The
+# other rule evicts block 0, and a chain with no first link hits nothing at all.
+assert last_first == 2 * BS and first_first == 0
+
+
+# %% [markdown]
 # ## Summary
 #
 # - Every full KV block is named by a hash of its tokens and its parent's hash, so a

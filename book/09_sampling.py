@@ -30,6 +30,12 @@
 # - seeds: the same seed gives the same text, different seeds differ, and temperature
 #   0 is the argmax.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(9)  # where this chapter is on the request path
+
 # %%
 import ipywidgets as widgets
 import torch
@@ -137,6 +143,46 @@ for s in settings:
     assert survivors == set(torch.nonzero(engine).flatten().tolist()), s
     assert torch.allclose(mine, engine, atol=1e-6), s
     print(f"{s}: {len(survivors)} tokens survive")
+
+# %% [markdown]
+# ## The engine's order of operations
+#
+# One `Sampler` call turns a whole step's logits (one row per request) into one token
+# per row. Its `forward`, taken from the package as it runs:
+
+# %%
+from minivllm.viz.source import show_source
+
+show_source(Sampler.forward, start="logits = logits.float()")
+
+# %% [markdown]
+# Logprobs are taken from the raw logits *first*, so what the API reports is the
+# model's distribution, not the filtered one. Then `_process` applies what changes
+# every row, greedy ones too (penalties, and `min_tokens` banning the stop tokens),
+# and `_sample` does the rest:
+
+# %%
+show_source(Sampler._sample)
+
+# %% [markdown]
+# Greedy rows skip everything after penalties: temperature 0 means argmax. For the
+# others the order is temperature, then top-k and top-p, then min-p, then one draw
+# from the softmax. The order matters: top-p after temperature keeps a different set
+# of tokens than top-p before it. Both by hand, and the engine's draws:
+
+# %%
+tempered_first = by_hand(logits, temperature=1.5, top_p=0.9)  # the engine's order
+p_first = (logits.masked_fill(by_hand(logits, top_p=0.9) == 0, float("-inf")) / 1.5).softmax(-1)
+n_t, n_p = int((tempered_first > 0).sum()), int((p_first > 0).sum())
+print(f"temperature then top-p: {n_t} tokens survive; top-p then temperature: {n_p}")
+assert n_t > n_p  # a flatter distribution needs more tokens to reach 90 %
+rows_15 = [SamplingRow(SamplingParams(temperature=1.5, top_p=0.9), ids, [])] * 500
+torch.manual_seed(1)
+draws_15 = Sampler()(logits.expand(500, V).contiguous(),
+                     SamplingMetadata.from_rows(rows_15, V)).sampled_token_ids.tolist()
+allowed = set(torch.nonzero(tempered_first).flatten().tolist())
+assert set(draws_15) <= allowed
+print(f"500 engine draws, {len(set(draws_15))} different tokens, all among the {n_t}")
 
 # %% [markdown]
 # Turn the knobs. Grey bars: the distribution after temperature, what the filters see.
@@ -296,6 +342,29 @@ g1, g2 = (llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0].o
           for _ in range(2))
 print(repr(PROMPT + g1.text))
 assert g1.token_ids == g2.token_ids and g1.token_ids[0] == int(logits.argmax())
+
+# %% [markdown]
+# ## Exercise
+#
+# A greedy request (`temperature=0`) with `repetition_penalty=1.3`: can the penalty
+# change its token, or does greedy ignore it like it ignores top-p? Look at where
+# `_process` sits in `forward`, predict, then open the solution. It builds a row whose
+# prompt contains today's most likely token and asks the engine's sampler.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+best_id = int(logits.argmax())
+greedy_rows = [SamplingRow(SamplingParams(temperature=0), [best_id], []),
+               SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.3), [best_id], [])]
+picked = Sampler()(logits.expand(2, V).contiguous(),
+                   SamplingMetadata.from_rows(greedy_rows, V)).sampled_token_ids.tolist()
+penalised = logits.clone()
+penalised[best_id] = (penalised[best_id] / 1.3 if penalised[best_id] > 0
+                      else penalised[best_id] * 1.3)
+print(f"plain greedy: {tokenizer.decode([picked[0]])!r}; with the penalty: "
+      f"{tokenizer.decode([picked[1]])!r}")
+# Penalties run before the greedy argmax, so they do change greedy rows.
+assert picked[0] == best_id and picked[1] == int(penalised.argmax())
+
 
 # %% [markdown]
 # ## Summary

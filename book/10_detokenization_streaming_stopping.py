@@ -38,6 +38,12 @@
 # - `finish_reason`: `"stop"` vs `"length"`, and what an application should do with
 #   `"length"`.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(10)  # where this chapter is on the request path
+
 # %%
 import ipywidgets as widgets
 from IPython.display import display
@@ -181,6 +187,63 @@ assert deltas == [s.text for s in rec.steps]
 assert detok.finish() == ""
 
 # %% [markdown]
+# Here is the method that does it, taken from the package as it runs. The test
+# `window.endswith(REPLACEMENT_CHAR)` is the line that refuses to send half a
+# character; `_in_byte_run` is for SentencePiece tokenizers with byte tokens (not
+# this one), and `_clean` undoes Hugging Face's space clean-up across window edges:
+
+# %%
+from minivllm.viz.source import show_source
+
+show_source(IncrementalDetokenizer.update, start="self.token_ids.extend")
+
+# %% [markdown]
+# ## Build it once: an incremental detokenizer
+#
+# Without the two special cases, the idea is a dozen lines: two offsets, two decodes,
+# a subtraction, and a refusal when the window ends in `�`.
+
+# %%
+class MiniDetokenizer:
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tok.decode(self.ids[start:end], skip_special_tokens=True)
+
+    def update(self, new_ids) -> str:
+        self.ids += list(new_ids)
+        context = self._decode(self.prefix, self.read)
+        window = self._decode(self.prefix, len(self.ids))
+        if len(window) <= len(context) or window.endswith("\ufffd"):
+            return ""  # nothing new, or a character still waits for its bytes
+        self.prefix, self.read = self.read, len(self.ids)
+        return window[len(context):]
+
+    def finish(self) -> str:
+        return self._decode(self.prefix, len(self.ids))[len(self._decode(self.prefix,
+                                                                       self.read)):]
+
+
+# %% [markdown]
+# Fed the Chinese answer's tokens one per step, it must send exactly what the engine's
+# stream sent at every step (there is no stop string there, so every delta is the
+# detokenizer's), and the engine's own class must agree with it on the other answers
+# of this chapter as well:
+
+# %%
+mini = MiniDetokenizer(tok)
+mine = [mini.update([t]) for t in ids]
+assert mine == [s.text for s in rec.steps] and mini.finish() == ""
+for answer in (tok.encode("你好，世界！🎉 Paris is the capital.", add_special_tokens=False),
+               ids[:7]):  # the second one ends inside a character
+    ours, theirs = MiniDetokenizer(tok), IncrementalDetokenizer(tok)
+    assert [ours.update([t]) for t in answer] == [theirs.update([t]) for t in answer]
+    assert ours.finish() == theirs.finish()
+print(f"{len(mine)} steps: the same deltas as the engine;",
+      f"{sum(1 for d in mine if not d)} of them sent nothing")
+
+# %% [markdown]
 # ## Stop strings and the hold-back
 #
 # A stop string ends generation when it appears in the *text*. The engine core only
@@ -220,6 +283,32 @@ core = llm.engine_core
 assert not engine.has_unfinished_requests()
 assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 print(f"all {core.num_blocks} KV blocks free again")
+
+# %% [markdown]
+# The hold-back is `StopStringChecker.process`, which the output path calls with each
+# delta from the detokenizer. A match cuts the text before the stop string; otherwise
+# the longest end of the text that is the start of some stop string stays held:
+
+# %%
+from minivllm.engine.stop_checker import StopStringChecker
+
+show_source(StopStringChecker.process, start="text = self._held")
+
+# %%
+show_source(StopStringChecker._partial_stop_length, start="longest =")
+
+# %% [markdown]
+# Run it by hand on the few-shot answer: the detokenizer's delta of each token goes in,
+# and what comes out is what the stream sent at that step.
+
+# %%
+checker, detok_qa = StopStringChecker([STOP]), IncrementalDetokenizer(tok)
+for s in qa.steps:
+    sent, matched = checker.process(detok_qa.update(s.token_ids))
+    print(f"token {tok.decode(s.token_ids)!r:9} -> sent {sent!r:9} held "
+          f"{checker.held_text!r:6} matched {matched!r}")
+    assert sent == s.text and checker.held_text == s.held_text
+assert matched == STOP
 
 # %% [markdown]
 # Held text is not lost when the stop string does not come. Ask the chat model for
@@ -327,13 +416,32 @@ assert joined == ids and tok.decode(joined, skip_special_tokens=True) == rec.tex
 assert REPLACEMENT_CHAR in out.text + more.text
 
 # %% [markdown]
+# ## Exercise
+#
+# A request has `stop=["Paris"]`, and the detokenizer hands the stop checker two deltas,
+# `"The capital is Pa"` and `"ris, of course."`. What does the stream send after each
+# delta, and what are `finish_reason`'s text and `stop_reason`? Predict, then open
+# the solution.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+exercise = StopStringChecker(["Paris"])
+first = exercise.process("The capital is Pa")
+second = exercise.process("ris, of course.")
+print(first, second, repr(exercise.held_text))
+# "Pa" might begin "Paris": held. Then "Paris" matches: nothing more is sent, and
+# the text stops before the stop string.
+assert first == ("The capital is ", None) and second == ("", "Paris")
+assert exercise.stop_reason == "Paris"
+
+
+# %% [markdown]
 # ## Summary
 #
 # - Tokens are bytes. Decoding them one at a time and concatenating the strings
 #   breaks every character that a token boundary cuts.
 # - The incremental detokenizer decodes a small window of recent tokens and sends only
 #   text that ends on a whole character; the pieces it sends add up to decoding every
-#   token at once.
+#   token at once. Our own version of it, a dozen lines, sent the same deltas.
 # - Stop strings are checked on text, on the API side; text that could start a stop
 #   string is held back until it either matches (the request stops, without the stop
 #   string in the text) or cannot match any more (it is sent).
@@ -347,5 +455,5 @@ assert REPLACEMENT_CHAR in out.text + more.text
 # - Set the few-shot stop string to `"\n"`: which step stops it, and what is held?
 # - Add `include_stop_str_in_output=True` to the few-shot request and compare `qa.text`.
 # - Stream `"🎉🚀"` (4 bytes each): ask the model to repeat them and look at the tokens.
-# - Read `IncrementalDetokenizer.update` and find the line that refuses to send text
-#   ending in `�`.
+# - Remove the `window.endswith("\ufffd")` test from `MiniDetokenizer.update` and run
+#   the Chinese answer through it: which steps now send a `�`?

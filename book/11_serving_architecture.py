@@ -32,6 +32,12 @@
 # - cancellation: a client closes its connection mid-stream, and the engine aborts
 #   the request and frees its KV blocks, seen from `/stats` and `/metrics`.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(11)  # where this chapter is on the request path
+
 # %%
 import asyncio
 import json
@@ -54,6 +60,7 @@ from minivllm.sampling_params import RequestOutputKind
 from minivllm.viz.bars import line_chart
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.sequence import attach_message_log, sequence_figure
+from minivllm.viz.stream import arrivals_figure
 
 # %% [markdown]
 # The real server takes a while to load the model, so we start it now, as chapter 1
@@ -144,6 +151,7 @@ async def student(rid: str) -> None:
                    "left_at": time.monotonic()}
 
 
+# %%
 await asyncio.gather(*(student(rid) for rid in jobs))
 for _ in range(100):  # C's abort is on its way: wait for the core's answer to it
     if engine.scheduler_stats.num_running_reqs == 0:
@@ -223,6 +231,61 @@ engine.shutdown()
 assert wait_gone(core_pid)
 
 # %% [markdown]
+# ## Inside the engine core
+#
+# What does the core process do between messages? One iteration of `EngineCore.step`:
+# schedule (chapter 7), run the model on the scheduled tokens (chapters 3 to 6), hand
+# the sampled tokens back to the scheduler. Taken from the package as it runs:
+
+# %%
+from minivllm.core.core import EngineCore
+from minivllm.core.core_proc import (AddRequests, EngineCoreProc, EngineCoreReady, Shutdown,
+                                     run_engine_core)
+from minivllm.viz.source import show_source
+
+show_source(EngineCore.step, start="so = self.scheduler.schedule()",
+            end="outputs = self.scheduler.update_from_output")
+
+# %% [markdown]
+# Around it, the process's **busy loop**. When the engine has nothing to do it blocks
+# on the pipe (an idle engine uses no CPU); when it is busy it only takes the messages
+# already there, so a step never waits for the API side. Then one step, and one
+# `EngineCoreOutputs` back, for every request the step advanced:
+
+# %%
+show_source(EngineCoreProc.run_busy_loop)
+
+# %% [markdown]
+# Run that loop ourselves: the same entry point the server's core process runs, in a
+# thread of this notebook, on our end of a fresh pipe. We play the API side: send one
+# `AddRequests` with a request of plain token IDs, read `EngineCoreOutputs` until the
+# request finishes, then send `Shutdown`.
+
+# %%
+import threading
+from multiprocessing import Pipe
+
+from minivllm.core.request import Request
+
+ours, theirs = Pipe()
+config = engine_args_from_kwargs(None, {"num_kv_blocks": 16}).create_engine_config()
+core_thread = threading.Thread(target=run_engine_core, args=(config, theirs, True))
+core_thread.start()
+ready = ours.recv()
+assert isinstance(ready, EngineCoreReady) and ready.num_blocks == 16
+ours.send(AddRequests([Request("r1", list(range(100, 120)),
+                               SamplingParams(temperature=0, max_tokens=4), max_tokens=4)]))
+core_messages, done = [], False
+while not done:  # one EngineCoreOutputs per pass of the loop
+    core_messages.append(ours.recv())
+    print([(o.request_id, o.new_token_ids, o.finish_reason) for o in core_messages[-1].outputs])
+    done = any(o.finished for o in core_messages[-1].outputs)
+ours.send(Shutdown())
+core_thread.join(timeout=60)
+assert not core_thread.is_alive()
+assert sum(len(o.new_token_ids) for m in core_messages for o in m.outputs) == 4
+
+# %% [markdown]
 # ## The real server
 #
 # `minivllm serve` wraps the same `AsyncLLM` in a FastAPI app: one more layer that
@@ -263,6 +326,45 @@ assert "".join(pieces) == finals["A"]["text"]  # the notebook's engine gave the 
 assert usage.completion_tokens == len(finals["A"]["tokens"])
 assert len(pieces) < usage.completion_tokens
 assert all(REPLACEMENT_CHAR not in p for p in pieces)
+
+# %% [markdown]
+# ## Streaming or not: the same text, at different times
+#
+# `stream=True` changes nothing in the engine: the same steps produce the same tokens.
+# It only changes *when the client hears about them*. Ask the same question both ways
+# and note when each piece of text arrives:
+
+# %%
+def timed_chat(stream: bool) -> tuple[str, list[tuple[float, int]]]:
+    """The answer and (seconds after sending, characters received so far) points."""
+    sent, text, arrived = time.monotonic(), "", []
+    reply = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CHINESE,
+                                           max_tokens=32, temperature=0, stream=stream)
+    if not stream:
+        text = reply.choices[0].message.content
+        return text, [(time.monotonic() - sent, len(text))]
+    for chunk in reply:
+        for c in chunk.choices:
+            if c.delta.content:
+                text += c.delta.content
+                arrived.append((time.monotonic() - sent, len(text)))
+    return text, arrived
+
+
+# %%
+streamed_text, streamed_at = timed_chat(stream=True)
+whole_text, whole_at = timed_chat(stream=False)
+print(f"streamed: first text after {streamed_at[0][0] * 1000:.0f} ms, all of it after "
+      f"{streamed_at[-1][0] * 1000:.0f} ms; not streamed: all at {whole_at[0][0] * 1000:.0f} ms")
+assert streamed_text == whole_text == finals["A"]["text"]  # the same text either way
+assert streamed_at[0][0] < whole_at[0][0]  # the stream's first piece comes before the whole
+arrivals_figure({"stream=True": streamed_at, "stream=False": whole_at},
+                title="The same answer, streamed and not: when its characters arrive")
+
+# %% [markdown]
+# The non-streamed client waits for the last token, then gets everything at once; the
+# streamed one starts reading after the first step. The total time is about the same:
+# streaming does not make the engine faster, it lets the reader start earlier.
 
 # %% [markdown]
 # ## Cancellation when a client disconnects
@@ -370,6 +472,21 @@ with socket.socket() as sock:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", server.port))
     sock.listen()  # raises if anything still listens there
+
+# %% [markdown]
+# ## Exercise
+#
+# Go back to the busy loop we ran in a thread. The request had a 20-token prompt and
+# `max_tokens=4`. How many `EngineCoreOutputs` messages did the loop send, and how many
+# tokens did each carry? Predict from `run_busy_loop`, then open the solution.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+per_message = [sum(len(o.new_token_ids) for o in m.outputs) for m in core_messages]
+print(len(core_messages), "messages, tokens in each:", per_message)
+# One pass of the loop = one step = one message. The prefill step samples the first
+# token, each of the three decode steps one more; then the loop blocks on the pipe
+# (nothing unfinished) until our Shutdown arrives.
+assert per_message == [1, 1, 1, 1]
 
 # %% [markdown]
 # ## Summary

@@ -42,6 +42,12 @@
 # This machine has no GPUs: the ranks are CPU processes that talk through gloo. The
 # arithmetic and the bytes are the same as on GPUs with NCCL; the speed is not.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(13)  # where this chapter is on the request path
+
 # %%
 import psutil
 import torch
@@ -407,6 +413,24 @@ left = [p for p in psutil.Process().children(recursive=True)
         if "minivllm.worker.distributed" in " ".join(p.cmdline())]
 assert left == []
 assert not torch.distributed.is_initialized()
+
+# %% [markdown]
+# ## Exercise
+#
+# A pure decode step of 4 sequences on the same 3 ranks: how many bytes do rank 0's
+# collectives carry, and which share of it is the logits gather? Use the table above,
+# then open the solution, which asks the engine's own `expected_collective_bytes`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+T4 = S4 = 4  # a decode: one token and one row of logits per sequence
+reduces = (1 + 2 * L) * T4 * H * itemsize  # embedding + two per layer, T x hidden each
+gather = (TP - 1) * S4 * rows_per_rank * itemsize
+print(f"all-reduces {reduces:,} bytes + logits gather {gather:,} bytes: "
+      f"the gather is {gather / (reduces + gather):.0%}")
+assert reduces + gather == expected_collective_bytes(cfg, T4, TP, num_logits_rows=S4)
+# One gather of vocabulary-wide rows carries almost as much as all 2L + 1 all-reduces
+# of hidden-wide rows together: at decode the vocabulary weighs as much as the layers.
+assert reduces / (2 * L + 1) < gather < reduces and gather / (reduces + gather) > 0.4
 
 # %% [markdown]
 # ## Summary

@@ -81,6 +81,7 @@ def test_batch_tradeoff_figure_with_the_roofline_ceiling():
     assert list(trade.text) == [f"batch {b}" for b in batches]
     assert trade.xaxis == "x2"
     assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.tickvals) == batches
+    assert "log scale" in fig.layout.xaxis.title.text  # a log axis says so
 
 
 def test_batch_tradeoff_figure_peers_and_errors():

@@ -89,3 +89,15 @@ def test_upto_shades_the_detokenizer_window(chinese):
     assert (pending[0].x0, pending[0].x1) == (s.read_offset - 0.5, s.num_tokens - 0.5)
     with pytest.raises(ValueError, match="upto"):
         stream_figure(steps, upto=len(steps))
+
+
+def test_arrivals_figure_draws_each_way_from_zero():
+    from minivllm.viz.stream import arrivals_figure
+
+    fig = arrivals_figure({"streamed": [(0.2, 3), (0.3, 7)], "not streamed": [(0.35, 7)]})
+    streamed, whole = fig.data
+    assert list(streamed.x) == [0.0, 0.2, 0.3] and list(streamed.y) == [0, 3, 7]
+    assert list(whole.x) == [0.0, 0.35] and list(whole.y) == [0, 7]
+    assert streamed.line.shape == "hv"
+    with pytest.raises(ValueError, match="never decreases"):
+        arrivals_figure({"bad": [(0.3, 5), (0.2, 6)]})

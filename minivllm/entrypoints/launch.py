@@ -15,6 +15,7 @@ engine core outlives it. A Python process exiting stops its servers too.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -89,6 +90,22 @@ class ServerProcess:
             time.sleep(0.25)
         raise RuntimeError(f"minivllm serve did not answer /health within {timeout_s} s:\n"
                            f"{self.log_tail()}")
+
+    def get_json(self, path: str) -> dict:
+        """``GET <path>`` (e.g. ``/stats``) as JSON."""
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def metric(self, name: str, label: str = "") -> float:
+        """One series of ``/metrics``: ``minivllm:<name>{...}``, the first whose labels
+        contain ``label`` (e.g. ``'finished_reason="abort"'``)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith(f"minivllm:{name}{{") and label in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"metric name={name!r} label={label!r}: no such series in "
+                       f"{self.url}/metrics")
 
     def stop(self, timeout_s: float = 60.0) -> Optional[int]:
         """SIGTERM, then SIGKILL to the process group if it is still there; returns

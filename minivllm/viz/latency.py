@@ -109,7 +109,7 @@ def batch_tradeoff_figure(batch_sizes: Sequence[int], tokens_per_s: Sequence[flo
         line=dict(color=LATENCY_COLORS["TPOT"]), showlegend=False,
         hovertemplate="batch %{customdata}: %{x:.1f} tokens/s, %{y:.1f} ms per token"
                       "<extra></extra>"), row=1, col=2)
-    fig.update_xaxes(title_text="max_num_seqs (sequences per step)", type="log",
+    fig.update_xaxes(title_text="max_num_seqs, sequences per step (log scale)", type="log",
                      tickvals=bs, row=1, col=1)
     fig.update_yaxes(title_text="output tokens/s", rangemode="tozero", row=1, col=1)
     fig.update_xaxes(title_text="output tokens/s", rangemode="tozero", row=1, col=2)

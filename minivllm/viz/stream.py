@@ -19,7 +19,7 @@ with a line from every token to the event that finally carried its text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import plotly.graph_objects as go
 
@@ -241,5 +241,30 @@ def stream_figure(steps: Sequence[StreamStep], upto: Optional[int] = None,
     return fig
 
 
+def arrivals_figure(arrivals: Mapping[str, Sequence[tuple[float, int]]],
+                    title: str = "When the text arrives",
+                    x_title: str = "seconds after the request was sent",
+                    y_title: str = "characters received") -> go.Figure:
+    """One step line per way of asking: (seconds, characters received so far) points.
+
+    Each line starts at (0, 0), the moment the request was sent; a non-streamed
+    answer is a single jump at the end, a stream a staircase.
+    """
+    if not arrivals:
+        raise ValueError("arrivals is empty: give at least one series")
+    for name, points in arrivals.items():
+        if not points or any(b[0] < a[0] or b[1] < a[1] for a, b in zip(points, points[1:])):
+            raise ValueError(f"arrivals[{name!r}] is invalid: must be a non-empty list of "
+                             "(seconds, characters) that never decreases")
+    fig = go.Figure([go.Scatter(name=name, x=[0.0] + [t for t, _ in points],
+                                y=[0] + [n for _, n in points], mode="lines+markers",
+                                line_shape="hv",
+                                hovertemplate="%{x:.3f} s: %{y} characters<extra></extra>")
+                     for name, points in arrivals.items()])
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, height=400,
+                      margin=dict(l=10, r=10, t=50, b=10))
+    return fig
+
+
 __all__ = ["StreamStep", "StreamRecord", "record_stream", "carried_tokens", "token_label",
-           "stream_figure", "COLORS", "LANES"]
+           "stream_figure", "arrivals_figure", "COLORS", "LANES"]
