@@ -1,0 +1,667 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 14. Making it fast on a CPU
+#
+# The model code of chapter 3 is plain PyTorch: one readable path per layer, the one
+# you can step through with a debugger. It is also slow on a CPU, and not because the
+# arithmetic is slow. This chapter measures where a decode step's time goes, and then
+# takes apart `minivllm/cpu/`, the package that makes the same model several times
+# faster without changing a single output token.
+#
+# **What you will see**
+#
+# - this machine's **roofline**: how fast its memory and its arithmetic are, measured
+#   now, and what that allows one stream and a batch of the default model;
+# - a **profile of the reference decode step**: thousands of PyTorch operators, most
+#   of them tiny, each paying Python and dispatch;
+# - each acceleration of `minivllm/cpu/`, **one at a time**, as an A/B ratio against the
+#   reference measured in the same run, and checked for the same results: kernels for
+#   RMSNorm, RoPE and SiLU; the paged decode attention kernel; prepacked GEMM panels
+#   and the fused SiLU epilogue; one C++ call per decode step;
+# - both engines end to end, the same tokens, and how close each comes to the roofline;
+# - short slices of the real C++ kernels, read from `minivllm/cpu/csrc/` as the
+#   chapter runs.
+#
+# Timings move from run to run, more so on a machine shared with other programs. So
+# every A/B below alternates the two sides several times and compares medians, and the
+# asserts check what holds every time: equal outputs, operator counts, and speed-ups
+# only where they are large.
+
+# %%
+import inspect
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import minivllm.cpu
+from minivllm import LLM, SamplingParams
+from minivllm.benchmarks.ab import alternate
+from minivllm.benchmarks.op_profile import profile_ops
+from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
+from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.attention import CPUAttentionBackend
+from minivllm.cpu.features import cpu_features
+from minivllm.cpu.fused_decode import LlamaFusedDecode
+from minivllm.cpu.layers import CpuRMSNorm
+from minivllm.cpu.prepack import linear, pack_weight
+from minivllm.model.attention.torch_attn import TorchAttentionBackend
+from minivllm.model.layers.activation import SiluAndMul
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding
+from minivllm.viz.bars import component_bars
+from minivllm.viz.cpu import roofline_figure, speedup_figure
+from minivllm.viz.export import save_key_figure
+
+# %% [markdown]
+# ## This machine
+#
+# The kernels are C++ compiled on first use for this CPU's instruction set: with
+# AVX-512 (`native`) the panel GEMM and the vectorised attention are in; with AVX2 only
+# (`avx2`, the `x86-64-v3` level) some products take MKL's GEMM instead. Every ratio in
+# this chapter belongs to the line printed here. The chapter needs the kernels (`make
+# setup` builds them), so it checks first.
+
+# %%
+FEATURES = cpu_features()
+AVX512 = FEATURES.avx512
+assert ops.cpu_kernels_problem() is None, ops.cpu_kernels_problem()
+print(FEATURES.describe())
+print(f"{torch.get_num_threads()} threads; panel GEMM {'on' if AVX512 else 'off (MKL)'}")
+
+# %% [markdown]
+# Two rates bound a decoder (chapter 12 derived them): **compute**, about 2 FLOPs per
+# weight per token, and **memory bandwidth**, since every decode step reads every
+# weight once whatever the batch. We measure both now, briefly (`minivllm bench
+# roofline` spends longer and gets closer to the hardware's best).
+
+# %%
+ref = LLM(cpu_kernels=False, num_kv_blocks=256, enable_prefix_caching=False)
+cfg = ref.llm_engine.config.model
+bw = measure_bandwidth(num_bytes=256 << 20, min_seconds=0.2)
+roof = measure_roofline(cfg, torch.float32, bw, min_seconds=0.2)
+step_floor = roof.weight_bytes / roof.bandwidth  # seconds to read every weight once
+print(f"{roof.matmul_flops / 1e9:.0f} GFLOP/s; {roof.bandwidth / 1e9:.1f} GB/s "
+      f"(sum {bw.read / 1e9:.1f}, copy {bw.copy / 1e9:.1f}, one-row matmul {bw.matvec / 1e9:.1f})")
+print(f"{roof.params / 1e6:.1f} M float32 parameters = {roof.weight_bytes / 1e6:.0f} MB read "
+      f"per decode step: at least {step_floor * 1e3:.1f} ms a step")
+
+# %% [markdown]
+# What that means for the default model: one stream (one token per step) can never
+# exceed the bandwidth bound, however good the code; a batch of 32 sequences shares
+# each weight read among 32 tokens, so its ceiling is up to 32 times higher, until the
+# arithmetic becomes the limit. The ceilings are plain arithmetic on the two rates:
+
+# %%
+assert roof.flops_per_token == 2 * roof.params and roof.weight_bytes == 4 * roof.params
+crossover = roof.compute_tokens_per_s / roof.bandwidth_steps_per_s
+for b in (1, 32):
+    ceiling = roof.ceiling_tokens_per_s(b)
+    assert ceiling == min(roof.compute_tokens_per_s, b * roof.bandwidth_steps_per_s)
+    print(f"batch {b:2d}: ceiling {ceiling:7.0f} tokens/s")
+print(f"compute is the limit above about {crossover:.0f} sequences per step")
+
+# %% [markdown]
+# On a quiet machine the crossover lies well above one sequence: one stream is far
+# from the compute bound. A machine busy with other programs can show a much lower
+# crossover, because a short matrix product measured in a busy moment comes out slow;
+# the bounds are only as good as the moment they were measured in.
+
+# %% [markdown]
+# ## Why eager PyTorch decode is slow
+#
+# To look at one decode step on its own we record the inputs the model runner hands
+# to its `forward` during a short generation, and keep the last one: a pure decode
+# step, one new token per sequence. Running that `forward` again recomputes the step
+# (it writes the same key and value into the same cache slot), so we can time and
+# profile it as often as we like.
+
+# %%
+params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+PROMPTS = [f"Count from {i} to {i + 20}:" for i in range(32)]
+
+
+def decode_step(llm, prompts):
+    """The model runner's inputs of the last step of a 3-token generation."""
+    runner = llm.llm_engine.engine_core.executor.runner
+    seen = []
+    runner.forward = lambda inputs: seen.append(inputs) or type(runner).forward(runner, inputs)
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del runner.forward  # the class's method again
+    assert seen[-1].meta.max_query_len == 1 and seen[-1].meta.num_seqs == len(prompts)
+    return seen[-1]
+
+
+ref_runner = ref.llm_engine.engine_core.executor.runner
+ref_one = decode_step(ref, PROMPTS[:1])
+
+# %% [markdown]
+# `profile_ops` (`minivllm/benchmarks/op_profile.py`) runs a call once under
+# `torch.profiler` and counts the operators Python called: `aten::linear`, `aten::mul`,
+# `aten::view`, each one trip through PyTorch's dispatcher.
+
+# %%
+prof_ref = profile_ops(lambda: ref_runner.forward(ref_one))
+layers = cfg.num_hidden_layers
+print(f"one decode step, one sequence: {prof_ref.num_ops} operators "
+      f"({prof_ref.num_ops / layers:.0f} per layer of {layers})")
+print("most called:", dict(prof_ref.calls.most_common(6)))
+assert prof_ref.num_ops > 20 * layers  # thousands, for a model of 30 layers
+
+# %% [markdown]
+# Where their time went:
+
+# %%
+component_bars({k.removeprefix("aten::"): v * 1e3 for k, v in prof_ref.top(8).items()},
+               f"Reference decode step, 1 sequence: time per operator "
+               f"(profiled, {FEATURES.isa})", unit="ms", fmt=lambda v: f"{v:.1f} ms")
+
+# %% [markdown]
+# The matrix products (`linear`) are the bulk, as the roofline says they must be: they
+# read the weights. But there are thousands of other operators, each on a tensor of a
+# few hundred numbers. How much can one such operator cost at the very least? Time an
+# operator that does nothing useful on one number:
+
+# %%
+tiny = torch.zeros(1)
+t_tiny = alternate({"tiny": lambda: tiny.add_(0)}, rounds=5, calls=2000).median("tiny")
+t_step = alternate({"step": lambda: ref_runner.forward(ref_one)}, rounds=3).median("step")
+floor = prof_ref.num_ops * t_tiny
+print(f"one operator on one number: {t_tiny * 1e6:.1f} us; x {prof_ref.num_ops} operators "
+      f"= {floor * 1e3:.1f} ms of pure overhead per step")
+print(f"the step: {t_step * 1e3:.1f} ms = {t_step / step_floor:.1f} x the time to read "
+      f"the weights once ({step_floor * 1e3:.1f} ms)")
+assert t_step > step_floor  # the reference is far from its ceiling
+
+# %% [markdown]
+# Three costs pile up in the reference step, and `minivllm/cpu/` removes them one by
+# one:
+#
+# 1. **small operators**: RMSNorm is six of them (add, pow, mean, rsqrt, mul, mul),
+#    each reading and writing the whole activation; a C++ kernel does it in one pass;
+# 2. **attention, one sequence at a time**: the reference gathers each sequence's keys
+#    and values out of the paged cache, repeats them for grouped-query attention, and
+#    runs a dozen operators, per sequence, per layer;
+# 3. **Python around every operator**: module calls and dispatch, which no kernel
+#    removes, only a step with fewer calls.
+#
+# The accelerated engine is the same model with `minivllm/cpu/` plugged in at three
+# seams, chosen once at start-up (`minivllm/cpu/__init__.py` lists them). Load it, and
+# record a decode step of one and of 32 sequences:
+
+# %%
+acc = LLM(num_kv_blocks=256, enable_prefix_caching=False)
+runner = acc.llm_engine.engine_core.executor.runner
+replay = runner.decode_replay
+assert replay is not None, runner.decode_replay_problem
+assert ref_runner.decode_replay is None and ref_runner.attn_backend.name == "torch"
+one, many = decode_step(acc, PROMPTS[:1]), decode_step(acc, PROMPTS)
+layer0 = runner.model.model.layers[0]
+print(type(layer0.input_layernorm).__name__, type(layer0.mlp.gate_up_proj).__name__,
+      runner.attn_backend.name, type(replay).__name__)
+
+# %% [markdown]
+# ## Acceleration 1: kernels for RMSNorm, RoPE and SiLU
+#
+# Each layer that has a kernel gets an accelerated **twin**: a subclass of the
+# reference layer whose `forward` calls one C++ kernel. `swap_in_twins` changes the
+# class of the loaded modules once; the weights stay where they are. The whole twin of
+# RMSNorm:
+
+# %%
+print(inspect.getsource(CpuRMSNorm))
+
+# %% [markdown]
+# The C++ behind `ops.fused_add_rms_norm` works row by row: add the residual, sum the
+# squares, scale; each row read once. We read the sources as the chapter runs, with a
+# small helper that prints a few lines of a file from a marker on:
+
+# %%
+CSRC = Path(minivllm.cpu.__file__).with_name("csrc")
+
+
+def show_source(file: str, marker: str, lines: int = 20) -> None:
+    """Print ``lines`` lines of csrc/<file> from the first line containing ``marker``."""
+    text = (CSRC / file).read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if marker in line)
+    if start and text[start - 1].startswith("template"):
+        start -= 1
+    print(f"// minivllm/cpu/csrc/{file}, lines {start + 1}-{start + lines}")
+    print("\n".join(text[start:start + lines]))
+
+
+show_source("layernorm.cpp", "void norm_row(", 16)
+
+# %% [markdown]
+# The twin is a subclass, so the reference's `forward` can still be called on the very
+# same module (`RMSNorm.forward(norm, ...)`): the same weights, the two
+# implementations. We compare them on a decode batch of 32 rows (the twins' residual
+# add works in place, so each gets its own copy), then time them, alternating.
+
+# %%
+ROWS, H = 32, cfg.hidden_size
+norm, act = layer0.input_layernorm, layer0.mlp.act_fn
+x, res = torch.randn(ROWS, H), torch.randn(ROWS, H)
+want, want_res = RMSNorm.forward(norm, x, res.clone())
+res_k = res.clone()
+got = norm(x, res_k)[0]
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(res_k, want_res)
+gu = torch.randn(ROWS, 2 * cfg.intermediate_size)
+torch.testing.assert_close(act(gu), SiluAndMul.forward(act, gu), rtol=1e-5, atol=1e-6)
+
+# %% [markdown]
+# RoPE rotates q and k in place, inside the step's qkv product; the reference returns
+# rotated copies. Same positions, same tables, same angles:
+
+# %%
+rope = layer0.self_attn.rotary_emb
+nq, nkv, D = layer0.self_attn.num_heads, layer0.self_attn.num_kv_heads, cfg.head_dim
+pos = torch.randint(0, 200, (ROWS,))
+q, k = torch.randn(ROWS, nq, D), torch.randn(ROWS, nkv, D)
+want_q, want_k = RotaryEmbedding.forward(rope, pos, q, k)
+got_q, got_k = rope(pos, q.clone(), k.clone())
+torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+
+# %%
+small = {
+    "RMSNorm + residual": (lambda: RMSNorm.forward(norm, x, res), lambda: norm(x, res_k)),
+    "RoPE": (lambda: RotaryEmbedding.forward(rope, pos, q, k), lambda: rope(pos, q, k)),
+    "SiLU-and-mul": (lambda: SiluAndMul.forward(act, gu), lambda: act(gu)),
+}
+speedups = {}
+for name, (reference, kernel) in small.items():
+    t = alternate({"reference": reference, "kernel": kernel}, rounds=5, calls=200)
+    speedups[name] = t.ratio("reference", "kernel")
+    print(f"{name:18s} {t.median('reference') * 1e6:7.1f} us -> "
+          f"{t.median('kernel') * 1e6:6.1f} us: {speedups[name]:.1f}x")
+
+# %% [markdown]
+# What is certain is the operator count: the reference runs several operators, each
+# reading and writing the whole batch; the twin runs one.
+
+# %%
+for name, (reference, kernel) in small.items():
+    n_ref, n_kernel = profile_ops(reference).num_ops, profile_ops(kernel).num_ops
+    print(f"{name:18s} {n_ref} operators -> {n_kernel}")
+    assert n_kernel == 1 and n_ref >= 3
+
+# %% [markdown]
+# What that saves in time depends on the machine. On a quiet one the kernels win
+# several times over. The C++ kernels split the rows between the threads, though, and
+# on a machine busy with other programs a thread that has to wait for a free core
+# can cost more than the whole norm: the ratios printed above may then come out below
+# 1, and so the chapter does not assert them. Inside the fused decode step (below) the
+# threads never leave between kernels, which removes this cost too.
+
+# %% [markdown]
+# ## Acceleration 2: the paged decode attention kernel
+#
+# In a decode step each sequence has one new query token and a context of cached keys
+# and values, scattered over blocks of the paged cache. The reference
+# (`TorchAttentionBackend`, chapter 5) loops over the sequences: gather this one's
+# blocks, repeat its KV heads for the query heads that share them, softmax. The CPU
+# backend does the whole step's decode rows in one C++ call that reads each key and
+# value **in place** through the block table, once for all query heads of a group.
+#
+# Its core, in the portable version (the AVX-512 one keeps the accumulators in
+# registers): visit the context a span of up to 256 tokens at a time, score the span,
+# one online-softmax step (the running maximum `m` and sum `l`, chapter 6), then add up
+# the span's values.
+
+# %%
+show_source("paged_attention.cpp", "void attend_in_memory(", 20)
+
+# %% [markdown]
+# Both backends on the real 32-sequence decode step recorded above: its metadata (block
+# tables, sequence lengths), layer 0's cache as the engine filled it, a random query.
+
+# %%
+k_cache, v_cache = runner.kv_caches[0]
+meta, scale = many.meta, layer0.self_attn.attn.scale
+qd, kd, vd = torch.randn(32, nq, D), torch.randn(32, nkv, D), torch.randn(32, nkv, D)
+torch_attn, cpu_attn = TorchAttentionBackend(), CPUAttentionBackend()
+want = torch_attn.forward(qd, kd, vd, k_cache, v_cache, meta, scale)
+got = cpu_attn.forward(qd, kd, vd, k_cache, v_cache, meta, scale)
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+t = alternate({"reference": lambda: torch_attn.forward(qd, kd, vd, k_cache, v_cache, meta, scale),
+               "kernel": lambda: cpu_attn.forward(qd, kd, vd, k_cache, v_cache, meta, scale)},
+              rounds=5, calls=5)
+speedups["decode attention"] = t.ratio("reference", "kernel")
+print(f"32 sequences, contexts of {min(meta.seq_lens_cpu)}-{max(meta.seq_lens_cpu)} tokens: "
+      f"{t.median('reference') * 1e3:.2f} ms -> {t.median('kernel') * 1e3:.3f} ms per layer "
+      f"({speedups['decode attention']:.0f}x)")
+assert speedups["decode attention"] > 1.0
+
+# %% [markdown]
+# A step calls attention once per layer (30 times); what depends only on the metadata
+# (which rows decode, the tables as int32) is planned at the first layer and kept on
+# the metadata object, which is why the timed calls above pay no planning.
+#
+# ## Acceleration 3: prepacked GEMM panels and the fused SiLU epilogue
+#
+# A GEMM library reads its right-hand matrix in its own tile order, so a plain
+# `F.linear` first copies ("packs") the whole weight into that order, at every call.
+# With the few rows of a decode step, that copy costs about as much as the product.
+# `prepack.py` packs every weight once, after loading, and `linear` picks a kernel by
+# row count:
+
+# %%
+print(inspect.getsource(linear))
+
+# %% [markdown]
+# With AVX-512 the 2 to 256-row products go to minivllm's own panel kernel: the weight
+# stored as panels of 32 output columns, each read strictly front to back, the rows'
+# partial sums held in registers, and the *next* panel prefetched while this one is
+# multiplied, so that streaming the weights overlaps the arithmetic. Its inner tile:
+
+# %%
+show_source("gemm.cpp", "void tile(const float* x", 20)
+
+# %% [markdown]
+# The products of one layer's gate/up projection (the largest of the layer's four, 3072
+# x 576) at 1, 32 and 128 rows, packed against plain `F.linear`:
+
+# %%
+gate_up = layer0.mlp.gate_up_proj
+w, packed = gate_up.weight, gate_up.packed_weight
+gemm = {}
+for rows in (1, 32, 128):
+    xr = torch.randn(rows, w.shape[1])
+    torch.testing.assert_close(linear(xr, w, None, packed), F.linear(xr, w), rtol=1e-4, atol=1e-4)
+    t = alternate({"F.linear": lambda: F.linear(xr, w), "packed": lambda: linear(xr, w, None, packed)},
+                  rounds=5, calls=20)
+    gemm[rows] = t.ratio("F.linear", "packed")
+    print(f"{rows:3d} rows: {t.median('F.linear') * 1e6:7.0f} us -> "
+          f"{t.median('packed') * 1e6:7.0f} us ({gemm[rows]:.2f}x)")
+speedups["gate/up GEMM, 32 rows"] = gemm[32]
+
+# %% [markdown]
+# These ratios are smaller than the kernels' above, and they move more with the
+# machine's other load: each is one large product against another, both limited by
+# the same memory. The chapter does not assert on them; on a quiet machine the packed
+# product at 32 rows runs well ahead of `F.linear`, which spends its time packing.
+# What it does assert is the routing:
+
+# %%
+print(f"panels: {packed.panels is not None}, halves: {packed.halves}, "
+      f"panel_max_rows: {packed.panel_max_rows}")
+assert (packed.panels is not None) == AVX512  # no AVX-512: MKL's packed GEMM serves them
+assert packed.halves == AVX512  # gate/up panels pair the two halves (below)
+
+# %% [markdown]
+# **The SiLU epilogue.** SwiGLU computes `silu(gate) * up` from the gate/up product's
+# output. Written plainly that is one product writing a [rows, 2 x 1536] buffer and a
+# second pass reading it back. The gate/up panels can instead be packed *in halves*:
+# panel *p* holds gate columns 16p..16p+15 and the same up columns, so one tile holds
+# both halves of the same 16 outputs and can write `silu(gate) * up` directly. The
+# product itself is unchanged, column for column, so it gives the same bits:
+
+# %%
+if AVX512:
+    plain = pack_weight(w, packed.panel_max_rows, halves=False)
+    for rows in (1, 32, 128):
+        xr = torch.randn(rows, w.shape[1])
+        assert torch.equal(linear(xr, w, None, plain), linear(xr, w, None, packed))
+    print("halves and plain panels: the same bits at 1, 32 and 128 rows")
+else:
+    print("no panels without AVX-512: the epilogue does not apply on this CPU")
+
+# %% [markdown]
+# The epilogue itself runs inside the fused decode step (next section). To measure it,
+# build a second decode step over the same model with the gate/up weights packed plain
+# (the model's own packing is put back right after), and run the recorded 32-sequence
+# step through both:
+
+# %%
+if AVX512:
+    mlps = [layer.mlp.gate_up_proj for layer in runner.model.model.layers]
+    own = [m.packed_weight for m in mlps]
+    for m in mlps:
+        m.packed_weight = pack_weight(m.weight, m.packed_weight.panel_max_rows, halves=False)
+    no_epilogue = LlamaFusedDecode(runner.model)
+    for m, p in zip(mlps, own):
+        m.packed_weight = p
+    assert replay.gate_up_halves and not no_epilogue.gate_up_halves
+    assert no_epilogue.accepts(many.input_ids, many.meta, many.logits_indices)
+    args = (many.input_ids, many.positions, many.meta)
+    assert torch.equal(replay(*args), no_epilogue(*args))  # the same logits, bit for bit
+    t = alternate({"separate pass": lambda: no_epilogue(*args), "epilogue": lambda: replay(*args)},
+                  rounds=5, calls=2)
+    speedups["SiLU epilogue, 32 rows"] = t.ratio("separate pass", "epilogue")
+    print(f"32-sequence decode step: {t.median('separate pass') * 1e3:.1f} ms -> "
+          f"{t.median('epilogue') * 1e3:.1f} ms ({speedups['SiLU epilogue, 32 rows']:.3f}x)")
+    del no_epilogue, own
+
+# %% [markdown]
+# A few percent at best: the buffer it saves is 32 x 3072 floats a layer, small next to
+# the 7 MB of weights the product streams. Such a gain is real only when the median
+# of many alternations shows it again and again; one run here proves nothing either
+# way, so there is no assert on it.
+#
+# ## Acceleration 4: one C++ call per decode step
+#
+# With every kernel in place, the twins' step still runs the model's Python: module
+# calls, views, the attention layer's bookkeeping. Count its operators, with the
+# replay set aside (with `runner.decode_replay = None` the runner runs the model):
+
+# %%
+def python_layers(step):
+    runner.decode_replay = None  # the runner runs the model (the twins' layers)
+    try:
+        return runner.forward(step)
+    finally:
+        runner.decode_replay = replay
+
+
+prof_twins = profile_ops(lambda: python_layers(one))
+prof_replay = profile_ops(lambda: runner.forward(one))
+print(f"operators per decode step: reference {prof_ref.num_ops}, twins {prof_twins.num_ops}, "
+      f"replayed {prof_replay.num_ops}: {dict(prof_replay.calls)}")
+assert prof_ref.num_ops > prof_twins.num_ops > 50 * prof_replay.num_ops
+assert prof_replay.calls["minivllm::llama_decode_forward"] == 1
+
+# %% [markdown]
+# The replay is `LlamaFusedDecode` (`minivllm/cpu/fused_decode.py`): the model's layer
+# loop written out in C++ (`csrc/llama_decode.cpp`) over the same kernels the twins
+# call, with the same weights in the same order. The model runner, not the model,
+# decides when to use it, the way vLLM's runner replays a CUDA graph:
+
+# %%
+print(inspect.getsource(type(runner).forward))
+
+# %% [markdown]
+# In float32 the whole step is **one OpenMP parallel region**: the threads split each
+# kernel's work (output columns of the products, (sequence, KV head) items of
+# attention) and then meet at a barrier of minivllm's own that spins. Separate kernels
+# would each end by putting the threads to sleep and start by waking them, some
+# 300 times a step. The barrier:
+
+# %%
+show_source("llama_decode.cpp", "class SpinBarrier {", 16)
+
+# %% [markdown]
+# and the first half of the loop over the layers that runs between those barriers:
+
+# %%
+show_source("llama_decode.cpp", "for (int64_t i = 0; i < layers; ++i) {", 20)
+
+# %% [markdown]
+# Same kernels, same order, so the same bits: the logits of the recorded steps equal
+# those of the twins' Python layers exactly, at one and at 32 sequences. Then the speed,
+# alternating the runner with and without the replay:
+
+# %%
+step_speedup = {}
+for label, step in (("1 sequence", one), ("32 sequences", many)):
+    assert torch.equal(runner.forward(step), python_layers(step))
+    t = alternate({"Python layers": lambda: python_layers(step),
+                   "one C++ call": lambda: runner.forward(step)}, rounds=5, calls=2)
+    step_speedup[label] = t.ratio("Python layers", "one C++ call")
+    print(f"{label:12s}: {1 / t.median('Python layers'):6.1f} -> "
+          f"{1 / t.median('one C++ call'):6.1f} steps/s ({step_speedup[label]:.2f}x)")
+speedups["one C++ call, 1 sequence"] = step_speedup["1 sequence"]
+assert step_speedup["1 sequence"] > 1.0
+
+# %% [markdown]
+# The Python the replay saves is about the same for every step, while the step's own
+# work grows with the batch: compare the two ratios. And a whole generation, greedy, with log-probabilities:
+# with and without the replay, token for token and logprob for logprob the same.
+
+# %%
+check = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+
+def tokens_and_logprobs(llm, prompts):
+    outs = llm.generate(prompts, check, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+steps_before = replay.steps
+with_replay = tokens_and_logprobs(acc, PROMPTS[:4])
+assert replay.steps == steps_before + check.max_tokens - 1  # every decode step replayed
+runner.decode_replay = None
+assert tokens_and_logprobs(acc, PROMPTS[:4]) == with_replay
+runner.decode_replay = replay
+
+# %% [markdown]
+# ## End to end: the reference engine against the accelerated one
+#
+# Now all of it together: `LLM(cpu_kernels=False)`, the reference, against `LLM()`,
+# on the same prompts, greedy, one request alone (32 tokens) and 32 together (16 tokens
+# each), the two engines taking turns. Both must produce the same tokens.
+
+# %%
+N_TOKENS = {1: 32, 32: 16}  # output tokens per request, by number of requests
+outputs = {}
+
+
+def run(name, llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS[len(prompts)], ignore_eos=True)
+
+    def go():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outputs[name, len(prompts)] = [o.outputs[0].token_ids for o in outs]
+    return go
+
+
+e2e = {}
+for n in (1, 32):
+    t = alternate({"reference": run("reference", ref, PROMPTS[:n]),
+                   "minivllm.cpu": run("minivllm.cpu", acc, PROMPTS[:n])},
+                  rounds=2, warmup=0)
+    e2e[n] = {name: n * N_TOKENS[n] / t.median(name) for name in t.rounds}
+    assert outputs["reference", n] == outputs["minivllm.cpu", n]  # token for token
+    print(f"{n:2d} x {N_TOKENS[n]} tokens: reference {e2e[n]['reference']:6.1f} tokens/s, "
+          f"minivllm.cpu {e2e[n]['minivllm.cpu']:6.1f} "
+          f"({e2e[n]['minivllm.cpu'] / e2e[n]['reference']:.1f}x), same tokens")
+
+# %% [markdown]
+# The accelerated engine wins at both sizes. Compare the two ratios: at 32 sequences
+# the reference also runs its attention one sequence at a time.
+
+# %%
+for n in (1, 32):
+    speedups[f"end to end, {n} request{'s' if n > 1 else ''}"] = (
+        e2e[n]["minivllm.cpu"] / e2e[n]["reference"])
+    assert e2e[n]["minivllm.cpu"] > e2e[n]["reference"]
+
+# %% [markdown]
+# Every ratio of this chapter in one figure, measured in this run on this CPU:
+
+# %%
+speedup_figure(speedups, f"minivllm.cpu against the reference, A/B in one run "
+               f"({FEATURES.isa}, {torch.get_num_threads()} threads)",
+               notes={"gate/up GEMM, 32 rows": "panels" if AVX512 else "MKL, packed"})
+
+# %% [markdown]
+# And both engines under the ceiling this machine allows. The rates are tokens per
+# second of whole generations (prefill and the Python around each step included), so
+# they sit a little under what a decode step alone reaches; the labels give each
+# point's share of the ceiling at its batch size.
+
+# %%
+fig = roofline_figure(roof.compute_tokens_per_s, roof.bandwidth_steps_per_s,
+                      {name: {n: e2e[n][name] for n in e2e} for name in e2e[1]},
+                      f"Default model, float32, on {FEATURES.model} ({FEATURES.isa})")
+save_key_figure(fig, "14_making_it_fast_on_a_cpu")
+fig
+
+# %%
+for n in e2e:
+    share = e2e[n]["minivllm.cpu"] / roof.ceiling_tokens_per_s(n)
+    print(f"batch {n:2d}: minivllm.cpu at {share:.0%} of the ceiling, the reference at "
+          f"{e2e[n]['reference'] / roof.ceiling_tokens_per_s(n):.0%}")
+
+# %% [markdown]
+# A share above 100 % would mean the ceiling was measured in a busier moment than the
+# run (it is only as good as the best moment it saw); `minivllm bench roofline`
+# measures longer, and `minivllm bench throughput` reports each run's share against a
+# roofline measured in the same run.
+#
+# ## Exercise: predict the reference's operator count
+#
+# The reference decode step of one sequence ran `prof_ref.num_ops` operators. Only one
+# part of the model runs more operators when the batch grows: the attention loop, one
+# round of gathers and softmax per sequence. Record reference decode steps of 2 and 3
+# sequences with `decode_step`, count their operators with `profile_ops`, and predict
+# how many operators a reference step of 32 sequences runs. (Start from 2, not 1: a
+# batch of a single token takes a few different shape operators.) Then check your
+# prediction on a recorded 32-sequence step.
+
+# %% jupyter={"source_hidden": true}
+# Solution
+def step_ops(n: int) -> int:
+    step = decode_step(ref, PROMPTS[:n])
+    return profile_ops(lambda: ref_runner.forward(step)).num_ops
+
+
+two, three = step_ops(2), step_ops(3)
+per_sequence = three - two
+predicted = two + (32 - 2) * per_sequence
+actual = step_ops(32)
+print(f"{per_sequence} operators per sequence ({per_sequence / layers:.0f} per layer): "
+      f"predicted {predicted}, profiled {actual}")
+assert predicted == actual
+
+# %% [markdown]
+# ## Summary
+#
+# - On a CPU, a decode step of a small model is bound by memory (every weight read once
+#   a step) and, in eager PyTorch, by the operators around the arithmetic: thousands of
+#   them, each paying Python and dispatch, for one token.
+# - `minivllm/cpu/` removes that cost in layers, each swapped in once at load: one-pass
+#   kernels for the small layers, a decode attention kernel that reads the paged cache
+#   in place, weights packed once for GEMM kernels that overlap the weight stream with
+#   the arithmetic, and a whole decode step in one C++ call and one parallel region.
+# - Every one of them gives the reference's results: within float rounding for the
+#   kernels, bit for bit for the replay, token for token end to end.
+#
+# ## What to try next
+#
+# - Run the chapter with `MINIVLLM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
+#   ONEDNN_MAX_CPU_ISA=AVX2` in the environment of `make book`: the kernels build for
+#   AVX2, the panels drop out, and the GEMM routing asserts take the other branch.
+# - Set `MINIVLLM_FUSED_DECODE=0` or `MINIVLLM_CPU_PREPACK=0` before loading `LLM()`
+#   (the finer switches, read in `minivllm/cpu/accelerate.py`): which of the ratios
+#   above do you expect to vanish? Check `runner.decode_replay_problem`.
+# - Profile a decode step of the accelerated engine at 32 sequences with `profile_ops`
+#   and the replay set aside: how do the twins' operator counts grow with the batch?
+# - Time `linear` at more row counts (2, 8, 64, 256, 512): where does the panel kernel
+#   hand over to MKL, and does the handover show in the timings?
+# - `minivllm bench throughput --backend minivllm --backend hf` runs the accelerated
+#   engine against Hugging Face, alternating, with its roofline share.
