@@ -38,6 +38,12 @@
 # asserts check what holds every time: equal outputs, operator counts, and speed-ups
 # only where they are large.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(14)  # where this chapter is on the request path
+
 # %%
 import inspect
 from pathlib import Path

@@ -26,6 +26,12 @@
 # - why a constrained answer can still be wrong, or unfinished;
 # - tool calls as constrained outputs.
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(16)  # where this chapter is on the request path
+
 # %%
 import json
 import math

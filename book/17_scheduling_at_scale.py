@@ -35,6 +35,12 @@
 # whose assumptions `minivllm/sim/cost_model.py` states (and the README says how far
 # the uncalibrated GPU presets were from one published measurement).
 
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(17)  # where this chapter is on the request path
+
 # %%
 import inspect
 import statistics
