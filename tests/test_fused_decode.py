@@ -15,7 +15,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.layers import PackedLMHead
 from minivllm.cpu.prepack import PANEL_MAX_ROWS, prepack_model
-from tests.cpu_requirements import FEATURES, needs_bf16_prepack, needs_cpu_kernels
+from tests.cpu_requirements import (FEATURES, needs_avx512, needs_bf16_prepack,
+                                    needs_cpu_kernels)
 
 pytestmark = needs_cpu_kernels()
 
@@ -133,6 +134,8 @@ def test_fused_decode_logits_match_the_lm_head_bitwise(tiny_model, batch):
 
 @pytest.mark.parametrize("batch", [1, 5])  # matvec; the panel GEMM
 @pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than this machine's cores
+@needs_avx512("bits independent of the thread count (our own matvec and panel GEMM; "
+              "MKL, which serves these rows without AVX-512, splits sums by thread)")
 def test_fused_decode_gives_the_same_bits_with_any_thread_count(tiny_model, batch, threads):
     """The float32 step is one parallel region whose threads share out each kernel's
     work and meet at spinning barriers. Every output is still computed whole by one
