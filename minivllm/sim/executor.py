@@ -24,8 +24,12 @@ from minivllm.sim.cost_model import CostModel, StepFeatures
 
 @dataclass
 class SimStepOutput:
+    """What ModelRunnerOutput carries, for a step nobody computed."""
+
     sampled: dict[str, tuple[int, None]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    verified: dict[str, list] = field(default_factory=dict)  # no speculative decoding
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # none asked for
 
 
 class SimExecutor:
