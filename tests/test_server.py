@@ -438,7 +438,7 @@ FUZZ = [
 FUZZ_COMPLETIONS = [
     {"prompt": []}, {"prompt": [[]]}, {"prompt": [-1]}, {"prompt": [10 ** 9]},
     {"prompt": ""}, {"prompt": {"a": 1}}, {"prompt": "x", "logprobs": 21},
-    {"prompt": [True, False]}, {"prompt": "x", "echo": True}, {"prompt": ["ok", ""]},
+    {"prompt": [True, False]}, {"prompt": "x", "echo": "yes"}, {"prompt": ["ok", ""]},
     {"prompt": "x", "stream": True, "max_tokens": 10 ** 6},
 ]
 

@@ -339,7 +339,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[ChatTool]] = Field(None, max_length=128)
+    tools: Optional[list[ChatTool]] = Field(None, min_length=1, max_length=128)  # as OpenAI
     modalities: Optional[list[str]] = None
     audio: Optional[dict] = None
     prediction: Optional[dict] = None
