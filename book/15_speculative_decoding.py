@@ -1,0 +1,372 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 15. Speculative decoding
+#
+# A decode step makes one token per request, and for a single request that step is
+# limited by reading the weights, not by arithmetic. Speculative decoding uses the spare
+# arithmetic: a cheap *proposer* guesses k next tokens, the target model scores all of
+# them in **one** forward pass, and a *verifier* keeps the longest prefix it agrees with,
+# plus one token of its own. When the guesses are good a step yields several tokens;
+# when they are bad it still yields one. The rule that decides is built so that the
+# output has exactly the target model's distribution.
+#
+# **What you will see**
+#
+# - one draft → verify → accept/reject round, by hand, on the default model's real
+#   distributions, checked against the engine's `RejectionSampler`;
+# - acceptance on a prompt that asks to quote a passage vs plain chat, from the engine's metrics;
+# - greedy output with speculation equal to the output without it;
+# - speed vs k at 1 and 32 requests, and why speculation switches itself off in a big batch;
+# - the KV slots of rejected drafts being handed back;
+# - the engine's own verification code.
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(15)
+
+# %%
+import time
+
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.model.attention import AttentionMetadata
+from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.spec_decode.rejection_sampler import RejectionSampler
+from minivllm.spec_decode.workloads import grounded_prompts
+from minivllm.benchmarks.datasets import CHAT_PROMPTS
+from minivllm.viz.export import save_key_figure
+from minivllm.viz.source import show_source
+from minivllm.viz.spec import acceptance_histogram, accepted_counts
+from minivllm.worker.sampler import SamplingRow
+
+base = LLM(num_kv_blocks=256)
+model = base.engine_core.executor.runner.model
+tokenizer = base.get_tokenizer()
+V = model.config.vocab_size
+
+# %% [markdown]
+# ## 1. Propose: n-gram lookup
+#
+# The simplest proposer runs no model at all. If the last few tokens occurred earlier in
+# the request, guess that what followed them then follows them now. Text that repeats
+# its input (quoting, rewriting, extracting) is full of such runs.
+
+# %%
+TEXT = ("The quick brown fox jumps over the lazy dog near the river bank. "
+        "Again: The quick brown fox")
+ids = tokenizer.encode(TEXT)
+K = 4
+drafts = NgramProposer(K, prompt_lookup_min=1, prompt_lookup_max=3).propose(ids)
+print("context ends with:", repr(tokenizer.decode(ids[-3:])), "| drafts:",
+      repr(tokenizer.decode(drafts)))
+assert len(drafts) == K and tokenizer.decode(drafts) in TEXT  # copied from the context
+
+# %% [markdown]
+# ## 2. Verify: one forward pass over k + 1 positions
+#
+# The target model runs once over the context *and* the k drafts. Row j of the last
+# k + 1 rows of logits is the target's distribution for the token after draft j
+# (row 0: after the real context). So one pass gives everything needed to judge every draft.
+
+# %%
+seq = ids + drafts
+with torch.inference_mode():
+    hidden = model(torch.tensor(seq), torch.arange(len(seq)),
+                   AttentionMetadata.for_prefill([len(seq)]))
+    logits = model.compute_logits(hidden[-(K + 1):]).float()
+p = logits.softmax(-1)  # temperature 1: the target's distributions p_0 .. p_k
+print([(tokenizer.decode([d]), round(float(p[j, d]), 3)) for j, d in enumerate(drafts)])
+
+# %% [markdown]
+# **Greedy verification.** Keep draft j while it is the target's argmax at its position;
+# at the first mismatch emit the target's argmax instead; if all k match, the last row
+# gives a bonus token. That is exactly what k + 1 plain greedy steps would have produced.
+
+# %%
+def verify_greedy(drafts, logits):
+    target = logits.argmax(-1).tolist()
+    out = []
+    for d, t in zip(drafts, target):
+        if d != t:
+            break
+        out.append(d)
+    return out + [target[len(out)]]  # the fix at the first mismatch, or the bonus
+
+
+mine = verify_greedy(drafts, logits)
+row = SamplingRow(SamplingParams(temperature=0), ids, [])
+engine = [t for t, _ in RejectionSampler()(logits, [row], [drafts], [None])[0]]
+print("accepted", len(mine) - 1, "of", K, "->", repr(tokenizer.decode(mine)))
+assert mine == engine
+
+# %% [markdown]
+# **Sampling verification.** A draft d drawn from a proposer distribution q is accepted
+# with probability min(1, p(d) / q(d)). On the first rejection, the replacement is drawn
+# from the *residual* max(p − q, 0), renormalised. Accepting where q under-proposes and
+# fixing up from the leftover mass is what makes the output exactly p-distributed
+# (Leviathan et al., 2023). An n-gram proposer names one token, so q is one-hot and the
+# rule becomes "accept d with probability p(d)".
+
+# %%
+def verify_sampled(drafts, p, q, uniform):
+    """Number of accepted drafts, and the distribution the next token is drawn from."""
+    for j, d in enumerate(drafts):
+        if uniform[j] >= min(1.0, float(p[j, d] / q[j, d])):  # rejected
+            residual = (p[j] - q[j]).clamp(min=0)
+            return j, residual / residual.sum()
+    return len(drafts), p[len(drafts)]  # all accepted: the bonus comes from p_k
+
+
+one_hot = torch.zeros(K, V).scatter_(1, torch.tensor(drafts)[:, None], 1.0)
+
+# %% [markdown]
+# Check it against the engine on the same inputs: for 100 seeds, give both the same
+# uniforms (the engine draws them from the request's seeded generator first) and compare
+# how many drafts each accepts; the engine's final token must lie where our
+# distribution has mass.
+
+# %%
+sampler, counts = RejectionSampler(), []
+for seed in range(100):
+    u = torch.rand(K, generator=torch.Generator().manual_seed(seed))
+    n, dist = verify_sampled(drafts, p, one_hot, u)
+    row = SamplingRow(SamplingParams(temperature=1.0), ids, [],
+                      torch.Generator().manual_seed(seed))
+    got = [t for t, _ in sampler(logits, [row], [drafts], [None])[0]]
+    assert got[:n] == drafts[:n] and len(got) == n + 1 and dist[got[-1]] > 0
+    counts.append(n)
+first_rate = sum(c >= 1 for c in counts) / len(counts)
+print(f"draft 1 accepted in {first_rate:.0%} of seeds; p(draft 1) = {float(p[0, drafts[0]]):.0%}")
+assert abs(first_rate - float(p[0, drafts[0]])) < 0.2  # ~4 standard errors at n=100
+
+# %% [markdown]
+# The engine's acceptance rule and residual are two one-line methods:
+
+# %%
+show_source(RejectionSampler.accept, start="return")
+
+# %%
+show_source(RejectionSampler.residual, start="return")
+
+# %% [markdown]
+# ## 3. Inside the engine: acceptance on two workloads
+#
+# `LLM(speculative_config={"method": "ngram", ...})` puts the proposer and the verifier
+# into every decode step. The step trace records, per request and step, how many drafts
+# were verified and how many accepted. We compare prompts that ask to quote a passage with
+# plain chat questions (greedy, 4 requests each, 24 tokens).
+
+# %%
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1, "disable_by_batch_size": None}
+spec = LLM(num_kv_blocks=256, speculative_config=NGRAM, trace=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+WORKLOADS = {"passage": grounded_prompts(4), "chat": CHAT_PROMPTS[:4]}
+
+
+def chat(llm, prompts, params=GREEDY):
+    return llm.chat([[{"role": "user", "content": q}] for q in prompts], params,
+                    use_tqdm=False)
+
+
+stats, accepted, spec_out = {}, {}, {}
+for name, prompts in WORKLOADS.items():
+    spec.trace.clear()
+    spec_out[name] = chat(spec, prompts)
+    stats[name], accepted[name] = spec.trace.spec_decoding_stats(), accepted_counts(spec.trace)
+    s = stats[name]
+    print(f"{name:8s} acceptance {s.acceptance_rate:.0%}  mean accepted length "
+          f"{s.mean_accepted_length:.2f} tokens/step  ({s.num_drafts} verifications)")
+
+# %%
+assert stats["passage"].num_accepted_tokens > 0
+assert stats["passage"].acceptance_rate > stats["chat"].acceptance_rate
+# The per-request metrics add up to the trace's totals.
+per_request = sum(o.metrics.spec_decoding.num_accepted_tokens for o in spec_out["passage"]
+                  if o.metrics.spec_decoding is not None)
+assert per_request == stats["passage"].num_accepted_tokens
+
+# %% [markdown]
+# Mean accepted length counts the target's own token: 1 means every draft was wrong
+# (a normal step), k + 1 means all k drafts were right. The histogram shows the whole
+# distribution: chat mostly accepts nothing (or finds no n-gram at all and does not
+# draft), the passage often accepts all k.
+
+# %%
+def share_all_k(counts):
+    return sum(a == K for a in counts) / max(len(counts), 1)
+
+
+assert share_all_k(accepted["passage"]) > share_all_k(accepted["chat"])
+fig = acceptance_histogram(accepted, k=K)
+save_key_figure(fig, "15_speculative_decoding")
+fig
+
+# %% [markdown]
+# ## 4. Lossless: same tokens with and without speculation
+#
+# With greedy sampling the verifier keeps only what the target's argmax would have
+# produced, so the output must be identical token for token.
+
+# %%
+for name, prompts in WORKLOADS.items():
+    plain = chat(base, prompts)
+    assert [o.outputs[0].token_ids for o in plain] == \
+           [o.outputs[0].token_ids for o in spec_out[name]], name
+print("greedy tokens identical on both workloads")
+
+# %% [markdown]
+# ## 5. When it pays: 1 request vs 32
+#
+# For one stream a decode step reads every weight once to compute one token: it is
+# bandwidth-bound, and the arithmetic units idle. Verifying k + 1 tokens reads the same
+# weights, so it costs about one step — accepted drafts are nearly free tokens. A batch
+# of 32 already gives the weights 32 tokens to work on per read; the step is closer to
+# compute-bound, and k extra rows per request multiply the arithmetic: every rejected
+# draft is paid for. So the engine stops drafting in steps with at least
+# `disable_by_batch_size` running requests (default in `minivllm.config`).
+#
+# We time the passage workload at 1 request (k = 2 and 4) and at 32 requests, side by
+# side in this run (few tokens; the machine is noisy, read the ratios as rough).
+# The 32 requests repeat the four passage prompts already in every engine's prefix cache,
+# so the timing is mostly decode, the part speculation changes.
+
+# %%
+def timed(llm, prompts, max_tokens=16):
+    t = time.perf_counter()
+    out = chat(llm, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return time.perf_counter() - t, [o.outputs[0].token_ids for o in out]
+
+
+one = grounded_prompts(1)
+t_base, ref = timed(base, one)
+t_k4, got = timed(spec, one)
+assert got == ref
+spec2 = LLM(num_kv_blocks=256, speculative_config={**NGRAM, "num_speculative_tokens": 2})
+t_k2, got = timed(spec2, one)
+assert got == ref
+print(f"1 request: k=2 {t_base / t_k2:.2f}x, k=4 {t_base / t_k4:.2f}x the speed of plain decoding")
+
+# %%
+many = grounded_prompts(4) * 8
+auto = LLM(num_kv_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": K})
+for llm in (base, spec, auto):  # untimed: a first batch of 32 warms caches and buffers
+    chat(llm, many, SamplingParams(max_tokens=1))
+t_base32, ref32 = timed(base, many, max_tokens=8)
+t_on32, got_on = timed(spec, many, max_tokens=8)  # disable_by_batch_size=None: drafts anyway
+t_auto32, got_auto = timed(auto, many, max_tokens=8)
+assert got_on == ref32 and got_auto == ref32
+print(f"32 requests: always drafting {t_base32 / t_on32:.2f}x, default "
+      f"{t_base32 / t_auto32:.2f}x the speed of plain decoding")
+threshold = auto.engine_core.speculator.disable_by_batch_size
+print("default disable_by_batch_size:", threshold,
+      "| steps it switched drafting off:", auto.engine_core.speculator.num_disabled_steps)
+assert threshold is not None and threshold <= 32
+assert auto.engine_core.speculator.num_disabled_steps > 0
+
+# %% [markdown]
+# ## 6. Rejected drafts give their KV slots back
+#
+# To verify k drafts the scheduler allocates KV slots for them; the forward pass writes
+# their keys and values. After verification only the accepted ones are real tokens. The
+# slots past the last known token are returned with `KVCacheManager.free_tail`, which can
+# free whole blocks when the drafts had spilled into a new one. We watch the engine call
+# it, counting the request's blocks before and after.
+
+# %%
+kv = spec.engine_core.kv_cache_manager
+calls, real_free_tail = [], kv.free_tail
+
+
+def watched(request, num_tokens):
+    before = len(kv.get_block_ids(request.request_id))
+    freed = real_free_tail(request, num_tokens)
+    calls.append((num_tokens, before, freed, len(kv.get_block_ids(request.request_id))))
+    return freed
+
+
+kv.free_tail = watched
+spec.trace.clear()
+chat(spec, grounded_prompts(2), SamplingParams(temperature=0, max_tokens=48))
+del kv.free_tail  # back to the class's method
+freeing = [c for c in calls if c[2] > 0]
+print(len(calls), "verifications,", len(freeing), "freed a block; e.g. (tokens, before, freed, after):",
+      freeing[:3])
+
+# %%
+for num_tokens, before, freed, after in calls:
+    assert after == before - freed == min(before, kv.num_blocks_needed(num_tokens))
+assert freeing  # some draft did spill into a block of its own
+assert sum(r.blocks_freed for r in spec.trace) >= sum(c[2] for c in calls)
+assert kv.num_free_blocks == kv.num_blocks  # nothing leaked
+
+# %%
+show_source("minivllm.core.kv_cache_manager.KVCacheManager.free_tail", start="blocks =")
+
+# %% [markdown]
+# ## 7. The engine's verification
+#
+# The scheduler lays out k + 1 rows per speculating request; the model runner's logits
+# reach `RejectionSampler.__call__`. It first gives each row the request's sampling knobs
+# as if the drafts before it were already output (so penalties count them):
+
+# %%
+show_source(RejectionSampler.__call__, start="expanded =", end="probs = None")
+
+# %% [markdown]
+# Then each request is verified on its own k + 1 rows, greedy or random:
+
+# %%
+show_source(RejectionSampler.__call__, start="results, start", end="return results")
+
+# %%
+show_source(RejectionSampler._verify_random, start="ids = torch", end="return drafts")
+
+# %% [markdown]
+# Back in the scheduler, the verified run is appended token by token (a stop token or
+# string inside an accepted run ends it there), and the tail is freed:
+
+# %%
+show_source("minivllm.core.scheduler.Scheduler", start="spec_decoding_stats.observe(k",
+            end="free_tail(request")
+
+# %% [markdown]
+# ## Things to try
+#
+# - Raise k to 8 on the passage and on chat: which one's acceptance rate falls?
+# - Set `prompt_lookup_min` to 3: fewer drafts, but are they better?
+# - Sample at temperature 0.8 with a seed: the tokens differ from greedy, but the same seed
+#   gives the same tokens with and without re-running (chapter 9's generators).
+# - `minivllm bench spec-decode` measures the speed-up properly, with repeats.
+#
+# ## Exercise
+#
+# With a one-hot q, the chance that *all* k drafts are accepted is the product of
+# p_j(d_j). Predict it for the drafts of section 2 from `p`, then measure it with the
+# `verify_sampled` of section 2 (shown there to agree with the engine) over 1000 draws.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+predicted = float(torch.prod(p[torch.arange(K), torch.tensor(drafts)]))
+N = 1000
+gen = torch.Generator().manual_seed(0)
+all_in = sum(verify_sampled(drafts, p, one_hot, torch.rand(K, generator=gen))[0] == K
+             for _ in range(N))
+print(f"predicted {predicted:.1%}, measured {all_in / N:.1%}")
+assert abs(all_in / N - predicted) < 4 * (predicted * (1 - predicted) / N) ** 0.5 + 0.005
+
+# %%
+for llm in (base, spec, spec2, auto):
+    llm.shutdown()
