@@ -26,9 +26,9 @@ def test_whole_function_matches_the_file_lines():
 
 def test_text_bounds_and_dotted_name_pick_the_same_slice():
     by_obj = show_source(KVCacheManager.allocate_slots, start="num_to_allocate",
-                         end="return new_blocks")
+                         end="return new_blocks", max_lines=60)
     by_name = show_source("minivllm.core.kv_cache_manager.KVCacheManager.allocate_slots",
-                          start="num_to_allocate", end="return new_blocks")
+                          start="num_to_allocate", end="return new_blocks", max_lines=60)
     assert by_obj == by_name
     assert "num_to_allocate" in by_obj.lines[0] and "return new_blocks" in by_obj.lines[-1]
     assert file_lines(KVCacheManager)[by_obj.first_line - 1].strip() == by_obj.lines[0].strip()

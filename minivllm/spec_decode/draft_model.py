@@ -30,6 +30,7 @@ import torch
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.sched_output import SchedulerOutput
+from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 
 class DraftSequence:
     """One request as the draft's KV cache manager sees it (a Request look-alike)."""
+
+    # The draft scores no prompt and follows no grammar: defaults for the runner
+    # and the KV cache manager, which read these off every request.
+    sampling_params = SamplingParams()
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
