@@ -253,7 +253,7 @@ def test_tensor_parallel_run_reports_its_collectives(tiny_chat_model, tmp_path, 
 
 
 def test_report_row_shows_medians_ranges_and_paired_ratios():
-    from minivllm.benchmarks.report import row, table
+    from minivllm.benchmarks.report import machines, row, table
 
     def stats(values):
         values = sorted(values)
@@ -269,4 +269,13 @@ def test_report_row_shows_medians_ranges_and_paired_ratios():
     line = row(result)
     assert line.startswith("| 32 requests × 128 tokens, float32 | 300 (290–310) | 250 (240–260) |")
     assert "| 1.20× | — | 50 % |" in line
-    assert table([]).count("\n") == 1  # header and rule only
+    head, rule = table([]).splitlines()[:2]
+    assert head.startswith("| workload | minivllm |") and rule.startswith("|---|")
+    # The machine line names each distinct CPU once, as the runs recorded it.
+    other = dict(result, roofline={"machine": {"cpu_features": "CPU B (kernels ISA avx2)",
+                                               "logical_cpus": 4, "torch": "t"}})
+    result["roofline"] = {"machine": {"cpu_features": "CPU A (kernels ISA native)",
+                                      "logical_cpus": 2, "torch": "t"}}
+    assert machines([result, result, other]) == (
+        "Measured on: CPU A (kernels ISA native), 2 logical CPUs, torch t; "
+        "CPU B (kernels ISA avx2), 4 logical CPUs, torch t.")

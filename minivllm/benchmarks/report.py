@@ -5,7 +5,9 @@
 One row per file (workload): output tokens/s per backend as median (range)
 over the repeats, minivllm's ratios to vLLM and to Hugging Face ``generate``
 (medians of the per-repeat ratios, so each pairs runs made side by side), and
-minivllm's fraction of the roofline the same run measured.
+minivllm's fraction of the roofline the same run measured. A last line names
+the machine(s) the rows ran on, as each run recorded it, so the table never
+claims more than it measured.
 """
 
 from __future__ import annotations
@@ -38,12 +40,25 @@ def row(result: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def machines(results: list[dict]) -> str:
+    """One line naming every distinct CPU (with the kernels' ISA) the rows ran on."""
+    seen: list[str] = []
+    for result in results:
+        m = result.get("roofline", {}).get("machine", {})
+        name = (f"{m.get('cpu_features', m.get('cpu', 'unknown CPU'))}, "
+                f"{m.get('logical_cpus', '?')} logical CPUs, torch {m.get('torch', '?')}")
+        if name not in seen:
+            seen.append(name)
+    return "Measured on: " + "; ".join(seen) + "."
+
+
 def table(paths: list[str]) -> str:
+    results = [json.loads(Path(p).read_text()) for p in paths]
     head = ("| workload | " + " | ".join(COLUMNS) + " | minivllm / vLLM | minivllm / HF | "
             "minivllm, % of roofline |")
     lines = [head, "|" + "---|" * (len(COLUMNS) + 4)]
-    lines += [row(json.loads(Path(p).read_text())) for p in paths]
-    return "\n".join(lines)
+    lines += [row(result) for result in results]
+    return "\n".join(lines) + "\n\n" + machines(results)
 
 
 if __name__ == "__main__":
