@@ -121,3 +121,48 @@ def test_bad_priority_classes_name_the_flag(bad, capsys):
     assert main(["simulate", "--priority-classes", *bad.split(), "--disable-tqdm"]) == 2
     err = capsys.readouterr().err
     assert "priority_classes=" in err and "PRIORITY:WEIGHT" in err
+
+
+def test_the_gpu_presets_against_vllms_published_latency(tmp_path, capsys):
+    """Validation (3): each preset within 30 % of vLLM's own nightly measurement
+    (the table in the README is this command's output)."""
+    from minivllm.sim.published import PUBLISHED
+
+    out = tmp_path / "published.json"
+    assert main(["simulate", "published", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["hardware"] for r in rows} == {"h100-sxm", "h200", "a100-80g"}
+    assert len(rows) == len(PUBLISHED)
+    for r in rows:
+        ratio = r["simulated_latency_ms"] / r["median_latency_ms"]
+        assert r["error"] == pytest.approx(ratio - 1)
+        assert abs(r["error"]) < 0.3, r
+    # A faster GPU is simulated faster, as measured.
+    by = {r["hardware"]: r["simulated_latency_ms"] for r in rows}
+    assert by["h200"] < by["h100-sxm"] < by["a100-80g"]
+    assert "h100-sxm" in capsys.readouterr().out
+
+
+def test_validate_wants_three_rates_before_it_starts_anything(capsys):
+    assert main(["simulate", "validate", "--rates", "1", "2"]) == 2
+    assert "rates=[1.0, 2.0] is invalid" in capsys.readouterr().err
+
+
+def test_validate_judges_each_metric_by_its_own_target():
+    from minivllm.sim.validate import TARGETS, rows
+
+    def one_run(ttft, gap, n=3, tokens=5):
+        results = [serve.RequestResult(True, 4, tokens, start=i,
+                                       chunk_times=[i + ttft + gap * k for k in range(tokens)],
+                                       end=i + ttft + gap * (tokens - 1))
+                   for i in range(n)]
+        return serve.compute_metrics(results, duration=10.0)
+
+    measured, simulated = one_run(0.100, 0.020), one_run(0.112, 0.024)
+    table = {r["metric"]: r for r in rows(measured, simulated)}
+    assert set(table) == set(TARGETS)
+    assert table["median TTFT (ms)"]["error"] == pytest.approx(0.12)
+    assert table["median TTFT (ms)"]["within_target"]  # 12 % <= 15 %
+    assert table["median TPOT (ms)"]["error"] == pytest.approx(0.20)
+    assert not table["median TPOT (ms)"]["within_target"]
+    assert table["output throughput (tok/s)"]["error"] == pytest.approx(0.0)

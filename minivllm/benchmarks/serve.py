@@ -549,4 +549,5 @@ def print_metrics(m: ServeMetrics) -> None:
 __all__ = ["RequestResult", "ServeMetrics", "benchmark", "compute_metrics", "check_local",
            "poisson_delays", "request_delays", "arrival_times", "parse_goodput",
            "add_workload_args", "max_concurrency_seen",
-           "parse_priority_classes", "draw_priorities", "metrics_by_priority", "send_request", "run", "add_cli_args"]
+           "parse_priority_classes", "draw_priorities", "metrics_by_priority", "send_request",
+           "run", "add_cli_args"]

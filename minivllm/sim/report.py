@@ -67,4 +67,5 @@ def to_json(result: SimResult, metrics: ServeMetrics, header: dict,
     return out
 
 
-__all__ = ["as_request_results", "serve_metrics", "serve_metrics_by_priority", "engine_summary", "to_json"]
+__all__ = ["as_request_results", "serve_metrics", "serve_metrics_by_priority", "engine_summary",
+           "to_json"]
