@@ -166,3 +166,28 @@ def test_validate_judges_each_metric_by_its_own_target():
     assert table["median TPOT (ms)"]["error"] == pytest.approx(0.20)
     assert not table["median TPOT (ms)"]["within_target"]
     assert table["output throughput (tok/s)"]["error"] == pytest.approx(0.0)
+
+
+def test_the_random_dataset_is_the_same_requests_in_both():
+    """Same flags, same requests: prompt and output lengths, send times, priorities."""
+    from minivllm.sim.cli import add_cli_args, build
+
+    flags = ["--dataset-name", "random", "--num-prompts", "30", "--random-input-len", "40",
+             "--random-output-len", "12", "--random-range-ratio", "0.5",
+             "--random-prefix-len", "5", "--request-rate", "7", "--burstiness", "0.5",
+             "--seed", "11", "--priority-classes", "0:1", "2:1"]
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--endpoint-type", "completions", *flags])
+    bodies = serve.build_payloads(args)
+    sent_at = serve.arrival_times(30, args.request_rate, args.burstiness, args.seed)
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    _, work = build(parser.parse_args(["--model", "smollm2-135m", *flags]))
+    assert [len(b["prompt"]) for b in bodies] == [len(w.prompt_token_ids) for w in work]
+    assert len({len(b["prompt"]) for b in bodies}) > 5  # lengths do vary
+    assert [b["max_tokens"] for b in bodies] == [w.output_len for w in work]
+    assert [b["priority"] for b in bodies] == [w.priority for w in work]
+    assert sent_at == pytest.approx([w.arrival_time for w in work])
+    # The shared prefix, token for token (same vocabulary: the default model's).
+    assert {tuple(b["prompt"][:5]) for b in bodies} == {tuple(work[0].prompt_token_ids[:5])}

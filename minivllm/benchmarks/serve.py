@@ -357,28 +357,17 @@ def _payload(args: argparse.Namespace, prompt: dict, max_tokens: int) -> dict:
     return body
 
 
-def random_lengths(mean: int, ratio: float) -> tuple[int, int]:
-    """vLLM's --random-range-ratio: lengths uniform in [mean (1 - r), mean (1 + r)]."""
-    if not 0 <= ratio < 1:
-        raise ValueError(f"random_range_ratio={ratio} is invalid: must be in [0, 1)")
-    return max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
-
-
 def random_workload_from_args(args: argparse.Namespace):
-    from minivllm.benchmarks.datasets import random_workload
+    """The random dataset as ``minivllm simulate`` draws it from the same flags: the
+    same prompt and output lengths (and, over the same vocabulary, the same token
+    IDs), so one command line describes a measured and a simulated run."""
+    from minivllm.benchmarks.datasets import BenchRequest
+    from minivllm.sim.workload import random_requests
 
-    work = random_workload(args.num_prompts,
-                           random_lengths(args.random_input_len, args.random_range_ratio),
-                           random_lengths(args.random_output_len, args.random_range_ratio),
-                           args.random_vocab_size, args.seed)
-    if args.random_prefix_len:
-        import random as _random
-
-        rng = _random.Random(args.seed + 1)
-        prefix = [rng.randrange(args.random_vocab_size) for _ in range(args.random_prefix_len)]
-        for w in work:
-            w.prompt_token_ids = prefix + w.prompt_token_ids
-    return work
+    work = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                           args.random_vocab_size, args.random_range_ratio, seed=args.seed,
+                           prefix_len=args.random_prefix_len)
+    return [BenchRequest(None, w.prompt_token_ids, w.output_len) for w in work]
 
 
 def add_workload_args(parser: argparse.ArgumentParser,

@@ -14,7 +14,7 @@ goodput; ``metrics_by_priority`` with ``--priority-classes``) plus ``engine``
 (steps, preemptions, prefix hits, the scheduler's own cost per step) and
 ``steps`` (one row per engine step).
 
-    minivllm simulate --scheduling-policy priority --priority-classes 0:1 1:3 \
+    minivllm simulate --scheduling-policy priority --priority-classes 0:1 1:3 \\
         --request-rate 30 ...        # a quarter interactive (0), the rest batch (1)
 """
 
@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> dict:
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "engine_args": {k: getattr(args, k) for k in (
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                  "enable_prefix_caching", "tensor_parallel_size")},
+                  "enable_prefix_caching", "tensor_parallel_size", "scheduling_policy")},
+              "priority_classes": args.priority_classes,
               "cost_model_assumptions": "see minivllm/sim/cost_model.py"}
     out = to_json(result, metrics, header, not args.no_steps, by_priority)
     if args.output:
