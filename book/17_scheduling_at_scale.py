@@ -32,8 +32,8 @@
 #   and four replicas behind three routers for an agent workload.
 #
 # Every number quoted comes from a cell below; the H100 numbers are the cost model's,
-# whose assumptions `minivllm/sim/cost_model.py` states (and the README says how far
-# the uncalibrated GPU presets were from one published measurement).
+# whose assumptions `minivllm/sim/cost_model.py` states (and a cell below compares
+# the uncalibrated GPU presets with vLLM's published measurements).
 
 
 # %%
@@ -164,6 +164,24 @@ assert 0.4 < sim_s / real_s < 2.5  # (a loose bound: the machine is shared)
 # From here on the model is the `llama-3-8b` preset (its published `config.json`) and
 # the hardware the `h100-sxm` preset: data-sheet peaks, assumed efficiencies, no
 # calibration (there is no H100 here to calibrate on).
+#
+# How far off is an uncalibrated preset? vLLM publishes its own nightly latency
+# benchmark (`latency_llama8B_tp1`: Llama-3.1-8B, the layer shapes of this preset, one
+# batch of 8 prompts of 32 tokens, 128 output tokens each). `minivllm simulate
+# published` runs that batch on the presets of the GPUs it was measured on:
+
+# %%
+from minivllm.sim.published import compare, print_table
+
+published = compare()
+print_table(published)
+assert all(abs(r["error"]) < 0.3 for r in published)
+
+# %% [markdown]
+# The presets are off by the errors above: their efficiencies and the 1 ms per step
+# are guesses, and every absolute H100 number below carries such an error. The
+# comparisons between configurations below (a larger cache, another policy) price
+# both sides with the same model, so they lean less on those guesses.
 
 # %%
 MODEL, H100 = load_model_config("llama-3-8b"), load_hardware("h100-sxm")

@@ -101,7 +101,9 @@ class StreamingServer:
                 piece = {"delta": {"content": f"tok{i} "}} if chat else {"text": f"tok{i} "}
                 self._event(writer, {"choices": [{"index": 0, **piece}]})
                 await writer.drain()
-            usage = {"prompt_tokens": len(prompt.split()),
+            # Token IDs (the random dataset) count as they are, text by words.
+            usage = {"prompt_tokens": len(prompt) if isinstance(prompt, list)
+                     else len(prompt.split()),
                      "completion_tokens": body["max_tokens"]}
             self._event(writer, {"choices": [], "usage": usage})
             self._chunk(writer, b"data: [DONE]\n\n")
@@ -261,6 +263,7 @@ def test_random_dataset_sends_token_ids_with_bursty_arrivals_and_reports_goodput
                               "--request-rate", "100", "--burstiness", "0.5",
                               "--goodput", "ttft:100000", "e2el:0.001", "--output", str(out)])
     m = serve.run(args)
+    assert (m.completed, m.failed) == (6, 0)
     prompts = [b["prompt"] for b in server.requests]
     assert all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts)
     assert all(10 + 3 <= len(p) <= 30 + 3 for p in prompts)

@@ -5,7 +5,8 @@ sends ``--multiturn-num-turns`` user turns of ``--multiturn-user-len`` words,
 each with the whole conversation so far: the system prompt, the earlier user
 turns and the server's own answers. A turn is sent ``--multiturn-think-time``
 seconds after the previous answer arrived; sessions start on the arrival
-schedule (``--request-rate``, ``--burstiness``). ``minivllm simulate`` draws the
+schedule (``--request-rate``, ``--burstiness``); with ``--priority-classes`` all
+turns of a session carry the session's priority. ``minivllm simulate`` draws the
 same shape of workload in token IDs; here it is words, so the token counts are
 close, not equal. A prefix-caching server reuses the system prompt and the
 conversation so far.
@@ -19,7 +20,8 @@ import random
 import time
 from typing import Optional
 
-from minivllm.benchmarks.serve import RequestResult, request_delays, send_request
+from minivllm.benchmarks.serve import (RequestResult, draw_priorities, parse_priority_classes,
+                                       request_delays, send_request)
 
 WORDS = ("the", "cache", "model", "token", "block", "agent", "step", "query", "table",
          "answer", "tool", "plan", "file", "test", "value", "list", "order", "river")
@@ -46,6 +48,8 @@ async def run_sessions(base_url: str, args: argparse.Namespace,
     rng = random.Random(args.seed)
     system = _words(rng, args.multiturn_system_len)
     n = num_sessions(args)
+    classes = parse_priority_classes(getattr(args, "priority_classes", None))
+    priorities = draw_priorities(n, classes, args.seed)  # one per session
     delays = request_delays(n, args.request_rate, args.burstiness, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or n)
     url = base_url + "/v1/chat/completions"
@@ -54,13 +58,15 @@ async def run_sessions(base_url: str, args: argparse.Namespace,
 
     async with httpx.AsyncClient(headers=headers, trust_env=False,
                                  limits=httpx.Limits(max_connections=n)) as client:
-        async def session(turns: list[str]) -> None:
+        async def session(turns: list[str], priority: int) -> None:
             messages = [{"role": "system", "content": system}] if system else []
             for k, user in enumerate(turns):
                 messages.append({"role": "user", "content": user})
                 body = {"messages": list(messages), "max_tokens": args.multiturn_output_len,
                         "temperature": 0.0, "ignore_eos": True, "stream": True,
                         "stream_options": {"include_usage": True}}
+                if classes:
+                    body["priority"] = priority
                 async with limit:
                     r = await send_request(client, url, body, True, args.timeout)
                 results.append(r)
@@ -72,11 +78,11 @@ async def run_sessions(base_url: str, args: argparse.Namespace,
 
         start = time.perf_counter()
         tasks = []
-        for delay in delays:
+        for delay, priority in zip(delays, priorities):
             await asyncio.sleep(delay)
             turns = [_words(rng, args.multiturn_user_len)
                      for _ in range(args.multiturn_num_turns)]
-            tasks.append(asyncio.create_task(session(turns)))
+            tasks.append(asyncio.create_task(session(turns, priority)))
         done, pending = await asyncio.wait(tasks, timeout=args.max_duration)
         for task in pending:
             task.cancel()

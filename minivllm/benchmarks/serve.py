@@ -21,7 +21,10 @@ runs agent-like conversations over a shared system prompt (benchmarks/multiturn.
 ``--dataset-name random``
 sends random token-ID prompts (``--random-input-len``, ``--random-output-len``,
 ``--random-range-ratio``, ``--random-prefix-len``) to the completions endpoint;
-``--goodput ttft:500 tpot:50`` also reports the requests/s that met those SLOs. The
+``--goodput ttft:500 tpot:50`` also reports the requests/s that met those SLOs;
+``--priority-classes 0:1 1:3`` sends vLLM's per-request ``priority`` (a quarter of
+the requests at 0, the rest at 1; the server must run ``--scheduling-policy
+priority``) and reports each priority's metrics too. The
 number of requests and the total time are bounded, and only local servers
 are accepted: this is a tool for one's own machine.
 """
@@ -59,6 +62,7 @@ class RequestResult:
     end: float = 0.0
     text: str = ""
     error: str = ""
+    priority: int = 0  # the request's ``priority`` field (--priority-classes)
 
     @property
     def ttft(self) -> Optional[float]:
@@ -120,6 +124,59 @@ def parse_goodput(items: Optional[list[str]]) -> Optional[dict[str, float]]:
                              f"one of {', '.join(SLO_METRICS)} and a value > 0")
         slos[name] = ms
     return slos
+
+
+def parse_priority_classes(items: Optional[list[str]]) -> Optional[list[tuple[int, float]]]:
+    """``["0:1", "1:3"]`` -> [(0, 0.25), (1, 0.75)]: each priority and its share."""
+    if not items:
+        return None
+    classes: dict[int, float] = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        try:
+            priority, weight = int(name), float(value)
+        except ValueError:
+            priority, weight = None, -1.0
+        if priority is None or not 0 < weight < math.inf or priority in classes:
+            raise ValueError(f"priority_classes={item!r} is invalid: give PRIORITY:WEIGHT "
+                             "with an integer priority (each once) and a weight > 0, "
+                             "e.g. 0:1 1:3")
+        classes[priority] = weight
+    total = sum(classes.values())
+    return [(p, w / total) for p, w in classes.items()]
+
+
+def draw_priorities(num: int, classes: Optional[list[tuple[int, float]]],
+                    seed: int = 0) -> list[int]:
+    """One priority per request (or session), drawn by the classes' shares.
+
+    From its own random stream, so adding classes leaves the prompts and
+    the arrival times of the same ``--seed`` as they were; ``bench serve``
+    and ``simulate`` draw the same list from the same flags.
+    """
+    if not classes:
+        return [0] * num
+    rng = random.Random(f"priority-classes-{seed}")
+    return rng.choices([p for p, _ in classes], [w for _, w in classes], k=num)
+
+
+def metrics_by_priority(results: list[RequestResult], duration: float,
+                        goodput: Optional[dict[str, float]] = None) -> dict[str, dict]:
+    """``compute_metrics`` over each priority's requests (same duration: shares add up)."""
+    out = {}
+    for p in sorted({r.priority for r in results}):
+        out[str(p)] = asdict(compute_metrics([r for r in results if r.priority == p],
+                                             duration, goodput))
+    return out
+
+
+def print_priority_metrics(by_priority: dict[str, dict]) -> None:
+    print(f"{'priority':>8} {'requests':>8} {'median TTFT':>12} {'p99 TTFT':>10} "
+          f"{'median TPOT':>12} {'p99 E2EL':>10}  (ms)")
+    for p, m in by_priority.items():
+        print(f"{p:>8} {m['completed']:>8} {m['ttft_ms']['median']:>12.2f} "
+              f"{m['ttft_ms']['p99']:>10.2f} {m['tpot_ms']['median']:>12.2f} "
+              f"{m['e2el_ms']['p99']:>10.2f}")
 
 
 def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
@@ -234,7 +291,8 @@ def _chunk_text(event: dict, chat: bool) -> str:
 
 async def send_request(client, url: str, payload: dict, chat: bool,
                        timeout: float) -> RequestResult:
-    result = RequestResult(success=False, start=time.perf_counter())
+    result = RequestResult(success=False, start=time.perf_counter(),
+                           priority=payload.get("priority", 0))
     try:
         async with client.stream("POST", url, json=payload, timeout=timeout) as response:
             if response.status_code != 200:
@@ -275,12 +333,19 @@ def build_payloads(args: argparse.Namespace) -> list[dict]:
             raise ValueError("dataset_name='random' is invalid with endpoint_type='chat': "
                              "token-ID prompts need --endpoint-type completions")
         work = random_workload_from_args(args)
-        return [_payload(args, {"prompt": w.prompt_token_ids}, w.max_tokens) for w in work]
-    payloads = []
-    for i in range(args.num_prompts):
-        text = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
-        prompt = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
-        payloads.append(_payload(args, prompt, args.max_tokens))
+        payloads = [_payload(args, {"prompt": w.prompt_token_ids}, w.max_tokens)
+                    for w in work]
+    else:
+        payloads = []
+        for i in range(args.num_prompts):
+            text = CHAT_PROMPTS[i % len(CHAT_PROMPTS)]
+            prompt = ({"messages": [{"role": "user", "content": text}]} if chat
+                      else {"prompt": text})
+            payloads.append(_payload(args, prompt, args.max_tokens))
+    classes = parse_priority_classes(getattr(args, "priority_classes", None))
+    if classes:  # vLLM's request field; the server needs --scheduling-policy priority
+        for body, p in zip(payloads, draw_priorities(len(payloads), classes, args.seed)):
+            body["priority"] = p
     return payloads
 
 
@@ -292,28 +357,17 @@ def _payload(args: argparse.Namespace, prompt: dict, max_tokens: int) -> dict:
     return body
 
 
-def random_lengths(mean: int, ratio: float) -> tuple[int, int]:
-    """vLLM's --random-range-ratio: lengths uniform in [mean (1 - r), mean (1 + r)]."""
-    if not 0 <= ratio < 1:
-        raise ValueError(f"random_range_ratio={ratio} is invalid: must be in [0, 1)")
-    return max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
-
-
 def random_workload_from_args(args: argparse.Namespace):
-    from minivllm.benchmarks.datasets import random_workload
+    """The random dataset as ``minivllm simulate`` draws it from the same flags: the
+    same prompt and output lengths (and, over the same vocabulary, the same token
+    IDs), so one command line describes a measured and a simulated run."""
+    from minivllm.benchmarks.datasets import BenchRequest
+    from minivllm.sim.workload import random_requests
 
-    work = random_workload(args.num_prompts,
-                           random_lengths(args.random_input_len, args.random_range_ratio),
-                           random_lengths(args.random_output_len, args.random_range_ratio),
-                           args.random_vocab_size, args.seed)
-    if args.random_prefix_len:
-        import random as _random
-
-        rng = _random.Random(args.seed + 1)
-        prefix = [rng.randrange(args.random_vocab_size) for _ in range(args.random_prefix_len)]
-        for w in work:
-            w.prompt_token_ids = prefix + w.prompt_token_ids
-    return work
+    work = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                           args.random_vocab_size, args.random_range_ratio, seed=args.seed,
+                           prefix_len=args.random_prefix_len)
+    return [BenchRequest(None, w.prompt_token_ids, w.output_len) for w in work]
 
 
 def add_workload_args(parser: argparse.ArgumentParser,
@@ -341,6 +395,12 @@ def add_workload_args(parser: argparse.ArgumentParser,
     g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="service-level objectives, e.g. ttft:500 tpot:50 (ms): report the "
                    "requests/s that met all of them")
+    g.add_argument("--priority-classes", nargs="+", default=None, metavar="PRIORITY:WEIGHT",
+                   help="give each request (each multiturn session) vLLM's per-request "
+                   "'priority', drawn with these relative weights, e.g. 0:1 1:3 (a quarter "
+                   "at priority 0, the rest at 1; lower is served first, and preempted "
+                   "last, under --scheduling-policy priority); the report then adds the "
+                   "metrics of each priority ('metrics_by_priority' in --output)")
     m = parser.add_argument_group("multiturn dataset (--num-prompts = sessions x turns)")
     m.add_argument("--multiturn-num-turns", type=int, default=4)
     m.add_argument("--multiturn-system-len", type=int, default=512,
@@ -428,8 +488,13 @@ def run(args: argparse.Namespace) -> ServeMetrics:
             base_url, build_payloads(args), chat, args.request_rate, args.max_concurrency,
             args.max_duration, args.timeout, args.seed, args.api_key,
             getattr(args, "burstiness", 1.0)))
-    metrics = compute_metrics(results, duration, parse_goodput(getattr(args, "goodput", None)))
+    goodput = parse_goodput(getattr(args, "goodput", None))
+    metrics = compute_metrics(results, duration, goodput)
     print_metrics(metrics)
+    by_priority = None
+    if getattr(args, "priority_classes", None):
+        by_priority = metrics_by_priority([r for r in results if r.success], duration, goodput)
+        print_priority_metrics(by_priority)
     failed = [r.error for r in results if not r.success]
     if failed:
         print(f"first failure: {failed[0]}", file=sys.stderr)
@@ -438,7 +503,8 @@ def run(args: argparse.Namespace) -> ServeMetrics:
         Path(args.output).write_text(json.dumps(
             {"base_url": base_url, "request_rate": args.request_rate,
              "burstiness": getattr(args, "burstiness", 1.0),
-             "max_concurrency": args.max_concurrency, "metrics": asdict(metrics)}, indent=2))
+             "max_concurrency": args.max_concurrency, "metrics": asdict(metrics),
+             **({"metrics_by_priority": by_priority} if by_priority else {})}, indent=2))
         print(f"wrote {args.output}")
     return metrics
 
@@ -471,4 +537,6 @@ def print_metrics(m: ServeMetrics) -> None:
 
 __all__ = ["RequestResult", "ServeMetrics", "benchmark", "compute_metrics", "check_local",
            "poisson_delays", "request_delays", "arrival_times", "parse_goodput",
-           "add_workload_args", "max_concurrency_seen", "send_request", "run", "add_cli_args"]
+           "add_workload_args", "max_concurrency_seen",
+           "parse_priority_classes", "draw_priorities", "metrics_by_priority", "send_request",
+           "run", "add_cli_args"]

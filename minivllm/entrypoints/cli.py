@@ -4,7 +4,8 @@
     minivllm chat
     minivllm serve [MODEL] --port 8000
     minivllm bench {throughput,serve,roofline,attention,structured,spec-decode} ...
-    minivllm simulate --model llama-3-8b --hardware h100-sxm ...   (simulate calibrate)
+    minivllm simulate --model llama-3-8b --hardware h100-sxm ...
+    minivllm simulate {calibrate,validate,published} ...
 
 Every engine argument is a ``--kebab-case`` flag (``--max-num-seqs 64``).
 """
@@ -152,6 +153,8 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
         from minivllm.sim import calibrate
 
         calibrate.run(ns)
+    elif ns.sim_command in ("validate", "published"):
+        importlib.import_module(f"minivllm.sim.{ns.sim_command}").run(ns)
     else:
         from minivllm.sim import cli as sim_cli
 
@@ -199,12 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(_unavailable=str(e))
         p.set_defaults(func=cmd_bench)
 
-    from minivllm.sim import calibrate, cli as sim_cli
+    from minivllm.sim import calibrate, cli as sim_cli, published, validate
 
     sim = sub.add_parser("simulate", help="the real scheduler on simulated hardware")
     sim_cli.add_cli_args(sim)
     ssub = sim.add_subparsers(dest="sim_command")
     calibrate.add_cli_args(ssub.add_parser("calibrate", help=calibrate.__doc__.split("\n")[0]))
+    validate.add_cli_args(ssub.add_parser(
+        "validate", help=validate.__doc__.split("\n")[0], description=validate.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    published.add_cli_args(ssub.add_parser(
+        "published", help=published.__doc__.split("\n")[0], description=published.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     sim.set_defaults(func=cmd_simulate)
     return parser
 

@@ -10,8 +10,12 @@ The real scheduler, KV cache manager and block pool run; each step's time
 comes from the cost model (minivllm.sim.cost_model: a roofline per operator
 group plus fixed overheads, from config.json alone). ``--output`` writes the
 keys ``bench serve --output`` writes (metrics: TTFT, TPOT, ITL, E2EL, throughput,
-goodput) plus ``engine`` (steps, preemptions, prefix hits, the scheduler's own
-cost per step) and ``steps`` (one row per engine step).
+goodput; ``metrics_by_priority`` with ``--priority-classes``) plus ``engine``
+(steps, preemptions, prefix hits, the scheduler's own cost per step) and
+``steps`` (one row per engine step).
+
+    minivllm simulate --scheduling-policy priority --priority-classes 0:1 1:3 \\
+        --request-rate 30 ...        # a quarter interactive (0), the rest batch (1)
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    default=True)
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="priority: lower SimRequest.priority first (the Python API sets it)")
+                   help="priority: the waiting queue by priority (lower first, then "
+                   "arrival), the largest priority preempted first; the requests' "
+                   "priorities come from --priority-classes (under fcfs they only label "
+                   "the requests in the report, where a real fcfs server would refuse them)")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +82,10 @@ def build(args: argparse.Namespace):
     from minivllm.sim.hardware import load_hardware
     from minivllm.sim.models import load_model_config
     from minivllm.sim.simulator import Simulator
+    from minivllm.benchmarks.serve import draw_priorities, parse_priority_classes
     from minivllm.sim.workload import multiturn_requests, random_requests
 
+    classes = parse_priority_classes(args.priority_classes)  # bad input fails first
     hw = load_hardware(args.hardware)
     model = load_model_config(args.model, args.dtype, hw.device)
     kwargs = dict(max_num_seqs=args.max_num_seqs,
@@ -101,33 +110,55 @@ def build(args: argparse.Namespace):
                                   args.multiturn_output_len, model.vocab_size,
                                   args.request_rate, args.burstiness,
                                   args.multiturn_think_time, args.seed, sim.eos_token_ids)
+    if classes:  # the priorities bench serve sends for the same flags
+        if args.dataset_name == "random":
+            for w, p in zip(work, draw_priorities(len(work), classes, args.seed)):
+                w.priority = p
+        else:  # one per session, as bench serve's multiturn sessions
+            sessions = sorted({w.session for w in work}, key=lambda s: int(s[1:]))
+            by_session = dict(zip(sessions, draw_priorities(len(sessions), classes,
+                                                            args.seed)))
+            for w in work:
+                w.priority = by_session[w.session]
     return sim, work
 
 
 def run(args: argparse.Namespace) -> dict:
-    from minivllm.benchmarks.serve import parse_goodput, print_metrics
-    from minivllm.sim.report import engine_summary, serve_metrics, to_json
+    from minivllm.benchmarks.serve import parse_goodput, print_metrics, print_priority_metrics
+    from minivllm.sim.report import (engine_summary, serve_metrics, serve_metrics_by_priority,
+                                     to_json)
 
+    goodput = parse_goodput(args.goodput)
     sim, work = build(args)
     result = sim.run(work, args.max_concurrency, progress=not args.disable_tqdm)
-    metrics = serve_metrics(result, parse_goodput(args.goodput))
+    metrics = serve_metrics(result, goodput)
     print(f"simulated {len(work)} requests of {Path(sim.model.path).name} on "
           f"{args.num_replicas} replica(s) of {args.tensor_parallel_size} x "
           f"{sim.hardware.name}, "
           f"{sim.num_blocks} KV blocks of {args.block_size} tokens per replica")
     print_metrics(metrics)
+    by_priority = None
+    if args.priority_classes:
+        by_priority = serve_metrics_by_priority(result, goodput)
+        print_priority_metrics(by_priority)
     engine = engine_summary(result)
     for k, v in engine.items():
         print(f"{k:<40} {v:>9.4g}" if isinstance(v, float) else f"{k:<40} {v:>9}")
+    # The simulator's own speed: what --num-prompts 10000 is about.
+    print(f"simulated {len(work)} requests ({engine['num_steps']} steps, "
+          f"{result.duration:.1f} s of virtual time) in {result.wall_seconds:.1f} s of wall "
+          f"time, {result.engine_seconds:.1f} s of it in the real scheduler and engine core "
+          f"({engine['scheduler_ms_per_step']:.2f} ms per step)")
     header = {"simulated": True, "model": sim.model.path, "hardware": sim.hardware.to_dict(),
               "num_replicas": args.num_replicas, "router": args.router,
               "dataset_name": args.dataset_name, "request_rate": args.request_rate,
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "engine_args": {k: getattr(args, k) for k in (
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                  "enable_prefix_caching", "tensor_parallel_size")},
+                  "enable_prefix_caching", "tensor_parallel_size", "scheduling_policy")},
+              "priority_classes": args.priority_classes,
               "cost_model_assumptions": "see minivllm/sim/cost_model.py"}
-    out = to_json(result, metrics, header, with_steps=not args.no_steps)
+    out = to_json(result, metrics, header, not args.no_steps, by_priority)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(out, default=_json_number))

@@ -18,12 +18,21 @@ from minivllm.sim.simulator import SimResult
 def as_request_results(result: SimResult) -> list[RequestResult]:
     return [RequestResult(success=True, prompt_tokens=r.prompt_tokens,
                           output_tokens=r.output_tokens, start=r.arrival,
-                          chunk_times=list(r.token_times), end=r.finished)
+                          chunk_times=list(r.token_times), end=r.finished,
+                          priority=r.priority)
             for r in result.requests]
 
 
 def serve_metrics(result: SimResult, goodput: Optional[dict] = None) -> ServeMetrics:
     return compute_metrics(as_request_results(result), max(result.duration, 1e-12), goodput)
+
+
+def serve_metrics_by_priority(result: SimResult, goodput: Optional[dict] = None) -> dict:
+    """``bench serve``'s ``metrics_by_priority``: the metrics of each priority's requests."""
+    from minivllm.benchmarks.serve import metrics_by_priority
+
+    return metrics_by_priority(as_request_results(result), max(result.duration, 1e-12),
+                               goodput)
 
 
 def engine_summary(result: SimResult) -> dict:
@@ -48,11 +57,15 @@ def engine_summary(result: SimResult) -> dict:
 
 
 def to_json(result: SimResult, metrics: ServeMetrics, header: dict,
-            with_steps: bool = True) -> dict:
-    out = {**header, "metrics": asdict(metrics), "engine": engine_summary(result)}
+            with_steps: bool = True, by_priority: Optional[dict] = None) -> dict:
+    out = {**header, "metrics": asdict(metrics)}
+    if by_priority:
+        out["metrics_by_priority"] = by_priority
+    out["engine"] = engine_summary(result)
     if with_steps:
         out["steps"] = result.steps
     return out
 
 
-__all__ = ["as_request_results", "serve_metrics", "engine_summary", "to_json"]
+__all__ = ["as_request_results", "serve_metrics", "serve_metrics_by_priority", "engine_summary",
+           "to_json"]
