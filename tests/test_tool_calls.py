@@ -342,3 +342,109 @@ def test_auto_answer_in_words_is_content(auto_server):
     assert whole["finish_reason"] == "stop" and whole["message"]["tool_calls"] == []
     content, calls, reasons = _chat_streamed(auto_server, **body)
     assert calls == {} and content == whole["message"]["content"] and reasons[-1] == "stop"
+
+
+# -- the default model, through real clients ----------------------------------------------
+SERVED = "smollm2"
+PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("tools-default"), "--served-model-name", SERVED,
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield srv
+    srv.stop()
+
+
+def _sdk_stream(client, **kwargs) -> tuple[str, dict[int, dict], list]:
+    deltas, reasons = [], []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            deltas.append(c.delta.model_dump(exclude_none=True))
+            reasons.append(c.finish_reason)
+    content, calls = _merge(deltas)
+    return content, calls, reasons
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_openai_sdk_streamed_calls_equal_the_whole_answer(default_server, choice):
+    from openai import OpenAI
+
+    # Free to pad JSON with whitespace, SmolLM2 lists the same call until max_tokens.
+    kwargs = dict(model=SERVED, messages=PARIS, tools=[WEATHER, TIME], tool_choice=choice,
+                  temperature=0, max_tokens=100,
+                  extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    with OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0) as client:
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, reasons = _sdk_stream(client, **kwargs)
+    assert whole.finish_reason == "tool_calls" and reasons[-1] == "tool_calls"
+    assert content == "" and all(c["pieces"] > 1 for c in calls.values())
+    _assert_same_calls(whole.message.model_dump(), calls)
+
+
+@pytest.mark.slow
+def test_auto_on_the_default_model_is_the_offline_answer_read(default_server):
+    """SmolLM2's template ignores tools: the server tells it of them in a system message;
+    whatever it answers, the server's reading is the parser's reading of the offline
+    engine's answer to that prompt, streamed or not."""
+    from openai import OpenAI
+
+    from minivllm import LLM, SamplingParams
+
+    tools = _tools(WEATHER, TIME)
+    parser = Hermes2ProToolParser(tools)
+    with LLM() as llm:
+        tokenizer = llm.get_tokenizer()
+        prompt = tokenizer.apply_chat_template(
+            history_for_template(PARIS, tools, False, "auto", parser), tokenize=False,
+            add_generation_prompt=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)  # as the server does
+        ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=60),
+                           use_tqdm=False)[0].outputs[0]
+    want = parser.extract_tool_calls(ref.text)
+    kwargs = dict(model=SERVED, messages=PARIS, tools=[WEATHER, TIME], temperature=0,
+                  max_tokens=60)
+    with OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0) as client:
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, reasons = _sdk_stream(client, **kwargs)
+    assert whole.message.content == want.content and content == (want.content or "")
+    got = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert got == [(c.function.name, c.function.arguments) for c in want.tool_calls]
+    assert got == [(c["name"], c["arguments"]) for c in calls.values()]
+    assert whole.finish_reason == reasons[-1] == (
+        "tool_calls" if want.tools_called and ref.finish_reason == "stop" else ref.finish_reason)
+
+
+@pytest.mark.slow
+def test_langchain_bind_tools_required_streamed(default_server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """Get the current weather in a city."""
+
+        city: str = Field(max_length=20)
+
+    class GetTime(BaseModel):
+        """Get the time in a time zone."""
+
+        zone: str = Field(max_length=8)
+
+    llm = ChatOpenAI(model=SERVED, base_url=default_server.url + "/v1", api_key="none",
+                     temperature=0, max_tokens=100, max_retries=0,
+                     extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    bound = llm.bind_tools([GetWeather, GetTime], tool_choice="required")
+    msg = bound.invoke("What is the weather in Paris?")
+    assert msg.tool_calls and msg.response_metadata["finish_reason"] == "tool_calls"
+    chunks = list(bound.stream("What is the weather in Paris?"))
+    merged = chunks[0]
+    for c in chunks[1:]:
+        merged = merged + c
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [
+        (c["name"], c["args"]) for c in msg.tool_calls]
+    models = {"GetWeather": GetWeather, "GetTime": GetTime}
+    for c in msg.tool_calls:
+        models[c["name"]](**c["args"])
