@@ -67,7 +67,9 @@ def _named(tools: list[ChatTool], name: str) -> ChatTool:
 def parse_tool_calls(text: str, choice: ToolChoice,
                      tools: Optional[list[ChatTool]] = None) -> Optional[list[ToolCall]]:
     """The calls in a forced answer; None when it is not whole (cut by max_tokens)."""
-    info = parser_for(tools or [], choice).extract_tool_calls(text)
+    reader = (NamedCallReader(tools or [], choice.function.name)
+              if isinstance(choice, NamedToolChoice) else RequiredCallsReader(tools or []))
+    info = reader.extract_tool_calls(text)
     return info.tool_calls if info.tools_called and info.whole else None
 
 
