@@ -208,7 +208,7 @@ def test_tool_history_and_errors(server):
             "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
     r = post(server, "/v1/chat/completions", {"messages": history, "tools": [TIME],
-                                              "max_tokens": 5, "tool_choice": "auto"})
+                                              "max_tokens": 5, "tool_choice": "none"})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["tool_calls"] == []
     for body, param, words in (

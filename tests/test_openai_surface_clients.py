@@ -118,7 +118,8 @@ def test_openai_sdk_response_format_and_tools(server):
         assert GetWeather.model_validate_json(call.function.arguments).city == "Paris"
         # The tool's answer goes back into the history; the model answers in words.
         follow = client.chat.completions.create(
-            model=SERVED, temperature=0, max_tokens=30, tools=[tool], messages=messages + [
+            model=SERVED, temperature=0, max_tokens=30, tools=[tool], tool_choice="none",
+            messages=messages + [
                 r.choices[0].message.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}])
         assert follow.choices[0].message.content

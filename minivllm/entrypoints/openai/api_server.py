@@ -42,6 +42,7 @@ from minivllm.entrypoints.openai.serving_tokenization import DetokenizeRequest, 
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletionRequest,
                                                   CompletionRequest, ModelCard, ModelList)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from minivllm.entrypoints.openai.tool_parsers import ToolParserManager
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
 from minivllm.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
@@ -169,7 +170,8 @@ def _respond(result) -> Response:
 
 # -- the app ------------------------------------------------------------------------------
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
-              stat_logger: Optional[PrometheusStatLogger] = None) -> FastAPI:
+              stat_logger: Optional[PrometheusStatLogger] = None,
+              tool_parser: Optional[str] = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
@@ -180,7 +182,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     add_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    chat = OpenAIServingChat(engine, model_name)
+    chat = OpenAIServingChat(engine, model_name, tool_parser)
     completion = OpenAIServingCompletion(engine, model_name)
 
     @app.post("/v1/chat/completions")
@@ -270,6 +272,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="run the engine core in this process (a thread), for debugging")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice="auto" (the default when a request has tools): '
+                        "the model may call a tool or answer in words, and the tool call "
+                        "parser finds its calls; needs --tool-call-parser (as vLLM)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(
+                   ToolParserManager.tool_parsers), help="the format the model calls tools "
+                   "in; hermes: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>")
+
+
+def auto_tool_parser(ns: argparse.Namespace) -> Optional[str]:
+    """The parser "auto" uses, or None when "auto" is refused."""
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                         f"(one of {sorted(ToolParserManager.tool_parsers)})")
+    return ns.tool_call_parser if ns.enable_auto_tool_choice else None
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -317,6 +334,7 @@ def run_server(ns: argparse.Namespace) -> int:
         raise ValueError(f"model given twice: MODEL={ns.model_tag!r} and "
                          f"--model={ns.model!r}; give one")
     ns.model = ns.model_tag or ns.model
+    tool_parser = auto_tool_parser(ns)
     config = engine_args_from(ns).create_engine_config()
     model_name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
     sock = _bind(ns.host, ns.port)
@@ -326,7 +344,7 @@ def run_server(ns: argparse.Namespace) -> int:
     try:
         stat_logger = PrometheusStatLogger(model_name)
         engine = AsyncLLM(config, in_process=ns.inprocess, stat_logger=stat_logger)
-        app = build_app(engine, model_name, ns.api_key, stat_logger)
+        app = build_app(engine, model_name, ns.api_key, stat_logger, tool_parser)
         print(f"minivllm: serving {model_name} on http://{ns.host}:{ns.port} "
               f"(engine core {'in process' if ns.inprocess else f'pid {engine.engine_core.pid}'})",
               flush=True)

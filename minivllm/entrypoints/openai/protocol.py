@@ -300,12 +300,20 @@ class FunctionCallDelta(ResponseModel):
     name: Optional[str] = None
     arguments: Optional[str] = None
 
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # as OpenAI: a piece of arguments comes alone
+        return {k: v for k, v in handler(self).items() if v is not None}
+
 
 class ToolCallDelta(ResponseModel):
     index: int
     id: Optional[str] = None
     type: Optional[Literal["function"]] = None
     function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class TextContentPart(RequestModel):

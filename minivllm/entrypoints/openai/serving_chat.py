@@ -5,10 +5,11 @@ chunk per engine step with the new text, and the ``finish_reason`` on the
 last one; with ``stream_options.include_usage`` a final chunk with no
 choices carries the token counts. ``data: [DONE]`` ends the stream.
 
-A forced tool call (``tool_choice`` "required" or a named function) answers
-with ``message.tool_calls`` and ``finish_reason: "tool_calls"``. Streamed, a
-named call sends its id and name first, then its arguments as they are
-generated; a "required" list is sent whole when it is complete.
+A tool call (forced by ``tool_choice`` "required" or a named function, or
+found by the tool parser under "auto") answers with ``message.tool_calls``
+and ``finish_reason: "tool_calls"``. Streamed as OpenAI streams it: per
+call a first delta with its id, type, name and ``arguments: ""``, then the
+arguments in pieces as they are generated (tool_parsers.ToolCallStreamer).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from minivllm.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatComple
                                                   ChatCompletionResponse,
                                                   ChatCompletionStreamChoice,
                                                   ChatResponseMessage, ChatTokenLogprob,
-                                                  DeltaMessage, FunctionCallDelta,
-                                                  NamedToolChoice, ToolCallDelta, TopLogprob)
+                                                  DeltaMessage, TopLogprob)
 from minivllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, Stream,
                                                         UsageCounter, now,
                                                         random_id, sse, stream_error_event,
                                                         with_first)
 from minivllm.entrypoints.openai import tools as tool_calls
+from minivllm.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind
 
@@ -50,9 +51,15 @@ def chat_logprobs(c: CompletionOutput, top_n: int) -> Optional[ChatChoiceLogprob
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine, model_name: str, tool_parser: Optional[str] = None) -> None:
+        super().__init__(engine, model_name)
+        # Set by --enable-auto-tool-choice --tool-call-parser NAME: reads "auto" answers.
+        self.tool_parser = tool_parser
+
     async def create_chat_completion(self, request: ChatCompletionRequest):
         """A ``ChatCompletionResponse``, or an async iterator of SSE strings."""
         self.check_request(request)
+        tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = request.to_sampling_params(kind)
         request_id = random_id("chatcmpl")
@@ -62,6 +69,10 @@ class OpenAIServingChat(OpenAIServing):
             return self.chat_stream(request, request_id, with_first(firsts[0], streams[0]))
         return self.chat_full_response(request, request_id, firsts[0])
 
+    def _parser(self, request: ChatCompletionRequest) -> Optional[ToolParser]:
+        return tool_calls.parser_for(request.tools, request.effective_tool_choice,
+                                     self.tool_parser)
+
     def _prompt(self, request: ChatCompletionRequest):
         """The messages, or with tools the prompt text rendered with them."""
         messages = request.prompt()
@@ -69,24 +80,23 @@ class OpenAIServingChat(OpenAIServing):
             return messages
         tokenizer = self.engine.tokenizer
         knows = tool_calls.template_knows_tools(tokenizer)
-        history = tool_calls.history_for_template(messages, request.tools, knows)
+        history = tool_calls.history_for_template(messages, request.tools, knows,
+                                                  request.effective_tool_choice,
+                                                  self._parser(request))
         text = tokenizer.apply_chat_template(
             history, tools=[t.model_dump(exclude_none=True) for t in request.tools]
             if knows else None, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
 
-    @staticmethod
-    def _forced(request: ChatCompletionRequest):
-        choice = request.effective_tool_choice
-        return choice if request.tools and choice not in ("none", "auto") else None
-
-    def _message(self, request: ChatCompletionRequest, c: CompletionOutput):
+    def _message(self, parser: Optional[ToolParser], c: CompletionOutput):
         """(message, finish_reason) of one finished choice."""
-        forced = self._forced(request)
-        if forced is not None and c.finish_reason == "stop":
-            calls = tool_calls.parse_tool_calls(c.text, forced)
-            if calls is not None:
-                return ChatResponseMessage(content=None, tool_calls=calls), "tool_calls"
+        if parser is not None:
+            info = parser.extract_tool_calls(c.text)
+            if info.tools_called:
+                return (ChatResponseMessage(content=info.content, tool_calls=info.tool_calls),
+                        _finish_reason(c, True, info.whole))
+            if parser.forced:
+                return ChatResponseMessage(content=None), c.finish_reason
         return ChatResponseMessage(content=c.text), c.finish_reason
 
     def chat_full_response(self, request: ChatCompletionRequest, request_id: str,
@@ -94,9 +104,10 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageCounter()
         usage.add(0, final)
         top_n = request.top_logprobs or 0
+        parser = self._parser(request)
         choices = []
         for c in final.outputs:
-            message, finish_reason = self._message(request, c)
+            message, finish_reason = self._message(parser, c)
             choices.append(ChatCompletionChoice(
                 index=c.index, message=message, logprobs=chat_logprobs(c, top_n),
                 finish_reason=finish_reason,
@@ -112,8 +123,8 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageCounter()
         started: set[int] = set()  # choices whose role chunk went out
         finished: set[int] = set()
-        forced = self._forced(request)
-        texts: dict[int, str] = {}  # forced "required" calls: the text so far
+        parser = self._parser(request)
+        streamers: dict[int, ToolCallStreamer] = {}  # per choice, with a tool parser
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
@@ -133,8 +144,9 @@ class OpenAIServingChat(OpenAIServing):
                         continue  # bytes of a character held back: nothing to send yet
                     if c.finish_reason is not None:
                         finished.add(c.index)
-                    if forced is not None:
-                        for piece in self._tool_call_chunks(request, forced, c, texts):
+                    if parser is not None:
+                        streamer = streamers.setdefault(c.index, ToolCallStreamer(parser))
+                        for piece in _tool_call_chunks(streamer, c, chat_logprobs(c, top_n)):
                             yield chunk([piece])
                         continue
                     yield chunk([ChatCompletionStreamChoice(
@@ -150,40 +162,25 @@ class OpenAIServingChat(OpenAIServing):
             await stream.aclose()
         yield SSE_DONE
 
-    def _tool_call_chunks(self, request, forced, c: CompletionOutput, texts: dict[int, str]):
-        """Stream choices for one delta of a forced call (see the module docstring)."""
-        first = c.index not in texts
-        texts[c.index] = texts.get(c.index, "") + c.text
-        done = c.finish_reason is not None
-        calls = (tool_calls.parse_tool_calls(texts[c.index], forced)
-                 if done and c.finish_reason == "stop" else None)
-        reason = "tool_calls" if calls is not None else c.finish_reason
-        if isinstance(forced, NamedToolChoice):
-            deltas = []
-            if first:  # id and name go first, arguments follow as they come
-                call_id = calls[0].id if calls else tool_calls.ToolCall(
-                    function=tool_calls.FunctionCall(name="", arguments="")).id
-                deltas.append(ToolCallDelta(index=0, id=call_id, type="function",
-                                            function=FunctionCallDelta(
-                                                name=forced.function.name, arguments="")))
-            if c.text:
-                deltas.append(ToolCallDelta(index=0,
-                                            function=FunctionCallDelta(arguments=c.text)))
-            for i, d in enumerate(deltas):
-                last = i == len(deltas) - 1
-                yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(
-                    tool_calls=[d]), finish_reason=reason if done and last else None)
-            if not deltas and done:
-                yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                 finish_reason=reason)
-            return
-        if not done:
-            return
-        if calls is None:  # cut short: what there is, as text
-            yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(
-                content=texts[c.index]), finish_reason=reason)
-            return
-        yield ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(tool_calls=[
-            ToolCallDelta(index=i, id=call.id, type="function", function=FunctionCallDelta(
-                name=call.function.name, arguments=call.function.arguments))
-            for i, call in enumerate(calls)]), finish_reason=reason)
+
+def _finish_reason(c: CompletionOutput, called: bool, whole: bool) -> Optional[str]:
+    """"tool_calls" for calls that ended as the model meant; a cut call stays "length"."""
+    return "tool_calls" if called and whole and c.finish_reason == "stop" else c.finish_reason
+
+
+def _tool_call_chunks(streamer: ToolCallStreamer, c: CompletionOutput,
+                      logprobs: Optional[ChatChoiceLogprobs]):
+    """The stream choices of one step of a choice read by a tool parser."""
+    done = c.finish_reason is not None
+    deltas = streamer.feed(c.text, final=done)
+    reason = None
+    if done:
+        whole = streamer.parser.extract_tool_calls(streamer.text).whole
+        reason = _finish_reason(c, streamer.called, whole)
+    if not deltas and (done or logprobs is not None):
+        deltas = [DeltaMessage()]  # the finish reason (or logprobs) with nothing new
+    for i, d in enumerate(deltas):
+        yield ChatCompletionStreamChoice(index=c.index, delta=d,
+                                         logprobs=logprobs if i == 0 else None,
+                                         finish_reason=reason if i == len(deltas) - 1
+                                         else None)

@@ -1,16 +1,19 @@
-"""Tool calls: OpenAI's ``tools`` and ``tool_choice`` as constrained outputs.
+"""Tool calls: OpenAI's ``tools`` and ``tool_choice``.
 
 A forced call is structured output: with ``tool_choice`` naming a function
 the answer is constrained to that function's parameter schema and becomes
 ``message.tool_calls[0].function.arguments``; with ``"required"`` it is
-constrained to a JSON list of ``{"name", "parameters"}`` objects, one of the
-tools each (vLLM's shape). ``"auto"`` renders the tools into the prompt and
-lets the model answer freely (no parser: the answer is plain content);
-``"none"`` hides nothing and forces nothing.
+constrained to a JSON list of ``{"name", "parameters"}`` objects, each one
+of the tools (vLLM's shape; the list holds one call when
+``parallel_tool_calls`` is false). ``"auto"`` lets the model answer freely
+and a tool parser (tool_parsers.py, ``--tool-call-parser``) finds the calls
+in its text; as in vLLM, without one the server refuses "auto", which is
+also the default when tools are given. ``"none"`` forces nothing.
 
 The tools go through the chat template (``apply_chat_template(tools=...)``).
 A template that never mentions tools (SmolLM2's) would drop them, so they are
-then described in a system message of our own, that the model sees them.
+then described in a system message of our own, with the answer format the
+choice expects, that the model sees them.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatTool, FunctionCall,
-                                                  NamedToolChoice, ToolCall, ToolChoice)
+from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatTool, NamedToolChoice,
+                                                  ToolCall, ToolChoice)
+from minivllm.entrypoints.openai.tool_parsers import (NamedCallReader, RequiredCallsReader,
+                                                      ToolParser, ToolParserManager)
 
 
 # -- the forced schema and reading the answer back ----------------------------------
@@ -59,19 +64,37 @@ def _named(tools: list[ChatTool], name: str) -> ChatTool:
     return next(t for t in tools if t.function.name == name)
 
 
-def parse_tool_calls(text: str, choice: ToolChoice) -> Optional[list[ToolCall]]:
+def parse_tool_calls(text: str, choice: ToolChoice,
+                     tools: Optional[list[ChatTool]] = None) -> Optional[list[ToolCall]]:
     """The calls in a forced answer; None when it is not whole (cut by max_tokens)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+    reader = (NamedCallReader(tools or [], choice.function.name)
+              if isinstance(choice, NamedToolChoice) else RequiredCallsReader(tools or []))
+    info = reader.extract_tool_calls(text)
+    return info.tool_calls if info.tools_called and info.whole else None
+
+
+def parser_for(tools: list[ChatTool], choice: Optional[ToolChoice],
+               auto_parser: Optional[str] = None) -> Optional[ToolParser]:
+    """The reader of a request's answer; None when it is plain text."""
+    if not tools or choice in (None, "none"):
         return None
     if isinstance(choice, NamedToolChoice):
-        # The answer is the arguments, as generated (streamed the same way).
-        return [ToolCall(function=FunctionCall(name=choice.function.name,
-                                               arguments=text.strip()))]
-    return [ToolCall(function=FunctionCall(name=c["name"],
-                                           arguments=json.dumps(c["parameters"])))
-            for c in value]
+        return NamedCallReader(tools, choice.function.name)
+    if choice == "required":
+        return RequiredCallsReader(tools)
+    return ToolParserManager.get_tool_parser(auto_parser)(tools) if auto_parser else None
+
+
+def check_auto(tools: Optional[list[ChatTool]], choice: Optional[ToolChoice],
+               auto_parser: Optional[str]) -> None:
+    """vLLM's rule: "auto" needs a tool parser, named when the server starts."""
+    if tools and choice == "auto" and auto_parser is None:
+        raise BadRequestError(
+            'tool_choice="auto" (the default when tools are given) needs the server '
+            "started with --enable-auto-tool-choice --tool-call-parser NAME (parsers: "
+            f"{sorted(ToolParserManager.tool_parsers)}); this one was not. Allowed here: "
+            '"none", "required", or {"type": "function", "function": {"name": ...}}',
+            "tool_choice")
 
 
 # -- into the prompt ---------------------------------------------------------------
@@ -80,27 +103,53 @@ def template_knows_tools(tokenizer) -> bool:
     return "tools" in template
 
 
-def tools_system_text(tools: list[ChatTool]) -> str:
+def tools_system_text(tools: list[ChatTool], choice: ToolChoice,
+                      parser: Optional[ToolParser]) -> str:
     listed = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
-    return ("You can call these functions. To call one, answer with a JSON object of "
-            "its arguments.\n" + listed)
+    if isinstance(choice, NamedToolChoice):
+        how = f"Call {choice.function.name}: answer with a JSON object of its arguments."
+    elif choice == "required":
+        how = ('Call one or more of them: answer with a JSON list of '
+               '{"name": <function name>, "parameters": <its arguments>} objects.')
+    else:
+        how = parser.instructions() if parser is not None else ""
+    return "You can call these functions. " + how + "\n" + listed
 
 
 def history_for_template(messages: list[dict], tools: Optional[list[ChatTool]],
-                         knows_tools: bool) -> list[dict]:
-    """Messages as the template gets them; tools folded in when it ignores them."""
+                         knows_tools: bool, choice: Optional[ToolChoice] = None,
+                         parser: Optional[ToolParser] = None) -> list[dict]:
+    """Messages as the template gets them; tools folded in when it ignores them.
+
+    Templates that know tools get each earlier call's arguments as an object
+    (as vLLM gives them: templates write them with ``tojson``); plain ones get
+    the calls written into the content the way the model answers them. With
+    ``tool_choice="none"`` a plain template is told nothing of the tools.
+    """
     out = []
     for m in messages:
         m = dict(m)
-        if m.get("tool_calls") and not knows_tools:
-            # Plain templates print content only: show the calls as their JSON.
-            m["content"] = (m.get("content") or "") + json.dumps(
-                [c["function"] for c in m["tool_calls"]])
+        if m.get("tool_calls"):
+            functions = [dict(c["function"], arguments=_as_object(c["function"]["arguments"]))
+                         for c in m["tool_calls"]]
+            if knows_tools:
+                m["tool_calls"] = [dict(c, function=f) for c, f in zip(m["tool_calls"], functions)]
+            else:
+                written = parser.format_calls(functions) if parser else json.dumps(functions)
+                m["content"] = (m.get("content") or "") + written
         m["content"] = m.get("content") or ""
         out.append(m)
-    if tools and not knows_tools:
+    if tools and not knows_tools and choice not in (None, "none"):
+        text = tools_system_text(tools, choice, parser)
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + tools_system_text(tools)}
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + text}
         else:
-            out.insert(0, {"role": "system", "content": tools_system_text(tools)})
+            out.insert(0, {"role": "system", "content": text})
     return out
+
+
+def _as_object(arguments: str):
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments  # not JSON: the template shows it as it came
