@@ -15,7 +15,11 @@ its draft blocks freed.
 
 For greedy requests the draft proposes its argmax; for sampled ones it
 samples from its own temperature-scaled distribution ``q`` and hands ``q``
-to the rejection sampler, which corrects for it.
+to the rejection sampler, which corrects for it. A request's token
+constraints (grammar, logit_bias, allowed_token_ids, bad_words) shape the
+draft's logits as they shape the target's, so its drafts stay inside them
+and are accepted as often as an unconstrained request's; the verifier
+applies them again on the target side, which is all correctness needs.
 """
 
 from __future__ import annotations
@@ -56,6 +60,63 @@ class DraftSequence:
         return len(self.all_token_ids)
 
 
+class DraftConstraints:
+    """A request's token constraints on the draft's logits, one draft at a time.
+
+    The matcher stands after the request's output tokens (caught up on each
+    proposal), is walked through the drafts as they are picked, and walked
+    back once they are all proposed.
+    """
+
+    def __init__(self, model_path, vocab_size: int) -> None:
+        from minivllm.structured_output import StructuredOutputManager
+        from minivllm.worker.logits_processors import LogitsProcessors
+
+        self.grammars = StructuredOutputManager(model_path, vocab_size)
+        self.logits_processors = LogitsProcessors(model_path)
+
+    @torch.inference_mode()  # the draft's logits are inference tensors
+    def apply(self, req: "Request", logits: torch.Tensor) -> bool:
+        """Constrain ``logits`` (one row) in place; False if nothing may follow."""
+        from minivllm.structured_output import bitmask as bm
+        from minivllm.worker.sampler import SamplingRow
+
+        p = req.sampling_params
+        masked = False
+        if p.logit_bias or p.allowed_token_ids or p.bad_words:
+            row = SamplingRow(p, req.prompt_token_ids,
+                              list(req.output_token_ids) + req.spec_token_ids)
+            self.logits_processors.apply(logits[None], [row])
+            masked = True
+        if p.structured_outputs and not (grammar := self._grammar(req)).is_terminated:
+            mask = bm.allocate(1, logits.shape[-1])
+            grammar.fill(mask, 0)
+            bm.apply(logits[None], mask, [0])
+            masked = True
+        return not masked or bool(logits.max() > float("-inf"))
+
+    def walk(self, req: "Request", token_id: int) -> bool:
+        """Advance the draft-side grammar by a picked draft; False if refused."""
+        if not req.sampling_params.structured_outputs:
+            return True
+        return self._grammar(req).walk(token_id)
+
+    def walk_back(self, reqs: list["Request"]) -> None:
+        for req in reqs:
+            grammar = self.grammars.grammars.get(req.request_id)
+            if grammar is not None:
+                grammar.walk_back()
+
+    def _grammar(self, req: "Request"):
+        grammar = self.grammars.grammar_for(req)
+        if grammar.num_walked == 0:  # before this proposal's first draft
+            grammar.catch_up(req.output_token_ids)
+        return grammar
+
+    def release(self, request_id: str) -> None:
+        self.grammars.release(request_id)
+
+
 def check_draft_vocab(target_vocab: int, draft_vocab: int, path: str) -> None:
     if draft_vocab != target_vocab:
         raise ValueError(f"speculative_config.model={path!r} has vocab_size={draft_vocab}: "
@@ -84,6 +145,9 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, enable_caching=False)
         self.seqs: dict[str, DraftSequence] = {}
         self.generators: dict[str, torch.Generator] = {}
+        # The target's tokenizer (the draft shares its vocabulary): a draft-side
+        # matcher per constrained request, walked through its drafts and back.
+        self.constraints = DraftConstraints(config.model.path, config.model.vocab_size)
 
     def propose(self, ready: list["Request"], max_drafts: list[int],
                 running: list["Request"]) -> None:
@@ -106,12 +170,18 @@ class DraftModelProposer:
                 break
             logits = self._forward([seqs[i] for i in batch])
             for row, i in enumerate(batch):
+                if not self.constraints.apply(reqs[i], logits[row]):
+                    limits[i] = step  # no token may follow: no more drafts
+                    continue
                 token, q = self._pick(reqs[i], logits[row])
                 seqs[i].num_computed_tokens = seqs[i].num_tokens
                 seqs[i].all_token_ids.append(token)
                 reqs[i].spec_token_ids.append(token)
+                if not self.constraints.walk(reqs[i], token):
+                    limits[i] = step + 1  # refused: the drafts after it cannot count
                 if q is not None:
                     probs[i].append(q)
+        self.constraints.walk_back(reqs)
         for req, q in zip(reqs, probs):
             if q and len(q) == len(req.spec_token_ids):
                 req.spec_token_probs = torch.stack(q)
@@ -179,6 +249,7 @@ class DraftModelProposer:
         if seq is not None:
             self.kv.free(seq)
         self.generators.pop(rid, None)
+        self.constraints.release(rid)
 
     def shutdown(self) -> None:
         for rid in list(self.seqs):

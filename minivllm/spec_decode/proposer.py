@@ -38,13 +38,9 @@ class Speculator:
         self.num_disabled_steps = 0
 
     def max_drafts(self, request: "Request") -> int:
-        sp = request.sampling_params
-        # The verifier scores drafts on the model's own probabilities: a request
-        # whose logits are masked or biased (a grammar, logit_bias, allowed or bad
-        # tokens) is not drafted for, so nothing outside its mask is ever accepted.
-        if (sp.structured_outputs is not None or sp.logit_bias or sp.allowed_token_ids
-                or sp.bad_words):
-            return 0
+        # Grammars, logit_bias, allowed_token_ids and bad_words need no exception:
+        # the verifier applies them at every verified position (the model
+        # runner's _constrain_verified), so a draft outside them is rejected.
         left = min(request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens)
         return max(0, min(self.num_speculative_tokens, left - 1))

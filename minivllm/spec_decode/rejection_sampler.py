@@ -152,12 +152,16 @@ def _with_logprobs(tokens: list[int], raw: Optional[torch.Tensor], start: int,
 
 def verify_step(logits: torch.Tensor, requests: list, drafts: dict[str, list[int]],
                 sample: Callable, make_row: Callable[..., SamplingRow],
-                rejection_sampler: RejectionSampler) -> tuple[dict, dict[str, Verified]]:
+                rejection_sampler: RejectionSampler,
+                constrain: Optional[Callable] = None) -> tuple[dict, dict[str, Verified]]:
     """One step's logits rows -> (plain sampled tokens, verified runs).
 
     ``requests`` in batch order, each with 1 (no drafts) or k + 1 rows.
     Requests without drafts go through the plain ``sample`` on their own rows,
     so what they draw does not depend on who else speculates.
+    ``constrain(logits, reqs, drafts)`` masks or biases the drafting requests'
+    rows in place (grammars, logit_bias, ...) before verification: the target
+    distribution at each position is the constrained one, as plain sampling's.
     """
     plain_rows, plain, spec_rows, spec = [], [], [], []
     row = 0
@@ -172,7 +176,10 @@ def verify_step(logits: torch.Tensor, requests: list, drafts: dict[str, list[int
     if spec:
         ds = [drafts[r.request_id] for r in spec]
         qs = [None if r.spec_token_probs is None else r.spec_token_probs for r in spec]
-        runs = rejection_sampler(logits[spec_rows], [make_row(r) for r in spec], ds, qs)
+        spec_logits = logits[spec_rows].float()  # a copy: constrained in place
+        if constrain is not None:
+            constrain(spec_logits, spec, ds)
+        runs = rejection_sampler(spec_logits, [make_row(r) for r in spec], ds, qs)
         verified = {r.request_id: run for r, run in zip(spec, runs)}
     return sampled, verified
 

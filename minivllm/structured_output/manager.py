@@ -7,6 +7,11 @@ sampled token. A grammar is built the first time its request samples and
 dropped when the request finishes, is aborted or is preempted; a preempted
 request's grammar is rebuilt by replaying the tokens it already generated.
 
+With speculative decoding a request with k drafts has 1 + k rows:
+``mask_verified`` masks row j as the grammar stands after the first j drafts
+(the matcher walks through the drafts and back), and ``accept_verified``
+advances it by exactly the tokens the verifier yields (accepted drafts + one).
+
 The compiler (and xgrammar itself) loads on the first constrained request,
 so an engine that never sees one never imports it.
 """
@@ -78,3 +83,34 @@ class StructuredOutputManager:
     def accept(self, reqs: list, rows: list[int], tokens: list[int]) -> None:
         for i in rows:
             self.num_refused += not self.grammars[reqs[i].request_id].accept(tokens[i])
+
+    def mask_verified(self, logits: torch.Tensor, reqs: list, drafts: list) -> None:
+        """Mask the 1 + k rows of each constrained request in place.
+
+        ``logits`` holds the rows request after request, ``len(drafts[i]) + 1``
+        for ``reqs[i]``.
+        """
+        if not any(r.sampling_params.structured_outputs for r in reqs):
+            return
+        t0 = time.perf_counter()
+        mask = bm.allocate(logits.shape[0], logits.shape[-1])
+        rows, start = [], 0
+        for req, d in zip(reqs, drafts):
+            if req.sampling_params.structured_outputs:
+                self.grammar_for(req).fill_drafts(mask, start, d)
+                rows.extend(range(start, start + len(d) + 1))
+            start += len(d) + 1
+        t1 = time.perf_counter()
+        bm.apply(logits, mask, rows)
+        self.fill_seconds += t1 - t0
+        self.apply_seconds += time.perf_counter() - t1
+
+    def accept_verified(self, reqs: list, verified: dict) -> None:
+        """Advance each constrained grammar by its verified run of tokens."""
+        for req in reqs:
+            run = verified.get(req.request_id)
+            if run is None or not req.sampling_params.structured_outputs:
+                continue
+            grammar = self.grammars[req.request_id]
+            for token_id, _ in run:
+                self.num_refused += not grammar.accept(token_id)

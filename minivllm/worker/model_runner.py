@@ -284,7 +284,8 @@ class ModelRunner:
         if samplers and so.scheduled_spec_decode_tokens:
             out.sampled, out.verified = verify_step(
                 logits, samplers, so.scheduled_spec_decode_tokens, self._sample,
-                self._sampling_row, self.rejection_sampler)
+                self._sampling_row, self.rejection_sampler, self._constrain_verified)
+            self.structured_output.accept_verified(samplers, out.verified)
         elif samplers:
             out.sampled = self._sample(logits, samplers)
         for req in samplers:
@@ -300,6 +301,16 @@ class ModelRunner:
     def _sampling_row(self, req) -> SamplingRow:
         return SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
                            self._generator(req), req.eos_token_ids)
+
+    def _constrain_verified(self, logits: torch.Tensor, reqs: list, drafts: list) -> None:
+        """The token knobs and grammar masks at each of the 1 + k verified positions:
+        position j sees the output as if the first j drafts had been sampled."""
+        if logits_processors.wanted(reqs):
+            self.logits_processors.apply(logits, [
+                SamplingRow(r.sampling_params, r.prompt_token_ids,
+                            list(r.output_token_ids) + list(d[:j]))
+                for r, d in zip(reqs, drafts) for j in range(len(d) + 1)])
+        self.structured_output.mask_verified(logits, reqs, drafts)
 
     @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
