@@ -28,7 +28,7 @@
 # - acceptance on a prompt that asks to quote a passage vs plain chat, from the engine's metrics;
 # - greedy output with speculation equal to the output without it;
 # - speed vs k at 1 and 32 requests, and why speculation switches itself off in a big batch;
-# - the KV slots of rejected drafts being handed back;
+# - the KV slots of rejected drafts being handed back, drawn slot by slot;
 # - the engine's own verification code.
 
 # %%
@@ -49,7 +49,8 @@ from minivllm.spec_decode.workloads import grounded_prompts
 from minivllm.benchmarks.datasets import CHAT_PROMPTS
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.source import show_source
-from minivllm.viz.spec import acceptance_histogram, accepted_counts
+from minivllm.viz.spec import (Verification, acceptance_histogram, accepted_counts,
+                               draft_slots_figure, slot_kinds)
 from minivllm.worker.sampler import SamplingRow
 
 base = LLM(num_kv_blocks=256)
@@ -284,11 +285,14 @@ assert auto.engine_core.speculator.num_disabled_steps > 0
 # their keys and values. After verification only the accepted ones are real tokens. The
 # slots past the last known token are returned with `KVCacheManager.free_tail`, which can
 # free whole blocks when the drafts had spilled into a new one. We watch the engine call
-# it, counting the request's blocks before and after.
+# it, counting the request's blocks before and after, and watch the scheduler apply each
+# verification (tokens known before it, drafts, accepted).
 
 # %%
 kv = spec.engine_core.kv_cache_manager
+scheduler = spec.engine_core.scheduler
 calls, real_free_tail = [], kv.free_tail
+verifications, real_apply = [], scheduler._apply_verified
 
 
 def watched(request, num_tokens):
@@ -298,10 +302,19 @@ def watched(request, num_tokens):
     return freed
 
 
-kv.free_tail = watched
+def watched_apply(request, so, drafts, tokens):
+    known, num_calls = request.num_tokens, len(calls)
+    out = real_apply(request, so, drafts, tokens)
+    if len(calls) > num_calls:  # not finished: its tail went through free_tail
+        v = Verification(f"step {so.step}: T={known}", known, len(drafts), len(tokens) - 1)
+        verifications.append((v, calls[-1][2]))
+    return out
+
+
+kv.free_tail, scheduler._apply_verified = watched, watched_apply
 spec.trace.clear()
 chat(spec, grounded_prompts(2), SamplingParams(temperature=0, max_tokens=48))
-del kv.free_tail  # back to the class's method
+del kv.free_tail, scheduler._apply_verified  # back to the classes' methods
 freeing = [c for c in calls if c[2] > 0]
 print(len(calls), "verifications,", len(freeing), "freed a block; e.g. (tokens, before, freed, after):",
       freeing[:3])
@@ -312,6 +325,22 @@ for num_tokens, before, freed, after in calls:
 assert freeing  # some draft did spill into a block of its own
 assert sum(r.blocks_freed for r in spec.trace) >= sum(c[2] for c in calls)
 assert kv.num_free_blocks == kv.num_blocks  # nothing leaked
+
+# %% [markdown]
+# Drawn slot by slot: a few verifications that rejected drafts, the first ones that
+# freed a block among them. Known tokens and accepted drafts stay; the first rejected
+# slot is where the target's own token goes next step; rejected drafts in a block the
+# request still needs are overwritten later; a block that only held rejected drafts
+# goes back to the pool. The drawing counts the freed blocks from T, k and a alone: they
+# must be the blocks `free_tail` gave back.
+
+# %%
+rejected = [(v, freed) for v, freed in verifications if v.num_accepted < v.num_drafts]
+shown = sorted(rejected, key=lambda vf: -vf[1])[:2] + [vf for vf in rejected if not vf[1]][:2]
+for v, freed in verifications:
+    assert slot_kinds(v, kv.block_size)[1] == freed, v
+assert any(freed for _, freed in shown)
+draft_slots_figure([v for v, _ in shown], kv.block_size)
 
 # %%
 show_source("minivllm.core.kv_cache_manager.KVCacheManager.free_tail", start="blocks =")

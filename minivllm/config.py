@@ -147,8 +147,10 @@ class SpeculativeConfig:
     """vLLM's ``speculative_config`` dict, checked (see minivllm/spec_decode/).
 
     ``ngram``: propose the ``num_speculative_tokens`` tokens that followed the
-    latest earlier occurrence of the request's last n tokens, for the largest
-    n in [prompt_lookup_min, prompt_lookup_max] that occurs. ``draft_model``:
+    earliest earlier occurrence of the request's last n tokens, for the largest
+    n in [prompt_lookup_min, prompt_lookup_max] that occurs. One bound given
+    sets the other, as in vLLM; neither given is 2..5 (vLLM: 5..5), so that
+    short repeats are drafted for too. ``draft_model``:
     a smaller model with the target's vocabulary proposes them.
     ``disable_by_batch_size``: no drafts in steps with at least this many
     running requests (a large batch is compute-bound: verifying rejected
@@ -219,6 +221,32 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise _bad("speculative_config.prompt_lookup_min", self.prompt_lookup_min,
                        f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def draft_model_config(self, target: ModelConfig, tensor_parallel_size: int,
+                           max_model_len: int, device: str = "cpu") -> ModelConfig:
+        """The draft model's architecture, checked against the target's before anything
+        is loaded or started: every error names ``speculative_config.model``."""
+        if tensor_parallel_size != 1:
+            raise _bad("speculative_config.method", self.method,
+                       f"is not supported with tensor_parallel_size={tensor_parallel_size}: "
+                       "use 1, or the ngram method")
+        from minivllm.model.loader import resolve_model_path
+
+        try:  # as the target: a Hugging Face folder or a .gguf file
+            draft = ModelConfig.from_pretrained(resolve_model_path(self.model), target.dtype,
+                                                device)
+        except (OSError, ValueError, KeyError) as e:
+            raise _bad("speculative_config.model", self.model,
+                       f"is not a model folder minivllm can load ({e})") from None
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model={self.model!r} has vocab_size="
+                             f"{draft.vocab_size}: a draft model must share the target's "
+                             f"vocabulary (vocab_size={target.vocab_size})")
+        if draft.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config.model={self.model!r} has "
+                             f"max_position_embeddings={draft.max_position_embeddings}: a "
+                             f"draft model must cover max_model_len={max_model_len}")
+        return draft
 
     def _check_draft_model(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -292,6 +320,8 @@ class EngineArgs:
             raise _bad("max_model_len", max_len,
                        f"must be <= the model's max_position_embeddings "
                        f"({model.max_position_embeddings})")
+        if speculative is not None and speculative.method == "draft_model":
+            speculative.draft_model_config(model, self.tensor_parallel_size, max_len, device)
         return EngineConfig(
             model=model,
             cache=CacheConfig(self.block_size, self.num_kv_blocks,

@@ -37,6 +37,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
     ({"method": "draft_model", "num_speculative_tokens": 2}, r"model=None.*path"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
      r"disable_by_batch_size=0"),
+    ({"method": "ngram", "num_speculative_tokens": -1}, r"num_speculative_tokens=-1"),
+    ({"method": "ngram", "num_speculative_tokens": "3"}, r"num_speculative_tokens='3'"),
+    ({"method": "ngram", "num_speculative_tokens": 2.0}, r"num_speculative_tokens=2.0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0},
+     r"prompt_lookup_max=0"),
+    ({"method": None, "num_speculative_tokens": 2}, r"method=None.*ngram, draft_model"),
+    ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2,
+      "prompt_lookup_max": 3}, r"prompt_lookup_max=3.*only the \"ngram\" method"),
     ("ngram", r"speculative_config='ngram' is invalid: is not valid JSON"),
     ([3], r"speculative_config=\[3\] is invalid: must be a dict"),
 ])
@@ -52,6 +60,9 @@ def test_lookup_bounds_fill_each_other_as_in_vllm():
     only_min = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_min": 3})
     assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (3, 3)
+    # Neither: the 2..5 that README.md documents (vLLM's is 5..5, see SpeculativeConfig).
+    neither = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert (neither.prompt_lookup_min, neither.prompt_lookup_max) == (2, 5)
     from minivllm.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 
     assert only_max.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -288,6 +299,46 @@ def test_prometheus_counters_follow_the_scheduler_totals(tiny, baseline):
                         (("position", str(i)),))]
                for i in range(len(stats.num_accepted_tokens_per_pos))]
     assert per_pos == stats.num_accepted_tokens_per_pos
+
+
+def test_the_served_metrics_carry_the_spec_decode_counters(tiny, baseline):
+    """The server's path: engine-core batches -> AsyncLLM -> the logger /metrics renders."""
+    import asyncio
+
+    from minivllm.config import engine_args_from_kwargs
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.metrics.prometheus import PrometheusStatLogger
+    from tests.helpers import metric_samples
+
+    ps, params, expected = baseline
+    logger = PrometheusStatLogger("tiny")
+    engine = AsyncLLM.from_engine_args(
+        engine_args_from_kwargs(tiny, dict(speculative_config=NGRAM)), in_process=True,
+        stat_logger=logger)
+
+    async def one(i):
+        tokens = []
+        async for out in engine.generate(ps[i], params, f"r{i}"):
+            tokens = out.outputs[0].token_ids
+        return tokens
+
+    async def main():
+        engine.start()
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    try:
+        assert asyncio.run(main()) == expected[:4]
+        stats = engine.scheduler_stats.spec_decoding_stats
+    finally:
+        engine.shutdown()
+    samples = metric_samples(logger.render().decode())
+    p = "minivllm:spec_decode_"
+    assert samples[(p + "num_drafts_total", ())] == stats.num_drafts > 0
+    assert samples[(p + "num_draft_tokens_total", ())] == stats.num_draft_tokens
+    assert samples[(p + "num_accepted_tokens_total", ())] == stats.num_accepted_tokens > 0
+    assert [samples[(p + "num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+            for i in range(len(stats.num_accepted_tokens_per_pos))] == \
+        stats.num_accepted_tokens_per_pos
 
 
 def test_cli_takes_the_speculative_config_as_json():

@@ -21,3 +21,23 @@ def test_counts_from_a_trace_and_bad_counts():
     assert accepted_counts(records) == [2, 0, 4]
     with pytest.raises(ValueError, match="k=3"):
         acceptance_histogram({"x": [4]}, k=3)
+
+
+def test_slots_of_a_verification_by_kind():
+    from minivllm.viz.spec import Verification, draft_slots_figure, slot_kinds
+
+    # 6 known, 4 drafts in slots 6..9, 1 accepted: the request keeps 8 tokens (2 blocks).
+    kinds, freed = slot_kinds(Verification("r", 6, 4, 1), block_size=4)
+    assert freed == 1
+    assert kinds == {4: "known", 5: "known", 6: "accepted draft", 7: "rejected, slot reused",
+                     8: "rejected, block freed", 9: "rejected, block freed",
+                     10: "empty, block freed", 11: "empty, block freed"}
+    # All accepted: nothing is freed, nothing rejected.
+    kinds, freed = slot_kinds(Verification("r", 6, 2, 2), block_size=4)
+    assert freed == 0 and set(kinds.values()) == {"known", "accepted draft"}
+    fig = draft_slots_figure([Verification("a", 6, 4, 1), Verification("b", 6, 2, 2)], 4)
+    by_name = {t.name: t for t in fig.data}
+    assert list(by_name["rejected, block freed"].x) == [8, 9]
+    assert list(by_name["accepted draft"].y) == ["a", "b", "b"]
+    with pytest.raises(ValueError, match="accepted <= drafts"):
+        slot_kinds(Verification("r", 6, 2, 3), 4)

@@ -117,25 +117,14 @@ class DraftConstraints:
         self.grammars.release(request_id)
 
 
-def check_draft_vocab(target_vocab: int, draft_vocab: int, path: str) -> None:
-    if draft_vocab != target_vocab:
-        raise ValueError(f"speculative_config.model={path!r} has vocab_size={draft_vocab}: "
-                         f"a draft model must share the target's vocabulary "
-                         f"(vocab_size={target_vocab})")
-
-
 class DraftModelProposer:
     def __init__(self, config: "EngineConfig") -> None:
-        from minivllm.config import ModelConfig, ParallelConfig
+        from minivllm.config import ParallelConfig
         from minivllm.worker.model_runner import ModelRunner
 
         spec = config.speculative
-        if config.parallel.tensor_parallel_size != 1:
-            raise ValueError(f"speculative_config.method='draft_model' with "
-                             f"tensor_parallel_size={config.parallel.tensor_parallel_size} "
-                             "is not supported: use 1, or the ngram method")
-        draft = ModelConfig.from_pretrained(spec.model, config.model.dtype, config.device)
-        check_draft_vocab(config.model.vocab_size, draft.vocab_size, spec.model)
+        draft = spec.draft_model_config(config.model, config.parallel.tensor_parallel_size,
+                                        config.scheduler.max_model_len, config.device)
         self.k = spec.num_speculative_tokens
         draft_config = dataclasses.replace(config, model=draft, parallel=ParallelConfig(1),
                                            speculative=None, trace=False)
@@ -283,4 +272,4 @@ def truncate_model(src: str | Path, dst: str | Path, num_layers: int) -> Path:
     return dst
 
 
-__all__ = ["DraftModelProposer", "DraftSequence", "check_draft_vocab", "truncate_model"]
+__all__ = ["DraftModelProposer", "DraftSequence", "truncate_model"]
