@@ -313,6 +313,10 @@ assert m.ttft == m.token_times[0] - arrival
 # the first token exists once the prefill step ends, before LLMEngine.step returns
 assert prefill.start + prefill.duration - 1e-3 <= m.token_times[0] <= step_ends[0]
 assert len(m.itl) == len(m.token_times) - 1
+# The figure's axis is in milliseconds, and so are its points: the first token at TTFT.
+token_marks = next(t for t in fig.data if t.name == "tokens")
+assert fig.layout.xaxis.title.text.startswith("milliseconds")
+assert abs(token_marks.x[0] - m.ttft * 1000) < 1e-6
 
 # %% [markdown]
 # Three numbers describe the experience, and they answer different questions:

@@ -48,8 +48,12 @@ from minivllm.viz.export import save_key_figure
 from minivllm.viz.heatmap import attention_heatmap
 from minivllm.viz.widgets import show_in
 
-# cpu_kernels=False: the plain PyTorch reference path, so the code this chapter shows
-# is the code that runs (chapter 14 switches the CPU kernels on and compares).
+# %% [markdown]
+# The engine runs with `cpu_kernels=False`: the plain PyTorch reference path, so the
+# code this chapter shows is the code that runs (chapter 14 switches the CPU kernels on
+# and compares).
+
+# %%
 llm = LLM(num_kv_blocks=64, cpu_kernels=False)
 model = llm.engine_core.executor.runner.model  # the engine's own LlamaForCausalLM
 cfg = model.config
@@ -105,6 +109,11 @@ def recorder(name: str):
     return hook
 
 
+# %% [markdown]
+# One hook per step; run the model once on the prompt, and take the hooks off again
+# even if the forward pass fails:
+
+# %%
 hooks = [m.register_forward_hook(recorder(name)) for name, m in steps.items()]
 try:
     with torch.inference_mode():
@@ -286,7 +295,11 @@ finally:
     for h in hooks:
         h.remove()
 
+# %% [markdown]
+# From a layer's q and k the weights are the formula above; each K/V head is repeated
+# for the query heads that share it (grouped-query attention, GQA):
 
+# %%
 def attention_weights(q, k):
     """[heads, T, T] weights of one layer; each K/V head serves nq // nkv query heads."""
     q = q.view(T, nq, D).transpose(0, 1)

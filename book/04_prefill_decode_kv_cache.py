@@ -47,8 +47,12 @@ from minivllm.model.attention import AttentionMetadata
 from minivllm.viz.bars import component_bars, line_chart
 from minivllm.viz.export import save_key_figure
 
-# cpu_kernels=False: the plain PyTorch reference path, so the code this chapter shows
-# is the code that runs (chapter 14 switches the CPU kernels on and compares).
+# %% [markdown]
+# The engine runs with `cpu_kernels=False`: the plain PyTorch reference path, so the
+# code this chapter shows is the code that runs (chapter 14 switches the CPU kernels on
+# and compares).
+
+# %%
 llm = LLM(num_kv_blocks=64, trace=True, cpu_kernels=False)  # 64 blocks x 16 tokens
 model = llm.engine_core.executor.runner.model
 cfg = model.config
@@ -162,7 +166,11 @@ def keep_keys(i: int):
         fresh_k[i] = args[1]
     return hook
 
+# %% [markdown]
+# A pass without the cache, with a hook on every layer's attention that keeps its keys;
+# then each layer's cache, read at the prompt's slots, against those keys:
 
+# %%
 hooks = [layer.self_attn.attn.register_forward_hook(keep_keys(i))
          for i, layer in enumerate(model.model.layers)]
 try:

@@ -269,6 +269,8 @@ show_source(KVCacheManager.free, start="blocks = self")
 # finishing. `Request` is the engine's request object; only its token count matters.
 
 # %%
+from collections import deque
+
 from minivllm.core.request import Request
 
 
@@ -290,13 +292,9 @@ assert kv.get_block_ids("b") == [2, 3, 4] and free_ids() == [5, 1, 0]
 # ## Build it once: a block allocator with reference counts
 #
 # Everything the pool does for a request without prefix caching fits in a few lines:
-# a queue of free block ids and a count per block. `share` is what prefix caching
-# adds (chapter 8): a second request taking a block someone else computed.
+# a queue of free block ids and a count per block.
 
 # %%
-from collections import deque
-
-
 class MiniBlockPool:
     def __init__(self, num_blocks: int):
         self.free = deque(range(num_blocks))  # head: handed out next
@@ -309,12 +307,6 @@ class MiniBlockPool:
         for i in ids:
             self.ref_cnt[i] = 1
         return ids
-
-    def share(self, ids):
-        for i in ids:
-            if self.ref_cnt[i] == 0:
-                self.free.remove(i)  # a freed block taken back
-            self.ref_cnt[i] += 1
 
     def release(self, ids):
         for i in ids:
@@ -344,12 +336,24 @@ for r in records:
 print(f"{len(records)} steps: the same block ids and free counts as the engine")
 
 # %% [markdown]
-# Reference counts never exceed 1 in that run (prefix caching was off). To check
-# them too, drive the engine's `BlockPool` and ours with the same operations,
-# sharing included, and compare every count and the order of the free queue:
+# Reference counts never exceed 1 in that run (prefix caching was off). Counts above 1
+# are what prefix caching adds (chapter 8): a second request **sharing** a block that
+# someone else computed, perhaps one already freed and waiting in the queue:
 
 # %%
-pool, mine = BlockPool(8, enable_caching=False), MiniBlockPool(8)
+class SharingBlockPool(MiniBlockPool):
+    def share(self, ids):
+        for i in ids:
+            if self.ref_cnt[i] == 0:
+                self.free.remove(i)  # a freed block taken back
+            self.ref_cnt[i] += 1
+
+# %% [markdown]
+# To check the counts too, drive the engine's `BlockPool` and ours with the same
+# operations, sharing included, and compare every count and the order of the free queue:
+
+# %%
+pool, mine = BlockPool(8, enable_caching=False), SharingBlockPool(8)
 ops = [("allocate", 3), ("allocate", 2), ("share", [0, 1]), ("release", [4, 3]),
        ("release", [2, 1, 0]), ("share", [3]), ("release", [1, 0]), ("allocate", 4)]
 for op, arg in ops:

@@ -64,8 +64,12 @@ from pathlib import Path
 
 from IPython.display import display
 
-import minivllm
+# %% [markdown]
+# From the package: the kernel's module, the reference backend to check it against,
+# the attention benchmark's batch builder, and the figure builders.
 
+# %%
+import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.benchmarks import attention as bench
 from minivllm.benchmarks.attention import make_paged_batch

@@ -304,7 +304,11 @@ def make_request(rid: str, n_prompt: int, max_tokens: int) -> Request:
     return Request(rid, list(range(1, n_prompt + 1)),
                    SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens)
 
+# %% [markdown]
+# `by_hand` plays the model runner's part in the loop: schedule, "sample" token 0 for
+# every request whose step reached the end of its known tokens, update.
 
+# %%
 def by_hand(scheduler: Scheduler, requests: list[Request], show=print) -> list[dict]:
     """Run the scheduler until every request finishes; {rid: tokens} per step."""
     for r in requests:
@@ -352,6 +356,30 @@ assert x.num_output_tokens == y.num_output_tokens == 3
 # running requests first in admission order, then waiting ones first come first served,
 # each cut to what is left of the budget; a request that reaches the end of its known
 # tokens samples one more, and leaves when its answer is as long as the engine's was.
+#
+# First the budget of one step. `need(rid)` is how many tokens a request still has to
+# compute (its whole prompt if it is new, one token if it is decoding):
+
+# %%
+def hand_out(running, waiting, need, budget, max_seqs):
+    """One step's tokens per request: running ones first, then admit waiting ones."""
+    left, step = budget, {}
+    for rid in running:  # 1. running requests, oldest first
+        if left == 0:
+            break
+        step[rid] = min(need(rid), left)
+        left -= step[rid]
+    while waiting and left > 0 and len(running) < max_seqs:  # 2. admit, FCFS
+        rid = waiting.pop(0)
+        running.append(rid)
+        step[rid] = min(need(rid), left)
+        left -= step[rid]
+    return step
+
+# %% [markdown]
+# Then the loop around it: requests arrive at their step, each step hands out the
+# budget, and applying the step moves `computed` on and samples where a request
+# reached the end of what it knows.
 
 # %%
 def mini_schedule(arrivals, prompt_len, answer_len, budget, max_seqs):
@@ -362,17 +390,8 @@ def mini_schedule(arrivals, prompt_len, answer_len, budget, max_seqs):
     while pending or waiting or running:
         waiting += [rid for rid, a in pending.items() if a <= len(steps)]
         pending = {rid: a for rid, a in pending.items() if a > len(steps)}
-        left, step = budget, {}
-        for rid in running:  # 1. running requests, oldest first
-            if left == 0:
-                break
-            step[rid] = min(known[rid] - computed[rid], left)
-            left -= step[rid]
-        while waiting and left > 0 and len(running) < max_seqs:  # 2. admit, FCFS
-            rid = waiting.pop(0)
-            running.append(rid)
-            step[rid] = min(known[rid], left)
-            left -= step[rid]
+        step = hand_out(running, waiting, lambda rid: known[rid] - computed[rid],
+                        budget, max_seqs)
         for rid, n in step.items():  # 3. the step ran: apply it
             computed[rid] += n
             if computed[rid] == known[rid]:  # reached the end: one token sampled
@@ -419,7 +438,11 @@ flat = Scheduler(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
 def ids_request(rid: str, token_ids: list[int]) -> Request:
     return Request(rid, token_ids, SamplingParams(max_tokens=8, ignore_eos=True), 8)
 
+# %% [markdown]
+# D1 and D2 run their prompts in a first step and each samples a token; then H and L
+# arrive, and the second step mixes all four:
 
+# %%
 d1, d2 = ids_request("D1", list(range(1, 21))), ids_request("D2", list(range(500, 510)))
 flat.add_request(d1)
 flat.add_request(d2)

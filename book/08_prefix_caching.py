@@ -95,6 +95,12 @@ agent_system = (
 task = "The test test_parse_date fails. Find the bug and fix it."
 turn1 = [{"role": "system", "content": agent_system}, {"role": "user", "content": task}]
 _, turn1_ids = llm.llm_engine.request_builder.tokenize(turn1)
+
+# %% [markdown]
+# The first turn of a coding agent: a long system prompt with its tools, and a task.
+# Its first three full blocks, hashed by the engine's function and link by link by hand:
+
+# %%
 A = turn1_ids[:3 * BS]  # the first three full blocks of the agent's prompt
 chain = hash_request_tokens(A, BS)
 by_hand, parent = [], None
@@ -347,6 +353,9 @@ fig = turn_bars_figure(
     colors={"cached prompt tokens (reused)": STATUS_COLORS["hit"],
             "computed prompt tokens": STATUS_COLORS["computed"],
             "TTFT, prefix caching on": "#238b45", "TTFT, prefix caching off": "#d94801"})
+ttft_line = next(t for t in fig.data if t.name == "TTFT, prefix caching on")
+assert fig.layout.yaxis2.title.text == "TTFT (ms)" and ttft_line.yaxis == "y2"
+assert list(ttft_line.y) == [t * 1000 for t in ttft_on]  # the right axis's unit: ms
 save_key_figure(fig, "08_prefix_caching")
 fig
 
@@ -459,7 +468,11 @@ def with_time(msgs: list[dict], clock: str, at_top: bool) -> list[dict]:
                         else where["content"] + f"\nCurrent time: {clock}.")
     return msgs
 
+# %% [markdown]
+# Send the second turn twice, twelve seconds apart, with the time at the top and then
+# at the end; each call checks the engine's hit against the chain's prediction:
 
+# %%
 turn2_messages = turns[1][0]
 for at_top in (True, False):
     for clock in ("10:42:07", "10:42:19"):  # two calls, twelve seconds apart
@@ -508,6 +521,7 @@ def hits_after_eviction(manager_class) -> int:
     return m.get_computed_blocks(lookup_request("a again", prompt))[1]
 
 
+# %% tags=["solution"] jupyter={"source_hidden": true}
 last_first, first_first = hits_after_eviction(KVCacheManager), hits_after_eviction(FirstBlockFirst)
 print(f"last block first (the engine): {last_first} tokens hit; "
       f"first block first: {first_first}")

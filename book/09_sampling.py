@@ -13,10 +13,11 @@
 # %% [markdown]
 # # 9. Sampling
 #
-# The model's last layer gives one score (a logit) per vocabulary entry: 49,152 numbers
-# for SmolLM2. Softmax turns them into a probability distribution over the next token.
-# Which token is then taken is not the model's decision: it is the **sampler's**, and
-# the request's `SamplingParams` are its knobs.
+# The model's last layer gives one score (a logit) per vocabulary entry, tens of
+# thousands of numbers for SmolLM2 (printed below, where the model loads).
+# Softmax turns them into a probability distribution over the next token. Which token
+# is then taken is not the model's decision: it is the **sampler's**, and the
+# request's `SamplingParams` are its knobs.
 #
 # **What you will see**
 #
@@ -53,6 +54,7 @@ llm = LLM(num_kv_blocks=64)
 model = llm.engine_core.executor.runner.model
 tokenizer = llm.get_tokenizer()
 V = model.config.vocab_size
+print(f"{V:,} logits per position: one per vocabulary entry")
 
 # %% [markdown]
 # ## A real next-token distribution

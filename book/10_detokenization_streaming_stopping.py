@@ -333,7 +333,7 @@ stream_figure(paris.steps, title='stop=[" is Lyon"]: " is" held one step, then s
 #
 # Count, over the three streams above, how many tokens each step's event carried.
 # A step that sent nothing carried 0; a step that completed a character or released
-# held text carried 2 or 3.
+# held text carried the tokens held before it too, so more than one.
 
 # %%
 counts: dict[int, int] = {}

@@ -40,16 +40,19 @@ request_path_figure(11)  # where this chapter is on the request path
 
 # %%
 import asyncio
-import json
 import os
 import socket
 import time
-import urllib.request
 from contextlib import aclosing
 
 import psutil
 from openai import OpenAI
 
+# %% [markdown]
+# From the package: the async engine the API side runs, the server launcher, and the
+# figure builders for messages and arrivals.
+
+# %%
 from minivllm import SamplingParams
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.async_llm import AsyncLLM
@@ -120,10 +123,8 @@ log = attach_message_log(engine)
 # %% [markdown]
 # Three students ask at once. A asks a question in Chinese and reads the whole answer.
 # B's request has a stop string. C asks for a long story, and its client leaves after
-# four outputs (the `break` below), as a user closing the tab would. `aclosing` closes
-# the stream as soon as the loop is left; a bare `break` out of an `async for` leaves
-# an async generator open until it is garbage-collected, and the abort would wait
-# for that. (In the server, Starlette cancels the streaming task, which closes it.)
+# four outputs, as a user closing the tab would. Each job is (messages, sampling
+# parameters, outputs after which the client leaves):
 
 # %%
 DELTA = RequestOutputKind.DELTA
@@ -135,7 +136,14 @@ jobs = {"A": (CHINESE, SamplingParams(temperature=0, max_tokens=32), None),
         "C": (STORY, SamplingParams(temperature=0, max_tokens=64), 4)}
 finals: dict[str, dict] = {}
 
+# %% [markdown]
+# A student's client reads its stream delta by delta and logs every delivery; C's
+# `break` leaves early. `aclosing` closes the stream as soon as the loop is left; a bare
+# `break` out of an `async for` leaves an async generator open until it is
+# garbage-collected, and the abort would wait for that. (In the server, Starlette
+# cancels the streaming task, which closes it.)
 
+# %%
 async def student(rid: str) -> None:
     prompt, params, leave_after = jobs[rid]
     text, tokens, n, reason = "", [], 0, None
@@ -273,6 +281,11 @@ core_thread = threading.Thread(target=run_engine_core, args=(config, theirs, Tru
 core_thread.start()
 ready = ours.recv()
 assert isinstance(ready, EngineCoreReady) and ready.num_blocks == 16
+
+# %% [markdown]
+# The core loaded its model and said so (`EngineCoreReady`). Now the API side's part:
+
+# %%
 ours.send(AddRequests([Request("r1", list(range(100, 120)),
                                SamplingParams(temperature=0, max_tokens=4), max_tokens=4)]))
 core_messages, done = [], False
@@ -294,12 +307,7 @@ assert sum(len(o.new_token_ids) for m in core_messages for o in m.outputs) == 4
 # engine core's process.
 
 # %%
-def get_json(path: str) -> dict:
-    with urllib.request.urlopen(base + path, timeout=10) as r:
-        return json.loads(r.read())
-
-
-stats = get_json("/stats")
+stats = server.get_json("/stats")
 server_core = stats["engine_pid"]
 print(f"API server pid {server.pid}, its engine core pid {server_core}, "
       f"{stats['num_blocks']} KV blocks")
@@ -383,23 +391,14 @@ polling = threading.Event()
 
 def poll_stats() -> None:
     while not polling.is_set():
-        s = get_json("/stats")
+        s = server.get_json("/stats")
         polls.append((time.monotonic(), s["num_requests_running"], s["num_free_blocks"]))
         time.sleep(0.05)
 
 
-def metric(name: str, label: str = "") -> float:
-    """One series of the server's Prometheus text, e.g. a counter for one finish reason."""
-    text = urllib.request.urlopen(base + "/metrics").read().decode()
-    for line in text.splitlines():
-        if line.startswith(f"minivllm:{name}{{") and label in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
 ABORTED = 'finished_reason="abort"'
-aborted_before = metric("request_success_total", ABORTED)
-generated_before = metric("generation_tokens_total")
+aborted_before = server.metric("request_success_total", ABORTED)
+generated_before = server.metric("generation_tokens_total")
 
 # %%
 MAX_TOKENS = 1500
@@ -414,7 +413,7 @@ for chunk in stream:
     received += 1
     if received == 5:
         break
-during = get_json("/stats")
+during = server.get_json("/stats")
 stream.close()  # closes the HTTP connection: the client is gone
 t_closed = time.monotonic()
 print(f"read {received} chunks, then closed; during the stream: {during}")
@@ -428,19 +427,19 @@ print(f"read {received} chunks, then closed; during the stream: {during}")
 # %%
 deadline = time.monotonic() + 30
 while time.monotonic() < deadline:
-    s = get_json("/stats")
+    s = server.get_json("/stats")
     if s["num_requests_running"] == 0 and s["num_free_blocks"] == s["num_blocks"]:
         break
     time.sleep(0.1)
 time.sleep(0.2)
 polling.set()
 poller.join()
-generated = metric("generation_tokens_total") - generated_before
+generated = server.metric("generation_tokens_total") - generated_before
 print(f"after: {s['num_requests_running']} running, {s['num_free_blocks']} of "
       f"{s['num_blocks']} blocks free; {generated:.0f} tokens generated of {MAX_TOKENS}")
 assert during["num_requests_running"] == 1 and during["num_free_blocks"] < during["num_blocks"]
 assert s["num_requests_running"] == 0 and s["num_free_blocks"] == s["num_blocks"]
-assert metric("request_success_total", ABORTED) == aborted_before + 1
+assert server.metric("request_success_total", ABORTED) == aborted_before + 1
 assert received <= generated < MAX_TOKENS
 
 # %% [markdown]

@@ -49,6 +49,12 @@ import time
 
 import torch
 
+# %% [markdown]
+# From the package: the engine, the benchmarks' own pieces (the serve client, the
+# workloads, the roofline, the Hugging Face backend), the server launcher and the
+# figure builders.
+
+# %%
 from minivllm import LLM, SamplingParams
 from minivllm.benchmarks.bench_driver import HFGenerate
 from minivllm.benchmarks.datasets import chat_workload
@@ -217,6 +223,7 @@ print(f"{len(multi)} of {N} answers had fewer text chunks than tokens:", multi[:
 labels = list(RATES)
 fig = load_sweep_figure(labels, [sweep[k][1] for k in labels],
                         title=f"{N} chat requests x {MAX_TOKENS} tokens at rising load")
+assert fig.layout.yaxis.title.text == "ms"  # the bench reports TTFT and TPOT in ms
 fig
 
 # %% [markdown]
@@ -269,7 +276,11 @@ def one_wave(b: int) -> dict:
                 widths={len(r.scheduled) for r in records},
                 best_step=min(r.duration for r in records[1:]))  # decode steps only
 
+# %% [markdown]
+# A warm-up, then two rounds over all batch sizes; each batch size keeps its round with
+# the lower TPOT, and the fastest decode step of either round:
 
+# %%
 llm.generate(short[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 rounds = [{b: one_wave(b) for b in BATCHES} for _ in range(2)]
 batch = {b: min((r[b] for r in rounds), key=lambda w: w["tpot"]) for b in BATCHES}
@@ -295,8 +306,8 @@ for wave in [r[b] for r in rounds for b in BATCHES]:
 # (16 rows through every product, 16 attentions), so it takes longer: the wait per
 # token rises. But it takes far less than 16 times as long, because the weights, the
 # bulk of a step's memory traffic, are read once for all 16: throughput rises. The
-# assert asks for at least twice the tokens/s, well inside the 5 to 11 times we
-# measured on a busy machine.
+# assert asks only for twice the tokens/s, a bar low enough that a busy machine clears
+# it too; the printed ratio is what this run measured.
 
 # %%
 tps = [batch[b]["tokens_per_s"] for b in BATCHES]
@@ -340,8 +351,8 @@ for b, c, t in zip(BATCHES, ceiling, tps):
 # The arithmetic behind those ceilings, checked: two FLOPs per weight that takes part
 # in a product (the tied embedding is also the LM head, so every weight does), four
 # bytes per float32 weight, and the smaller bound at each batch size. One sequence is
-# bandwidth-bound: its step streams half a gigabyte of weights for one token's worth of
-# arithmetic.
+# bandwidth-bound: its step streams all the weights (the megabytes printed above) for one
+# token's worth of arithmetic.
 
 # %%
 assert roof.flops_per_token == 2 * roof.params and roof.weight_bytes == 4 * roof.params
@@ -354,6 +365,8 @@ print(f"above about {crossover:.0f} sequences per step, compute is the limit")
 
 # %%
 fig = batch_tradeoff_figure(BATCHES, tps, tpot_ms, ceiling=ceiling)
+assert fig.layout.xaxis.type == "log" and "log scale" in fig.layout.xaxis.title.text
+assert fig.layout.yaxis2.title.text == "ms per output token (TPOT)"  # the data: tpot_ms
 save_key_figure(fig, "12_measuring_latency_throughput")
 fig
 
@@ -394,8 +407,8 @@ component_bars(side, f"{N_HF} chat requests x {MAX_TOKENS} tokens, same token ID
                fmt=lambda v: f"{v:.1f}", show_share=False)
 
 # %% [markdown]
-# Both did the same work: one prefill of the 4 prompts and 15 decode steps. The
-# difference is what a step costs: minivllm runs a decode step through C++ kernels in
+# Both did the same work: one prefill of the `N_HF` prompts and `MAX_TOKENS - 1` decode
+# steps. The difference is what a step costs: minivllm runs a decode step through C++ kernels in
 # one call (see the README's "where minivllm's time goes"), Hugging Face through its
 # PyTorch modules, attending over the padding too. The README's table comes from
 # `make bench-peers`, measured on a quiet 2-core machine with repeats; its results are

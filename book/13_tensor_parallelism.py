@@ -62,6 +62,11 @@ from minivllm.model.layers.parallel import (check_tensor_parallel_sizes, collect
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.parallel import collective_bytes_figure, weight_shards, weight_split_figure
 
+# %% [markdown]
+# The engine in one process first (`tensor_parallel_size=1`), and the model's sizes
+# that decide how it can be cut:
+
+# %%
 llm = LLM(num_kv_blocks=64)  # one process: tensor_parallel_size=1
 model = llm.engine_core.executor.runner.model
 cfg = model.config
@@ -113,7 +118,10 @@ def record(name):
         seen[name] = (args[0].clone(), out.clone())
     return hook
 
+# %% [markdown]
+# One forward pass with a hook on each of the four products:
 
+# %%
 hooks = [m.register_forward_hook(record(n)) for n, m in linears.items()]
 with torch.inference_mode():
     model(torch.tensor(ids), torch.arange(T), AttentionMetadata.for_prefill([T]))
@@ -156,7 +164,10 @@ def rank_weight(name: str, r: int) -> torch.Tensor:
         return torch.cat([w[s.cols[0]:s.cols[1]] for s in mine])
     return w[:, mine[0].rows[0]:mine[0].rows[1]]  # some inputs: columns of the torch weight
 
+# %% [markdown]
+# Every rank's blocks of the four weights, drawn to scale:
 
+# %%
 fig = weight_split_figure([s for group in shards.values() for s in group],
                           title=f"Layer 0 of SmolLM2 cut for {TP} ranks (to scale)")
 save_key_figure(fig, "13_tensor_parallelism")
@@ -244,7 +255,11 @@ def rank_attention(x: torch.Tensor, r: int) -> torch.Tensor:
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return out.transpose(0, 1).reshape(T, -1) @ rank_weight("o_proj", r).T  # partial
 
+# %% [markdown]
+# The MLP of one rank: its gate and up features, SiLU(gate) × up, its rows of
+# down_proj. Then each half of the layer, summed over the ranks as the all-reduces do:
 
+# %%
 def rank_mlp(x: torch.Tensor, r: int) -> torch.Tensor:
     gate, up = (x @ rank_weight("gate_up_proj", r).T).chunk(2, dim=-1)
     return (F.silu(gate) * up) @ rank_weight("down_proj", r).T  # partial
@@ -384,14 +399,16 @@ fig
 
 # %% [markdown]
 # The first step is the prefill of both prompts: T is large and the layer all-reduces
-# dominate. In decode steps T = S = 2, and the one logits gather is almost as big as
-# all 61 all-reduces together: 2 × 2 × 16,384 floats received against 61 × 2 × 576. The
-# hidden state is small (576 numbers per token), the vocabulary is not.
+# dominate. In decode steps T = S = the number of chats, and the one logits gather is
+# almost as big as all 2 × layers + 1 all-reduces together. The hidden state is small,
+# the vocabulary is not:
 
 # %%
 decode = table[-1]
 share = decode["logits gather"] / decode["measured"]
-print(f"decode step: {decode['measured']:,} bytes, {share:.0%} of them logits")
+print(f"decode step: {decode['measured']:,} bytes, {share:.0%} of them logits: "
+      f"{TP - 1} × {decode['S']} × {rows_per_rank:,} floats gathered against "
+      f"{2 * L + 1} × {decode['T']} × {H} reduced")
 assert decode["T"] == decode["S"] == len(chats) and share > 0.4
 seconds = sum(r.timings["collective"] for r in tp.trace)
 forward = sum(r.timings["forward"] for r in tp.trace)
