@@ -587,11 +587,16 @@ for n in (1, 32):
     assert e2e[n]["minivllm.cpu"] > e2e[n]["reference"]
 
 # %% [markdown]
-# Every ratio of this chapter in one figure, measured in this run on this CPU:
+# Every ratio of this chapter, measured in this run on this CPU: they hold for this
+# instruction set, not for every machine. On an AVX2-only CPU the kernels are another
+# build (`isa` below), with other GEMM routes, and the ratios are that build's own.
 
 # %%
-speedup_figure(speedups, f"minivllm.cpu against the reference, A/B in one run "
-               f"({FEATURES.isa}, {torch.get_num_threads()} threads)",
+print(f"measured on {FEATURES.describe()}, {torch.get_num_threads()} threads:")
+for name, ratio in speedups.items():
+    print(f"  {name:28s} {ratio:5.2f}x  [{FEATURES.isa}]")
+speedup_figure(speedups, f"minivllm.cpu against the reference, A/B in one run, on "
+               f"{FEATURES.model} ({FEATURES.isa}, {torch.get_num_threads()} threads)",
                notes={"gate/up GEMM, 32 rows": "panels" if AVX512 else "MKL, packed"})
 
 # %% [markdown]
@@ -662,6 +667,8 @@ assert predicted == actual
 # - Run the chapter with `MINIVLLM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
 #   ONEDNN_MAX_CPU_ISA=AVX2` in the environment of `make book`: the kernels build for
 #   AVX2, the panels drop out, and the GEMM routing asserts take the other branch.
+#   Compare the ratios printed above with this machine's own; there, `LLM(dtype=
+#   "bfloat16")` also says in the log that it computes in float32, and why.
 # - Set `MINIVLLM_FUSED_DECODE=0` or `MINIVLLM_CPU_PREPACK=0` before loading `LLM()`
 #   (the finer switches, read in `minivllm/cpu/accelerate.py`): which of the ratios
 #   above do you expect to vanish? Check `runner.decode_replay_problem`.

@@ -140,6 +140,18 @@ def test_figure_bars_are_medians_with_ranges():
     assert list(bar.error_y.array) == [100.0, 10.0]
     assert list(bar.error_y.arrayminus) == [100.0, 10.0]
     assert report["ratios_output_tokens_per_s"]["hf"]["median"] == 3.5
+    from minivllm.cpu.features import cpu_features
+
+    # What the numbers were measured on: the CPU and the kernels' ISA.
+    assert report["machine"]["isa"] == cpu_features().isa
+    assert report["machine"]["cpu_features"] == cpu_features().describe()
+
+
+def test_the_roofline_is_that_of_the_dtype_computed():
+    f32, b16 = {"dtype": "float32"}, {"dtype": "bfloat16"}
+    assert tp.roofline_for({"rooflines": [f32, b16]}, "bfloat16") is b16
+    # bfloat16 asked, float32 computed (no native bfloat16): the one measured.
+    assert tp.roofline_for({"rooflines": [f32]}, "bfloat16") is f32
 
 
 # -- workloads -----------------------------------------------------------------------

@@ -435,6 +435,13 @@ def best_roofline(a: Optional[dict], b: dict) -> dict:
     return out
 
 
+def roofline_for(roofline: dict, dtype: str) -> dict:
+    """The roofline of ``dtype``; else the one measured, that of the dtype minivllm
+    computes in (bfloat16 is computed in float32 on a CPU without native bfloat16)."""
+    return next((r for r in roofline["rooflines"] if r["dtype"] == dtype),
+                roofline["rooflines"][0])
+
+
 def roofline_fraction(roofline: dict, num_tokens: int, num_steps: int,
                       seconds: float) -> float:
     """Least possible time (compute or weight reads, whichever bounds) / time taken."""
@@ -445,11 +452,11 @@ def roofline_fraction(roofline: dict, num_tokens: int, num_steps: int,
 
 def make_report(args, backends, infos, results, roofline, prompts, max_tokens,
                 concurrency) -> dict:
+    from minivllm.benchmarks.roofline import machine_description
+
     num_tokens = sum(len(p) for p in prompts) + sum(max_tokens)
     passes = min_forward_passes(max_tokens, concurrency)
-    roof = None
-    if roofline:
-        roof = next(r for r in roofline["rooflines"] if r["dtype"] == args.dtype)
+    roof = roofline_for(roofline, args.dtype) if roofline else None
     summary = {}
     for name in infos:
         runs = [r for r in results if r.backend == name]
@@ -488,6 +495,8 @@ def make_report(args, backends, infos, results, roofline, prompts, max_tokens,
                      "min_forward_passes": passes},
         "command": "minivllm bench throughput " + " ".join(sys.argv[3:]) if
         sys.argv[1:3] == ["bench", "throughput"] else " ".join(sys.argv),
+        # What the numbers were measured on: CPU model, the kernels' ISA, its features.
+        "machine": roofline["machine"] if roofline else machine_description(),
         "roofline": roofline, "backends": summary,
         "ratios_output_tokens_per_s": ratios, "not_run": not_run,
         "runs": [r.as_dict() for r in results],
@@ -528,9 +537,10 @@ def print_report(report: dict) -> None:
               f"{mv['collective_bytes_per_step'] / 1e3:.1f} kB and "
               f"{mv['collective_seconds_per_step'] * 1e3:.2f} ms in collectives per step, "
               f"{mv['broadcast_seconds_per_step'] * 1e3:.2f} ms sending the inputs")
+    if report.get("machine"):
+        print(f"measured on {report['machine']['cpu_features']}")
     if report.get("roofline"):
-        r = next(x for x in report["roofline"]["rooflines"]
-                 if x["dtype"] == report["workload"]["dtype"])
+        r = roofline_for(report["roofline"], report["workload"]["dtype"])
         print(f"roofline ({r['dtype']}): {r['matmul_flops'] / 1e9:.0f} GFLOP/s matmul, "
               f"{r['bandwidth'] / 1e9:.1f} GB/s -> {r['compute_tokens_per_s']:.0f} tok/s "
               f"compute-bound, {r['bandwidth_steps_per_s']:.1f} forward passes/s "

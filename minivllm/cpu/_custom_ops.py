@@ -20,8 +20,13 @@ decode step call these. The library is compiled on first use with
 PyTorch's C++ extension builder (a C++ compiler with OpenMP and ``ninja``;
 ``make setup`` does it ahead of time) for this CPU's instruction set
 (``features.py``), one library per ISA, cached under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). Without a
-compiler the engine runs the reference path and says why, once.
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+
+Where they cannot be built — a CPU that is not x86-64 (the kernels use x86
+intrinsics), no compiler, a compiler without OpenMP (Apple's clang), no
+``ninja`` — the engine runs the reference path and says so once, with what
+would get the kernels. The toolchain is checked by a tiny test compile
+before a build starts, so the reason is one line, not a compiler log.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -50,23 +57,79 @@ def library_name() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _build(name: str) -> Optional[str]:
-    """Compile and load the library; None when it worked, else why not."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        return "no C++ compiler (c++ / g++) on the PATH"
+    """Compile and load the library; None when it worked, else why not (and what would help)."""
     features = cpu_features()
+    problem = platform_problem(features)
+    if problem is not None:
+        return problem
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        _clear_stale_lock(Path(_get_build_directory(name, verbose=False)) / "lock")
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        if not (build_dir / f"{name}.so").exists():  # a build is coming: can it work?
+            problem = toolchain_problem()
+            if problem is not None:
+                return problem
+        _clear_stale_lock(build_dir / "lock")
 
         sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
         load(name, sources, is_python_module=False, verbose=False,
              extra_cflags=["-O3", f"-march={features.march}", "-fopenmp"],
              extra_ldflags=["-fopenmp"])
-    except Exception as e:  # compiler errors, no OpenMP, no ninja, ...
-        return f"building {CSRC.name}/*.cpp failed: {type(e).__name__}: {e}"
+    except Exception as e:  # a compiler error the probe did not foresee
+        return (f"building {CSRC.name}/*.cpp failed ({_first_lines(e)}); "
+                f"`python -m minivllm.cpu._custom_ops` retries the build")
     info_once(f"CPU kernels built for {features.describe()}")
     return None
+
+
+def platform_problem(features) -> Optional[str]:
+    """Why the kernels cannot exist on this CPU at all, or None (x86-64)."""
+    if not features.is_x86:
+        return (f"they are written for x86-64 CPUs (AVX2 / AVX-512 intrinsics) and this one "
+                f"is {features.machine}; the reference path is what runs here")
+    return None
+
+
+# What a user types to get a working toolchain, per missing piece.
+_GET_COMPILER = ("install g++ (Debian/Ubuntu: apt install g++) or point CXX at a C++ "
+                 "compiler with OpenMP")
+_GET_OPENMP = ("use g++, or on macOS LLVM's clang with libomp (brew install llvm libomp; "
+               "CXX=$(brew --prefix llvm)/bin/clang++)")
+_OPENMP_PROBE = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+
+
+def toolchain_problem() -> Optional[str]:
+    """Why this machine cannot compile the kernels (no compiler, no OpenMP, no ninja),
+    found by compiling a tiny OpenMP program the way the build will; None if it can."""
+    compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} is not on the PATH; {_GET_COMPILER}"
+    if shutil.which("ninja") is None:
+        return "no ninja on the PATH (PyTorch's extension builder runs it): pip install ninja"
+    with tempfile.TemporaryDirectory(prefix="minivllm-omp-") as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text(_OPENMP_PROBE)
+        try:
+            out = subprocess.run([compiler, "-fopenmp", str(src), "-o", str(Path(tmp) / "probe")],
+                                 capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"the C++ compiler {compiler!r} did not run ({e}); {_GET_COMPILER}"
+    if out.returncode != 0:
+        said = _first_lines(out.stderr or out.stdout or f"exit status {out.returncode}")
+        return (f"the C++ compiler {compiler!r} cannot build OpenMP code ({said}); "
+                f"{_GET_OPENMP}")
+    return None
+
+
+def _first_lines(text, limit: int = 200) -> str:
+    """The first line of an error, and its first ``error`` line: enough for one log line."""
+    lines = [li.strip() for li in str(text).splitlines() if li.strip()]
+    if not lines:
+        return "no message"
+    picked = [lines[0]] + [li for li in lines[1:] if "error" in li.lower()][:1]
+    said = " / ".join(picked)
+    return said if len(said) <= limit else said[:limit - 3] + "..."
 
 
 # A build that was killed (Ctrl-C, a timeout) leaves its lock file behind, and

@@ -22,6 +22,7 @@ knows.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -95,9 +96,9 @@ def cpu_kernels_problem(config: EngineConfig) -> Optional[str]:
     if problem is not None and config.cpu_kernels:
         raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
     if problem is not None and torch.device(config.device).type == "cpu":
-        info_once(f"CPU kernels unavailable ({problem}): running the reference path. "
-                  f"They need a C++ compiler with OpenMP (g++; on macOS LLVM's clang with "
-                  f"libomp) and ninja; `python -m minivllm.cpu._custom_ops` builds them")
+        # The problem says what would get the kernels (minivllm/cpu/_custom_ops.py).
+        info_once(f"CPU kernels unavailable, running the reference path (the same tokens, "
+                  f"slower): {problem}")
     return problem
 
 
@@ -110,6 +111,12 @@ class ModelRunner:
         use_kernels = self.cpu_kernels_problem is None
         self.attn_backend = get_attention_backend(config.attention_backend, self.device,
                                                   cpu_kernels=use_kernels)
+        if use_kernels:  # the CPU may compute a dtype faster in another one (said once)
+            from minivllm.cpu.accelerate import compute_dtype
+
+            dtype = compute_dtype(config.model.dtype)
+            if dtype != config.model.dtype:
+                config.model = dataclasses.replace(config.model, dtype=dtype)
         self.model = load_model(config.model, self.attn_backend, self.device)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
