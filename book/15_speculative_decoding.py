@@ -311,6 +311,11 @@ def watched_apply(request, so, drafts, tokens):
     return out
 
 
+# %% [markdown]
+# With the two watchers in place, two grounded requests run; afterwards the engine's own
+# methods are put back.
+
+# %%
 kv.free_tail, scheduler._apply_verified = watched, watched_apply
 spec.trace.clear()
 chat(spec, grounded_prompts(2), SamplingParams(temperature=0, max_tokens=48))
