@@ -53,6 +53,11 @@ import torch.nn.functional as F
 
 import minivllm.cpu
 from minivllm import LLM, SamplingParams
+
+# %% [markdown]
+# The accelerations, and the reference layers they stand in for:
+
+# %%
 from minivllm.benchmarks.ab import alternate
 from minivllm.benchmarks.op_profile import profile_ops
 from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
@@ -565,6 +570,10 @@ def run(name, llm, prompts):
     return go
 
 
+# %% [markdown]
+# One and then 32 requests, each measured in alternating rounds:
+
+# %%
 e2e = {}
 for n in (1, 32):
     t = alternate({"reference": run("reference", ref, PROMPTS[:n]),

@@ -144,6 +144,10 @@ def library_mask(pattern: str, prefix_tokens: list[int]) -> set[int]:
     return set(bitmask.allowed_tokens(m[0], V).nonzero().flatten().tolist())
 
 
+# %% [markdown]
+# After no digit, after "4" and after "42", the hand-made mask and the library's must agree:
+
+# %%
 eos = tokenizer.eos_token_id
 for prefix in ([], tokenizer.encode("4", add_special_tokens=False),
                tokenizer.encode("42", add_special_tokens=False)):

@@ -18,8 +18,6 @@ jupytext = pytest.importorskip("jupytext")
 MAX_CELL_LINES = 20
 BOOK = Path(__file__).resolve().parent.parent / "book"
 CHAPTERS = sorted(p for p in BOOK.glob("[0-9][0-9]_*.py"))
-# Chapters whose long cells are another issue's work; remove a name once it passes.
-PENDING = {"14_making_it_fast_on_a_cpu.py", "16_constrained_decoding.py"}
 
 
 def cell_lines(source: str) -> list[str]:
@@ -67,6 +65,4 @@ def test_counting_and_the_listing_exemption():
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_no_code_cell_over_20_lines(path: Path):
-    if path.name in PENDING:
-        pytest.xfail("long cells left to this chapter's own issue")
     assert long_cells(path) == [], f"{path.name}: split these cells or move plumbing into a helper"
