@@ -44,6 +44,7 @@ from minivllm.entrypoints.openai.tools import forced_schema, parse_tool_calls
 from minivllm.sampling_params import StructuredOutputsParams as SO
 from minivllm.structured_output import bitmask
 from minivllm.structured_output.request_grammar import RequestGrammar
+from minivllm.viz.export import save_key_figure
 from minivllm.viz.sampling import filter_figure
 
 llm = LLM(num_kv_blocks=64)
@@ -101,6 +102,7 @@ after = [math.exp(held_lp[t].logprob) if t in held_lp else 0.0 for t in top]
 fig = filter_figure([tokenizer.decode([t]) for t in top], [free_p[t] for t in top], after,
                     title="First token of a JSON answer: free and under the mask")
 fig.show()
+save_key_figure(fig, "16_constrained_decoding")
 shifts = [held_lp[t].logprob - free_lp[t].logprob for t in held_lp
           if t in free_lp and allowed[t]]
 assert shifts  # the allowed tokens among the free top-20

@@ -88,8 +88,11 @@ show(CostModel.breakdown)
 # `calibrate` runs the real engine on a short mixed workload (one stream, a few, a
 # batch), records every step's composition and measured duration, and fits the
 # efficiencies and overheads (Nelder-Mead on the squared log error). The peaks stay
-# as `bench roofline` measures them. A small workload keeps this cell short (the
-# command `minivllm simulate calibrate` runs a longer one).
+# as `bench roofline` measures them; only the matmul efficiency is held at or below 1.
+# The bandwidth probe is a few short reads on a machine that shares its memory bus, so
+# the engine's own weight streaming can beat what it saw, and a bandwidth "efficiency"
+# above 1 says exactly that. A small workload keeps this cell short (the command
+# `minivllm simulate calibrate` runs a longer one).
 
 # %%
 import random
@@ -111,7 +114,7 @@ print(f"{len(cal.measured)} steps; median |error| per step {cal.median_abs_error
 for name in ("flops_efficiency", "bandwidth_efficiency", "step_overhead_s"):
     print(f"  {name:<22} {getattr(cpu, name):.3g}")
 assert len(cal.measured) > 20
-assert 0 < cpu.flops_efficiency <= 1 and 0 < cpu.bandwidth_efficiency <= 1
+assert 0 < cpu.flops_efficiency <= 1 and cpu.bandwidth_efficiency > 0
 
 # %%
 step_fit_figure(cal.measured, cal.predicted)
