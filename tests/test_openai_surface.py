@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from minivllm import LLM, SamplingParams
-from tests.helpers import ServerProcess
+from tests.helpers import TIME, WEATHER, ServerProcess
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -150,17 +150,7 @@ def test_bad_structured_outputs_are_400_naming_the_field(server, body, param, wo
     assert param in (err["param"] or "") and words in err["message"], err
 
 
-# -- tool calls -------------------------------------------------------------------------
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"],
-        "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
-        "additionalProperties": False}}}
+# -- tool calls (WEATHER and TIME from tests/helpers.py) ---------------------------------
 
 
 def test_forced_tool_calls_full_and_streamed(server):

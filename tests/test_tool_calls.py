@@ -20,18 +20,8 @@ from minivllm.entrypoints.openai.tool_parsers import (Hermes2ProToolParser, Requ
                                                       ToolCallStreamer)
 from minivllm.entrypoints.openai.tools import (forced_schema, history_for_template,
                                                template_knows_tools)
-from tests.helpers import ServerProcess
+from tests.helpers import TIME, WEATHER, ServerProcess
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"],
-        "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
-        "additionalProperties": False}}}
 NOTE = {"type": "function", "function": {
     "name": "add_note", "parameters": {"type": "object", "properties": {
         "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
