@@ -66,7 +66,7 @@ from minivllm.cpu.attention import CPUAttentionBackend
 from minivllm.cpu.features import cpu_features
 from minivllm.cpu.fused_decode import LlamaFusedDecode
 from minivllm.cpu.layers import CpuRMSNorm
-from minivllm.cpu.prepack import linear, pack_weight
+from minivllm.cpu.prepack import linear, pack_weight, panel_width
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
@@ -78,18 +78,21 @@ from minivllm.viz.export import save_key_figure
 # %% [markdown]
 # ## This machine
 #
-# The kernels are C++ compiled on first use for this CPU's instruction set: with
-# AVX-512 (`native`) the panel GEMM and the vectorised attention are in; with AVX2 only
-# (`avx2`, the `x86-64-v3` level) some products take MKL's GEMM instead. Every ratio in
-# this chapter belongs to the line printed here. The chapter needs the kernels (`make
+# The kernels are C++ compiled on first use for this CPU's instruction set: `native`
+# with AVX-512, `avx2` (the `x86-64-v3` level) otherwise. The code is written once over
+# a thin vector layer (`csrc/cpu_types.h`), so the same kernels run on 16-float zmm or
+# 8-float ymm registers; the tile shapes follow the register file (AVX2 has 16 vector
+# registers, AVX-512 has 32). Every ratio in this chapter belongs to the line printed
+# here. The chapter needs the kernels (`make
 # setup` builds them), so it checks first.
 
 # %%
 FEATURES = cpu_features()
-AVX512 = FEATURES.avx512
+PANELS = panel_width()  # output columns per GEMM panel: two vector registers
 assert ops.cpu_kernels_problem() is None, ops.cpu_kernels_problem()
 print(FEATURES.describe())
-print(f"{torch.get_num_threads()} threads; panel GEMM {'on' if AVX512 else 'off (MKL)'}")
+print(f"{torch.get_num_threads()} threads; panel GEMM "
+      f"{f'{PANELS} columns per panel' if PANELS else 'off (MKL)'}")
 
 # %% [markdown]
 # Two rates bound a decoder (chapter 12 derived them): **compute**, about 2 FLOPs per
@@ -329,8 +332,8 @@ for name, (reference, kernel) in small.items():
 # backend does the whole step's decode rows in one C++ call that reads each key and
 # value **in place** through the block table, once for all query heads of a group.
 #
-# Its core, in the portable version (the AVX-512 one keeps the accumulators in
-# registers): visit the context a span of up to 256 tokens at a time, score the span,
+# Its core, in the portable version (the register kernel keeps the accumulators in zmm
+# or ymm registers, whichever the build has): visit the context a span of up to 256 tokens at a time, score the span,
 # one online-softmax step (the running maximum `m` and sum `l`, chapter 6), then add up
 # the span's values.
 
@@ -375,10 +378,11 @@ assert speedups["decode attention"] > 1.0
 print(inspect.getsource(linear))
 
 # %% [markdown]
-# With AVX-512 the 2 to 256-row products go to minivllm's own panel kernel: the weight
-# stored as panels of 32 output columns, each read strictly front to back, the rows'
-# partial sums held in registers, and the *next* panel prefetched while this one is
-# multiplied, so that streaming the weights overlaps the arithmetic. Its inner tile:
+# The 2 to 256-row products go to minivllm's own panel kernel: the weight stored as
+# panels two vector registers wide (32 output columns with AVX-512, 16 with AVX2), each
+# read strictly front to back, the rows' partial sums held in registers, and the *next*
+# panel prefetched while this one is multiplied, so that streaming the weights overlaps
+# the arithmetic. Its inner tile:
 
 # %%
 show_source("gemm.cpp", "void tile(const float* x", 20)
@@ -411,26 +415,27 @@ speedups["gate/up GEMM, 32 rows"] = gemm[32]
 # %%
 print(f"panels: {packed.panels is not None}, halves: {packed.halves}, "
       f"panel_max_rows: {packed.panel_max_rows}")
-assert (packed.panels is not None) == AVX512  # no AVX-512: MKL's packed GEMM serves them
-assert packed.halves == AVX512  # gate/up panels pair the two halves (below)
+assert (packed.panels is not None) == (PANELS is not None)
+assert packed.panels is None or packed.panels.shape[-1] == PANELS
+assert packed.halves == (PANELS is not None)  # gate/up panels pair the two halves (below)
 
 # %% [markdown]
 # **The SiLU epilogue.** SwiGLU computes `silu(gate) * up` from the gate/up product's
 # output. Written plainly that is one product writing a [rows, 2 x 1536] buffer and a
 # second pass reading it back. The gate/up panels can instead be packed *in halves*:
-# panel *p* holds gate columns 16p..16p+15 and the same up columns, so one tile holds
-# both halves of the same 16 outputs and can write `silu(gate) * up` directly. The
+# panel *p* holds one register's worth of gate columns and the same up columns, so one
+# tile holds both halves of the same outputs and can write `silu(gate) * up` directly. The
 # product itself is unchanged, column for column, so it gives the same bits:
 
 # %%
-if AVX512:
+if PANELS:
     plain = pack_weight(w, packed.panel_max_rows, halves=False)
     for rows in (1, 32, 128):
         xr = torch.randn(rows, w.shape[1])
         assert torch.equal(linear(xr, w, None, plain), linear(xr, w, None, packed))
     print("halves and plain panels: the same bits at 1, 32 and 128 rows")
 else:
-    print("no panels without AVX-512: the epilogue does not apply on this CPU")
+    print("no panel kernel in this build: the epilogue does not apply")
 
 # %% [markdown]
 # The epilogue itself runs inside the fused decode step (next section). To measure it,
@@ -439,7 +444,7 @@ else:
 # step through both:
 
 # %%
-if AVX512:
+if PANELS:
     mlps = [layer.mlp.gate_up_proj for layer in runner.model.model.layers]
     own = [m.packed_weight for m in mlps]
     for m in mlps:
@@ -606,7 +611,7 @@ for name, ratio in speedups.items():
     print(f"  {name:28s} {ratio:5.2f}x  [{FEATURES.isa}]")
 speedup_figure(speedups, f"minivllm.cpu against the reference, A/B in one run, on "
                f"{FEATURES.model} ({FEATURES.isa}, {torch.get_num_threads()} threads)",
-               notes={"gate/up GEMM, 32 rows": "panels" if AVX512 else "MKL, packed"})
+               notes={"gate/up GEMM, 32 rows": f"{PANELS}-col panels" if PANELS else "MKL, packed"})
 
 # %% [markdown]
 # And both engines under the ceiling this machine allows. The rates are tokens per

@@ -40,6 +40,21 @@ def needs_avx512(what: str):
                f"this CPU: {FEATURES.describe()}")
 
 
+def panel_kernels() -> bool:
+    """Whether this build has the panel GEMM and matvec (AVX-512, or AVX2 + FMA)."""
+    from minivllm.cpu import _custom_ops as ops
+
+    return _kernels_problem() is None and ops.packed_linear_available()
+
+
+def needs_panel_kernels(what: str):
+    """For the kernels' vector code written for both ISAs (panel GEMM, matvec)."""
+    return pytest.mark.skipif(
+        not panel_kernels(),
+        reason=f"{what} needs AVX-512 or AVX2 + FMA and the CPU kernels; "
+               f"this CPU: {FEATURES.describe()}")
+
+
 def needs_bf16_prepack():
     problem = FEATURES.bf16_prepack_problem()
     return pytest.mark.skipif(problem is not None,

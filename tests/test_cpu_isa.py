@@ -70,9 +70,11 @@ import json, sys
 from minivllm import LLM, SamplingParams
 from minivllm.cpu import _custom_ops
 from minivllm.cpu.features import cpu_features
+from minivllm.cpu.prepack import panel_width
 
 params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-report = {"isa": cpu_features().isa, "library": _custom_ops.library_name(), "runs": {}}
+report = {"isa": cpu_features().isa, "library": _custom_ops.library_name(),
+          "panel_width": panel_width(), "runs": {}}
 for dtype in json.loads(sys.argv[3]):
     for kernels in (None, False):
         llm = LLM(sys.argv[1], dtype=dtype, cpu_kernels=kernels)
@@ -127,11 +129,12 @@ def test_the_engine_on_an_avx2_only_cpu(tiny_model):
     folder = tiny_model("llama")
     avx2 = _run(folder, AVX2_ENV)
     assert avx2["isa"] == "avx2" and avx2["library"].endswith("_avx2")
+    assert avx2["panel_width"] == 16  # two ymm registers of float32
     runs = avx2["runs"]
-    # float32: accelerated (MKL's packed GEMM, no AVX-512 panels) and replayed,
-    # token for token the reference path's.
+    # float32: accelerated (the panel GEMM with AVX2's 16-column panels) and
+    # replayed, token for token the reference path's.
     _same_as_reference(runs)
-    assert not runs["float32/None"]["panels"]
+    assert runs["float32/None"]["panels"]
     # bfloat16: no native support, so the accelerated path computes in float32
     # (weights and KV cache), says so once, and is replayed like float32; the
     # reference path keeps bfloat16. The tokens agree within bf16 rounding.
@@ -176,7 +179,8 @@ def test_the_native_and_avx2_builds_give_the_reference_tokens(tiny_model):
         assert report["library"] == f"minivllm_C_{isa}", report["library"]
         _same_as_reference(report["runs"])
     native, avx2 = (builds[i]["runs"]["float32/None"] for i in ("native", "avx2"))
-    assert native["panels"] and not avx2["panels"]  # the AVX-512 panel GEMM only in one
+    assert native["panels"] and avx2["panels"]  # the panel GEMM in both, two registers wide
+    assert (builds["native"]["panel_width"], builds["avx2"]["panel_width"]) == (32, 16)
     assert native["tokens"] == avx2["tokens"]
     assert _close_logprobs(native["logprobs"], avx2["logprobs"], 1e-4)
 

@@ -9,6 +9,10 @@ they leave behind.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +21,7 @@ from minivllm.cpu import _custom_ops as ops
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
-from tests.cpu_requirements import needs_avx512, needs_cpu_kernels
+from tests.cpu_requirements import AVX2_ENV, FEATURES, needs_cpu_kernels, needs_panel_kernels
 
 pytestmark = needs_cpu_kernels()
 
@@ -202,10 +206,10 @@ def test_paged_decode_attention_checks_the_block_tables():
         ops.paged_decode_attention(q, big, big, torch.zeros(1, 1, dtype=torch.int32), lens, 1.0)
 
 
-@pytest.mark.parametrize("k", [1, 15, 16, 17, 100])  # tails of a 16-float vector
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 15, 16, 17, 100])  # tails of 8- and 16-float vectors
 @pytest.mark.parametrize("n", [1, 3, 4, 9, 37])  # tails of the four-row groups
 @pytest.mark.parametrize("bias", [False, True])
-@needs_avx512("the one-row product (matvec)")
+@needs_panel_kernels("the one-row product (matvec)")
 def test_matvec_matches_f_linear(n, k, bias):
     assert ops.packed_linear_available()
     w, x = randn(n, k, seed=n), randn(1, k, seed=k)
@@ -213,3 +217,30 @@ def test_matvec_matches_f_linear(n, k, bias):
     close(ops.matvec(x, w, b), F.linear(x, w, b), torch.float32)
     with pytest.raises(RuntimeError, match=r"x must be float32 \[1, "):
         ops.matvec(randn(2, k), w)
+
+
+# The vector kernels (panel GEMM, matvec, attention) and the ones around them.
+AVX2_SELECTION = ("matvec or attention or silu or rms_norm or packed or panel or halves"
+                  " or not_supported")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(FEATURES.isa == "avx2" or not FEATURES.avx2,
+                    reason=f"needs a CPU above AVX2 to also run the AVX2 build (this one: "
+                           f"{FEATURES.describe()}); an AVX2-only CPU runs it as its own build")
+def test_the_avx2_build_passes_the_kernel_tests():
+    """The AVX2 build's kernels (8-lane vectors, 6 x 16 GEMM tiles) are other code
+    than the AVX-512 ones: on an AVX-512 machine, run this file's and the packed
+    products' tests again in a process that sees an AVX2-only CPU."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-rp", "-p", "no:cacheprovider", "-m", "not slow",
+         "tests/test_cpu_kernels.py", "tests/test_prepack.py", "-k", AVX2_SELECTION],
+        capture_output=True, text=True, cwd=repo, timeout=1200, env={**os.environ, **AVX2_ENV})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    # Ran, not skipped: the panel width check (AVX2's 16 columns), the panel
+    # GEMM and matvec.
+    for test in ("test_prepack.py::test_the_panel_width_follows_the_isa",
+                 "test_prepack.py::test_panels_in_halves_give_the_same_bits_as_plain_panels",
+                 "test_cpu_kernels.py::test_matvec_matches_f_linear"):
+        assert f"PASSED tests/{test}" in out.stdout, out.stdout[-3000:]

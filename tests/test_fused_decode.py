@@ -15,8 +15,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.layers import PackedLMHead
 from minivllm.cpu.prepack import PANEL_MAX_ROWS, prepack_model
-from tests.cpu_requirements import (FEATURES, needs_avx512, needs_bf16_prepack,
-                                    needs_cpu_kernels)
+from tests.cpu_requirements import (needs_bf16_prepack, needs_cpu_kernels, needs_panel_kernels,
+                                    panel_kernels)
 
 pytestmark = needs_cpu_kernels()
 
@@ -41,8 +41,8 @@ def _generate(llm: LLM, prompts, n=12):
 
 
 @pytest.mark.parametrize("family,dtype,batch", [
-    ("llama", "float32", 1),  # one-row products (matvec with AVX-512, else MKL)
-    ("llama", "float32", 5),  # the panel GEMM with AVX-512, else MKL
+    ("llama", "float32", 1),  # one-row products (matvec with AVX-512 or AVX2, else MKL)
+    ("llama", "float32", 5),  # the panel GEMM with AVX-512 or AVX2, else MKL
     ("llama", "float32", len(MANY)),  # MKL's packed GEMM
     ("qwen2", "float32", 5),  # q/k/v biases
     pytest.param("llama", "bfloat16", 5, marks=needs_bf16_prepack()),  # oneDNN's bfloat16
@@ -58,9 +58,10 @@ def test_fused_decode_equals_python_layers(tiny_model, family, dtype, batch):
     prompts = PROMPTS[:batch] if batch <= len(PROMPTS) else MANY[:batch]
     got = _generate(llm, prompts)
     assert fused.steps >= 11  # every decode step of that run went through C++
-    # float32 gate_up panels (AVX-512) pair gate and up columns: with more than one
-    # row the C++ step applies SiLU-and-mul in that product's epilogue, checked too.
-    assert fused.gate_up_halves == (dtype == "float32" and FEATURES.avx512)
+    # float32 gate_up panels (AVX-512 or AVX2) pair gate and up columns: with more
+    # than one row the C++ step applies SiLU-and-mul in that product's epilogue,
+    # checked too.
+    assert fused.gate_up_halves == (dtype == "float32" and panel_kernels())
     runner.decode_replay = None  # the model runs every step: the twins' Python layers
     expected = _generate(llm, prompts)
     assert got == expected  # tokens and logprobs, exactly
@@ -134,8 +135,8 @@ def test_fused_decode_logits_match_the_lm_head_bitwise(tiny_model, batch):
 
 @pytest.mark.parametrize("batch", [1, 5])  # matvec; the panel GEMM
 @pytest.mark.parametrize("threads", [1, 3])  # 3: more threads than this machine's cores
-@needs_avx512("bits independent of the thread count (our own matvec and panel GEMM; "
-              "MKL, which serves these rows without AVX-512, splits sums by thread)")
+@needs_panel_kernels("bits independent of the thread count (our own matvec and panel GEMM; "
+                     "MKL, which serves these rows without them, splits sums by thread)")
 def test_fused_decode_gives_the_same_bits_with_any_thread_count(tiny_model, batch, threads):
     """The float32 step is one parallel region whose threads share out each kernel's
     work and meet at spinning barriers. Every output is still computed whole by one

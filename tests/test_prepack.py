@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import AttentionMetadata, TorchAttentionBackend
-from minivllm.cpu.prepack import (PANEL_MAX_ROWS, linear, pack_weight,
-                                           prepack_model, prepack_supported, unpack_model)
+from minivllm.cpu.prepack import (PANEL_MAX_ROWS, linear, pack_weight, panel_width,
+                                  prepack_model, prepack_supported, unpack_model)
 from minivllm.cpu.layers import swap_in_twins
 from minivllm.model.loader import load_model
-from tests.cpu_requirements import needs_avx512, needs_bf16_prepack
+from tests.cpu_requirements import (FEATURES, needs_bf16_prepack, needs_cpu_kernels,
+                                    needs_panel_kernels)
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.zeros(2, 2)),
                                 reason="this torch build has no MKL packed GEMM")
@@ -52,52 +53,69 @@ def test_a_lower_panel_limit_hands_the_larger_batches_to_mkl(rows):
     torch.testing.assert_close(linear(x, w, None, packed), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@needs_avx512("the panel GEMM")
+@needs_cpu_kernels()
+def test_the_panel_width_follows_the_isa():
+    # Two vector registers: AVX-512's 16 floats each, AVX2's 8 (16 ymm registers
+    # hold a 6 x 16 tile, 32 zmm registers a 12 x 32 one).
+    from minivllm.cpu import _custom_ops as ops
+
+    assert ops.packed_linear_available() == FEATURES.avx2
+    if FEATURES.avx2:
+        assert ops.panel_width() == panel_width() == (32 if FEATURES.avx512 else 16)
+
+
+@needs_panel_kernels("the panel GEMM")
 def test_float32_decode_rows_take_the_panel_kernel():
     from minivllm.cpu import _custom_ops as ops
 
+    width = ops.panel_width()  # two vector registers: 32 floats with AVX-512, 16 with AVX2
+    assert width in (16, 32) and panel_width() == width
     w = torch.randn(100, 80)
     packed = pack_weight(w)
-    assert packed.panels is not None and packed.panels.shape == (4, 80, 32)
+    panels = -(-100 // width)
+    assert packed.panels is not None and packed.panels.shape == (panels, 80, width)
     # Zero padding past the 100 real columns, the weight's columns in order before.
-    assert torch.equal(packed.panels.transpose(1, 2).reshape(128, 80)[:100], w)
-    assert not packed.panels.transpose(1, 2).reshape(128, 80)[100:].any()
+    columns = packed.panels.transpose(1, 2).reshape(panels * width, 80)
+    assert torch.equal(columns[:100], w)
+    assert not columns[100:].any()
     assert ops.packed_linear(torch.zeros(0, 80), packed.panels, 100).shape == (0, 100)
 
 
-@needs_avx512("the panel GEMM")
+@needs_panel_kernels("the panel GEMM")
 @pytest.mark.parametrize("rows", [1, 2, 12, 13, 30, PANEL_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panels_in_halves_give_the_same_bits_as_plain_panels(rows, bias):
-    # A [gate; up] weight packed with each panel holding 16 gate columns and the
-    # same 16 up columns: every output column is the same chain of products, in the
-    # same order, so the output equals plain panels' bit for bit.
+    # A [gate; up] weight packed with each panel holding half a panel of gate
+    # columns and the same up columns: every output column is the same chain of
+    # products, in the same order, so the output equals plain panels' bit for bit.
     from minivllm.cpu import _custom_ops as ops
 
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 80, generator=gen)  # halves of 48: three 16-column groups each
+    w = torch.randn(96, 80, generator=gen)  # halves of 48: whole half-panels (16 or 8)
     b = torch.randn(96, generator=gen) if bias else None
     x = torch.randn(rows, 80, generator=gen)
     packed = pack_weight(w, halves=True)
     assert packed.halves
-    # Panel 1: gate columns 16..31, then up columns 16..31 (rows 64..79 of w).
+    # Panel 1: gate columns h..2h-1, then up columns h..2h-1 (rows 48+h.. of w).
+    h = ops.panel_width() // 2
     panel = packed.panels[1].t()
-    assert torch.equal(panel[:16], w[16:32]) and torch.equal(panel[16:], w[64:80])
+    assert torch.equal(panel[:h], w[h:2 * h]) and torch.equal(panel[h:], w[48 + h:48 + 2 * h])
     plain = ops.packed_linear(x, ops.pack_linear_weight(w), 96, b)
     assert torch.equal(ops.packed_linear(x, packed.panels, 96, b, halves=True), plain)
     torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-@needs_avx512("the panel GEMM")
-def test_halves_need_whole_16_column_groups():
+@needs_panel_kernels("the panel GEMM")
+def test_halves_need_whole_half_panels():
     from minivllm.cpu import _custom_ops as ops
 
-    w = torch.randn(48, 80)  # halves of 24 columns
+    w = torch.randn(40, 80)  # halves of 20 columns: no whole half-panels (16 or 8)
     assert not pack_weight(w, halves=True).halves  # falls back to plain panels
-    with pytest.raises(RuntimeError, match="halves need out_features a multiple of 32.*48"):
+    message = f"halves need out_features a multiple of {ops.panel_width()}.*40"
+    with pytest.raises(RuntimeError, match=message):
         ops.pack_linear_weight(w, halves=True)
-    with pytest.raises(RuntimeError, match="halves need out_features a multiple of 32.*48"):
-        ops.packed_linear(torch.randn(2, 80), ops.pack_linear_weight(w), 48, None, halves=True)
+    with pytest.raises(RuntimeError, match=message):
+        ops.packed_linear(torch.randn(2, 80), ops.pack_linear_weight(w), 40, None, halves=True)
 
 
 def test_not_supported_for_other_dtypes():

@@ -200,13 +200,20 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
 
 
 def packed_linear_available() -> bool:
-    """Whether this build has the float32 decode GEMM (it needs AVX-512)."""
+    """Whether this build has the float32 decode GEMM (it needs AVX-512 or AVX2 + FMA)."""
     return _lib().packed_linear_available()
+
+
+def panel_width() -> int:
+    """Output columns per panel of ``pack_linear_weight``: two vector registers,
+    32 floats with AVX-512, 16 with AVX2."""
+    return _lib().panel_width()
 
 
 def pack_linear_weight(weight: torch.Tensor, halves: bool = False) -> torch.Tensor:
     """The panels of ``packed_linear``; ``halves``: for a [gate; up] weight, each
-    panel holds 16 gate columns and the same 16 up columns (out % 32 == 0)."""
+    panel holds ``panel_width() // 2`` gate columns and the same up columns
+    (out a multiple of ``panel_width()``)."""
     return _lib().pack_linear_weight(weight, halves)
 
 

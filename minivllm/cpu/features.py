@@ -7,10 +7,12 @@ own laptops must not die of an illegal instruction or a oneDNN refusal):
 - the C++ kernels are compiled for the ISA found here (``isa``): ``native``
   on a CPU with AVX-512, ``x86-64-v3`` (AVX2 + FMA) on one without, so a
   build made on one machine never carries instructions another lacks;
-- the float32 panel GEMM and the vectorised attention spans need AVX-512
-  (the C++ has portable fallbacks, chosen at compile time);
+- the float32 panel GEMM and the vectorised attention spans are written once
+  over 16-float zmm or 8-float ymm registers (``csrc/cpu_types.h``), so both
+  builds have them; without AVX2 + FMA the C++ takes portable fallbacks;
 - oneDNN prepacks bfloat16 weights only with AVX-512 (BW, VL, DQ) or
-  AVX-NE-CONVERT; elsewhere bfloat16 products take plain ``F.linear``.
+  AVX-NE-CONVERT; elsewhere the accelerated path computes bfloat16 models in
+  float32 (``accelerate.py``).
 
 The flags come from ``/proc/cpuinfo`` (Linux), cross-checked against
 PyTorch's own dispatch level (``torch.backends.cpu.get_cpu_capability()``).
@@ -59,7 +61,7 @@ class CPUFeatures:
 
     @property
     def avx512(self) -> bool:
-        """AVX-512 F/BW/VL/DQ: what the panel GEMM and oneDNN's bfloat16 packing use."""
+        """AVX-512 F/BW/VL/DQ: what the ``native`` build and oneDNN's bfloat16 packing use."""
         return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= self.flags
 
     @property

@@ -11,12 +11,13 @@ packed once, after loading, and each product picks by its row count:
   used once, so packing buys nothing; four weight rows stream side by side
   with software prefetching.
 - **2 to ``panel_max_rows`` float32 rows** (decode batches, small prefill
-  chunks), with AVX-512: minivllm's panel kernel (``csrc/gemm.cpp``), the
-  weight in panels of 32 columns, the next panel prefetched while the
-  current one is multiplied, so that streaming the weights from memory
-  overlaps the arithmetic. Beyond ``panel_max_rows`` the rows no longer fit
-  in the L2 cache next to a panel.
-- **more float32 rows**, or no AVX-512: MKL's packed GEMM
+  chunks), with AVX-512 or AVX2 + FMA: minivllm's panel kernel
+  (``csrc/gemm.cpp``), the weight in panels two vector registers wide
+  (``panel_width()``: 32 columns with AVX-512, 16 with AVX2), the next panel
+  prefetched while the current one is multiplied, so that streaming the
+  weights from memory overlaps the arithmetic. Beyond ``panel_max_rows`` the
+  rows no longer fit in the L2 cache next to a panel.
+- **more float32 rows**, or neither ISA: MKL's packed GEMM
   (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``, what
   ``torch.compile`` uses for frozen CPU linears).
 - **bfloat16**, any rows: oneDNN's packed GEMM
@@ -97,7 +98,8 @@ class PackedWeight:
     """Packed copies of one [out, in] weight."""
 
     gemm: torch.Tensor  # MKL (float32) or oneDNN (bfloat16) layout, opaque
-    panels: Optional[torch.Tensor] = None  # float32 [out / 32, in, 32] for csrc/gemm.cpp
+    # float32 [out / panel_width, in, panel_width] for csrc/gemm.cpp
+    panels: Optional[torch.Tensor] = None
     panel_max_rows: int = PANEL_MAX_ROWS  # more rows than this go to MKL
     # The panels pair the two halves of a [gate; up] weight column by column
     # (ops.pack_linear_weight), so the fused decode step can apply SiLU-and-mul
@@ -109,16 +111,24 @@ def _panels_available() -> bool:
     return ops.cpu_kernels_problem() is None and ops.packed_linear_available()
 
 
+def panel_width() -> Optional[int]:
+    """Output columns per panel of this build's panel kernel (it follows the ISA:
+    32 with AVX-512, 16 with AVX2), or None without the kernel."""
+    return ops.panel_width() if _panels_available() else None
+
+
 def pack_weight(weight: torch.Tensor, panel_max_rows: int = PANEL_MAX_ROWS,
                 halves: bool = False) -> PackedWeight:
     """The GEMM libraries' packed copies of a [out, in] weight; float32 batches of
     up to ``panel_max_rows`` rows will take the panel kernel. ``halves`` asks for
-    panels that pair the weight's two halves (taken when out is a multiple of 32)."""
+    panels that pair the weight's two halves (taken when out is a multiple of
+    ``panel_width()``)."""
     w = weight.detach().contiguous()
     if w.dtype == torch.bfloat16:
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_ROWS))
-    halves = halves and w.shape[0] % 32 == 0
-    panels = ops.pack_linear_weight(w, halves) if _panels_available() else None
+    width = panel_width()
+    halves = halves and width is not None and w.shape[0] % width == 0
+    panels = ops.pack_linear_weight(w, halves) if width is not None else None
     hint = PACK_HINT_ROWS if panels is None else PACK_HINT_ROWS_LARGE
     return PackedWeight(torch.ops.mkl._mkl_reorder_linear_weight(w, hint), panels,
                         panel_max_rows, halves=halves and panels is not None)
@@ -168,5 +178,5 @@ def unpack_model(model: nn.Module) -> None:
             module.packed_weight = None
 
 
-__all__ = ["PackedWeight", "linear", "pack_weight", "prepack_model", "prepack_supported", "unpack_model",
-           "prepack_enabled"]
+__all__ = ["PackedWeight", "linear", "pack_weight", "panel_width", "prepack_model",
+           "prepack_supported", "unpack_model", "prepack_enabled"]

@@ -1,4 +1,5 @@
-// Shared helpers of the CPU kernels: dtype dispatch and float conversion.
+// Shared helpers of the CPU kernels: dtype dispatch, float conversion and a
+// small vector type (namespace vec) over the ISA the library is built for.
 //
 // Every kernel computes in float32 whatever the tensor dtype (float32,
 // bfloat16, float16), like the PyTorch reference paths they replace.
@@ -11,8 +12,11 @@
 #include <cmath>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+// The kernels' vector code paths exist (vec below); without them, portable
+// loops only, and no panel GEMM.
+#define MINIVLLM_VEC 1
 #endif
 
 #define MINIVLLM_DISPATCH_FLOATS(TYPE, NAME, ...) \
@@ -55,19 +59,92 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#ifdef MINIVLLM_VEC
+// One float32 vector register and the handful of operations the kernels use,
+// so each kernel is written once: 16 lanes of a zmm register with AVX-512,
+// 8 lanes of a ymm register with AVX2 + FMA. The register files differ too
+// (32 zmm, 16 ymm): kernels size their register tiles from kRegisters.
+namespace vec {
 #ifdef __AVX512F__
-// exp_nonpositive on 16 lanes at once, the same steps written with intrinsics
-// (for the loops the compiler does not vectorize by itself).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
-  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 y = _mm512_mul_ps(_mm512_sub_ps(t, k), _mm512_set1_ps(0.69314718056f));
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, y, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, k);  // p * 2^k
+using vf = __m512;
+using mask = __mmask16;  // one bit per lane
+constexpr int kLanes = 16, kRegisters = 32;
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float x) { return _mm512_set1_ps(x); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+// The first n lanes (n clamped to 0 .. kLanes).
+inline mask first(int64_t n) {
+  return n >= 16 ? mask(0xFFFF) : n <= 0 ? mask(0) : static_cast<mask>((1u << n) - 1);
 }
+// Masked load: lanes off in m read nothing and hold `fill`.
+inline vf load(const float* p, mask m, vf fill) { return _mm512_mask_loadu_ps(fill, m, p); }
+inline void store(float* p, vf v, mask m) { _mm512_mask_storeu_ps(p, m, v); }
+inline vf keep(mask m, vf v) { return _mm512_maskz_mov_ps(m, v); }  // lanes off: 0
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf scale2(vf p, vf k) { return _mm512_scalef_ps(p, k); }  // p * 2^k, k integral
+inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+#else
+using vf = __m256;
+using mask = __m256i;  // a lane is on when its 32 bits are all ones
+constexpr int kLanes = 8, kRegisters = 16;
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float x) { return _mm256_set1_ps(x); }
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline mask first(int64_t n) {
+  const int32_t c = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(n, 0), 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf load(const float* p, mask m, vf fill) {
+  return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+}
+inline void store(float* p, vf v, mask m) { _mm256_maskstore_ps(p, m, v); }
+inline vf keep(mask m, vf v) { return _mm256_and_ps(v, _mm256_castsi256_ps(m)); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// AVX2 has no scalef: 2^k built in the exponent bits (k >= -126 here), as
+// the scalar exp_nonpositive does.
+inline vf scale2(vf p, vf k) {
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k),
+                                                          _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+inline float reduce_add(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// exp_nonpositive on every lane at once, the same steps as the scalar one
+// (for the loops the compiler does not vectorize by itself).
+inline vf exp_nonpositive(vf x) {
+  x = max(x, set1(-87.f));
+  const vf t = mul(x, set1(1.44269504089f));
+  const vf k = round(t);
+  const vf y = mul(sub(t, k), set1(0.69314718056f));
+  vf p = set1(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = fmadd(p, y, set1(c));
+  return scale2(p, k);
+}
+}  // namespace vec
 #endif
 
 // One row of SwiGLU's gate: out = silu(gate) * up, d values. Shared by the

@@ -5,15 +5,19 @@
 // compute-bound nor purely memory-bound: every weight is streamed from DRAM
 // once and used by each row. MKL's packed GEMM does them one after the other
 // (wait for weights, then compute); this kernel overlaps the two. W [N, K] is
-// stored as panels of NR = 32 output columns, each panel [K][32] contiguous,
-// so the inner loop reads the weights strictly front to back. While one panel
-// is multiplied with the rows (kept in 24 vector registers: MR = 12 rows x
-// two 16-wide column vectors), the next panel is prefetched into L2, so
-// memory traffic proceeds during the arithmetic instead of between it.
+// stored as panels of NR output columns (two vectors wide: 32 with AVX-512,
+// 16 with AVX2), each panel [K][NR] contiguous, so the inner loop reads the
+// weights strictly front to back. While one panel is multiplied with the rows
+// (kept in 2 * MR vector registers: MR rows x two column vectors), the next
+// panel is prefetched into L2, so memory traffic proceeds during the
+// arithmetic instead of between it. MR is what the register file allows:
+// AVX-512's 32 zmm registers hold 12 rows (24 accumulators); AVX2's 16 ymm
+// registers hold 6 (12 accumulators, 2 weight vectors, 1 broadcast row value).
 //
 // An MLP's [gate; up] weight can be packed "in halves": panel p then holds
-// gate columns 16p .. 16p + 15 and the same up columns, so one tile has the
-// gate and the up value of the same 16 outputs in its two accumulators. The
+// gate columns (NR / 2)p .. (NR / 2)(p + 1) - 1 and the same up columns, so one
+// tile has the gate and the up value of the same outputs in its two
+// accumulators. The
 // product's output is the same (each column is the same chain of products);
 // the fused decode step (llama_decode.cpp) also uses it to apply
 // SiLU-and-mul in the epilogue, instead of writing [gate | up] out and
@@ -23,26 +27,32 @@
 // so the product is a pure stream over the row-major weight, and what counts
 // is keeping enough loads in flight.
 //
-// AVX-512 only: elsewhere packed_linear_available() is false and the caller
-// keeps using MKL.
+// AVX-512 or AVX2 + FMA (vec in cpu_types.h): elsewhere
+// packed_linear_available() is false and the caller keeps using MKL.
 #include <ATen/Parallel.h>
+
+#include <array>
+#include <utility>
 
 #include "cpu_types.h"
 #include "ops.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 namespace minivllm {
 namespace {
 
-constexpr int64_t NR = slice::panel_width;  // output columns per panel: two 16-float vectors
-constexpr int64_t MR = 12;  // rows per register tile
+constexpr int64_t NR = slice::panel_width;  // output columns per panel: two vectors
 
-#ifdef __AVX512F__
-// Where one panel's 32 outputs go: two 16-column halves, y0 and y1 (row
-// stride ldy), each with its bias (or none), the last ncols <= 32 of them
+#ifdef MINIVLLM_VEC
+using vec::vf;
+constexpr int64_t L = vec::kLanes;  // NR / 2
+static_assert(NR == 2 * L, "a panel is two vectors wide");
+// Rows per register tile: 2 * MR accumulators, 2 weight vectors and the
+// broadcast row value fit in the register file (32 zmm: 12 rows; 16 ymm: 6).
+constexpr int64_t MR = vec::kRegisters == 32 ? 12 : 6;
+static_assert(2 * MR + 3 <= vec::kRegisters, "the tile must fit in the registers");
+
+// Where one panel's NR outputs go: two L-column halves, y0 and y1 (row
+// stride ldy), each with its bias (or none), the last ncols <= NR of them
 // valid; or, with silu, the single output silu(half 0) * half 1 at y0.
 struct PanelOut {
   float *y0, *y1;
@@ -52,78 +62,78 @@ struct PanelOut {
   bool silu;
 };
 
-// rows x 32 outputs of one panel. Meanwhile it prefetches its share of the
+// rows x NR outputs of one panel. Meanwhile it prefetches its share of the
 // next panel: `next` points at that share, `step` floats further each k (a
 // panel's row tiles split its next panel between them, so the prefetches are
 // spread over the whole time the panel is being multiplied).
 template <int R>
 void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* next,
           int64_t step, const PanelOut& out) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  vf acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec::zero();
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = _mm512_load_ps(panel + k * NR);
-    const __m512 w1 = _mm512_load_ps(panel + k * NR + 16);
+    const vf w0 = vec::load(panel + k * NR);
+    const vf w1 = vec::load(panel + k * NR + L);
     _mm_prefetch(reinterpret_cast<const char*>(next + k * step), _MM_HINT_T1);
     if (step > 16) _mm_prefetch(reinterpret_cast<const char*>(next + k * step + 16), _MM_HINT_T1);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+      const vf xr = vec::set1(x[r * ldx + k]);
+      acc[r][0] = vec::fmadd(xr, w0, acc[r][0]);
+      acc[r][1] = vec::fmadd(xr, w1, acc[r][1]);
     }
   }
-  // The last panel may be narrower than 32 columns: masked loads and stores.
-  const int64_t ncols = out.ncols;
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32   ? 0xFFFF
-                       : ncols <= 16 ? 0
-                                     : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  const __m512 b0 = out.b0 != nullptr ? _mm512_maskz_loadu_ps(m0, out.b0) : _mm512_setzero_ps();
-  const __m512 b1 = out.b1 != nullptr ? _mm512_maskz_loadu_ps(m1, out.b1) : _mm512_setzero_ps();
+  // The last panel may be narrower than NR columns: masked loads and stores.
+  const vec::mask m0 = vec::first(out.ncols), m1 = vec::first(out.ncols - L);
+  const vf b0 = out.b0 != nullptr ? vec::load(out.b0, m0, vec::zero()) : vec::zero();
+  const vf b1 = out.b1 != nullptr ? vec::load(out.b1, m1, vec::zero()) : vec::zero();
   for (int r = 0; r < R; ++r) {
-    const __m512 h0 = _mm512_add_ps(acc[r][0], b0), h1 = _mm512_add_ps(acc[r][1], b1);
-    if (out.silu) {  // (the halves layout: always 16 + 16 columns)
-      alignas(64) float gate[16], up[16];
-      _mm512_store_ps(gate, h0);
-      _mm512_store_ps(up, h1);
-      silu_and_mul_row(gate, up, out.y0 + r * out.ldy, 16);
+    const vf h0 = vec::add(acc[r][0], b0), h1 = vec::add(acc[r][1], b1);
+    if (out.silu) {  // (the halves layout: always L + L columns)
+      alignas(64) float gate[L], up[L];
+      vec::store(gate, h0);
+      vec::store(up, h1);
+      silu_and_mul_row(gate, up, out.y0 + r * out.ldy, L);
     } else {
-      _mm512_mask_storeu_ps(out.y0 + r * out.ldy, m0, h0);
-      _mm512_mask_storeu_ps(out.y1 + r * out.ldy, m1, h1);
+      vec::store(out.y0 + r * out.ldy, h0, m0);
+      vec::store(out.y1 + r * out.ldy, h1, m1);
     }
   }
 }
 
 // ROWS (<= 4) rows of W times x: the weight rows read side by side, each
 // prefetched four rows ahead when PREFETCH (the hardware prefetcher alone
-// leaves the memory bus partly idle). K % 16 takes masked loads.
+// leaves the memory bus partly idle). The last K % L take masked loads.
 template <int ROWS, bool PREFETCH>
 void matvec_rows(const float* w, const float* x, int64_t K, float* y) {
-  __m512 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  vf acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = vec::zero();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k);
+  for (; k + L <= K; k += L) {
+    const vf xv = vec::load(x + k);
     for (int r = 0; r < ROWS; ++r) {
+      // (With 8 lanes, every other prefetch names the line before again: cheap.)
       if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + (r + 4) * K + k), _MM_HINT_T0);
-      acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, acc[r]);
+      acc[r] = vec::fmadd(vec::load(w + r * K + k), xv, acc[r]);
     }
   }
   if (k < K) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
-    const __m512 xv = _mm512_maskz_loadu_ps(tail, x + k);
+    const vec::mask tail = vec::first(K - k);
+    const vf xv = vec::load(x + k, tail, vec::zero());
     for (int r = 0; r < ROWS; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w + r * K + k), xv, acc[r]);
+      acc[r] = vec::fmadd(vec::load(w + r * K + k, tail, vec::zero()), xv, acc[r]);
   }
-  for (int r = 0; r < ROWS; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < ROWS; ++r) y[r] = vec::reduce_add(acc[r]);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t,
                         const PanelOut&);
-constexpr TileFn kTiles[MR + 1] = {nullptr,  tile<1>, tile<2>, tile<3>,  tile<4>,
-                                   tile<5>,  tile<6>, tile<7>, tile<8>,  tile<9>,
-                                   tile<10>, tile<11>, tile<12>};
+// kTiles[r]: the tile of r rows, r = 1 .. MR.
+template <int... R>
+constexpr std::array<TileFn, sizeof...(R) + 1> tiles(std::integer_sequence<int, R...>) {
+  return {nullptr, tile<R + 1>...};
+}
+constexpr auto kTiles = tiles(std::make_integer_sequence<int, MR>());
 #endif
 
 void check_packed(const at::Tensor& packed, const char* op) {
@@ -146,18 +156,20 @@ const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t N, const c
 }  // namespace
 
 bool packed_linear_available() {
-#ifdef __AVX512F__
+#ifdef MINIVLLM_VEC
   return true;
 #else
   return false;
 #endif
 }
 
-// W [N, K] float32 -> panels [ceil(N / 32), K, 32], zero-padded past N. With
-// halves (W = [A; B], two halves of N / 2 rows, a multiple of 16), panel p
-// holds A's columns 16p .. 16p + 15 and then B's same columns instead: the
-// gate and the up projection of the same 16 outputs side by side, for the
-// SiLU epilogue.
+int64_t panel_width() { return NR; }
+
+// W [N, K] float32 -> panels [ceil(N / NR), K, NR], zero-padded past N. With
+// halves (W = [A; B], two halves of N / 2 rows, a multiple of NR / 2), panel p
+// holds A's columns (NR / 2)p .. (NR / 2)(p + 1) - 1 and then B's same columns
+// instead: the gate and the up projection of the same outputs side by side,
+// for the SiLU epilogue.
 at::Tensor pack_linear_weight(at::Tensor weight, bool halves) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_linear_weight: weight must be a 2-D float32 CPU tensor, got ",
@@ -165,13 +177,13 @@ at::Tensor pack_linear_weight(at::Tensor weight, bool halves) {
   const int64_t N = weight.size(0), K = weight.size(1), panels = (N + NR - 1) / NR;
   if (halves) {
     TORCH_CHECK(N % NR == 0, "pack_linear_weight: halves need out_features a multiple of ",
-                NR, " (two halves of whole 16-column groups), got ", N);
-    // [2, N/32, 16, K] -> [N/32, 2, 16, K]: A's 16 rows, B's 16 rows, panel by panel.
+                NR, " (two halves of whole ", NR / 2, "-column groups), got ", N);
+    // [2, N/NR, NR/2, K] -> [N/NR, 2, NR/2, K]: A's rows, B's rows, panel by panel.
     weight = weight.reshape({2, panels, NR / 2, K}).transpose(0, 1).reshape({N, K});
   }
   auto padded = at::zeros({panels * NR, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
-  // [panels, 32, K] -> [panels, K, 32]
+  // [panels, NR, K] -> [panels, K, NR]
   return padded.view({panels, NR, K}).transpose(1, 2).contiguous();
 }
 
@@ -179,7 +191,7 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
                          c10::optional<at::Tensor> bias, bool halves) {
   check_cpu(x, "packed_linear", "x");
   check_packed(packed, "packed_linear");
-  TORCH_CHECK(packed_linear_available(), "packed_linear: this build has no AVX-512");
+  TORCH_CHECK(packed_linear_available(), "packed_linear: this build has neither AVX-512 nor AVX2 + FMA");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == packed.size(1),
               "packed_linear: x must be float32 [rows, ", packed.size(1), "], got ",
               x.scalar_type(), " ", x.sizes());
@@ -203,23 +215,23 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
 void slice::packed_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
                           const float* bias, float* y, int64_t begin, int64_t end,
                           PanelLayout layout) {
-#ifdef __AVX512F__
+#ifdef MINIVLLM_VEC
   const int64_t panels = (N + NR - 1) / NR, half = N / 2;
   for (int64_t p = begin; p < end; ++p) {
     const float* panel = packed + p * K * NR;
     const float* next = packed + std::min(p + 1, panels - 1) * K * NR;
-    // Panel p's two 16-column halves: columns 32p and 32p + 16, or with
-    // halves, column 16p of each half of the output.
+    // Panel p's two L-column halves: columns NR p and NR p + L, or with
+    // halves, column L p of each half of the output.
     const int64_t c0 = layout == PanelLayout::kColumns ? p * NR : p * (NR / 2);
     const int64_t c1 = layout == PanelLayout::kColumns ? c0 + NR / 2 : half + c0;
     const bool silu = layout == PanelLayout::kHalvesSiluAndMul;
     PanelOut out{y + c0, y + c1, silu ? half : N, bias != nullptr ? bias + c0 : nullptr,
                  bias != nullptr ? bias + c1 : nullptr, std::min(NR, N - p * NR), silu};
-    // Tile i of T prefetches the i-th T-th of the next panel: its 2K cache
-    // lines spread over T * K iterations, one or two lines (16 or 32 floats)
-    // per iteration.
+    // Tile i of T prefetches the i-th T-th of the next panel: its K NR / 16
+    // cache lines spread over T * K iterations, one line (16 floats) per
+    // iteration, two for a single tile of 32-column panels.
     const int64_t tiles = (M + MR - 1) / MR, share = K * NR / tiles;
-    const int64_t step = tiles == 1 ? 32 : 16;
+    const int64_t step = tiles == 1 ? NR : 16;
     for (int64_t m = 0, i = 0; m < M; m += MR, ++i) {
       const int64_t rows = std::min(MR, M - m);
       kTiles[rows](x + m * K, K, panel, K, next + i * share, step, out);
@@ -233,7 +245,7 @@ void slice::packed_linear(const float* x, int64_t M, int64_t K, const float* pac
 // y [1, N] = x [1, K] W^T (+ bias), W the ordinary row-major [N, K] weight.
 at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias) {
   check_cpu(x, "matvec", "x");
-  TORCH_CHECK(packed_linear_available(), "matvec: this build has no AVX-512");
+  TORCH_CHECK(packed_linear_available(), "matvec: this build has neither AVX-512 nor AVX2 + FMA");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "matvec: weight must be a contiguous float32 [N, K], got ", weight.scalar_type(),
               " ", weight.sizes());
@@ -254,7 +266,7 @@ at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bia
 void slice::matvec(const float* x, const float* weight, int64_t K, int64_t N, const float* bias,
                    float* y, int64_t begin, int64_t end) {
   static_assert(matvec_group_size == 4, "matvec_rows streams four weight rows at a time");
-#ifdef __AVX512F__
+#ifdef MINIVLLM_VEC
   for (int64_t i = begin; i < end; ++i) {
     const int64_t r = 4 * i, rows = std::min<int64_t>(4, N - r);
     const float* w = weight + r * K;
@@ -273,6 +285,7 @@ void slice::matvec(const float* x, const float* weight, int64_t K, int64_t N, co
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("packed_linear_available() -> bool");
+  m.def("panel_width() -> int");
   m.def("pack_linear_weight(Tensor weight, bool halves=False) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, "
         "bool halves=False) -> Tensor");
@@ -287,4 +300,5 @@ TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
 
 TORCH_LIBRARY_IMPL(minivllm, CompositeExplicitAutograd, m) {
   m.impl("packed_linear_available", &minivllm::packed_linear_available);
+  m.impl("panel_width", &minivllm::panel_width);
 }

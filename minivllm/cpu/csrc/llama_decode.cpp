@@ -198,7 +198,8 @@ struct Linear {
   }
 
   // This thread's part of y [rows, out] = x [rows, in] W^T + b: output
-  // columns (groups of 4 for one row, panels of 32 for more), split by `work`.
+  // columns (groups of 4 for one row, panels of slice::panel_width for more),
+  // split by `work`.
   // With silu (halves, more than one row): y [rows, out / 2] = silu(gate) * up.
   void run(const float* x, int64_t rows, float* y, SharedWork& work, int64_t job, int t,
            bool silu = false) const {

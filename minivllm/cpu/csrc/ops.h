@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include "cpu_types.h"
+
 namespace minivllm {
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
@@ -20,6 +22,7 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale);
 bool packed_linear_available();
+int64_t panel_width();  // slice::panel_width, for the Python side
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
                          c10::optional<at::Tensor> bias, bool halves);
 at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
@@ -57,10 +60,15 @@ void silu_and_mul(const float* x, float* out, int64_t rows, int64_t d, int64_t b
 constexpr int64_t matvec_group_size = 4;
 void matvec(const float* x, const float* weight, int64_t K, int64_t N, const float* bias,
             float* y, int64_t begin, int64_t end);
-// Panels [begin, end) (32 output columns each) of y [M, N] = x W^T + bias, W packed
-// by pack_linear_weight: kColumns without halves; with them kHalves (y as
-// usual) or kHalvesSiluAndMul (y [M, N / 2] = silu(first half) * second half).
-constexpr int64_t panel_width = 32;
+// Panels [begin, end) (panel_width output columns each: two vectors, 32 with
+// AVX-512, 16 with AVX2) of y [M, N] = x W^T + bias, W packed by
+// pack_linear_weight: kColumns without halves; with them kHalves (y as usual)
+// or kHalvesSiluAndMul (y [M, N / 2] = silu(first half) * second half).
+#ifdef MINIVLLM_VEC
+constexpr int64_t panel_width = 2 * vec::kLanes;
+#else
+constexpr int64_t panel_width = 32;  // (no panel GEMM in this build)
+#endif
 enum class PanelLayout { kColumns, kHalves, kHalvesSiluAndMul };
 void packed_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
                    const float* bias, float* y, int64_t begin, int64_t end,

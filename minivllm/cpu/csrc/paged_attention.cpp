@@ -14,7 +14,6 @@
 // Everything accumulates in float32, whatever the cache dtype.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +27,11 @@
 
 namespace minivllm {
 namespace {
+
+#ifdef MINIVLLM_VEC
+using vec::vf;
+constexpr int64_t L = vec::kLanes;
+#endif
 
 // Row r of a cache block as float32: the row itself for float32 caches,
 // else converted into `buf`.
@@ -43,14 +47,13 @@ inline const float* as_float(const T* row, float* buf, int64_t d) {
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {
-#ifdef __AVX512F__
-  // The compiler's own reduction ends in a chain of 15 scalar adds; on a
+#ifdef MINIVLLM_VEC
+  // The compiler's own reduction ends in a chain of scalar adds; on a
   // 64-wide head that chain, not the multiplies, would set the pace.
-  if (d % 16 == 0) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-    for (int64_t i = 16; i < d; i += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+  if (d % L == 0) {
+    vf acc = vec::mul(vec::load(a), vec::load(b));
+    for (int64_t i = L; i < d; i += L) acc = vec::fmadd(vec::load(a + i), vec::load(b + i), acc);
+    return vec::reduce_add(acc);
   }
 #endif
   float s = 0.f;
@@ -68,24 +71,22 @@ inline void axpy(float p, const float* x, float* y, int64_t d) {
 // their probabilities under the new running maximum m, l the new running
 // sum; returns the factor the head's accumulator must be rescaled by.
 inline float softmax_block(float* s, int64_t n, float& m, float& l) {
-#ifdef __AVX512F__
-  // 16 scores a vector: the scalar loops' max and sum were chains of
-  // dependent instructions, a sizeable part of the kernel at short contexts.
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_maskz_loadu_ps(k, s + t));
+#ifdef MINIVLLM_VEC
+  // A vector of scores at a time: the scalar loops' max and sum were chains
+  // of dependent instructions, a sizeable part of the kernel at short contexts.
+  const vf lowest = vec::set1(-std::numeric_limits<float>::infinity());
+  vf vmax = lowest;
+  for (int64_t t = 0; t < n; t += L) vmax = vec::max(vmax, vec::load(s + t, vec::first(n - t), lowest));
+  const float new_max = std::max(m, vec::reduce_max(vmax));
+  vf vsum = vec::zero();
+  for (int64_t t = 0; t < n; t += L) {
+    const vec::mask k = vec::first(n - t);
+    const vf p = vec::exp_nonpositive(vec::sub(vec::load(s + t, k, vec::zero()),
+                                               vec::set1(new_max)));
+    vec::store(s + t, p, k);
+    vsum = vec::add(vsum, vec::keep(k, p));
   }
-  const float new_max = std::max(m, _mm512_reduce_max_ps(vmax));
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t),
-                                                   _mm512_set1_ps(new_max)));
-    _mm512_mask_storeu_ps(s + t, k, p);
-    vsum = _mm512_mask_add_ps(vsum, k, vsum, p);
-  }
-  const float sum = _mm512_reduce_add_ps(vsum);
+  const float sum = vec::reduce_add(vsum);
 #else
   float block_max = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
@@ -178,11 +179,12 @@ inline void for_each_span(const Item<T>& it, Fn&& fn) {
   }
 }
 
+#ifdef MINIVLLM_VEC
+// r[t] = the sum of v[t]'s lanes, for t = 0 .. L - 1: a transpose folded into
+// the additions, where one horizontal sum at a time takes a chain of
+// dependent instructions each.
 #ifdef __AVX512F__
-// r[t] = the sum of v[t]'s 16 lanes, for t = 0..15: a 16 x 16 transpose
-// folded into the additions, 30 shuffles and 15 additions for 16 sums where
-// one horizontal sum at a time takes about 8 dependent instructions each.
-inline __m512 sum_lanes_16(const __m512* v) {
+inline vf sum_lanes(const vf* v) {  // 16 x 16: 30 shuffles and 15 additions
   __m512 a[8], b[4];
   for (int i = 0; i < 8; ++i)  // within each 128-bit lane, pairs of vectors
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -197,62 +199,90 @@ inline __m512 sum_lanes_16(const __m512* v) {
   };
   return fold(fold(b[0], b[1]), fold(b[2], b[3]));
 }
+#else
+inline vf sum_lanes(const vf* v) {  // 8 x 8: pairwise adds within 128-bit halves, then across
+  auto pairs = [](__m256 x, __m256 y) { return _mm256_hadd_ps(x, y); };
+  // Half h of q0: the sums of v[0..3]'s lanes 4h .. 4h + 3; of q1, v[4..7]'s.
+  const __m256 q0 = pairs(pairs(v[0], v[1]), pairs(v[2], v[3]));
+  const __m256 q1 = pairs(pairs(v[4], v[5]), pairs(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+#endif
 
-// kD a multiple of 16 and exactly kG query heads, both known at compile
-// time, so the kG * kD / 16 accumulators (at most 16 vectors: half the
-// AVX-512 register file) stay in registers for the whole item. Scores are
-// finished 16 tokens at a time by sum_lanes_16.
+// Accumulator vectors the value pass keeps in registers: half the AVX-512
+// register file, or 12 of AVX2's 16 (the rest hold the broadcast scores).
+constexpr int kAccumulators = vec::kRegisters == 32 ? 16 : 12;
+
+// Vectors of each head's accumulator the value pass takes at a time: all V
+// when the g heads' accumulators fit in kAccumulators, else the largest
+// divisor of V that fits (the pass then goes over the span's values once per
+// block of columns, each time reading other cache lines of the rows).
+constexpr int value_block(int g, int v) {
+  int b = v;
+  while (b > 1 && (v % b != 0 || g * b > kAccumulators)) --b;
+  return b;
+}
+
+// kD a multiple of L and exactly kG query heads, both known at compile time,
+// so the accumulators stay in registers through each span (all of them on
+// AVX-512: heads_per_chunk keeps kG * kD / 16 <= 16; a block of columns at a
+// time on AVX2). Scores are finished L tokens at a time by sum_lanes.
 template <typename T, int kD, int kG>
 void attend_in_registers(const Item<T>& it, T* out) {
-  constexpr int V = kD / 16;
-  __m512 acc[kG][V];
+  constexpr int V = kD / L, B = value_block(kG, V);
+  alignas(64) float acc[kG][kD];
   float m[kG], l[kG];
   alignas(64) float scores[kG][kSpan], buf[kD];
   for (int h = 0; h < kG; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.f;
-    for (int i = 0; i < V; ++i) acc[h][i] = _mm512_setzero_ps();
+    for (int i = 0; i < kD; ++i) acc[h][i] = 0.f;
   }
   for_each_span(it, [&](const Span<T>& span) {
     const int64_t n = span.n;
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      __m512 part[kG][16];
-      for (int64_t t = 0; t < 16; ++t) {
+    for (int64_t t0 = 0; t0 < n; t0 += L) {
+      vf part[kG][L];
+      for (int64_t t = 0; t < L; ++t) {
         if (t0 + t >= n) {  // past the span: scores that are never read
-          for (int h = 0; h < kG; ++h) part[h][t] = _mm512_setzero_ps();
+          for (int h = 0; h < kG; ++h) part[h][t] = vec::zero();
           continue;
         }
         span.before_key(t0 + t);
         const float* k = as_float(it.k_cache + span.off[t0 + t], buf, kD);
         for (int h = 0; h < kG; ++h) {
           const float* q = it.q + h * kD;
-          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-          for (int i = 1; i < V; ++i)
-            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), _mm512_loadu_ps(k + 16 * i), s);
+          vf s = vec::mul(vec::load(q), vec::load(k));
+          for (int i = 1; i < V; ++i) s = vec::fmadd(vec::load(q + L * i), vec::load(k + L * i), s);
           part[h][t] = s;
         }
       }
-      for (int h = 0; h < kG; ++h) _mm512_store_ps(scores[h] + t0, sum_lanes_16(part[h]));
+      for (int h = 0; h < kG; ++h) vec::store(scores[h] + t0, sum_lanes(part[h]));
     }
     for (int h = 0; h < kG; ++h) {
-      const __m512 c = _mm512_set1_ps(softmax_block(scores[h], n, m[h], l[h]));
-      for (int i = 0; i < V; ++i) acc[h][i] = _mm512_mul_ps(acc[h][i], c);
+      const vf c = vec::set1(softmax_block(scores[h], n, m[h], l[h]));
+      for (int i = 0; i < V; ++i) vec::store(acc[h] + L * i, vec::mul(vec::load(acc[h] + L * i), c));
     }
-    for (int64_t t = 0; t < n; ++t) {
-      span.before_value(t);
-      const float* v = as_float(it.v_cache + span.off[t], buf, kD);
-      for (int i = 0; i < V; ++i) {
-        const __m512 x = _mm512_loadu_ps(v + 16 * i);
-        for (int h = 0; h < kG; ++h)
-          acc[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h][t]), x, acc[h][i]);
+    for (int i0 = 0; i0 < V; i0 += B) {
+      vf a[kG][B];
+      for (int h = 0; h < kG; ++h)
+        for (int i = 0; i < B; ++i) a[h][i] = vec::load(acc[h] + L * (i0 + i));
+      for (int64_t t = 0; t < n; ++t) {
+        if (i0 == 0) span.before_value(t);
+        const float* v = as_float(it.v_cache + span.off[t] + L * i0, buf, L * B);
+#pragma GCC unroll 16
+        for (int i = 0; i < B; ++i) {
+          const vf x = vec::load(v + L * i);
+#pragma GCC unroll 8
+          for (int h = 0; h < kG; ++h) a[h][i] = vec::fmadd(vec::set1(scores[h][t]), x, a[h][i]);
+        }
       }
+      for (int h = 0; h < kG; ++h)
+        for (int i = 0; i < B; ++i) vec::store(acc[h] + L * (i0 + i), a[h][i]);
     }
   });
   for (int h = 0; h < kG; ++h) {
-    alignas(64) float o[kD];
-    for (int i = 0; i < V; ++i) _mm512_store_ps(o + 16 * i, acc[h][i]);
     const float inv = 1.f / l[h];
-    for (int i = 0; i < kD; ++i) out[h * kD + i] = from_float<T>(o[i] * inv);
+    for (int i = 0; i < kD; ++i) out[h * kD + i] = from_float<T>(acc[h][i] * inv);
   }
 }
 
@@ -299,10 +329,11 @@ template <typename T>
 constexpr bool kRegisterKernel = !std::is_same_v<T, double>;
 
 // Query heads the kernels take at once for head size d: as many as the
-// register kernel's accumulators fit in 16 vectors, else all.
+// register kernel's accumulators fit in 16 AVX-512 vectors (256 floats; AVX2
+// takes as many, a block of columns at a time), else all.
 template <typename T>
 int64_t heads_per_chunk(int64_t d) {
-#ifdef __AVX512F__
+#ifdef MINIVLLM_VEC
   if (kRegisterKernel<T> && (d == 32 || d == 64 || d == 128)) return 256 / d;
 #endif
   return std::numeric_limits<int64_t>::max();
@@ -310,7 +341,7 @@ int64_t heads_per_chunk(int64_t d) {
 
 template <typename T>
 void attend_chunk(const Item<T>& it, T* out) {
-#ifdef __AVX512F__
+#ifdef MINIVLLM_VEC
   if constexpr (kRegisterKernel<T>) {
     switch (it.d) {
       case 32: return attend_heads<T, 32, 8>(it, out);
