@@ -79,20 +79,27 @@ bench: setup
 VLLM_PYTHON  ?=
 LLAMA_PYTHON ?=
 REPEATS      ?= 5
+# ISA=avx2: every engine runs as on an AVX2-only CPU (minivllm.cpu.features'
+# AVX2_SIMULATION_ENV: our kernels, PyTorch, oneDNN and MKL capped), and the
+# files are figures/bench_*_avx2.*; the default, native, is this CPU as it is.
+ISA          ?= native
+SFX = $(if $(filter avx2,$(ISA)),_avx2)
+ISA_RUN = $(if $(filter avx2,$(ISA)),env $(shell $(PY) -m minivllm.cpu.features --env avx2))
 PEERS = --backend minivllm --backend hf $(if $(VLLM_PYTHON),--backend vllm --vllm-python $(VLLM_PYTHON))
-BENCH = $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
+BENCH = $(ISA_RUN) $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
+OUT = figures/bench_throughput
 bench-peers: setup
-	$(VENV)/bin/minivllm bench roofline --output figures/bench_roofline.json
+	$(ISA_RUN) $(VENV)/bin/minivllm bench roofline --output figures/bench_roofline$(SFX).json
 	$(BENCH) $(PEERS) $(if $(LLAMA_PYTHON),--backend llama.cpp --llama-python $(LLAMA_PYTHON)) \
-	  --num-prompts 1 --max-tokens 128 --output figures/bench_throughput_1x128.json
+	  --num-prompts 1 --max-tokens 128 --output $(OUT)_1x128$(SFX).json
 	$(BENCH) $(PEERS) --backend hf-cb --num-prompts 32 --max-tokens 128 \
-	  --output figures/bench_throughput_32x128.json --figure figures/bench_throughput_32x128.png
+	  --output $(OUT)_32x128$(SFX).json --figure $(OUT)_32x128$(SFX).png
 	$(BENCH) $(PEERS) --hf-batch-size 128 --num-prompts 128 --max-tokens 128 \
-	  --output figures/bench_throughput_128x128.json
+	  --output $(OUT)_128x128$(SFX).json
 	$(BENCH) $(PEERS) --dtype bfloat16 --num-prompts 32 --max-tokens 128 \
-	  --output figures/bench_throughput_32x128_bf16.json
-	$(PY) -m minivllm.benchmarks.report $(addprefix figures/bench_throughput_,1x128.json \
-	  32x128.json 128x128.json 32x128_bf16.json) | tee figures/bench_table.md
+	  --output $(OUT)_32x128_bf16$(SFX).json
+	$(PY) -m minivllm.benchmarks.report $(foreach w,1x128 32x128 128x128 32x128_bf16,$(OUT)_$(w)$(SFX).json) \
+	  | tee figures/bench_table$(SFX).md
 
 clean:
 	rm -rf $(VENV) book/*.ipynb .pytest_cache

@@ -678,9 +678,10 @@ assert predicted == actual
 #
 # ## What to try next
 #
-# - Run the chapter with `MINIVLLM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
-#   ONEDNN_MAX_CPU_ISA=AVX2` in the environment of `make book`: the kernels build for
-#   AVX2, the panels drop out, and the GEMM routing asserts take the other branch.
+# - Run the chapter as on an AVX2-only CPU: `env $(.venv/bin/python -m
+#   minivllm.cpu.features --env avx2) make book` (our kernels, PyTorch, oneDNN and MKL
+#   all stop at AVX2). The kernels build for ymm registers, the panels are 16 columns
+#   wide, and every ratio is that build's own.
 #   Compare the ratios printed above with this machine's own; there, `LLM(dtype=
 #   "bfloat16")` also says in the log that it computes in float32, and why.
 # - Set `MINIVLLM_FUSED_DECODE=0` or `MINIVLLM_CPU_PREPACK=0` before loading `LLM()`

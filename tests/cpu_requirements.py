@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.cpu.features import cpu_features
+from minivllm.cpu.features import AVX2_SIMULATION_ENV, cpu_features
 
 FEATURES = cpu_features()
 
-# A subprocess with these sees no AVX-512 anywhere: our kernels build for
-# x86-64-v3, PyTorch dispatches its AVX2 kernels, oneDNN stops at AVX2.
-AVX2_ENV = {"MINIVLLM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
-            "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# A subprocess with these sees no AVX-512 anywhere (kernels, PyTorch, oneDNN, MKL).
+AVX2_ENV = AVX2_SIMULATION_ENV
 
 
 def _kernels_problem():

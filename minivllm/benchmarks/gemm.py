@@ -11,9 +11,9 @@ decode step), three ways to compute ``x W^T``, timed in turn in one process
 - ours (``csrc/gemm.cpp``): ``matvec`` for one row, the panel GEMM for more.
 
 It prints each one's median time per call and the ratios; the header names the
-CPU and the ISA the kernels were built for (``MINIVLLM_CPU_ISA=avx2`` with
-``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` measures the AVX2 build and
-PyTorch's AVX2 paths on an AVX-512 machine).
+CPU and the ISA the kernels were built for. On an AVX-512 machine,
+``env $(python -m minivllm.cpu.features --env avx2) python -m minivllm.benchmarks.gemm``
+measures the AVX2 build against MKL's and PyTorch's AVX2 paths.
 """
 
 from __future__ import annotations

@@ -35,6 +35,15 @@ from typing import Optional
 ISA_ENV = "MINIVLLM_CPU_ISA"
 ISA_CHOICES = ("native", "avx2")
 
+# A process started with these runs as on an AVX2-only CPU (an AMD Zen 3, an
+# Intel client CPU) although this one has AVX-512: our kernels build for
+# x86-64-v3, and PyTorch's own kernels, oneDNN and MKL each stop at AVX2 (MKL
+# matters most: it computes F.linear's float32 products). The libraries read
+# them when they load, so they go into the environment of a new process:
+# ``env $(python -m minivllm.cpu.features --env avx2) CMD``.
+AVX2_SIMULATION_ENV = {ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                       "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
 # x86-64-v3: what an AVX2-only CPU has that matters to us.
 _AVX2_LEVEL = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "sse4_1", "sse4_2"})
 # Flags a cap to AVX2 hides (prefixes).
@@ -103,9 +112,13 @@ class CPUFeatures:
         extras = [name for name, on in (("AVX-512 BF16", self.avx512_bf16),
                                         ("AMX", self.amx_bf16)) if on]
         capped = f", capped by {ISA_ENV}={self.cap}" if self.cap != "native" else ""
+        libraries = [f"{name} {os.environ[var]}" for name, var in
+                     (("oneDNN", "ONEDNN_MAX_CPU_ISA"), ("MKL", "MKL_ENABLE_INSTRUCTIONS"))
+                     if os.environ.get(var)]
+        limits = f"; {', '.join(libraries)} at most" if libraries else ""
         return (f"{self.model} ({self.machine}; kernels ISA {self.isa}"
                 f"{' + ' + ', '.join(extras) if extras else ''}; torch {self.torch_capability}"
-                f"{capped})")
+                f"{capped}{limits})")
 
 
 def _cpuinfo() -> tuple[str, frozenset[str]]:
@@ -175,4 +188,23 @@ def cpu_features() -> CPUFeatures:
     return _features(read_isa_cap())
 
 
-__all__ = ["CPUFeatures", "cpu_features", "ISA_ENV", "ISA_CHOICES"]
+def main(argv: Optional[list[str]] = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m minivllm.cpu.features",
+                                     description="What this CPU reports, as minivllm reads it.")
+    parser.add_argument("--env", choices=ISA_CHOICES,
+                        help="print the environment (NAME=VALUE ...) that makes a new "
+                             "process run as on a CPU with this ISA, and nothing else")
+    args = parser.parse_args(argv)
+    if args.env is not None:
+        print(" ".join(f"{k}={v}" for k, v in AVX2_SIMULATION_ENV.items())
+              if args.env == "avx2" else f"{ISA_ENV}=native")
+    else:
+        print(cpu_features().describe())
+
+
+if __name__ == "__main__":
+    main()
+
+__all__ = ["CPUFeatures", "cpu_features", "ISA_ENV", "ISA_CHOICES", "AVX2_SIMULATION_ENV"]
