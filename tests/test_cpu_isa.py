@@ -2,7 +2,7 @@
 
 On an AVX-512 machine the AVX2-only CPU is simulated in a subprocess
 (``AVX2_ENV``): our kernels build for x86-64-v3, PyTorch dispatches its AVX2
-kernels and oneDNN stops at AVX2 — which makes oneDNN refuse to pack
+kernels, oneDNN and MKL stop at AVX2 — which makes oneDNN refuse to pack
 bfloat16 weights exactly as it does on such a CPU. On an AVX2 machine the
 same subprocess is simply that machine. Either way it reports which paths
 ran, and the tokens are compared with the reference path and the native build.
@@ -48,6 +48,22 @@ def test_off_x86_the_kernels_build_generic_and_bfloat16_is_not_packed():
     arm = F.CPUFeatures("aarch64", "test", frozenset({"asimd"}), "DEFAULT", "native")
     assert arm.isa == "generic" and arm.march == "native"
     assert "x86" in arm.bf16_prepack_problem()
+
+
+def test_the_printed_avx2_environment_makes_a_new_process_an_avx2_one():
+    """What `make bench-peers ISA=avx2` puts before every engine: a process started
+    with it sees AVX2 in our features, in PyTorch's dispatch and in oneDNN."""
+    printed = subprocess.run([sys.executable, "-m", "minivllm.cpu.features", "--env", "avx2"],
+                             capture_output=True, text=True, cwd=REPO, check=True).stdout
+    env = dict(pair.split("=", 1) for pair in printed.split())
+    assert env == F.AVX2_SIMULATION_ENV
+    probe = ("import torch; from minivllm.cpu.features import cpu_features, _onednn_bf16; "
+             "f = cpu_features(); print(f.isa, torch.backends.cpu.get_cpu_capability(), "
+             "_onednn_bf16(), f.describe())")
+    seen = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          cwd=REPO, check=True, env={**os.environ, **env}).stdout.split(" ", 3)
+    assert seen[:3] == ["avx2", "AVX2", "False"]
+    assert "oneDNN AVX2, MKL AVX2 at most" in seen[3]
 
 
 def test_a_bad_isa_cap_names_the_variable_and_the_choices(monkeypatch):
