@@ -13,6 +13,18 @@ targets (15 % on TTFT and TPOT, 10 % on throughput); the table, the settings
 and the fitted hardware go to ``--output`` (figures/sim_validation.json). A
 benchmark, not a test: its numbers depend on the machine and on what else
 runs on it, so run it on a quiet one.
+
+Assumptions, all fitted on runs other than the validated ones:
+- the offline fit (``simulate calibrate``) prices the model work of a step;
+- a served step costs a fixed time and a time per scheduled sequence besides
+  it (fitted to one-at-a-time and all-at-once runs' median TPOT, replacing the
+  offline fit's overheads), a request a fixed serving latency (HTTP, IPC,
+  streaming: the one-at-a-time TTFT less the simulated one), and an engine
+  idle for t seconds a wake-up of w (1 - exp(-t / tau)) (two probes of
+  requests sent after 0.5 s and 2.5 s of idleness);
+- each rate gets its own prompts (seed, seed + 1, ...), since the server keeps
+  its prefix cache between rates; the duration is ``bench serve``'s, from the
+  benchmark's start to the last response, in both.
 """
 
 from __future__ import annotations
@@ -288,12 +300,16 @@ def run(args: argparse.Namespace) -> dict:
         measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99), 100.0, 0)
         if args.serve_calibration:
             hw = serve_calibration(server.url, hw, model_path, engine_kwargs, vocab, args)
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
+            # Each rate its own prompts: the server keeps its prefix cache from one
+            # rate to the next, so the same prompts would be cache hits there and
+            # full prefills in the simulator (which starts each run empty).
+            seed = args.seed + i
             work = random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
-                                   0.25, rate, 1.0, args.seed, 0, frozenset(range(3)))
-            times = arrival_times(args.num_prompts, rate, 1.0, args.seed)
+                                   0.25, rate, 1.0, seed, 0, frozenset(range(3)))
+            times = arrival_times(args.num_prompts, rate, 1.0, seed)
             assert [w.arrival_time for w in work] == times  # bench serve sends at these
-            measured = measure(server.url, work, rate, args.seed)
+            measured = measure(server.url, work, rate, seed)
             simulated = simulate(hw, model_path, work, engine_kwargs)
             by_rate[f"{rate:g}"] = rows(measured, simulated)
             print(f"request rate {rate:g}/s: measured median TTFT "
