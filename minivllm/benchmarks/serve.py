@@ -254,6 +254,14 @@ def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0)
     return out
 
 
+def benchmark_duration(start: float, results: list[RequestResult]) -> float:
+    """The benchmark's duration as ``vllm bench serve`` defines it: from its start
+    (when the clock starts, before the first request's gap) to the end of the last
+    response. ``bench serve`` and ``simulate`` both call this, a measured run on
+    ``time.perf_counter()`` seconds and a simulated one on virtual seconds from 0."""
+    return max((r.end for r in results), default=start) - start
+
+
 def check_local(base_url: str) -> str:
     """The URL without a trailing slash, if it points at this machine."""
     parsed = urlparse(base_url)
@@ -419,7 +427,9 @@ async def benchmark(base_url: str, payloads: list[dict], chat: bool, request_rat
     import httpx
 
     url = base_url + ("/v1/chat/completions" if chat else "/v1/completions")
-    delays = request_delays(len(payloads), request_rate, burstiness, seed)
+    # Sent at these offsets from the start, as vLLM sends them: each sleep is to
+    # the request's own time, so late wake-ups do not add up over the run.
+    times = arrival_times(len(payloads), request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency or len(payloads))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(payloads))
@@ -431,20 +441,24 @@ async def benchmark(base_url: str, payloads: list[dict], chat: bool, request_rat
 
         start = time.perf_counter()
         tasks = []
-        for payload, delay in zip(payloads, delays):
-            await asyncio.sleep(delay)
+        for payload, t in zip(payloads, times):
+            wait = start + t - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(one(payload)))
         done, pending = await asyncio.wait(tasks, timeout=max_duration)
         for task in pending:  # over the time bound: cancelled, counted as failed
             task.cancel()
+        given_up = time.perf_counter()
         results = []
         for task in tasks:
             if task in done and not task.cancelled() and task.exception() is None:
                 results.append(task.result())
             else:
-                results.append(RequestResult(success=False, error="cancelled: over "
+                results.append(RequestResult(success=False, start=given_up, end=given_up,
+                                             error="cancelled: over "
                                              f"--max-duration={max_duration:.0f} s"))
-        return results, time.perf_counter() - start
+        return results, benchmark_duration(start, results)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -536,7 +550,8 @@ def print_metrics(m: ServeMetrics) -> None:
 
 
 __all__ = ["RequestResult", "ServeMetrics", "benchmark", "compute_metrics", "check_local",
-           "poisson_delays", "request_delays", "arrival_times", "parse_goodput",
+           "poisson_delays", "request_delays", "arrival_times", "benchmark_duration",
+           "parse_goodput",
            "add_workload_args", "max_concurrency_seen",
            "parse_priority_classes", "draw_priorities", "metrics_by_priority", "send_request",
            "run", "add_cli_args"]

@@ -13,6 +13,7 @@ untuned efficiencies: calibrate it before trusting its numbers.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -38,6 +39,15 @@ class Hardware:
     per_seq_overhead_s: float = 5e-6
     per_token_overhead_s: float = 0.0
     collective_latency_s: float = 10e-6  # each all-reduce, whatever its size
+    # A served request's own cost beyond the engine's steps (HTTP, handing it to
+    # the engine core, streaming its tokens back): the simulator lets the engine
+    # see it this long after it is sent. 0 for the presets (the engine alone).
+    serving_latency_s: float = 0.0
+    # A served engine that has been idle for t seconds starts its next step
+    # idle_wake_s x (1 - exp(-t / idle_wake_tau_s)) late (caches and threads gone
+    # cold while it waited); 0 for the presets.
+    idle_wake_s: float = 0.0
+    idle_wake_tau_s: float = 1.0
     dtype: str = "bfloat16"  # what the presets' peaks are quoted for
     device: str = "cuda"  # "cpu": the KV cache gets the CPU engine's default budget
     source: str = ""
@@ -68,6 +78,12 @@ class Hardware:
             raise ValueError(f"hardware file has unknown field(s) {unknown}; "
                              f"known: {', '.join(sorted(known))}")
         return Hardware(**d)
+
+    def wake_cost(self, idle_s: float) -> float:
+        """How late the first step after ``idle_s`` idle seconds starts."""
+        if self.idle_wake_s <= 0 or idle_s <= 0:
+            return 0.0
+        return self.idle_wake_s * -math.expm1(-idle_s / max(self.idle_wake_tau_s, 1e-9))
 
     def with_(self, **changes) -> "Hardware":
         return replace(self, **changes)

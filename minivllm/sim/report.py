@@ -3,7 +3,9 @@
 Each simulated request becomes a ``RequestResult`` whose send time is its
 arrival and whose chunks are its tokens (one per step that produced one, as
 a streaming server sends them), so ``compute_metrics`` computes TTFT, TPOT,
-ITL, E2EL, throughput and goodput exactly as for a measured run.
+ITL, E2EL, throughput and goodput exactly as for a measured run, over the
+same duration (``benchmark_duration``: from the benchmark's start, virtual
+time 0, to the last response).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Optional
 
-from minivllm.benchmarks.serve import RequestResult, ServeMetrics, compute_metrics
+from minivllm.benchmarks.serve import (RequestResult, ServeMetrics, benchmark_duration,
+                                       compute_metrics)
 from minivllm.sim.simulator import SimResult
 
 
@@ -23,16 +26,23 @@ def as_request_results(result: SimResult) -> list[RequestResult]:
             for r in result.requests]
 
 
+def duration_of(results: list[RequestResult]) -> float:
+    """``bench serve``'s duration (``benchmark_duration``), the benchmark starting at
+    virtual time 0: the workload's send times count from there."""
+    return max(benchmark_duration(0.0, results), 1e-12)
+
+
 def serve_metrics(result: SimResult, goodput: Optional[dict] = None) -> ServeMetrics:
-    return compute_metrics(as_request_results(result), max(result.duration, 1e-12), goodput)
+    results = as_request_results(result)
+    return compute_metrics(results, duration_of(results), goodput)
 
 
 def serve_metrics_by_priority(result: SimResult, goodput: Optional[dict] = None) -> dict:
     """``bench serve``'s ``metrics_by_priority``: the metrics of each priority's requests."""
     from minivllm.benchmarks.serve import metrics_by_priority
 
-    return metrics_by_priority(as_request_results(result), max(result.duration, 1e-12),
-                               goodput)
+    results = as_request_results(result)
+    return metrics_by_priority(results, duration_of(results), goodput)
 
 
 def engine_summary(result: SimResult) -> dict:
@@ -67,5 +77,5 @@ def to_json(result: SimResult, metrics: ServeMetrics, header: dict,
     return out
 
 
-__all__ = ["as_request_results", "serve_metrics", "serve_metrics_by_priority", "engine_summary",
-           "to_json"]
+__all__ = ["as_request_results", "duration_of", "serve_metrics", "serve_metrics_by_priority",
+           "engine_summary", "to_json"]

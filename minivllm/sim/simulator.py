@@ -6,7 +6,12 @@ virtual clock. The loop is event driven: the next event is either the next
 request being sent or the end of the step of the replica whose clock is
 furthest behind; a request is routed when it is sent and scheduled at its
 replica's next step, as in a real engine that takes new requests between
-steps. An idle replica's clock jumps to the next request it gets.
+steps. An idle replica's clock jumps to the next request it gets. With a
+``serving_latency_s`` (a served engine, as calibrated by ``simulate
+validate``) the engine sees each request that long after it is sent: the
+request's own serving cost, in its TTFT and E2E latency; with an
+``idle_wake_s`` an engine that was idle starts its next step later, the
+longer it was idle.
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ class RequestRecord:
 
     request_id: str
     replica: int
-    arrival: float
+    arrival: float  # when its client sent it (the engine sees it serving_latency_s later)
     first_scheduled: float
     first_token: float
     finished: float
@@ -142,7 +147,9 @@ class SimResult:
     # One row per step: replica, step, start, duration, tokens, sequences,
     # sampled, preempted, running, waiting, kv_usage.
     steps: list[dict]
-    duration: float  # virtual seconds from the first send to the last token
+    # Virtual seconds from the benchmark's start (t = 0, before the first
+    # request's gap) to the last token: ``bench serve``'s definition.
+    duration: float
     num_kv_blocks: int
     wall_seconds: float = 0.0  # real time the simulation took
     engine_seconds: float = 0.0  # of which: EngineCore.step minus pricing (scheduler etc.)
@@ -201,6 +208,11 @@ class _Run:
         self.live: dict[str, tuple[Request, int]] = {}
         self.done: list[RequestRecord] = []
         self.steps: list[dict] = []
+        # Sent, not yet seen by the engine (Hardware.serving_latency_s):
+        # (time the engine sees it, order, req, time it was sent).
+        self.ingress: list[tuple[float, int, SimRequest, float]] = []
+        self.latency = sim.hardware.serving_latency_s
+        self.sent_at: dict[str, float] = {}
         self.in_flight = 0
         self.slot_free_at = 0.0  # with a concurrency cap: when a slot last opened
         self.engine_seconds = 0.0
@@ -218,10 +230,14 @@ class _Run:
                 t_step = min((r.clock.now() for r in busy), default=math.inf)
                 t_send = (max(self.pending[0][0], self.slot_free_at)
                           if self.pending and self.in_flight < self.cap else math.inf)
-                if t_send == math.inf and t_step == math.inf:
+                t_in = self.ingress[0][0] if self.ingress else math.inf
+                if min(t_send, t_in, t_step) == math.inf:
                     break
-                if t_send <= t_step:
+                if t_send <= min(t_in, t_step):
                     self._send(heapq.heappop(self.pending)[2], t_send)
+                elif t_in <= t_step:
+                    t, _, spec, sent = heapq.heappop(self.ingress)
+                    self._deliver(spec, t, sent)
                 else:
                     self._step(min(busy, key=lambda r: (r.clock.now(), r.index)))
         finally:
@@ -231,17 +247,27 @@ class _Run:
             missing = sorted(set(self.by_id) - {d.request_id for d in self.done})
             raise ValueError(f"requests {missing[:5]} never ran: their 'after' names a "
                              "request that is not in the workload")
-        first = min((d.arrival for d in self.done), default=0.0)
         last = max((d.finished for d in self.done), default=0.0)
-        return SimResult(self.done, self.steps, last - first, self.sim.num_blocks,
+        return SimResult(self.done, self.steps, last, self.sim.num_blocks,
                          time.perf_counter() - t_wall, self.engine_seconds,
                          [r.core.trace for r in self.replicas if r.core.trace is not None])
 
     def _send(self, spec: SimRequest, now: float) -> None:
+        self.in_flight += 1
+        if self.latency > 0:
+            heapq.heappush(self.ingress, (now + self.latency, self.order, spec, now))
+            self.order += 1
+        else:
+            self._deliver(spec, now, now)
+
+    def _deliver(self, spec: SimRequest, now: float, sent: float) -> None:
+        """The engine gets the request (``sent``: when its client sent it)."""
+        self.sent_at[spec.request_id] = sent
         i = self.router.choose(self.replicas, spec.prompt_token_ids)
         replica = self.replicas[i]
-        if not replica.busy:
-            replica.clock.advance_to(now)
+        if not replica.busy:  # idle since its last step ended (or the start)
+            idle = now - replica.clock.now()
+            replica.clock.advance_to(now + self.sim.hardware.wake_cost(idle))
         ex = replica.executor
         if spec.output_token_ids is not None:
             ex.scripts[spec.request_id] = list(spec.output_token_ids)
@@ -252,7 +278,6 @@ class _Run:
                       self.sim.eos_token_ids, arrival_time=now, priority=spec.priority)
         replica.core.add_request(req)
         self.live[spec.request_id] = (req, i)
-        self.in_flight += 1
 
     def _step(self, replica: Replica) -> None:
         ex = replica.executor
@@ -284,7 +309,7 @@ class _Run:
         req, i = self.live.pop(rid)
         t = req.times
         self.done.append(RequestRecord(
-            rid, i, t.arrival, t.first_scheduled, t.first_token, t.finished,
+            rid, i, self.sent_at.pop(rid), t.first_scheduled, t.first_token, t.finished,
             t.token_times, req.num_prompt_tokens, req.num_output_tokens,
             max(req.num_cached_tokens, 0), req.num_preemptions, req.get_finish_reason(),
             req.priority))

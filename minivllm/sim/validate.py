@@ -13,6 +13,18 @@ targets (15 % on TTFT and TPOT, 10 % on throughput); the table, the settings
 and the fitted hardware go to ``--output`` (figures/sim_validation.json). A
 benchmark, not a test: its numbers depend on the machine and on what else
 runs on it, so run it on a quiet one.
+
+Assumptions, all fitted on runs other than the validated ones:
+- the offline fit (``simulate calibrate``) prices the model work of a step;
+- a served step costs a fixed time and a time per scheduled sequence besides
+  it (fitted to one-at-a-time and all-at-once runs' median TPOT, replacing the
+  offline fit's overheads), a request a fixed serving latency (HTTP, IPC,
+  streaming: the one-at-a-time TTFT less the simulated one), and an engine
+  idle for t seconds a wake-up of w (1 - exp(-t / tau)) (two probes of
+  requests sent after 0.5 s and 2.5 s of idleness);
+- each rate gets its own prompts (seed, seed + 1, ...), since the server keeps
+  its prefix cache between rates; the duration is ``bench serve``'s, from the
+  benchmark's start to the last response, in both.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -28,12 +41,12 @@ from minivllm.benchmarks.serve import arrival_times, benchmark, compute_metrics
 from minivllm.config import EngineArgs
 
 
-def measure(base_url: str, work, rate: float, seed: int):
+def measure(base_url: str, work, rate: float, seed: int, max_concurrency=None):
     payloads = [{"prompt": w.prompt_token_ids, "max_tokens": w.output_len,
                  "temperature": 0.0, "ignore_eos": True, "stream": True,
                  "stream_options": {"include_usage": True}} for w in work]
-    results, duration = asyncio.run(benchmark(base_url, payloads, False, rate, None, 1800,
-                                              600, seed))
+    results, duration = asyncio.run(benchmark(base_url, payloads, False, rate,
+                                              max_concurrency, 1800, 600, seed))
     failed = [r.error for r in results if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(results)} requests failed; first: "
@@ -41,30 +54,153 @@ def measure(base_url: str, work, rate: float, seed: int):
     return compute_metrics(results, duration)
 
 
-def simulate(hw, model_path, work, engine_kwargs):
+def simulate(hw, model_path, work, engine_kwargs, max_concurrency=None):
     from minivllm.sim.models import load_model_config
     from minivllm.sim.report import serve_metrics
     from minivllm.sim.simulator import Simulator
 
     sim = Simulator(load_model_config(model_path, "float32", "cpu"), hw,
                     EngineArgs(model=str(model_path), **engine_kwargs))
-    return serve_metrics(sim.run(work))
+    return serve_metrics(sim.run(work, max_concurrency))
+
+
+def serving_hardware(hw, step_s: float, seq_s: float, latency: float = 0.0):
+    """``hw`` with a served engine's per-step and per-sequence overheads (totals,
+    replacing the offline ones) and its per-request ``serving_latency_s``."""
+    return hw.with_(step_overhead_s=step_s, per_seq_overhead_s=seq_s,
+                    serving_latency_s=latency)
+
+
+def fit_serving(hw, runs, simulate_run) -> tuple[float, float]:
+    """A served engine's per-step and per-sequence overheads, from runs' median TPOT.
+
+    ``runs``: (workload, max_concurrency, measured median TPOT in ms);
+    ``simulate_run(hw, workload, max_concurrency)`` gives the simulated one. The
+    runs send everything at once or one request at a time, so their schedules do
+    not depend on the step times, and every step's time (hence the TPOT) is
+    linear in the two overheads: three simulations give the linear map, and a
+    least-squares solve with both overheads >= 0 gives them.
+    """
+    import numpy as np
+
+    target = np.array([m for _, _, m in runs]) / 1000
+
+    def tpots(step_s, seq_s):
+        h = serving_hardware(hw, step_s, seq_s)
+        return np.array([simulate_run(h, w, c) for w, c, _ in runs]) / 1000
+
+    base = tpots(0.0, 0.0)
+    jac = np.stack([(tpots(1e-3, 0.0) - base) / 1e-3, (tpots(0.0, 1e-3) - base) / 1e-3],
+                   axis=1)
+    want = target - base
+    x = np.linalg.lstsq(jac, want, rcond=None)[0]
+    if (x < 0).any():  # the best fit on one overhead alone, the other at 0
+        best = None
+        for i in range(2):
+            col = jac[:, i]
+            xi = max(float(col @ want / (col @ col)), 0.0)
+            err = float(np.sum((col * xi - want) ** 2))
+            if best is None or err < best[0]:
+                best = (err, i, xi)
+        x = np.zeros(2)
+        x[best[1]] = best[2]
+    return float(x[0]), float(x[1])
+
+
+def fit_wake(pauses: tuple[float, float], extra: tuple[float, float]) -> tuple[float, float]:
+    """(idle_wake_s, idle_wake_tau_s) with w (1 - exp(-t / tau)) = extra at both pauses.
+
+    ``extra``: seconds a request sent after each pause pays beyond one sent
+    back to back. The ratio of the two fixes tau (bisection on log tau);
+    ratios outside what the curve can give take its limits (a step, a line).
+    """
+    (t1, t2), (e1, e2) = pauses, extra
+    if e2 <= 0:
+        return 0.0, 1.0
+    r = min(max(e1, 0.0) / e2, 1.0)
+
+    def ratio(tau):
+        return math.expm1(-t1 / tau) / math.expm1(-t2 / tau)
+
+    # tau from a step (~1) to twice the longer pause: the probes say nothing of more.
+    lo, hi = math.log(t1 / 20), math.log(t2 * 2)
+    if r >= ratio(math.exp(lo)):
+        tau = math.exp(lo)
+    elif r <= ratio(math.exp(hi)):
+        tau = math.exp(hi)
+    else:
+        for _ in range(60):  # ratio falls as tau grows
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ratio(math.exp(mid)) > r else (lo, mid)
+        tau = math.exp((lo + hi) / 2)
+    return e2 / -math.expm1(-t2 / tau), tau
+
+
+# Idle pauses (s) of the wake-up probe: one like a busy rate's, one like a quiet one's.
+WAKE_PAUSES = (0.5, 2.5)
+
+
+def measure_after_pauses(base_url, work, pause: float) -> float:
+    """Median TTFT (ms) of requests each sent ``pause`` s after the last one finished."""
+    import statistics
+
+    ttfts = []
+    for w in work:
+        time.sleep(pause)
+        ttfts.append(measure(base_url, [w], float("inf"), 0).ttft_ms["median"])
+    return statistics.median(ttfts)
 
 
 def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
-    """Scale the offline fit by measured / simulated median TPOT of an all-at-once run."""
+    """Fit what serving adds to the offline fit, on two runs that are not validated.
+
+    One request at a time (batch-1 steps; its median TTFT less the simulated one
+    is the per-request serving latency) and all at once (big batches), each on
+    its own prompts. A served step costs ``a`` seconds and ``b`` per scheduled
+    sequence besides its model work (the engine core's loop around ``step()``: the pipe, and the API
+    process turning each sequence's token into a streamed chunk on the same
+    cores), fitted to both runs' median TPOT; they replace the offline fit's.
+    Then two probes of single requests, each sent after an idle pause (0.5 s,
+    2.5 s), against the back-to-back TTFT: the wake-up cost of an idle engine.
+    """
     from minivllm.sim.workload import random_requests
 
-    work = random_requests(args.num_prompts, args.input_len, args.output_len, vocab, 0.25,
-                           seed=args.seed + 1000, avoid_token_ids=frozenset(range(3)))
-    measured = measure(base_url, work, float("inf"), 0)
-    simulated = simulate(hw, model_path, work, engine_kwargs)
-    factor = measured.tpot_ms["median"] / simulated.tpot_ms["median"]
-    if not 0 < factor < float("inf"):
-        raise RuntimeError(f"the serving calibration measured a median TPOT of "
-                           f"{measured.tpot_ms['median']} ms: use --output-len >= 2")
-    print(f"serving calibration (all at once, other prompts): steps x {factor:.2f}")
-    return hw.slowed(factor).with_(source=hw.source + f"; serving factor {factor:.3f}")
+    def work(n, seed):
+        return random_requests(n, args.input_len, args.output_len, vocab, 0.25, seed=seed,
+                               avoid_token_ids=frozenset(range(3)))
+
+    one, alll = work(max(args.num_prompts // 2, 4), args.seed + 1000), \
+        work(args.num_prompts, args.seed + 2000)
+    m_one = measure(base_url, one, float("inf"), 0, max_concurrency=1)
+    m_all = measure(base_url, alll, float("inf"), 0)
+    for m in (m_one, m_all):
+        if not m.tpot_ms["median"] > 0:
+            raise RuntimeError("the serving calibration measured no TPOT: use --output-len >= 2")
+
+    def sim_tpot(h, w, c):
+        return simulate(h, model_path, w, engine_kwargs, c).tpot_ms["median"]
+
+    a, b = fit_serving(hw, [(one, 1, m_one.tpot_ms["median"]),
+                            (alll, None, m_all.tpot_ms["median"])], sim_tpot)
+    served = serving_hardware(hw, a, b)
+    latency = max((m_one.ttft_ms["median"]
+                   - simulate(served, model_path, one, engine_kwargs, 1).ttft_ms["median"])
+                  / 1000, 0.0)
+    served = serving_hardware(hw, a, b, latency)
+    # The wake-up cost: requests each sent after an idle pause, against back to back.
+    probes = [work(4, args.seed + 3000 + i) for i in range(2)]
+    after = [measure_after_pauses(base_url, w, p) for w, p in zip(probes, WAKE_PAUSES)]
+    wake, tau = fit_wake(WAKE_PAUSES, tuple((t - m_one.ttft_ms["median"]) / 1000
+                                            for t in after))
+    served = served.with_(idle_wake_s=wake, idle_wake_tau_s=tau)
+    what = (f"served: {a * 1e3:.2f} ms per step, {b * 1e3:.3f} ms per sequence, "
+            f"{latency * 1e3:.1f} ms per request (offline: {hw.step_overhead_s * 1e3:.2f}, "
+            f"{hw.per_seq_overhead_s * 1e3:.3f}, 0); after idle pauses of "
+            f"{WAKE_PAUSES[0]:g} / {WAKE_PAUSES[1]:g} s a TTFT of {after[0]:.1f} / "
+            f"{after[1]:.1f} ms (back to back {m_one.ttft_ms['median']:.1f}): wake-up "
+            f"{wake * 1e3:.1f} ms x (1 - exp(-idle / {tau:.2f} s))")
+    print(f"serving calibration (other prompts; one at a time and all at once): {what}")
+    return served.with_(source=hw.source + "; " + what)
 
 
 # What the issue asks of the simulator: relative error at most this, per metric.
@@ -115,8 +251,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="figures/sim_validation.json",
                    help="write the table, the settings and the hardware as JSON here")
     p.add_argument("--serve-calibration", action=argparse.BooleanOptionalAction, default=True,
-                   help="also fit one factor for serving (the server's processes share the "
-                   "cores) from a separate all-at-once run, not one of the rates")
+                   help="also fit what serving adds (per step, per sequence, per request) "
+                   "from two runs on other prompts, one request at a time and all at once")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -164,12 +300,16 @@ def run(args: argparse.Namespace) -> dict:
         measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99), 100.0, 0)
         if args.serve_calibration:
             hw = serve_calibration(server.url, hw, model_path, engine_kwargs, vocab, args)
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
+            # Each rate its own prompts: the server keeps its prefix cache from one
+            # rate to the next, so the same prompts would be cache hits there and
+            # full prefills in the simulator (which starts each run empty).
+            seed = args.seed + i
             work = random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
-                                   0.25, rate, 1.0, args.seed, 0, frozenset(range(3)))
-            times = arrival_times(args.num_prompts, rate, 1.0, args.seed)
+                                   0.25, rate, 1.0, seed, 0, frozenset(range(3)))
+            times = arrival_times(args.num_prompts, rate, 1.0, seed)
             assert [w.arrival_time for w in work] == times  # bench serve sends at these
-            measured = measure(server.url, work, rate, args.seed)
+            measured = measure(server.url, work, rate, seed)
             simulated = simulate(hw, model_path, work, engine_kwargs)
             by_rate[f"{rate:g}"] = rows(measured, simulated)
             print(f"request rate {rate:g}/s: measured median TTFT "

@@ -1,0 +1,132 @@
+"""The simulator against ``bench serve``'s definitions: one duration, the send
+schedule, and what a served engine adds (per request, per step, per sequence)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from minivllm.benchmarks import serve
+from minivllm.config import EngineArgs
+from minivllm.sim import Hardware, SimRequest, Simulator, load_model_config, random_requests
+from minivllm.sim.report import serve_metrics
+from minivllm.sim.simulator import RequestRecord, SimResult
+from minivllm.sim.validate import fit_serving, fit_wake, serving_hardware
+from tests.test_bench_serve import StreamingServer
+
+CPU = Hardware("x", 1e11, 1e10, 1e10, 1e10, dtype="float32", device="cpu")
+
+
+def smol_sim(hw=CPU):
+    return Simulator(load_model_config("smollm2-135m", "float32", "cpu"), hw,
+                     EngineArgs(max_num_batched_tokens=512))
+
+
+def as_sim_result(results, origin: float) -> SimResult:
+    """A measured run's requests as the simulator records them, in seconds from ``origin``."""
+    recs = [RequestRecord(str(i), 0, r.start - origin, r.start - origin,
+                          r.chunk_times[0] - origin, r.end - origin,
+                          [t - origin for t in r.chunk_times], r.prompt_tokens,
+                          r.output_tokens, 0, 0, "length")
+            for i, r in enumerate(results)]
+    return SimResult(recs, [], max(r.finished for r in recs), 1)
+
+
+def test_measured_and_simulated_runs_share_one_duration():
+    """bench serve's duration runs from its start, before the first request's gap, to the
+    last response; the simulator's (its metrics' code) is the same over the same times."""
+    work = random_requests(6, 8, 3, 1000, request_rate=15.0, seed=3)
+    times = serve.arrival_times(6, 15.0, 1.0, 3)
+    assert [w.arrival_time for w in work] == times and times[0] > 0.01
+    bodies = [{"model": "m", "prompt": w.prompt_token_ids, "max_tokens": w.output_len,
+               "stream": True, "stream_options": {"include_usage": True}} for w in work]
+    server = StreamingServer(first_delay=0.01, gap=0.005)
+    try:
+        before = time.perf_counter()
+        results, duration = asyncio.run(serve.benchmark(server.url, bodies, False, 15.0,
+                                                        None, 60, 30, seed=3))
+    finally:
+        server.close()
+    assert all(r.success for r in results)
+    # Never sent before its time on the schedule (the benchmark started after `before`).
+    assert all(r.start - before >= t for r, t in zip(results, times))
+    last = max(r.end for r in results)
+    # The benchmark started between `before` and the first send less its gap.
+    start_latest = results[0].start - times[0]
+    assert last - start_latest <= duration <= last - before
+    # The same requests seen by the simulator's report, with the benchmark's start as
+    # origin (the latest it can have been): the same duration and throughput.
+    sim = serve_metrics(as_sim_result(results, start_latest))
+    assert sim.duration == pytest.approx(last - start_latest)
+    assert sim.duration <= duration <= sim.duration + (start_latest - before)
+    measured = serve.compute_metrics(results, duration)
+    assert sim.total_output_tokens == measured.total_output_tokens
+    assert sim.output_throughput >= measured.output_throughput
+    # The first request's gap is in it: the duration is more than first send to last end.
+    assert sim.duration > last - min(r.start for r in results) + times[0] / 2
+
+
+def test_the_simulated_duration_starts_at_the_benchmarks_start():
+    work = random_requests(8, 64, 8, 49152, request_rate=4.0, seed=1)
+    res = smol_sim().run(work)
+    assert res.duration == max(r.finished for r in res.requests)
+    m = serve_metrics(res)
+    assert m.duration == pytest.approx(res.duration)
+    assert m.duration > work[-1].arrival_time  # the last send is after the first gap
+    assert m.output_throughput == pytest.approx(8 * 8 / res.duration)
+
+
+def test_serving_latency_delays_the_engine_not_the_stream():
+    """A lone request's TTFT grows by the latency; its tokens' gaps stay as they were."""
+    work = [SimRequest("a", list(range(5, 101)), 8, arrival_time=0.5)]
+    plain = smol_sim().run(work).requests[0]
+    late = smol_sim(CPU.with_(serving_latency_s=0.02)).run(work).requests[0]
+    assert late.arrival == plain.arrival == 0.5
+    assert late.ttft == pytest.approx(plain.ttft + 0.02)
+    assert np.diff(late.token_times) == pytest.approx(np.diff(plain.token_times))
+
+
+def test_serving_latency_keeps_the_concurrency_cap():
+    work = random_requests(12, 32, 4, 49152, seed=2)
+    res = smol_sim(CPU.with_(serving_latency_s=0.01)).run(work, max_concurrency=3)
+    assert serve_metrics(res).max_concurrent_requests == 3
+
+
+def test_fit_serving_recovers_the_overheads_that_made_the_tpots():
+    """Runs simulated with known per-step and per-sequence additions, fitted back."""
+    one = random_requests(4, 96, 16, 49152, 0.25, seed=11)
+    alll = random_requests(16, 96, 16, 49152, 0.25, seed=12)
+
+    def tpot(h, w, c):
+        return serve_metrics(smol_sim(h).run(w, c)).tpot_ms["median"]
+
+    truth = serving_hardware(CPU, 3e-3, 4e-4)
+    runs = [(one, 1, tpot(truth, one, 1)), (alll, None, tpot(truth, alll, None))]
+    a, b = fit_serving(CPU, runs, tpot)
+    assert a == pytest.approx(3e-3, rel=0.05)
+    assert b == pytest.approx(4e-4, rel=0.05)
+
+
+def test_fit_wake_recovers_the_curve_that_made_the_extras():
+    truth = CPU.with_(idle_wake_s=0.06, idle_wake_tau_s=1.3)
+    pauses = (0.5, 2.5)
+    w, tau = fit_wake(pauses, tuple(truth.wake_cost(p) for p in pauses))
+    assert w == pytest.approx(0.06, rel=1e-3) and tau == pytest.approx(1.3, rel=1e-3)
+    assert fit_wake(pauses, (0.01, -0.002)) == (0.0, 1.0)  # no wake-up cost measured
+
+
+def test_an_idle_engine_starts_late_by_its_wake_cost():
+    """Two lone requests: the second waits idle; its TTFT grows by the wake cost of
+    that idle time, the first's by that of the time since the start."""
+    work = [SimRequest("a", list(range(5, 69)), 4, arrival_time=0.2),
+            SimRequest("b", list(range(5, 69)), 4, arrival_time=3.0)]
+    plain = {r.request_id: r for r in smol_sim().run(work).requests}
+    hw = CPU.with_(idle_wake_s=0.05, idle_wake_tau_s=1.0)
+    woke = {r.request_id: r for r in smol_sim(hw).run(work).requests}
+    assert woke["a"].ttft == pytest.approx(plain["a"].ttft + hw.wake_cost(0.2))
+    idle_b = 3.0 - woke["a"].finished
+    assert woke["b"].ttft == pytest.approx(plain["b"].ttft + hw.wake_cost(idle_b))
+    assert hw.wake_cost(idle_b) > hw.wake_cost(0.2) > 0
