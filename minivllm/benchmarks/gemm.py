@@ -10,6 +10,11 @@ decode step), three ways to compute ``x W^T``, timed in turn in one process
 - MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` over a weight packed once);
 - ours (``csrc/gemm.cpp``): ``matvec`` for one row, the panel GEMM for more.
 
+Each product runs alone, its weight warm in the caches after the first call; in a
+decode step every weight streams from memory instead, which is where the panel
+kernel's prefetching pays. So these ratios explain a kernel, and end-to-end A/B
+runs (``bench throughput``) decide a route.
+
 It prints each one's median time per call and the ratios; the header names the
 CPU and the ISA the kernels were built for. On an AVX-512 machine,
 ``env $(python -m minivllm.cpu.features --env avx2) python -m minivllm.benchmarks.gemm``
