@@ -27,11 +27,19 @@
 # - the same request inside the engine, drawn as a timeline: tokenize, queue, prefill,
 #   every decode step, detokenize, with TTFT and the inter-token gaps marked.
 #
-# The chapter tells the story of the seed article "vLLM 推理原理（一）：从一条 HTTP
-# 请求，到第一个输出 token" in its order: where the engine sits, messages becoming
-# numbers, the request and its processes, prefill, decode, the forward pass, and the
-# latency numbers. Later chapters open each stage up; this one shows the whole path
-# once.
+# The book follows two articles (in Chinese), cited here once for all chapters:
+#
+# - **"vLLM 推理原理（一）：从一条 HTTP 请求，到第一个输出 token"** ("How vLLM infers, part 1:
+#   from one HTTP request to the first output token"): the request path, the API server /
+#   engine core / worker split, TTFT, ITL and throughput;
+# - **"本文介绍了如何使用 vLLM 框架高效处理大模型推理请求"** (untitled, cited by its first
+#   line: "how to serve LLM requests efficiently with vLLM"): vLLM's flow told through a
+#   course Q&A system, with its scheduler, prefix caching and finish reasons.
+#
+# This chapter tells the first article's story in its order: where the engine sits,
+# messages becoming numbers, the request and its processes, prefill, decode, the
+# forward pass, and the latency numbers. Later chapters open each stage up; this one
+# shows the whole path once.
 
 
 # %%
@@ -43,13 +51,12 @@ save_key_figure(path_map, "00_request_path")  # (for `make figures`; a no-op oth
 path_map
 
 # %%
-import os
 import time
 
 from openai import OpenAI
 
 from minivllm import LLM, SamplingParams
-from minivllm.entrypoints.launch import ServerProcess
+from minivllm.entrypoints.launch import ServerProcess, process_gone
 from minivllm.model.loader import DEFAULT_MODEL_NAME
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.timeline import Span, request_timeline, spans_from_steps
@@ -178,8 +185,7 @@ client_view
 stats = server.get_json("/stats")
 engine_pid = stats["engine_pid"]
 print(f"API server pid {server.pid}, engine core pid {engine_pid}")
-assert engine_pid != server.pid
-os.kill(engine_pid, 0)  # raises if there is no such process
+assert engine_pid != server.pid and not process_gone(engine_pid, timeout_s=0)
 
 # %% [markdown]
 # The server also keeps its own books, in Prometheus format at `/metrics`. Its clock
@@ -206,20 +212,42 @@ assert server.metric("generation_tokens_total") == usage.completion_tokens
 # both processes are gone.
 
 # %%
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-exit_code = server.stop()
-deadline = time.monotonic() + 30
-while process_exists(engine_pid) and time.monotonic() < deadline:
-    time.sleep(0.2)
+exit_code = server.stop()  # SIGTERM; the engine core exits with its API server
 print("server exit code", exit_code)
-assert exit_code is not None and not process_exists(engine_pid)
+assert exit_code is not None and process_gone(engine_pid)  # waits up to 30 s
+
+# %% [markdown]
+# ## The loop, in the engine's own code
+#
+# Before timing it, read it. In-process, `LLMEngine.add_request` does the API server's
+# part: chat template and tokenizer (`request_builder.tokenize`), the limits check, a
+# detokenizer state for the answer (`output_processor.add_request`), and then one
+# `Request` handed to the engine core, which puts it in the scheduler's waiting queue:
+
+# %%
+from minivllm.core.core import EngineCore
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.viz.source import show_source
+
+show_source(LLMEngine.add_request, start="text, token_ids =")
+
+# %% [markdown]
+# Every step is the three-line loop of the sketch above. `EngineCore.step` asks the
+# scheduler which requests compute how many tokens now (a `SchedulerOutput`), lets the
+# executor run one forward pass and sample, and hands the sampled tokens back to the
+# scheduler, which appends them to each request and finishes those that are done:
+
+# %%
+show_source(EngineCore.step, start="so = self.scheduler.schedule()",
+            end="self.speculator.propose")
+
+# %% [markdown]
+# `LLMEngine.step` wraps it: after the core's step, the output processor turns new token
+# IDs into text (detokenizing), checks stop strings, and returns one `RequestOutput` per
+# request that moved. The server runs the same two halves in its two processes.
+
+# %%
+show_source(LLMEngine.step, end="return outputs")
 
 # %% [markdown]
 # ## 5. Prefill: the whole prompt in one step
@@ -352,21 +380,75 @@ assert abs(decode_rate - 1 / m.tpot) < 1e-6 * decode_rate  # TPOT is its inverse
 #   step, and the client sees it plus the HTTP round trip.
 # - The chapters that follow open each stage of the map at the top of this chapter.
 #
-# ## Exercise
+# ## Exercises
 #
+# Each exercise has a solution cell (collapsed: write your own answer there first) and a
+# check cell that tests the answer against the engine.
+
+# %% [markdown]
+# ### Exercise 1.1 — count the steps
 # The server reported `usage.completion_tokens` output tokens. Without looking at the
-# trace: how many engine steps did the in-process replay take, how many of them were
-# decode steps, and how many inter-token gaps (`m.itl`) are there? Predict, then open
-# the solution.
+# trace: how many engine steps did the in-process replay take (`n_steps`), how many of
+# them were decode steps (`n_decode_steps`), and how many inter-token gaps are there
+# (`n_gaps`)? Write each as an expression of `usage.completion_tokens`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-n_tokens = usage.completion_tokens
+### BEGIN SOLUTION
 # One step per output token: the prefill step samples the first, each decode one more.
-assert len(records) == n_tokens
-assert sum(kind == "decode" for _, kind in scheduled) == n_tokens - 1
-assert len(m.itl) == n_tokens - 1  # one gap between each two consecutive tokens
-print(f"{n_tokens} tokens: {len(records)} steps, {n_tokens - 1} of them decodes, "
-      f"{len(m.itl)} gaps")
+n_steps = usage.completion_tokens
+n_decode_steps = usage.completion_tokens - 1
+n_gaps = usage.completion_tokens - 1  # one gap between each two consecutive tokens
+### END SOLUTION
+
+# %% tags=["check"]
+assert n_steps == len(records)
+assert n_decode_steps == sum(kind == "decode" for _, kind in scheduled)
+assert n_gaps == len(m.itl)
+
+# %% [markdown]
+# ### Exercise 1.2 — tokens computed
+# Over the whole replay, how many token positions did the model compute for this request
+# (`total_computed`, summed over all steps)? Express it with `len(prompt_ids)` and
+# `usage.completion_tokens`. Why is it not prompt plus completion?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Prefill computes every prompt position; each decode computes the token sampled before
+# it. The last sampled token is never fed back: the request ends when it is sampled.
+total_computed = len(prompt_ids) + usage.completion_tokens - 1
+### END SOLUTION
+
+# %% tags=["check"]
+assert total_computed == sum(n for n, _ in scheduled)
+
+# %% [markdown]
+# ### Exercise 1.3 — a smaller token budget
+# The scheduler gives each step a budget of `max_num_batched_tokens` tokens. The check
+# below lowers it on the running engine to `BUDGET = 16` and sends the same messages
+# with `max_tokens=1`, so the request ends with its first token. **Predict first:** how
+# many engine steps does it take until the first token (`steps_to_first_token`)? (Cutting
+# a prompt into budget-sized pieces is chunked prefill; chapter 7 explains it.)
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+BUDGET = 16
+### BEGIN SOLUTION
+# The prompt is computed BUDGET tokens per step; the last piece's step samples the token.
+steps_to_first_token = -(-len(prompt_ids) // BUDGET)  # ceiling division
+### END SOLUTION
+
+# %% tags=["check"]
+sched = engine.engine_core.scheduler
+saved_budget, sched.max_num_batched_tokens = sched.max_num_batched_tokens, BUDGET
+try:
+    engine.add_request(messages, SamplingParams(temperature=0, max_tokens=1))
+    steps_taken = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps_taken += 1
+finally:
+    sched.max_num_batched_tokens = saved_budget
+print(f"{len(prompt_ids)} prompt tokens, budget {BUDGET}: first token after {steps_taken} steps")
+assert steps_to_first_token == steps_taken
 
 # %% [markdown]
 # ## Things to try

@@ -100,6 +100,23 @@ assert no_system.startswith("<|im_start|>system\n") and default_system not in pr
 # template already placed them. Each box below is one token; special tokens are red.
 
 # %%
+from minivllm.inputs.processor import InputProcessor
+from minivllm.viz.source import show_source
+
+show_source(InputProcessor.tokenize, start="if isinstance(prompt, str)",
+            end="return text, self.tokenizer.encode")
+
+# %% [markdown]
+# Three forms of prompt reach it. A plain string is encoded with the tokenizer's own
+# special tokens; a list of messages is rendered by the chat template first and then
+# encoded *without* adding special tokens (the template placed them); a list of integers
+# is taken as token IDs as they are. The rendering is one call into the tokenizer's
+# Jinja template, after a check that every message has a role and a content:
+
+# %%
+show_source(InputProcessor.render_chat, start="return self.tokenizer.apply_chat_template")
+
+# %%
 text, prompt_ids = inputs.tokenize(messages)
 assert text == prompt_text
 pieces = split_tokens(tokenizer, prompt_text)
@@ -241,20 +258,72 @@ display(box, shown)
 #   ever sees. Tokens are not words or characters: a Chinese character can take
 #   several tokens, and a leading space changes the ID.
 #
-# ## Exercise
-#
-# `render_chat(messages, add_generation_prompt=False)` leaves out the assistant's
-# opening at the end. How many tokens does that opening cost, and which are they?
-# Predict from the rendered prompt above, then open the solution.
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 2.1 — the assistant's opening
+# The check below patches the engine's input processor so that its `render_chat` leaves
+# out the generation prompt (`add_generation_prompt=False`), and sends the same messages.
+# **Predict first:** how many prompt tokens fewer does the engine then receive
+# (`n_opening_tokens`), and what text do they spell (`opening_text`)? Read it off the
+# rendered prompt above.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-with_opening = tokenizer.encode(inputs.render_chat(messages), add_special_tokens=False)
-without = tokenizer.encode(inputs.render_chat(messages, add_generation_prompt=False),
-                           add_special_tokens=False)
-opening = with_opening[len(without):]
-print(len(opening), "tokens:", [tokenizer.decode([t]) for t in opening])
-assert with_opening[:len(without)] == without  # the opening is appended, nothing else moves
-assert tokenizer.decode(opening) == "<|im_start|>assistant\n"
+### BEGIN SOLUTION
+# The open assistant line: one special token, the word, and the newline.
+opening_text = "<|im_start|>assistant\n"
+n_opening_tokens = len(tokenizer.encode(opening_text, add_special_tokens=False))
+### END SOLUTION
+
+# %% tags=["check"]
+import functools
+
+inputs.render_chat = functools.partial(InputProcessor.render_chat, inputs,
+                                       add_generation_prompt=False)
+try:
+    shorter = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+finally:
+    del inputs.render_chat  # back to the class's method
+assert len(prompt_ids) - len(shorter.prompt_token_ids) == n_opening_tokens
+assert prompt_ids[:len(shorter.prompt_token_ids)] == shorter.prompt_token_ids
+assert tokenizer.decode(prompt_ids[-n_opening_tokens:]) == opening_text
+
+# %% [markdown]
+# ### Exercise 2.2 — count a plain prompt's tokens
+# Write `count_tokens(text)`: how many prompt tokens the engine receives for `text`
+# given as a plain string (not as chat messages). Use only `tokenizer`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+def count_tokens(text: str) -> int:
+    # a plain string is encoded with the tokenizer's own special tokens (if it adds any)
+    return len(tokenizer.encode(text, add_special_tokens=True))
+### END SOLUTION
+
+# %% tags=["check"]
+for probe in ["Hello", "Submit lab3.py by Friday.", chinese, "  two leading spaces"]:
+    seen = llm.generate(probe, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert count_tokens(probe) == len(seen.prompt_token_ids), probe
+
+# %% [markdown]
+# ### Exercise 2.3 — which language costs more?
+# "巴黎是法国的首都。" and "Paris is the capital of France." say the same thing. Predict
+# which of the two costs this tokenizer more tokens per character of text, and set
+# `more_per_char` to `"zh"` or `"en"`. Then say why in one sentence.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Chinese: 3 UTF-8 bytes per character, and a tokenizer trained mostly on English text
+# has few merges for them, so a character often takes more than one token.
+more_per_char = "zh"
+### END SOLUTION
+
+# %% tags=["check"]
+zh_text, en_text = "巴黎是法国的首都。", "Paris is the capital of France."
+per_char = {k: len(split_tokens(tokenizer, t)) / len(t)
+            for k, t in (("zh", zh_text), ("en", en_text))}
+print({k: round(v, 2) for k, v in per_char.items()})
+assert more_per_char == max(per_char, key=per_char.get)
 
 # %% [markdown]
 # ## Things to try
@@ -265,5 +334,5 @@ assert tokenizer.decode(opening) == "<|im_start|>assistant\n"
 # - Type an emoji: 4 UTF-8 bytes, how many tokens?
 # - Add an `assistant` message to `messages` (a previous answer) and re-render: where
 #   does the conversation history go, and how many tokens does it cost?
-# - Render with `inputs.render_chat(messages, add_generation_prompt=False)`: what is
-#   missing at the end, and what would the model do without it?
+# - Generate from the prompt without the opening (exercise 2.1): what does the model
+#   do without it?

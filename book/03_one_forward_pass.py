@@ -354,9 +354,18 @@ save_key_figure(fig, "03_one_forward_pass")
 fig
 
 # %% [markdown]
-# The diagonal just below the main one is the previous-token pattern; the dark first
-# column is the sink. Move the sliders to see the other heads: some spread out, some
-# pick out particular words.
+# The diagonal just below the main one is the previous-token pattern. This head is not
+# a sink head: it gives the first token only the share printed below, so its first
+# column stays light. The head that gives the first token the most is printed too; set
+# the sliders to it and its first column turns dark. Other heads spread out, or pick
+# out particular words.
+
+# %%
+sink_layer, sink_head = divmod(int(first_share.argmax()), nq)
+print(f"shown head: {first_share[prev_layer, prev_head]:.0%} of its attention on token 0; "
+      f"the strongest sink head: layer {sink_layer}, head {sink_head}, "
+      f"{first_share[sink_layer, sink_head]:.0%}")
+assert first_share[prev_layer, prev_head] < 0.5 < first_share[sink_layer, sink_head]
 
 # %%
 layer_slider = widgets.IntSlider(value=prev_layer, min=0, max=L - 1, description="layer")
@@ -463,20 +472,70 @@ assert mlp > total / 2 and counts["embedding = output head (tied)"] > attention 
 # - RMSNorm rescales each row to unit root mean square; RoPE rotates q and k by their
 #   positions so that a score depends only on the distance between two tokens.
 #
-# ## Exercise
-#
-# Grouped-query attention: how many query heads share one KV head in this model, and
-# how many numbers does one layer's KV cache store per token? Predict from the config
-# printed at the top, then open the solution, which checks against the K/V the engine's
-# layer-0 QKV projection produced.
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 3.1 — the width of the QKV projection
+# From the config numbers (`nq`, `nkv`, `D`) alone: how many query heads share one KV
+# head (`group`), and how many columns does layer 0's fused QKV projection output per
+# token (`qkv_width`)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
 group = nq // nkv
-kv_numbers = 2 * nkv * D  # one key and one value vector per KV head
-print(f"{group} query heads per KV head; {kv_numbers} K/V numbers per token per layer")
-assert seen["Q K V projection"] == [(T, (nq + 2 * nkv) * D)]  # q: nq heads, k and v: nkv
-assert kv_numbers == seen["Q K V projection"][0][1] - nq * D
-assert cfg.kv_bytes_per_token == kv_numbers * cfg.num_hidden_layers * cfg.dtype.itemsize
+qkv_width = (nq + 2 * nkv) * D  # q: nq heads; k and v: nkv heads each
+### END SOLUTION
+
+# %% tags=["check"]
+assert seen["Q K V projection"] == [(T, qkv_width)]
+assert model.model.layers[0].self_attn.qkv_proj.weight.shape[0] == qkv_width
+assert group * nkv == nq and seen["RoPE (rotates q and k)"][0][1] == group * nkv
+
+# %% [markdown]
+# ### Exercise 3.2 — move every position by 100
+# The check below patches the engine's rotary embedding so that every token's position
+# is 100 more than it is (as if the prompt came after 100 other tokens that nobody can
+# see), and runs the same forward pass. **Predict first:** does the next-token
+# distribution change (`logits_change = True`) or not (`False`), and why?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# RoPE rotates q and k by their positions, so a score depends only on the difference of
+# two positions; adding 100 to all of them changes no difference. Nothing else in the
+# model reads positions, so the logits stay the same up to rounding.
+logits_change = False
+### END SOLUTION
+
+# %% tags=["check"]
+rotary = model.model.layers[0].self_attn.rotary_emb  # one instance, shared by all layers
+rotary.forward = lambda pos, q, k: RotaryEmbedding.forward(rotary, pos + 100, q, k)
+try:
+    with torch.inference_mode():
+        shifted = model.compute_logits(model(torch.tensor(ids), torch.arange(T),
+                                             AttentionMetadata.for_prefill([T])))
+finally:
+    del rotary.forward  # back to the class's method
+diff = (shifted[-1] - logits[-1]).abs().max().item()
+print(f"largest change of a last-row logit: {diff:.2e}")
+assert logits_change == (diff > 1e-2)
+
+# %% [markdown]
+# ### Exercise 3.3 — an untied output head
+# This model reuses its embedding table as the output head (`tie_word_embeddings`).
+# How many parameters would a separate output head add (`untied_extra`), and what share
+# of the current total is that (`untied_share`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+untied_extra = V * H  # one hidden-size row per vocabulary entry
+untied_share = untied_extra / total
+### END SOLUTION
+
+# %% tags=["check"]
+assert untied_extra == model.model.embed_tokens.weight.numel()
+assert untied_extra == counts["embedding = output head (tied)"]
+assert abs(untied_share - counts["embedding = output head (tied)"] / total) < 1e-12
+print(f"an untied head would add {untied_extra:,} parameters, {untied_share:.0%} more")
 
 # %% [markdown]
 # ## Things to try
@@ -485,5 +544,3 @@ assert cfg.kv_bytes_per_token == kv_numbers * cfg.num_hidden_layers * cfg.dtype.
 # - Find the head that attends most to the token *two* back (change `i - 1` to
 #   `i - 2` in `prev_share`).
 # - Run `hf` in `torch.bfloat16` and compare again: how large do the differences get?
-# - Recount the parameters for `tie_word_embeddings=False`: what would the untied
-#   head cost?

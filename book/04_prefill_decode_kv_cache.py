@@ -189,7 +189,10 @@ print(f"prompt keys in the cache = fresh keys, in all {len(fresh_k)} layers")
 # Each attention layer first writes the step's new keys and values into the cache, then
 # attends. The reference backend (`minivllm/model/attention/torch_attn.py`) writes with
 # one indexed assignment: the model runner has already turned every token's position
-# into a **slot**, `block_table[p // block_size] * block_size + p % block_size`:
+# into a **slot**, `block_table[p // block_size] * block_size + p % block_size`. (The
+# cache is cut into blocks of `block_size` slots, and a request's **block table** lists
+# the blocks it holds, in order; chapter 5 explains why and how they are handed out.
+# Here it is only the map from a position to its slot.)
 
 # %%
 from minivllm.model.attention.torch_attn import (TorchAttentionBackend, gather_kv,
@@ -479,13 +482,23 @@ assert activations < free_after_weights - budget_8b  # the headroom covers them
 # - The cache costs `2 x layers x KV heads x head dim x bytes` per token; its size is a
 #   memory budget divided by the cost of a block.
 #
-# ## Exercise: break the cache
-#
-# Change the engine: make the attention backend's `write_kv` do nothing, so no K/V ever
-# reaches the cache, and run the same greedy request again. *Before running it*, predict:
-# is the first output token still right? And the rest of the answer?
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 4.1 — break the cache
+# The check below changes the engine: the attention backend's `write_kv` does nothing,
+# so no K/V ever reaches the cache, and the same greedy request runs again.
+# **Predict first:** is the first output token still right (`first_token_right`)? And
+# the whole answer (`whole_answer_right`)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# The prefill attends over its own new K/V, passed in directly, not read from the cache:
+# its token survives. Every decode step reads the cache, finds zeros, and goes wrong.
+first_token_right, whole_answer_right = True, False
+### END SOLUTION
+
+# %% tags=["check"]
 backend = runner.attn_backend
 llm.engine_core.scheduler.reset_prefix_cache()  # no hits from earlier runs
 for k_layer, v_layer in runner.kv_caches:
@@ -499,9 +512,40 @@ finally:
     del backend.write_kv  # back to the class's method
     llm.engine_core.scheduler.reset_prefix_cache()  # forget the blocks of the broken run
 print("first token right:", broken[0] == answer[0], "| same answer:", broken == answer)
-# The prefill attends over its own new K/V, not the cache: its token survives. Every
-# decode step reads the cache, finds zeros, and goes wrong.
-assert broken[0] == answer[0] and broken != answer
+assert first_token_right == (broken[0] == answer[0])
+assert whole_answer_right == (broken == answer)
+
+# %% [markdown]
+# ### Exercise 4.2 — how many long prompts fit
+# With the default CPU budget `default_budget` and this model, how many 1,000-token
+# requests can hold their K/V at once (`fit_1k`)? A request takes whole blocks of
+# `block_size` tokens. Use `cfg.kv_bytes_per_token`, not the engine.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+blocks_per_request = -(-1000 // block_size)  # ceiling: a started block is taken whole
+fit_1k = default_budget // (blocks_per_request * block_size * cfg.kv_bytes_per_token)
+### END SOLUTION
+
+# %% tags=["check"]
+engine_blocks = engine_num_blocks(default_budget)  # the engine's own rule
+print(f"{engine_blocks:,} blocks -> {fit_1k} requests of 1,000 tokens")
+assert fit_1k == engine_blocks // -(-1000 // block_size)
+
+# %% [markdown]
+# ### Exercise 4.3 — half the bytes
+# Served in bfloat16 instead of `cfg.dtype`, by what factor does this model's KV cost
+# per token shrink (`shrink`)? Answer from the formula, without building a config.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# only the bytes per number change: 4 for float32, 2 for bfloat16
+shrink = torch.tensor([], dtype=cfg.dtype).element_size() / 2
+### END SOLUTION
+
+# %% tags=["check"]
+as_bf16 = dataclasses.replace(cfg, dtype=torch.bfloat16).kv_bytes_per_token
+assert cfg.kv_bytes_per_token == shrink * as_bf16
 
 # %% [markdown]
 # ## Things to try
@@ -512,4 +556,4 @@ assert broken[0] == answer[0] and broken != answer
 #   same sampler to compare.)
 # - Make `forward` compute in `torch.bfloat16` and compare the recomputed tokens with
 #   the engine's again.
-# - Work out how many 1,000-token requests fit in 40 GB of KV cache on the 8B model.
+# - Redo exercise 4.2 for 40 GB of KV cache on the 8B model.

@@ -59,18 +59,12 @@ model_config = llm.llm_engine.config.model
 # %% [markdown]
 # ## What one token costs
 #
-# For every token, each layer stores one key and one value vector per KV head. The
-# model's config says how many layers and heads there are; on the CPU it runs in
-# float32:
+# Chapter 4 derived it: every layer stores one key and one value vector per KV head, and
+# the model's config computes the product as `kv_bytes_per_token`.
 
 # %%
 kv_per_token = model_config.kv_bytes_per_token
-print(f"{model_config.num_hidden_layers} layers x 2 (K and V) x "
-      f"{model_config.num_key_value_heads} KV heads x {model_config.head_dim} dims x "
-      f"{model_config.dtype.itemsize} bytes = {kv_per_token} bytes "
-      f"= {kv_per_token / 1024:.1f} KiB per token")
-assert kv_per_token == (2 * model_config.num_hidden_layers * model_config.num_key_value_heads
-                        * model_config.head_dim * model_config.dtype.itemsize)
+print(f"{kv_per_token} bytes = {kv_per_token / 1024:.1f} KiB per token")
 
 # %% [markdown]
 # The engine allocates the whole cache once, at start-up: one K and one V tensor per
@@ -429,18 +423,25 @@ for o, sp in zip(outputs, params):
               f"{sp.max_tokens} tokens; {sp.max_tokens - n} reserved slots never used")
 
 # %% [markdown]
-# ## Exercise
-#
-# With blocks of 16 slots, a request has a 100-token prompt and stops after 30 answer
-# tokens. How many blocks does it hold at the end, and how many of their slots are
-# empty? (Remember that the last sampled token never enters the cache.) Predict, then
-# open the solution: it grows a request one token at a time through the engine's
-# `KVCacheManager` and compares.
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 5.1 — blocks at the end of a request
+# With blocks of `BS = 16` slots, a request has a `PROMPT = 100`-token prompt and stops
+# after `ANSWER = 30` answer tokens. How many blocks does it hold at the end
+# (`held_blocks`), and how many of their slots are empty (`empty_slots`)? (The last
+# sampled token never enters the cache.) The check grows such a request one token at a
+# time through the engine's `KVCacheManager`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 PROMPT, ANSWER, BS = 100, 30, 16
+### BEGIN SOLUTION
 in_cache = PROMPT + ANSWER - 1
-predicted = -(-in_cache // BS)  # ceil
+held_blocks = -(-in_cache // BS)  # ceiling division
+empty_slots = held_blocks * BS - in_cache
+### END SOLUTION
+
+# %% tags=["check"]
 manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=False)
 grow = request("grow", PROMPT)
 manager.allocate_slots(grow, PROMPT)  # the prefill
@@ -449,10 +450,52 @@ for _ in range(ANSWER - 1):  # each decode step: one sampled token goes into the
     grow.append_output_token(0)
     manager.allocate_slots(grow, 1)
     grow.num_computed_tokens += 1
-held_blocks = len(manager.get_block_ids("grow"))
-print(f"{in_cache} tokens in the cache: {held_blocks} blocks, "
-      f"{held_blocks * BS - in_cache} empty slots")
-assert held_blocks == predicted == 9 and held_blocks * BS - in_cache == 15
+engine_blocks = len(manager.get_block_ids("grow"))
+print(f"{grow.num_computed_tokens} tokens in the cache: {engine_blocks} blocks")
+assert held_blocks == engine_blocks
+assert empty_slots == engine_blocks * BS - grow.num_computed_tokens
+
+# %% [markdown]
+# ### Exercise 5.2 — smaller blocks, same memory
+# Configure the engine's cache manager with blocks of 2 slots instead of 4, keeping the
+# same 24 slots (`num_blocks=12, block_size=2`), and replay the start of the section
+# "Inside the engine": request a (6 tokens) and b (9 tokens) allocate their prompts.
+# **Predict first:** how many slots are still free (`free_slots_bs2`), and does c's
+# request for 20 slots now succeed (`c_fits_bs2`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# a takes ceil(6/2) = 3 blocks, b ceil(9/2) = 5: 8 of 12 blocks, 4 left = 8 slots.
+free_slots_bs2 = 24 - 2 * (-(-6 // 2)) - 2 * (-(-9 // 2))
+c_fits_bs2 = free_slots_bs2 >= 20
+### END SOLUTION
+
+# %% tags=["check"]
+kv2 = KVCacheManager(num_blocks=12, block_size=2, enable_caching=False)
+kv2.allocate_slots(request("a", 6), 6)
+kv2.allocate_slots(request("b", 9), 9)
+print(f"free after a and b: {kv2.num_free_blocks} blocks of 2")
+assert free_slots_bs2 == kv2.num_free_blocks * 2
+assert c_fits_bs2 == (kv2.allocate_slots(request("c", 20), 20) is not None)
+
+# %% [markdown]
+# ### Exercise 5.3 — the busiest step
+# In the mixed workload's replay (`states`), at its busiest step how many blocks were
+# held (`peak_blocks`), and how many slots of them held no K/V (`peak_waste_slots`)?
+# Use the block tables only.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+busiest = max(states, key=lambda st: sum(len(t) for t in st.block_tables.values()))
+peak_blocks = sum(len(t) for t in busiest.block_tables.values())
+peak_waste_slots = peak_blocks * BLOCK_SIZE - busiest.num_tokens
+### END SOLUTION
+
+# %% tags=["check"]
+assert peak_blocks == max(st.paged_slots for st in states) // BLOCK_SIZE
+top = [st for st in states if st.paged_slots == peak_blocks * BLOCK_SIZE]
+assert peak_waste_slots in {st.paged_slots - st.num_tokens for st in top}
+assert 0 <= peak_waste_slots < BLOCK_SIZE * max(len(st.block_tables) for st in top)
 
 
 # %% [markdown]

@@ -54,7 +54,6 @@ if not ON_GPU:
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 # %%
-import argparse
 import dataclasses
 import inspect
 import json
@@ -72,6 +71,7 @@ from IPython.display import display
 import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.benchmarks import attention as bench
+from minivllm.benchmarks.args import bench_args
 from minivllm.benchmarks.attention import make_paged_batch
 from minivllm.model.attention import triton_attn
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
@@ -88,15 +88,18 @@ reference = TorchAttentionBackend()  # the plain-PyTorch reference (torch_attn.p
 # %% [markdown]
 # ## The kernel
 #
-# Here is the whole attention kernel. The comments number its steps: 1. block-table
-# lookup, 2. load a K tile, 3. scores with the causal mask, 4. online softmax update,
-# 5. accumulate `P V`, 6. normalise. The rest of the chapter takes them one at a time.
+# The attention kernel is one Triton function, `paged_attention_kernel` in
+# `minivllm/model/attention/triton_attn.py`. Its comments number its steps; here are
+# they, read from the source as it runs. The rest of the chapter opens them one slice
+# at a time.
 
 # %%
 source = inspect.getsource(triton_attn.paged_attention_kernel.fn)
-print(source)
+numbered = [line.strip() for line in source.splitlines()
+            if line.strip()[:2] == "# " and line.strip()[2:3].isdigit()]
+print(f"{len(source.splitlines())} lines; its steps:", *numbered, sep="\n  ")
 for step in ("# 1. Block-table lookup", "# 4. Online softmax update", "# 6. Final"):
-    assert step in source
+    assert any(line.startswith(step) for line in numbered)
 
 # %% [markdown]
 # ## Programs and tiles
@@ -107,9 +110,9 @@ for step in ("# 1. Block-table lookup", "# 4. Online softmax update", "# 6. Fina
 # sequence, and all the query heads that read KV head `h`. It then walks the keys in
 # tiles of `KV_TILE` positions, up to the last key the tile's last query may see.
 #
-# Take one sequence like a chunked prefill from chapter 7: some tokens are already in
-# the cache (`context_len`), and a chunk of new tokens arrives. The model's head
-# layout is SmolLM2's: 9 query heads share 3 KV heads.
+# Take one sequence where some tokens are already in the cache (`context_len`) and a
+# chunk of new tokens arrives (chapter 7 explains why prompts arrive in chunks). The head layout is
+# SmolLM2's (the cell prints it): a group of query heads shares each KV head.
 
 # %%
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -119,6 +122,7 @@ batch = make_paged_batch([QUERY_LEN], [CONTEXT_LEN], num_heads=NUM_HEADS,
                          num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
                          device=DEVICE, seed=0)
 table = batch.meta.block_tables[0].tolist()
+print(f"{NUM_HEADS} query heads share {NUM_KV_HEADS} KV heads: groups of {GROUP}")
 print("block table (physical block of each logical block):", table)
 # The launcher packs PREFILL_ROWS rows (query token x query head of the group) per program.
 queries_per_tile = triton_attn.PREFILL_ROWS // GROUP
@@ -311,6 +315,53 @@ online_softmax_figure(steps, full_max, full_sum,
                             f"{triton_attn.KV_TILE} keys per tile")
 
 # %% [markdown]
+# ## Why the running max and sum are exact
+#
+# Split a row's scores $s_1 \dots s_n$ into tiles $T_1, T_2, \dots$ and write $m_k$ for
+# the maximum over the first $k$ tiles. The loop keeps
+#
+# $$\ell_k = \sum_{j \in T_1 \cup \dots \cup T_k} e^{s_j - m_k}, \qquad
+#   a_k = \sum_{j \in T_1 \cup \dots \cup T_k} e^{s_j - m_k}\, v_j .$$
+#
+# It holds before the first tile: empty sums, $m_0 = -\infty$, $\ell_0 = 0$, $a_0 = 0$.
+# If it holds after tile $k$, then, since $e^{s_j - m_{k+1}} = e^{m_k - m_{k+1}}
+# e^{s_j - m_k}$,
+#
+# $$\ell_{k+1} = e^{m_k - m_{k+1}}\, \ell_k + \sum_{j \in T_{k+1}} e^{s_j - m_{k+1}},$$
+#
+# and the same for $a_{k+1}$: exactly the kernel's `rescale` line and its two updates.
+# After the last tile $m$ is the row's maximum, so $a / \ell = \sum_j
+# \frac{e^{s_j}}{\sum_i e^{s_i}} v_j$, the softmax-weighted values. Every exponent is
+# $\le 0$ (nothing overflows), and the tiling never enters the result.
+#
+# Check both claims numerically: the invariant after every tile, for several tilings
+# of one random row, and the same final answer.
+
+# %%
+def check_running_invariant(s, v, tile):
+    m, l, a = -math.inf, 0.0, torch.zeros(v.shape[1], dtype=torch.float64)
+    for start in range(0, len(s), tile):
+        t = slice(start, start + tile)
+        new_m = max(m, s[t].max().item())
+        l = math.exp(m - new_m) * l + torch.exp(s[t] - new_m).sum().item()
+        a = math.exp(m - new_m) * a + torch.exp(s[t] - new_m) @ v[t]
+        m, seen = new_m, s[:start + tile]
+        assert m == seen.max().item()  # m_k: the max so far
+        assert math.isclose(l, torch.exp(seen - m).sum().item(), rel_tol=1e-12)  # l_k
+    return a / l
+
+
+# %%
+gen = torch.Generator().manual_seed(3)
+s_row = torch.randn(200, dtype=torch.float64, generator=gen) * 4
+v_row = torch.randn(200, 8, dtype=torch.float64, generator=gen)
+exact = torch.softmax(s_row, 0) @ v_row
+for tile in (1, 7, 64, 200):
+    torch.testing.assert_close(check_running_invariant(s_row, v_row, tile), exact,
+                               rtol=0, atol=1e-12)
+print("invariant held after every tile; tiles of 1, 7, 64, 200 keys: the same output")
+
+# %% [markdown]
 # ## Grouped-query attention
 #
 # SmolLM2 has fewer KV heads than query heads: each KV head serves a group of query
@@ -406,9 +457,8 @@ for r in gpu_results:
 # without paging) are real CPU numbers.
 
 # %%
-args = argparse.Namespace(device=DEVICE, dtype=None, num_heads=None, num_kv_heads=None,
-                          head_dim=None, block_size=BLOCK_SIZE, shapes="all", warmup=1,
-                          iters=1, output=None, gpu_check=False, quiet=False)
+args = bench_args(bench.add_cli_args, device=DEVICE, block_size=BLOCK_SIZE, warmup=1,
+                  iters=1)  # the command line's defaults, and these
 results = bench.run(args)
 for shape in results["shapes"]:
     assert set(shape["results"]) == {"triton", "torch", "sdpa"}, shape["name"]
@@ -416,20 +466,73 @@ assert results["triton_interpreted"] == (not ON_GPU)
 attention_bench_figure(results, "time_ms")
 
 # %% [markdown]
-# ## Exercise
-#
-# Run our `online_softmax` on the same row with **one key per tile**. On how many tiles
-# does the running maximum grow, so that `rescale < 1` shrinks what was summed before?
-# Predict it from the scores alone (no softmax needed), then open the solution.
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 6.1 — how often the maximum grows
+# Run `online_softmax` on the same row (`scores`, `values`) with **one key per tile**.
+# On how many tiles after the first does the running maximum grow, so that
+# `rescale < 1` shrinks what was summed before (`n_grew`)? Compute it from `scores`
+# alone, without running the softmax.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# A one-key tile grows the maximum exactly when its score beats every score before it.
+n_grew = sum(1 for i in range(1, len(scores)) if scores[i] > scores[:i].max())
+### END SOLUTION
+
+# %% tags=["check"]
 one_per_tile, _, one_out = online_softmax(scores, 1, values)
-grew = sum(1 for s in one_per_tile[1:] if s.rescale < 1)
-# A tile grows the maximum exactly when its key's score beats every score before it.
-records_broken = sum(1 for i in range(1, len(scores)) if scores[i] > scores[:i].max())
-print(f"{grew} of {len(scores) - 1} tiles after the first rescale the sum")
-assert grew == records_broken
+assert n_grew == sum(1 for st in one_per_tile[1:] if st.rescale < 1)
 torch.testing.assert_close(one_out, row_out, rtol=0, atol=1e-12)  # same answer, any tiling
+
+# %% [markdown]
+# ### Exercise 6.2 — halve the key tile
+# The check below changes the engine: it sets the kernel's `KV_TILE` (keys per loop
+# iteration, a launch constant) to half its value and runs the first launch again.
+# **Predict first:** how many key tiles does the first query tile now loop over
+# (`first_tile_iterations`), and does any output change by more than `1e-5`
+# (`output_moves`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+half_tile = triton_attn.KV_TILE // 2
+first_tile_iterations = -(-plan.tiles[0].keys_needed // half_tile)  # ceiling division
+output_moves = False  # the online softmax is exact for any tiling (derivation above)
+### END SOLUTION
+
+# %% tags=["check"]
+saved_tile = triton_attn.KV_TILE
+triton_attn.KV_TILE = saved_tile // 2
+try:
+    half_out = triton_backend.forward(batch.q, batch.k, batch.v, batch.k_cache,
+                                      batch.v_cache, batch.meta, scale)
+    half_plan = kernel_tile_plan(QUERY_LEN, CONTEXT_LEN, table, BLOCK_SIZE,
+                                 triton_attn.KV_TILE, queries_per_tile)
+finally:
+    triton_attn.KV_TILE = saved_tile
+moved = (half_out - out).abs().max().item()
+print(f"KV_TILE {saved_tile // 2}: max |change| {moved:.1e}")
+assert first_tile_iterations == len(half_plan.tiles[0].kv_tiles)
+assert output_moves == (moved > 1e-5)
+
+# %% [markdown]
+# ### Exercise 6.3 — one decode's programs
+# A decode step of one sequence has one new token and `CONTEXT_LEN` cached ones. With
+# this model's heads, how many programs does the kernel launch for it
+# (`decode_programs`), and how many key tiles does each loop over
+# (`decode_key_tiles`)? A decode packs one query token per program.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+decode_programs = 1 * 1 * NUM_KV_HEADS  # (sequences, query tiles, KV heads)
+decode_key_tiles = -(-(CONTEXT_LEN + 1) // triton_attn.KV_TILE)  # it sees all keys
+### END SOLUTION
+
+# %% tags=["check"]
+decode_plan = kernel_tile_plan(1, CONTEXT_LEN, table, BLOCK_SIZE, triton_attn.KV_TILE, 1)
+assert decode_programs == len(decode_plan.tiles) * NUM_KV_HEADS
+assert decode_key_tiles == len(decode_plan.tiles[0].kv_tiles)
 
 # %% [markdown]
 # ## Summary

@@ -41,7 +41,6 @@ request_path_figure(11)  # where this chapter is on the request path
 # %%
 import asyncio
 import os
-import socket
 import time
 from contextlib import aclosing
 
@@ -57,7 +56,7 @@ from minivllm import SamplingParams
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.detokenizer import REPLACEMENT_CHAR
-from minivllm.entrypoints.launch import ServerProcess
+from minivllm.entrypoints.launch import ServerProcess, port_is_free, process_gone
 from minivllm.model.loader import DEFAULT_MODEL_NAME
 from minivllm.sampling_params import RequestOutputKind
 from minivllm.viz.bars import line_chart
@@ -228,15 +227,8 @@ print(f"after the last step: {outs[-1].num_running} running, KV usage {outs[-1].
 # core process exits.
 
 # %%
-def wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while psutil.pid_exists(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not psutil.pid_exists(pid)
-
-
 engine.shutdown()
-assert wait_gone(core_pid)
+assert process_gone(core_pid)  # waits up to 30 s for the process to exit
 
 # %% [markdown]
 # ## Inside the engine core
@@ -465,12 +457,8 @@ fig
 # %%
 exit_code = server.stop()
 print("server exit code", exit_code)
-assert exit_code is not None and wait_gone(server_core)
-with socket.socket() as sock:
-    # SO_REUSEADDR: closed connections may linger in TIME_WAIT; a listener may not
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", server.port))
-    sock.listen()  # raises if anything still listens there
+assert exit_code is not None and process_gone(server_core)
+assert port_is_free(server.port)  # nothing listens there any more
 
 # %% [markdown]
 # ## Exercise

@@ -195,6 +195,23 @@ def test_token_boundaries_draws_one_box_per_token(default_tokenizer):
     assert max(d[3] for d in drawn) >= 1  # it wrapped
 
 
+def test_token_boundaries_colours_each_kind_in_its_own_hue(default_tokenizer):
+    import colorsys
+
+    def hue(color: str) -> float:
+        r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+        return colorsys.rgb_to_hsv(r, g, b)[0]
+
+    pieces = split_tokens(default_tokenizer, "<|im_start|>user\nThe weather 今天天气很好")
+    fig = token_boundaries(pieces)
+    hues = {t.name: {round(hue(c), 1) for c in t.marker.color} for t in fig.data}
+    assert set(hues) == {"token", "byte piece", "special token"}
+    # one hue per kind (shades may alternate), and no two kinds share one: the legend
+    # swatch and every box of a kind agree, and "orange" means byte pieces only
+    assert all(len(h) == 1 for h in hues.values())
+    assert len(set.union(*hues.values())) == 3
+
+
 def test_token_boundaries_rejects_nothing():
     with pytest.raises(ValueError, match="pieces is empty"):
         token_boundaries([])

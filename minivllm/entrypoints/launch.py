@@ -35,6 +35,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    """True once no process has id ``pid`` (polled for up to ``timeout_s`` seconds):
+    how a caller checks that a server's engine core did not outlive it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # exists, owned by someone else
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def port_is_free(port: int) -> bool:
+    """True if nothing listens on localhost ``port`` now (a stopped server released it)."""
+    with socket.socket() as s:
+        # SO_REUSEADDR: closed connections may linger in TIME_WAIT; a listener may not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+        return True
+
+
 class ServerProcess:
     """``minivllm serve <args>`` on a free localhost port (see the module docstring)."""
 
@@ -137,4 +166,4 @@ class ServerProcess:
         self.stop()
 
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "free_port", "port_is_free", "process_gone"]

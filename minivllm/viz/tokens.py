@@ -18,7 +18,9 @@ import plotly.graph_objects as go
 from minivllm.viz.labels import visible
 
 ROW_WIDTH = 64  # character cells per row of the figure
-COLORS = {"token": ("#c6dbef", "#fdd0a2"), "byte piece": ("#fd8d3c", "#fdae6b"),
+# Each kind alternates two shades of ONE hue (blue, orange, red), so neighbours stay
+# apart and every box matches its legend entry and the prose's colour words.
+COLORS = {"token": ("#c6dbef", "#9ecae1"), "byte piece": ("#fd8d3c", "#fdae6b"),
           "special token": ("#de2d26", "#fb6a4a")}
 
 

@@ -1,0 +1,72 @@
+"""Every chapter has at least three gradable exercises in the book's form (BOOK.md).
+
+An exercise is a markdown cell headed ``### Exercise NN.k — title``, then a
+``solution`` cell whose answer lies between ``### BEGIN SOLUTION`` and ``### END
+SOLUTION`` (a grading tool strips it for student copies), then a ``check`` cell.
+The check must use a name the stripped part defines, so that a student copy
+fails it until the student writes an answer. At least one exercise per chapter
+changes the engine and asks for a prediction first.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")
+
+BOOK = Path(__file__).resolve().parent.parent / "book"
+CHAPTERS = sorted(p for p in BOOK.glob("[0-9][0-9]_*.py") if int(p.name[:2]) <= 17)
+HEADER = re.compile(r"^### Exercise (\d+)\.(\d+) — \S", re.M)
+SOLUTION = re.compile(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", re.S)
+
+
+def names_defined(code: str) -> set[str]:
+    tree = ast.parse(code)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found.add(node.name)
+    return found
+
+
+def names_used(code: str) -> set[str]:
+    return {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)}
+
+
+def exercises(path: Path) -> list[tuple[str, object, object]]:
+    """(header, solution cell, check cell) per exercise, in order."""
+    cells = jupytext.read(path).cells
+    found = []
+    for i, cell in enumerate(cells):
+        if cell.cell_type == "markdown" and HEADER.search(cell.source):
+            sol, check = (cells[i + 1:i + 3] + [None, None])[:2]
+            found.append((HEADER.search(cell.source).group(0), cell, sol, check))
+    return found
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name[:2])
+def test_chapter_has_three_gradable_exercises(path):
+    chapter = int(path.name[:2])
+    found = exercises(path)
+    assert len(found) >= 3, f"{path.name}: {len(found)} exercises"
+    predicts = 0
+    for k, (header, text, sol, check) in enumerate(found, start=1):
+        assert header.startswith(f"### Exercise {chapter}.{k} — "), header
+        predicts += "**Predict first:**" in text.source
+        assert sol is not None and "solution" in sol.metadata.get("tags", []), header
+        assert sol.metadata.get("jupyter", {}).get("source_hidden") is True, header
+        assert check is not None and check.metadata.get("tags") == ["check"], header
+        answer = SOLUTION.search(sol.source)
+        assert answer, f"{header}: no BEGIN/END SOLUTION block"
+        stripped = names_defined(answer.group(1)) - names_defined(
+            SOLUTION.sub("", sol.source))
+        assert stripped & names_used(check.source), \
+            f"{header}: the check uses no name that only the solution defines"
+        assert "assert" in check.source, header
+    assert predicts >= 1, f"{path.name}: no exercise asks to predict first"
