@@ -242,6 +242,80 @@ print([s["B"][0] for s in static_chunks])
 assert len(static_chunks) > 1 and all(set(s) == {"B"} for s in static_chunks)
 
 # %% [markdown]
+# ## What a chunk costs the running decodes
+#
+# A step takes as long as its forward pass, and every request in it waits for the whole
+# step. So the step that computes a chunk of B's prompt is also one inter-token gap of
+# every decode that shares it: the bigger the chunk, the longer that gap. Measure it on
+# the real engine. Four students are decoding when B's 1,000-token prompt arrives; we
+# try several budgets, from one that takes B's prompt in a single step to small ones,
+# and record each decode's inter-token latency (ITL, chapter 1) and B's TTFT.
+# `itl_under_chunking` (below) patches the budget of one engine and runs the requests.
+
+# %%
+from minivllm.metrics.summary import percentile
+from minivllm.viz.bars import line_chart
+
+loaded = LLM(trace=True, max_num_batched_tokens=1024, enable_prefix_caching=False)
+DECODERS = [chat(f"Name {n} things a good lab report contains.") for n in range(3, 7)]
+
+
+# %%
+def itl_under_chunking(budget: int, arrive_at: int = 3) -> dict:
+    eng, sched = loaded.llm_engine, loaded.engine_core.scheduler
+    sched.max_num_batched_tokens, ends = budget, {}  # the engine change: another budget
+    decode = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, messages in enumerate(DECODERS):
+        eng.add_request(messages, decode, request_id=f"D{i}")
+    for step in range(10_000):
+        if step == arrive_at:
+            eng.add_request(B_PROMPT, SamplingParams(max_tokens=1), request_id="B")
+        ends.update({o.request_id: o.metrics for o in eng.step() if o.finished})
+        if not eng.has_unfinished_requests():
+            break
+    gaps = [g for rid, m in ends.items() if rid != "B" for g in m.itl]
+    return {"itl_p99_ms": percentile(gaps, 99) * 1e3, "ttft_b_ms": ends["B"].ttft * 1e3,
+            "max_step_tokens": max(r.num_batched_tokens for r in loaded.trace.records)}
+
+
+# %%
+loaded.generate("Warm-up.", SamplingParams(max_tokens=2), use_tqdm=False)  # one-time costs
+chunking = {}
+for budget in (1024, 512, 256, 128, 64):
+    loaded.trace.clear()
+    chunking[budget] = itl_under_chunking(budget)
+    print(f"budget {budget:4d}: largest step {chunking[budget]['max_step_tokens']:4d} "
+          f"tokens, decodes' ITL p99 {chunking[budget]['itl_p99_ms']:6.1f} ms, "
+          f"B's TTFT {chunking[budget]['ttft_b_ms']:6.0f} ms")
+loaded.engine_core.scheduler.max_num_batched_tokens = 1024
+assert chunking[1024]["max_step_tokens"] == len(B_PROMPT) + len(DECODERS)  # one step
+assert all(c["max_step_tokens"] <= b for b, c in chunking.items())
+
+# %%
+budgets = list(chunking)
+line_chart(budgets, {"decodes' ITL p99": [chunking[b]["itl_p99_ms"] for b in budgets],
+                     "B's TTFT": [chunking[b]["ttft_b_ms"] for b in budgets]},
+           title="Chunked prefill on the real engine: a 1,000-token prompt arrives "
+                 "while four requests decode", x_title="token budget per step "
+                 "(max_num_batched_tokens)", y_title="milliseconds", log_y=True)
+
+# %% [markdown]
+# Read the two lines against each other. With a budget of 1,024 B's whole prompt is one
+# step, and every decode sharing it waits that long for its next token: the ITL p99 is
+# that one step. Smaller budgets cut the prompt into chunks, each step is shorter, and
+# the tail of the decodes' gaps drops with the chunk size. B pays: its prompt now takes
+# several steps, each of which also reads all the weights again and carries the
+# decodes, so its TTFT grows as the budget shrinks. (Timings are from this machine, in
+# one run; the sizes of the steps above are exact.)
+#
+# So chunking pays when requests are decoding while long prompts arrive and the
+# decodes' rhythm matters (a chat service's ITL target); it buys nothing for a lone
+# prompt, or a batch job that only counts throughput. Too small a budget wastes steps:
+# below a few hundred tokens the forward pass no longer gets cheaper in proportion
+# (chapter 14's roofline shows why), so the ITL barely falls while TTFT keeps rising.
+# Chapter 17 sweeps the same knob on a simulated GPU under load.
+
+# %% [markdown]
 # ## Inside the scheduler: `num_computed_tokens`
 #
 # Everything above came out of one small class, `minivllm.core.scheduler.Scheduler`.
@@ -426,7 +500,8 @@ print(f"{len(mine)} steps, identical; e.g. step {ARRIVAL_B + 1}: {mine[ARRIVAL_B
 # one row of `input_ids`, with no padding and no batch dimension. Build one mixed step
 # by hand with the engine's scheduler, blocks of the engine's size: two requests D1
 # and D2 that are decoding, a request H whose first block is in the prefix cache (its
-# prompt starts with D1's first 16 tokens), and a long prompt L that gets a chunk.
+# prompt starts with D1's first 16 tokens, so their K/V exist already: chapter 8
+# explains how the scheduler finds them), and a long prompt L that gets a chunk.
 
 # %%
 runner = llm.engine_core.executor.runner
@@ -636,37 +711,40 @@ assert tight.kv_cache_manager.num_free_blocks == 5  # every block back
 # at once, a prefill of prompt plus answer, after which it decodes on as before.
 
 # %% [markdown]
-# ## Exercise: change the admission rule
-#
-# The engine admits waiting requests first come, first served. Change that rule to
-# **shortest prompt first**, in a subclass of the engine's `Scheduler` that sorts the
-# waiting queue before admitting. A 60-token prompt L and a 4-token prompt S arrive
-# together (L first), budget 16. *Before running it*, predict for both rules: at which
-# step does S get its first token, and at which step L?
-#
-# (The solution is in the collapsed cell below; open it after predicting. The same
-# subclass can be put into the real engine: `llm.engine_core.scheduler.__class__ =
-# ShortestFirst`.)
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 7.1 — shortest prompt first
+# Change the engine's admission rule to **shortest prompt first**: write `ShortestFirst`,
+# a subclass of the engine's `Scheduler` that sorts the waiting queue before admitting.
+# A 60-token prompt L and a 4-token prompt S arrive together (L first), budget 16, two
+# answer tokens each. **Predict first:** at which step (counting from 0) does each get
+# its first token, under both rules? Fill in `predicted`. (The same subclass can be put
+# into the real engine: `llm.engine_core.scheduler.__class__ = ShortestFirst`.)
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 from collections import deque
 
-
+### BEGIN SOLUTION
 class ShortestFirst(Scheduler):
     def _schedule_waiting(self, out, budget):
         self.waiting = deque(sorted(self.waiting, key=lambda r: r.num_tokens))
         super()._schedule_waiting(out, budget)
 
 
-# %% tags=["solution"] jupyter={"source_hidden": true}
+# FCFS: L takes the whole budget for 3 steps, ends its prompt with 12 tokens in step 3,
+# and S's 4 tokens fit beside it. Shortest first: S goes first and is done at once;
+# L gets 12 + 15 + 16 + 16 (S's decode takes one token of step 1) and 1 in step 4.
+predicted = {"fcfs": {"L": 3, "S": 3}, "shortest": {"L": 4, "S": 0}}
+### END SOLUTION
+
+# %% tags=["check"]
 def first_token_steps(scheduler_class) -> dict[str, int]:
     reqs = [make_request("L", 60, 2), make_request("S", 4, 2)]
     s = scheduler_class(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
                         kv_cache_manager=KVCacheManager(num_blocks=32, block_size=4,
-                                                   enable_caching=False))
-    steps = by_hand(s, reqs, show=lambda *args: None)
-    done = {r.request_id: 0 for r in reqs}
-    first = {}
+                                                        enable_caching=False))
+    steps, done, first = by_hand(s, reqs, show=lambda *args: None), {"L": 0, "S": 0}, {}
     for i, step in enumerate(steps):
         for rid, n in step.items():
             done[rid] += n
@@ -675,10 +753,47 @@ def first_token_steps(scheduler_class) -> dict[str, int]:
     return first
 
 
-fcfs, sjf = first_token_steps(Scheduler), first_token_steps(ShortestFirst)
-print("first come, first served:", fcfs, "  shortest first:", sjf)
-# S jumps the queue by 3 steps; L loses one: S's 5 tokens came out of its budget.
-assert sjf["S"] == fcfs["S"] - 3 and sjf["L"] == fcfs["L"] + 1
+measured = {"fcfs": first_token_steps(Scheduler), "shortest": first_token_steps(ShortestFirst)}
+print(measured)
+assert predicted == measured
+
+# %% [markdown]
+# ### Exercise 7.2 — how many chunks
+# In the continuous run above, B's 1,000-token prompt was computed in chunks, and A was
+# decoding in every one of those steps (C had finished). How many steps did B's prompt
+# take (`n_chunks`)? Derive it from `BUDGET` and `len(B_PROMPT)`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# running requests first: A's decode takes 1 token, B gets the rest of each step
+n_chunks = -(-len(B_PROMPT) // (BUDGET - 1))
+### END SOLUTION
+
+# %% tags=["check"]
+assert n_chunks == len(chunks)
+
+# %% [markdown]
+# ### Exercise 7.3 — enough blocks to avoid preemption
+# Give the tight scheduler of "One request's life" (blocks of 4 tokens, P and Q with 8
+# prompt and 8 answer tokens each) more KV blocks. **Predict first:** what is the
+# smallest number of blocks with which Q is never preempted (`min_blocks`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# each request holds prompt + answer - 1 = 15 tokens at the end: 4 blocks of 4
+min_blocks = 2 * -(-(8 + 8 - 1) // 4)
+### END SOLUTION
+
+# %% tags=["check"]
+def preempted_with(num_blocks: int) -> bool:
+    s = Scheduler(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
+                  kv_cache_manager=KVCacheManager(num_blocks=num_blocks, block_size=4,
+                                                  enable_caching=False))
+    life = life_of(make_request("Q", 8, 8), s, [make_request("P", 8, 8)])
+    return any(row[1] == "PREEMPTED" for row in life)
+
+
+assert preempted_with(min_blocks - 1) and not preempted_with(min_blocks)
 
 
 # %% [markdown]
