@@ -493,16 +493,20 @@ for at_top in (True, False):
 # 可变内容的合理组织".
 
 # %% [markdown]
-# ## Exercise: change the eviction order
-#
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 8.1 — change the eviction order
 # `KVCacheManager.free` hands a finished request's blocks back **last block first**, so
 # the end of a sequence sits at the head of the free queue and is evicted first. Change
-# that rule: a manager that frees **first block first**. Then, on a cache of 4 blocks of
-# `BS` tokens: request A with a 3-block prompt plus one token runs and finishes; an
-# unrelated request X takes 2 blocks; A is sent again. *Before running it*, predict how
-# many of A's tokens the prefix cache still holds under each rule.
+# that rule: write `FirstBlockFirst`, a manager that frees **first block first**. On a
+# cache of 4 blocks of `BS` tokens, request A with a 3-block prompt plus one token runs
+# and finishes; an unrelated request X takes 2 blocks; A is sent again. **Predict
+# first:** how many of A's tokens does the prefix cache still hold under the engine's
+# rule (`hit_engine_rule`) and under yours (`hit_first_first`)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
 class FirstBlockFirst(KVCacheManager):
     def free(self, request):
         blocks = self.req_to_blocks.pop(request.request_id, [])
@@ -510,24 +514,63 @@ class FirstBlockFirst(KVCacheManager):
         self.block_pool.free_blocks(blocks)  # block 0 to the head: evicted first
 
 
+# The engine loses A's partial 4th block and its block 2: blocks 0-1 still hit. The
+# other rule evicts block 0, and a chain without its first link hits nothing at all.
+hit_engine_rule, hit_first_first = 2 * BS, 0
+### END SOLUTION
+
+# %% tags=["check"]
 def hits_after_eviction(manager_class) -> int:
     m = manager_class(num_blocks=4, block_size=BS)
     prompt = turn1_ids[:3 * BS + 1]
     a = lookup_request("a", prompt)
     m.allocate_slots(a, len(prompt))
     m.free(a)
-    x = lookup_request("x", [7] * (2 * BS))
-    m.allocate_slots(x, 2 * BS)  # takes the 2 blocks at the head of the free queue
+    m.allocate_slots(lookup_request("x", [7] * (2 * BS)), 2 * BS)  # the queue's head
     return m.get_computed_blocks(lookup_request("a again", prompt))[1]
 
 
+assert hit_engine_rule == hits_after_eviction(KVCacheManager)
+assert hit_first_first == hits_after_eviction(FirstBlockFirst)
+
+# %% [markdown]
+# ### Exercise 8.2 — one token more
+# `A` fills exactly three blocks and is cached. How many tokens hit when `A` itself is
+# sent again (`hit_a`), and when `A` plus one more token is sent (`hit_a_plus_one`)?
+
 # %% tags=["solution"] jupyter={"source_hidden": true}
-last_first, first_first = hits_after_eviction(KVCacheManager), hits_after_eviction(FirstBlockFirst)
-print(f"last block first (the engine): {last_first} tokens hit; "
-      f"first block first: {first_first}")
-# The engine loses A's partial 4th block and its block 2: blocks 0-1 still hit. The
-# other rule evicts block 0, and a chain with no first link hits nothing at all.
-assert last_first == 2 * BS and first_first == 0
+### BEGIN SOLUTION
+# The block holding a prompt's last token is always computed (its logits are needed),
+# so A alone reuses only its first two blocks; one more token frees the third.
+hit_a = (len(A) - 1) // BS * BS
+hit_a_plus_one = len(A) // BS * BS
+### END SOLUTION
+
+# %% tags=["check"]
+probe = KVCacheManager(num_blocks=16, block_size=BS)
+first = lookup_request("a", A)
+probe.allocate_slots(first, len(A))
+probe.free(first)
+assert hit_a == probe.get_computed_blocks(lookup_request("a2", A))[1]
+assert hit_a_plus_one == probe.get_computed_blocks(lookup_request("a3", A + [A[0]]))[1]
+
+# %% [markdown]
+# ### Exercise 8.3 — the bill with a cheaper hit
+# With the example price sheet, a cache hit costs a tenth of a miss. If a provider made
+# hits **free**, how much would the whole conversation with the cache cost, per million
+# conversations (`free_hit_total`, in dollars)? Use `usage_on` and `PRICES`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+free_hit_total = sum((u.prompt_tokens - u.prompt_tokens_details.cached_tokens)
+                     * PRICES["input, cache miss"] + u.completion_tokens * PRICES["output"]
+                     for u in usage_on)  # dollars per million tokens x tokens = per million
+### END SOLUTION
+
+# %% tags=["check"]
+# the cached bill, minus what the hits cost at the example price
+assert abs(free_hit_total - (total_on - saved_tokens * PRICES["input, cache hit"] / 1e6)
+           * 1e6) < 1e-6
 
 
 # %% [markdown]

@@ -6,6 +6,7 @@ numbers given (or derived from them), in the order given.
 
 from __future__ import annotations
 
+import math
 import textwrap
 
 import pytest
@@ -282,6 +283,19 @@ def test_stacked_bars_lines_on_a_second_axis_markers_on_the_first():
     assert marker.yaxis in (None, "y") and list(marker.y) == [40, 44, 52]
     with pytest.raises(ValueError, match="'TTFT' has 1 values for 3 turns"):
         stacked_bars(["t1", "t2", "t3"], parts, "t", "y", x_name="turns", lines={"TTFT": [1]})
+
+
+def test_stacked_bars_second_axis_ticks_at_round_numbers():
+    from minivllm.viz.bars import nice_step
+
+    for top in (0.9, 9.3, 888.0, 1234.0, 51.0):
+        fig = stacked_bars(["a", "b"], {"n": [1, 2]}, "t", "y", lines={"ms": [top / 3, top]})
+        axis = fig.layout.yaxis2
+        mantissa = axis.dtick / 10 ** math.floor(math.log10(axis.dtick))
+        assert round(mantissa, 9) in (1, 2, 5) and axis.tick0 == 0
+        assert axis.range[0] == 0 and axis.range[1] >= top  # the line fits under the top
+        assert 3 <= axis.range[1] / axis.dtick <= 11  # a handful of ticks
+    assert nice_step(888.0) == 200 and nice_step(0) == 1.0
 
 
 def test_line_chart_one_trace_per_series():

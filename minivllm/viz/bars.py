@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping, Optional, Sequence
 
 import plotly.graph_objects as go
@@ -86,6 +87,16 @@ def line_chart(x: Sequence[float], series: Mapping[str, Sequence[float]], title:
     return fig
 
 
+def nice_step(top: float, ticks: int = 5) -> float:
+    """A tick spacing of 1, 2 or 5 times a power of ten giving about ``ticks`` ticks
+    from 0 to ``top``."""
+    if not top > 0:
+        return 1.0
+    raw = top / ticks
+    power = 10 ** math.floor(math.log10(raw))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
 def stacked_bars(x: Sequence[str], stacks: Mapping[str, Sequence[float]], title: str,
                  y_title: str, *, x_title: str = "", x_name: str = "points",
                  lines: Optional[Mapping[str, Sequence[float]]] = None, y2_title: str = "",
@@ -124,7 +135,12 @@ def stacked_bars(x: Sequence[str], stacks: Mapping[str, Sequence[float]], title:
                   height=450, legend=dict(orientation="h", y=-0.2),
                   margin=dict(l=10, r=10, t=50, b=10))
     if lines:
-        layout["yaxis2"] = dict(title=y2_title, overlaying="y", side="right", rangemode="tozero",
-                                showgrid=False)
+        # Ticks at round numbers (1, 2 or 5 times a power of ten): left to plotly, a
+        # second axis can get ticks like 222/444/666 from aligning with the first.
+        top = max((max(ys, default=0) for ys in lines.values()), default=0)
+        step = nice_step(top)
+        layout["yaxis2"] = dict(title=y2_title, overlaying="y", side="right", showgrid=False,
+                                range=[0, step * math.ceil(top / step * 1.05 or 1)],
+                                tick0=0, dtick=step)
     fig.update_layout(**layout)
     return fig
