@@ -259,6 +259,35 @@ count_bars([tokenizer.decode([t]) for t in best], counts, [target[t].item() for 
            title=f"{N:,} draws by the engine's sampler (T=0.8, top_p=0.9)")
 
 # %% [markdown]
+# ## Why the race draws from p
+#
+# Draw $E_1, \dots, E_n$ independent Exponential(1) and pick $\arg\max_i p_i / E_i$,
+# which is $\arg\min_i T_i$ with $T_i = E_i / p_i$. Dividing an Exponential(1) by $p_i$
+# gives an exponential with **rate** $p_i$: $P(T_i > t) = P(E_i > p_i t) = e^{-p_i t}$.
+# Token $i$ wins when $T_i$ is below all the others:
+#
+# $$P(i \text{ wins}) = \int_0^\infty p_i e^{-p_i t} \prod_{j \ne i} e^{-p_j t}\,dt
+#   = p_i \int_0^\infty e^{-t \sum_j p_j}\,dt = \frac{p_i}{\sum_j p_j} = p_i .$$
+#
+# (The same in logs: $-\log E_i$ is a Gumbel variable, so this is the Gumbel-max trick,
+# $\arg\max_i (\log p_i + G_i)$.) Nothing has to be normalised or sorted, and filtered
+# tokens with $p_i = 0$ can never win. Check the integral numerically on a small
+# distribution, and the race itself with many draws:
+
+# %%
+p_small = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+t = torch.linspace(0, 60, 600_001, dtype=torch.float64)  # the integrand is ~0 beyond
+for i, p_i in enumerate(p_small):
+    others = torch.exp(-t * (p_small.sum() - p_i))
+    win = torch.trapezoid(p_i * torch.exp(-p_i * t) * others, t).item()
+    assert abs(win - p_i.item()) < 1e-6, (i, win)
+gen = torch.Generator().manual_seed(0)
+E = torch.empty(200_000, 4, dtype=torch.float64).exponential_(generator=gen)
+share = torch.bincount((p_small / E).argmax(-1), minlength=4) / len(E)
+print("race shares", [round(x, 4) for x in share.tolist()], "for p =", p_small.tolist())
+assert ((share - p_small).abs() < 5 * (p_small * (1 - p_small) / len(E)).sqrt()).all()
+
+# %% [markdown]
 # ## Penalties
 #
 # Penalties change the logits of tokens that already appeared, before temperature and
@@ -346,26 +375,79 @@ print(repr(PROMPT + g1.text))
 assert g1.token_ids == g2.token_ids and g1.token_ids[0] == int(logits.argmax())
 
 # %% [markdown]
-# ## Exercise
-#
-# A greedy request (`temperature=0`) with `repetition_penalty=1.3`: can the penalty
-# change its token, or does greedy ignore it like it ignores top-p? Look at where
-# `_process` sits in `forward`, predict, then open the solution. It builds a row whose
-# prompt contains today's most likely token and asks the engine's sampler.
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 9.1 — a penalty on a greedy row
+# A greedy request (`temperature=0`) with `repetition_penalty=1.3` whose prompt contains
+# today's most likely token (`best_id` below). Does greedy ignore the penalty, as it
+# ignores top-p? Look at where `_process` sits in `forward`, then compute by hand which
+# token the engine picks for that row (`greedy_pick_with_penalty`).
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 best_id = int(logits.argmax())
-greedy_rows = [SamplingRow(SamplingParams(temperature=0), [best_id], []),
-               SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.3), [best_id], [])]
-picked = Sampler()(logits.expand(2, V).contiguous(),
-                   SamplingMetadata.from_rows(greedy_rows, V)).sampled_token_ids.tolist()
+### BEGIN SOLUTION
+# Penalties run in _process, before the greedy argmax: they do change greedy rows.
 penalised = logits.clone()
 penalised[best_id] = (penalised[best_id] / 1.3 if penalised[best_id] > 0
                       else penalised[best_id] * 1.3)
-print(f"plain greedy: {tokenizer.decode([picked[0]])!r}; with the penalty: "
-      f"{tokenizer.decode([picked[1]])!r}")
-# Penalties run before the greedy argmax, so they do change greedy rows.
-assert picked[0] == best_id and picked[1] == int(penalised.argmax())
+greedy_pick_with_penalty = int(penalised.argmax())
+### END SOLUTION
+
+# %% tags=["check"]
+greedy_rows = [SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.3),
+                           [best_id], [])]
+picked = Sampler()(logits[None].contiguous(),
+                   SamplingMetadata.from_rows(greedy_rows, V)).sampled_token_ids.tolist()
+print(f"with the penalty: {tokenizer.decode([picked[0]])!r}")
+assert greedy_pick_with_penalty == picked[0]
+
+# %% [markdown]
+# ### Exercise 9.2 — a race with the wrong noise
+# The check below patches the engine's sampler so that its race divides by
+# **Uniform(0, 1)** noise instead of Exponential(1), and draws 20,000 times from two
+# tokens with p = (0.75, 0.25). **Predict first:** how often does token 0 win now
+# (`p0_uniform`)? Derive it the way the race was derived above.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Token 0 wins when 0.75 / U0 > 0.25 / U1, i.e. U1 > U0 / 3. For U0 = u that has
+# probability 1 - u/3; averaged over u in (0, 1): 1 - 1/6 = 5/6, not 0.75.
+p0_uniform = 5 / 6
+### END SOLUTION
+
+# %% tags=["check"]
+from minivllm.worker import sampler as sampler_module
+
+two = torch.tensor([0.75, 0.25]).log().expand(20_000, 2).contiguous()
+two_md = SamplingMetadata.from_rows([SamplingRow(SamplingParams(temperature=1.0), [], [])]
+                                    * 20_000, 2)
+race = sampler_module.exponential_race
+sampler_module.exponential_race = lambda probs, gens, argmax: argmax(
+    probs / torch.rand_like(probs))  # the engine change: uniform noise
+try:
+    torch.manual_seed(0)
+    won = (Sampler()(two, two_md).sampled_token_ids == 0).float().mean().item()
+finally:
+    sampler_module.exponential_race = race
+print(f"token 0 won {won:.4f} of the draws")
+assert abs(won - p0_uniform) < 5 * (p0_uniform * (1 - p0_uniform) / 20_000) ** 0.5
+
+# %% [markdown]
+# ### Exercise 9.3 — top-k and min-p together
+# At temperature 1, with `top_k=5` and `min_p=0.1`, how many tokens survive for our
+# prompt (`n_survive`)? Compute it from `probs` (the model's distribution) alone.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# min-p keeps tokens with at least 0.1 x the top probability; renormalising after
+# top-k scales every probability alike, so the two rules simply intersect.
+top5 = probs.topk(5).values
+n_survive = int((top5 >= 0.1 * top5[0]).sum())
+### END SOLUTION
+
+# %% tags=["check"]
+assert n_survive == int((engine_filtered(logits, top_k=5, min_p=0.1) > 0).sum())
 
 
 # %% [markdown]
