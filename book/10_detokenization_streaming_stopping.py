@@ -416,22 +416,73 @@ assert joined == ids and tok.decode(joined, skip_special_tokens=True) == rec.tex
 assert REPLACEMENT_CHAR in out.text + more.text
 
 # %% [markdown]
-# ## Exercise
-#
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 10.1 — a stop string split over two deltas
 # A request has `stop=["Paris"]`, and the detokenizer hands the stop checker two deltas,
 # `"The capital is Pa"` and `"ris, of course."`. What does the stream send after each
-# delta, and what are `finish_reason`'s text and `stop_reason`? Predict, then open
-# the solution.
+# delta (`sent_1`, `sent_2`), and what is the request's `stop_reason` (`reason`)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# "Pa" might begin "Paris": held. Then "Paris" matches: nothing more is sent, and the
+# text stops before the stop string; stop_reason is the string that matched.
+sent_1, sent_2, reason = "The capital is ", "", "Paris"
+### END SOLUTION
+
+# %% tags=["check"]
 exercise = StopStringChecker(["Paris"])
-first = exercise.process("The capital is Pa")
-second = exercise.process("ris, of course.")
-print(first, second, repr(exercise.held_text))
-# "Pa" might begin "Paris": held. Then "Paris" matches: nothing more is sent, and
-# the text stops before the stop string.
-assert first == ("The capital is ", None) and second == ("", "Paris")
-assert exercise.stop_reason == "Paris"
+assert (sent_1, None) == exercise.process("The capital is Pa")
+assert (sent_2, reason) == exercise.process("ris, of course.")
+assert exercise.stop_reason == reason
+
+# %% [markdown]
+# ### Exercise 10.2 — no hold-back
+# Change the engine's stop checker: a subclass whose `_partial_stop_length` always
+# returns 0, so nothing is ever held back. Feed it the same two deltas. **Predict
+# first:** what is sent after the first delta (`leaked`), and does the request still
+# stop on "Paris" (`still_stops`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Without hold-back "Pa" is sent at once. The next text is "ris, of course." alone:
+# "Paris" never appears in the text the checker holds, so the request does not stop.
+leaked, still_stops = "The capital is Pa", False
+### END SOLUTION
+
+# %% tags=["check"]
+class NoHoldBack(StopStringChecker):
+    def _partial_stop_length(self, text: str) -> int:
+        return 0  # the engine change
+
+
+eager = NoHoldBack(["Paris"])
+first_sent, _ = eager.process("The capital is Pa")
+_, matched = eager.process("ris, of course.")
+assert leaked == first_sent and still_stops == (matched is not None)
+
+# %% [markdown]
+# ### Exercise 10.3 — silent steps
+# In the first Chinese stream (`rec`, token IDs `ids`), how many steps sent no text at
+# all (`n_silent`)? Compute it from the token IDs with `tok.decode` only: a step is
+# silent when the text decoded so far has not grown or ends inside a character (except
+# the last step: a finished request flushes what is held).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+def text_upto(i: int) -> str:
+    return tok.decode(ids[:i], skip_special_tokens=True)
+
+
+n_silent = sum(1 for i in range(1, len(ids) + 1) if text_upto(i) == text_upto(i - 1)
+               or (i < len(ids) and text_upto(i).endswith(REPLACEMENT_CHAR)))
+# (the last step flushes whatever is held: the request has finished)
+### END SOLUTION
+
+# %% tags=["check"]
+assert ids == rec.token_ids
+assert n_silent == sum(1 for s in rec.steps if not s.text)
 
 
 # %% [markdown]
