@@ -438,6 +438,7 @@ steps_to_first_token = -(-len(prompt_ids) // BUDGET)  # ceiling division
 
 # %% tags=["check"]
 sched = engine.engine_core.scheduler
+sched.reset_prefix_cache()  # forget the earlier runs' K/V of this prompt (chapter 8)
 saved_budget, sched.max_num_batched_tokens = sched.max_num_batched_tokens, BUDGET
 try:
     engine.add_request(messages, SamplingParams(temperature=0, max_tokens=1))

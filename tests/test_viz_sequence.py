@@ -96,5 +96,8 @@ def test_figure_draws_one_arrow_per_message(session):
         assert list(heads.y) == [LANES[m.receiver] for m in mine]
         assert list(heads.x) == pytest.approx([(m.received - origin) * 1e3 for m in mine])
         assert list(heads.text) == [m.label for m in mine]
+        latency = next(t for t in fig.data if t.name == f"{kind} latency")
+        assert list(latency.y) == pytest.approx([(m.received - m.sent) * 1e3 for m in mine])
+        assert latency.yaxis == "y2" and all(v >= 0 for v in latency.y)
     with pytest.raises(ValueError, match="messages is empty"):
         sequence_figure([])

@@ -10,7 +10,7 @@ started ``AsyncLLM`` so that every message through its pipe is recorded with
 
 and ``log.deliver(...)`` records what the application's code received.
 ``sequence_figure`` draws three lanes (engine core, API side, client code)
-with one arrow per message.
+with one arrow per message, and under them each message's delivery time.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from minivllm.engine.outputs import EngineCoreOutputs
 
@@ -119,7 +120,11 @@ def sequence_figure(messages: Sequence[Message], origin: Optional[float] = None,
     if not messages:
         raise ValueError("messages is empty: record some with attach_message_log first")
     origin = min(m.sent for m in messages) if origin is None else origin
-    fig = go.Figure()
+    # Row 1: the lanes and arrows. Row 2: each message's delivery time, received - sent,
+    # on its own scale: at the lanes' scale (a whole run) a sub-millisecond pipe makes
+    # every arrow vertical, and the latency could not be seen there.
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32],
+                        vertical_spacing=0.06)
     for kind, color in COLORS.items():
         mine = [m for m in messages if m.kind == kind]
         if not mine:
@@ -145,11 +150,19 @@ def sequence_figure(messages: Sequence[Message], origin: Optional[float] = None,
             textfont=dict(size=11, color=color),
             marker=dict(symbol=["triangle-up" if LANES[m.receiver] > LANES[m.sender]
                                 else "triangle-down" for m in mine], size=9, color=color),
-            text=text, hovertemplate=f"{kind} at %{{x:.1f}} ms: %{{text}}<extra></extra>"))
-    fig.update_layout(title=title, height=360, xaxis_title="ms since the first message",
-                      yaxis=dict(tickvals=list(LANES.values()), ticktext=list(LANES),
-                                 range=[-0.4, 2.4]),
-                      legend=dict(orientation="h", y=-0.25))
+            text=text, hovertemplate=f"{kind} at %{{x:.1f}} ms: %{{text}}<extra></extra>"),
+            row=1, col=1)
+        fig.add_trace(go.Scatter(
+            name=f"{kind} latency", x=hx, y=[(m.received - m.sent) * 1e3 for m in mine],
+            mode="markers", legendgroup=kind, showlegend=False, text=text,
+            marker=dict(symbol="circle", size=6, color=color),
+            hovertemplate=f"{kind}: %{{y:.2f}} ms from sent to received: %{{text}}"
+                          "<extra></extra>"), row=2, col=1)
+    fig.update_layout(title=title, height=480, legend=dict(orientation="h", y=-0.2))
+    fig.update_yaxes(tickvals=list(LANES.values()), ticktext=list(LANES), range=[-0.4, 2.4],
+                     row=1, col=1)
+    fig.update_yaxes(title_text="sent → received (ms)", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text="ms since the first message", row=2, col=1)
     return fig
 
 
