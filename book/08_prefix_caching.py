@@ -501,8 +501,8 @@ for at_top in (True, False):
 # the end of a sequence sits at the head of the free queue and is evicted first. Change
 # that rule: write `FirstBlockFirst`, a manager that frees **first block first**. On a
 # cache of 4 blocks of `BS` tokens, request A with a 3-block prompt plus one token runs
-# and finishes; an unrelated request X takes 2 blocks; A is sent again. **Predict
-# first:** how many of A's tokens does the prefix cache still hold under the engine's
+# and finishes; an unrelated request X takes 2 blocks; A is sent again.
+# **Predict first:** how many of A's tokens does the prefix cache still hold under the engine's
 # rule (`hit_engine_rule`) and under yours (`hit_first_first`)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}

@@ -440,8 +440,8 @@ assert exercise.stop_reason == reason
 # %% [markdown]
 # ### Exercise 10.2 — no hold-back
 # Change the engine's stop checker: a subclass whose `_partial_stop_length` always
-# returns 0, so nothing is ever held back. Feed it the same two deltas. **Predict
-# first:** what is sent after the first delta (`leaked`), and does the request still
+# returns 0, so nothing is ever held back. Feed it the same two deltas.
+# **Predict first:** what is sent after the first delta (`leaked`), and does the request still
 # stop on "Paris" (`still_stops`)?
 
 # %% tags=["solution"] jupyter={"source_hidden": true}

@@ -173,13 +173,22 @@ for rid, f in finals.items():
 #
 # Three lanes: the engine-core process on top, the API side in the middle, the
 # students' code below. Each line is one message, from when it was sent to when it
-# arrived (hover over an arrow head to read it). API → core messages arrive at once
-# through the pipe; `EngineCoreOutputs` leave the core when its step ends. One
+# arrived (hover over an arrow head to read it). At the scale of the whole run those
+# lines are nearly vertical, so the panel underneath plots each message's delivery time
+# (received minus sent) on its own scale: an `EngineCoreOutputs` counts from the end of
+# the core's step to the moment the API side took it from the pipe, and a
+# `RequestOutput` from the API side's queue to the student's code. (An `AddRequests`
+# is stamped only on the API side, so its delivery shows as 0.) One
 # `EngineCoreOutputs` serves every request of the step; the API side then fans it out
 # as one `RequestOutput` per request.
 
 # %%
 fig = sequence_figure(log.messages, title="Three requests: the messages between the processes")
+delivery_ms = [(m.received - m.sent) * 1e3 for m in log.of_kind("EngineCoreOutputs")]
+print(f"EngineCoreOutputs: core step end to API side in {min(delivery_ms):.2f} to "
+      f"{max(delivery_ms):.2f} ms; the run spans "
+      f"{(max(m.received for m in log.messages) - min(m.sent for m in log.messages)) * 1e3:.0f} ms")
+assert all(d >= 0 for d in delivery_ms)
 save_key_figure(fig, "11_serving_architecture")
 fig
 
@@ -461,19 +470,76 @@ assert exit_code is not None and process_gone(server_core)
 assert port_is_free(server.port)  # nothing listens there any more
 
 # %% [markdown]
-# ## Exercise
-#
-# Go back to the busy loop we ran in a thread. The request had a 20-token prompt and
-# `max_tokens=4`. How many `EngineCoreOutputs` messages did the loop send, and how many
-# tokens did each carry? Predict from `run_busy_loop`, then open the solution.
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 11.1 — messages from the busy loop
+# Go back to the busy loop we ran in a thread: one request with a 20-token prompt and
+# `max_tokens=4`. How many `EngineCoreOutputs` messages did the loop send
+# (`n_core_messages`), and how many tokens did each carry (`tokens_per_message`, a list)?
+# Predict from `run_busy_loop`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-per_message = [sum(len(o.new_token_ids) for o in m.outputs) for m in core_messages]
-print(len(core_messages), "messages, tokens in each:", per_message)
+### BEGIN SOLUTION
 # One pass of the loop = one step = one message. The prefill step samples the first
-# token, each of the three decode steps one more; then the loop blocks on the pipe
-# (nothing unfinished) until our Shutdown arrives.
-assert per_message == [1, 1, 1, 1]
+# token, each of the three decode steps one more; then the loop blocks on the pipe.
+n_core_messages, tokens_per_message = 4, [1, 1, 1, 1]
+### END SOLUTION
+
+# %% tags=["check"]
+assert n_core_messages == len(core_messages)
+assert tokens_per_message == [sum(len(o.new_token_ids) for o in m.outputs)
+                              for m in core_messages]
+
+# %% [markdown]
+# ### Exercise 11.2 — one seat in the core
+# Start the busy loop again with the engine configured for **one** sequence at a time
+# (`max_num_seqs=1`), and send one `AddRequests` with two requests: r1 (`max_tokens=4`)
+# and r2 (`max_tokens=2`). **Predict first:** how many `EngineCoreOutputs` does the loop
+# send before both have finished (`n_messages_one_seat`), and which request finishes
+# first (`first_done`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# One seat: r2 waits until r1 has left. r1 takes 4 steps, then r2 2 steps; every step
+# advances one request, so every message carries one token.
+n_messages_one_seat, first_done = 4 + 2, "r1"
+### END SOLUTION
+
+# %% tags=["check"]
+ours, theirs = Pipe()
+one_seat = engine_args_from_kwargs(None, {"num_kv_blocks": 16, "max_num_seqs": 1})
+core_thread = threading.Thread(target=run_engine_core,
+                               args=(one_seat.create_engine_config(), theirs, True))
+core_thread.start()
+assert isinstance(ours.recv(), EngineCoreReady)
+ours.send(AddRequests([Request(rid, list(range(100, 120)), SamplingParams(
+    temperature=0, max_tokens=n, ignore_eos=True), max_tokens=n)
+    for rid, n in (("r1", 4), ("r2", 2))]))
+seat_messages, finished_order = [], []
+while len(finished_order) < 2:
+    seat_messages.append(ours.recv())
+    finished_order += [o.request_id for o in seat_messages[-1].outputs if o.finished]
+ours.send(Shutdown())
+core_thread.join(timeout=60)
+assert n_messages_one_seat == len(seat_messages) and first_done == finished_order[0]
+
+# %% [markdown]
+# ### Exercise 11.3 — who stops B
+# B ended on a stop string. Which kind of message told the core to finish B
+# (`stop_kind`), and which lane sent it (`stop_sender`)? Answer from what each process
+# can see, then the check reads the recorded log.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# The core sees token IDs only; stop strings are text, matched on the API side, which
+# then sends FinishRequests (status finished_stopped) to the core.
+stop_kind, stop_sender = "FinishRequests", "API side"
+### END SOLUTION
+
+# %% tags=["check"]
+assert (stop_kind, stop_sender) == (finishes["B"].kind, finishes["B"].sender)
+
 
 # %% [markdown]
 # ## Summary
