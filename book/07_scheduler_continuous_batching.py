@@ -312,7 +312,7 @@ line_chart(budgets, {"decodes' ITL p99": [chunking[b]["itl_p99_ms"] for b in bud
 # decodes' rhythm matters (a chat service's ITL target); it buys nothing for a lone
 # prompt, or a batch job that only counts throughput. Too small a budget wastes steps:
 # below a few hundred tokens the forward pass no longer gets cheaper in proportion
-# (chapter 14's roofline shows why), so the ITL barely falls while TTFT keeps rising.
+# (chapter 12's roofline explains why), so the ITL barely falls while TTFT keeps rising.
 # Chapter 17 sweeps the same knob on a simulated GPU under load.
 
 # %% [markdown]
