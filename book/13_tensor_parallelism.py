@@ -80,20 +80,21 @@ print(f"hidden {H}, {L} layers, {nq} query heads and {nkv} KV heads of {D}, "
 # ## How many ranks?
 #
 # Attention is split by heads and the MLP by its intermediate features, so the number
-# of ranks must divide them. SmolLM2 has 9 query heads: **2 ranks cannot split them**,
-# and the engine says so before it starts any process. 3 can: 3 query heads and 1 KV
-# head per rank.
+# of ranks must divide them. SmolLM2's query heads (printed above) are an odd number:
+# **2 ranks cannot split them**, and the engine says so before it starts any process.
+# 3 can: the cell prints how many query and KV heads each rank gets.
 
 # %%
 try:
     check_tensor_parallel_sizes(cfg, 2)
-    raise AssertionError("TP=2 should not split 9 heads")
+    raise AssertionError(f"TP=2 should not split {nq} heads")
 except ValueError as exc:
     print("TP=2:", exc)
-    assert "num_attention_heads=9" in str(exc)
+    assert f"num_attention_heads={nq}" in str(exc)
 TP = 3
 check_tensor_parallel_sizes(cfg, TP)  # no error
 assert nq % TP == 0 and nkv % TP == 0 and I % TP == 0
+print(f"TP={TP}: {nq // TP} query heads and {nkv // TP} KV head(s) per rank")
 
 # %% [markdown]
 # ## One real layer, recorded
@@ -139,8 +140,8 @@ assert seen["qkv_proj"][1].shape == (T, (nq + 2 * nkv) * D)
 #
 # - **by columns** (column-parallel): rank *r* keeps some output columns and computes
 #   `x @ W[:, cols_r]`, which is a piece of `y`. qkv is cut so that each rank gets
-#   whole heads: 3 of the 9 query heads and their 1 KV head. gate/up is cut so that
-#   each rank gets matching gate and up features.
+#   whole heads: its share of the query heads and the KV head(s) they read. gate/up is
+#   cut so that each rank gets matching gate and up features.
 # - **by rows** (row-parallel): rank *r* keeps some input rows and computes
 #   `x[:, rows_r] @ W[rows_r, :]`, a full-sized output that holds only part of a sum.
 #
@@ -174,6 +175,26 @@ save_key_figure(fig, "13_tensor_parallelism")
 fig
 
 # %% [markdown]
+# In the engine the cut happens while the weights load. Each parallel layer allocates
+# only its rank's share, and its `weight_loader` narrows the checkpoint's full tensor
+# to that share. A column-parallel layer keeps a block of output rows (torch stores `W`
+# as output × input):
+
+# %%
+from minivllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear
+from minivllm.viz.source import show_source
+
+show_source(ColumnParallelLinear)
+
+# %% [markdown]
+# The fused qkv projection loads three checkpoint tensors (q, k and v) into one matrix;
+# each lands at its own offset, and each is cut by heads. (With fewer KV heads than
+# ranks, neighbouring ranks load the same KV head: `kv_replicas`.)
+
+# %%
+show_source(QKVParallelLinear.weight_loader)
+
+# %% [markdown]
 # Every rank holds exactly a third of each matrix:
 
 # %%
@@ -190,7 +211,7 @@ for name in linears:
 # pieces are the layer's output.
 #
 # **How close is "equal"?** The engine's products run through packed GEMM kernels,
-# ours through `torch`; both add the same 576 (or 1,536) products per output but in a
+# ours through `torch`; both add the same `H` (or `I`) products per output but in a
 # different order, and float32 rounds each addition (unit roundoff 2⁻²⁴ ≈ 6e-8). So
 # we allow differences up to 1e-5 of the output's largest value: room for hundreds of
 # rounding steps, yet far below what a wrong split gives (a missing rank is off by
@@ -215,8 +236,9 @@ for name in ("qkv_proj", "gate_up_proj"):
 # %% [markdown]
 # ## Row-parallel: a sum in pieces
 #
-# o_proj's input is the attention output, one block of columns per head. A rank that
-# computed heads 0–2 holds exactly the first third of those columns, which is the
+# o_proj's input is the attention output, one block of columns per head. Rank 0
+# computed the first third of the heads, so it holds exactly the first third of those
+# columns, which is the
 # input slice its row-parallel o_proj needs. So nothing travels between qkv and
 # o_proj: the column split of one feeds the row split of the next. Each rank's o_proj
 # gives a full-sized tensor that is only a partial sum:
@@ -235,10 +257,22 @@ print(f"sum of the {TP} partials: max error "
 assert close(total, y)
 
 # %% [markdown]
+# That sum is the only line a row-parallel layer adds to a plain linear layer: its
+# `forward` is the local product followed by the all-reduce, and its `weight_loader`
+# keeps a block of *input* columns (the bias, if any, is added on rank 0 only, so that
+# the sum counts it once):
+
+# %%
+show_source(RowParallelLinear.forward)
+
+# %%
+show_source(RowParallelLinear.weight_loader)
+
+# %% [markdown]
 # ## A whole rank, end to end
 #
 # Now chain the four products the way one rank runs them: its qkv columns, RoPE and
-# attention over its own 3 heads (and its 1 KV head), its o_proj rows; then its
+# attention over its own query heads (and its KV head), its o_proj rows; then its
 # gate/up columns, SiLU(gate) × up on its own features, its down_proj rows. Only two
 # things need the other ranks: the two sums. Everything between them is local.
 
@@ -248,7 +282,7 @@ positions = torch.arange(T)
 
 
 def rank_attention(x: torch.Tensor, r: int) -> torch.Tensor:
-    q_size, kv_size = nq // TP * D, nkv // TP * D  # 3 query heads, 1 KV head
+    q_size, kv_size = nq // TP * D, nkv // TP * D  # this rank's query heads, KV head
     q, k, v = (x @ rank_weight("qkv_proj", r).T).split([q_size, kv_size, kv_size], dim=-1)
     q, k = RotaryEmbedding.forward(attn.rotary_emb, positions, q.view(T, -1, D), k.view(T, -1, D))
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.view(T, -1, D).transpose(0, 1)
@@ -432,22 +466,77 @@ assert left == []
 assert not torch.distributed.is_initialized()
 
 # %% [markdown]
-# ## Exercise
-#
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 13.1 — a decode step's bytes
 # A pure decode step of 4 sequences on the same 3 ranks: how many bytes do rank 0's
-# collectives carry, and which share of it is the logits gather? Use the table above,
-# then open the solution, which asks the engine's own `expected_collective_bytes`.
+# collectives carry (`decode4_bytes`), and which share of it is the logits gather
+# (`gather_share`)? Use the table above.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 T4 = S4 = 4  # a decode: one token and one row of logits per sequence
+### BEGIN SOLUTION
 reduces = (1 + 2 * L) * T4 * H * itemsize  # embedding + two per layer, T x hidden each
 gather = (TP - 1) * S4 * rows_per_rank * itemsize
-print(f"all-reduces {reduces:,} bytes + logits gather {gather:,} bytes: "
-      f"the gather is {gather / (reduces + gather):.0%}")
-assert reduces + gather == expected_collective_bytes(cfg, T4, TP, num_logits_rows=S4)
-# One gather of vocabulary-wide rows carries almost as much as all 2L + 1 all-reduces
-# of hidden-wide rows together: at decode the vocabulary weighs as much as the layers.
-assert reduces / (2 * L + 1) < gather < reduces and gather / (reduces + gather) > 0.4
+decode4_bytes, gather_share = reduces + gather, gather / (reduces + gather)
+### END SOLUTION
+
+# %% tags=["check"]
+engine_bytes = expected_collective_bytes(cfg, T4, TP, num_logits_rows=S4)
+assert decode4_bytes == engine_bytes
+assert abs(gather_share - (TP - 1) * S4 * rows_per_rank * itemsize / engine_bytes) < 1e-12
+
+# %% [markdown]
+# ### Exercise 13.2 — load a shard as rank 1
+# The check below makes the engine's layer code believe it is rank 1 of `TP` (it patches
+# `tp_rank` and `tp_size` in `minivllm.model.layers.linear`), builds a `RowParallelLinear`
+# the size of `down_proj`, and loads the full `down_proj` weight through its
+# `weight_loader`. **Predict first:** the shape of its weight (`rank1_shape`) and the
+# first and last+1 input feature it holds (`rank1_inputs`).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Row-parallel: all outputs, the second third of the inputs.
+rank1_shape = (H, I // TP)
+rank1_inputs = (I // TP, 2 * I // TP)
+### END SOLUTION
+
+# %% tags=["check"]
+import minivllm.model.layers.linear as linear_module
+
+saved_tp = linear_module.tp_rank, linear_module.tp_size
+linear_module.tp_rank, linear_module.tp_size = (lambda: 1), (lambda: TP)
+try:
+    shard = RowParallelLinear(I, H, dtype=cfg.dtype)
+    full = linears["down_proj"].weight
+    shard.weight.weight_loader(shard.weight, full)
+finally:
+    linear_module.tp_rank, linear_module.tp_size = saved_tp
+assert tuple(shard.weight.shape) == rank1_shape
+assert torch.equal(shard.weight, full[:, rank1_inputs[0]:rank1_inputs[1]])
+
+# %% [markdown]
+# ### Exercise 13.3 — an 8B model on 8 ranks
+# An 8B Llama (hidden 4096, 32 layers, vocabulary 128,256, bfloat16) on 8 ranks, a
+# decode step of 16 sequences: how many bytes go through the all-reduces
+# (`reduces_8b`) and through the logits gather (`gather_8b`)? Which dominates now?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+reduces_8b = (2 * 32 + 1) * 16 * 4096 * 2
+gather_8b = (8 - 1) * 16 * -(-128256 // 8) * 2
+# the all-reduces: 32 layers of a wide hidden state outweigh the vocabulary here
+### END SOLUTION
+
+# %% tags=["check"]
+import dataclasses
+
+llama_8b = dataclasses.replace(cfg, hidden_size=4096, num_hidden_layers=32,
+                               vocab_size=128256, dtype=torch.bfloat16)
+assert reduces_8b + gather_8b == expected_collective_bytes(llama_8b, 16, 8)
+assert reduces_8b == expected_collective_bytes(dataclasses.replace(llama_8b, vocab_size=0),
+                                               16, 8)
 
 # %% [markdown]
 # ## Summary
@@ -467,7 +556,5 @@ assert reduces / (2 * L + 1) < gather < reduces and gather / (reduces + gather) 
 #   the README's rule for copying KV heads and check the KV cache shape of rank 0.
 # - Add more prompts: how do the all-reduce bytes and the gather bytes of a decode
 #   step grow with the number of sequences?
-# - Compute the table for an 8B model (hidden 4096, 32 layers, vocab 128,256, bfloat16)
-#   with `expected_collective_bytes`: which collective dominates a decode step there?
 # - `minivllm bench throughput --tensor-parallel-size 3` reports the collective bytes
 #   and seconds per step.
