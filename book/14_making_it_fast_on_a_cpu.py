@@ -45,13 +45,9 @@ from minivllm.viz.path import request_path_figure
 request_path_figure(14)  # where this chapter is on the request path
 
 # %%
-import inspect
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-import minivllm.cpu
 from minivllm import LLM, SamplingParams
 
 # %% [markdown]
@@ -74,6 +70,7 @@ from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.viz.bars import component_bars
 from minivllm.viz.cpu import roofline_figure, speedup_figure
 from minivllm.viz.export import save_key_figure
+from minivllm.viz.source import show_csrc, show_source
 
 # %% [markdown]
 # ## This machine
@@ -236,28 +233,16 @@ print(type(layer0.input_layernorm).__name__, type(layer0.mlp.gate_up_proj).__nam
 # RMSNorm:
 
 # %%
-print(inspect.getsource(CpuRMSNorm))
+show_source(CpuRMSNorm.forward)
 
 # %% [markdown]
 # The C++ behind `ops.fused_add_rms_norm` works row by row: add the residual, sum the
-# squares, scale; each row read once. We read the sources as the chapter runs, with a
-# small helper that prints a few lines of a file from a marker on:
+# squares, scale; each row read once. C++ has no Python object to ask for its source,
+# so the book's `show_csrc` reads a slice of `minivllm/cpu/csrc/<file>` as the chapter
+# runs, from the first line containing a marker:
 
 # %%
-CSRC = Path(minivllm.cpu.__file__).with_name("csrc")
-
-
-def show_source(file: str, marker: str, lines: int = 20) -> None:
-    """Print ``lines`` lines of csrc/<file> from the first line containing ``marker``."""
-    text = (CSRC / file).read_text().splitlines()
-    start = next(i for i, line in enumerate(text) if marker in line)
-    if start and text[start - 1].startswith("template"):
-        start -= 1
-    print(f"// minivllm/cpu/csrc/{file}, lines {start + 1}-{start + lines}")
-    print("\n".join(text[start:start + lines]))
-
-
-show_source("layernorm.cpp", "void norm_row(", 16)
+show_csrc("layernorm.cpp", "void norm_row(", max_lines=16)
 
 # %% [markdown]
 # The twin is a subclass, so the reference's `forward` can still be called on the very
@@ -327,7 +312,7 @@ for name, (reference, kernel) in small.items():
 #
 # In a decode step each sequence has one new query token and a context of cached keys
 # and values, scattered over blocks of the paged cache. The reference
-# (`TorchAttentionBackend`, chapter 5) loops over the sequences: gather this one's
+# (`TorchAttentionBackend`, chapter 4) loops over the sequences: gather this one's
 # blocks, repeat its KV heads for the query heads that share them, softmax. The CPU
 # backend does the whole step's decode rows in one C++ call that reads each key and
 # value **in place** through the block table, once for all query heads of a group.
@@ -338,7 +323,7 @@ for name, (reference, kernel) in small.items():
 # the span's values.
 
 # %%
-show_source("paged_attention.cpp", "void attend_in_memory(", 20)
+show_csrc("paged_attention.cpp", "void attend_in_memory(")
 
 # %% [markdown]
 # Both backends on the real 32-sequence decode step recorded above: its metadata (block
@@ -375,7 +360,7 @@ assert speedups["decode attention"] > 1.0
 # row count:
 
 # %%
-print(inspect.getsource(linear))
+show_source(linear, start="rows = x.shape[0]")
 
 # %% [markdown]
 # The 2 to 256-row products go to minivllm's own panel kernel: the weight stored as
@@ -385,16 +370,17 @@ print(inspect.getsource(linear))
 # the arithmetic. Its inner tile:
 
 # %%
-show_source("gemm.cpp", "void tile(const float* x", 20)
+show_csrc("gemm.cpp", "void tile(const float* x")
 
 # %% [markdown]
-# The products of one layer's gate/up projection (the largest of the layer's four, 3072
-# x 576) at 1, 32 and 128 rows, packed against plain `F.linear`:
+# The products of one layer's gate/up projection (the largest of the layer's four; its
+# shape is printed first) at 1, 32 and 128 rows, packed against plain `F.linear`:
 
 # %%
 gate_up = layer0.mlp.gate_up_proj
 w, packed = gate_up.weight, gate_up.packed_weight
 gemm = {}
+print("gate/up weight, output x input:", tuple(w.shape))
 for rows in (1, 32, 128):
     xr = torch.randn(rows, w.shape[1])
     torch.testing.assert_close(linear(xr, w, None, packed), F.linear(xr, w), rtol=1e-4, atol=1e-4)
@@ -421,8 +407,8 @@ assert packed.halves == (PANELS is not None)  # gate/up panels pair the two halv
 
 # %% [markdown]
 # **The SiLU epilogue.** SwiGLU computes `silu(gate) * up` from the gate/up product's
-# output. Written plainly that is one product writing a [rows, 2 x 1536] buffer and a
-# second pass reading it back. The gate/up panels can instead be packed *in halves*:
+# output. Written plainly that is one product writing a [rows, 2 x intermediate] buffer
+# and a second pass reading it back. The gate/up panels can instead be packed *in halves*:
 # panel *p* holds one register's worth of gate columns and the same up columns, so one
 # tile holds both halves of the same outputs and can write `silu(gate) * up` directly. The
 # product itself is unchanged, column for column, so it gives the same bits:
@@ -461,11 +447,13 @@ if PANELS:
     speedups["SiLU epilogue, 32 rows"] = t.ratio("separate pass", "epilogue")
     print(f"32-sequence decode step: {t.median('separate pass') * 1e3:.1f} ms -> "
           f"{t.median('epilogue') * 1e3:.1f} ms ({speedups['SiLU epilogue, 32 rows']:.3f}x)")
+    print(f"it saves a buffer of {32 * w.shape[0] * w.element_size() / 1e3:.0f} kB a layer; "
+          f"the product streams {w.numel() * w.element_size() / 1e6:.1f} MB of weights")
     del no_epilogue, own
 
 # %% [markdown]
-# A few percent at best: the buffer it saves is 32 x 3072 floats a layer, small next to
-# the 7 MB of weights the product streams. Such a gain is real only when the median
+# A few percent at best: the buffer it saves (32 rows of the gate/up output a layer) is
+# small next to the weights the product streams (both printed above). Such a gain is real only when the median
 # of many alternations shows it again and again; one run here proves nothing either
 # way, so there is no assert on it.
 #
@@ -498,23 +486,23 @@ assert prof_replay.calls["minivllm::llama_decode_forward"] == 1
 # decides when to use it, the way vLLM's runner replays a CUDA graph:
 
 # %%
-print(inspect.getsource(type(runner).forward))
+show_source(type(runner).forward)
 
 # %% [markdown]
 # In float32 the whole step is **one OpenMP parallel region**: the threads split each
 # kernel's work (output columns of the products, (sequence, KV head) items of
 # attention) and then meet at a barrier of minivllm's own that spins. Separate kernels
-# would each end by putting the threads to sleep and start by waking them, some
-# 300 times a step. The barrier:
+# would each end by putting the threads to sleep and start by waking them, several
+# times per layer. The barrier:
 
 # %%
-show_source("llama_decode.cpp", "class SpinBarrier {", 16)
+show_csrc("llama_decode.cpp", "class SpinBarrier {", max_lines=16)
 
 # %% [markdown]
 # and the first half of the loop over the layers that runs between those barriers:
 
 # %%
-show_source("llama_decode.cpp", "for (int64_t i = 0; i < layers; ++i) {", 20)
+show_csrc("llama_decode.cpp", "for (int64_t i = 0; i < layers; ++i) {")
 
 # %% [markdown]
 # Same kernels, same order, so the same bits: the logits of the recorded steps equal
@@ -638,30 +626,73 @@ for n in e2e:
 # measures longer, and `minivllm bench throughput` reports each run's share against a
 # roofline measured in the same run.
 #
-# ## Exercise: predict the reference's operator count
-#
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 14.1 — predict the reference's operator count
 # The reference decode step of one sequence ran `prof_ref.num_ops` operators. Only one
 # part of the model runs more operators when the batch grows: the attention loop, one
-# round of gathers and softmax per sequence. Record reference decode steps of 2 and 3
-# sequences with `decode_step`, count their operators with `profile_ops`, and predict
-# how many operators a reference step of 32 sequences runs. (Start from 2, not 1: a
-# batch of a single token takes a few different shape operators.) Then check your
-# prediction on a recorded 32-sequence step.
+# round of gathers and softmax per sequence. Count the operators of reference decode
+# steps of 2 and 3 sequences with `step_ops`, and predict how many a reference step of
+# 32 sequences runs (`predicted_ops_32`). (Start from 2, not 1: a batch of a single
+# token takes a few different shape operators.)
 
-# %% jupyter={"source_hidden": true}
-# Solution
+# %% tags=["solution"] jupyter={"source_hidden": true}
 def step_ops(n: int) -> int:
     step = decode_step(ref, PROMPTS[:n])
     return profile_ops(lambda: ref_runner.forward(step)).num_ops
 
 
+### BEGIN SOLUTION
 two, three = step_ops(2), step_ops(3)
-per_sequence = three - two
-predicted = two + (32 - 2) * per_sequence
-actual = step_ops(32)
-print(f"{per_sequence} operators per sequence ({per_sequence / layers:.0f} per layer): "
-      f"predicted {predicted}, profiled {actual}")
-assert predicted == actual
+predicted_ops_32 = two + (32 - 2) * (three - two)  # the same operators per sequence
+### END SOLUTION
+
+# %% tags=["check"]
+assert predicted_ops_32 == step_ops(32)
+
+# %% [markdown]
+# ### Exercise 14.2 — swap a twin back, with the replay on
+# The check below changes the accelerated engine: every RMSNorm module of the model goes
+# back to the reference class (`module.__class__ = RMSNorm`), and the recorded one-
+# sequence decode step runs again through `runner.forward`, the decode replay still on.
+# **Predict first:** do the step's logits change at all, even in the last bit
+# (`logits_move`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# No: a decode step goes through the replay, one C++ call over the same weights; it
+# never calls the Python modules, so their classes do not matter to it.
+logits_move = False
+### END SOLUTION
+
+# %% tags=["check"]
+before = runner.forward(one)
+norms = [m for m in runner.model.modules() if isinstance(m, CpuRMSNorm)]
+for m in norms:
+    m.__class__ = RMSNorm  # the engine change
+try:
+    after = runner.forward(one)
+finally:
+    for m in norms:
+        m.__class__ = CpuRMSNorm
+assert norms and logits_move == (not torch.equal(before, after))
+
+# %% [markdown]
+# ### Exercise 14.3 — what a batch buys
+# From the measured roofline (`roof`): how many times more tokens per second does the
+# ceiling allow at batch 32 than at batch 1 (`ceiling_gain_32`)? Write it with
+# `crossover` (the batch size where compute becomes the limit).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# bandwidth-bound: b x (steps/s); compute-bound: flat. Batch 1 is bandwidth-bound.
+ceiling_gain_32 = min(32, crossover) if crossover >= 1 else 1.0
+### END SOLUTION
+
+# %% tags=["check"]
+gain = roof.ceiling_tokens_per_s(32) / roof.ceiling_tokens_per_s(1)
+assert abs(ceiling_gain_32 - gain) < 1e-9 * gain
 
 # %% [markdown]
 # ## Summary

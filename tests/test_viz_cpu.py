@@ -49,6 +49,10 @@ def test_roofline_ceiling_is_the_smaller_bound_and_matches_roofline():
     # The x axis runs past the crossover (here 20 sequences) and every measured batch.
     assert max(ceiling.x) >= 2 * roof.compute_tokens_per_s / roof.bandwidth_steps_per_s
     assert {1, 32} <= set(ceiling.x)
+    # The corner is drawn: the line passes through the crossover, where both bounds meet.
+    corner = roof.compute_tokens_per_s / roof.bandwidth_steps_per_s
+    assert corner in set(ceiling.x)
+    assert ceiling.y[list(ceiling.x).index(corner)] == pytest.approx(roof.compute_tokens_per_s)
     points = {t.name: t for t in fig.data[3:]}
     assert list(points) == ["reference", "minivllm.cpu"]
     assert list(points["minivllm.cpu"].x) == [1, 32]

@@ -66,3 +66,27 @@ def test_numeric_bounds_and_rendering():
 def test_bad_input_names_the_field(kwargs, words):
     with pytest.raises(ValueError, match=words):
         show_source(**kwargs)
+
+
+def test_show_csrc_slices_a_kernel_file_from_its_template_line():
+    from minivllm.viz.source import CSRC, show_csrc
+
+    text = (CSRC / "layernorm.cpp").read_text().splitlines()
+    at = next(i for i, line in enumerate(text) if "void norm_row(" in line)
+    piece = show_csrc("layernorm.cpp", "void norm_row(", max_lines=6)
+    start = at - 1 if text[at - 1].startswith("template") else at
+    assert piece.first_line == start + 1 and list(piece.lines) == text[start:start + 6]
+    assert piece.path == "minivllm/cpu/csrc/layernorm.cpp" and piece.language == "cpp"
+    assert str(piece).splitlines()[1].endswith(text[start]) and piece.omitted > 0
+    assert "<span" in piece._repr_html_()  # highlighted as C++
+    ended = show_csrc("layernorm.cpp", "void norm_row(", end="}")
+    assert ended.lines[-1].strip().startswith("}") and ended.omitted == 0
+
+
+def test_show_csrc_names_what_is_wrong():
+    from minivllm.viz.source import show_csrc
+
+    with pytest.raises(ValueError, match="file='nope.cpp'.*layernorm.cpp"):
+        show_csrc("nope.cpp", "x")
+    with pytest.raises(ValueError, match="start='no such line'"):
+        show_csrc("layernorm.cpp", "no such line")

@@ -66,7 +66,9 @@ def roofline_figure(compute_tokens_per_s: float, bandwidth_steps_per_s: float,
     if batches is None:  # powers of two past the crossover and every measured batch
         top = max([2 * crossover] + [2 * b for b in points])
         batches = [2 ** i for i in range(int(math.log2(top)) + 2)]
-    xs = sorted(set(batches) | {b for b in points})
+    # The crossover itself is a point of the line: between two powers of two on either
+    # side of it, a straight segment would cut the roofline's corner.
+    xs = sorted(set(batches) | {b for b in points} | {crossover})
     ceiling = [roofline_tokens_per_s(compute_tokens_per_s, bandwidth_steps_per_s, b) for b in xs]
     fig = go.Figure([
         go.Scatter(name="ceiling", x=xs, y=ceiling, mode="lines", line=dict(color="black", width=3),

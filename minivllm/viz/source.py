@@ -38,6 +38,7 @@ class SourceSlice:
     first_line: int
     lines: tuple[str, ...]
     omitted: int = 0  # lines of the requested slice left out by max_lines
+    language: str = "python"  # or "cpp": the lexer of the highlighted view
 
     @property
     def text(self) -> str:
@@ -67,11 +68,12 @@ class SourceSlice:
     def _repr_html_(self) -> str:
         from pygments import highlight
         from pygments.formatters import HtmlFormatter
-        from pygments.lexers import PythonLexer
+        from pygments.lexers import CppLexer, PythonLexer
 
         formatter = HtmlFormatter(linenos="inline", linenostart=self.first_line,
                                   noclasses=True, style="default")
-        code = highlight(self.text, PythonLexer(), formatter)
+        lexer = CppLexer() if self.language == "cpp" else PythonLexer()
+        code = highlight(self.text, lexer, formatter)
         note = f"<div style='color:#666'>{self.footer[2:]}</div>" if self.footer else ""
         return (f"<div style='font-size:90%'><div style='color:#666;font-family:monospace'>"
                 f"{self.header[2:]}</div>{code}{note}</div>")
@@ -145,6 +147,35 @@ def show_source(obj: Any, start: Bound = None, end: Bound = None,
                        lines=tuple(kept), omitted=hi + 1 - lo - len(kept))
 
 
+CSRC = Path(__file__).resolve().parents[1] / "cpu" / "csrc"  # minivllm/cpu/csrc
+
+
+def show_csrc(file: str, start: str, end: Optional[str] = None,
+              max_lines: int = MAX_LINES) -> SourceSlice:
+    """A slice of the C++ kernels' source, ``minivllm/cpu/csrc/<file>``, taken now.
+
+    ``start`` is a piece of text: the slice begins at the first line containing it
+    (or at the ``template`` line just above it); ``end``, if given, is the first
+    line from there on containing that text. A C++ function has no Python object to
+    ask, so this reads the file: it has its own name, not ``show_source``'s.
+    """
+    path = CSRC / file
+    if not path.is_file():
+        known = ", ".join(sorted(p.name for p in CSRC.glob("*.cpp")))
+        raise ValueError(f"show_csrc file={file!r}: no such file in minivllm/cpu/csrc "
+                         f"(there are: {known})")
+    if not isinstance(max_lines, int) or isinstance(max_lines, bool) or max_lines < 1:
+        raise ValueError(f"show_csrc max_lines={max_lines!r} is invalid: an integer >= 1")
+    lines = path.read_text().splitlines()
+    lo = _index(lines, start, 0, 0, "start", file)
+    if lo and lines[lo - 1].lstrip().startswith("template"):
+        lo -= 1
+    hi = _index(lines, end, len(lines) - 1, lo, "end", file)
+    kept = lines[lo:min(hi + 1, lo + max_lines)]
+    return SourceSlice(qualname=file, path=f"minivllm/cpu/csrc/{file}", first_line=lo + 1,
+                       lines=tuple(kept), omitted=hi + 1 - lo - len(kept), language="cpp")
+
+
 def _short_path(path: str) -> str:
     """``minivllm/core/block_pool.py`` rather than the absolute path of this checkout."""
     parts = Path(path).parts
@@ -153,4 +184,4 @@ def _short_path(path: str) -> str:
     return Path(path).name
 
 
-__all__ = ["SourceSlice", "show_source", "resolve", "MAX_LINES"]
+__all__ = ["SourceSlice", "show_source", "show_csrc", "resolve", "MAX_LINES", "CSRC"]
