@@ -163,6 +163,45 @@ show_source(RejectionSampler.accept, start="return")
 show_source(RejectionSampler.residual, start="return")
 
 # %% [markdown]
+# ### Why the output is exactly p
+#
+# Take one position: the target's distribution $p$, the proposer's $q$, a draft
+# $d \sim q$ and $u$ uniform in $[0, 1)$. The token that comes out is $d$ if it is
+# accepted, otherwise a draw from the residual $r(x) = \max(0, p(x) - q(x)) / Z$.
+# Draft $x$ is proposed with probability $q(x)$ and then kept with probability
+# $\min(1, p(x)/q(x))$, so
+#
+# $$P(\text{accept } x) = q(x) \min\Big(1, \frac{p(x)}{q(x)}\Big) = \min(q(x), p(x)).$$
+#
+# The chance of a rejection is what is left: $1 - \sum_y \min(q(y), p(y)) = \sum_y
+# \max(0, p(y) - q(y)) = Z$, because $\min(q, p) + \max(0, p - q) = p$ and $p$ sums to 1.
+# So
+#
+# $$P(\text{out} = x) = \min(q(x), p(x)) + Z \cdot \frac{\max(0, p(x) - q(x))}{Z}
+#   = \min(q(x), p(x)) + \max(0, p(x) - q(x)) = p(x).$$
+#
+# Each position's token is distributed as the target's $p$, given the tokens before it;
+# the chain of positions is then the target's own sequence distribution, whatever $q$
+# is. A good $q$ only makes acceptances more likely. Checked on a small vocabulary, the
+# formula exactly and the engine's `accept` and `residual` by simulation:
+
+# %%
+gen = torch.Generator().manual_seed(0)
+p6, q6 = (torch.rand(6, generator=gen, dtype=torch.float64).softmax(0) for _ in range(2))
+Z = sampler.residual(p6, q6).sum()
+assert torch.allclose(torch.minimum(q6, p6) + sampler.residual(p6, q6), p6, atol=1e-15)
+assert torch.isclose(1 - torch.minimum(q6, p6).sum(), Z)  # the rejection probability
+N_SIM = 200_000
+d = torch.multinomial(q6, N_SIM, replacement=True, generator=gen)
+u = torch.rand(N_SIM, generator=gen, dtype=torch.float64)
+kept = sampler.accept(u, p6[d], q6[d])  # the engine's rule, vectorised
+fixed = torch.multinomial(sampler.residual(p6, q6) / Z, N_SIM, replacement=True, generator=gen)
+share = torch.bincount(torch.where(kept, d, fixed), minlength=6) / N_SIM
+print("output shares", [round(x, 4) for x in share.tolist()])
+print("target p     ", [round(x, 4) for x in p6.tolist()])
+assert ((share - p6).abs() < 5 * (p6 * (1 - p6) / N_SIM).sqrt()).all()
+
+# %% [markdown]
 # ## 3. Inside the engine: acceptance on two workloads
 #
 # `LLM(speculative_config={"method": "ngram", ...})` puts the proposer and the verifier
@@ -378,6 +417,20 @@ show_source("minivllm.core.scheduler.Scheduler", start="spec_decoding_stats.obse
             end="free_tail(request")
 
 # %% [markdown]
+# ## Summary
+#
+# - A cheap proposer guesses k tokens; the target scores all of them in one forward pass
+#   over k + 1 positions, and a verifier keeps the agreeing prefix plus one token of the
+#   target's own: every step yields at least one token, and up to k + 1.
+# - Greedy verification keeps a draft while it is the target's argmax; sampled
+#   verification accepts d with probability min(1, p(d)/q(d)) and draws a rejection's
+#   replacement from max(p − q, 0). The derivation above shows why the output is then
+#   exactly p: speculation changes the speed, never the distribution.
+# - It pays where a step is bound by reading the weights (one stream) and drafts are
+#   often right (quoting, code, repeated text); in a big batch the step is closer to
+#   compute-bound, every rejected draft costs arithmetic, and the engine stops drafting.
+# - Rejected drafts' KV slots are handed back (`free_tail`), whole blocks included.
+#
 # ## Things to try
 #
 # - Raise k to 8 on the passage and on chat: which one's acceptance rate falls?
@@ -386,20 +439,69 @@ show_source("minivllm.core.scheduler.Scheduler", start="spec_decoding_stats.obse
 #   gives the same tokens with and without re-running (chapter 9's generators).
 # - `minivllm bench spec-decode` measures the speed-up properly, with repeats.
 #
-# ## Exercise
-#
-# With a one-hot q, the chance that *all* k drafts are accepted is the product of
-# p_j(d_j). Predict it for the drafts of section 2 from `p`, then measure it with the
-# `verify_sampled` of section 2 (shown there to agree with the engine) over 1000 draws.
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 15.1 — all k accepted
+# With a one-hot q, the chance that *all* k drafts are accepted is the product of the
+# target's probabilities of the drafts. Compute it for the drafts of section 2 from `p`
+# (`p_all_k`). The check measures it with `verify_sampled` (shown to agree with the
+# engine) over 2,000 draws.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-predicted = float(torch.prod(p[torch.arange(K), torch.tensor(drafts)]))
-N = 1000
+### BEGIN SOLUTION
+p_all_k = float(torch.prod(p[torch.arange(K), torch.tensor(drafts)]))
+### END SOLUTION
+
+# %% tags=["check"]
 gen = torch.Generator().manual_seed(0)
-all_in = sum(verify_sampled(drafts, p, one_hot, torch.rand(K, generator=gen))[0] == K
-             for _ in range(N))
-print(f"predicted {predicted:.1%}, measured {all_in / N:.1%}")
-assert abs(all_in / N - predicted) < 4 * (predicted * (1 - predicted) / N) ** 0.5 + 0.005
+runs = [verify_sampled(drafts, p, one_hot, torch.rand(K, generator=gen))[0]
+        for _ in range(2000)]
+measured = sum(n == K for n in runs) / len(runs)
+print(f"predicted {p_all_k:.1%}, measured {measured:.1%}")
+assert abs(measured - p_all_k) < 5 * (p_all_k * (1 - p_all_k) / len(runs)) ** 0.5 + 0.005
+
+# %% [markdown]
+# ### Exercise 15.2 — forget to subtract q
+# The check below changes the engine's `RejectionSampler`: its `residual` returns p
+# itself instead of max(p − q, 0), and the first draft is verified for 1,000 seeds with
+# a one-hot q. **Predict first:** how often is the first output token the first draft
+# `d0` now (`p_first_is_d0`)? Write it with `a = p(d0)` (the real residual gives `a`).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+a = float(p[0, drafts[0]])
+### BEGIN SOLUTION
+# accepted with probability a; else redrawn from p, which hits d0 again with
+# probability a: a + (1 - a) a = a (2 - a) > a. The output is no longer p.
+p_first_is_d0 = a + (1 - a) * a
+### END SOLUTION
+
+# %% tags=["check"]
+broken = RejectionSampler()
+broken.residual = lambda p_row, q_row: p_row.clone()  # the engine change
+hits = 0
+for seed in range(1000):
+    row = SamplingRow(SamplingParams(temperature=1.0), ids, [],
+                      torch.Generator().manual_seed(seed))
+    hits += broken(logits[:2], [row], [drafts[:1]], [None])[0][0][0] == drafts[0]
+print(f"a = {a:.3f}; first token = d0 in {hits / 1000:.3f} of seeds")
+assert abs(hits / 1000 - p_first_is_d0) < 5 * (p_first_is_d0 * (1 - p_first_is_d0) / 1000) ** 0.5
+
+# %% [markdown]
+# ### Exercise 15.3 — the mean accepted length
+# Still with the one-hot n-gram drafts of section 2: how many drafts are accepted on
+# average per verification (`mean_accepted`)? A draft counts only if every draft before
+# it was accepted.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+accept_p = p[torch.arange(K), torch.tensor(drafts)]
+mean_accepted = float(torch.cumprod(accept_p, 0).sum())  # sum over j of P(first j kept)
+### END SOLUTION
+
+# %% tags=["check"]
+spread = (sum((n - mean_accepted) ** 2 for n in runs) / len(runs)) ** 0.5
+assert abs(sum(runs) / len(runs) - mean_accepted) < 5 * spread / len(runs) ** 0.5 + 0.01
 
 # %%
 for llm in (base, spec, spec2, auto):
