@@ -37,6 +37,7 @@ import json
 import math
 
 import jsonschema
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.openai.protocol import ChatTool, NamedToolChoice
@@ -77,7 +78,7 @@ print("free first token:", repr(tokenizer.decode(free.outputs[0].token_ids)),
 
 # %% [markdown]
 # The mask itself: one bit per token, 32 tokens per int32 word. At the first step of a
-# JSON object only a handful of the 49,152 tokens are allowed.
+# JSON object only a handful of the vocabulary's `V` tokens are allowed.
 
 # %%
 compiled, extra = manager.compiler.compile(spec)
@@ -100,7 +101,8 @@ free_p = {t: math.exp(lp.logprob) for t, lp in free_lp.items()}
 top = sorted(free_p, key=free_p.get, reverse=True)[:12]
 after = [math.exp(held_lp[t].logprob) if t in held_lp else 0.0 for t in top]
 fig = filter_figure([tokenizer.decode([t]) for t in top], [free_p[t] for t in top], after,
-                    title="First token of a JSON answer: free and under the mask")
+                    title="First token of a JSON answer: free and under the mask",
+                    names=("free (no mask)", "under the mask (renormalised)"))
 fig.show()
 save_key_figure(fig, "16_constrained_decoding")
 shifts = [held_lp[t].logprob - free_lp[t].logprob for t in held_lp
@@ -111,16 +113,50 @@ assert all(allowed[t] == math.isfinite(held_lp[t].logprob) for t in held_lp)
 print(f"mass kept by the mask: {math.exp(-shifts[0]):.3f}")
 
 # %% [markdown]
-# In the engine this is one hook, called by the model runner on the logits of the rows it
-# samples, before the sampler (constrained and free requests side by side; a free row
-# keeps every bit):
+# ## Grammar → bitmask → masked logits, in the engine
+#
+# In the engine this is one hook, called by the model runner on the logits of the rows
+# it samples, before the sampler (constrained and free requests side by side; a free
+# row keeps every bit). It takes three steps: a mask with every bit set, each
+# constrained row's bits filled in by that request's grammar, and the mask applied:
 
 # %%
-import inspect
-
 from minivllm.structured_output.manager import StructuredOutputManager
+from minivllm.viz.source import show_source
 
-print(inspect.getsource(StructuredOutputManager.mask_logits))
+show_source(StructuredOutputManager.mask_logits, start="rows = [i for i")
+
+# %% [markdown]
+# Each request has its own `RequestGrammar`, a matcher compiled from its schema or
+# regex (by xgrammar) that has seen the request's output so far. Filling its row asks
+# the matcher which tokens may come next; the JSON-mode whitespace rule, if any, is one
+# more mask AND-ed in:
+
+# %%
+show_source(RequestGrammar.fill, start="if self.matcher")
+
+# %% [markdown]
+# And the bits become minus infinity in the logits, in place, only in the constrained
+# rows (xgrammar's kernel does the unpacking):
+
+# %%
+show_source(bitmask.apply, start="if not rows")
+
+# %% [markdown]
+# Run the three steps on a row of real logits: fill, apply, and every disallowed token
+# is at minus infinity while the allowed ones keep their values.
+
+# %%
+row_logits = torch.randn(1, V)
+masked = row_logits.clone()
+fresh = RequestGrammar(compiled, extra_mask=extra)
+one_row = bitmask.allocate(1, V)
+fresh.fill(one_row, 0)
+bitmask.apply(masked, one_row, [0])
+ok_bits = bitmask.allowed_tokens(one_row[0], V)
+assert torch.isinf(masked[0, ~ok_bits]).all() and torch.equal(masked[0, ok_bits],
+                                                             row_logits[0, ok_bits])
+print(f"{int(ok_bits.sum())} finite logits left of {V}")
 
 # %% [markdown]
 # ## A regex mask by hand
@@ -251,21 +287,81 @@ print(call.function.name, call.function.arguments)
 jsonschema.validate(json.loads(call.function.arguments), weather.function.parameters)
 
 # %% [markdown]
-# ## Exercise
+# ## Summary
 #
-# Predict how many tokens are allowed at the first step of `choice=["yes", "no"]`,
-# then check. *(Answer below.)*
+# - Constrained decoding is a mask on the logits: before sampling, every token that
+#   would break the format gets minus infinity, so the model chooses only among tokens
+#   that keep the output valid, with its probabilities renormalised over them.
+# - The engine compiles each request's schema, regex, choice or grammar into a matcher;
+#   every step the matcher fills one bit per token of its row, and one call applies the
+#   bitmask of the whole batch; the sampled token then advances the matcher.
+# - A regex mask is simple enough to write by hand, and it agrees with the library's.
+# - The mask guarantees form, not content: a valid number can be the wrong number, and
+#   an answer cut by `max_tokens` is a valid prefix that does not parse.
+# - A forced tool call is the same mechanism with the function's parameters as the
+#   schema.
+#
+# ## Exercises
 
-# %%
-# Answer: the tokens that start "yes" or "no" ("y", "ye", "yes", "n", "no"...), as
-# many as the vocabulary has such prefixes.
+# %% [markdown]
+# ### Exercise 16.1 — yes or no
+# For `choice=["yes", "no"]`, which tokens are allowed at the first step
+# (`allowed_yes_no`, a set of token IDs)? Compute it from `vocab` (token ID → bytes).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# the tokens whose bytes begin "yes" or "no" and do not run past them: y, ye, yes, n, no
+allowed_yes_no = {t for t, b in enumerate(vocab)
+                  if b and (b"yes".startswith(b) or b"no".startswith(b))}
+### END SOLUTION
+
+# %% tags=["check"]
 compiled_yn, _ = manager.compiler.compile(SO(choice=["yes", "no"]))
 m = bitmask.allocate(1, V)
 RequestGrammar(compiled_yn).fill(m, 0)
-got = {tokenizer.decode([t]) for t in bitmask.allowed_tokens(m[0], V).nonzero().flatten()
-       .tolist()}
-assert got and all("yes".startswith(s) or "no".startswith(s) for s in got)
-print(sorted(got))
+library_yn = set(bitmask.allowed_tokens(m[0], V).nonzero().flatten().tolist())
+print(sorted(tokenizer.decode([t]) for t in library_yn))
+assert allowed_yes_no == library_yn
+
+# %% [markdown]
+# ### Exercise 16.2 — switch the mask off
+# The check below changes the engine: the structured-output manager's `mask_logits`
+# does nothing (`return None`), and the cat request of the first section runs again,
+# constrained to `spec`, for one greedy token. **Predict first:** which token comes
+# out (`first_unmasked`, a token ID)? Answer with a name from the first section.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Without the mask the logits are the free ones, and greedy takes their argmax: the
+# free run's first token, whatever the schema says.
+first_unmasked = free.outputs[0].token_ids[0]
+### END SOLUTION
+
+# %% tags=["check"]
+manager.mask_logits = lambda logits, reqs: None  # the engine change
+try:
+    unmasked = llm.chat(ask, SamplingParams(temperature=0, max_tokens=1,
+                                            structured_outputs=spec), use_tqdm=False)[0]
+finally:
+    del manager.mask_logits  # back to the class's method
+assert first_unmasked == unmasked.outputs[0].token_ids[0]
+
+# %% [markdown]
+# ### Exercise 16.3 — the mask's size
+# How many int32 words does one row of the bitmask take for this vocabulary
+# (`words_per_row`), and how many bytes does the mask of a step with 32 constrained
+# requests take (`mask_bytes_32`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+words_per_row = -(-V // 32)  # one bit per token, 32 per word, the last word partial
+mask_bytes_32 = 32 * words_per_row * 4
+### END SOLUTION
+
+# %% tags=["check"]
+batch_mask = bitmask.allocate(32, V)
+assert batch_mask.shape == (32, words_per_row)
+assert batch_mask.numel() * batch_mask.element_size() == mask_bytes_32
 
 # %% [markdown]
 # **Things to try**: constrain to an EBNF grammar of your own (`SO(grammar=...)`), time

@@ -33,6 +33,12 @@ def test_filter_figure_with_the_samplers_top_p():
     assert list(before_bar.y) == ["a", "b", "c", "d"] and fig.layout.yaxis.autorange == "reversed"
     with pytest.raises(ValueError, match="one of each per token"):
         filter_figure(["a"], PROBS, PROBS)
+    assert [b.name for b in fig.data] == ["after temperature", "after the filters (renormalised)"]
+    masked = filter_figure(["a", "b", "c", "d"], PROBS, after,
+                           names=("free", "under the mask (renormalised)"))
+    assert [b.name for b in masked.data] == ["free", "under the mask (renormalised)"]
+    with pytest.raises(ValueError, match="names=.*two legend entries"):
+        filter_figure(["a"], [0.5], [0.5], names=("only one",))
 
 
 def test_count_bars_from_the_exponential_race():

@@ -26,12 +26,16 @@ BEFORE_COLOR, KEPT_COLOR = "#bdbdbd", "#3182bd"
 
 
 def filter_figure(labels: Sequence[str], before: Sequence[float], after: Sequence[float],
-                  title: str = "Next-token probabilities: before and after the filters"
+                  title: str = "Next-token probabilities: before and after the filters",
+                  names: tuple[str, str] = ("after temperature",
+                                            "after the filters (renormalised)")
                   ) -> go.Figure:
     """Two bar traces over the same tokens (in the given order, most likely first).
 
     ``before``: probabilities after temperature; ``after``: after the filters,
     renormalised (0 for a dropped token). Dropped tokens are named in the hover.
+    ``names`` are the two legend entries: another caller's "before" and "after" (a
+    grammar's mask, say) says what its bars are.
     """
     if not (len(labels) == len(before) == len(after)):
         raise ValueError(f"labels, before and after have {len(labels)}, {len(before)} and "
@@ -42,13 +46,15 @@ def filter_figure(labels: Sequence[str], before: Sequence[float], after: Sequenc
         bad = [p for p in ps if not 0.0 <= p <= 1.0 + 1e-6]
         if bad:
             raise ValueError(f"{name} contains {bad[:3]}: probabilities must be in [0, 1]")
-    names = unique_labels([visible(s) for s in labels])
+    if len(names) != 2:
+        raise ValueError(f"names={names!r} is invalid: two legend entries, before and after")
+    bar_names = unique_labels([visible(s) for s in labels])
     kept = [a > 0 for a in after]
     fig = go.Figure([
-        go.Bar(name="after temperature", y=names, x=list(before), orientation="h",
+        go.Bar(name=names[0], y=bar_names, x=list(before), orientation="h",
                marker_color=BEFORE_COLOR, text=[f"{p:.1%}" for p in before],
                textposition="outside", hovertemplate="%{y}: %{x:.4f}<extra></extra>"),
-        go.Bar(name="after the filters (renormalised)", y=names, x=list(after),
+        go.Bar(name=names[1], y=bar_names, x=list(after),
                orientation="h", marker_color=KEPT_COLOR,
                text=[f"{p:.1%}" if k else "dropped" for p, k in zip(after, kept)],
                textposition="outside",
