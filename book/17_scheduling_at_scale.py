@@ -42,7 +42,6 @@ from minivllm.viz.path import request_path_figure
 request_path_figure(17)  # where this chapter is on the request path
 
 # %%
-import inspect
 import statistics
 
 from minivllm import LLM, SamplingParams
@@ -57,10 +56,7 @@ from minivllm.viz.bars import line_chart
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.latency import load_sweep_figure
 from minivllm.viz.sim import paired_bars, step_fit_figure
-
-
-def show(obj) -> None:
-    print(inspect.getsource(obj))
+from minivllm.viz.source import show_source
 
 # %% [markdown]
 # ## The seam: an executor that only prices the step
@@ -71,7 +67,8 @@ def show(obj) -> None:
 # tokens: the next token of its script (a replayed answer) or a synthetic id.
 
 # %%
-show(SimExecutor.execute_model)
+show_source(SimExecutor.execute_model, start="t0 = time.perf_counter()",
+            end="out.timings =")
 
 # %% [markdown]
 # The price of a step is a roofline per operator group: matrix products (every weight
@@ -80,7 +77,13 @@ show(SimExecutor.execute_model)
 # overheads per step, per sequence and per token.
 
 # %%
-show(CostModel.breakdown)
+show_source(CostModel.breakdown, start="flops = hw.peak_flops", end="return out")
+
+# %% [markdown]
+# The operator groups' work comes from the step's composition (`features`: tokens,
+# sequences, each sequence's context, the FLOPs and bytes of the products), counted from
+# the same `SchedulerOutput` the real model runner receives; the step time is the sum of
+# the groups' times.
 
 # %% [markdown]
 # ## Calibrate on this machine
@@ -117,7 +120,9 @@ assert len(cal.measured) > 20
 assert 0 < cpu.flops_efficiency <= 4 and cpu.bandwidth_efficiency > 0  # (the fit's bounds)
 
 # %%
-step_fit_figure(cal.measured, cal.predicted)
+step_fit_figure(cal.measured, cal.predicted,
+                title="Calibration: the cost model's simulated step times against the "
+                      "real engine's, one point per step")
 
 # %% [markdown]
 # The points scatter around the diagonal: on a shared 2-core machine the same step can
@@ -181,7 +186,7 @@ print_table(published)
 assert all(abs(r["error"]) < 0.3 for r in published)
 
 # %% [markdown]
-# The presets are off by the errors above: their efficiencies and the 1 ms per step
+# The presets are off by the errors above: their efficiencies and fixed overheads
 # are guesses, and every absolute H100 number below carries such an error. The
 # comparisons between configurations below (a larger cache, another policy) price
 # both sides with the same model, so they lean less on those guesses.
@@ -209,7 +214,8 @@ assert sweep[-1].ttft_ms["median"] > sweep[0].ttft_ms["median"]
 assert sweep[-1].output_throughput > 2 * sweep[0].output_throughput
 
 # %%
-fig = load_sweep_figure([f"{r}/s" for r in rates], sweep)
+fig = load_sweep_figure([f"{r}/s" for r in rates], sweep,
+                        title="Simulated: Llama-3-8B on one H100 at rising load")
 save_key_figure(fig, "17_scheduling_at_scale")
 fig
 
@@ -221,7 +227,8 @@ fig
 # ## How big must the KV cache be?
 #
 # All requests at once, and a KV cache of a few thousand blocks of 16 tokens, up to
-# the 26,000 blocks an H100 leaves for the cache at 90 % memory use.
+# about what an H100 leaves for the cache at 90 % memory use (printed below; exercise
+# 17.1 derives it).
 
 # %%
 blocks = [1000, 2000, 4000, 8000, 16000]
@@ -232,20 +239,24 @@ throughput = [serve_metrics(r).output_throughput for r in kv]
 print(dict(zip(blocks, preemptions)))
 need = sum(-(-(len(w.prompt_token_ids) + w.output_len) // 16)
            for w in random_requests(120, 1024, 256, VOCAB, 0.5, seed=1))
-print(f"all 120 requests at their longest need {need} blocks")
+print(f"all 120 requests at their longest need {need} blocks; the H100 preset has "
+      f"{h100().num_blocks:,}")
 assert preemptions[0] > preemptions[-1] and preemptions[-1] == 0
 assert throughput[-1] > throughput[0]
 
 # %%
-line_chart(blocks, {"preemptions": preemptions}, "KV cache size against preemptions",
+line_chart(blocks, {"preemptions": preemptions},
+           "Simulated: KV cache size against preemptions (Llama-3-8B, H100)",
            "KV blocks (16 tokens each)", "preemptions")
 
 # %% [markdown]
 # ## Chunk size against inter-token latency
 #
 # `max_num_batched_tokens` is the token budget of a step, and so the largest prefill
-# chunk. Long prompts (about 2,000 tokens) keep arriving while others decode: every
-# step that carries a big chunk is a long step for the decoding requests too.
+# chunk. Long prompts keep arriving while others decode (the workload's prompt length
+# is the `2048` in the cell): every step that carries a big chunk is a long step for
+# the decoding requests too. Chapter 7 measured the same effect on the real engine;
+# here it is a simulated H100 under load.
 
 # %%
 chunks = [256, 1024, 4096]
@@ -260,7 +271,8 @@ assert ttft[0] > ttft[-1]
 
 # %%
 line_chart(chunks, {"p99 ITL (ms)": p99_itl, "median TTFT (ms)": ttft},
-           "Chunk size: smoother decodes or faster first tokens", "max_num_batched_tokens",
+           "Simulated: chunk size, smoother decodes or faster first tokens (H100)",
+           "max_num_batched_tokens",
            "ms", log_y=True)
 
 # %% [markdown]
@@ -294,7 +306,7 @@ assert policies["priority"][1] > policies["fcfs"][1]
 # %%
 paired_bars(["interactive (0)", "batch (1)"],
             {p: [t[0], t[1]] for p, t in policies.items()},
-            "Median TTFT by priority class", "seconds")
+            "Simulated: median TTFT by priority class (H100)", "seconds")
 
 # %% [markdown]
 # The interactive requests jump the queue; the batch jobs wait longer. Nothing is
@@ -322,23 +334,85 @@ assert routing["prefix_aware"][1] < routing["round_robin"][1]
 
 # %%
 paired_bars(list(routing), {"prefix cache hit rate": [v[0] for v in routing.values()]},
-            "What each router finds in the cache", "share of prompt tokens")
+            "Simulated: what each router finds in the cache (4 H100 replicas)",
+            "share of prompt tokens")
 
 # %% [markdown]
-# ## Exercise
+# ## Summary
 #
-# How many KV blocks does the simulated H100 give Llama-3-8B? Predict it from the
-# model's config: 90 % of 80 GB, minus the bf16 weights, minus the 1 GiB the
-# simulator reserves for activations, divided by one block (16 tokens of K and V in
-# every layer). Then compare with `h100().num_blocks`.
+# - The simulator is the engine with one part swapped: the executor prices each step
+#   with a cost model and advances a virtual clock, while the engine's own scheduler,
+#   KV cache manager and block pool decide everything else.
+# - Calibrated on this machine, it reproduced a real run's schedule step for step; its
+#   clock comes within the error printed above, and an uncalibrated GPU preset within
+#   the errors of the published comparison.
+# - On a simulated H100: more load raises throughput and every request's TPOT, then
+#   TTFT once requests queue; a cache too small for the offered work preempts; smaller
+#   chunks smooth the decodes' ITL and delay long prompts' first tokens; priority
+#   scheduling moves TTFT from one class to the other; prefix-aware routing finds a
+#   session's history in the cache that round robin scatters.
+# - Every figure here says "simulated": absolute numbers carry the cost model's error,
+#   comparisons between configurations priced by the same model less so.
+#
+# ## Exercises
 
-# %% jupyter={"source_hidden": true}
+# %% [markdown]
+# ### Exercise 17.1 — the H100's KV blocks
+# How many KV blocks does the simulated H100 give Llama-3-8B (`predicted_blocks`)?
+# Derive it from the model's config: 90 % of 80 GB, minus the bf16 weights
+# (`weight_bytes(MODEL)`), minus the 1 GiB the simulator reserves for activations,
+# divided by one block (16 tokens of K and V in every layer).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
 from minivllm.benchmarks.roofline import weight_bytes
 
+### BEGIN SOLUTION
 per_block = 16 * 2 * MODEL.num_hidden_layers * MODEL.num_key_value_heads * MODEL.head_dim * 2
-predicted = int((0.9 * 80e9 - weight_bytes(MODEL) - 2 ** 30) // per_block)
-print(predicted, h100().num_blocks)
-assert predicted == h100().num_blocks
+predicted_blocks = int((0.9 * 80e9 - weight_bytes(MODEL) - 2 ** 30) // per_block)
+### END SOLUTION
+
+# %% tags=["check"]
+assert predicted_blocks == h100().num_blocks
+
+# %% [markdown]
+# ### Exercise 17.2 — eight seats
+# Configure the simulated engine with `max_num_seqs=8` instead of 256 and run the load
+# sweep's workload at 32 requests/s. **Predict first:** does the median TTFT rise
+# (`ttft_rises`), and does the output throughput fall (`throughput_falls`), compared
+# with 256 seats?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Eight seats cannot keep up with 32 requests/s: requests queue (TTFT rises), and each
+# step carries at most 8 sequences, so the weights are read for fewer tokens.
+ttft_rises, throughput_falls = True, True
+### END SOLUTION
+
+# %% tags=["check"]
+few = serve_metrics(h100(max_num_seqs=8).run(random_requests(160, 1024, 256, VOCAB, 0.5,
+                                                              request_rate=32, seed=0)))
+print(f"8 seats: TTFT {few.ttft_ms['median']:.0f} ms, {few.output_throughput:.0f} tok/s; "
+      f"256 seats: {sweep[-1].ttft_ms['median']:.0f} ms, {sweep[-1].output_throughput:.0f}")
+assert ttft_rises == (few.ttft_ms["median"] > sweep[-1].ttft_ms["median"])
+assert throughput_falls == (few.output_throughput < sweep[-1].output_throughput)
+
+# %% [markdown]
+# ### Exercise 17.3 — a long prompt's chunks
+# On the simulated H100 with `max_num_batched_tokens=1024`, one request with a
+# 3,000-token prompt arrives alone. How many engine steps compute its prompt
+# (`prefill_steps`)?
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+prefill_steps = -(-3000 // 1024)  # alone, it gets the whole budget every step
+### END SOLUTION
+
+# %% tags=["check"]
+alone = Simulator(MODEL, H100, EngineArgs(max_num_seqs=256, max_num_batched_tokens=1024,
+                                          max_model_len=4096), trace=True)
+long_req = SimRequest("long", [rng.randrange(3, VOCAB) for _ in range(3000)], 4)
+steps = alone.run([long_req]).traces[0]
+assert prefill_steps == sum(r.scheduled.get("long", (0, ""))[1] == "prefill" for r in steps)
 
 # %% [markdown]
 # ## Things to try
