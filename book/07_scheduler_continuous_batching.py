@@ -274,8 +274,10 @@ def itl_under_chunking(budget: int, arrive_at: int = 3) -> dict:
         if not eng.has_unfinished_requests():
             break
     gaps = [g for rid, m in ends.items() if rid != "B" for g in m.itl]
+    recs = loaded.trace.records
     return {"itl_p99_ms": percentile(gaps, 99) * 1e3, "ttft_b_ms": ends["B"].ttft * 1e3,
-            "max_step_tokens": max(r.num_batched_tokens for r in loaded.trace.records)}
+            "max_step_tokens": max(r.num_batched_tokens for r in recs),
+            "b_steps": sum(r.scheduled.get("B", (0, ""))[1] == "prefill" for r in recs)}
 
 
 # %%
@@ -290,6 +292,10 @@ for budget in (1024, 512, 256, 128, 64):
 loaded.engine_core.scheduler.max_num_batched_tokens = 1024
 assert chunking[1024]["max_step_tokens"] == len(B_PROMPT) + len(DECODERS)  # one step
 assert all(c["max_step_tokens"] <= b for b, c in chunking.items())
+# what the timings follow, exactly: smaller budgets, smaller steps, more steps for B
+by_budget = [chunking[b] for b in sorted(chunking, reverse=True)]
+assert all(x["max_step_tokens"] >= y["max_step_tokens"] and x["b_steps"] <= y["b_steps"]
+           for x, y in zip(by_budget, by_budget[1:]))
 
 # %%
 budgets = list(chunking)
