@@ -42,7 +42,7 @@ from IPython.display import display
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
-from minivllm.model.loader import resolve_model_path
+from minivllm.model.resolve import resolve_model_path
 from minivllm.viz.bars import component_bars, line_chart, topk_bars
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.heatmap import attention_heatmap

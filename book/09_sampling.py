@@ -24,7 +24,7 @@
 # - a real next-token distribution from the default model, checked against the
 #   engine's own logprobs;
 # - temperature, top-k, top-p and min-p computed by hand, each compared with the
-#   engine's sampler (`minivllm/worker/sampler.py`), and sliders that redraw the
+#   engine's sampler (`minivllm/sample/sampler.py`), and sliders that redraw the
 #   distribution after each filter;
 # - sampling itself: draws from the sampler match the probabilities;
 # - repetition, frequency and presence penalties, by hand and on a real generation;
@@ -47,7 +47,7 @@ from minivllm.model.attention import AttentionMetadata
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.sampling import count_bars, filter_figure
 from minivllm.viz.widgets import show_in
-from minivllm.worker.sampler import (Sampler, SamplingMetadata, SamplingRow, apply_min_p,
+from minivllm.sample.sampler import (Sampler, SamplingMetadata, SamplingRow, apply_min_p,
                                      apply_penalties, apply_top_k_top_p)
 
 llm = LLM(num_kv_blocks=64)

@@ -63,7 +63,7 @@ from minivllm.benchmarks.serve import (add_cli_args, benchmark, build_payloads,
                                        compute_metrics, poisson_delays)
 from minivllm.benchmarks.throughput import min_forward_passes
 from minivllm.entrypoints.launch import ServerProcess
-from minivllm.model.loader import DEFAULT_MODEL_NAME
+from minivllm.model.resolve import DEFAULT_MODEL_NAME
 from minivllm.viz.bars import component_bars
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.latency import batch_tradeoff_figure, load_sweep_figure

@@ -44,14 +44,14 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
 from minivllm.spec_decode.ngram_proposer import NgramProposer
-from minivllm.spec_decode.rejection_sampler import RejectionSampler
+from minivllm.sample.rejection_sampler import RejectionSampler
 from minivllm.spec_decode.workloads import grounded_prompts
 from minivllm.benchmarks.datasets import CHAT_PROMPTS
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.source import show_source
 from minivllm.viz.spec import (Verification, acceptance_histogram, accepted_counts,
                                draft_slots_figure, slot_kinds)
-from minivllm.worker.sampler import SamplingRow
+from minivllm.sample.sampler import SamplingRow
 
 base = LLM(num_kv_blocks=256)
 model = base.engine_core.executor.runner.model

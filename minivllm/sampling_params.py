@@ -94,7 +94,7 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
-    # Token-level knobs (minivllm/worker/logits_processors.py), applied to the
+    # Token-level knobs (minivllm/sample/logits_processors.py), applied to the
     # logits before sampling: OpenAI's logit_bias ({token id: bias in [-100, 100]},
     # added), vLLM's allowed_token_ids (every other token masked) and bad_words
     # (a word's last token masked where the output already ends in its other tokens).

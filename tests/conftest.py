@@ -20,7 +20,7 @@ CHAT_PROMPTS = list(BENCH_CHAT_PROMPTS[:16])
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
 
     return resolve_model_path(None)
 

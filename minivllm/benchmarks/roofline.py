@@ -310,7 +310,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
 
     cfg = ModelConfig.from_pretrained(resolve_model_path(args.model), "float32")
     bw = measure_bandwidth(min_seconds=args.min_seconds)

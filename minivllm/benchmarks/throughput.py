@@ -285,7 +285,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="minivllm and vLLM: ranks on this host, sharing --threads "
                              "(hf, hf-cb and llama.cpp run as one process)")
-    from minivllm.entrypoints.cli import json_dict
+    from minivllm.config.engine import json_dict
 
     parser.add_argument("--speculative-config", type=json_dict("speculative_config"),
                         default=None, metavar="JSON",
@@ -312,7 +312,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
 
     backends = list(dict.fromkeys(args.backend or ["minivllm"]))
     if "vllm" in backends and not args.vllm_python:
@@ -384,7 +384,7 @@ def run(args: argparse.Namespace) -> dict:
 def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProcess]:
     """Start every backend (one at a time: loading is not timed); skip those that fail."""
     from minivllm.inputs import load_tokenizer
-    from minivllm.model.loader import default_gguf_path
+    from minivllm.model.resolve import default_gguf_path
 
     tokenizer = load_tokenizer(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

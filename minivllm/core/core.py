@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 from minivllm.config import EngineConfig
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.engine.outputs import EngineCoreOutput
+from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
 from minivllm.trace import StepRecord, StepTrace

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 
 from minivllm.config import EngineConfig
 from minivllm.core.core import EngineCore
-from minivllm.engine.outputs import EngineCoreOutputs
+from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.core.request import Request, RequestStatus
 
 

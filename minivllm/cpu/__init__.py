@@ -1,6 +1,6 @@
 """Everything that makes minivllm fast on a CPU, apart from the reference path.
 
-The reference (``minivllm/model``, ``minivllm/worker/sampler.py``) is plain
+The reference (``minivllm/model``, ``minivllm/sample/sampler.py``) is plain
 PyTorch with one path per layer. This package plugs in at three seams,
 chosen once when the engine starts, never per call:
 

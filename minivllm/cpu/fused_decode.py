@@ -28,12 +28,12 @@ if the layers are repacked later it notices and stands aside.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
+from minivllm import envs
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.model.attention import AttentionMetadata
@@ -44,7 +44,7 @@ _NONE = torch.empty(0)  # "no bias" in the flat weight list
 
 
 def fused_decode_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.MINIVLLM_FUSED_DECODE
 
 
 def _linear_tensors(layer: nn.Module) -> list[torch.Tensor]:

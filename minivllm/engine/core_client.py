@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Union
 from minivllm.config import EngineConfig
 from minivllm.core.core_proc import (AddRequests, EngineCoreReady, FinishRequests,
                                        Shutdown, run_engine_core)
-from minivllm.engine.outputs import EngineCoreOutputs
+from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.core.request import Request, RequestStatus
 
 

@@ -19,6 +19,7 @@ from minivllm.core.core import EngineCore
 from minivllm.engine.output_processor import OutputProcessor, child_params
 from minivllm.core.request import Request, RequestStatus
 from minivllm.inputs import InputProcessor, PromptType, load_tokenizer, read_eos_token_ids
+from minivllm.model.resolve import create_engine_config
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -79,7 +80,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config())
+        return cls(create_engine_config(args))
 
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams,

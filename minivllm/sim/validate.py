@@ -266,7 +266,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from minivllm.entrypoints.launch import ServerProcess
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.calibrate import calibrate
     from minivllm.sim.hardware import load_hardware
     from minivllm.sim.workload import random_requests

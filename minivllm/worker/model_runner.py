@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.engine.outputs import LogprobInfo
+from minivllm.core.outputs import LogprobInfo
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.attention.selector import get_attention_backend
@@ -40,10 +40,10 @@ from minivllm.logger import info_once
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
 from minivllm.structured_output import StructuredOutputManager
-from minivllm.worker import logits_processors
+from minivllm.sample import logits_processors
 from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
-from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
-from minivllm.spec_decode.rejection_sampler import RejectionSampler, verify_step
+from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
+from minivllm.sample.rejection_sampler import RejectionSampler, verify_step
 
 CPU_KERNELS_ENV = "MINIVLLM_CPU_KERNELS"  # "0": the environment form of cpu_kernels=False
 # On CPU the KV cache gets this much memory unless told otherwise.

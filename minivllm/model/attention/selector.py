@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from minivllm import envs
 from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
 
@@ -36,8 +37,8 @@ def get_attention_backend(name: Optional[str] = None, device: torch.device | str
     device = torch.device(device)
     if name is not None:
         source = "attention_backend"
-    elif os.environ.get(ENV_VAR, "").strip():
-        name, source = os.environ[ENV_VAR].strip(), f"environment variable {ENV_VAR}"
+    elif envs.MINIVLLM_ATTENTION_BACKEND is not None:
+        name, source = envs.MINIVLLM_ATTENTION_BACKEND, f"environment variable {ENV_VAR}"
     else:
         name, source = default_backend_name(device, cpu_kernels), "default"
     if name not in BACKEND_NAMES:

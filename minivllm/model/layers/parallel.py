@@ -1,7 +1,7 @@
 """Tensor-parallel rank, size and collectives as the layers see them.
 
 The tensor-parallel group is torch.distributed's default group (the TP
-executor, ``minivllm.worker.distributed``, sets it up). When none is
+executor, ``minivllm.worker.tp_executor``, sets it up). When none is
 initialised (one process, the common case) rank is 0 and size is 1.
 
 A layer reads rank and size once, when it is built, and decides from its own

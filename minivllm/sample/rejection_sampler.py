@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from minivllm.worker.sampler import (SamplingMetadata, SamplingRow, apply_min_p,
+from minivllm.sample.sampler import (SamplingMetadata, SamplingRow, apply_min_p,
                                      apply_penalties, apply_top_k_top_p,
                                      exponential_race)
 
