@@ -89,7 +89,7 @@ from minivllm.viz.export import save_key_figure
 # %%
 FEATURES = cpu_features()
 PANELS = panel_width()  # output columns per GEMM panel: two vector registers
-assert ops.cpu_kernels_problem() is None, ops.cpu_kernels_problem()
+assert ops.build_problem() is None, ops.build_problem()
 print(FEATURES.describe())
 print(f"{torch.get_num_threads()} threads; panel GEMM "
       f"{f'{PANELS} columns per panel' if PANELS else 'off (MKL)'}")

@@ -45,8 +45,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.sample.rejection_sampler import RejectionSampler
-from minivllm.spec_decode.workloads import grounded_prompts
-from minivllm.benchmarks.datasets import CHAT_PROMPTS
+from minivllm.benchmarks.workload import grounded_prompts
+from minivllm.benchmarks.workload import CHAT_PROMPTS
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.source import show_source
 from minivllm.viz.spec import (Verification, acceptance_histogram, accepted_counts,

@@ -62,7 +62,7 @@ def _seconds(name: str, raw: str) -> float:
 ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MINIVLLM_CACHE", _text, str(Path.home() / ".cache" / "minivllm"),
            "where converted GGUF weights are cached (default `~/.cache/minivllm`)."),
-    EnvVar("MINIVLLM_ATTENTION_BACKEND", _choice("cpu", "torch", "triton"), None,
+    EnvVar("MINIVLLM_ATTENTION_BACKEND", _text, None,  # checked by the selector
            "`cpu`, `torch` or `triton`, overrides the default backend (`triton` on CUDA; "
            "on CPU `cpu`, the batched backend of `minivllm/cpu/` whose cache writes and "
            "decode rows go through C++ kernels; `torch`, the one-sequence-at-a-time "

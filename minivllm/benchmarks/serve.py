@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import AsyncIterator, Optional
 from urllib.parse import urlparse
 
-from minivllm.benchmarks.datasets import CHAT_PROMPTS
+from minivllm.benchmarks.workload import (CHAT_PROMPTS, arrival_times, poisson_delays,
+                                          request_delays)
 from minivllm.metrics.summary import summarize
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -221,39 +222,6 @@ def max_concurrency_seen(results: list[RequestResult]) -> int:
     return best
 
 
-def poisson_delays(num: int, rate: float, seed: int) -> list[float]:
-    """Seconds to wait before each request: exponential gaps of mean 1/rate (0 if inf)."""
-    return request_delays(num, rate, 1.0, seed)
-
-
-def request_delays(num: int, rate: float, burstiness: float = 1.0,
-                   seed: int = 0) -> list[float]:
-    """Gaps before each request, mean ``1/rate``, as ``vllm bench serve`` draws them.
-
-    Gamma-distributed with shape ``burstiness`` (1: exponential gaps, a Poisson
-    process; below 1 burstier, above 1 more regular); all 0 for ``rate=inf``.
-    """
-    if not rate > 0:
-        raise ValueError(f"request_rate={rate} is invalid: must be > 0 (inf = all at once)")
-    if not burstiness > 0 or math.isinf(burstiness):
-        raise ValueError(f"burstiness={burstiness} is invalid: must be a finite number > 0")
-    if math.isinf(rate):
-        return [0.0] * num
-    rng = random.Random(seed)
-    if burstiness == 1.0:
-        return [rng.expovariate(rate) for _ in range(num)]
-    return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(num)]
-
-
-def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """When each request is sent, seconds after the start (the running sum of the gaps)."""
-    t, out = 0.0, []
-    for gap in request_delays(num, rate, burstiness, seed):
-        t += gap
-        out.append(t)
-    return out
-
-
 def benchmark_duration(start: float, results: list[RequestResult]) -> float:
     """The benchmark's duration as ``vllm bench serve`` defines it: from its start
     (when the clock starts, before the first request's gap) to the end of the last
@@ -369,8 +337,7 @@ def random_workload_from_args(args: argparse.Namespace):
     """The random dataset as ``minivllm simulate`` draws it from the same flags: the
     same prompt and output lengths (and, over the same vocabulary, the same token
     IDs), so one command line describes a measured and a simulated run."""
-    from minivllm.benchmarks.datasets import BenchRequest
-    from minivllm.sim.workload import random_requests
+    from minivllm.benchmarks.workload import BenchRequest, random_requests
 
     work = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                            args.random_vocab_size, args.random_range_ratio, seed=args.seed,

@@ -23,7 +23,7 @@ import json
 import statistics
 import time
 
-from minivllm.benchmarks.datasets import CHAT_PROMPTS
+from minivllm.benchmarks.workload import CHAT_PROMPTS
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -47,7 +47,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_prompts(name: str, n: int) -> list[str]:
-    from minivllm.spec_decode.workloads import grounded_prompts
+    from minivllm.benchmarks.workload import grounded_prompts
 
     if name == "grounded":
         return grounded_prompts(n)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from minivllm.benchmarks.datasets import BenchRequest, chat_workload, random_workload
+from minivllm.benchmarks.workload import BenchRequest, chat_workload, random_workload
 from minivllm.metrics.summary import summarize
 
 BACKENDS = ("minivllm", "hf", "hf-cb", "vllm", "llama.cpp")

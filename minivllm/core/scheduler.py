@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from minivllm.config import SchedulerConfig
+from minivllm.config import SchedulerConfig, is_int
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
@@ -113,7 +113,7 @@ class Scheduler:
         if not 1 <= n <= self.max_model_len:
             raise ValueError(f"request {rid!r} has {n} prompt tokens: must be in "
                              f"[1, max_model_len={self.max_model_len}]")
-        if not _is_int(request.max_tokens) or request.max_tokens < 1:
+        if not is_int(request.max_tokens) or request.max_tokens < 1:
             raise ValueError(f"request {rid!r} has max_tokens={request.max_tokens!r}: "
                              "must be an integer >= 1")
         # A request that needs more blocks than exist would preempt itself forever.

@@ -212,11 +212,21 @@ def _plan_prefill(meta, group, seq_lens, from_cache, shape: _Shape) -> PrefillBa
 # The backend
 # --------------------------------------------------------------------------
 
+def cpu_attention_backend(device: torch.device) -> "CPUAttentionBackend":
+    """The factory the CPU path gives the selector (``extra_backends``)."""
+    if device.type != "cpu":
+        raise RuntimeError(f"it runs on CPU tensors, not on {device.type!r}")
+    problem = ops.build_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    return CPUAttentionBackend()
+
+
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        problem = ops.cpu_kernels_problem()
+        problem = ops.build_problem()
         if problem is not None:
             raise RuntimeError(f"attention backend 'cpu' cannot run: {problem}")
 

@@ -93,7 +93,7 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
                 "this CPU cannot pack)")
     if len({layer.mlp.gate_up_proj.packed_weight.halves for layer in model.layers}) > 1:
         return "gate_up weights packed in two layouts (the C++ loop takes one for all)"
-    return ops.cpu_kernels_problem()  # last: it may compile the kernels
+    return ops.build_problem()  # last: it may compile the kernels
 
 
 class LlamaFusedDecode:

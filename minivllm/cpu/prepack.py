@@ -108,7 +108,7 @@ class PackedWeight:
 
 
 def _panels_available() -> bool:
-    return ops.cpu_kernels_problem() is None and ops.packed_linear_available()
+    return ops.build_problem() is None and ops.packed_linear_available()
 
 
 def panel_width() -> Optional[int]:

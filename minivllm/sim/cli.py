@@ -83,7 +83,7 @@ def build(args: argparse.Namespace):
     from minivllm.sim.models import load_model_config
     from minivllm.sim.simulator import Simulator
     from minivllm.benchmarks.serve import draw_priorities, parse_priority_classes
-    from minivllm.sim.workload import multiturn_requests, random_requests
+    from minivllm.benchmarks.workload import multiturn_requests, random_requests
 
     classes = parse_priority_classes(args.priority_classes)  # bad input fails first
     hw = load_hardware(args.hardware)

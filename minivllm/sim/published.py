@@ -53,7 +53,7 @@ def simulate_latency(m: Measurement) -> float:
     from minivllm.sim.hardware import load_hardware
     from minivllm.sim.models import load_model_config
     from minivllm.sim.simulator import Simulator
-    from minivllm.sim.workload import random_requests
+    from minivllm.benchmarks.workload import random_requests
 
     model = load_model_config(m.model)
     sim = Simulator(model, load_hardware(m.hardware),

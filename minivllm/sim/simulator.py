@@ -32,7 +32,7 @@ from minivllm.sim.cost_model import CostModel
 from minivllm.sim.executor import SimExecutor
 from minivllm.sim.hardware import Hardware
 from minivllm.sim.router import Router
-from minivllm.sim.workload import SimRequest
+from minivllm.benchmarks.workload import SimRequest
 
 # Device memory the KV cache cannot have besides the weights (activations,
 # workspaces, CUDA graphs): an assumption, vLLM measures it by a trial run.

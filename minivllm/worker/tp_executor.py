@@ -43,27 +43,23 @@ out, every wait for another rank or process has a deadline.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import pickle
 import signal
 import subprocess
 import sys
-import threading
 import time
-import traceback
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.model.layers.parallel import check_tensor_parallel_sizes

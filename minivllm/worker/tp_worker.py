@@ -15,16 +15,12 @@ import dataclasses
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import threading
 import time
 import traceback
-import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -32,8 +28,6 @@ import torch.distributed as dist
 
 from minivllm import envs
 from minivllm.config import EngineConfig
-from minivllm.core.sched_output import SchedulerOutput
-from minivllm.model.layers.parallel import check_tensor_parallel_sizes
 
 TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT"
 # Workers wait for the next command for as long as the engine sits idle.
