@@ -56,7 +56,7 @@ import torch
 
 # %%
 from minivllm import LLM, SamplingParams
-from minivllm.benchmarks.bench_driver import HFGenerate
+from minivllm.benchmarks.throughput.driver import HFGenerate
 from minivllm.benchmarks.workload import chat_workload
 from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
 from minivllm.benchmarks.serve import (add_cli_args, benchmark, build_payloads,

@@ -58,7 +58,7 @@ from minivllm import LLM, SamplingParams
 # The accelerations, and the reference layers they stand in for:
 
 # %%
-from minivllm.benchmarks.ab import alternate
+from minivllm.benchmarks.ab_timing import alternate
 from minivllm.benchmarks.op_profile import profile_ops
 from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
 from minivllm.cpu import _custom_ops as ops
@@ -72,7 +72,7 @@ from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.viz.bars import component_bars
-from minivllm.viz.cpu import roofline_figure, speedup_figure
+from minivllm.viz.cpu_speedups import roofline_figure, speedup_figure
 from minivllm.viz.export import save_key_figure
 
 # %% [markdown]

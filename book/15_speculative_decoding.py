@@ -49,7 +49,7 @@ from minivllm.benchmarks.workload import grounded_prompts
 from minivllm.benchmarks.workload import CHAT_PROMPTS
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.source import show_source
-from minivllm.viz.spec import (Verification, acceptance_histogram, accepted_counts,
+from minivllm.viz.spec_decode import (Verification, acceptance_histogram, accepted_counts,
                                draft_slots_figure, slot_kinds)
 from minivllm.sample.sampler import SamplingRow
 

@@ -7,7 +7,7 @@
 ``minivllm simulate`` is the same from the command line.
 """
 
-from minivllm.sim.clock import VirtualClock
+from minivllm.core.clock import VirtualClock
 from minivllm.sim.cost_model import CostModel, StepFeatures
 from minivllm.sim.executor import SimExecutor
 from minivllm.sim.hardware import HARDWARE_PRESETS, Hardware, load_hardware

@@ -27,7 +27,7 @@ from minivllm.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig,
 from minivllm.core.core import EngineCore
 from minivllm.core.request import Request
 from minivllm.sampling_params import SamplingParams
-from minivllm.sim.clock import VirtualClock
+from minivllm.core.clock import VirtualClock
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.executor import SimExecutor
 from minivllm.sim.hardware import Hardware

