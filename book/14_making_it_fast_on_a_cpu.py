@@ -212,9 +212,12 @@ assert t_step > step_floor  # the reference is far from its ceiling
 # 3. **Python around every operator**: module calls and dispatch, which no kernel
 #    removes, only a step with fewer calls.
 #
-# The accelerated engine is the same model with `minivllm/cpu/` plugged in at three
-# seams, chosen once at start-up (`minivllm/cpu/__init__.py` lists them). Load it, and
-# record a decode step of one and of 32 sequences:
+# The accelerated engine is the same model with `minivllm/cpu/` plugged in at one
+# seam: at start-up the model runner makes one call, `cpu_path(config)`
+# (`minivllm/cpu/accelerate.py`), which returns its compute path — the attention
+# backend, the dtype, the layer twins and packed weights, the sampler and the
+# decode-step replay (`minivllm/worker/compute_path.py` has the reference one). Load
+# it, and record a decode step of one and of 32 sequences:
 
 # %%
 acc = LLM(num_kv_blocks=256, enable_prefix_caching=False)
@@ -685,7 +688,7 @@ assert predicted == actual
 #   Compare the ratios printed above with this machine's own; there, `LLM(dtype=
 #   "bfloat16")` also says in the log that it computes in float32, and why.
 # - Set `MINIVLLM_FUSED_DECODE=0` or `MINIVLLM_CPU_PREPACK=0` before loading `LLM()`
-#   (the finer switches, read in `minivllm/cpu/accelerate.py`): which of the ratios
+#   (the finer switches, `minivllm/envs.py`): which of the ratios
 #   above do you expect to vanish? Check `runner.decode_replay_problem`.
 # - Profile a decode step of the accelerated engine at 32 sequences with `profile_ops`
 #   and the replay set aside: how do the twins' operator counts grow with the batch?
