@@ -12,7 +12,7 @@ import pytest
 from minivllm import LLM, EngineArgs, SamplingParams
 from minivllm.config import SpeculativeConfig
 from minivllm.core.kv_cache_manager import hash_request_tokens
-from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.core.spec_decode_stats import SpecDecodingStats
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 
 # Drafts at every batch size: these tests are about the mechanics.

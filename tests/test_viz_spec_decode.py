@@ -2,7 +2,7 @@
 
 import pytest
 
-from minivllm.trace import StepRecord
+from minivllm.core.trace import StepRecord
 from minivllm.viz.spec_decode import acceptance_histogram, accepted_counts
 
 

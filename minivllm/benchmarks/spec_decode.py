@@ -61,7 +61,7 @@ def timed_run(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    from minivllm.spec_decode.metrics import SpecDecodingStats
+    from minivllm.core.spec_decode_stats import SpecDecodingStats
 
     stats = SpecDecodingStats()
     for r in llm.trace.records[before:]:

@@ -36,7 +36,7 @@ from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
 # What the model runner returns per request that reached the end of its

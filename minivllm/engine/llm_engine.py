@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 from minivllm.config import EngineArgs, EngineConfig
-from minivllm.core.core import EngineCore
+from minivllm.engine.core_builder import build_engine_core
 from minivllm.engine.output_processor import OutputProcessor, child_params
 from minivllm.core.request import Request, RequestStatus
 from minivllm.inputs import InputProcessor, PromptType, load_tokenizer, read_eos_token_ids
@@ -75,7 +75,7 @@ class LLMEngine:
         self.request_builder = RequestBuilder(config)
         self.tokenizer = self.request_builder.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = build_engine_core(config)
         self._ids = itertools.count()
 
     @classmethod

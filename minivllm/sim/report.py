@@ -14,7 +14,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from minivllm.benchmarks.serve_metrics import (RequestResult, ServeMetrics, benchmark_duration,
-                                       compute_metrics)
+                                               compute_metrics)
 from minivllm.sim.simulator import SimResult
 
 
