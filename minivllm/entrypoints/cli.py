@@ -30,6 +30,16 @@ BENCHMARKS = {
 }
 
 
+# `minivllm simulate [SUBCOMMAND]`, by module name as the benchmarks are: the
+# simulator is a tool on top of the engine (it runs LLM and serve), not below the CLI.
+SIMULATE = {
+    None: "minivllm.sim.cli",
+    "calibrate": "minivllm.sim.calibrate",
+    "validate": "minivllm.sim.validate",
+    "published": "minivllm.sim.published",
+}
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -101,16 +111,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
-    if ns.sim_command == "calibrate":
-        from minivllm.sim import calibrate
-
-        calibrate.run(ns)
-    elif ns.sim_command in ("validate", "published"):
-        importlib.import_module(f"minivllm.sim.{ns.sim_command}").run(ns)
-    else:
-        from minivllm.sim import cli as sim_cli
-
-        sim_cli.run(ns)
+    importlib.import_module(SIMULATE[ns.sim_command]).run(ns)
     return 0
 
 
@@ -154,18 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(_unavailable=str(e))
         p.set_defaults(func=cmd_bench)
 
-    from minivllm.sim import calibrate, cli as sim_cli, published, validate
-
     sim = sub.add_parser("simulate", help="the real scheduler on simulated hardware")
-    sim_cli.add_cli_args(sim)
+    importlib.import_module(SIMULATE[None]).add_cli_args(sim)
     ssub = sim.add_subparsers(dest="sim_command")
-    calibrate.add_cli_args(ssub.add_parser("calibrate", help=calibrate.__doc__.split("\n")[0]))
-    validate.add_cli_args(ssub.add_parser(
-        "validate", help=validate.__doc__.split("\n")[0], description=validate.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
-    published.add_cli_args(ssub.add_parser(
-        "published", help=published.__doc__.split("\n")[0], description=published.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
+    for name, module_name in SIMULATE.items():
+        if name is None:
+            continue
+        module = importlib.import_module(module_name)
+        kwargs = {} if name == "calibrate" else {
+            "description": module.__doc__,
+            "formatter_class": argparse.RawDescriptionHelpFormatter}
+        module.add_cli_args(ssub.add_parser(name, help=module.__doc__.split("\n")[0],
+                                            **kwargs))
     sim.set_defaults(func=cmd_simulate)
     return parser
 
