@@ -14,7 +14,7 @@ import itertools
 import time
 from typing import Optional
 
-from minivllm.config import EngineArgs, EngineConfig
+from minivllm.config import EngineArgs, EngineConfig, check_int
 from minivllm.engine.core_builder import build_engine_core
 from minivllm.engine.output_processor import OutputProcessor, child_params
 from minivllm.core.request import Request, RequestStatus
@@ -39,8 +39,7 @@ class RequestBuilder:
 
     def check_priority(self, priority: int) -> None:
         """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        check_int("priority", priority)
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} is invalid with scheduling_policy="
                              f"{self.config.scheduler.scheduling_policy!r}: start the engine "

@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from minivllm.config import check_int
+
 
 class CollectiveStats:
     """Time and bytes spent in collectives since the last reset (step trace)."""
@@ -109,8 +111,7 @@ def check_tensor_parallel_sizes(model, tp: int) -> None:
     each is copied to ``tp / num_key_value_heads`` ranks. The vocabulary need
     not divide: the last rank's rows are padded. ``hidden_size`` is not split.
     """
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor_parallel_size={tp!r} is invalid: must be a positive integer")
+    check_int("tensor_parallel_size", tp, 1, allowed="must be a positive integer")
     for name in ("num_attention_heads", "intermediate_size"):
         value = getattr(model, name)
         if value % tp:
