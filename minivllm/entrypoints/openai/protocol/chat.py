@@ -7,9 +7,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, StrictBool, model_serializer
 
-from minivllm.entrypoints.openai.protocol.common import (BadRequestError, RequestModel, ResponseModel, SamplingRequest,
-                                                         UsageInfo, _structured_params)
-from minivllm.sampling_params import StructuredOutputsParams
+from minivllm.entrypoints.openai.protocol.common import (BadRequestError, RequestModel, ResponseModel, SamplingRequest, UsageInfo)
 
 # -- tools (the logic is in tools.py) ------------------------------------------------
 class FunctionDefinition(RequestModel):
@@ -123,20 +121,6 @@ class ChatCompletionRequest(SamplingRequest):
             return self.tool_choice
         return "auto" if self.tools else "none"
 
-    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
-        from minivllm.entrypoints.openai.tools import forced_schema
-
-        schema = forced_schema(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
-        other = super().structured_outputs_params()
-        if schema is None:
-            return other
-        if other is not None:
-            raise BadRequestError("a forced tool call (tool_choice) and a response format "
-                                  "cannot both constrain the output", "tool_choice")
-        so = self.structured_outputs
-        return _structured_params("tools", json=schema, disable_any_whitespace=bool(
-            so and so.disable_any_whitespace))
-
     def requested_max_tokens(self) -> Optional[int]:
         return (self.max_completion_tokens if self.max_completion_tokens is not None
                 else self.max_tokens)
@@ -153,9 +137,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise BadRequestError(
                 f"max_tokens={self.max_tokens} and max_completion_tokens="
                 f"{self.max_completion_tokens} disagree: give one of them", "max_tokens")
-        from minivllm.entrypoints.openai.tools import check_tools
-
-        check_tools(self.tools, self.tool_choice)
         for i, m in enumerate(self.messages):
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
                 raise BadRequestError(f"messages[{i}].content is missing: only an assistant "

@@ -102,7 +102,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
            "guided_grammar": "grammar"}
 
 
-def _structured_params(field: str, **kwargs) -> StructuredOutputsParams:
+def structured_params(field: str, **kwargs) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kwargs)
     except ValueError as e:
@@ -171,16 +171,16 @@ class SamplingRequest(RequestModel):
         options = {"disable_any_whitespace": bool(so and so.disable_any_whitespace)}
         if field == "response_format":
             if rf.type == "json_object":
-                return _structured_params(field, json_object=True, **options)
+                return structured_params(field, json_object=True, **options)
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise BadRequestError("response_format of type json_schema needs "
                                       "json_schema.schema", "response_format")
-            return _structured_params(field, json=rf.json_schema.json_schema, **options)
+            return structured_params(field, json=rf.json_schema.json_schema, **options)
         if field == "structured_outputs":
-            return _structured_params(field, json=so.json_, regex=so.regex,
+            return structured_params(field, json=so.json_, regex=so.regex,
                                       choice=so.choice, grammar=so.grammar,
                                       json_object=so.json_object, **options)
-        return _structured_params(field, **{_GUIDED[field]: getattr(self, field)}, **options)
+        return structured_params(field, **{_GUIDED[field]: getattr(self, field)}, **options)
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -216,7 +216,13 @@ class SamplingRequest(RequestModel):
                 raise BadRequestError(f"{name} contains {bad[:5]}: token IDs must be in "
                                       f"[0, {vocab_size})", name)
 
-    def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
+    def to_sampling_params(self, output_kind: RequestOutputKind,
+                           structured_outputs: Optional[StructuredOutputsParams] = None
+                           ) -> SamplingParams:
+        """``structured_outputs``: a constraint decided by the server (a forced tool
+        call); by default the request's own response format."""
+        if structured_outputs is None:
+            structured_outputs = self.structured_outputs_params()
         try:
             return SamplingParams(
                 n=self.n, presence_penalty=self.presence_penalty,
@@ -234,7 +240,7 @@ class SamplingRequest(RequestModel):
                 prompt_logprobs=self.num_prompt_logprobs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, output_kind=output_kind,
-                structured_outputs=self.structured_outputs_params(),
+                structured_outputs=structured_outputs,
                 logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words)
         except BadRequestError:
