@@ -96,6 +96,12 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
     return ops.build_problem()  # last: it may compile the kernels
 
 
+def _is_pure_prefill(meta: AttentionMetadata) -> bool:
+    """No sequence has cached context: every query attends only to itself."""
+    q = meta.query_start_loc_cpu
+    return all(q[i + 1] - q[i] == s for i, s in enumerate(meta.seq_lens_cpu))
+
+
 class LlamaFusedDecode:
     """Replays a LlamaForCausalLM's pure decode steps through ``llama_decode_forward``."""
 
@@ -129,7 +135,7 @@ class LlamaFusedDecode:
         return (meta.max_query_len == 1 and input_ids.shape[0] == meta.num_seqs
                 and logits_indices.numel() == input_ids.shape[0]
                 and meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None
-                and not meta.is_pure_prefill and self._caches_bound()
+                and not _is_pure_prefill(meta) and self._caches_bound()
                 and self._weights_current())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
