@@ -12,7 +12,7 @@ per build. Llama-3.1-8B has the layer shapes of the ``llama-3-8b`` preset
 never reaches). Each measurement below is simulated on the preset of its GPU
 with the same batch, and the relative error printed: it is the error to
 expect from a preset no one calibrated (data-sheet peaks, guessed
-efficiencies and a guessed 1 ms per step; see ``minivllm/sim/hardware.py``).
+efficiencies and a guessed per-step overhead; see ``minivllm/sim/hardware.py``).
 """
 
 from __future__ import annotations
