@@ -44,7 +44,7 @@ def make_engine_config(model: ModelConfig, engine_args: Optional[EngineArgs] = N
                        trace: bool = False) -> EngineConfig:
     """The engine config the real engine would build from these arguments."""
     a = engine_args or EngineArgs()
-    a._validate()
+    a.validate()
     max_len = a.max_model_len or min(model.max_position_embeddings, 2048)
     if max_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} is invalid: must be <= the model's "
