@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
+from torch import nn
 
 from minivllm.config import ModelConfig, SUPPORTED_ARCHITECTURES
 from minivllm.model.attention.backend import AttentionBackend
@@ -27,6 +28,55 @@ def iterate_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
+# Checkpoint tensors fused into one of our parameters: (ours, theirs, shard).
+# A model family whose checkpoint fuses differently sets ``stacked_params``.
+STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                  ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
+                  ("gate_up_proj", "up_proj", 1))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, "
+                         f"model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def map_checkpoint_name(model: nn.Module, name: str) -> tuple[str, Optional[object]]:
+    """A checkpoint tensor's name -> (our parameter's name, its shard in a fused one)."""
+    for fused, part, shard in getattr(model, "stacked_params", STACKED_PARAMS):
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, config: ModelConfig,
+                 weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, each
+    through its own ``weight_loader`` (which takes this rank's shard).
+
+    Returns the names of the parameters that were loaded, so that any left
+    unset can be reported."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        target, shard = map_checkpoint_name(model, name)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                             f"{config.architecture}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor.to(param.dtype), shard)
+        loaded.add(target)
+    if config.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    return loaded
+
+
 def get_model_class(architecture: str):
     from minivllm.model.models.llama import LlamaForCausalLM
 
@@ -43,7 +93,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
     cls = get_model_class(config.architecture)
     with torch.device(device):
         model = cls(config, backend)
-    loaded = model.load_weights(iterate_safetensors(Path(config.path)))
+    loaded = load_weights(model, config, iterate_safetensors(Path(config.path)))
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(expected - loaded)
     if missing:
