@@ -209,10 +209,7 @@ class Scheduler:
 
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        counters = self._read_pool_counters()
-        out.num_blocks_allocated, out.num_blocks_freed, out.num_blocks_evicted = (
-            now - before for now, before in zip(counters, self._pool_counters))
-        self._pool_counters = counters
+        self._record_block_activity(out)
         self.step += 1
         self._awaiting_output = out.total_num_scheduled_tokens > 0
         return out
@@ -307,6 +304,13 @@ class Scheduler:
             out.scheduled_spec_decode_tokens[rid] = request.spec_token_ids[:num_drafts]
         out.num_computed_tokens[rid] = request.num_computed_tokens
         out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
+
+    def _record_block_activity(self, out: SchedulerOutput) -> None:
+        """The step trace's block counts: allocated, freed, evicted since the last step."""
+        counters = self._read_pool_counters()
+        out.num_blocks_allocated, out.num_blocks_freed, out.num_blocks_evicted = (
+            now - before for now, before in zip(counters, self._pool_counters))
+        self._pool_counters = counters
 
     def _read_pool_counters(self) -> tuple[int, int, int]:
         pool = self.kv_cache_manager.block_pool
