@@ -57,7 +57,7 @@ from openai import OpenAI
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.launch import ServerProcess, process_gone
-from minivllm.model.loader import DEFAULT_MODEL_NAME
+from minivllm.model.resolve import DEFAULT_MODEL_NAME
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.timeline import Span, request_timeline, spans_from_steps
 

@@ -264,7 +264,7 @@ DECODERS = [chat(f"Name {n} things a good lab report contains.") for n in range(
 def itl_under_chunking(budget: int, arrive_at: int = 3) -> dict:
     eng, sched = loaded.llm_engine, loaded.engine_core.scheduler
     sched.max_num_batched_tokens, ends = budget, {}  # the engine change: another budget
-    decode = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    decode = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for i, messages in enumerate(DECODERS):
         eng.add_request(messages, decode, request_id=f"D{i}")
     for step in range(10_000):
@@ -283,7 +283,7 @@ def itl_under_chunking(budget: int, arrive_at: int = 3) -> dict:
 # %%
 loaded.generate("Warm-up.", SamplingParams(max_tokens=2), use_tqdm=False)  # one-time costs
 chunking = {}
-for budget in (1024, 512, 256, 128, 64):
+for budget in (1024, 256, 64):
     loaded.trace.clear()
     chunking[budget] = itl_under_chunking(budget)
     print(f"budget {budget:4d}: largest step {chunking[budget]['max_step_tokens']:4d} "
