@@ -271,6 +271,7 @@ class EngineConfig:
     seed: int = 0
     trace: bool = False
     speculative: Optional[SpeculativeConfig] = None
+    lora: Optional["LoRAConfig"] = None  # None: enable_lora=False
 
 
 @dataclass
@@ -299,6 +300,11 @@ class EngineArgs:
     # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
     speculative_config: Optional[dict] = None
     scheduling_policy: str = "fcfs"
+    # Multi-LoRA serving (minivllm/lora/; LoRAConfig below): vLLM's names.
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters one step may mix (GPU-side slots in vLLM)
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None  # adapters kept loaded; None: max_loras
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -308,6 +314,7 @@ class EngineArgs:
         from minivllm.model.loader import resolve_model_path
 
         self._validate()
+        lora = LoRAConfig.from_args(self)
         speculative = (None if self.speculative_config is None
                        else SpeculativeConfig.from_dict(self.speculative_config))
         device = self.device
@@ -332,7 +339,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
-            speculative=speculative)
+            speculative=speculative, lora=lora)
 
     def _validate(self) -> None:
         def positive(name):
@@ -377,5 +384,36 @@ def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
     return EngineArgs(model=model, **kwargs)
 
 
-__all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig",
+# ---- multi-LoRA serving (issue 32) ------------------------------------------------
+
+
+@dataclass
+class LoRAConfig:
+    """``enable_lora=True``: ``max_loras`` adapter slots, each up to ``max_lora_rank``,
+    filled from a CPU-side LRU cache of ``max_cpu_loras`` loaded adapters."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+    @staticmethod
+    def from_args(args: "EngineArgs") -> Optional["LoRAConfig"]:
+        if not isinstance(args.enable_lora, bool):
+            raise _bad("enable_lora", args.enable_lora, "must be True or False")
+        if not args.enable_lora:
+            return None
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            v = getattr(args, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise _bad(name, v, "must be a positive integer")
+        cpu = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+        if cpu < args.max_loras:  # vLLM's rule: every slot's adapter is also cached
+            raise _bad("max_cpu_loras", cpu, f"must be >= max_loras ({args.max_loras})")
+        return LoRAConfig(args.max_loras, args.max_lora_rank, cpu)
+
+
+# ---- end of multi-LoRA serving ----------------------------------------------------
+
+
+__all__ = ["EngineArgs", "LoRAConfig", "EngineConfig", "ModelConfig", "CacheConfig",
            "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "SUPPORTED_ARCHITECTURES"]

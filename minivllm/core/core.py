@@ -41,7 +41,8 @@ class EngineCore:
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.max_model_len, self.kv_cache_manager,
                                    sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
-                                   clock=self.clock, scheduling_policy=sc.scheduling_policy)
+                                   clock=self.clock, scheduling_policy=sc.scheduling_policy,
+                                   max_loras=0 if config.lora is None else config.lora.max_loras)
         self.speculator = None
         if config.speculative is not None:
             from minivllm.spec_decode.proposer import Speculator
