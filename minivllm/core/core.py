@@ -122,7 +122,9 @@ class EngineCore:
             block_tables={rid: list(b) for rid, b in so.block_ids.items()},
             timings=timings,
             spec_decode={o.request_id: (o.num_draft_tokens, o.num_accepted_tokens)
-                         for o in outputs if o.num_draft_tokens})
+                         for o in outputs if o.num_draft_tokens},
+            loras={r.request_id: r.lora_request.lora_name for r in so.scheduled_requests
+                   if r.lora_request is not None})
 
     def shutdown(self) -> None:
         if self.speculator is not None:
