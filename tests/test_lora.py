@@ -186,6 +186,9 @@ def test_scheduler_admits_at_most_max_loras_adapters():
     assert out.request_ids() == ["r0", "r1", "r3", "r4"]
     assert [r.request_id for r in sched.waiting] == ["r2", "r5"]  # order kept
     assert {r.lora_int_id for r in sched.running} - {0} == {1, 2}
+    stats = sched.make_stats()  # what /metrics' lora_requests_info and /stats show
+    assert stats.max_lora == 2 and stats.running_lora_adapters == {"l1": 2, "l2": 1}
+    assert stats.waiting_lora_adapters == {"l3": 2}
     sched.finish_requests(["r0", "r4"], RequestStatus.FINISHED_STOPPED)
     sched.update_from_output(out, {rid: (7, None) for rid in ("r1", "r3")})
     out = sched.schedule()  # adapter 1 has left: adapter 3 gets its slot

@@ -120,3 +120,21 @@ def test_runtime_updating_needs_the_env(tiny_chat_model, tmp_path):
         assert r.status_code == 404
     finally:
         srv.stop()
+
+
+def test_running_adapters_on_metrics_and_stats(server, adapters):
+    from tests.helpers import wait_for
+
+    name = list(adapters)[1]
+    with client(server) as c:
+        stream = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=1000,
+                                      temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stats = wait_for(lambda: (s := server.stats())["running_lora_adapters"] and s,
+                         "the adapter among the running requests")
+        assert stats["running_lora_adapters"] == {name: 1}
+        info = [labels for (metric, labels) in server.metrics()
+                if metric == "minivllm:lora_requests_info"]
+        assert ("running_lora_adapters", name) in info[-1] and ("max_lora", "2") in info[-1]
+        stream.close()

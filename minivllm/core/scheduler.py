@@ -26,7 +26,7 @@ request that carries draft tokens (``Request.spec_token_ids``) asks for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from minivllm.core.clock import MONOTONIC, Clock
@@ -84,6 +84,19 @@ class SchedulerStats:
     prefix_cache_hits: int
     # Speculative decoding totals (None when no request had drafts yet).
     spec_decoding_stats: Optional[SpecDecodingStats] = None
+    # Multi-LoRA (vLLM's lora_requests_info): adapter name -> requests; 0: LoRA off.
+    max_lora: int = 0
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+
+
+def _count_adapters(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            name = r.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 class Scheduler:
@@ -217,7 +230,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions, prefix_cache_requests=pc.requests,
             prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
             spec_decoding_stats=(None if self.spec_decoding_stats is None
-                                 else self.spec_decoding_stats.copy()))
+                                 else self.spec_decoding_stats.copy()),
+            max_lora=self.max_loras, running_lora_adapters=_count_adapters(self.running),
+            waiting_lora_adapters=_count_adapters(self.waiting))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

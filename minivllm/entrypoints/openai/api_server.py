@@ -275,6 +275,9 @@ def engine_stats(engine: AsyncLLM, model_name: str) -> dict:
         # usage = 1 - free / total, so this is exact for any real block count.
         "num_free_blocks": round((1.0 - usage) * engine.num_blocks),
         "num_preemptions": s.num_preemptions if s is not None else 0,
+        # Multi-LoRA: adapter name -> its running / waiting requests.
+        "running_lora_adapters": s.running_lora_adapters if s is not None else {},
+        "waiting_lora_adapters": s.waiting_lora_adapters if s is not None else {},
     }
 
 
