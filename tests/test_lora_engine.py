@@ -123,3 +123,13 @@ def test_lora_request_refused_before_anything_runs(setup):
         assert not llm.llm_engine.has_unfinished_requests()
         with pytest.raises(ValueError, match="lora_request has 2 entries for 1 prompts"):
             run(llm, s["prompts"][:1], s["loras"][:2])
+
+
+def test_tensor_parallel_equals_peft(setup):
+    """TP=2: column-parallel layers split B by output rows, row-parallel ones A by input
+    columns (the shrink all-reduced), as the base weights are split: PEFT's tokens."""
+    s = setup
+    with LLM(s["base"], enable_lora=True, max_loras=3, tensor_parallel_size=2,
+             num_kv_blocks=64) as llm:
+        got, _ = run(llm, s["prompts"], s["which"])
+    assert got == s["refs"]
