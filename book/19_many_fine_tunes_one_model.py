@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM
 from minivllm import LLM, LoRARequest, SamplingParams
 from minivllm.lora import punica
 from minivllm.lora.peft_loader import load_adapter
-from minivllm.model.loader import resolve_model_path
+from minivllm.model.resolve import resolve_model_path
 from minivllm.viz.lora import shrink_expand_figure, token_index_figure
 from minivllm.viz.source import show_source
 

@@ -59,7 +59,7 @@ def test_layers_equal_peft_merged_weights(base, adapters, name):
     from minivllm.model.loader import load_model
 
     mc = cfg(base)
-    model = load_model(mc, get_attention_backend("torch", "cpu", cpu_kernels=False))
+    model = load_model(mc, get_attention_backend("torch", "cpu"))
     manager = LoRAModelManager(model, LoRAConfig(2, 16, 2), mc)
     req = LoRARequest(name, 1, str(adapters[name]))
     x = torch.randn(5, mc.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -154,10 +154,10 @@ def test_request_and_config_refusals(base, adapters):
     with pytest.raises(ValueError, match="lora_int_id=0 is invalid: must be an integer >= 1"):
         LoRARequest("a", 0, "/x")
     with pytest.raises(ValueError, match=r"max_cpu_loras=1 is invalid: must be >= max_loras \(2\)"):
-        LoRAConfig.from_args(EngineArgs(enable_lora=True, max_loras=2, max_cpu_loras=1))
+        EngineArgs(enable_lora=True, max_loras=2, max_cpu_loras=1).validate()
     with pytest.raises(ValueError, match="max_lora_rank=0 is invalid"):
-        LoRAConfig.from_args(EngineArgs(enable_lora=True, max_lora_rank=0))
-    assert LoRAConfig.from_args(EngineArgs(enable_lora=True, max_loras=3)).max_cpu_loras == 3
+        EngineArgs(enable_lora=True, max_lora_rank=0).validate()
+    assert LoRAConfig.from_args(True, 3, 16, None).max_cpu_loras == 3
     off = LoRARequestChecker(None, cfg(base))
     with pytest.raises(ValueError, match="needs an engine started with enable_lora=True"):
         off.check(LoRARequest("a", 1, str(adapters["all-r8"])))

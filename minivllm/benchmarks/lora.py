@@ -80,9 +80,9 @@ def resolve_adapters(values: list[str], model_config, rank: int):
 
 def run_lora(args: argparse.Namespace) -> dict:
     from minivllm import LLM, SamplingParams
-    from minivllm.benchmarks.throughput import build_workload
+    from minivllm.benchmarks.throughput.run import build_workload
     from minivllm.config import ModelConfig
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
 
     if args.backend and set(args.backend) != {"minivllm"}:
         raise ValueError("--lora-modules measures minivllm only: drop --backend")

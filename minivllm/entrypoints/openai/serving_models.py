@@ -12,8 +12,9 @@ while serving, only when ``MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set.
 from __future__ import annotations
 
 import json
-import os
 from typing import Optional
+
+from minivllm import envs
 
 from pydantic import BaseModel
 
@@ -21,11 +22,10 @@ from minivllm.entrypoints.openai.protocol import BadRequestError, ModelCard
 from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError
 from minivllm.lora.request import LoRARequest
 
-RUNTIME_LORA_ENV = "MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def runtime_lora_updating_allowed() -> bool:
-    return os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes")
+    return envs.MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING
 
 
 def parse_lora_modules(values: Optional[list[str]]) -> list[tuple[str, str, Optional[str]]]:
@@ -115,4 +115,4 @@ class OpenAIServingModels:
 
 
 __all__ = ["OpenAIServingModels", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "parse_lora_modules",
-           "runtime_lora_updating_allowed", "RUNTIME_LORA_ENV"]
+           "runtime_lora_updating_allowed"]
