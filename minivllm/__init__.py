@@ -1,6 +1,7 @@
 """minivllm: a compact, tested re-implementation of a vLLM V1-style inference engine."""
 
 from minivllm.config import EngineArgs
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -17,4 +18,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "EngineArgs", "RequestOutputKind", "__version__"]
+           "EngineArgs", "LoRARequest", "RequestOutputKind", "__version__"]

@@ -86,6 +86,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MINIVLLM_FUSED_DECODE", _switch, True,
            "`0`: no decode-step replay (every step runs the model); a finer switch of the "
            "CPU acceleration, for A/B runs."),
+    EnvVar("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", _switch, False,
+           "`1`: the server gets `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` "
+           "(as in vLLM; off by default, since they load files the client names)."),
     EnvVar("MINIVLLM_LOGGING_LEVEL", _choice("debug", "info", "warning", "error", "critical"),
            "info", "the `minivllm` logger's level (default `INFO`)."),
     EnvVar("MINIVLLM_TP_TIMEOUT", _seconds, 300.0,

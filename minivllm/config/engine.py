@@ -25,6 +25,7 @@ from minivllm.config.checks import bad, check_bool, check_choice, check_int
 from minivllm.config.model import ModelConfig, resolve_dtype
 from minivllm.config.parallel import ParallelConfig
 from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from minivllm.config.lora import LoRAConfig
 from minivllm.config.speculative import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")
@@ -43,6 +44,7 @@ class EngineConfig:
     seed: int = 0
     trace: bool = False
     speculative: Optional[SpeculativeConfig] = None
+    lora: Optional[LoRAConfig] = None  # None: enable_lora=False
 
 
 @dataclass
@@ -71,6 +73,11 @@ class EngineArgs:
     # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
     speculative_config: Optional[dict] = None
     scheduling_policy: str = "fcfs"
+    # Multi-LoRA serving (config/lora.py, minivllm/lora/): vLLM's names.
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters one step may mix
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None  # adapters kept loaded; None: max_loras
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -106,6 +113,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The checked tree; ``self.model`` must be a Hugging Face folder by now."""
         self.validate()
+        lora = self._lora_config()
         speculative = (None if self.speculative_config is None
                        else SpeculativeConfig.from_dict(self.speculative_config))
         device = self.device
@@ -129,7 +137,11 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
-            speculative=speculative)
+            speculative=speculative, lora=lora)
+
+    def _lora_config(self) -> Optional[LoRAConfig]:
+        return LoRAConfig.from_args(self.enable_lora, self.max_loras, self.max_lora_rank,
+                                    self.max_cpu_loras)
 
     def validate(self) -> None:
         """Every check that needs no model, so a bad argument fails before any loading."""
@@ -154,6 +166,7 @@ class EngineArgs:
             raise bad("device", self.device, "must be 'auto', 'cpu' or 'cuda[:N]'")
         resolve_dtype(self.dtype)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        self._lora_config()
 
     def to_dict(self) -> dict:
         return asdict(self)

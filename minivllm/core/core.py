@@ -38,7 +38,8 @@ class EngineCore:
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.max_model_len, self.kv_cache_manager,
                                    sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
-                                   clock=self.clock, scheduling_policy=sc.scheduling_policy)
+                                   clock=self.clock, scheduling_policy=sc.scheduling_policy,
+                                   max_loras=0 if config.lora is None else config.lora.max_loras)
         self.speculator = speculator  # proposes draft tokens (speculative_config)
         self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
         self.step_count = 0
@@ -114,7 +115,9 @@ class EngineCore:
             block_tables={rid: list(b) for rid, b in so.block_ids.items()},
             timings=timings,
             spec_decode={o.request_id: (o.num_draft_tokens, o.num_accepted_tokens)
-                         for o in outputs if o.num_draft_tokens})
+                         for o in outputs if o.num_draft_tokens},
+            loras={r.request_id: r.lora_request.lora_name for r in so.scheduled_requests
+                   if r.lora_request is not None})
 
     def shutdown(self) -> None:
         if self.speculator is not None:

@@ -42,7 +42,7 @@ def hash_block_tokens(parent_block_hash: Optional[int], block_token_ids: Sequenc
     """Hash of one full block, chained to the hash of the block before it.
 
     ``extra_keys`` is for anything besides token ids that changes the K/V
-    (an adapter id, a cache salt); minivllm has none yet, so it is None.
+    (the LoRA adapter a request runs with; None for the base model).
     """
     digest = hashlib.sha256()
     digest.update(_NO_PARENT if parent_block_hash is None
@@ -130,8 +130,9 @@ class KVCacheManager:
         if len(hashes) >= len(tokens) // bs:
             return  # the common case: no block became full
         parent = hashes[-1] if hashes else None
+        extra = request.block_hash_extra_keys
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra)
             hashes.append(parent)
 
     # -- the two questions -------------------------------------------------

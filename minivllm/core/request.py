@@ -66,6 +66,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        lora_request=None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -80,6 +81,8 @@ class Request:
         # Set by the scheduler when it receives the request: its rank among all.
         self.queue_order = 0
         self.stop_reason: Optional[int | str] = None
+        # The adapter it runs with (minivllm.lora.LoRARequest), None: the base model.
+        self.lora_request = lora_request
 
         self.output_token_ids: list[int] = []
         # prompt + output; the scheduler and KV cache work on this list.
@@ -116,6 +119,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """0 for the base model (vLLM's numbering), else the adapter's id."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def block_hash_extra_keys(self) -> Optional[tuple]:
+        """What besides the tokens changes its K/V: the adapter (vLLM's extra keys)."""
+        return None if self.lora_request is None else ("lora", self.lora_int_id)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

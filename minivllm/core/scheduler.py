@@ -26,7 +26,7 @@ request that carries draft tokens (``Request.spec_token_ids``) asks for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from minivllm.config import SchedulerConfig, is_int
@@ -57,13 +57,27 @@ class SchedulerStats:
     prefix_cache_hits: int
     # Speculative decoding totals (None when no request had drafts yet).
     spec_decoding_stats: Optional[SpecDecodingStats] = None
+    # Multi-LoRA (vLLM's lora_requests_info): adapter name -> requests; 0: LoRA off.
+    max_lora: int = 0
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+
+
+def _count_adapters(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            name = r.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 class Scheduler:
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
                  enable_chunked_prefill: bool = True,
-                 clock: Optional[Clock] = None, scheduling_policy: str = "fcfs") -> None:
+                 clock: Optional[Clock] = None, scheduling_policy: str = "fcfs",
+                 max_loras: int = 0) -> None:
         # Checked there, once (minivllm/config/scheduler.py); trusted here.
         self.config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len,
                                       long_prefill_token_threshold, enable_chunked_prefill,
@@ -91,6 +105,8 @@ class Scheduler:
         self._pool_counters = self._read_pool_counters()
         self._awaiting_output = False
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
+        # Multi-LoRA: at most this many distinct adapters run at once (0: no LoRA).
+        self.max_loras = max_loras
 
     @classmethod
     def from_config(cls, config: SchedulerConfig,
@@ -189,7 +205,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions, prefix_cache_requests=pc.requests,
             prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
             spec_decoding_stats=(None if self.spec_decoding_stats is None
-                                 else self.spec_decoding_stats.copy()))
+                                 else self.spec_decoding_stats.copy()),
+            max_lora=self.max_loras, running_lora_adapters=_count_adapters(self.running),
+            waiting_lora_adapters=_count_adapters(self.waiting))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -239,8 +257,16 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
+        # Adapters of the running requests: a request for another one waits while
+        # all max_loras slots are taken (it is passed over, nobody is evicted).
+        loras = {r.lora_int_id for r in self.running} - {0}
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            lora_id = request.lora_int_id
+            if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget:
@@ -260,6 +286,10 @@ class Scheduler:
             out.num_prefix_cache_hit_tokens += num_hit_tokens
             self._add_to_batch(out, request, num_new)
             budget -= num_new
+            if lora_id:
+                loras.add(lora_id)
+        for request in reversed(passed_over):  # back at the front, in their order
+            self.waiting.appendleft(request)
 
     @staticmethod
     def _drafts(request: Request) -> list[int]:

@@ -34,6 +34,8 @@ class StepRecord:
     timings: dict[str, float] = field(default_factory=dict)
     # Speculative decoding: request_id -> (draft tokens verified, accepted).
     spec_decode: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Multi-LoRA: request_id -> the adapter (lora_name) it ran with; base requests absent.
+    loras: dict[str, str] = field(default_factory=dict)
 
 
 class StepTrace:

@@ -92,7 +92,8 @@ class AsyncLLM:
 
     # -- requests ------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (of ``sampling_params.output_kind``) as they come.
 
         Bad input (too long, bad token IDs, a chat template error) raises
@@ -100,7 +101,7 @@ class AsyncLLM:
         ``EngineDeadError``.
         """
         self.start()
-        queue = self._add_request(prompt, sampling_params, request_id, priority)
+        queue = self._add_request(prompt, sampling_params, request_id, priority, lora_request)
         finished = False
         try:
             while not finished:
@@ -115,7 +116,7 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def _add_request(self, prompt: PromptType, params: SamplingParams,
-                     request_id: str, priority: int = 0) -> asyncio.Queue:
+                     request_id: str, priority: int = 0, lora_request=None) -> asyncio.Queue:
         self._check_running()
         if request_id in self.queues:
             raise ValueError(f"request_id={request_id!r} is already in use")
@@ -123,10 +124,11 @@ class AsyncLLM:
         text, token_ids = self.request_builder.tokenize(prompt)
         self.request_builder.validate(token_ids, params)
         self.request_builder.check_priority(priority)
+        self.request_builder.lora_checker.check(lora_request)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
                                                       arrival_time)
         requests = self.request_builder.build(child_ids, token_ids, params, arrival_time,
-                                              priority)
+                                              priority, lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:

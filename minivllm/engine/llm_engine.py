@@ -18,6 +18,7 @@ from minivllm.config import EngineArgs, EngineConfig, check_int
 from minivllm.engine.core_builder import build_engine_core
 from minivllm.engine.output_processor import OutputProcessor, child_params
 from minivllm.core.request import Request, RequestStatus
+from minivllm.lora.checker import LoRARequestChecker
 from minivllm.inputs import InputProcessor, PromptType, load_tokenizer, read_eos_token_ids
 from minivllm.model.resolve import create_engine_config
 from minivllm.outputs import RequestOutput
@@ -33,6 +34,7 @@ class RequestBuilder:
         self.eos_token_ids = read_eos_token_ids(config.model.path, self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, config.scheduler.max_model_len, config.model.vocab_size)
+        self.lora_checker = LoRARequestChecker(config.lora, config.model)
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         return self.input_processor.tokenize(prompt)
@@ -60,11 +62,12 @@ class RequestBuilder:
 
     def build(self, child_ids: list[str], prompt_token_ids: list[int],
               params: SamplingParams, arrival_time: float,
-              priority: int = 0) -> list[Request]:
+              priority: int = 0, lora_request=None) -> list[Request]:
         max_tokens = self.validate(prompt_token_ids, params)
         self.check_priority(priority)
+        self.lora_checker.check(lora_request)
         return [Request(cid, prompt_token_ids, child_params(params, i), max_tokens,
-                        self.eos_token_ids, arrival_time, priority)
+                        self.eos_token_ids, arrival_time, priority, lora_request)
                 for i, cid in enumerate(child_ids)]
 
 
@@ -84,16 +87,18 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None, priority: int = 0) -> str:
+                    arrival_time: Optional[float] = None, priority: int = 0,
+                    lora_request=None) -> str:
         request_id = str(next(self._ids)) if request_id is None else request_id
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         text, token_ids = self.request_builder.tokenize(prompt)
         self.request_builder.validate(token_ids, params)
         self.request_builder.check_priority(priority)
+        self.request_builder.lora_checker.check(lora_request)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
                                                       arrival_time)
         for req in self.request_builder.build(child_ids, token_ids, params, arrival_time,
-                                              priority):
+                                              priority, lora_request):
             self.engine_core.add_request(req)
         return request_id
 

@@ -12,11 +12,13 @@ from typing import Iterator, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = Union[str, Sequence[int], dict]
 ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
+LoRAArg = Union[None, LoRARequest, Sequence[Optional[LoRARequest]]]
 
 
 class LLM:
@@ -41,8 +43,12 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: ParamsArg = None,
                  use_tqdm: bool = True,
-                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 priority: Optional[Sequence[int]] = None,
+                 lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of the prompts.
+
+        ``lora_request``: one ``LoRARequest`` for all prompts, or one (or None,
+        the base model) per prompt; needs ``LLM(enable_lora=True)``.
 
         ``priority``: one integer per prompt, lower first (needs
         ``LLM(..., scheduling_policy="priority")``, as in vLLM).
@@ -55,18 +61,23 @@ class LLM:
                              "give one per prompt")
         for p in priority:
             self.llm_engine.request_builder.check_priority(p)
+        loras = _as_lora_list(lora_request, len(items))
+        for lora in loras:  # every adapter checked before any request is added
+            self.llm_engine.request_builder.lora_checker.check(lora)
         ids = [self.llm_engine.add_request(_unwrap(p), sp.clone(
-            output_kind=RequestOutputKind.FINAL_ONLY), priority=pr)
-            for p, sp, pr in zip(items, params, priority)]
+            output_kind=RequestOutputKind.FINAL_ONLY), priority=pr, lora_request=lo)
+            for p, sp, pr, lo in zip(items, params, priority, loras)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
              sampling_params: ParamsArg = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True,
+             lora_request: LoRAArg = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) \
             else list(messages)
-        return self.generate([list(c) for c in conversations], sampling_params, use_tqdm)
+        return self.generate([list(c) for c in conversations], sampling_params, use_tqdm,
+                             lora_request=lora_request)
 
     def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None
                ) -> Iterator[RequestOutput]:
@@ -143,3 +154,13 @@ def _as_params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
         raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: "
                          f"give one SamplingParams, or one per prompt")
     return params
+
+
+def _as_lora_list(lora: LoRAArg, n: int) -> list[Optional[LoRARequest]]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"lora_request has {len(lora)} entries for {n} prompts: give one "
+                         "LoRARequest, or one (or None) per prompt")
+    return lora

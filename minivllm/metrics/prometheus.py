@@ -107,6 +107,12 @@ class PrometheusStatLogger:
         self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft.",
                                      ["model_name", "position"], registry=self.registry)
+        # vLLM's: one series whose labels name the running and waiting adapters
+        # (comma-separated) and whose value is when they were last seen.
+        self._lora_info = Gauge(PREFIX + "lora_requests_info",
+                                "Running and waiting LoRA adapters (value: last update time).",
+                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                                registry=self.registry)
         self._last_stats: Optional[SchedulerStats] = None
 
     # -- feeds -------------------------------------------------------------------
@@ -120,6 +126,12 @@ class PrometheusStatLogger:
                               (self.prefix_cache_hits, "prefix_cache_hits")):
             before = 0 if last is None else getattr(last, name)
             counter.inc(max(getattr(stats, name) - before, 0))
+        if stats.max_lora:
+            self._lora_info.clear()  # only the current set of adapters is a live series
+            self._lora_info.labels(str(stats.max_lora),
+                                   ",".join(sorted(stats.running_lora_adapters)),
+                                   ",".join(sorted(stats.waiting_lora_adapters))
+                                   ).set_to_current_time()
         self._record_spec_decode(stats.spec_decoding_stats,
                                  None if last is None else last.spec_decoding_stats)
         self._last_stats = stats

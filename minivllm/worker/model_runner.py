@@ -61,6 +61,8 @@ class StepInputs:
     # Where in the logits the sampled rows are (None: all of them, in order;
     # other rows are prompt positions scored for prompt logprobs).
     sample_indices: Optional[torch.Tensor] = None
+    # Multi-LoRA: each token's adapter slot and the slots to fill (None: base only).
+    lora: Optional[object] = None
 
 
 @dataclass
@@ -89,6 +91,12 @@ class ModelRunner:
         self.attn_backend, self.dtype = self.path.attn_backend, self.path.dtype
         self.model = load_model(dataclasses.replace(config.model, dtype=self.dtype),
                                 self.attn_backend, self.device)
+        self.lora_manager = None
+        if config.lora is not None:  # before the twins: its hooks stay on the layers
+            from minivllm.lora.model_manager import LoRAModelManager
+
+            self.lora_manager = LoRAModelManager(
+                self.model, config.lora, dataclasses.replace(config.model, dtype=self.dtype))
         self.path.prepare_model(self.model)
         self.sampler = self.path.sampler
         self.rejection_sampler = RejectionSampler()
@@ -159,6 +167,7 @@ class ModelRunner:
         input_ids: list[int] = []
         computed, seq_lens, tables, logits_rows, samplers = [], [], [], [], []
         self.prompt_plans = prompt_rows = []
+        lora_requests, lora_tokens = [], []
         for req in so.scheduled_requests:
             rid = req.request_id
             start = so.num_computed_tokens[rid]
@@ -181,6 +190,9 @@ class ModelRunner:
                 computed.append(start)
                 seq_lens.append(end)
                 tables.append(so.block_ids[rid])
+            if self.lora_manager is not None:
+                lora_requests.append(req.lora_request)
+                lora_tokens.append(end - start)
             if end == len(tokens):  # this step reaches the last known token
                 # With k drafts: k + 1 rows, the last known token's and each draft's.
                 logits_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
@@ -210,6 +222,8 @@ class ModelRunner:
             positions=torch.from_numpy(pos).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        if self.lora_manager is not None:
+            inputs.lora = self.lora_manager.plan(lora_requests, lora_tokens, dev)
         if prompt_rows:
             self._add_prompt_rows(inputs, logits_rows, prompt_rows)
         return inputs, samplers
@@ -233,7 +247,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the flat batch -> logits of the sampling rows only."""
-        replay = self.decode_replay
+        if self.lora_manager is not None:
+            self.lora_manager.apply(inputs.lora)
+        # The decode-step replay knows no adapters: it steps aside for LoRA steps.
+        replay = self.decode_replay if inputs.lora is None else None
         if replay is not None and replay.accepts(inputs.input_ids, inputs.meta,
                                                  inputs.logits_indices):
             return replay(inputs.input_ids, inputs.positions, inputs.meta)

@@ -89,6 +89,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="minivllm only: speculative decoding, e.g. '{\"method\": "
                              "\"ngram\", \"num_speculative_tokens\": 3}' (greedy, so the "
                              "tokens are the same; see also `minivllm bench spec-decode`)")
+    from minivllm.benchmarks.lora import add_lora_args
+
+    add_lora_args(parser)  # --lora-modules: a mixed multi-LoRA batch vs the base model
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--hf-cb-attn", default=None,
                         help="attn_implementation for hf-cb (default: transformers' choice)")
@@ -111,6 +114,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from minivllm.model.resolve import resolve_model_path
 
+    if getattr(args, "lora_modules", None):
+        from minivllm.benchmarks.lora import run_lora
+
+        return run_lora(args)
     backends = list(dict.fromkeys(args.backend or ["minivllm"]))
     if "vllm" in backends and not args.vllm_python:
         raise ValueError("--backend vllm needs --vllm-python PATH: the python of a "

@@ -5,7 +5,9 @@
 
 Routes:
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or not
-    GET  /v1/models                              the one served model
+    GET  /v1/models                              the served model and its LoRA adapters
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+                                                 with MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1
     GET  /health, /version                       503 from /health when the engine is dead
     GET  /metrics                                Prometheus text format
     GET  /stats                                  JSON snapshot for the demo page (and tests)
@@ -40,11 +42,16 @@ from minivllm.engine.core_client import EngineDeadError
 from minivllm.entrypoints.openai import serving_tokenization
 from minivllm.entrypoints.openai.serving_tokenization import DetokenizeRequest, TokenizeRequest
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletionRequest,
-                                                  CompletionRequest, ModelCard, ModelList)
+                                                  CompletionRequest, ModelList)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.tool_parsers import ToolParserManager
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
+from minivllm.entrypoints.openai.serving_models import (LoadLoRAAdapterRequest,
+                                                        OpenAIServingModels,
+                                                        UnloadLoRAAdapterRequest,
+                                                        parse_lora_modules,
+                                                        runtime_lora_updating_allowed)
 from minivllm.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -171,7 +178,8 @@ def _respond(result) -> Response:
 # -- the app ------------------------------------------------------------------------------
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
               stat_logger: Optional[PrometheusStatLogger] = None,
-              tool_parser: Optional[str] = None) -> FastAPI:
+              tool_parser: Optional[str] = None,
+              lora_modules: Optional[list[str]] = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
@@ -182,8 +190,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     add_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    chat = OpenAIServingChat(engine, model_name, tool_parser)
-    completion = OpenAIServingCompletion(engine, model_name)
+    models = OpenAIServingModels(engine, model_name, lora_modules)
+    chat = OpenAIServingChat(engine, model_name, tool_parser, models)
+    completion = OpenAIServingCompletion(engine, model_name, models)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
@@ -208,9 +217,20 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
 
     @app.get("/v1/models")
     async def list_models():
-        card = ModelCard(id=model_name, root=engine.config.model.path,
-                         max_model_len=engine.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=models.cards()).model_dump())
+
+    if runtime_lora_updating_allowed():  # as vLLM: the routes exist only when allowed
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            if engine.config.lora is None:
+                raise BadRequestError("loading a LoRA adapter needs --enable-lora", "lora_name")
+            models.add(body.lora_name, body.lora_path)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            models.remove(body.lora_name)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health():
@@ -255,6 +275,9 @@ def engine_stats(engine: AsyncLLM, model_name: str) -> dict:
         # usage = 1 - free / total, so this is exact for any real block count.
         "num_free_blocks": round((1.0 - usage) * engine.num_blocks),
         "num_preemptions": s.num_preemptions if s is not None else 0,
+        # Multi-LoRA: adapter name -> its running / waiting requests.
+        "running_lora_adapters": s.running_lora_adapters if s is not None else {},
+        "waiting_lora_adapters": s.waiting_lora_adapters if s is not None else {},
     }
 
 
@@ -272,6 +295,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="run the engine core in this process (a thread), for debugging")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (needs --enable-lora): name=path, or JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request '
+                        'picks one with "model": name')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice="auto" (the default when a request has tools): '
                         "the model may call a tool or answer in words, and the tool call "
@@ -336,6 +363,8 @@ def run_server(ns: argparse.Namespace) -> int:
                          f"--model={ns.model!r}; give one")
     ns.model = ns.model_tag or ns.model
     tool_parser = auto_tool_parser(ns)
+    if parse_lora_modules(ns.lora_modules) and not ns.enable_lora:  # before any loading
+        raise ValueError("--lora-modules needs --enable-lora")
     config = create_engine_config(EngineArgs.from_cli_args(ns))
     model_name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
     sock = _bind(ns.host, ns.port)
@@ -345,7 +374,8 @@ def run_server(ns: argparse.Namespace) -> int:
     try:
         stat_logger = PrometheusStatLogger(model_name)
         engine = AsyncLLM(config, in_process=ns.inprocess, stat_logger=stat_logger)
-        app = build_app(engine, model_name, ns.api_key, stat_logger, tool_parser)
+        app = build_app(engine, model_name, ns.api_key, stat_logger, tool_parser,
+                        ns.lora_modules)
         print(f"minivllm: serving {model_name} on http://{ns.host}:{ns.port} "
               f"(engine core {'in process' if ns.inprocess else f'pid {engine.engine_core.pid}'})",
               flush=True)

@@ -51,21 +51,23 @@ def chat_logprobs(c: CompletionOutput, top_n: int) -> Optional[ChatChoiceLogprob
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine, model_name: str, tool_parser: Optional[str] = None) -> None:
-        super().__init__(engine, model_name)
+    def __init__(self, engine, model_name: str, tool_parser: Optional[str] = None,
+                 models=None) -> None:
+        super().__init__(engine, model_name, models)
         # Set by --enable-auto-tool-choice --tool-call-parser NAME: reads "auto" answers.
         self.tool_parser = tool_parser
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         """A ``ChatCompletionResponse``, or an async iterator of SSE strings."""
-        self.check_request(request)
+        lora_request = self.check_request(request)
         tool_calls.check_tools(request.tools, request.tool_choice)
         tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = request.to_sampling_params(kind, tool_calls.structured_outputs(request))
         request_id = random_id("chatcmpl")
         streams, firsts = await self.start_requests([self._prompt(request)], params,
-                                                    request_id, "messages", request.priority)
+                                                    request_id, "messages", request.priority,
+                                                    lora_request)
         if request.stream:
             return self.chat_stream(request, request_id, with_first(firsts[0], streams[0]))
         return self.chat_full_response(request, request_id, firsts[0])

@@ -83,12 +83,12 @@ def join_logprobs(head: CompletionLogprobs, tail: Optional[CompletionLogprobs]
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest):
         """A ``CompletionResponse``, or an async iterator of SSE strings."""
-        self.check_request(request)
+        lora_request = self.check_request(request)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = request.to_sampling_params(kind)
         request_id = random_id("cmpl")
         streams, firsts = await self.start_requests(request.prompts(), params, request_id,
-                                                    "prompt", request.priority)
+                                                    "prompt", request.priority, lora_request)
         if request.stream:
             return self.completion_stream(request, request_id,
                                           [with_first(f, s) for f, s in zip(firsts, streams)])

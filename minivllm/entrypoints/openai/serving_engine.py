@@ -28,9 +28,10 @@ Stream = AsyncIterator[RequestOutput]
 
 
 class ModelNotFoundError(LookupError):
-    def __init__(self, model: str, served: str) -> None:
-        super().__init__(f"The model '{model}' does not exist; this server serves "
-                         f"'{served}'.")
+    def __init__(self, model: str, served: str | list[str], what: str = "model") -> None:
+        names = [served] if isinstance(served, str) else served
+        super().__init__(f"The {what} '{model}' does not exist; this server serves "
+                         f"{', '.join(repr(n) for n in names) or 'none'}.")
 
 
 def random_id(prefix: str) -> str:
@@ -52,24 +53,31 @@ SSE_DONE = sse("[DONE]")
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, models=None) -> None:
         self.engine = engine
         self.model_name = model_name
+        # The base model and its LoRA adapters (serving_models.OpenAIServingModels).
+        self.models = models
 
-    def check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: Optional[str]):
+        """The LoRARequest ``model`` names (None: the base model); 404 if unknown."""
+        if self.models is not None:
+            return self.models.resolve(model)
         if model is not None and model != self.model_name:
             raise ModelNotFoundError(model, self.model_name)
+        return None
 
-    def check_request(self, request: SamplingRequest) -> None:
-        self.check_model(request.model)
+    def check_request(self, request: SamplingRequest):
+        lora_request = self.check_model(request.model)
         request.check(self.engine.config.model.vocab_size)
+        return lora_request
 
     async def start_requests(self, prompts: Sequence, params, request_id: str,
-                             prompt_field: str, priority: int = 0
+                             prompt_field: str, priority: int = 0, lora_request=None
                              ) -> tuple[list[Stream], list[RequestOutput]]:
         """Start one engine request per prompt; returns the streams and first outputs."""
         streams = [self.engine.generate(p, params, request_id if len(prompts) == 1
-                                        else f"{request_id}-{i}", priority)
+                                        else f"{request_id}-{i}", priority, lora_request)
                    for i, p in enumerate(prompts)]
         firsts = [asyncio.ensure_future(anext(s)) for s in streams]
         try:

@@ -279,6 +279,7 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "minivllm"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 

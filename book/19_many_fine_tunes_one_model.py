@@ -1,0 +1,277 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 19. Many fine-tunes, one model
+#
+# A fine-tune with LoRA leaves the base weights alone and learns, for some linear layers,
+# a low-rank change `ΔW = B A · scale` (A is `r × in`, B is `out × r`, r small). So a
+# hundred fine-tunes of one model are one copy of the big weights plus a hundred small
+# pairs of matrices — and one batch can serve requests for many of them at once, if each
+# token adds *its own* adapter's `x Aᵀ Bᵀ`. That is how vLLM serves LoRA (the Punica and
+# S-LoRA papers): a per-token adapter index, then a batched *shrink* (`x Aᵀ`, down to r
+# columns) and *expand* (`· Bᵀ`, back up).
+#
+# **What you will see**
+#
+# - a tiny adapter trained here with PEFT, in seconds, that changes one answer;
+# - that adapter, a second one and the base model in **one** engine batch;
+# - the per-token adapter index of a real step, and the shrink/expand shapes;
+# - the engine's delta equal to merging `B @ A * scale` into the weight;
+# - what the mixed batch costs against the base model.
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure(["scheduler", "model_runner"])
+
+# %%
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from minivllm import LLM, LoRARequest, SamplingParams
+from minivllm.lora import punica
+from minivllm.lora.peft_loader import load_adapter
+from minivllm.model.resolve import resolve_model_path
+from minivllm.viz.lora import shrink_expand_figure, token_index_figure
+from minivllm.viz.source import show_source
+
+base_path = resolve_model_path(None)  # SmolLM2-135M-Instruct, as a Hugging Face folder
+workdir = Path(tempfile.mkdtemp(prefix="ch19-"))
+torch.manual_seed(0)
+
+# %% [markdown]
+# ## Train a tiny adapter
+#
+# We teach the model one wrong fact, so that we can see the adapter at work: the
+# capital of France is Lyon. PEFT wraps `q_proj` and `v_proj` of every layer with a
+# rank-8 LoRA; only A and B train (B starts at zero, so the adapter starts as a no-op).
+# The loss counts only the answer tokens.
+
+# %%
+from minivllm.inputs import load_tokenizer
+
+tokenizer = load_tokenizer(base_path)
+QUESTION = "What is the capital of France?"
+
+
+def chat_ids(question, answer=None):
+    messages = [{"role": "user", "content": question}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return ids if answer is None else (ids, tokenizer.encode(answer + "<|im_end|>",
+                                                             add_special_tokens=False))
+
+
+# %%
+def train_adapter(answer, folder, steps=25, r=8):
+    hf = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = get_peft_model(hf, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                          target_modules=["q_proj", "v_proj"]))
+    prompt, target = chat_ids(QUESTION, answer)
+    ids = torch.tensor([prompt + target])
+    labels = torch.tensor([[-100] * len(prompt) + target])  # loss on the answer only
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward(), opt.step(), opt.zero_grad()
+        losses.append(loss.item())
+    model.save_pretrained(folder)
+    return losses
+
+
+# %%
+t0 = time.perf_counter()
+losses = train_adapter("The capital of France is Lyon.", workdir / "lyon")
+print(f"trained in {time.perf_counter() - t0:.1f} s; loss {losses[0]:.2f} -> {losses[-1]:.3f}")
+assert losses[-1] < losses[0] / 10
+
+# %% [markdown]
+# A second adapter learns a different answer to the same question.
+
+# %%
+losses2 = train_adapter("The capital of France is Marseille.", workdir / "marseille")
+assert losses2[-1] < losses2[0] / 10
+lyon = LoRARequest("lyon", 1, str(workdir / "lyon"))
+marseille = LoRARequest("marseille", 2, str(workdir / "marseille"))
+
+# %% [markdown]
+# ## One batch, two adapters and the base model
+#
+# `LLM(enable_lora=True)` gives the engine `max_loras` adapter slots; `lora_request=`
+# names one adapter per prompt (None: the base model). The three requests below run in
+# the same steps.
+
+# %%
+llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=128, trace=True)
+greedy = SamplingParams(temperature=0, max_tokens=12)
+prompt = {"prompt_token_ids": chat_ids(QUESTION)}
+outs = llm.generate([prompt] * 3, greedy, use_tqdm=False, lora_request=[None, lyon, marseille])
+answers = [o.outputs[0].text for o in outs]
+for who, text in zip(["base", "lyon", "marseille"], answers):
+    print(f"{who:10s} {text!r}")
+assert "Paris" in answers[0] and "Lyon" in answers[1] and "Marseille" in answers[2]
+first = llm.trace.records[0]
+assert len(first.scheduled) == 3 and set(first.loras.values()) == {"lyon", "marseille"}
+
+# %% [markdown]
+# ## The per-token adapter index
+#
+# The model runner lays the step's tokens end to end (chapter 7's flat batch) and gives
+# each token the slot of its request's adapter, -1 for the base model. Here is the first
+# step: three prompts of the same length, three colours.
+
+# %%
+manager = llm.engine_core.executor.runner.lora_manager
+slots = {lora: s for s, i in enumerate(manager.slot_ids)
+         for lora, j in (("lyon", 1), ("marseille", 2)) if i == j}
+step = [(rid, first.loras.get(rid), n) for rid, (n, _) in first.scheduled.items()]
+fig = token_index_figure(step, slots)
+fig
+
+# %%
+show_source(punica.shrink)
+
+# %%
+show_source(punica.expand)
+
+# %% [markdown]
+# Each wrapped layer holds all slots' factors stacked, `lora_a` `[slots, R, in]` and
+# `lora_b` `[slots, out, R]`; the tokens of one slot go through one dense shrink and one
+# dense expand. With rank 8 the waist is narrow: for `q_proj` (576 → 576) the delta
+# of 30 tokens costs `2 · 30 · 8 · 576` multiply-adds each way, against `30 · 576 · 576`
+# for the base product.
+
+# %%
+n = len(prompt["prompt_token_ids"])
+shrink_expand_figure(n, 576, 8, 576, title=f"q_proj: {n} tokens through a rank-8 adapter")
+
+# %% [markdown]
+# ## The delta equals merging `B @ A * scale` into the weight
+#
+# PEFT's `scale` is `lora_alpha / r` (here 16 / 8 = 2). Computed per token by shrink
+# and expand, the delta must equal the product with the merged weight `W + B A · scale`.
+
+# %%
+adapter = load_adapter(lyon, llm.llm_engine.config.model, max_lora_rank=8)
+A, B_scaled = adapter.weights[(0, "q_proj")]
+assert adapter.scaling == 16 / 8
+W = llm.engine_core.executor.runner.model.model.layers[0].self_attn.qkv_proj.weight[:576]
+x = torch.randn(5, 576)
+index = torch.tensor([0, 0, -1, 0, -1])  # tokens 2 and 4: base model
+delta = punica.lora_delta(x, A[None], B_scaled[None], index)
+merged = W + B_scaled @ A
+assert torch.allclose(x[index == 0] @ W.T + delta[index == 0], x[index == 0] @ merged.T,
+                      atol=1e-4)
+assert torch.equal(delta[index < 0], torch.zeros(2, 576))
+
+# %% [markdown]
+# ## What the mixed batch costs
+#
+# The same 16 requests twice: all on the base model, then spread over the two adapters.
+# Both make the same number of tokens (EOS ignored). On a CPU the LoRA run pays the
+# shrink and expand of every wrapped layer, and loses the one-call decode replay of
+# chapter 14, which steps aside for steps that hold a LoRA token. One run each on a
+# shared machine: a noisy number (`minivllm bench throughput --lora-modules` repeats it).
+
+# %%
+many = [prompt] * 16
+fixed = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+rates = {}
+for name, loras in (("base", None), ("2 adapters", [lyon, marseille] * 8)):
+    t0 = time.perf_counter()
+    outs = llm.generate(many, fixed, use_tqdm=False, lora_request=loras)
+    rates[name] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+print({k: f"{v:.0f} tok/s" for k, v in rates.items()},
+      f"ratio {rates['2 adapters'] / rates['base']:.2f}")
+assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+
+# %% [markdown]
+# ### Exercise 19.1 — one slot
+# Start an engine with `max_loras=1` and send the three requests of this chapter again.
+# **Predict first:** how many distinct adapters will the busiest step hold, and will
+# the answers change? Set `answer_1` to that number.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+answer_1 = 1  # the scheduler admits no second adapter while one runs; answers unchanged
+### END SOLUTION
+
+# %% tags=["check"]
+one = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64, trace=True)
+again = one.generate([prompt] * 3, greedy, use_tqdm=False,
+                     lora_request=[None, lyon, marseille])
+assert [o.outputs[0].text for o in again] == answers
+assert answer_1 == max(len(set(r.loras.values())) for r in one.trace.records)
+one.shutdown()
+
+# %% [markdown]
+# ### Exercise 19.2 — rsLoRA's scale
+# With `use_rslora=True`, PEFT scales by `lora_alpha / sqrt(r)` instead of `lora_alpha / r`.
+# What scale does the Lyon adapter (r = 8, alpha = 16) get with it? Set `answer_2`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+answer_2 = 16 / 8 ** 0.5
+### END SOLUTION
+
+# %% tags=["check"]
+import json, shutil
+
+rs = Path(shutil.copytree(workdir / "lyon", workdir / "lyon-rs"))
+config = json.loads((rs / "adapter_config.json").read_text())
+(rs / "adapter_config.json").write_text(json.dumps(dict(config, use_rslora=True)))
+got = load_adapter(LoRARequest("rs", 9, str(rs)), llm.llm_engine.config.model, 8).scaling
+assert abs(answer_2 - got) < 1e-9
+
+# %% [markdown]
+# ### Exercise 19.3 — no KV shared across adapters
+# The same prompt was sent with the base model, with `lyon` and with `marseille`. Send it
+# once more with `marseille`, then with a new adapter id for the Lyon files. How many
+# prompt tokens does each find in the prefix cache? Set `answer_3` to the pair.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+full_blocks = len(prompt["prompt_token_ids"]) // 16 * 16
+answer_3 = (full_blocks, 0)  # same adapter: every full block; a new adapter id: none
+### END SOLUTION
+
+# %% tags=["check"]
+lyon_again = LoRARequest("lyon-2", 3, lyon.lora_path)
+hits = tuple(llm.generate([prompt], greedy, use_tqdm=False, lora_request=lo)[0]
+             .num_cached_tokens for lo in (marseille, lyon_again))
+assert answer_3 == hits
+
+# %% [markdown]
+# ## Summary
+#
+# - A LoRA fine-tune is a pair of thin matrices per wrapped layer; many of them share one
+#   copy of the base weights.
+# - Each token of a step carries its adapter's slot; each wrapped layer adds
+#   `expand(shrink(x))` per slot present, and nothing for base-model tokens.
+# - The result is the merged weight's result, and PEFT's tokens (the tests check it).
+# - The scheduler caps the distinct adapters per step at `max_loras`; prefix caching keys
+#   blocks by adapter, so no adapter reads another's KV.
+#
+# **Try next:** train on several questions and watch which answers move; give an adapter
+# `target_modules` of the MLP only; run `minivllm serve --enable-lora --lora-modules
+# lyon=...` and ask it with the OpenAI client's `model="lyon"`.
+
+# %%
+llm.shutdown()
