@@ -38,10 +38,12 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         sc = config.scheduler
+        self.kv_connector = self._make_kv_connector(config)
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.max_model_len, self.kv_cache_manager,
                                    sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
-                                   clock=self.clock, scheduling_policy=sc.scheduling_policy)
+                                   clock=self.clock, scheduling_policy=sc.scheduling_policy,
+                                   connector=self.kv_connector)
         self.speculator = None
         if config.speculative is not None:
             from minivllm.spec_decode.proposer import Speculator
@@ -52,6 +54,19 @@ class EngineCore:
         # Set when a step failed inside the model: the KV cache and the
         # scheduler may be half-updated, so no further step is trustworthy.
         self.dead_error: Optional[BaseException] = None
+
+    @staticmethod
+    def _make_kv_connector(config: EngineConfig):
+        """The scheduler half of ``kv_transfer_config``'s connector, or None."""
+        if config.kv_transfer is None:
+            return None
+        from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
+        from minivllm.distributed.kv_transfer.base import KVCacheSpec
+
+        # After the executor is built: the runner may have chosen the compute dtype.
+        m, bs = config.model, config.cache.block_size
+        spec = KVCacheSpec(bs, m.num_hidden_layers, m.kv_bytes_per_token * bs)
+        return create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, spec)
 
     # -- requests ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -82,7 +97,8 @@ class EngineCore:
             self.dead_error = e
             raise
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(so, result.sampled, result.verified)
+        outputs = self.scheduler.update_from_output(
+            so, result.sampled, result.verified, getattr(result, "invalid_block_ids", None))
         if self.speculator is not None:  # drafts for the next step
             self.speculator.propose(self.scheduler.running)
         t3 = time.perf_counter()

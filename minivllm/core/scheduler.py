@@ -90,7 +90,8 @@ class Scheduler:
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
                  enable_chunked_prefill: bool = True,
-                 clock: Optional[Clock] = None, scheduling_policy: str = "fcfs") -> None:
+                 clock: Optional[Clock] = None, scheduling_policy: str = "fcfs",
+                 connector=None) -> None:
         _check_limits(max_num_batched_tokens, max_num_seqs, max_model_len,
                       long_prefill_token_threshold, enable_chunked_prefill)
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget per step
@@ -116,6 +117,10 @@ class Scheduler:
         self._pool_counters = self._read_pool_counters()
         self._awaiting_output = False
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
+        # The scheduler half of a KV connector (minivllm/distributed/kv_transfer), or None.
+        self.connector = connector
+        if connector is not None:
+            kv_cache_manager.block_pool.on_evict = connector.on_block_evicted
 
     @classmethod
     def from_config(cls, config: "SchedulerConfig",
@@ -187,6 +192,9 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.times.finished = self.clock.now()
+        if self.connector is not None:
+            self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -233,6 +241,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
 
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if self.connector is not None:  # after every allocation of the step
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         counters = self._read_pool_counters()
         out.num_blocks_allocated, out.num_blocks_freed, out.num_blocks_evicted = (
@@ -270,22 +280,33 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+            # A connector may supply the next tokens from outside (another engine,
+            # a store, a slower tier): they get blocks but are not computed here.
+            num_external = 0
+            if self.connector is not None:
+                num_external, _ = self.connector.get_num_new_matched_tokens(
+                    request, num_hit_tokens)
+            num_computed = num_hit_tokens + num_external
+            num_new = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._cap(num_new, budget)
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_external + num_new, hit_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), num_external)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = self.clock.now()
             out.new_req_ids.append(request.request_id)
             out.num_prefix_cache_hit_tokens += num_hit_tokens
+            out.num_external_computed_tokens += num_external
             self._add_to_batch(out, request, num_new)
             budget -= num_new
 
@@ -315,6 +336,31 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted_req_ids.append(request.request_id)
 
+    def _recompute_failed_loads(self, so: SchedulerOutput, live: list[Request],
+                                bad_ids: set[int]) -> list[Request]:
+        """Requests whose blocks a connector failed to load start over, computing
+        everything themselves; the step's result for them is dropped. From a bad
+        block on, a request's blocks (and any request sharing them) hold K/V
+        computed over garbage, so they leave the prefix cache."""
+        kv, bad = self.kv_cache_manager, set(bad_ids)
+        victims = []
+        for request in live:
+            blocks = kv.get_blocks(request.request_id)
+            first = next((i for i, b in enumerate(blocks) if b.block_id in bad), None)
+            if first is not None:
+                bad.update(b.block_id for b in blocks[first:])
+                victims.append(request)
+        victims += [r for r in live if r not in victims and bad & set(so.block_ids[r.request_id])]
+        kv.block_pool.uncache_blocks(b for b in kv.block_pool.blocks if b.block_id in bad)
+        for request in victims:
+            self.connector.request_load_failed(request)
+            self.running.remove(request)
+            kv.free(request)
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens, request.num_cached_tokens = 0, -1
+            self.waiting.appendleft(request)
+        return [r for r in live if r not in victims]
+
     def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
         """Take a request back out of this step's batch; returns its tokens."""
         rid = request.request_id
@@ -340,7 +386,8 @@ class Scheduler:
     # -- one step: apply -------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: SampledTokens,
-                           verified: Optional[dict[str, list]] = None
+                           verified: Optional[dict[str, list]] = None,
+                           invalid_block_ids: Optional[set[int]] = None
                            ) -> list[EngineCoreOutput]:
         """Advance requests by the step's result; one output per new token or finish.
 
@@ -349,6 +396,7 @@ class Scheduler:
         no token (an entry for one is ignored: its logits came from the middle
         of the prompt). ``verified`` holds, for each request that had drafts,
         the accepted drafts plus one token from the target (1 to k + 1 tokens).
+        ``invalid_block_ids``: blocks a KV connector failed to load this step.
         """
         verified = verified or {}
         step = scheduler_output.step
@@ -368,6 +416,8 @@ class Scheduler:
                 raise ValueError(f"request {rid!r} reached the end of its tokens in step "
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
+        if invalid_block_ids:
+            live = self._recompute_failed_loads(scheduler_output, live, invalid_block_ids)
         outputs = []
         for request in live:
             rid = request.request_id
