@@ -175,3 +175,34 @@ def test_corrupt_or_missing_blocks_are_recomputed(tiny_model, tmp_path):
     # the damaged one (loaded intact, kept in the prefix cache); prompt 1 stopped at the gap.
     assert [o.num_cached_tokens for o in outs] == [2 * BS, 4 * BS]
     assert llm.engine_core.kv_connector.stats["load_failures"] == 1
+
+
+# -- offload tier ---------------------------------------------------------------
+def _rounds(llm, items, rounds: int = 2):
+    """Each prompt in turn, twice over: a history larger than the primary pool."""
+    return [llm.generate([p], GREEDY, use_tqdm=False)[0]
+            for _ in range(rounds) for p in items]
+
+
+def test_offload_tier_brings_evicted_blocks_back(tiny_model):
+    model, items = tiny_model("llama"), prompts(4, 40, seed=4)
+    # 16 blocks of 4: one prompt and its answer fit, the four prompts do not.
+    results = {}
+    for tier in (None, 0.001):
+        llm = LLM(model, block_size=BS, cpu_kernels=False, num_kv_blocks=16,
+                  kv_offloading_size=tier)
+        try:
+            results[tier] = (_rounds(llm, items), llm.engine_core.kv_connector)
+        finally:
+            llm.shutdown()
+    plain, _ = results[None]
+    offloaded, connector = results[0.001]
+    assert [o.outputs[0].token_ids for o in offloaded] == [o.outputs[0].token_ids
+                                                           for o in plain]
+    # Without the tier the second round finds nothing left; with it, every full
+    # prompt block it had evicted comes back.
+    assert all(o.num_cached_tokens == 0 for o in plain)
+    second = offloaded[len(items):]
+    assert [o.num_cached_tokens for o in second] == [full_blocks(len(p)) for p in items]
+    assert connector.stats["hit_tokens"] == sum(full_blocks(len(p)) for p in items)
+    assert connector.stats["stored_blocks"] > 0

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_connector_hooks import recompute_failed_loads
 from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
@@ -336,31 +337,6 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted_req_ids.append(request.request_id)
 
-    def _recompute_failed_loads(self, so: SchedulerOutput, live: list[Request],
-                                bad_ids: set[int]) -> list[Request]:
-        """Requests whose blocks a connector failed to load start over, computing
-        everything themselves; the step's result for them is dropped. From a bad
-        block on, a request's blocks (and any request sharing them) hold K/V
-        computed over garbage, so they leave the prefix cache."""
-        kv, bad = self.kv_cache_manager, set(bad_ids)
-        victims = []
-        for request in live:
-            blocks = kv.get_blocks(request.request_id)
-            first = next((i for i, b in enumerate(blocks) if b.block_id in bad), None)
-            if first is not None:
-                bad.update(b.block_id for b in blocks[first:])
-                victims.append(request)
-        victims += [r for r in live if r not in victims and bad & set(so.block_ids[r.request_id])]
-        kv.block_pool.uncache_blocks(b for b in kv.block_pool.blocks if b.block_id in bad)
-        for request in victims:
-            self.connector.request_load_failed(request)
-            self.running.remove(request)
-            kv.free(request)
-            request.status = RequestStatus.WAITING
-            request.num_computed_tokens, request.num_cached_tokens = 0, -1
-            self.waiting.appendleft(request)
-        return [r for r in live if r not in victims]
-
     def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
         """Take a request back out of this step's batch; returns its tokens."""
         rid = request.request_id
@@ -417,7 +393,7 @@ class Scheduler:
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
         if invalid_block_ids:
-            live = self._recompute_failed_loads(scheduler_output, live, invalid_block_ids)
+            live = recompute_failed_loads(self, scheduler_output, live, invalid_block_ids)
         outputs = []
         for request in live:
             rid = request.request_id
