@@ -79,7 +79,9 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or KV transfers in flight (their blocks are freed by steps)."""
+        return (self.scheduler.has_unfinished_requests()
+                or self.scheduler.has_pending_transfers())
 
     # -- the loop ----------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -97,8 +99,10 @@ class EngineCore:
             self.dead_error = e
             raise
         t2 = time.perf_counter()
+        if so.is_empty and self.kv_connector is not None:
+            time.sleep(0.002)  # only transfers in flight: wait for them, do not spin
         outputs = self.scheduler.update_from_output(
-            so, result.sampled, result.verified, getattr(result, "invalid_block_ids", None))
+            so, result.sampled, result.verified, getattr(result, "kv_connector_output", None))
         if self.speculator is not None:  # drafts for the next step
             self.speculator.propose(self.scheduler.running)
         t3 = time.perf_counter()

@@ -42,4 +42,51 @@ def recompute_failed_loads(scheduler: "Scheduler", so: "SchedulerOutput", live: 
     return [r for r in live if r not in victims]
 
 
-__all__ = ["recompute_failed_loads"]
+def admit_async(scheduler: "Scheduler", request: "Request", hit_blocks: list,
+                num_hit_tokens: int, num_external: int) -> bool:
+    """Give a request blocks for KV that will arrive later, and park it.
+
+    Its blocks enter the prefix cache only once filled (``delay_cache_blocks``);
+    until then nobody else may find them. False: no room, it stays waiting.
+    """
+    kv = scheduler.kv_cache_manager
+    if kv.allocate_slots(request, num_external, hit_blocks, delay_cache_blocks=True) is None:
+        return False
+    scheduler.connector.update_state_after_alloc(
+        request, kv.get_block_ids(request.request_id), num_external)
+    scheduler.waiting.popleft()
+    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    request.num_computed_tokens = num_hit_tokens + num_external
+    if request.num_cached_tokens < 0:
+        request.num_cached_tokens = request.num_computed_tokens
+    scheduler.waiting_for_remote[request.request_id] = request
+    return True
+
+
+def apply_kv_connector_output(scheduler: "Scheduler", so: "SchedulerOutput",
+                              live: list["Request"], kv_out) -> list["Request"]:
+    """Free what was sent, wake what arrived, recompute what failed to load."""
+    kv = scheduler.kv_cache_manager
+    for rid in kv_out.finished_sending:
+        request = scheduler.sending.pop(rid, None)
+        if request is not None:
+            kv.free(request)
+    for rid in kv_out.finished_recving:
+        request = scheduler.waiting_for_remote.pop(rid, None)
+        if request is None:
+            continue
+        if request.is_finished():  # aborted while its KV was arriving
+            kv.free(request)
+            continue
+        if kv_out.invalid_block_ids & set(kv.get_block_ids(rid)):
+            scheduler.connector.request_load_failed(request)
+            kv.free(request)
+            request.num_computed_tokens, request.num_cached_tokens = 0, -1
+        request.status = RequestStatus.WAITING
+        scheduler.waiting.appendleft(request)  # admitted before anyone still waiting
+    if kv_out.invalid_block_ids:
+        live = recompute_failed_loads(scheduler, so, live, kv_out.invalid_block_ids)
+    return live
+
+
+__all__ = ["recompute_failed_loads", "admit_async", "apply_kv_connector_output"]

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.kv_connector_hooks import recompute_failed_loads
+from minivllm.core.kv_connector_hooks import admit_async, apply_kv_connector_output
 from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
@@ -120,6 +120,10 @@ class Scheduler:
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
         # The scheduler half of a KV connector (minivllm/distributed/kv_transfer), or None.
         self.connector = connector
+        # request_id -> request: admitted, its KV arriving (WAITING_FOR_REMOTE_KVS),
+        # and finished, its blocks held until the connector has sent them.
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.sending: dict[str, Request] = {}
         if connector is not None:
             kv_cache_manager.block_pool.on_evict = connector.on_block_evicted
 
@@ -186,17 +190,22 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus,
                 stop_reason: Optional[int | str] = None) -> None:
+        receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif not receiving:  # (a receiving one keeps its blocks until the transfer ends)
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
         request.times.finished = self.clock.now()
+        hold = False
         if self.connector is not None:
-            self.connector.request_finished(
+            hold, request.kv_transfer_params = self.connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(request.request_id))
-        self.kv_cache_manager.free(request)
+        if hold:
+            self.sending[request.request_id] = request
+        elif not receiving:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -210,7 +219,12 @@ class Scheduler:
         return len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + sum(
+            not r.is_finished() for r in self.waiting_for_remote.values())
+
+    def has_pending_transfers(self) -> bool:
+        """Blocks held for a KV connector's send or receive: steps must go on."""
+        return bool(self.sending or self.waiting_for_remote)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -280,14 +294,22 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            # A connector may supply the next tokens from outside (another engine,
-            # a store, a slower tier): they get blocks but are not computed here.
-            num_external = 0
-            if self.connector is not None:
-                num_external, _ = self.connector.get_num_new_matched_tokens(
-                    request, num_hit_tokens)
-            num_computed = num_hit_tokens + num_external
+            hit_blocks, num_hit_tokens, num_external = [], 0, 0
+            if kv.get_blocks(request.request_id):  # its KV arrived: go on after it
+                num_computed = request.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                # A connector may supply the next tokens from outside (another
+                # engine, a store, a slower tier): they get blocks, not compute.
+                if self.connector is not None:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                        request, num_hit_tokens)
+                    if num_external and load_async:  # it waits aside; others go on
+                        if not admit_async(self, request, hit_blocks, num_hit_tokens,
+                                           num_external):
+                            break
+                        continue
+                num_computed = num_hit_tokens + num_external
             num_new = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new > budget:
                 break
@@ -363,8 +385,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: SampledTokens,
                            verified: Optional[dict[str, list]] = None,
-                           invalid_block_ids: Optional[set[int]] = None
-                           ) -> list[EngineCoreOutput]:
+                           kv_connector_output=None) -> list[EngineCoreOutput]:
         """Advance requests by the step's result; one output per new token or finish.
 
         ``sampled`` holds an entry for each request whose scheduled tokens
@@ -372,7 +393,7 @@ class Scheduler:
         no token (an entry for one is ignored: its logits came from the middle
         of the prompt). ``verified`` holds, for each request that had drafts,
         the accepted drafts plus one token from the target (1 to k + 1 tokens).
-        ``invalid_block_ids``: blocks a KV connector failed to load this step.
+        ``kv_connector_output``: transfers a KV connector finished, loads that failed.
         """
         verified = verified or {}
         step = scheduler_output.step
@@ -392,8 +413,8 @@ class Scheduler:
                 raise ValueError(f"request {rid!r} reached the end of its tokens in step "
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
-        if invalid_block_ids:
-            live = recompute_failed_loads(self, scheduler_output, live, invalid_block_ids)
+        if kv_connector_output is not None and not kv_connector_output.is_empty:
+            live = apply_kv_connector_output(self, scheduler_output, live, kv_connector_output)
         outputs = []
         for request in live:
             rid = request.request_id
@@ -433,7 +454,8 @@ class Scheduler:
             request_id=request.request_id, new_token_ids=token_ids, new_logprobs=logprobs,
             finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_preemptions=request.num_preemptions, **spec)
+            num_preemptions=request.num_preemptions,
+            kv_transfer_params=request.kv_transfer_params, **spec)
 
     def _apply_verified(self, request: Request, so: SchedulerOutput, drafts: list[int],
                         tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:

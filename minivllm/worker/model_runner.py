@@ -73,8 +73,8 @@ class ModelRunnerOutput:
     verified: dict[str, list[tuple[int, Optional[LogprobInfo]]]] = field(default_factory=dict)
     # request_id -> its whole prompt's logprobs, in the step of its first token.
     prompt_logprobs: dict[str, list[PromptLogprobEntry]] = field(default_factory=dict)
-    # Blocks a KV connector failed to load this step (the scheduler recomputes them).
-    invalid_block_ids: set[int] = field(default_factory=set)
+    # A KV connector's news (transfers done, loads failed): a KVConnectorOutput, or None.
+    kv_connector_output: Optional[object] = None
     # Seconds spent in each stage of this step (for the step trace).
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -287,6 +287,8 @@ class ModelRunner:
             self.structured_output.release(rid)
         out = ModelRunnerOutput()
         if so.is_empty:
+            if self.kv_connector is not None:  # transfers finish between busy steps too
+                self._forward_with_connector(so, None, None, out)
             return out
         t0 = time.perf_counter()
         inputs, samplers = self.prepare_inputs(so)
@@ -325,17 +327,22 @@ class ModelRunner:
         first, then the step's K/V are saved. (On a CPU there is no copy engine to
         overlap with, so every layer's load is awaited up front and every layer is
         saved once the pass is done, in vLLM's per-layer calls.)"""
-        c = self.kv_connector
+        from minivllm.distributed.kv_transfer import KVConnectorOutput
+
+        c, logits = self.kv_connector, None
         c.bind_connector_metadata(so.kv_connector_metadata)
         try:
             c.start_load_kv()
-            for layer in range(len(self.kv_caches)):
-                c.wait_for_layer_load(layer)
-            out.invalid_block_ids = c.get_block_ids_with_load_errors()
-            logits = forward(inputs)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                c.save_kv_layer(layer, k, v)
-            c.wait_for_save()
+            if forward is not None:
+                for layer in range(len(self.kv_caches)):
+                    c.wait_for_layer_load(layer)
+                logits = forward(inputs)
+                for layer, (k, v) in enumerate(self.kv_caches):
+                    c.save_kv_layer(layer, k, v)
+                c.wait_for_save()
+            sent, received = c.get_finished(so.finished_req_ids)
+            out.kv_connector_output = KVConnectorOutput(
+                sent, received, c.get_block_ids_with_load_errors())
         finally:
             c.clear_connector_metadata()
         return logits

@@ -21,7 +21,8 @@ arrive as duck-typed objects (``request_id``, ``block_hashes``, ``num_tokens``..
 """
 
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata,
-                                                   KVConnectorRole)
+                                                   KVConnectorOutput, KVConnectorRole)
 from minivllm.distributed.kv_transfer.factory import create_connector
 
-__all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole", "create_connector"]
+__all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVConnectorOutput", "KVConnectorRole",
+           "create_connector"]

@@ -15,7 +15,7 @@ blocks) and ``sampling_params``, and never imports the engine's classes.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
@@ -32,6 +32,19 @@ class KVConnectorRole(enum.Enum):
 @dataclass
 class KVConnectorMetadata:
     """One step's instructions from the scheduler half to the worker half."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """One step's news from the worker half back to the scheduler half."""
+
+    finished_sending: set[str] = field(default_factory=set)  # blocks may be freed
+    finished_recving: set[str] = field(default_factory=set)  # KV arrived (or failed)
+    invalid_block_ids: set[int] = field(default_factory=set)  # loads that failed
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
 @dataclass
@@ -88,6 +101,10 @@ class KVConnectorBase:
         sent, ``kv_transfer_params`` for the response)."""
         return False, None
 
+    def has_pending_transfers(self) -> bool:
+        """Blocks held for a send or a receive still in flight: keep stepping."""
+        return False
+
     def request_load_failed(self, request) -> None:
         """The worker could not load this request's blocks: never offer them again."""
 
@@ -130,4 +147,5 @@ class KVConnectorBase:
         pass
 
 
-__all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole", "KVCacheSpec"]
+__all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVConnectorRole", "KVCacheSpec",
+           "KVConnectorOutput"]
