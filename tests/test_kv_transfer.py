@@ -206,3 +206,63 @@ def test_offload_tier_brings_evicted_blocks_back(tiny_model):
     assert [o.num_cached_tokens for o in second] == [full_blocks(len(p)) for p in items]
     assert connector.stats["hit_tokens"] == sum(full_blocks(len(p)) for p in items)
     assert connector.stats["stored_blocks"] > 0
+
+
+# -- P2P: the decode engine pulls from the prefill engine ------------------------------
+def p2p(role: str, **extra) -> dict:
+    return {"kv_connector": "P2pConnector", "kv_role": role,
+            "kv_connector_extra_config": extra}
+
+
+def test_p2p_pull_equals_a_single_engine_and_frees_both_sides(tiny_model):
+    model, items = tiny_model("llama"), prompts(3, 41, seed=5)
+    want, _, _ = run(model, items)
+    prefill = LLM(model, block_size=BS, cpu_kernels=False,
+                  kv_transfer_config=p2p("kv_producer"))
+    decode = LLM(model, block_size=BS, cpu_kernels=False, trace=True,
+                 kv_transfer_config=p2p("kv_consumer"))
+    try:
+        first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                               extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        handed = [o.kv_transfer_params for o in prefill.generate(items, first, use_tqdm=False)]
+        assert all(h["do_remote_prefill"] and h["remote_block_ids"] for h in handed)
+        pool = prefill.engine_core.kv_cache_manager.block_pool
+        assert pool.num_free_blocks < pool.num_blocks  # held for the pull
+        # Offline nobody steps the idle prefill engine (a server's loop does, while
+        # transfers are pending): one step hands the sends to its worker half.
+        prefill.llm_engine.engine_core.step()
+        outs = decode.generate(items, [GREEDY.clone(extra_args={"kv_transfer_params": h})
+                                       for h in handed], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert [o.num_cached_tokens for o in outs] == [full_blocks(len(p)) for p in items]
+        computed = sum(r.num_batched_tokens for r in decode.trace.records)
+        assert computed == sum(len(p) - full_blocks(len(p)) + GREEDY.max_tokens - 1
+                               for p in items)
+        # Sent: the prefill side frees them on its next step.
+        prefill.llm_engine.engine_core.step()
+        assert pool.num_free_blocks == pool.num_blocks
+        assert not decode.engine_core.scheduler.has_pending_transfers()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_p2p_dead_prefill_engine_is_recomputed_within_the_timeout(tiny_model):
+    import time
+
+    model, items = tiny_model("llama"), prompts(2, 29, seed=6)
+    want, _, _ = run(model, items)
+    prefill = LLM(model, block_size=BS, cpu_kernels=False,
+                  kv_transfer_config=p2p("kv_producer"))
+    first = SamplingParams(temperature=0, max_tokens=1,
+                           extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    handed = [o.kv_transfer_params for o in prefill.generate(items, first, use_tqdm=False)]
+    prefill.shutdown()  # gone before anyone pulls
+    start = time.monotonic()
+    got, outs, decode = run(model, items, [GREEDY.clone(extra_args={"kv_transfer_params": h})
+                                           for h in handed],
+                            kv_transfer_config=p2p("kv_consumer", timeout_s=1.0))
+    assert time.monotonic() - start < 30
+    assert got == want and [o.num_cached_tokens for o in outs] == [0, 0]
+    runner = decode.llm_engine.engine_core.executor.runner
+    assert runner.kv_connector.stats["failed_pulls"] == len(items)

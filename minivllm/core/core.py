@@ -146,4 +146,6 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.speculator is not None:
             self.speculator.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.executor.shutdown()

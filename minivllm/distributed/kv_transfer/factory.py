@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 _CONNECTORS = {
     "SharedStorageConnector": "minivllm.distributed.kv_transfer.shared_storage",
     "OffloadingConnector": "minivllm.distributed.kv_transfer.offloading",
+    "P2pConnector": "minivllm.distributed.kv_transfer.p2p",
 }
 
 
