@@ -241,7 +241,8 @@ def test_p2p_pull_equals_a_single_engine_and_frees_both_sides(tiny_model):
         # Sent: the prefill side frees them on its next step.
         prefill.llm_engine.engine_core.step()
         assert pool.num_free_blocks == pool.num_blocks
-        assert not decode.engine_core.scheduler.has_pending_transfers()
+        s = decode.engine_core.scheduler
+        assert not (s.sending or s.waiting_for_remote)
     finally:
         prefill.shutdown()
         decode.shutdown()

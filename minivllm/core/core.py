@@ -44,6 +44,8 @@ class EngineCore:
                                    sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
                                    clock=self.clock, scheduling_policy=sc.scheduling_policy,
                                    connector=self.kv_connector)
+        if self.kv_connector is not None:  # evicted blocks may go to a second tier
+            self.kv_cache_manager.block_pool.on_evict = self.kv_connector.on_block_evicted
         self.speculator = None
         if config.speculative is not None:
             from minivllm.spec_decode.proposer import Speculator
@@ -80,8 +82,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or KV transfers in flight (their blocks are freed by steps)."""
-        return (self.scheduler.has_unfinished_requests()
-                or self.scheduler.has_pending_transfers())
+        s = self.scheduler
+        return s.has_unfinished_requests() or bool(s.sending or s.waiting_for_remote)
 
     # -- the loop ----------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

@@ -42,6 +42,33 @@ def recompute_failed_loads(scheduler: "Scheduler", so: "SchedulerOutput", live: 
     return [r for r in live if r not in victims]
 
 
+def find_computed_with_connector(scheduler: "Scheduler", request: "Request"):
+    """(prefix-hit blocks, hit tokens, tokens a connector supplies, computed tokens)
+    for a waiting request; None if it was parked to wait for its KV, or must wait
+    for room for that (then it is still at the head of the queue)."""
+    kv = scheduler.kv_cache_manager
+    if kv.get_blocks(request.request_id):  # its KV arrived: go on after it
+        return [], 0, 0, request.num_computed_tokens
+    hit_blocks, num_hit = kv.get_computed_blocks(request)
+    num_external, load_async = scheduler.connector.get_num_new_matched_tokens(request, num_hit)
+    if num_external and load_async:  # it waits aside; the others go on stepping
+        admit_async(scheduler, request, hit_blocks, num_hit, num_external)
+        return None
+    return hit_blocks, num_hit, num_external, num_hit + num_external
+
+
+def release_with_connector(scheduler: "Scheduler", request: "Request", receiving: bool) -> None:
+    """A finished request's blocks: kept while the connector sends them (or while
+    they are still being received into), freed otherwise."""
+    kv = scheduler.kv_cache_manager
+    hold, request.kv_transfer_params = scheduler.connector.request_finished(
+        request, kv.get_block_ids(request.request_id))
+    if hold:
+        scheduler.sending[request.request_id] = request
+    elif not receiving:
+        kv.free(request)
+
+
 def admit_async(scheduler: "Scheduler", request: "Request", hit_blocks: list,
                 num_hit_tokens: int, num_external: int) -> bool:
     """Give a request blocks for KV that will arrive later, and park it.
@@ -89,4 +116,5 @@ def apply_kv_connector_output(scheduler: "Scheduler", so: "SchedulerOutput",
     return live
 
 
-__all__ = ["recompute_failed_loads", "admit_async", "apply_kv_connector_output"]
+__all__ = ["recompute_failed_loads", "admit_async", "apply_kv_connector_output",
+           "find_computed_with_connector", "release_with_connector"]

@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.kv_connector_hooks import admit_async, apply_kv_connector_output
+from minivllm.core.kv_connector_hooks import (apply_kv_connector_output,
+                                               find_computed_with_connector,
+                                               release_with_connector)
 from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
@@ -120,12 +122,9 @@ class Scheduler:
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
         # The scheduler half of a KV connector (minivllm/distributed/kv_transfer), or None.
         self.connector = connector
-        # request_id -> request: admitted, its KV arriving (WAITING_FOR_REMOTE_KVS),
-        # and finished, its blocks held until the connector has sent them.
+        # Admitted with KV still arriving; finished with blocks held until sent.
         self.waiting_for_remote: dict[str, Request] = {}
         self.sending: dict[str, Request] = {}
-        if connector is not None:
-            kv_cache_manager.block_pool.on_evict = connector.on_block_evicted
 
     @classmethod
     def from_config(cls, config: "SchedulerConfig",
@@ -198,14 +197,10 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.times.finished = self.clock.now()
-        hold = False
-        if self.connector is not None:
-            hold, request.kv_transfer_params = self.connector.request_finished(
-                request, self.kv_cache_manager.get_block_ids(request.request_id))
-        if hold:
-            self.sending[request.request_id] = request
-        elif not receiving:
+        if self.connector is None:
             self.kv_cache_manager.free(request)
+        else:
+            release_with_connector(self, request, receiving)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -219,12 +214,7 @@ class Scheduler:
         return len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + sum(
-            not r.is_finished() for r in self.waiting_for_remote.values())
-
-    def has_pending_transfers(self) -> bool:
-        """Blocks held for a KV connector's send or receive: steps must go on."""
-        return bool(self.sending or self.waiting_for_remote)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -294,22 +284,16 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit_blocks, num_hit_tokens, num_external = [], 0, 0
-            if kv.get_blocks(request.request_id):  # its KV arrived: go on after it
-                num_computed = request.num_computed_tokens
-            else:
+            if self.connector is None:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-                # A connector may supply the next tokens from outside (another
-                # engine, a store, a slower tier): they get blocks, not compute.
-                if self.connector is not None:
-                    num_external, load_async = self.connector.get_num_new_matched_tokens(
-                        request, num_hit_tokens)
-                    if num_external and load_async:  # it waits aside; others go on
-                        if not admit_async(self, request, hit_blocks, num_hit_tokens,
-                                           num_external):
-                            break
+                num_external, num_computed = 0, num_hit_tokens
+            else:  # (prefix hits, then what the connector supplies from outside)
+                found = find_computed_with_connector(self, request)
+                if found is None:  # parked while its KV arrives, or no room to
+                    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                         continue
-                num_computed = num_hit_tokens + num_external
+                    break
+                hit_blocks, num_hit_tokens, num_external, num_computed = found
             num_new = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new > budget:
                 break

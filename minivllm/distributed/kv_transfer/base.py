@@ -101,10 +101,6 @@ class KVConnectorBase:
         sent, ``kv_transfer_params`` for the response)."""
         return False, None
 
-    def has_pending_transfers(self) -> bool:
-        """Blocks held for a send or a receive still in flight: keep stepping."""
-        return False
-
     def request_load_failed(self, request) -> None:
         """The worker could not load this request's blocks: never offer them again."""
 
