@@ -17,8 +17,8 @@ the decode server alone, which then computes the whole prompt: slower, the
 same tokens. A client error (4xx) from the prefill server is the answer.
 """
 
-from __future__ import annotations
-
+# (No `from __future__ import annotations`: FastAPI reads the handlers' annotations,
+# and ``Request`` is imported inside build_app, where the server extras are needed.)
 import argparse
 import logging
 from typing import Optional
