@@ -124,3 +124,22 @@ def test_proxy_equals_a_single_engine(pd, reference, stream):
     for srv in (prefill, decode):
         wait_for(lambda: srv.stats()["num_free_blocks"] == srv.stats()["num_blocks"],
                  "the KV blocks to be freed", deadline_s=60)
+
+
+@pytest.mark.slow
+def test_dead_prefill_server_means_the_decode_server_computes_it(pd, reference):
+    """(Last: it kills the module's prefill server.) The proxy gets no answer from
+    the prefill side and sends the request to the decode side alone."""
+    from openai import OpenAI
+
+    from minivllm import SamplingParams
+
+    url, prefill, decode = pd
+    prefill.stop()
+    want = reference.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                       ignore_eos=True), use_tqdm=False)[0]
+    with OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+        r = c.completions.create(model="tiny", prompt=PROMPT, temperature=0,
+                                 max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.outputs[0].text
+    assert r.usage.prompt_tokens_details.cached_tokens == 0

@@ -267,3 +267,56 @@ def test_p2p_dead_prefill_engine_is_recomputed_within_the_timeout(tiny_model):
     assert got == want and [o.num_cached_tokens for o in outs] == [0, 0]
     runner = decode.llm_engine.engine_core.executor.runner
     assert runner.kv_connector.stats["failed_pulls"] == len(items)
+
+
+def test_a_request_whose_kv_is_arriving_does_not_hold_the_others_back(tiny_model):
+    """While one request waits for its blocks (the prefill side has not offered
+    them yet), another request runs to its end; then the first one finishes too."""
+    from minivllm.core.request import RequestStatus
+
+    model, (slow, fast) = tiny_model("llama"), prompts(2, 33, seed=7)
+    want, _, _ = run(model, [slow, fast])
+    prefill = LLM(model, block_size=BS, cpu_kernels=False,
+                  kv_transfer_config=p2p("kv_producer"))
+    decode = LLM(model, block_size=BS, cpu_kernels=False,
+                 kv_transfer_config=p2p("kv_consumer", timeout_s=120.0))
+    try:
+        first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                               extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        handed = prefill.generate([slow], first, use_tqdm=False)[0].kv_transfer_params
+        engine, core = decode.llm_engine, decode.engine_core
+        slow_id = engine.add_request(slow, GREEDY.clone(extra_args={"kv_transfer_params": handed}))
+        fast_id = engine.add_request(fast, GREEDY)
+        done = {}
+        while fast_id not in done:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert slow_id not in done
+        assert core.scheduler.waiting_for_remote[slow_id].status == \
+            RequestStatus.WAITING_FOR_REMOTE_KVS
+        prefill.llm_engine.engine_core.step()  # the prefill side offers the blocks now
+        while slow_id not in done:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert [done[slow_id].outputs[0].token_ids, done[fast_id].outputs[0].token_ids] == want
+        assert done[slow_id].num_cached_tokens == full_blocks(len(slow))
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_small_offload_tier_keeps_the_most_recent_blocks(tiny_model):
+    """A tier of 12 blocks cannot hold every evicted block: hits are fewer, tokens the same."""
+    model, items = tiny_model("llama"), prompts(4, 40, seed=4)
+    plain, _, _ = run(model, items)
+    block_bytes = EngineArgs(model).create_engine_config().model.kv_bytes_per_token * BS
+    llm = LLM(model, block_size=BS, cpu_kernels=False, num_kv_blocks=16,
+              kv_offloading_size=12 * block_bytes / (1 << 30))
+    try:
+        connector = llm.engine_core.kv_connector
+        assert connector.num_slots == 12
+        outs = _rounds(llm, items)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs[:len(items)]] == plain
+    assert [o.outputs[0].token_ids for o in outs[len(items):]] == plain
+    assert 0 < connector.stats["hit_tokens"] < sum(full_blocks(len(p)) for p in items)
+    assert len(connector.tier) == 12

@@ -30,6 +30,8 @@ BENCHMARKS = {
     "attention": "minivllm.benchmarks.attention",
     "spec-decode": "minivllm.benchmarks.spec_decode",
     "structured": "minivllm.benchmarks.structured",
+    "kv-offload": "minivllm.benchmarks.kv_offload",
+    "disagg": "minivllm.benchmarks.disagg",
 }
 
 
