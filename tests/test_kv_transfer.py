@@ -93,13 +93,11 @@ def test_offloading_size_is_vllms_shorthand_for_the_offloading_connector(tiny_mo
 def test_serve_flag_takes_the_json_dict():
     import argparse
 
-    from minivllm.entrypoints.cli import add_engine_args, engine_args_from
-
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     ns = parser.parse_args(["--kv-transfer-config", json.dumps(storage("/tmp/s")),
                             "--kv-offloading-size", "2"])
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     assert args.kv_transfer_config == storage("/tmp/s") and args.kv_offloading_size == 2.0
 
 
