@@ -68,7 +68,7 @@ def _run_one(args, workload, num_blocks: int, offload_gib) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
     from minivllm.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(resolve_model_path(args.model)).vocab_size
