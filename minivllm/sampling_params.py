@@ -103,6 +103,9 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    # vLLM's free-form per-request arguments; "kv_transfer_params" (disaggregated
+    # prefill, minivllm/distributed/kv_transfer) travels here.
+    extra_args: Optional[dict] = None
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -165,6 +168,8 @@ class SamplingParams:
             isinstance(self.bad_words, (list, tuple))
             and all(isinstance(w, str) and w for w in self.bad_words)),
             "must be None or a list of non-empty strings")
+        check("extra_args", self.extra_args is None or isinstance(self.extra_args, dict),
+              "must be None or a dict")
         check("prompt_logprobs", self.prompt_logprobs is None
               or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
               "must be None or an integer in [0, 20]")

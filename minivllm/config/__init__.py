@@ -12,6 +12,8 @@ from minivllm.config.checks import bad, check_bool, check_choice, check_int, is_
 from minivllm.config.engine import (ATTENTION_BACKENDS, EngineArgs, EngineConfig,
                                     engine_args_from_kwargs)
 from minivllm.config.lora import LoRAConfig
+from minivllm.config.kv_transfer import (KV_CONNECTORS, KV_OFFLOADING_BACKENDS, KV_ROLES,
+                                         KVTransferConfig)
 from minivllm.config.model import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, resolve_dtype
 from minivllm.config.parallel import ParallelConfig
 from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
@@ -23,4 +25,5 @@ __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "Schedule
            "ATTENTION_BACKENDS", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS",
            "DEFAULT_DISABLE_BY_BATCH_SIZE", "BLOCK_SIZES", "engine_args_from_kwargs",
            "resolve_dtype", "bad", "check_int", "check_bool", "check_choice", "is_int",
-           "is_number"]
+           "is_number", "KVTransferConfig", "KV_CONNECTORS", "KV_ROLES",
+           "KV_OFFLOADING_BACKENDS"]

@@ -22,6 +22,7 @@ import torch
 
 from minivllm.config.cache import CacheConfig
 from minivllm.config.checks import bad, check_bool, check_choice, check_int
+from minivllm.config.kv_transfer import KVTransferConfig
 from minivllm.config.model import ModelConfig, resolve_dtype
 from minivllm.config.parallel import ParallelConfig
 from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
@@ -45,6 +46,7 @@ class EngineConfig:
     trace: bool = False
     speculative: Optional[SpeculativeConfig] = None
     lora: Optional[LoRAConfig] = None  # None: enable_lora=False
+    kv_transfer: Optional[KVTransferConfig] = None  # a KV connector (distributed/kv_transfer)
 
 
 @dataclass
@@ -78,6 +80,11 @@ class EngineArgs:
     max_loras: int = 1  # adapters one step may mix
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None  # adapters kept loaded; None: max_loras
+    # vLLM's dict: {"kv_connector": NAME, "kv_role": ROLE, "kv_connector_extra_config": {...}}.
+    kv_transfer_config: Optional[dict] = None
+    # GiB of host memory for a second KV tier (vLLM's shorthand for the OffloadingConnector).
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_backend: Optional[str] = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -116,6 +123,7 @@ class EngineArgs:
         lora = self._lora_config()
         speculative = (None if self.speculative_config is None
                        else SpeculativeConfig.from_dict(self.speculative_config))
+        kv_transfer = KVTransferConfig.from_engine_args(self)
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,7 +145,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
-            speculative=speculative, lora=lora)
+            speculative=speculative, lora=lora, kv_transfer=kv_transfer)
 
     def _lora_config(self) -> Optional[LoRAConfig]:
         return LoRAConfig.from_args(self.enable_lora, self.max_loras, self.max_lora_rank,
@@ -167,6 +175,7 @@ class EngineArgs:
         resolve_dtype(self.dtype)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         self._lora_config()
+        KVTransferConfig.from_engine_args(self)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -180,6 +189,8 @@ _DICT_HELP = {
                           '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
                           '\'{"method": "draft_model", "model": PATH, '
                           '"num_speculative_tokens": 3}\'',
+    "kv_transfer_config": "a KV connector, vLLM's dict as JSON, e.g. "
+                          '\'{"kv_connector": "P2pConnector", "kv_role": "kv_producer"}\'',
 }
 
 

@@ -22,7 +22,7 @@ themselves: removal is O(1) with no search.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from minivllm.config import check_int
 
@@ -116,6 +116,9 @@ class BlockPool:
         self.num_freed = 0  # blocks whose ref_cnt dropped to zero
         self.num_evicted = 0  # cached blocks reclaimed for new contents
         self.num_touched = 0  # cached blocks taken again by a prefix hit
+        # Told (block_hash, block_id) just before a cached block is reused, while
+        # its K/V are still intact (a KV offloading connector copies them out).
+        self.on_evict: Optional[Callable[[int, int], None]] = None
 
     # -- state -------------------------------------------------------------
     @property
@@ -144,6 +147,8 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block.block_hash, block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             blocks.append(block)
@@ -205,6 +210,11 @@ class BlockPool:
             self.cached_block_hash_to_block[block_hash] = block
             added += 1
         return added
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take blocks out of the prefix cache: their contents are not to be trusted."""
+        for block in blocks:
+            self._evict(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed while no block is held."""

@@ -35,17 +35,34 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         sc = config.scheduler
+        self.kv_connector = self._make_kv_connector(config)
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.max_model_len, self.kv_cache_manager,
                                    sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
                                    clock=self.clock, scheduling_policy=sc.scheduling_policy,
-                                   max_loras=0 if config.lora is None else config.lora.max_loras)
+                                   max_loras=0 if config.lora is None else config.lora.max_loras,
+                                   connector=self.kv_connector)
+        if self.kv_connector is not None:  # evicted blocks may go to a second tier
+            self.kv_cache_manager.block_pool.on_evict = self.kv_connector.on_block_evicted
         self.speculator = speculator  # proposes draft tokens (speculative_config)
         self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
         self.step_count = 0
         # Set when a step failed inside the model: the KV cache and the
         # scheduler may be half-updated, so no further step is trustworthy.
         self.dead_error: Optional[BaseException] = None
+
+    @staticmethod
+    def _make_kv_connector(config: EngineConfig):
+        """The scheduler half of ``kv_transfer_config``'s connector, or None."""
+        if config.kv_transfer is None:
+            return None
+        from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
+        from minivllm.distributed.kv_transfer.base import KVCacheSpec
+
+        # After the executor is built: the runner may have chosen the compute dtype.
+        m, bs = config.model, config.cache.block_size
+        spec = KVCacheSpec(bs, m.num_hidden_layers, m.kv_bytes_per_token * bs)
+        return create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, spec)
 
     # -- requests ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -58,7 +75,9 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or KV transfers in flight (their blocks are freed by steps)."""
+        s = self.scheduler
+        return s.has_unfinished_requests() or bool(s.sending or s.waiting_for_remote)
 
     # -- the loop ----------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -76,7 +95,10 @@ class EngineCore:
             self.dead_error = e
             raise
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(so, result.sampled, result.verified)
+        if so.is_empty and self.kv_connector is not None:
+            time.sleep(0.002)  # only transfers in flight: wait for them, do not spin
+        outputs = self.scheduler.update_from_output(
+            so, result.sampled, result.verified, getattr(result, "kv_connector_output", None))
         if self.speculator is not None:  # drafts for the next step
             self.speculator.propose(self.scheduler.running)
         t3 = time.perf_counter()
@@ -122,4 +144,6 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.speculator is not None:
             self.speculator.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.executor.shutdown()

@@ -161,14 +161,16 @@ class KVCacheManager:
         return blocks, num_computed
 
     def allocate_slots(self, request: "Request", num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVCacheBlock] = ()
-                       ) -> Optional[list[KVCacheBlock]]:
+                       new_computed_blocks: Sequence[KVCacheBlock] = (),
+                       delay_cache_blocks: bool = False) -> Optional[list[KVCacheBlock]]:
         """Make room for ``num_new_tokens`` tokens after the computed ones.
 
         ``new_computed_blocks`` are prefix-cache hits from
         ``get_computed_blocks`` (only on admission, before the request holds
         blocks); their tokens count as computed. Returns the newly allocated
         blocks, or None, having changed nothing, when too few blocks are free.
+        ``delay_cache_blocks``: the K/V arrive later through a KV connector; the
+        blocks enter the prefix cache on the request's next allocation.
         """
         if num_new_tokens < 1:
             raise ValueError(f"allocate_slots num_new_tokens={num_new_tokens} is "
@@ -214,7 +216,8 @@ class KVCacheManager:
             self.req_to_block_ids[rid].extend(
                 [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks])
         # Only blocks of known tokens are cached: drafts may still be rejected.
-        self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
+        if not delay_cache_blocks:
+            self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_blocks
 
     def _cache_full_blocks(self, request: "Request", num_tokens: int) -> None:

@@ -33,6 +33,7 @@ class EngineCoreOutput:
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    kv_transfer_params: Optional[dict] = None  # from a KV connector, with the finish
     # Speculative decoding: drafts verified this step and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -5,8 +5,9 @@ states, the KV cache manager gives it blocks, and the model runner advances
 ``num_computed_tokens``. Text lives in the API layer (detokenizer), not here.
 
     WAITING ──schedule──▶ RUNNING ──finish──▶ FINISHED_{STOPPED,LENGTH_CAPPED,ABORTED}
-       ▲                     │
-       └──── PREEMPTED ◀─────┘   (blocks freed; recomputed when re-admitted)
+     ▲  │                  │
+     │  └▶ WAITING_FOR_REMOTE_KVS (a KV connector is still delivering its prompt's KV)
+     └──── PREEMPTED ◀─────┘   (blocks freed; recomputed when re-admitted)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from minivllm.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    # Admitted with blocks, its prompt's KV still arriving through a KV connector.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state.
     FINISHED_STOPPED = enum.auto()
@@ -103,11 +106,19 @@ class Request:
         # the draft model's [k, vocab] probabilities of them (None: one-hot).
         self.spec_token_ids: list[int] = []
         self.spec_token_probs = None
+        # What a KV connector returned when the request finished (vLLM's
+        # kv_transfer_params: where another engine can pull its KV from).
+        self.kv_transfer_params: Optional[dict] = None
         # (``is None``: a virtual clock may start at 0.0.)
         self.times = RequestTimes(
             arrival=time.monotonic() if arrival_time is None else arrival_time)
 
     # -- sizes -----------------------------------------------------------
+    @property
+    def kv_transfer_params_in(self) -> Optional[dict]:
+        """The kv_transfer_params the caller sent (``SamplingParams.extra_args``)."""
+        return (self.sampling_params.extra_args or {}).get("kv_transfer_params")
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -8,7 +8,7 @@ everything the step trace wants to plot.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from minivllm.core.request import Request
@@ -46,6 +46,10 @@ class SchedulerOutput:
     num_blocks_freed: int = 0
     num_blocks_evicted: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    # Prompt tokens admissions got from a KV connector (minivllm/distributed/kv_transfer),
+    # and the connector's instructions for the worker this step (None: no connector).
+    num_external_computed_tokens: int = 0
+    kv_connector_metadata: Optional[object] = None
 
     @property
     def num_seqs(self) -> int:

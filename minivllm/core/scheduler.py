@@ -32,6 +32,9 @@ from typing import Iterable, Optional
 from minivllm.config import SchedulerConfig, is_int
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_connector_hooks import (apply_kv_connector_output,
+                                               find_computed_with_connector,
+                                               release_with_connector)
 from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
@@ -77,7 +80,7 @@ class Scheduler:
                  kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
                  enable_chunked_prefill: bool = True,
                  clock: Optional[Clock] = None, scheduling_policy: str = "fcfs",
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, connector=None) -> None:
         # Checked there, once (minivllm/config/scheduler.py); trusted here.
         self.config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len,
                                       long_prefill_token_threshold, enable_chunked_prefill,
@@ -107,6 +110,11 @@ class Scheduler:
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
         # Multi-LoRA: at most this many distinct adapters run at once (0: no LoRA).
         self.max_loras = max_loras
+        # The scheduler half of a KV connector (minivllm/distributed/kv_transfer), or None.
+        self.connector = connector
+        # Admitted with KV still arriving; finished with blocks held until sent.
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.sending: dict[str, Request] = {}
 
     @classmethod
     def from_config(cls, config: SchedulerConfig,
@@ -171,14 +179,18 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus,
                 stop_reason: Optional[int | str] = None) -> None:
+        receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif not receiving:  # (a receiving one keeps its blocks until the transfer ends)
             self.waiting.remove(request)
         request.status = status
         request.stop_reason = stop_reason
         request.times.finished = self.clock.now()
-        self.kv_cache_manager.free(request)
+        if self.connector is None:
+            self.kv_cache_manager.free(request)
+        else:
+            release_with_connector(self, request, receiving)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -192,7 +204,7 @@ class Scheduler:
         return len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -226,6 +238,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
 
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if self.connector is not None:  # after every allocation of the step
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         self._record_block_activity(out)
         self.step += 1
@@ -267,23 +281,36 @@ class Scheduler:
             if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
                 passed_over.append(self.waiting.popleft())
                 continue
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+            if self.connector is None:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                num_external, num_computed = 0, num_hit_tokens
+            else:  # (prefix hits, then what the connector supplies from outside)
+                found = find_computed_with_connector(self, request)
+                if found is None:  # parked while its KV arrives, or no room to
+                    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                        continue
+                    break
+                hit_blocks, num_hit_tokens, num_external, num_computed = found
+            num_new = request.num_tokens - num_computed
             if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._cap(num_new, budget)
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_external + num_new, hit_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), num_external)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = self.clock.now()
             out.new_req_ids.append(request.request_id)
             out.num_prefix_cache_hit_tokens += num_hit_tokens
+            out.num_external_computed_tokens += num_external
             self._add_to_batch(out, request, num_new)
             budget -= num_new
             if lora_id:
@@ -349,8 +376,8 @@ class Scheduler:
     # -- one step: apply -------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: SampledTokens,
-                           verified: Optional[dict[str, list]] = None
-                           ) -> list[EngineCoreOutput]:
+                           verified: Optional[dict[str, list]] = None,
+                           kv_connector_output=None) -> list[EngineCoreOutput]:
         """Advance requests by the step's result; one output per new token or finish.
 
         ``sampled`` holds an entry for each request whose scheduled tokens
@@ -358,6 +385,7 @@ class Scheduler:
         no token (an entry for one is ignored: its logits came from the middle
         of the prompt). ``verified`` holds, for each request that had drafts,
         the accepted drafts plus one token from the target (1 to k + 1 tokens).
+        ``kv_connector_output``: transfers a KV connector finished, loads that failed.
         """
         verified = verified or {}
         step = scheduler_output.step
@@ -377,6 +405,8 @@ class Scheduler:
                 raise ValueError(f"request {rid!r} reached the end of its tokens in step "
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
+        if kv_connector_output is not None and not kv_connector_output.is_empty:
+            live = apply_kv_connector_output(self, scheduler_output, live, kv_connector_output)
         outputs = []
         for request in live:
             rid = request.request_id
@@ -416,7 +446,8 @@ class Scheduler:
             request_id=request.request_id, new_token_ids=token_ids, new_logprobs=logprobs,
             finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_preemptions=request.num_preemptions, **spec)
+            num_preemptions=request.num_preemptions,
+            kv_transfer_params=request.kv_transfer_params, **spec)
 
     def _apply_verified(self, request: Request, so: SchedulerOutput, drafts: list[int],
                         tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:

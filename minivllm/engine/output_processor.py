@@ -69,6 +69,7 @@ class RequestState:
     children: list[ChildState]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    kv_transfer_params: Optional[dict] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
     sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
 
@@ -162,6 +163,8 @@ class OutputProcessor:
         if child.index == 0:  # the children share the prompt: one count is enough
             state.num_cached_tokens = max(o.num_cached_tokens, 0)
             m.num_cached_tokens = state.num_cached_tokens
+            if o.kv_transfer_params is not None:
+                state.kv_transfer_params = o.kv_transfer_params
             if o.prompt_logprobs is not None:
                 state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids,
                                                               o.prompt_logprobs)
@@ -256,7 +259,8 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids, outputs=completions,
             finished=finished, num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics, prompt_logprobs=prompt_logprobs)
+            metrics=state.metrics, prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=state.kv_transfer_params)
 
     # -- aborts --------------------------------------------------------------
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:

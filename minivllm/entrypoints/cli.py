@@ -6,6 +6,7 @@
     minivllm bench {throughput,serve,roofline,attention,structured,spec-decode} ...
     minivllm simulate --model llama-3-8b --hardware h100-sxm ...
     minivllm simulate {calibrate,validate,published} ...
+    minivllm disagg-proxy --prefill URL --decode URL --port N
 
 Every engine argument is a ``--kebab-case`` flag (``--max-num-seqs 64``).
 """
@@ -27,6 +28,8 @@ BENCHMARKS = {
     "attention": "minivllm.benchmarks.attention",
     "spec-decode": "minivllm.benchmarks.spec_decode",
     "structured": "minivllm.benchmarks.structured",
+    "kv-offload": "minivllm.benchmarks.kv_offload",
+    "disagg": "minivllm.benchmarks.disagg",
 }
 
 
@@ -115,6 +118,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_disagg_proxy(ns: argparse.Namespace) -> int:
+    from minivllm.entrypoints.router import disagg_proxy
+
+    return disagg_proxy.run(ns) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_cli_args(ssub.add_parser(name, help=module.__doc__.split("\n")[0],
                                             **kwargs))
     sim.set_defaults(func=cmd_simulate)
+
+    from minivllm.entrypoints.router import disagg_proxy
+
+    proxy = sub.add_parser("disagg-proxy", help="prefill on one server, decode on another",
+                           description=disagg_proxy.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    disagg_proxy.add_cli_args(proxy)
+    proxy.set_defaults(func=cmd_disagg_proxy)
     return parser
 
 

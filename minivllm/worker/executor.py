@@ -28,7 +28,8 @@ class UniProcExecutor:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        pass
+        if self.runner.kv_connector is not None:  # its transfer threads and sockets
+            self.runner.kv_connector.shutdown()
 
 
 def make_executor(config: EngineConfig):

@@ -73,6 +73,8 @@ class ModelRunnerOutput:
     verified: dict[str, list[tuple[int, Optional[LogprobInfo]]]] = field(default_factory=dict)
     # request_id -> its whole prompt's logprobs, in the step of its first token.
     prompt_logprobs: dict[str, list[PromptLogprobEntry]] = field(default_factory=dict)
+    # A KV connector's news (transfers done, loads failed): a KVConnectorOutput, or None.
+    kv_connector_output: Optional[object] = None
     # Seconds spent in each stage of this step (for the step trace).
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -109,6 +111,7 @@ class ModelRunner:
                                                          config.model.vocab_size)
         self.logits_processors = logits_processors.LogitsProcessors(config.model.path)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_connector = None  # the worker half of kv_transfer_config's connector
 
     @property
     def acceleration_problem(self) -> Optional[str]:
@@ -154,6 +157,14 @@ class ModelRunner:
             v = torch.zeros_like(k)
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))
+        if self.config.kv_transfer is not None:
+            from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
+            from minivllm.distributed.kv_transfer.base import KVCacheSpec
+
+            spec = KVCacheSpec(self.block_size, len(self.kv_caches), self.kv_block_bytes())
+            self.kv_connector = create_connector(self.config.kv_transfer,
+                                                 KVConnectorRole.WORKER, spec)
+            self.kv_connector.register_kv_caches(self.kv_caches)
 
     # -- one step ----------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list]:
@@ -267,12 +278,17 @@ class ModelRunner:
             self.structured_output.release(rid)
         out = ModelRunnerOutput()
         if so.is_empty:
+            if self.kv_connector is not None:  # transfers finish between busy steps too
+                self._forward_with_connector(so, None, None, out)
             return out
         t0 = time.perf_counter()
         inputs, samplers = self.prepare_inputs(so)
         t1 = time.perf_counter()
         collective_stats.reset()
-        logits = (forward_fn or self.forward)(inputs)
+        if self.kv_connector is not None:
+            logits = self._forward_with_connector(so, inputs, forward_fn or self.forward, out)
+        else:
+            logits = (forward_fn or self.forward)(inputs)
         self._sync()
         t2 = time.perf_counter()
         if inputs.sample_indices is not None:
@@ -295,6 +311,32 @@ class ModelRunner:
                        "collective_bytes": float(collective_stats.bytes),
                        "tp_size": float(tp_size())}
         return out
+
+    def _forward_with_connector(self, so: SchedulerOutput, inputs: StepInputs, forward,
+                                out: ModelRunnerOutput) -> torch.Tensor:
+        """The connector's worker half around the forward: external blocks land
+        first, then the step's K/V are saved. (On a CPU there is no copy engine to
+        overlap with, so every layer's load is awaited up front and every layer is
+        saved once the pass is done, in vLLM's per-layer calls.)"""
+        from minivllm.distributed.kv_transfer import KVConnectorOutput
+
+        c, logits = self.kv_connector, None
+        c.bind_connector_metadata(so.kv_connector_metadata)
+        try:
+            c.start_load_kv()
+            if forward is not None:
+                for layer in range(len(self.kv_caches)):
+                    c.wait_for_layer_load(layer)
+                logits = forward(inputs)
+                for layer, (k, v) in enumerate(self.kv_caches):
+                    c.save_kv_layer(layer, k, v)
+                c.wait_for_save()
+            sent, received = c.get_finished(so.finished_req_ids)
+            out.kv_connector_output = KVConnectorOutput(
+                sent, received, c.get_block_ids_with_load_errors())
+        finally:
+            c.clear_connector_metadata()
+        return logits
 
     def _sampling_row(self, req) -> SamplingRow:
         return SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,

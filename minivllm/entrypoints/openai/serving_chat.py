@@ -23,7 +23,7 @@ from minivllm.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatComple
                                                   ChatResponseMessage, ChatTokenLogprob,
                                                   DeltaMessage, TopLogprob)
 from minivllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, Stream,
-                                                        UsageCounter, now,
+                                                        UsageCounter, kv_transfer_fields, now,
                                                         random_id, sse, stream_error_event,
                                                         with_first)
 from minivllm.entrypoints.openai import tools as tool_calls
@@ -116,7 +116,8 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=finish_reason,
                 stop_reason=None if message.tool_calls else c.stop_reason))
         return ChatCompletionResponse(id=request_id, created=now(), model=self.model_name,
-                                      choices=choices, usage=usage.usage())
+                                      choices=choices, usage=usage.usage(),
+                                      **kv_transfer_fields([final]))
 
     async def chat_stream(self, request: ChatCompletionRequest, request_id: str,
                           stream: Stream) -> AsyncIterator[str]:

@@ -18,7 +18,8 @@ from typing import AsyncIterator, Optional
 from minivllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                   CompletionRequest, CompletionResponse)
 from minivllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, Stream,
-                                                        UsageCounter, merge_streams, now,
+                                                        UsageCounter, kv_transfer_fields,
+                                                        merge_streams, now,
                                                         random_id, sse, stream_error_event,
                                                         with_first)
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -107,7 +108,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in final.outputs:
                 choices.append(self._choice(request, final, c, i * request.n + c.index))
         return CompletionResponse(id=request_id, created=now(), model=self.model_name,
-                                  choices=choices, usage=usage.usage())
+                                  choices=choices, usage=usage.usage(),
+                                  **kv_transfer_fields(finals))
 
     def _choice(self, request: CompletionRequest, final: RequestOutput, c: CompletionOutput,
                 index: int, offset: int = 0) -> CompletionChoice:

@@ -167,6 +167,13 @@ class UsageCounter:
                              cached_tokens=sum(self.cached_tokens.values())))
 
 
+def kv_transfer_fields(finals: list[RequestOutput]) -> dict:
+    """vLLM's top-level ``kv_transfer_params`` (a prefill server's answer to the
+    disaggregation proxy), present only when a KV connector returned some."""
+    params = [f.kv_transfer_params for f in finals if f.kv_transfer_params is not None]
+    return {"kv_transfer_params": params[0]} if len(params) == 1 else {}
+
+
 def stream_error_event(error: BaseException) -> str:
     """An error after the stream started: OpenAI's clients raise it as an APIError."""
     from minivllm.engine.core_client import EngineDeadError

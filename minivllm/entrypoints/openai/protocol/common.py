@@ -151,6 +151,9 @@ class SamplingRequest(RequestModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # vLLM's disaggregated prefill: {"do_remote_decode": true} to a prefill server,
+    # the prefill response's kv_transfer_params to a decode server.
+    kv_transfer_params: Optional[dict] = None
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The one constraint asked for, from whichever field carries it."""
@@ -242,7 +245,9 @@ class SamplingRequest(RequestModel):
                 skip_special_tokens=self.skip_special_tokens, output_kind=output_kind,
                 structured_outputs=structured_outputs,
                 logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
-                bad_words=self.bad_words)
+                bad_words=self.bad_words,
+                extra_args=(None if self.kv_transfer_params is None
+                            else {"kv_transfer_params": self.kv_transfer_params}))
         except BadRequestError:
             raise
         except ValueError as e:  # SamplingParams names the field: pass it on

@@ -1,0 +1,1 @@
+"""Front doors over several engines: the disaggregation proxy (disagg_proxy.py)."""
