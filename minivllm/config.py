@@ -271,6 +271,7 @@ class EngineConfig:
     seed: int = 0
     trace: bool = False
     speculative: Optional[SpeculativeConfig] = None
+    kv_events: Optional["KVEventsConfig"] = None
 
 
 @dataclass
@@ -299,6 +300,8 @@ class EngineArgs:
     # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
     speculative_config: Optional[dict] = None
     scheduling_policy: str = "fcfs"
+    # -- issue 34: KV cache events (vLLM's dict, see KVEventsConfig) --
+    kv_events_config: Optional[dict] = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -332,7 +335,8 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
-            speculative=speculative)
+            speculative=speculative,
+            kv_events=KVEventsConfig.from_dict(self.kv_events_config))
 
     def _validate(self) -> None:
         def positive(name):
@@ -362,6 +366,7 @@ class EngineArgs:
         from minivllm.core.request_queue import check_policy
 
         check_policy(self.scheduling_policy)
+        KVEventsConfig.from_dict(self.kv_events_config)  # fail before loading the model
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -377,5 +382,74 @@ def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
     return EngineArgs(model=model, **kwargs)
 
 
+# ==== issue 34: KV cache events (moves to minivllm/config/kv_events.py) ==========
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's ``kv_events_config``: where the block pool's cache changes are published.
+
+    ``endpoint`` is the ZeroMQ PUB socket the engine binds (``tcp://*:5557``) or
+    connects to (an address with a host); ``replay_endpoint`` an optional ROUTER
+    socket where a subscriber that saw a gap in the sequence numbers asks for
+    the batches it missed (the last ``buffer_steps`` are kept). ``topic`` is
+    the first frame of every message. ``hwm``: messages queued per subscriber
+    before ZeroMQ drops (the sequence number then tells the subscriber).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: Optional[str] = None  # None: "zmq" when enabled (as vLLM)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Optional[str] = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    topic: str = ""
+
+    @staticmethod
+    def from_dict(raw: Any) -> Optional["KVEventsConfig"]:
+        """None (nothing published) unless events are enabled; errors name the field."""
+        if raw is None:
+            return None
+        if isinstance(raw, str):  # JSON, as on the command line
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise _bad("kv_events_config", raw, f"must be a JSON object ({e})") from None
+        if not isinstance(raw, dict):
+            raise _bad("kv_events_config", raw, "must be a dict")
+        allowed = [f.name for f in fields(KVEventsConfig)]
+        for key in raw:
+            if key not in allowed:
+                raise _bad(f"kv_events_config[{key!r}]", raw[key],
+                           f"unknown key; allowed: {', '.join(allowed)}")
+        cfg = KVEventsConfig(**raw)
+        if cfg.publisher is None:
+            cfg.publisher = "zmq" if cfg.enable_kv_cache_events else "null"
+        cfg._validate()
+        return cfg if cfg.enable_kv_cache_events and cfg.publisher != "null" else None
+
+    def _validate(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise _bad("kv_events_config.enable_kv_cache_events",
+                       self.enable_kv_cache_events, "must be true or false")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise _bad("kv_events_config.publisher", self.publisher,
+                       f"must be one of {', '.join(KV_EVENT_PUBLISHERS)}")
+        for name in ("endpoint", "replay_endpoint"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and "://" in v):
+                raise _bad(f"kv_events_config.{name}", v,
+                           "must be a ZeroMQ address such as 'tcp://*:5557' or 'ipc:///tmp/kv'")
+        for name in ("buffer_steps", "hwm"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _bad(f"kv_events_config.{name}", v, "must be an integer >= 1")
+        if not isinstance(self.topic, str):
+            raise _bad("kv_events_config.topic", self.topic, "must be a string")
+# ==== end issue 34 ================================================================
+
+
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig",
-           "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "SUPPORTED_ARCHITECTURES"]
+           "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "KVEventsConfig",
+           "SUPPORTED_ARCHITECTURES"]

@@ -18,12 +18,13 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
+from minivllm.distributed.kv_events import KVEventBatch, make_kv_event_publisher
 from minivllm.trace import StepRecord, StepTrace
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor=None,
-                 clock: Optional[Clock] = None) -> None:
+                 clock: Optional[Clock] = None, kv_event_publisher=None) -> None:
         self.config = config
         # Timestamps (request times, step starts) come from here; the
         # simulator passes a virtual clock that its executor advances.
@@ -36,7 +37,13 @@ class EngineCore:
         self.num_blocks = executor.determine_num_blocks()
         executor.initialize_kv_cache(self.num_blocks)
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            enable_kv_cache_events=config.kv_events is not None)
+        # Where the block pool's cache changes go (KV events, for routers);
+        # opened last, so a failed start above leaves no socket behind.
+        if kv_event_publisher is None and config.kv_events is not None:
+            kv_event_publisher = make_kv_event_publisher(config.kv_events)
+        self.kv_event_publisher = kv_event_publisher
         sc = config.scheduler
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
                                    sc.max_model_len, self.kv_cache_manager,
@@ -93,10 +100,24 @@ class EngineCore:
             o.timestamp = now
             o.first_scheduled_time = by_id[o.request_id].times.first_scheduled
         self.step_count += 1
+        self.publish_kv_events()
         if self.trace is not None and not so.is_empty:
             timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
             self.trace.append(self._record(so, start, now - start, timings, outputs))
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """Hand the block pool's recorded cache changes to the publisher as one batch."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.kv_cache_manager.block_pool.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
+
+    def reset_prefix_cache(self) -> bool:
+        done = self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()
+        return done
 
     def _record(self, so, start, duration, timings, outputs) -> StepRecord:
         scheduled = {}
@@ -124,6 +145,10 @@ class EngineCore:
                          for o in outputs if o.num_draft_tokens})
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
         if self.speculator is not None:
             self.speculator.shutdown()
         self.executor.shutdown()

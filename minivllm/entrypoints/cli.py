@@ -52,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
 
 
 DICT_HELP = {
+    "kv_events_config": "publish the prefix cache's changes (vLLM's dict as JSON), e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557"}\'',
     "speculative_config": "speculative decoding, vLLM's dict as JSON, e.g. "
                           '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
                           '\'{"method": "draft_model", "model": PATH, '

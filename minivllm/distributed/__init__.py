@@ -1,0 +1,1 @@
+"""What crosses engine boundaries: KV cache events for routers (kv_events.py)."""
