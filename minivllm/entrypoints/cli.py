@@ -6,6 +6,7 @@
     minivllm bench {throughput,serve,roofline,attention,structured,spec-decode} ...
     minivllm simulate --model llama-3-8b --hardware h100-sxm ...
     minivllm simulate {calibrate,validate,published} ...
+    minivllm router --replica URL --replica URL --policy kv_aware --kv-events ... --port N
 
 Every engine argument is a ``--kebab-case`` flag (``--max-num-seqs 64``).
 """
@@ -165,6 +166,12 @@ def cmd_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(ns: argparse.Namespace) -> int:
+    from minivllm.entrypoints.router.router import run_router
+
+    return run_router(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    router = sub.add_parser("router", help="one OpenAI endpoint over several serve replicas")
+    from minivllm.entrypoints.router.router import add_cli_args as add_router_args
+
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,1 @@
+"""Servers in front of several engines: the replica router (``minivllm router``)."""
