@@ -302,6 +302,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     # -- issue 34: KV cache events (vLLM's dict, see KVEventsConfig) --
     kv_events_config: Optional[dict] = None
+    # Only 1: replicas are separate `minivllm serve` processes behind `minivllm router`.
+    data_parallel_size: int = 1
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -367,6 +369,10 @@ class EngineArgs:
 
         check_policy(self.scheduling_policy)
         KVEventsConfig.from_dict(self.kv_events_config)  # fail before loading the model
+        if self.data_parallel_size != 1:
+            raise _bad("data_parallel_size", self.data_parallel_size,
+                       "must be 1: run N `minivllm serve` replicas behind `minivllm router "
+                       "--replica URL ...` instead (README, 'A fleet')")
 
     def to_dict(self) -> dict:
         return asdict(self)
