@@ -297,10 +297,11 @@ def run(args: argparse.Namespace) -> dict:
         texts = {(t.session, t.turn): t.text for t in turns}
         reference = reference or texts
         real, sim = summarize_real(turns), summarize_sim(result)
+        same = sum(sim_replica[f"s{t.session}-t{t.turn}"] == t.replica for t in turns)
         rows[name] = {"real": real, "sim": sim,
                       "err_cached": rel(sim["cached_tokens"], real["cached_tokens"]),
                       "err_ttft": rel(sim["median_ttft_ms"], real["median_ttft_ms"]),
-                      "same_replica": f"{sum(sim_replica[f's{t.session}-t{t.turn}'] == t.replica for t in turns)}/{n_req}",  # noqa: E501
+                      "same_replica": f"{same}/{n_req}",
                       "same_answers": f"{sum(texts[k] == reference[k] for k in texts)}/{n_req}",
                       "replicas": [t.replica for t in turns]}
     print_table(rows)

@@ -1,6 +1,6 @@
 """``minivllm router``: one OpenAI endpoint in front of several ``minivllm serve`` replicas.
 
-    client ──▶ router ──▶ replica 0   (each a full server: its own engine, its own cache)
+    client ──▶ router ──▶ replica 0   (each a full server: own engine, own cache)
                      ├──▶ replica 1
                      └──▶ replica 2
 
