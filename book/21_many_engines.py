@@ -214,7 +214,7 @@ assert after[0][1] == 0 < after[1][1]  # all recomputed once, then cached again
 
 # %%
 from minivllm.config import EngineArgs
-from minivllm.model.loader import resolve_model_path
+from minivllm.model.resolve import resolve_model_path
 from minivllm.sim import Simulator, SimRequest, load_hardware, load_model_config
 
 path = resolve_model_path(None)

@@ -65,7 +65,7 @@ def test_kv_aware_fleet_finds_the_cache_round_robin_misses():
     blind ones, and kv_aware nearly what one replica big enough for everything finds."""
     from minivllm.config import EngineArgs
     from minivllm.sim import Simulator, load_hardware, load_model_config
-    from minivllm.sim.workload import multiturn_requests
+    from minivllm.benchmarks.workload import multiturn_requests
 
     work = multiturn_requests(12, 4, 64, 128, 64, 128256, request_rate=4, seed=0)
 

@@ -72,7 +72,7 @@ async def run_sessions(url: str, replica_urls: list[str], convs, args) -> list[T
     """The workload through the router; each turn's timing, replica and usage."""
     import httpx
 
-    from minivllm.benchmarks.serve import arrival_times
+    from minivllm.benchmarks.workload import arrival_times
 
     starts = arrival_times(len(convs), args.session_rate, 1.0, args.seed)
     turns: list[Turn] = []
@@ -196,7 +196,7 @@ def warm_up(url: str) -> None:
 
 # -- the simulated fleet ------------------------------------------------------------
 def sim_requests(turns: list[Turn]):
-    from minivllm.sim.workload import SimRequest
+    from minivllm.benchmarks.workload import SimRequest
 
     by = {(t.session, t.turn): t for t in turns}
     out = []
@@ -216,7 +216,7 @@ def sim_requests(turns: list[Turn]):
 
 def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args):
     from minivllm.config import EngineArgs
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.models import load_model_config
     from minivllm.sim.simulator import Simulator
 
