@@ -14,6 +14,7 @@ from minivllm.config.engine import (ATTENTION_BACKENDS, EngineArgs, EngineConfig
 from minivllm.config.lora import LoRAConfig
 from minivllm.config.kv_transfer import (KV_CONNECTORS, KV_OFFLOADING_BACKENDS, KV_ROLES,
                                          KVTransferConfig)
+from minivllm.config.kv_events import KV_EVENT_PUBLISHERS, KVEventsConfig
 from minivllm.config.model import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, resolve_dtype
 from minivllm.config.parallel import ParallelConfig
 from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
@@ -21,7 +22,8 @@ from minivllm.config.speculative import (DEFAULT_DISABLE_BY_BATCH_SIZE, SPECULAT
                                          SpeculativeConfig)
 
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
-           "ParallelConfig", "SpeculativeConfig", "LoRAConfig", "SUPPORTED_ARCHITECTURES", "DTYPES",
+           "ParallelConfig", "SpeculativeConfig", "LoRAConfig", "KVTransferConfig", "KVEventsConfig",
+           "KV_EVENT_PUBLISHERS", "SUPPORTED_ARCHITECTURES", "DTYPES",
            "ATTENTION_BACKENDS", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS",
            "DEFAULT_DISABLE_BY_BATCH_SIZE", "BLOCK_SIZES", "engine_args_from_kwargs",
            "resolve_dtype", "bad", "check_int", "check_bool", "check_choice", "is_int",

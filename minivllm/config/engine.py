@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from minivllm.config.cache import CacheConfig
+from minivllm.config.kv_events import KVEventsConfig
 from minivllm.config.checks import bad, check_bool, check_choice, check_int
 from minivllm.config.kv_transfer import KVTransferConfig
 from minivllm.config.model import ModelConfig, resolve_dtype
@@ -47,6 +48,7 @@ class EngineConfig:
     speculative: Optional[SpeculativeConfig] = None
     lora: Optional[LoRAConfig] = None  # None: enable_lora=False
     kv_transfer: Optional[KVTransferConfig] = None  # a KV connector (distributed/kv_transfer)
+    kv_events: Optional[KVEventsConfig] = None
 
 
 @dataclass
@@ -85,6 +87,10 @@ class EngineArgs:
     # GiB of host memory for a second KV tier (vLLM's shorthand for the OffloadingConnector).
     kv_offloading_size: Optional[float] = None
     kv_offloading_backend: Optional[str] = None
+    # vLLM's dict, e.g. {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}.
+    kv_events_config: Optional[dict] = None
+    # Only 1: replicas are separate `minivllm serve` processes behind `minivllm router`.
+    data_parallel_size: int = 1
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -145,7 +151,8 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
-            speculative=speculative, lora=lora, kv_transfer=kv_transfer)
+            speculative=speculative, lora=lora, kv_transfer=kv_transfer,
+            kv_events=KVEventsConfig.from_dict(self.kv_events_config))
 
     def _lora_config(self) -> Optional[LoRAConfig]:
         return LoRAConfig.from_args(self.enable_lora, self.max_loras, self.max_lora_rank,
@@ -176,6 +183,10 @@ class EngineArgs:
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         self._lora_config()
         KVTransferConfig.from_engine_args(self)
+        KVEventsConfig.from_dict(self.kv_events_config)
+        check_int("data_parallel_size", self.data_parallel_size, 1, 1,
+                  allowed="must be 1: run N `minivllm serve` replicas behind `minivllm "
+                  "router --replica URL ...` instead (README, 'A fleet')")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -185,6 +196,9 @@ class EngineArgs:
 
 
 _DICT_HELP = {
+    "kv_events_config": "publish the prefix cache's changes (vLLM's dict as JSON), e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557"}\'',
     "speculative_config": "speculative decoding, vLLM's dict as JSON, e.g. "
                           '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
                           '\'{"method": "draft_model", "model": PATH, '

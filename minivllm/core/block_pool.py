@@ -22,9 +22,11 @@ themselves: removal is O(1) with no search.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from minivllm.config import check_int
+from minivllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                            KVCacheEvent)
 
 
 @dataclass(eq=False)
@@ -102,7 +104,8 @@ class BlockPool:
     needs to be reserved.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False) -> None:
         check_int("BlockPool num_blocks", num_blocks, 1)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -119,6 +122,10 @@ class BlockPool:
         # Told (block_hash, block_id) just before a cached block is reused, while
         # its K/V are still intact (a KV offloading connector copies them out).
         self.on_evict: Optional[Callable[[int, int], None]] = None
+        # Changes of the prefix cache as plain records, for routers that follow
+        # this cache (KV events); the engine core drains them every step.
+        self.kv_event_queue: Optional[list[KVCacheEvent]] = (
+            [] if enable_kv_cache_events and enable_caching else None)
 
     # -- state -------------------------------------------------------------
     @property
@@ -161,6 +168,8 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.kv_event_queue is not None:
+                self.kv_event_queue.append(BlockRemoved([block.block_hash]))
         block.block_hash = None
         self.num_evicted += 1
 
@@ -191,25 +200,55 @@ class BlockPool:
 
     # -- prefix cache ------------------------------------------------------
     def cache_full_blocks(self, blocks: Iterable[KVCacheBlock],
-                          block_hashes: Iterable[int]) -> int:
+                          block_hashes: Iterable[int], parent_block_hash: Optional[int] = None,
+                          token_ids: Sequence[int] = (), block_size: int = 0) -> int:
         """Register full blocks under their hashes; returns how many were added.
 
         A block already cached is left alone. If another block already holds
         the same hash (two requests computed the same tokens independently),
         the newcomer stays uncached: one copy is enough to hit.
+        ``parent_block_hash`` (the hash before the first block), ``token_ids``
+        (theirs, ``block_size`` each) only describe them in KV events.
         """
         if not self.enable_caching:
             return 0
-        added = 0
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
+        added = []
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block.block_hash is not None:
                 continue
             if block_hash in self.cached_block_hash_to_block:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
-            added += 1
-        return added
+            added.append(i)
+        if added and self.kv_event_queue is not None:
+            self._record_stored(added, list(block_hashes), parent_block_hash, token_ids,
+                                block_size)
+        return len(added)
+
+    def _record_stored(self, added: list[int], hashes: list[int], parent: Optional[int],
+                       token_ids: Sequence[int], block_size: int) -> None:
+        """One BlockStored per run of consecutive new blocks (its parent is the one before)."""
+        runs: list[list[int]] = []
+        for i in added:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.kv_event_queue.append(BlockStored(
+                block_hashes=[hashes[i] for i in run],
+                parent_block_hash=parent if first == 0 else hashes[first - 1],
+                token_ids=list(token_ids[first * block_size:(last + 1) * block_size]),
+                block_size=block_size))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (none when events are off)."""
+        if not self.kv_event_queue:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take blocks out of the prefix cache: their contents are not to be trusted."""
@@ -223,6 +262,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_event_queue is not None:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
 
 

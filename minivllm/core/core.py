@@ -19,11 +19,13 @@ from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.trace import StepRecord, StepTrace
+from minivllm.distributed.kv_events import KVEventBatch
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor,
-                 clock: Optional[Clock] = None, speculator=None) -> None:
+                 clock: Optional[Clock] = None, speculator=None,
+                 kv_event_publisher=None) -> None:
         self.config = config
         # Timestamps (request times, step starts) come from here; the
         # simulator passes a virtual clock that its executor advances.
@@ -33,7 +35,11 @@ class EngineCore:
         self.num_blocks = executor.determine_num_blocks()
         executor.initialize_kv_cache(self.num_blocks)
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            enable_kv_cache_events=config.kv_events is not None)
+        # Where the block pool's cache changes go (KV events, for routers);
+        # injected (core_builder.py), None when no one listens.
+        self.kv_event_publisher = kv_event_publisher
         sc = config.scheduler
         self.kv_connector = self._make_kv_connector(config)
         self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
@@ -109,10 +115,24 @@ class EngineCore:
             o.timestamp = now
             o.first_scheduled_time = by_id[o.request_id].times.first_scheduled
         self.step_count += 1
+        self.publish_kv_events()
         if self.trace is not None and not so.is_empty:
             timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
             self.trace.append(self._record(so, start, now - start, timings, outputs))
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """Hand the block pool's recorded cache changes to the publisher as one batch."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.kv_cache_manager.block_pool.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
+
+    def reset_prefix_cache(self) -> bool:
+        done = self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()
+        return done
 
     def _record(self, so, start, duration, timings, outputs) -> StepRecord:
         scheduled = {}
@@ -142,6 +162,10 @@ class EngineCore:
                    if r.lora_request is not None})
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
         if self.speculator is not None:
             self.speculator.shutdown()
         if self.kv_connector is not None:

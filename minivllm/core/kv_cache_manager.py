@@ -86,11 +86,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False) -> None:
         check_int("KVCacheManager block_size", block_size, 1)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.num_blocks = num_blocks
         # request_id -> its block table (logical order).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -234,8 +235,11 @@ class KVCacheManager:
         start, end = self.num_cached_block[rid], num_tokens // self.block_size
         if end <= start:
             return
-        blocks = self.req_to_blocks[rid]
-        self.block_pool.cache_full_blocks(blocks[start:end], request.block_hashes[start:end])
+        blocks, bs = self.req_to_blocks[rid], self.block_size
+        self.block_pool.cache_full_blocks(
+            blocks[start:end], request.block_hashes[start:end],
+            request.block_hashes[start - 1] if start else None,
+            request.all_token_ids[start * bs:end * bs], bs)
         self.num_cached_block[rid] = end
 
     # -- release -----------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Build the engine core with what it runs on: the executor (``worker/``) and, with
-``speculative_config``, the speculator (``spec_decode/``).
+"""Build the engine core with what it runs on: the executor (``worker/``), with
+``speculative_config`` the speculator (``spec_decode/``), and with
+``kv_events_config`` the KV-event publisher (``distributed/kv_events.py``).
 
 The core itself imports neither (it sits below them); it gets both from here.
 ``build_engine_core`` is a module-level function, so the API process can name
@@ -20,7 +21,18 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         from minivllm.spec_decode.proposer import Speculator
 
         speculator = Speculator(config)
-    return EngineCore(config, make_executor(config), speculator=speculator)
+    publisher = None
+    if config.kv_events is not None:
+        from minivllm.distributed.kv_events import make_kv_event_publisher
+
+        publisher = make_kv_event_publisher(config.kv_events)
+    try:
+        return EngineCore(config, make_executor(config), speculator=speculator,
+                          kv_event_publisher=publisher)
+    except BaseException:
+        if publisher is not None:  # no socket outlives a failed start
+            publisher.shutdown()
+        raise
 
 
 __all__ = ["build_engine_core"]

@@ -7,6 +7,7 @@
     minivllm simulate --model llama-3-8b --hardware h100-sxm ...
     minivllm simulate {calibrate,validate,published} ...
     minivllm disagg-proxy --prefill URL --decode URL --port N
+    minivllm router --replica URL --replica URL --policy kv_aware --kv-events ... --port N
 
 Every engine argument is a ``--kebab-case`` flag (``--max-num-seqs 64``).
 """
@@ -122,6 +123,10 @@ def cmd_disagg_proxy(ns: argparse.Namespace) -> int:
     from minivllm.entrypoints.router import disagg_proxy
 
     return disagg_proxy.run(ns) or 0
+def cmd_router(ns: argparse.Namespace) -> int:
+    from minivllm.entrypoints.router.router import run_router
+
+    return run_router(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    router = sub.add_parser("router", help="one OpenAI endpoint over several serve replicas")
+    from minivllm.entrypoints.router.router import add_cli_args as add_router_args
+
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)

@@ -173,7 +173,7 @@ class Simulator:
         self.cost_model = CostModel(model, hardware, self.config.parallel.tensor_parallel_size)
         self.num_blocks = num_kv_blocks(self.config, hardware, gpu_memory_utilization)
         self.num_replicas, self.router_name = num_replicas, router
-        Router(router)  # checks the name now
+        Router(router, num_replicas)  # checks the name now
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else _eos_of(model)
 
     def run(self, requests: Sequence[SimRequest], max_concurrency: Optional[int] = None,
@@ -193,7 +193,7 @@ class _Run:
                  requests: Sequence[SimRequest], max_concurrency: Optional[int],
                  progress: bool) -> None:
         self.sim, self.replicas = sim, replicas
-        self.router = Router(sim.router_name)
+        self.router = Router(sim.router_name, len(replicas))
         self.cap = max_concurrency or math.inf
         self.by_id = {r.request_id: r for r in requests}
         self.followers: dict[str, list[SimRequest]] = {}

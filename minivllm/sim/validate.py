@@ -254,6 +254,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-calibration", action=argparse.BooleanOptionalAction, default=True,
                    help="also fit what serving adds (per step, per sequence, per request) "
                    "from two runs on other prompts, one request at a time and all at once")
+    p.add_argument("--fleet", action="store_true",
+                   help="validate a fleet instead: replicas behind `minivllm router`, per "
+                   "routing policy, against the simulated fleet (minivllm/sim/validate_fleet.py)")
+    from minivllm.sim import validate_fleet
+
+    validate_fleet.add_cli_args(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -272,6 +278,10 @@ def run(args: argparse.Namespace) -> dict:
     from minivllm.sim.hardware import load_hardware
     from minivllm.benchmarks.workload import random_requests
 
+    if getattr(args, "fleet", False):
+        from minivllm.sim import validate_fleet
+
+        return validate_fleet.run(args)
     check_args(args)
     t_start = time.perf_counter()
     model_path = resolve_model_path(None)

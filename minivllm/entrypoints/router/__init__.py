@@ -1,1 +1,2 @@
-"""Front doors over several engines: the disaggregation proxy (disagg_proxy.py)."""
+"""Servers in front of several engines: the replica router (``minivllm router``) and the
+disaggregation proxy (``minivllm disagg-proxy``)."""

@@ -1,0 +1,340 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 21. Many engines
+#
+# One engine has one KV cache. When one engine is not enough, you run several
+# *replicas* of it and put a router in front. Chapter 8 showed what the prefix cache
+# saves a multi-turn conversation; with several replicas that saving depends on one
+# decision per request: **which replica gets it**. A conversation whose turns land on
+# different replicas recomputes its history on each one.
+#
+# **What you will see**
+#
+# - **KV events**: each engine publishes every change of its prefix cache
+#   (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) over ZeroMQ, as vLLM does; a
+#   subscriber rebuilds the engine's set of cached blocks exactly;
+# - the **same session sent two ways**, `round_robin` and `kv_aware`, drawn as which
+#   replica holds which of its blocks after each turn, and the hit rate of each;
+# - a **replica taken down mid-session**: where the conversation goes and what it
+#   costs;
+# - the **simulator's fleet** making the same routing decisions and finding the same
+#   cached tokens, request by request; and the recorded real-against-simulated fleet
+#   of `minivllm simulate validate --fleet`.
+
+# %%
+from minivllm.viz.path import request_path_figure
+
+request_path_figure("scheduler", "Routing happens before a request reaches any scheduler")
+
+# %%
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from minivllm import LLM, SamplingParams
+from minivllm.distributed.kv_events import BlockStored, KVEventSubscriber
+from minivllm.routing import RoutingPolicy, prompt_block_hashes
+from minivllm.routing.policy import cached_prefix_blocks
+from minivllm.viz.fleet import fleet_blocks_figure
+from minivllm.viz.source import show_source
+
+N = 3  # replicas
+folder = tempfile.mkdtemp(prefix="minivllm-ch21-")
+endpoints = [f"ipc://{folder}/kv{i}" for i in range(N)]
+engines = [LLM(num_kv_blocks=64, kv_events_config={
+    "enable_kv_cache_events": True, "endpoint": ep}) for ep in endpoints]
+subs = [KVEventSubscriber(ep) for ep in endpoints]
+BS = engines[0].llm_engine.config.cache.block_size
+print(f"{N} replicas, each {engines[0].engine_core.num_blocks} blocks of {BS} tokens")
+
+# %% [markdown]
+# ## KV events: an engine tells what it caches
+#
+# A router cannot look into a replica's memory. Each replica's block pool therefore
+# records every change of its prefix cache as plain data; when a block becomes full
+# and enters the cache it records a `BlockStored` with the block's hash, its parent's
+# hash and its tokens:
+
+# %%
+show_source("minivllm.core.block_pool.BlockPool._record_stored", start="runs:")
+
+# %% [markdown]
+# Each step, the engine core hands what the pool recorded to the publisher as one
+# batch. The publisher sends it from a thread of its own, numbered, so a subscriber
+# that misses a batch sees the gap in the numbers:
+
+# %%
+show_source("minivllm.core.core.EngineCore.publish_kv_events")
+
+# %% [markdown]
+# A subscriber applies the events to a set of hashes. After a request, replica 0's
+# subscriber must hold exactly the engine's own set, and every `BlockStored` re-hashes
+# to its blocks from the parent hash and the tokens it carries: the events say
+# everything there is to know about the cache.
+
+# %%
+def sync():
+    """Wait until every subscriber has applied what its engine published."""
+    for llm, sub in zip(engines, subs):
+        truth = set(llm.engine_core.kv_cache_manager.block_pool.cached_block_hash_to_block)
+        for _ in range(100):
+            if sub.index.hashes == truth:
+                break
+            sub.poll(0.05)
+        assert sub.index.hashes == truth
+
+
+params = SamplingParams(temperature=0, max_tokens=8)
+engines[0].generate(["The three primary colors are"] * 1, params, use_tqdm=False)
+sync()
+print(f"replica 0 caches {len(subs[0].index.hashes)} blocks; its subscriber knows all of them")
+
+# %% [markdown]
+# ## The same session, sent two ways
+#
+# A conversation of five turns; each resends the whole history, as a chat client
+# does. `round_robin` sends turn *k* to replica *k mod 3*. `kv_aware` asks each
+# replica's subscriber how many leading blocks of the prompt it holds and picks the
+# most (among replicas not much busier than the least loaded; ties to the less
+# loaded):
+
+# %%
+show_source("minivllm.routing.policy.RoutingPolicy._most_cached")
+
+# %%
+system = ("You are a patient tutor. Answer in one short sentence, then ask one "
+          "question back. Keep to the topic the student chose. ") * 3
+questions = ["What is a KV cache?", "Why are blocks fixed in size?",
+             "What does a hash chain name?", "Why route by prefix?", "What is eviction?"]
+
+
+def session_ids(history):
+    return engines[0].llm_engine.request_builder.tokenize(history)[1]
+
+# %%
+def fresh_fleet():
+    for llm in engines:
+        assert llm.engine_core.reset_prefix_cache()  # published as AllBlocksCleared
+    sync()
+
+
+def send_turn(policy, history, question, down=()):
+    """One turn through the policy: (replica, cached tokens, prompt ids, output ids)."""
+    history.append({"role": "user", "content": question})
+    ids = session_ids(history)
+    i = policy.choose([0] * N, prompt_block_hashes(ids, BS),
+                      [s.index.hashes for s in subs], [r not in down for r in range(N)])
+    out = engines[i].chat(history, params, use_tqdm=False)[0]
+    history.append({"role": "assistant", "content": out.outputs[0].text})
+    sync()
+    return i, out.num_cached_tokens, ids, list(out.outputs[0].token_ids)
+
+# %%
+def run_session(policy_name):
+    """The session through a fresh fleet; per turn its record and the blocks held."""
+    fresh_fleet()
+    policy, history = RoutingPolicy(policy_name, N), [{"role": "system", "content": system}]
+    log, held = [], [[] for _ in range(N)]
+    for q in questions:
+        log.append(send_turn(policy, history, q))
+        mine = set(prompt_block_hashes(log[-1][2] + log[-1][3], BS))
+        for r in range(N):
+            held[r].append(len(mine & subs[r].index.hashes))
+    return log, held
+
+# %%
+runs = {name: run_session(name) for name in ("round_robin", "kv_aware")}
+for name, (log, _) in runs.items():
+    print(f"{name:12s} replicas {[i for i, *_ in log]}  cached tokens {[c for _, c, *_ in log]}")
+assert [i for i, *_ in runs["round_robin"][0]] == [0, 1, 2, 0, 1]
+assert len({i for i, *_ in runs["kv_aware"][0]}) == 1  # one replica keeps the session
+
+# %% [markdown]
+# Which replica holds how many of the session's blocks after each turn, as their KV
+# events tell (the session's blocks: its latest prompt and answer, hashed as the
+# engine hashes them):
+
+# %%
+fig = fleet_blocks_figure({name: held for name, (_, held) in runs.items()})
+fig
+
+# %% [markdown]
+# Round robin spreads the session: every replica ends up with its own copy of the
+# start of the conversation, and each turn finds only what *that* replica saw, two or
+# three turns ago. `kv_aware` keeps it on one replica, which holds all of it. The hit
+# rate, cached prompt tokens over prompt tokens:
+
+# %%
+hit_rate = {name: sum(c for _, c, *_ in log) / sum(len(ids) for _, _, ids, _ in log)
+            for name, (log, _) in runs.items()}
+print({k: f"{v:.0%}" for k, v in hit_rate.items()})
+assert hit_rate["kv_aware"] > hit_rate["round_robin"]
+# The answers do not depend on where they were computed.
+assert [o for *_, o in runs["kv_aware"][0]] == [o for *_, o in runs["round_robin"][0]]
+
+# %% [markdown]
+# ## A replica taken down mid-session
+#
+# The session runs on replica 0 under `kv_aware`. Replica 0 goes away after turn 3 (a
+# real router notices by a failed connect or health probe, see `tests/test_router.py`,
+# which kills real servers). The policy is told replica 0 is unavailable, so turn 4
+# goes to the best of the others: none holds the session, so it recomputes all of it,
+# and turn 5 then hits on the new replica.
+
+# %%
+fresh_fleet()
+policy, history = RoutingPolicy("kv_aware", N), [{"role": "system", "content": system}]
+before = [send_turn(policy, history, q) for q in questions[:3]]
+home = before[0][0]
+after = [send_turn(policy, history, q, down={home}) for q in questions[3:]]
+print(f"turns 1-3 on replica {home}, cached {[c for _, c, *_ in before]}; then on "
+      f"{[i for i, *_ in after]}, cached {[c for _, c, *_ in after]}")
+assert {i for i, *_ in before} == {home} and home not in {i for i, *_ in after}
+assert after[0][1] == 0 < after[1][1]  # all recomputed once, then cached again
+
+# %% [markdown]
+# ## The simulator's fleet makes the same decisions
+#
+# `minivllm simulate` runs the engine's own scheduler and KV cache manager over a cost
+# model, and its `--router` is the same `RoutingPolicy`. Replay the session's prompts
+# and answers there, with the same block size and cache size, and it routes every turn
+# to the same replica and finds the same cached tokens, turn by turn:
+
+# %%
+from minivllm.config import EngineArgs
+from minivllm.model.resolve import resolve_model_path
+from minivllm.sim import Simulator, SimRequest, load_hardware, load_model_config
+
+path = resolve_model_path(None)
+
+
+def simulate(log, policy_name):
+    work = [SimRequest(f"t{k}", ids, len(out), 0.0, output_token_ids=out,
+                       after=f"t{k - 1}" if k else None) for k, (_, _, ids, out) in enumerate(log)]
+    sim = Simulator(load_model_config(path, "float32", "cpu"), load_hardware("h100-sxm"),
+                    EngineArgs(model=str(path), num_kv_blocks=64), N, policy_name)
+    done = sorted(sim.run(work).requests, key=lambda r: int(r.request_id[1:]))
+    return [(r.replica, r.num_cached_tokens) for r in done]
+
+# %%
+for name, (log, _) in runs.items():
+    sim_view, real_view = simulate(log, name), [(i, c) for i, c, _, _ in log]
+    print(f"{name:12s} simulated {sim_view}\n{'':12s} real      {real_view}")
+    assert sim_view == real_view
+
+# %% [markdown]
+# With real servers behind `minivllm router`, concurrent sessions and real timing,
+# `minivllm simulate validate --fleet` compares the two fleets per policy. Its recorded
+# run (on a shared 2-core machine: see the README for what that does to TTFT):
+
+# %%
+record = Path("../figures/fleet_validation.json")
+rows = json.loads(record.read_text())["rows"] if record.exists() else {}
+for name, r in rows.items():
+    print(f"{name:13s} cached tokens real {r['real']['cached_tokens']:6d} "
+          f"sim {r['sim']['cached_tokens']:6d} ({r['err_cached']:+.0%}); median TTFT "
+          f"real {r['real']['median_ttft_ms']:.0f} ms sim {r['sim']['median_ttft_ms']:.0f} ms")
+    real_c, sim_c = r["real"]["cached_tokens"], r["sim"]["cached_tokens"]
+    assert abs(r["err_cached"] - (sim_c / real_c - 1)) < 1e-9
+
+# %% [markdown]
+# ## Exercises
+#
+# ### Exercise 21.1 — predict a hit from the events alone
+# The session above now lives on replica `after[-1][0]`. Its student asks one more
+# question, "What is a block table?". Using only the subscribers (not the engines),
+# compute `answer_1`: how many prompt tokens the replica `kv_aware` picks will find
+# cached. (Build the next prompt's token ids with `session_ids`, route it with
+# `policy`, match its block hashes against that replica's subscriber.)
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+nxt = history + [{"role": "user", "content": "What is a block table?"}]
+nxt_hashes = prompt_block_hashes(session_ids(nxt), BS)
+best = policy.choose([0] * N, nxt_hashes, [s.index.hashes for s in subs],
+                     [r != home for r in range(N)])
+answer_1 = cached_prefix_blocks(nxt_hashes, subs[best].index.hashes) * BS
+### END SOLUTION
+
+# %% tags=["check"]
+i, cached, _, _ = send_turn(policy, history, "What is a block table?", down={home})
+assert answer_1 == cached, (answer_1, cached)
+
+# %% [markdown]
+# ### Exercise 21.2 — a stricter balance (changes the router)
+# Replica `home` is back. The replica the session moved to is busy with one request;
+# the others have none. Build `RoutingPolicy("kv_aware", N, balance_slack=0)`.
+# **Predict first:** which replica gets the session's next turn, and how many of its
+# prompt tokens are cached there? Set `answer_2 = (replica, cached_tokens)`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Slack 0 leaves only the idle replicas; of those, `home` still holds turns 1-3.
+next_ids = session_ids(history + [{"role": "user", "content": "And a slot?"}])
+answer_2 = (home, cached_prefix_blocks(prompt_block_hashes(next_ids, BS),
+                                       subs[home].index.hashes) * BS)
+### END SOLUTION
+
+# %% tags=["check"]
+strict = RoutingPolicy("kv_aware", N, balance_slack=0)
+loads = [int(r == after[-1][0]) for r in range(N)]
+h2 = prompt_block_hashes(session_ids(history + [{"role": "user", "content": "And a slot?"}]),
+                         BS)
+pick = strict.choose(loads, h2, [s.index.hashes for s in subs])
+assert answer_2 == (pick, cached_prefix_blocks(h2, subs[pick].index.hashes) * BS) and pick == home
+
+# %% [markdown]
+# ### Exercise 21.3 — what round robin cost
+# From `runs`, compute `answer_3`: how many more prompt tokens round robin had to
+# compute (prompt tokens minus cached tokens, summed over the turns) than `kv_aware`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+computed = {name: sum(len(ids) - c for _, c, ids, _ in log) for name, (log, _) in runs.items()}
+answer_3 = computed["round_robin"] - computed["kv_aware"]
+### END SOLUTION
+
+# %% tags=["check"]
+rr, kv = runs["round_robin"][0], runs["kv_aware"][0]
+assert answer_3 == sum(c for _, c, _, _ in kv) - sum(c for _, c, _, _ in rr) > 0
+
+# %%
+for sub in subs:
+    sub.close()
+for llm in engines:
+    llm.shutdown()
+
+# %% [markdown]
+# ## Summary
+#
+# - Replicas do not share a KV cache, so *where* a request goes decides what it
+#   finds cached. Round robin spreads a conversation over every replica, and each
+#   one recomputes the history it missed; `kv_aware` keeps it where its blocks are.
+# - KV events (`BlockStored` with hashes, parent, tokens; `BlockRemoved`;
+#   `AllBlocksCleared`), numbered batches over ZeroMQ, let a router rebuild each
+#   replica's cache exactly, without asking it.
+# - When a replica goes away, its sessions move and pay for their history once.
+# - The simulator's fleet runs the same routing code over the same scheduler and
+#   cache: on the same prompts it makes the same choices and finds the same hits.
+#
+# ## What to try next
+#
+# - Start three `minivllm serve` replicas with `--kv-events-config` and
+#   `minivllm router --policy kv_aware` (README, "A fleet"), run `bench serve
+#   --dataset-name multiturn` through it, and kill a replica mid-run.
+# - Give the replicas `num_kv_blocks=24`: when does `BlockRemoved` start to appear,
+#   and what does `prefix_aware` (which never hears of evictions) get wrong?
+# - `minivllm simulate --dataset-name multiturn --num-replicas 8 --router kv_aware`
+#   against `round_robin` on Llama-3-8B: how many replicas does cache-aware routing save?

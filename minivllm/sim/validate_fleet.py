@@ -1,0 +1,329 @@
+"""Validation (3): a real fleet behind ``minivllm router`` against the simulated fleet.
+
+    minivllm simulate validate --fleet [--num-replicas 3] [--policies ...]
+
+For each policy, starts ``--num-replicas`` real ``minivllm serve`` replicas of
+the default model (each publishing KV events) and ``minivllm router`` in front,
+and runs a multi-turn chat workload through it (sessions start on a Poisson
+schedule; each turn carries the whole conversation so far, sent when the
+previous answer arrived, as ``bench serve --dataset-name multiturn`` does).
+Then it asks a replica's ``/tokenize`` for every prompt exactly as the
+engines saw it, replays those prompts in the simulator with the same replica
+count, policy, arrival times and engine arguments, and prints per policy,
+real against simulated: cached prompt tokens, median TTFT, output
+throughput, and how many requests both routed to the same replica. A
+``single`` row runs one replica with a cache big enough for everything (the
+most any router can find), and every answer is compared with that run's.
+
+The replicas share this machine's cores (each engine gets ``--threads``
+threads), while the simulator gives each replica its own hardware: on a
+machine with fewer cores than replicas, the real fleet's TTFT includes waiting
+for a core, which the simulator does not model. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from minivllm.routing import POLICIES
+
+WORDS = ("the", "cache", "model", "token", "block", "agent", "step", "query", "table",
+         "answer", "tool", "plan", "file", "test", "value", "list", "order", "river")
+
+
+@dataclass
+class Turn:
+    session: int
+    turn: int
+    messages: list
+    sent: float = 0.0
+    ttft: float = 0.0
+    done: float = 0.0
+    replica: int = -1
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    text: str = ""
+    error: Optional[str] = None
+    prompt_ids: list = field(default_factory=list)
+
+
+def conversations(args) -> list[list[str]]:
+    import random
+
+    rng = random.Random(args.seed)
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    system = words(args.system_len)
+    return [[system] + [words(args.user_len) for _ in range(args.num_turns)]
+            for _ in range(args.num_sessions)]
+
+
+async def run_sessions(url: str, replica_urls: list[str], convs, args) -> list[Turn]:
+    """The workload through the router; each turn's timing, replica and usage."""
+    import httpx
+
+    from minivllm.benchmarks.workload import arrival_times
+
+    starts = arrival_times(len(convs), args.session_rate, 1.0, args.seed)
+    turns: list[Turn] = []
+    t0 = time.perf_counter()
+
+    async def session(client, s: int, conv: list[str]) -> None:
+        await asyncio.sleep(max(0.0, starts[s] - (time.perf_counter() - t0)))
+        messages = [{"role": "system", "content": conv[0]}]
+        for k, user in enumerate(conv[1:]):
+            messages.append({"role": "user", "content": user})
+            t = Turn(s, k, list(messages), sent=time.perf_counter() - t0)
+            turns.append(t)
+            await one_turn(client, url, t, replica_urls, args.fleet_output_len, t0)
+            if t.error:
+                return
+            messages.append({"role": "assistant", "content": t.text})
+
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+        await asyncio.gather(*(session(client, s, c) for s, c in enumerate(convs)))
+    return turns
+
+
+async def one_turn(client, url, t: Turn, replica_urls, output_len: int, t0: float) -> None:
+    body = {"model": "m", "messages": t.messages, "max_tokens": output_len,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            t.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            return
+        t.replica = replica_urls.index(r.headers["x-minivllm-replica"])
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                t.error = chunk["error"]["message"]
+                return
+            for c in chunk.get("choices", []):
+                if c["delta"].get("content"):
+                    t.ttft = t.ttft or time.perf_counter() - t0 - t.sent
+                    t.text += c["delta"]["content"]
+            if chunk.get("usage"):
+                u = chunk["usage"]
+                t.prompt_tokens, t.output_tokens = u["prompt_tokens"], u["completion_tokens"]
+                t.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    t.done = time.perf_counter() - t0
+
+
+def tokenize_all(replica_url: str, turns: list[Turn]) -> None:
+    import httpx
+
+    with httpx.Client(timeout=60, trust_env=False) as c:
+        for t in turns:
+            r = c.post(replica_url + "/tokenize", json={"messages": t.messages})
+            r.raise_for_status()
+            t.prompt_ids = r.json()["tokens"]
+
+
+# -- the real fleet -----------------------------------------------------------------
+def start_router(policy: str, replicas, kv_ports: list[int], block_size: int):
+    from minivllm.entrypoints.launch import free_port
+
+    port = free_port()
+    args = [sys.executable, "-m", "minivllm.entrypoints.cli", "router", "--port", str(port),
+            "--policy", policy, "--block-size", str(block_size)]
+    for r, p in zip(replicas, kv_ports):
+        args += ["--replica", r.url, "--kv-events", f"tcp://127.0.0.1:{p}"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the router did not start")
+
+
+def run_real(policy: str, n: int, num_blocks: int, convs, args) -> list[Turn]:
+    from minivllm.entrypoints.launch import ServerProcess, free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    kv_ports = [free_port() for _ in range(n)]
+    replicas, router = [], None
+    try:
+        for p in kv_ports:
+            replicas.append(ServerProcess(
+                "--served-model-name", "m",
+                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--num-kv-blocks", str(num_blocks), "--kv-events-config",
+                json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{p}"}),
+                env=env))
+        for r in replicas:
+            r.wait_until_healthy()
+            warm_up(r.url)
+        router, url = start_router(policy if n > 1 else "round_robin", replicas, kv_ports,
+                                   args.block_size)
+        turns = asyncio.run(run_sessions(url, [r.url for r in replicas], convs, args))
+        tokenize_all(replicas[0].url, turns)
+        return turns
+    finally:
+        if router is not None:
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait()
+        for r in replicas:
+            r.stop()
+
+
+def warm_up(url: str) -> None:
+    """First requests of a fresh server pay one-time costs; a prompt nobody else sends."""
+    import httpx
+
+    httpx.post(url + "/v1/completions", json={"prompt": [7] * 8, "max_tokens": 2,
+               "ignore_eos": True}, timeout=300, trust_env=False).raise_for_status()
+
+
+# -- the simulated fleet ------------------------------------------------------------
+def sim_requests(turns: list[Turn]):
+    from minivllm.benchmarks.workload import SimRequest
+
+    by = {(t.session, t.turn): t for t in turns}
+    out = []
+    for t in sorted(turns, key=lambda t: (t.session, t.turn)):
+        nxt = by.get((t.session, t.turn + 1))
+        # The answer as the next prompt holds it, so the simulated cache keeps what
+        # the real one keeps (the engine caches its own output blocks too).
+        script = (nxt.prompt_ids[len(t.prompt_ids):len(t.prompt_ids) + t.output_tokens]
+                  if nxt else [])
+        script += [5] * (t.output_tokens - len(script))
+        out.append(SimRequest(f"s{t.session}-t{t.turn}", t.prompt_ids, t.output_tokens,
+                              t.sent, output_token_ids=script,
+                              after=f"s{t.session}-t{t.turn - 1}" if t.turn else None,
+                              session=f"s{t.session}"))
+    return out
+
+
+def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args):
+    from minivllm.config import EngineArgs
+    from minivllm.model.resolve import resolve_model_path
+    from minivllm.sim.models import load_model_config
+    from minivllm.sim.simulator import Simulator
+
+    path = resolve_model_path(None)
+    sim = Simulator(load_model_config(path, "float32", "cpu"), hw,
+                    EngineArgs(model=str(path), num_kv_blocks=num_blocks,
+                               block_size=args.block_size,
+                               max_num_batched_tokens=args.max_num_batched_tokens),
+                    n, policy)
+    return sim.run(sim_requests(turns))
+
+
+# -- the table ---------------------------------------------------------------------
+def summarize_real(turns: list[Turn]) -> dict:
+    import numpy as np
+
+    end = max(t.done for t in turns)
+    return {"cached_tokens": sum(t.cached_tokens for t in turns),
+            "median_ttft_ms": float(np.median([t.ttft for t in turns])) * 1000,
+            "output_throughput": sum(t.output_tokens for t in turns) / end}
+
+
+def summarize_sim(result) -> dict:
+    import numpy as np
+
+    reqs = result.requests
+    return {"cached_tokens": sum(r.num_cached_tokens for r in reqs),
+            "median_ttft_ms": float(np.median([r.ttft for r in reqs])) * 1000,
+            "output_throughput": sum(r.output_tokens for r in reqs)
+            / max(r.finished for r in reqs)}
+
+
+def rel(sim: float, real: float) -> float:
+    return (sim - real) / real if real else float("nan")
+
+
+def print_table(rows: dict) -> None:
+    print(f"{'policy':<13}{'cached tok real/sim':>22}{'err':>7}{'TTFT ms real/sim':>21}"
+          f"{'err':>7}{'tok/s real/sim':>17}{'same replica':>14}{'same answers':>14}")
+    for name, r in rows.items():
+        a, b = r["real"], r["sim"]
+        print(f"{name:<13}{a['cached_tokens']:>11}/{b['cached_tokens']:<10}"
+              f"{r['err_cached']:>+7.0%}{a['median_ttft_ms']:>10.0f}/"
+              f"{b['median_ttft_ms']:<10.0f}{r['err_ttft']:>+7.0%}"
+              f"{a['output_throughput']:>8.1f}/{b['output_throughput']:<8.1f}"
+              f"{r['same_replica']:>14}{r['same_answers']:>14}")
+
+
+def load_hw(spec: Optional[str]):
+    from minivllm.sim.hardware import Hardware, load_hardware
+
+    path = Path(spec or "figures/sim_validation.json")
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return Hardware.from_dict(data.get("hardware", data))
+    return load_hardware(spec)
+
+
+def run(args: argparse.Namespace) -> dict:
+    for p in args.policies:
+        if p not in POLICIES:
+            raise ValueError(f"policies contains {p!r}: each must be one of {', '.join(POLICIES)}")
+    hw = load_hw(args.calibration)
+    convs = conversations(args)
+    n_req = args.num_sessions * args.num_turns
+    big = args.num_kv_blocks * args.num_replicas * 4  # holds everything
+    runs = [("single", 1, big)] + [(p, args.num_replicas, args.num_kv_blocks)
+                                   for p in args.policies]
+    rows, reference = {}, None
+    for name, n, blocks in runs:
+        print(f"{name}: {n} replica(s) x {blocks} blocks, {n_req} requests ...", flush=True)
+        turns = run_real(name, n, blocks, convs, args)
+        failed = [t.error for t in turns if t.error]
+        if failed or len(turns) != n_req:
+            raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[:2]}")
+        result = run_sim(hw, name if n > 1 else "round_robin", n, blocks, turns, args)
+        sim_replica = {r.request_id: r.replica for r in result.requests}
+        texts = {(t.session, t.turn): t.text for t in turns}
+        reference = reference or texts
+        real, sim = summarize_real(turns), summarize_sim(result)
+        same = sum(sim_replica[f"s{t.session}-t{t.turn}"] == t.replica for t in turns)
+        rows[name] = {"real": real, "sim": sim,
+                      "err_cached": rel(sim["cached_tokens"], real["cached_tokens"]),
+                      "err_ttft": rel(sim["median_ttft_ms"], real["median_ttft_ms"]),
+                      "same_replica": f"{same}/{n_req}",
+                      "same_answers": f"{sum(texts[k] == reference[k] for k in texts)}/{n_req}",
+                      "replicas": [t.replica for t in turns]}
+    print_table(rows)
+    report = {"settings": vars(args) | {"func": None}, "hardware": hw.to_dict(), "rows": rows,
+              "targets": {"cached_tokens": 0.10, "median_ttft": 0.20}}
+    if args.fleet_output:
+        Path(args.fleet_output).write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {args.fleet_output}")
+    return report
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--fleet")
+    g.add_argument("--num-replicas", type=int, default=3)
+    g.add_argument("--policies", nargs="+", default=list(POLICIES))
+    g.add_argument("--num-sessions", type=int, default=6)
+    g.add_argument("--num-turns", type=int, default=3)
+    g.add_argument("--system-len", type=int, default=160, help="words of the system prompt")
+    g.add_argument("--user-len", type=int, default=24, help="words per user turn")
+    g.add_argument("--fleet-output-len", dest="fleet_output_len", type=int, default=16)
+    g.add_argument("--session-rate", type=float, default=1.0, help="sessions started per s")
+    g.add_argument("--num-kv-blocks", type=int, default=64, help="per replica")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    g.add_argument("--fleet-file", dest="fleet_output", default="figures/fleet_validation.json")

@@ -1,0 +1,100 @@
+"""The routing policies (minivllm.routing), the code both the router and the simulator run."""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.core.kv_cache_manager import hash_request_tokens
+from minivllm.routing import RoutingPolicy, prompt_block_hashes
+from minivllm.sim.router import Router as SimRouter
+
+
+def test_round_robin_skips_replicas_that_are_down():
+    p = RoutingPolicy("round_robin", 3)
+    assert [p.choose([0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+    assert [p.choose([0, 0, 0], available=[True, False, True]) for _ in range(3)] == [2, 0, 2]
+    with pytest.raises(ValueError, match="no replica is available"):
+        p.choose([0, 0, 0], available=[False] * 3)
+
+
+def test_cache_aware_policies_follow_the_longest_prefix_within_the_slack():
+    tokens = list(range(100, 141))
+    hashes = prompt_block_hashes(tokens, 8)
+    assert hashes == hash_request_tokens(tokens[:-1], 8) and len(hashes) == 5
+    caches = [set(hashes[:2]), set(hashes[:4]), set()]
+    kv = RoutingPolicy("kv_aware", 3, balance_slack=2)
+    assert kv.choose([0, 2, 0], hashes, caches) == 1  # most blocks cached
+    assert kv.choose([0, 3, 0], hashes, caches) == 0  # 1 is too busy: next best
+    assert kv.choose([1, 0, 0], [], caches) == 1  # no prefix: least loaded, lower index
+    # prefix_aware remembers what it sent, not what is cached.
+    pa = RoutingPolicy("prefix_aware", 3)
+    first = pa.choose([0, 0, 0], hashes)
+    assert first == 0 and pa.choose([0, 0, 0], hashes) == 0
+    assert pa.choose([0, 0, 0], prompt_block_hashes(list(range(7, 48)), 8)) == 0
+    assert pa.choose([1, 0, 0], hashes[:1]) == 0 and pa.choose([5, 0, 0], hashes) == 1
+
+
+def test_the_simulators_router_is_the_shared_policy():
+    """Same loads and caches in, same replica out, request by request."""
+    class R:
+        def __init__(self, load, cache):
+            self.load, self.prefix_cache, self.block_size = load, cache, 4
+
+    prompts = [[i % 3] * 9 + [i] for i in range(12)]
+    for policy in ("round_robin", "least_loaded", "prefix_aware", "kv_aware"):
+        sim, real = SimRouter(policy, 3), RoutingPolicy(policy, 3)
+        caches = [set(), set(prompt_block_hashes(prompts[1], 4)), set()]
+        for k, p in enumerate(prompts):
+            loads = [k % 2, 0, k % 3]
+            replicas = [R(loads[j], caches[j]) for j in range(3)]
+            assert sim.choose(replicas, p) == real.choose(
+                loads, prompt_block_hashes(p, 4), caches), (policy, k)
+
+
+def test_bad_policy_arguments_name_themselves():
+    with pytest.raises(ValueError, match="policy='fastest'"):
+        RoutingPolicy("fastest", 2)
+    with pytest.raises(ValueError, match="balance_slack=-1"):
+        RoutingPolicy("kv_aware", 2, balance_slack=-1)
+    with pytest.raises(ValueError, match="needs each replica's cached"):
+        RoutingPolicy("kv_aware", 2).choose([0, 0], [1])
+
+
+def test_kv_aware_fleet_finds_the_cache_round_robin_misses():
+    """The simulated fleet: the cache-aware policies find more cached tokens than the
+    blind ones, and kv_aware nearly what one replica big enough for everything finds."""
+    from minivllm.config import EngineArgs
+    from minivllm.sim import Simulator, load_hardware, load_model_config
+    from minivllm.benchmarks.workload import multiturn_requests
+
+    work = multiturn_requests(12, 4, 64, 128, 64, 128256, request_rate=4, seed=0)
+
+    def cached(n, router, blocks):
+        sim = Simulator(load_model_config("llama-3-8b"), load_hardware("h100-sxm"),
+                        EngineArgs(max_num_seqs=64, max_model_len=4096, num_kv_blocks=blocks),
+                        n, router)
+        return sum(r.num_cached_tokens for r in sim.run(work).requests)
+
+    hits = {p: cached(3, p, 256) for p in ("round_robin", "least_loaded", "prefix_aware",
+                                           "kv_aware")}
+    one_big = cached(1, "round_robin", 100_000)
+    assert hits["kv_aware"] >= hits["prefix_aware"] > hits["least_loaded"] > hits["round_robin"]
+    assert hits["kv_aware"] >= 0.95 * one_big
+
+
+def test_router_arguments_name_themselves():
+    import argparse
+
+    from minivllm.entrypoints.router.router import add_cli_args, make_router
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    with pytest.raises(ValueError, match="--kv-events given 1 times"):
+        make_router(p.parse_args(["--replica", "http://a:1", "--replica", "http://b:1",
+                                  "--kv-events", "tcp://a:2"]))
+    with pytest.raises(ValueError, match="kv_aware needs --kv-events"):
+        make_router(p.parse_args(["--replica", "http://a:1", "--policy", "kv_aware"]))
+    with pytest.raises(ValueError, match="--replica 'a:1' is invalid"):
+        make_router(p.parse_args(["--replica", "a:1"]))
+    with pytest.raises(ValueError, match="--replica is missing"):
+        make_router(p.parse_args([]))
