@@ -95,8 +95,8 @@ class OpenAIServingChat(OpenAIServing):
             if info.tools_called:
                 return (ChatResponseMessage(content=info.content, tool_calls=info.tool_calls),
                         _finish_reason(c, True, info.whole))
-            if parser.forced:
-                return ChatResponseMessage(content=None), c.finish_reason
+            if parser.forced:  # cut before its first call was whole: the text, not a call
+                return ChatResponseMessage(content=info.content), c.finish_reason
         return ChatResponseMessage(content=c.text), c.finish_reason
 
     def chat_full_response(self, request: ChatCompletionRequest, request_id: str,
