@@ -5,6 +5,8 @@
 
 Routes:
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or not
+    POST /v1/responses                           OpenAI's Responses API (serving_responses.py)
+    GET, DELETE /v1/responses/{id}, POST .../cancel   stored responses
     GET  /v1/models                              the one served model
     GET  /health, /version                       503 from /health when the engine is dead
     GET  /metrics                                Prometheus text format
@@ -44,6 +46,9 @@ from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletio
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.tool_parsers import ToolParserManager
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.openai.responses_protocol import ResponseDeleted, ResponsesRequest
+from minivllm.entrypoints.openai.serving_responses import (OpenAIServingResponses,
+                                                           ResponseNotFoundError)
 from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
 from minivllm.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 
@@ -93,6 +98,10 @@ def add_error_handlers(app: FastAPI) -> None:
     async def model_not_found(_, exc: ModelNotFoundError):
         return error_response(404, str(exc), "invalid_request_error", "model",
                               "model_not_found")
+
+    @app.exception_handler(ResponseNotFoundError)
+    async def response_not_found(_, exc: ResponseNotFoundError):
+        return error_response(404, str(exc), "invalid_request_error", exc.param, "not_found")
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_, exc: EngineDeadError):
@@ -184,6 +193,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     chat = OpenAIServingChat(engine, model_name, tool_parser)
     completion = OpenAIServingCompletion(engine, model_name)
+    responses = OpenAIServingResponses(chat)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
@@ -194,6 +204,24 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def create_completion(body: CompletionRequest, request: Request):
         return _respond(await run_until_disconnected(
             request, completion.create_completion(body)))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return _respond(await run_until_disconnected(
+            request, responses.create_response(body)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return _respond(responses.store.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        responses.store.delete(response_id)
+        return _respond(ResponseDeleted(id=response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return _respond(responses.cancel(response_id))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
