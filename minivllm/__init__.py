@@ -2,7 +2,7 @@
 
 from minivllm.config import EngineArgs
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -17,4 +17,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "EngineArgs", "RequestOutputKind", "__version__"]
+           "EngineArgs", "RequestOutputKind", "BeamSearchParams", "__version__"]
