@@ -141,6 +141,33 @@ def test_params_are_checked():
             BeamSearchParams(**{"beam_width": 2, "max_tokens": 3, **bad})
 
 
+def test_server_use_beam_search_returns_the_offline_beams(tmp_path, tiny_chat_model):
+    from tests.helpers import ServerProcess
+
+    prompts = [[1, 5, 40, 7, 99], [1, 8, 300, 12]]
+    with LLM(tiny_chat_model, num_kv_blocks=256) as llm:
+        want = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                               BeamSearchParams(beam_width=WIDTH, max_tokens=5))
+    srv = ServerProcess(tmp_path, tiny_chat_model, "--inprocess", "--num-kv-blocks", "256")
+    try:
+        body = {"prompt": prompts, "use_beam_search": True, "n": WIDTH, "max_tokens": 5,
+                "temperature": 0}
+        r = srv.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(2 * WIDTH))
+        assert [c["text"] for c in choices] == [b.text for w in want for b in w.sequences]
+        assert r.json()["usage"]["completion_tokens"] == sum(
+            len(b.tokens) - len(p) for p, w in zip(prompts, want) for b in w.sequences)
+        for bad, param in (({"n": 11}, "n"), ({"stream": True}, "stream"),
+                           ({"logprobs": 2}, "logprobs")):
+            r = srv.http.post("/v1/completions", json={**body, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert srv.stats()["num_requests_running"] == 0
+    finally:
+        srv.stop()
+
+
 @pytest.mark.slow
 def test_best_beams_equal_hugging_face_default_model(default_model_path, default_tokenizer):
     from tests.conftest import chat_ids

@@ -140,5 +140,33 @@ def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSe
     return [s.result(engine.tokenizer) for s in searches]
 
 
-__all__ = ["BeamSearch", "BeamSearchSequence", "BeamSearchOutput", "beam_score",
+async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
+                                request_id: str) -> list[tuple[BeamSearchOutput, int]]:
+    """The same over ``AsyncLLM`` (the server): (output, prompt length) per prompt."""
+    import asyncio
+
+    builder = engine.request_builder
+    searches = [BeamSearch(builder.tokenize(p)[1], params, set(builder.eos_token_ids))
+                for p in prompts]
+
+    async def one(tokens: list[int], rid: str) -> RequestOutput:
+        async for out in engine.generate(tokens, searches[0].step_params(), rid):
+            last = out
+        return last
+
+    step = 0
+    while not all(s.done for s in searches):
+        live = [s for s in searches if not s.done]
+        beams = [b.tokens for s in live for b in s.beams]
+        # Cancelled (the client left): gather cancels each, and each aborts its request.
+        outs = list(await asyncio.gather(*(one(t, f"{request_id}-{step}-{i}")
+                                           for i, t in enumerate(beams))))
+        for s in live:
+            mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
+            s.advance(mine)
+        step += 1
+    return [(s.result(engine.tokenizer), s.prompt_len) for s in searches]
+
+
+__all__ = ["run_beam_search_async", "BeamSearch", "BeamSearchSequence", "BeamSearchOutput", "beam_score",
            "run_beam_search"]
