@@ -163,7 +163,9 @@ async def run_until_disconnected(request: Request, work: Awaitable):
         watcher.cancel()
         if not task.done():
             task.cancel()  # the client is gone (or we are): stop the work
-    if task.cancelled():
+            # ... and let it end: asking a task still unwinding for its result raises.
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled() or not task.done():
         return Response(status_code=499)  # nobody will read this
     return task.result()
 
