@@ -58,16 +58,22 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         """A ``ChatCompletionResponse``, or an async iterator of SSE strings."""
-        self.check_request(request)
-        tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        params = request.to_sampling_params(kind)
+        params = self.sampling_params(request)
         request_id = random_id("chatcmpl")
         streams, firsts = await self.start_requests([self._prompt(request)], params,
                                                     request_id, "messages", request.priority)
         if request.stream:
             return self.chat_stream(request, request_id, with_first(firsts[0], streams[0]))
         return self.chat_full_response(request, request_id, firsts[0])
+
+    def sampling_params(self, request: ChatCompletionRequest):
+        """The request checked (fields, tools) and turned into the engine's parameters
+        (also how the Responses API runs its chat request)."""
+        self.check_request(request)
+        tool_calls.check_tools(request.tools, request.tool_choice)
+        tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        return request.to_sampling_params(kind, tool_calls.structured_outputs(request))
 
     def _parser(self, request: ChatCompletionRequest) -> Optional[ToolParser]:
         return tool_calls.parser_for(request.tools, request.effective_tool_choice,

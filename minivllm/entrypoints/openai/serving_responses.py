@@ -35,7 +35,7 @@ from typing import AsyncIterator, Optional
 from pydantic import ValidationError
 
 from minivllm.entrypoints.openai.protocol import BadRequestError, ChatCompletionRequest
-from minivllm.entrypoints.openai.responses_protocol import (
+from minivllm.entrypoints.openai.protocol.responses import (
     FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage,
     InputTokensDetails, OutputFunctionCall, OutputMessage, OutputText, ResponsesRequest,
     ResponsesResponse, ResponseUsage, item_id, log_responses_no_ops)
@@ -43,7 +43,6 @@ from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_engine import Stream, now, with_first
 from minivllm.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser
 from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.sampling_params import RequestOutputKind
 
 MAX_STORED_RESPONSES = 1024
 # A chat request's field -> the Responses field a user wrote.
@@ -201,13 +200,7 @@ class OpenAIServingResponses:
         chat = self.chat
         chat_req = chat_request(request, system + messages)
         try:
-            chat.check_request(chat_req)
-            from minivllm.entrypoints.openai import tools as tool_calls
-
-            tool_calls.check_auto(chat_req.tools, chat_req.effective_tool_choice,
-                                  chat.tool_parser)
-            params = chat_req.to_sampling_params(
-                RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
+            params = chat.sampling_params(chat_req)
         except BadRequestError as e:
             raise _renamed(e) from None
         response = self._skeleton(request)

@@ -7,7 +7,7 @@ in, a list of ``output`` items (``message`` with ``output_text`` parts,
 unknown field is a 400 naming it; fields OpenAI documents that mean nothing
 here are accepted and named once in the log (``RESPONSES_NO_OP_FIELDS``).
 
-Every request becomes a chat request (serving_responses.py), so sampling,
+Every request becomes a chat request (../serving_responses.py), so sampling,
 structured outputs and tool calls are the chat endpoint's own.
 """
 
@@ -18,10 +18,10 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field, StrictBool, StrictInt
 
-from minivllm.entrypoints.openai.protocol import (INT64, MAX_STOP, FunctionDefinition,
-                                                  RequestModel, ResponseModel,
-                                                  StructuredOutputsRequest, _logged_no_ops,
-                                                  logger)
+from minivllm.entrypoints.openai.protocol.chat import FunctionDefinition
+from minivllm.entrypoints.openai.protocol.common import (INT64, MAX_STOP, RequestModel,
+                                                         ResponseModel, StructuredOutputsRequest,
+                                                         _logged_no_ops, logger)
 
 # Accepted, named once in the log, no effect.
 RESPONSES_NO_OP_FIELDS = {
