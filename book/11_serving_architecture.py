@@ -459,6 +459,41 @@ assert max(in_use) > 0 and in_use[-1] == 0
 fig
 
 # %% [markdown]
+# ## The same answer through the Responses API
+#
+# Newer OpenAI clients and agent frameworks call `POST /v1/responses` instead of chat
+# completions: `instructions` and `input` in, typed output items out. The server turns
+# such a request into the chat request of the same conversation, so the engine sees the
+# same token IDs. Streamed, the answer arrives as *typed events*, each numbered by a
+# `sequence_number`: the response is created, an output item (a `message`) and its text
+# part are opened, the text comes as `response.output_text.delta` events, and
+# everything is closed again before `response.completed` carries the whole response.
+
+# %%
+ASK = "Name the capital of France in one sentence."
+events = list(client.responses.create(model=DEFAULT_MODEL_NAME, input=ASK, temperature=0,
+                                      max_output_tokens=30, stream=True))
+for e in events[:5] + ["..."] + events[-5:]:
+    print(e if e == "..." else f"{e.sequence_number:3d} {e.type}")
+final = events[-1].response
+chat_answer = client.chat.completions.create(
+    model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": ASK}], temperature=0,
+    max_tokens=30).choices[0].message.content
+
+# %% [markdown]
+# The events are numbered without a gap; the deltas add up to the final text; and that
+# text is, token for token, the chat endpoint's answer to the same message.
+
+# %%
+deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+print(f"{len(events)} events, {len(deltas)} text deltas; usage: {final.usage.input_tokens} in, "
+      f"{final.usage.output_tokens} out")
+assert [e.sequence_number for e in events] == list(range(len(events)))
+assert events[0].type == "response.created" and events[-1].type in (
+    "response.completed", "response.incomplete")
+assert "".join(deltas) == final.output_text == chat_answer
+
+# %% [markdown]
 # ## Stopping the server
 #
 # SIGTERM, as Ctrl-C or a process manager would send: the server aborts what is open,

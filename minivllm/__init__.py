@@ -3,7 +3,7 @@
 from minivllm.config import EngineArgs
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -18,4 +18,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "EngineArgs", "LoRARequest", "RequestOutputKind", "__version__"]
+           "EngineArgs", "LoRARequest", "RequestOutputKind", "BeamSearchParams", "__version__"]

@@ -21,6 +21,7 @@ import pytest
 
 from minivllm.benchmarks import serve
 
+SERVED = "fake-served-model"  # what the fake server's /v1/models lists
 FIRST_DELAY = 0.05  # before the first chunk (the server's "prefill")
 GAP = 0.02  # between later chunks
 
@@ -73,7 +74,8 @@ class StreamingServer:
                 lines = head.decode().split("\r\n")
                 headers = {k.lower(): v.strip() for k, v in
                            (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
-                body = json.loads(await reader.readexactly(int(headers["content-length"])))
+                length = int(headers.get("content-length", 0))  # a GET has no body
+                body = json.loads(await reader.readexactly(length)) if length else {}
                 await self._respond(lines[0].split()[1], body, writer)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
@@ -82,6 +84,14 @@ class StreamingServer:
             self.handlers.discard(asyncio.current_task())
 
     async def _respond(self, path: str, body: dict, writer) -> None:
+        if path in ("/v1/models", "/detokenize"):  # asked before the run, as vLLM's server
+            answer = ({"object": "list", "data": [{"id": SERVED, "object": "model"}]}
+                      if path == "/v1/models" else {"prompt": fake_decode(body["tokens"])})
+            data = json.dumps(answer).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            await writer.drain()
+            return
         self.requests.append(body)
         chat = path.endswith("/chat/completions")
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
@@ -118,6 +128,10 @@ class StreamingServer:
     @staticmethod
     def _chunk(writer, data: bytes) -> None:
         writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+def fake_decode(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
 
 
 @pytest.fixture
@@ -245,6 +259,7 @@ def test_cli_run_end_to_end(server, tmp_path, capsys):
     m = serve.run(args)
     assert (m.completed, m.failed, m.total_output_tokens) == (5, 0, 15)
     assert all(b["ignore_eos"] and b["max_tokens"] == 3 for b in server.requests)
+    assert {b["model"] for b in server.requests} == {SERVED}  # no --model: /v1/models's
     saved = json.loads(out.read_text())
     assert saved["metrics"]["completed"] == 5
     text = capsys.readouterr().out
@@ -276,12 +291,38 @@ def test_random_dataset_sends_token_ids_with_bursty_arrivals_and_reports_goodput
         serve.parse_goodput(["tpot"])
 
 
-def test_random_dataset_needs_the_completions_endpoint():
+def test_random_dataset_on_the_chat_endpoint_sends_the_decoded_token_ids(server):
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
-    args = parser.parse_args(["--dataset-name", "random"])
-    with pytest.raises(ValueError, match="endpoint_type='chat'"):
-        serve.build_payloads(args)
+    flags = ["--base-url", server.url, "--dataset-name", "random", "--num-prompts", "4",
+             "--random-input-len", "8", "--random-output-len", "2", "--seed", "5"]
+    m = serve.run(parser.parse_args(flags))
+    assert (m.completed, m.failed) == (4, 0)
+    completions = parser.parse_args(flags + ["--endpoint-type", "completions"])
+    ids = [b["prompt"] for b in
+           serve.build_payloads(completions)]
+    sent = sorted(b["messages"][0]["content"] for b in server.requests)  # arrival order
+    assert sent == sorted(fake_decode(p) for p in ids)
+
+
+def test_against_minivllm_serve_as_typed(tmp_path, tiny_chat_model, capsys):
+    """No --model: the served one; random prompts on chat; failures: a non-zero exit."""
+    from minivllm.entrypoints import cli
+    from tests.helpers import ServerProcess
+
+    srv = ServerProcess(tmp_path, tiny_chat_model, "--inprocess", "--num-kv-blocks", "128")
+    try:
+        typed = ["bench", "serve", "--base-url", srv.url, "--num-prompts", "3",
+                 "--max-tokens", "3"]
+        assert cli.main(typed) == 0
+        assert cli.main(typed + ["--dataset-name", "random", "--random-input-len", "12",
+                                 "--random-output-len", "2"]) == 0
+        capsys.readouterr()
+        assert cli.main(typed + ["--model", "not-served"]) == 1
+        err = capsys.readouterr().err
+        assert "3 of 3 requests failed" in err and "not-served" in err, err
+    finally:
+        srv.stop()
 
 
 def test_multiturn_sessions_resend_the_conversation_with_the_servers_answers(server):

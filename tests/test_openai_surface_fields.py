@@ -126,3 +126,6 @@ def test_tokenize_detokenize(server, llm):
     assert post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
     assert post(server, "/tokenize", {"prompt": "a", "messages": messages}).status_code == 400
     assert post(server, "/tokenize", {"prompt": "a", "model": "other"}).status_code == 404
+    # An empty conversation has no chat-template rendering: a 400 naming the field, not a 500.
+    r = post(server, "/tokenize", {"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

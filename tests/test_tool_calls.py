@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 
 from minivllm.entrypoints.openai.protocol import ChatTool
-from minivllm.entrypoints.openai.tool_parsers import (Hermes2ProToolParser, RequiredCallsReader,
-                                                      ToolCallStreamer)
+from minivllm.entrypoints.openai.tool_parsers import (Hermes2ProToolParser, NamedCallReader,
+                                                      RequiredCallsReader, ToolCallStreamer)
 from minivllm.entrypoints.openai.tools import (forced_schema, history_for_template,
                                                template_knows_tools)
 from tests.helpers import TIME, WEATHER, ServerProcess
@@ -211,6 +211,36 @@ def test_required_grammar_admits_a_call_of_every_tool(parallel):
                                                          for c in info.tool_calls]
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def test_a_call_cut_short_is_not_a_call():
+    """SmolLM2 at temperature 0 repeats its "required" call until max_tokens; the call
+    cut there is the content, never a call with broken JSON arguments."""
+    whole = {"name": "get_weather", "parameters": {"city": "Paris"}}
+    cut = '{"name": "get_weather", "parameters": {"city": "Paris",'
+    text = "[" + json.dumps(whole) + ", " + cut
+    info = RequiredCallsReader(_tools(*TOOLS)).extract_tool_calls(text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls] == [
+        (whole["name"], whole["parameters"])]
+    assert info.content == cut and not info.whole
+    # Cut before any call is whole: no calls, the text is the content.
+    info = RequiredCallsReader(_tools(*TOOLS)).extract_tool_calls("[" + cut)
+    assert info.tool_calls == [] and not info.tools_called and info.content == cut
+    named = NamedCallReader(_tools(*TOOLS), "get_weather").extract_tool_calls('{"city": "Pa')
+    assert not named.tools_called and named.content == '{"city": "Pa'
+    # A free (hermes) answer with a cut call is all content.
+    free = Hermes2ProToolParser(_tools(*TOOLS))
+    text = "<tool_call>" + json.dumps({"name": "get_time", "arguments": {"zone": "UTC"}})
+    info = free.extract_tool_calls(text + "</tool_call><tool_call>" + cut)
+    assert not info.tools_called and info.content.endswith(cut)
+
+
 # -- through the server (a tiny random model) ----------------------------------------------
 @pytest.fixture(scope="module")
 def plain_server(tmp_path_factory, tiny_chat_model):
@@ -282,10 +312,14 @@ def test_required_chooses_among_several_tools(plain_server):
         choice = _chat(plain_server, tools=TOOLS, tool_choice="required", seed=seed,
                        max_tokens=120, structured_outputs={"disable_any_whitespace": True})
         message = choice["message"]
-        assert message["tool_calls"] and message["content"] is None
+        for c in message["tool_calls"]:  # only whole calls, even when cut short
+            jsonschema.validate(json.loads(c["function"]["arguments"]),
+                                SCHEMAS[c["function"]["name"]])
         if choice["finish_reason"] != "tool_calls":
             assert choice["finish_reason"] == "length"  # a random model calls many tools
+            assert message["content"] and not _parses(message["content"])  # the cut call
             continue
+        assert message["tool_calls"] and message["content"] is None
         whole += 1
         for c in message["tool_calls"]:
             jsonschema.validate(json.loads(c["function"]["arguments"]),

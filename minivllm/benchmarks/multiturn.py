@@ -62,7 +62,8 @@ async def run_sessions(base_url: str, args: argparse.Namespace,
             messages = [{"role": "system", "content": system}] if system else []
             for k, user in enumerate(turns):
                 messages.append({"role": "user", "content": user})
-                body = {"messages": list(messages), "max_tokens": args.multiturn_output_len,
+                body = {"model": args.model, "messages": list(messages),
+                        "max_tokens": args.multiturn_output_len,
                         "temperature": 0.0, "ignore_eos": True, "stream": True,
                         "stream_options": {"include_usage": True}}
                 if classes:

@@ -20,7 +20,10 @@ capped at ``--max-concurrency`` requests in flight. ``--dataset-name multiturn``
 runs agent-like conversations over a shared system prompt (benchmarks/multiturn.py);
 ``--dataset-name random``
 sends random token-ID prompts (``--random-input-len``, ``--random-output-len``,
-``--random-range-ratio``, ``--random-prefix-len``) to the completions endpoint;
+``--random-range-ratio``, ``--random-prefix-len``): as they are to the completions
+endpoint, decoded into text to the chat endpoint (benchmarks/served_model.py);
+without ``--model`` requests name the model ``/v1/models`` lists first, and a run
+with failed requests exits non-zero;
 ``--goodput ttft:500 tpot:50`` also reports the requests/s that met those SLOs;
 ``--priority-classes 0:1 1:3`` sends vLLM's per-request ``priority`` (a quarter of
 the requests at 0, the rest at 1; the server must run ``--scheduling-policy
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import AsyncIterator, Optional
 from urllib.parse import urlparse
 
+from minivllm.benchmarks.served_model import decode_prompts, served_model
 from minivllm.benchmarks.workload import (CHAT_PROMPTS, arrival_times, poisson_delays,
                                           request_delays)
 from minivllm.benchmarks.serve_metrics import (RequestResult, ServeMetrics, benchmark_duration,
@@ -125,16 +129,18 @@ async def send_request(client, url: str, payload: dict, chat: bool,
 
 def build_payloads(args: argparse.Namespace) -> list[dict]:
     """One request body per prompt: the built-in chat prompts cycled (``chat``
-    dataset), or random token-ID prompts (``random``, completions endpoint)."""
+    dataset), or random token-ID prompts (``random``; decoded into text for chat)."""
     chat = args.endpoint_type == "chat"
     dataset = getattr(args, "dataset_name", "chat")
     if dataset == "random":
-        if chat:
-            raise ValueError("dataset_name='random' is invalid with endpoint_type='chat': "
-                             "token-ID prompts need --endpoint-type completions")
         work = random_workload_from_args(args)
-        payloads = [_payload(args, {"prompt": w.prompt_token_ids}, w.max_tokens)
-                    for w in work]
+        if chat:
+            texts = decode_prompts(check_local(args.base_url),
+                                   [w.prompt_token_ids for w in work], args.api_key)
+            prompts = [{"messages": [{"role": "user", "content": t}]} for t in texts]
+        else:
+            prompts = [{"prompt": w.prompt_token_ids} for w in work]
+        payloads = [_payload(args, p, w.max_tokens) for p, w in zip(prompts, work)]
     else:
         payloads = []
         for i in range(args.num_prompts):
@@ -256,8 +262,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.split("\n\n")[0]
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default="default",
-                        help="the model name the server expects in requests")
+    parser.add_argument("--model", default=None,
+                        help="the model name to send (default: the first of the server's "
+                        "/v1/models)")
     parser.add_argument("--endpoint-type", default="chat", choices=["chat", "completions"])
     add_workload_args(parser)
     parser.add_argument("--random-vocab-size", type=int, default=49152,
@@ -284,6 +291,8 @@ def run(args: argparse.Namespace) -> ServeMetrics:
     if not args.max_duration > 0:
         raise ValueError(f"max_duration={args.max_duration} is invalid: must be > 0")
     chat = args.endpoint_type == "chat"
+    if args.model is None:
+        args.model = served_model(base_url, args.api_key)
     if getattr(args, "dataset_name", "chat") == "multiturn":
         from minivllm.benchmarks.multiturn import run_sessions
 
@@ -302,7 +311,8 @@ def run(args: argparse.Namespace) -> ServeMetrics:
         print_priority_metrics(by_priority)
     failed = [r.error for r in results if not r.success]
     if failed:
-        print(f"first failure: {failed[0]}", file=sys.stderr)
+        print(f"error: {len(failed)} of {len(results)} requests failed; the first: "
+              f"{failed[0]}", file=sys.stderr)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(

@@ -110,8 +110,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def cmd_bench(ns: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[ns.bench])
-    module.run(ns)
-    return 0
+    result = module.run(ns)
+    # A load test whose requests failed measured nothing: say so in the exit status.
+    return 1 if getattr(result, "failed", 0) else 0
 
 
 def cmd_simulate(ns: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = Union[str, Sequence[int], dict]
 ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
@@ -78,6 +78,18 @@ class LLM:
             else list(messages)
         return self.generate([list(c) for c in conversations], sampling_params, use_tqdm,
                              lora_request=lora_request)
+
+    def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]],
+                    params: BeamSearchParams) -> list["BeamSearchOutput"]:
+        """vLLM's beam search: one ``BeamSearchOutput`` per prompt, its ``sequences``
+        the beams best first (``tokens`` with the prompt's, ``text``, ``cum_logprob``).
+        Beams share their common prefix's KV blocks through the prefix cache
+        (minivllm/entrypoints/beam_search.py)."""
+        from minivllm.entrypoints.beam_search import run_beam_search
+
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params={params!r} is invalid: give a BeamSearchParams")
+        return run_beam_search(self, [_unwrap(p) for p in _as_prompt_list(prompts)], params)
 
     def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None
                ) -> Iterator[RequestOutput]:

@@ -5,6 +5,8 @@
 
 Routes:
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or not
+    POST /v1/responses                           OpenAI's Responses API (serving_responses.py)
+    GET, DELETE /v1/responses/{id}, POST .../cancel   stored responses
     GET  /v1/models                              the served model and its LoRA adapters
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter
                                                  with MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1
@@ -46,6 +48,9 @@ from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletio
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.tool_parsers import ToolParserManager
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.openai.protocol.responses import ResponseDeleted, ResponsesRequest
+from minivllm.entrypoints.openai.serving_responses import (OpenAIServingResponses,
+                                                           ResponseNotFoundError)
 from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
 from minivllm.entrypoints.openai.serving_models import (LoadLoRAAdapterRequest,
                                                         OpenAIServingModels,
@@ -100,6 +105,10 @@ def add_error_handlers(app: FastAPI) -> None:
     async def model_not_found(_, exc: ModelNotFoundError):
         return error_response(404, str(exc), "invalid_request_error", "model",
                               "model_not_found")
+
+    @app.exception_handler(ResponseNotFoundError)
+    async def response_not_found(_, exc: ResponseNotFoundError):
+        return error_response(404, str(exc), "invalid_request_error", exc.param, "not_found")
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_, exc: EngineDeadError):
@@ -161,7 +170,9 @@ async def run_until_disconnected(request: Request, work: Awaitable):
         watcher.cancel()
         if not task.done():
             task.cancel()  # the client is gone (or we are): stop the work
-    if task.cancelled():
+            # ... and let it end: asking a task still unwinding for its result raises.
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled() or not task.done():
         return Response(status_code=499)  # nobody will read this
     return task.result()
 
@@ -193,6 +204,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     models = OpenAIServingModels(engine, model_name, lora_modules)
     chat = OpenAIServingChat(engine, model_name, tool_parser, models)
     completion = OpenAIServingCompletion(engine, model_name, models)
+    responses = OpenAIServingResponses(chat)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
@@ -203,6 +215,24 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def create_completion(body: CompletionRequest, request: Request):
         return _respond(await run_until_disconnected(
             request, completion.create_completion(body)))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return _respond(await run_until_disconnected(
+            request, responses.create_response(body)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return _respond(responses.store.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        responses.store.delete(response_id)
+        return _respond(ResponseDeleted(id=response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return _respond(responses.cancel(response_id))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

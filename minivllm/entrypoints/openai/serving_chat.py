@@ -59,11 +59,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         """A ``ChatCompletionResponse``, or an async iterator of SSE strings."""
-        lora_request = self.check_request(request)
-        tool_calls.check_tools(request.tools, request.tool_choice)
-        tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        params = request.to_sampling_params(kind, tool_calls.structured_outputs(request))
+        params = self.sampling_params(request)
+        lora_request = self.check_model(request.model)
         request_id = random_id("chatcmpl")
         streams, firsts = await self.start_requests([self._prompt(request)], params,
                                                     request_id, "messages", request.priority,
@@ -71,6 +68,15 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             return self.chat_stream(request, request_id, with_first(firsts[0], streams[0]))
         return self.chat_full_response(request, request_id, firsts[0])
+
+    def sampling_params(self, request: ChatCompletionRequest):
+        """The request checked (fields, tools) and turned into the engine's parameters
+        (also how the Responses API runs its chat request)."""
+        self.check_request(request)
+        tool_calls.check_tools(request.tools, request.tool_choice)
+        tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        return request.to_sampling_params(kind, tool_calls.structured_outputs(request))
 
     def _parser(self, request: ChatCompletionRequest) -> Optional[ToolParser]:
         return tool_calls.parser_for(request.tools, request.effective_tool_choice,
@@ -98,8 +104,8 @@ class OpenAIServingChat(OpenAIServing):
             if info.tools_called:
                 return (ChatResponseMessage(content=info.content, tool_calls=info.tool_calls),
                         _finish_reason(c, True, info.whole))
-            if parser.forced:
-                return ChatResponseMessage(content=None), c.finish_reason
+            if parser.forced:  # cut before its first call was whole: the text, not a call
+                return ChatResponseMessage(content=info.content), c.finish_reason
         return ChatResponseMessage(content=c.text), c.finish_reason
 
     def chat_full_response(self, request: ChatCompletionRequest, request_id: str,

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Optional
 
-from minivllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
-                                                  CompletionRequest, CompletionResponse)
+from minivllm.entrypoints.beam_search import run_beam_search_async
+from minivllm.entrypoints.openai.protocol import (BadRequestError, CompletionChoice,
+                                                  CompletionLogprobs, CompletionRequest,
+                                                  CompletionResponse, UsageInfo)
 from minivllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, Stream,
                                                         UsageCounter, kv_transfer_fields,
                                                         merge_streams, now,
                                                         random_id, sse, stream_error_event,
                                                         with_first)
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import RequestOutputKind
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind
 
 
 def completion_logprobs(c: CompletionOutput, top_n: int, offset: int = 0
@@ -85,6 +87,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest):
         """A ``CompletionResponse``, or an async iterator of SSE strings."""
         lora_request = self.check_request(request)
+        if request.use_beam_search:
+            return await self.beam_search_response(request, random_id("cmpl"))
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = request.to_sampling_params(kind)
         request_id = random_id("cmpl")
@@ -94,6 +98,32 @@ class OpenAIServingCompletion(OpenAIServing):
             return self.completion_stream(request, request_id,
                                           [with_first(f, s) for f, s in zip(firsts, streams)])
         return self.completion_full_response(request, request_id, firsts)
+
+    async def beam_search_response(self, request: CompletionRequest,
+                                   request_id: str) -> CompletionResponse:
+        """vLLM's ``use_beam_search``: per prompt, its ``n`` beams as choices, best first."""
+        params = BeamSearchParams(beam_width=request.n, max_tokens=request.max_tokens or 16,
+                                  ignore_eos=request.ignore_eos,
+                                  temperature=request.temperature or 0.0,
+                                  length_penalty=request.length_penalty,
+                                  include_stop_str_in_output=request.include_stop_str_in_output)
+        try:
+            results = await run_beam_search_async(self.engine, request.prompts(), params,
+                                                  request_id)
+        except ValueError as e:  # a prompt too long for the model, a bad token ID
+            raise BadRequestError(str(e), "prompt") from None
+        choices, prompt_tokens, generated = [], 0, 0
+        for i, (result, plen) in enumerate(results):
+            prompt_tokens += plen
+            for j, beam in enumerate(result.sequences):
+                generated += len(beam.tokens) - plen
+                choices.append(CompletionChoice(index=i * request.n + j, text=beam.text,
+                                                finish_reason=beam.finish_reason,
+                                                stop_reason=beam.stop_reason))
+        return CompletionResponse(id=request_id, created=now(), model=self.model_name,
+                                  choices=choices, usage=UsageInfo(
+                                      prompt_tokens=prompt_tokens, completion_tokens=generated,
+                                      total_tokens=prompt_tokens + generated))
 
     def completion_full_response(self, request: CompletionRequest, request_id: str,
                                  finals: list[RequestOutput]) -> CompletionResponse:

@@ -18,7 +18,8 @@ from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatMessage, 
 class TokenizeRequest(RequestModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    # A chat template cannot render an empty conversation (as the chat endpoint says).
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False

@@ -49,12 +49,13 @@ class CallSoFar:
     name: Optional[str] = None  # set once its string is whole
     arguments: str = ""  # the arguments' JSON text so far
     done: bool = False  # the call's object is whole
+    start: int = 0  # where its text begins in the text read
 
 
 def read_call(text: str, i: int, args_keys: tuple[str, ...]) -> tuple[CallSoFar, Optional[int]]:
     """The ``{"name": ..., <args key>: {...}}`` object at ``text[i] == "{"`` as far as it
     goes, and the index after it once it is whole (keys in any order)."""
-    call = CallSoFar()
+    call = CallSoFar(start=i)
     i = _skip_space(text, i + 1)
     while i < len(text):
         if text[i] == "}":
@@ -143,19 +144,22 @@ class ToolParser(ABC):
         return json.dumps(calls)
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCallInformation:
+        """The complete calls. A call cut short (by ``max_tokens``) is never returned as a
+        call: a forced answer keeps the complete ones and gives the cut one's text as the
+        content (``whole`` False); a free answer with a cut call is all content."""
         content, calls = self.read(text, final=True)
-        calls = [c for c in calls if c.name is not None]
-        if not self.forced and not (calls and all(c.done and _is_object(c.arguments)
-                                                  for c in calls)):
+        if not self.forced and not (calls and all(c.name is not None and c.done
+                                                  and _is_object(c.arguments) for c in calls)):
             return ExtractedToolCallInformation(False, content=text)  # not a call after all
+        whole = all(c.done for c in calls)
         out = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
-               for c in calls]
+               for c in calls if c.done and c.name is not None]
         if self.forced:
-            content = None
+            cut = next((c for c in calls if not c.done), None)
+            content = text[cut.start:] if cut is not None else None
         elif out:
             content = content if content.strip() else None
-        return ExtractedToolCallInformation(bool(out), out, content,
-                                            whole=all(c.done for c in calls))
+        return ExtractedToolCallInformation(bool(out), out, content, whole=whole)
 
 
 def _is_object(text: str) -> bool:
@@ -178,7 +182,7 @@ class NamedCallReader(ToolParser):
         i = _skip_space(text, 0)
         end = _value_end(text, i) if i < len(text) else None
         return "", [CallSoFar(self.name, text[i:end] if end is not None else text[i:],
-                              end is not None)]
+                              end is not None, i)]
 
 
 class RequiredCallsReader(ToolParser):

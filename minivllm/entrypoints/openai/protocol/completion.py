@@ -20,6 +20,9 @@ class CompletionRequest(SamplingRequest):
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     # OpenAI documents it; it needs a model trained to fill in the middle.
     suffix: Optional[str] = None
+    # vLLM's beam search: n beams, best first (entrypoints/beam_search.py).
+    use_beam_search: StrictBool = False
+    length_penalty: float = Field(1.0, ge=-10, le=10)
 
     def num_logprobs(self) -> Optional[int]:
         return self.logprobs
@@ -37,6 +40,8 @@ class CompletionRequest(SamplingRequest):
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
+        if self.use_beam_search:
+            self._check_beam_search()
         if self.suffix:
             raise BadRequestError("suffix is not supported: this model does not fill in "
                                   "the middle", "suffix")
@@ -49,6 +54,16 @@ class CompletionRequest(SamplingRequest):
         if isinstance(self.prompt, list) and not self.prompt:
             raise BadRequestError("prompt is empty: give a string, a list of token IDs, or "
                                   "a non-empty batch of them", "prompt")
+
+    def _check_beam_search(self) -> None:
+        for name, bad, allowed in (("n", not 1 <= self.n <= 10, "the beam width: in [1, 10]"),
+                                   ("stream", self.stream, "false with use_beam_search"),
+                                   ("echo", self.echo, "false with use_beam_search"),
+                                   ("logprobs", self.logprobs is not None,
+                                    "null with use_beam_search")):
+            if bad:
+                raise BadRequestError(f"{name}={getattr(self, name)!r} is invalid: must be "
+                                      f"{allowed}", name)
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The batch of prompts (a single prompt is a batch of one)."""

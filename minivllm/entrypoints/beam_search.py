@@ -1,0 +1,172 @@
+"""Beam search on top of the engine and its prefix cache (vLLM's ``LLM.beam_search``).
+
+Each step every live beam is one engine request: its tokens so far as the
+prompt, ``max_tokens=1``, the top ``2 * beam_width`` logprobs back. The
+candidates (a beam plus one of its tokens, scored by the summed logprob)
+are ranked together, and the best ``beam_width`` that do not end in EOS are
+the next beams. Nothing about beams is special in the engine: their shared
+history is shared KV because the prefix cache finds it. Every full block of
+a beam's tokens was computed at an earlier step (by it or by the beam it
+grew from) and is found by its hash; the beams of one step that share it
+hold the same physical block, its reference count one per beam. The last,
+partly filled block is each beam's own: its few tokens are written again
+into a fresh block (a copy made by recomputing), so one beam's next token
+never overwrites another's. When a beam is dropped its request has already
+finished and its blocks went back to the pool (full ones stay cached).
+
+EOS, as in Hugging Face's ``generate(num_beams=...)``: a candidate that
+ends in EOS and ranks among the first ``beam_width`` is a finished beam (a
+lower one is dropped); the step still keeps ``beam_width`` running beams.
+Finished and running beams are ranked by ``cum_logprob / generated_len **
+length_penalty`` (the generated length counts the EOS; vLLM counts the prompt
+too). The search stops after ``max_tokens`` steps or, as HF's default
+``early_stopping=False``, once ``beam_width`` beams have finished and no running
+one scores better than the worst of them now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from minivllm.outputs import Logprob, RequestOutput
+from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+MAX_CANDIDATES = 20  # the engine's most logprobs per token
+
+
+@dataclass
+class BeamSearchSequence:  # vLLM's name and fields
+    tokens: list[int]  # the prompt's and the generated ones
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None  # "stop" (EOS) | "length"
+    stop_reason: Optional[int] = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # the beams, best first
+
+
+def beam_score(cum_logprob: float, generated_len: int, length_penalty: float) -> float:
+    return cum_logprob / (max(generated_len, 1) ** length_penalty)
+
+
+class BeamSearch:
+    """One prompt's search; any engine runs its steps (``requests``, then ``advance``)."""
+
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams,
+                 eos_token_ids: set[int]) -> None:
+        self.params = params
+        self.prompt_len = len(prompt_token_ids)
+        self.eos = set() if params.ignore_eos else set(eos_token_ids)
+        self.beams = [BeamSearchSequence(list(prompt_token_ids))]
+        self.finished: list[BeamSearchSequence] = []
+        self.steps = 0
+
+    def step_params(self) -> SamplingParams:
+        width = self.params.beam_width
+        return SamplingParams(max_tokens=1, ignore_eos=True, temperature=self.params.temperature,
+                              logprobs=min(MAX_CANDIDATES, max(2, 1 + len(self.eos)) * width),
+                              output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+
+    @property
+    def done(self) -> bool:
+        return not self.beams or self.steps >= self.params.max_tokens
+
+    def advance(self, outputs: list[RequestOutput]) -> None:
+        """One step: ``outputs[i]`` is the one-token request of ``self.beams[i]``."""
+        width = self.params.beam_width
+        candidates = []
+        for beam, out in zip(self.beams, outputs):
+            ranked = out.outputs[0].logprobs[0]
+            candidates += [(beam.cum_logprob + lp.logprob, beam, token, ranked)
+                           for token, lp in ranked.items()]
+        candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam, then rank order
+        running = []
+        for rank, (cum, beam, token, ranked) in enumerate(candidates):
+            seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [ranked], cum)
+            if token in self.eos:
+                if rank < width:
+                    seq.finish_reason, seq.stop_reason = "stop", token
+                    self.finished.append(seq)
+                continue
+            running.append(seq)
+            if len(running) == width:
+                break
+        self.beams = running
+        self.steps += 1
+        if self._no_better_to_come():
+            self.beams = []
+
+    def _score(self, seq: BeamSearchSequence) -> float:
+        return beam_score(seq.cum_logprob, len(seq.tokens) - self.prompt_len,
+                          self.params.length_penalty)
+
+    def _no_better_to_come(self) -> bool:
+        width = self.params.beam_width
+        if len(self.finished) < width or not self.beams:
+            return False
+        worst = sorted(map(self._score, self.finished), reverse=True)[width - 1]
+        return max(map(self._score, self.beams)) <= worst
+
+    def result(self, tokenizer) -> BeamSearchOutput:
+        for seq in self.beams:
+            seq.finish_reason = "length"
+        best = sorted(self.finished + self.beams, key=self._score,
+                      reverse=True)[:self.params.beam_width]
+        for seq in best:
+            generated = seq.tokens[self.prompt_len:]
+            if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                generated = generated[:-1]  # the EOS is not text
+            seq.text = tokenizer.decode(generated) if tokenizer is not None else None
+        return BeamSearchOutput(best)
+
+
+def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """``LLM.beam_search``: every live beam of every prompt in one batch per step."""
+    engine = llm.llm_engine
+    searches = [BeamSearch(engine.request_builder.tokenize(p)[1], params,
+                           set(engine.request_builder.eos_token_ids)) for p in prompts]
+    while not all(s.done for s in searches):
+        live = [s for s in searches if not s.done]
+        beams = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
+        outs = llm.generate(beams, live[0].step_params(), use_tqdm=False)
+        for s in live:
+            mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
+            s.advance(mine)
+    return [s.result(engine.tokenizer) for s in searches]
+
+
+async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
+                                request_id: str) -> list[tuple[BeamSearchOutput, int]]:
+    """The same over ``AsyncLLM`` (the server): (output, prompt length) per prompt."""
+    import asyncio
+
+    builder = engine.request_builder
+    searches = [BeamSearch(builder.tokenize(p)[1], params, set(builder.eos_token_ids))
+                for p in prompts]
+
+    async def one(tokens: list[int], rid: str) -> RequestOutput:
+        async for out in engine.generate(tokens, searches[0].step_params(), rid):
+            last = out
+        return last
+
+    step = 0
+    while not all(s.done for s in searches):
+        live = [s for s in searches if not s.done]
+        beams = [b.tokens for s in live for b in s.beams]
+        # Cancelled (the client left): gather cancels each, and each aborts its request.
+        outs = list(await asyncio.gather(*(one(t, f"{request_id}-{step}-{i}")
+                                           for i, t in enumerate(beams))))
+        for s in live:
+            mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
+            s.advance(mine)
+        step += 1
+    return [(s.result(engine.tokenizer), s.prompt_len) for s in searches]
+
+
+__all__ = ["run_beam_search_async", "BeamSearch", "BeamSearchSequence", "BeamSearchOutput", "beam_score",
+           "run_beam_search"]
