@@ -47,6 +47,10 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
     qk_norm: bool  # RMSNorm on each head of q and k before RoPE (Qwen3)
     dtype: torch.dtype = torch.float32
+    # Quantized weights (resolve_quantization): None, "gguf" (then read from
+    # gguf_file as they ship) or "q8_0" (quantized at load).
+    quantization: Optional[str] = None
+    gguf_file: Optional[str] = None
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",
@@ -299,6 +303,9 @@ class EngineArgs:
     # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
     speculative_config: Optional[dict] = None
     scheduling_policy: str = "fcfs"
+    # "auto": a .gguf model's quantized blocks as they ship (dtype left "auto");
+    # None (or "none"): float weights; "gguf"; "q8_0": quantize at load.
+    quantization: Optional[str] = "auto"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -315,6 +322,7 @@ class EngineArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         path = resolve_model_path(self.model)
         model = ModelConfig.from_pretrained(path, self.dtype, device)
+        model = quantized_model_config(model, self.quantization, self.dtype, self.model)
         max_len = self.max_model_len or min(model.max_position_embeddings, 2048)
         if max_len > model.max_position_embeddings:
             raise _bad("max_model_len", max_len,
@@ -375,6 +383,48 @@ def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
         raise TypeError(f"unknown engine argument(s) {unknown}; allowed: "
                         f"{', '.join(sorted(allowed))}")
     return EngineArgs(model=model, **kwargs)
+
+
+# ---- issue 36: quantized weights (to move into config/quantization.py) ----------
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
+# "auto" resolves to "gguf" for a .gguf model when this is on.
+AUTO_GGUF = True
+
+
+def resolve_quantization(requested: Optional[str], dtype: str | torch.dtype,
+                         is_gguf: bool) -> Optional[str]:
+    """``EngineArgs.quantization`` -> None, "gguf" or "q8_0" (errors name the field)."""
+    q = "none" if requested is None else requested
+    if q not in QUANTIZATION_CHOICES:
+        raise _bad("quantization", requested,
+                   f"must be None or one of {', '.join(QUANTIZATION_CHOICES)}")
+    if q == "auto":
+        return "gguf" if is_gguf and dtype == "auto" and AUTO_GGUF else None
+    if q == "none":
+        return None
+    if q == "gguf" and not is_gguf:
+        raise _bad("quantization", q, "needs a .gguf model (this model is a Hugging Face "
+                   "folder); 'q8_0' quantizes a float checkpoint at load")
+    if dtype not in ("auto", "float32", torch.float32):
+        raise _bad("dtype", dtype, f"must be 'auto' or 'float32' with quantization={q!r} "
+                   f"(the blocks are dequantized to float32)")
+    return q
+
+
+def quantized_model_config(model: ModelConfig, requested: Optional[str],
+                           dtype: str | torch.dtype, source) -> ModelConfig:
+    """``model`` with its quantization resolved (and the GGUF file to read, if any)."""
+    from dataclasses import replace
+
+    from minivllm.model.loader import gguf_source
+
+    gguf_file = gguf_source(source)
+    q = resolve_quantization(requested, dtype, gguf_file is not None)
+    if q is None:
+        return model
+    return replace(model, quantization=q, dtype=torch.float32,
+                   gguf_file=str(gguf_file) if q == "gguf" else None)
+# ---- end issue 36 ------------------------------------------------------------
 
 
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig",

@@ -76,6 +76,14 @@ def resolve_model_path(model: Optional[str | os.PathLike]) -> Path:
         f"access, so hub names cannot be downloaded)")
 
 
+def gguf_source(model: Optional[str | os.PathLike]) -> Optional[Path]:
+    """The GGUF file behind a ``model`` value, or None (a Hugging Face folder)."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def ensure_converted(gguf_path: Path) -> Path:
     out = gguf_cache_dir(gguf_path)
     if not (out / "model.safetensors").is_file():
@@ -117,8 +125,16 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
     cls = get_model_class(config.architecture)
     with torch.device(device):
         model = cls(config, backend)
-    loaded = model.load_weights(iterate_safetensors(Path(config.path)))
+    if config.quantization == "gguf":
+        from minivllm.model.gguf_convert import iterate_gguf
+
+        weights = iterate_gguf(Path(config.gguf_file), config.num_attention_heads,
+                               config.num_key_value_heads)
+    else:
+        weights = iterate_safetensors(Path(config.path))
+    loaded = model.load_weights(weights)
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    expected |= {f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "qweight")}
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint in {config.path} lacks {len(missing)} tensors, "

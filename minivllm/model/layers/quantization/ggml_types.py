@@ -113,7 +113,18 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * q.reshape(n, 16, 16).to(torch.float32)).reshape(n, 256)
 
 
+def _float32(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float32)
+
+
+def _float16(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks)
+
+
+# F32 and F16 are "blocks" of one weight: a GGUF may store some matrices unquantized.
 BLOCK_TYPES = {t.name: t for t in (
+    BlockType("F32", 0, 1, 4, _float32),
+    BlockType("F16", 1, 1, 2, _float16),
     BlockType("Q4_0", 2, 32, 18, dequantize_q4_0),
     BlockType("Q4_1", 3, 32, 20, dequantize_q4_1),
     BlockType("Q8_0", 8, 32, 34, dequantize_q8_0),
