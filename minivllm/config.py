@@ -388,7 +388,7 @@ def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
 # ---- issue 36: quantized weights (to move into config/quantization.py) ----------
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
 # "auto" resolves to "gguf" for a .gguf model when this is on.
-AUTO_GGUF = True
+AUTO_GGUF = False
 
 
 def resolve_quantization(requested: Optional[str], dtype: str | torch.dtype,

@@ -133,7 +133,7 @@ def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
             data = _unpermute(data, num_heads)
         elif t.name.endswith("attn_k.weight"):
             data = _unpermute(data, num_kv_heads)
-        data = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))
+        data = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
         yield hf_tensor_name(t.name), QuantizedTensor(data.reshape(shape[0], -1), qtype,
                                                       shape[1])
 
