@@ -13,6 +13,7 @@ products. These kernels do the same math in one pass each:
 - ``sampler.cpp`` — greedy argmax over the vocabulary;
 - ``gemm.cpp`` — float32 matrix products for decode-sized batches and single rows
   (see ``prepack.py``);
+- ``gguf_gemm.cpp`` — products with GGUF-quantized weights, on their blocks;
 - ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
 
 The layers' twins (``layers.py``), the CPU attention backend and the fused
@@ -242,6 +243,17 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                                        final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
                                        panel_max_rows, list(lm_head), lm_head_panel_max_rows,
                                        gate_up_halves)
+
+
+def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` with W as GGUF blocks [N, row_bytes] of GGML type ``type_id``."""
+    return _lib().gguf_linear(x, qweight, type_id, bias)
+
+
+def gguf_dequantize(qweight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
+    """GGUF blocks [N, row_bytes] -> float32 [N, cols] (the reference's numbers)."""
+    return _lib().gguf_dequantize(qweight, type_id, cols)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from minivllm.cpu.features import cpu_features
 from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
 from minivllm.cpu.layers import CpuSampler, swap_in_twins
 from minivllm.cpu.prepack import prepack_enabled, prepack_model
+from minivllm.cpu.quantized import swap_in_quantized
 from minivllm.logger import info_once
 
 
@@ -45,7 +46,7 @@ class CpuAcceleration:
 
 
 def accelerate(model: nn.Module) -> CpuAcceleration:
-    twins = swap_in_twins(model)
+    twins = swap_in_twins(model) + swap_in_quantized(model)
     packed = prepack_model(model) if prepack_enabled() else 0
     problem = fused_decode_problem(model) if hasattr(model, "model") else (
         f"{type(model).__name__} has no decode-step replay")
