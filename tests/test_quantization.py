@@ -187,3 +187,103 @@ def test_default_file_quantized_tokens_equal_the_float32_path():
     want = LLM(quantization=None, cpu_kernels=False).generate(prompts, params)
     got = LLM(quantization="gguf", cpu_kernels=False).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+KERNEL_CHECK = """
+import json, torch
+from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.features import cpu_features
+from minivllm.cpu.quantized import CpuQuantizedLinearMethod, QUANTIZED_MAX_ROWS
+from minivllm.model.layers.linear import ColumnParallelLinear
+from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
+from tests.test_quantization import random_blocks
+report = {"isa": cpu_features().isa, "problem": ops.cpu_kernels_problem(), "types": {}}
+for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+    layer = ColumnParallelLinear(512, 48, quant_config=QuantizationConfig("gguf"))
+    layer.load_quantized(QuantizedTensor(torch.from_numpy(random_blocks(qtype, 48, 512, 7)),
+                                         qtype, 512))
+    fast = CpuQuantizedLinearMethod(layer.quant_method.config)
+    errors, same_weights = [], True
+    for rows in (1, 5, QUANTIZED_MAX_ROWS + 3):
+        x = torch.randn(rows, 512)
+        ref = layer.quant_method.apply(layer, x)
+        errors.append(float(((fast.apply(layer, x) - ref).abs().max() / ref.abs().max())))
+    t = layer.qweight.segments[0][1]
+    from minivllm.model.layers.quantization import BLOCK_TYPES
+    same_weights = torch.equal(ops.gguf_dequantize(t.data, BLOCK_TYPES[qtype].type_id, 512),
+                               t.dequantize())
+    report["types"][qtype] = {"max_rel_error": max(errors), "same_weights": same_weights}
+print("REPORT", json.dumps(report))
+"""
+
+
+def _kernel_report(env: dict) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True,
+                         cwd=repo, timeout=900, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(li for li in out.stdout.splitlines() if li.startswith("REPORT "))
+    return json.loads(line[len("REPORT "):])
+
+
+def _check_kernels(report: dict) -> None:
+    assert report["problem"] is None
+    for qtype, r in report["types"].items():
+        assert r["same_weights"], qtype  # the kernel's blocks -> floats: the reference's bits
+        assert r["max_rel_error"] < 1e-5, (qtype, r)  # only the summation order differs
+
+
+def test_quantized_kernels_match_the_reference_method():
+    from tests.cpu_requirements import FEATURES
+
+    if FEATURES.isa not in ("native", "avx2"):
+        pytest.skip("no CPU kernels here")
+    _check_kernels(_kernel_report({}))
+
+
+@pytest.mark.slow
+def test_quantized_kernels_in_the_avx2_build():
+    from tests.cpu_requirements import AVX2_ENV
+
+    report = _kernel_report(AVX2_ENV)
+    assert report["isa"] == "avx2"
+    _check_kernels(report)
+
+
+def perplexity(llm, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of ``token_ids`` after their first token."""
+    from minivllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": token_ids}],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    nll = [-lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
+    return float(np.exp(np.mean(nll)))
+
+
+def held_out_tokens(count: int) -> list[int]:
+    """This repository's README: written after the default model was trained."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from minivllm.model.loader import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    return tok(text)["input_ids"][:count]
+
+
+@pytest.mark.slow
+def test_q8_0_at_load_loses_at_most_one_percent_perplexity():
+    from minivllm import LLM
+
+    ids = held_out_tokens(1024)
+    ppl = {q: perplexity(LLM(quantization=q, max_model_len=2048), ids)
+           for q in (None, "q8_0")}
+    print(f"perplexity over {len(ids)} README tokens: float32 {ppl[None]:.4f}, "
+          f"q8_0 {ppl['q8_0']:.4f} ({ppl['q8_0'] / ppl[None] - 1:+.3%})")
+    assert ppl["q8_0"] <= 1.01 * ppl[None]
