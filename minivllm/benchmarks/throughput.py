@@ -329,6 +329,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="python with llama-cpp-python (default: this one)")
     parser.add_argument("--gguf", default=None, help="llama.cpp: the GGUF file "
                         "(default: the embedded model's)")
+    parser.add_argument("--quantization", default="auto",
+                        type=lambda v: None if v.lower() == "none" else v,
+                        help="minivllm's quantization: auto, none, gguf (a .gguf model's "
+                             "blocks as they ship) or q8_0")
     parser.add_argument("--load-timeout", type=float, default=1800)
     parser.add_argument("--run-timeout", type=float, default=3600)
     parser.add_argument("--output", default=None, help="write the results as JSON here")
@@ -422,7 +426,8 @@ def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProces
              "engine_args": {"max_num_seqs": args.max_num_seqs,
                              "max_num_batched_tokens": args.max_num_batched_tokens,
                              "tensor_parallel_size": args.tensor_parallel_size,
-                             "speculative_config": args.speculative_config}}
+                             "speculative_config": args.speculative_config,
+                             "quantization": args.quantization}}
     pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}
     drivers: dict[str, DriverProcess] = {}
     for name in backends:
@@ -468,10 +473,13 @@ def roofline_for(roofline: dict, dtype: str) -> dict:
 
 
 def roofline_fraction(roofline: dict, num_tokens: int, num_steps: int,
-                      seconds: float) -> float:
-    """Least possible time (compute or weight reads, whichever bounds) / time taken."""
-    least = max(num_tokens / roofline["compute_tokens_per_s"],
-                num_steps / roofline["bandwidth_steps_per_s"])
+                      seconds: float, weight_bytes: Optional[int] = None) -> float:
+    """Least possible time (compute or weight reads, whichever bounds) / time taken.
+    ``weight_bytes``: what this engine's step reads (its own weights, quantized or
+    not); by default the roofline dtype's."""
+    steps_per_s = (roofline["bandwidth"] / weight_bytes if weight_bytes
+                   else roofline["bandwidth_steps_per_s"])
+    least = max(num_tokens / roofline["compute_tokens_per_s"], num_steps / steps_per_s)
     return least / seconds
 
 
@@ -492,8 +500,10 @@ def make_report(args, backends, infos, results, roofline, prompts, max_tokens,
                              "total_tokens_per_s")}
         entry["info"] = infos[name]
         if roof:
+            own = infos[name].get("weight_bytes")
             entry["roofline_fraction"] = summarize(
-                roofline_fraction(roof, num_tokens, passes, r.seconds) for r in runs).as_dict()
+                roofline_fraction(roof, num_tokens, passes, r.seconds, own)
+                for r in runs).as_dict()
         if name == "minivllm":
             total: dict[str, float] = {}
             for r in runs:
