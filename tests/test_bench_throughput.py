@@ -13,7 +13,7 @@ import torch
 
 from minivllm.benchmarks import roofline as rl
 from minivllm.benchmarks import throughput as tp
-from minivllm.benchmarks.datasets import CHAT_PROMPTS, chat_workload, random_workload
+from minivllm.benchmarks.workload import CHAT_PROMPTS, chat_workload, random_workload
 from minivllm.config import ModelConfig
 
 
@@ -70,7 +70,7 @@ def test_measurements_are_positive_and_finite():
         assert 0 < value < math.inf
     assert bw.best == max(bw.read, bw.copy, bw.matvec)
     from minivllm.cpu import _custom_ops as ops
-    if ops.cpu_kernels_problem() is None and ops.packed_linear_available():
+    if ops.build_problem() is None and ops.packed_linear_available():
         assert 0 < bw.matvec < math.inf
     with pytest.raises(ValueError, match="size"):
         rl.measure_matmul_flops(size=0)
@@ -302,8 +302,10 @@ def test_a_peer_that_crashes_is_reported_as_a_crash_with_its_log(tmp_path):
     fake = tmp_path / "python"  # stands in for the peer's interpreter
     fake.write_text("#!/bin/sh\necho 'loading the peer...' >&2\nread line\nkill -SEGV $$\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    driver = tp.DriverProcess("llama.cpp", str(fake), {}, dict(os.environ), tmp_path)
-    with pytest.raises(tp.DriverError) as err:
+    from minivllm.benchmarks.throughput.drivers import DriverError, DriverProcess
+
+    driver = DriverProcess("llama.cpp", str(fake), {}, dict(os.environ), tmp_path)
+    with pytest.raises(DriverError) as err:
         driver.start(timeout=3600)
     said = str(err.value)
     assert "crashed (SIGSEGV, signal 11)" in said and "gave no answer" not in said

