@@ -8,7 +8,7 @@ BOOK_SOURCES := $(filter-out book/conftest.py,$(wildcard book/[0-9][0-9]_*.py))
 NOTEBOOKS    := $(BOOK_SOURCES:.py=.ipynb)
 PYTEST_ARGS  ?=
 
-.PHONY: setup book notebooks chat test test-fast test-book serve figures bench bench-peers sysdeps clean
+.PHONY: setup book notebooks chat test test-fast test-book serve figures bench bench-peers llama-peer sysdeps clean
 
 setup: $(STAMP)
 
@@ -78,6 +78,14 @@ bench: setup
 # A peer whose interpreter is not given is left out and said so.
 VLLM_PYTHON  ?=
 LLAMA_PYTHON ?=
+# `make llama-peer` builds the llama.cpp peer (llama-cpp-python from PyPI,
+# compiled here; minutes) into its own environment; then pass
+# LLAMA_PYTHON=$(LLAMA_VENV)/bin/python. The flags: AVX-512 with VNNI, no AMX
+# (a native build with AMX crashed in its first eval on a Xeon).
+LLAMA_VENV       ?= $(HOME)/peers/llama
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+  -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+  -DGGML_AMX_BF16=OFF
 REPEATS      ?= 5
 # ISA=avx2: every engine runs as on an AVX2-only CPU (minivllm.cpu.features'
 # AVX2_SIMULATION_ENV: our kernels, PyTorch, oneDNN and MKL capped), and the
@@ -88,6 +96,11 @@ ISA_RUN = $(if $(filter avx2,$(ISA)),env $(shell $(PY) -m minivllm.cpu.features 
 PEERS = --backend minivllm --backend hf $(if $(VLLM_PYTHON),--backend vllm --vllm-python $(VLLM_PYTHON))
 BENCH = $(ISA_RUN) $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
 OUT = figures/bench_throughput
+llama-peer:
+	python3 -m venv $(LLAMA_VENV)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LLAMA_VENV)/bin/pip install llama-cpp-python
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama.cpp peer', llama_cpp.__version__)"
+
 bench-peers: setup
 	$(ISA_RUN) $(VENV)/bin/minivllm bench roofline --output figures/bench_roofline$(SFX).json
 	$(BENCH) $(PEERS) $(if $(LLAMA_PYTHON),--backend llama.cpp --llama-python $(LLAMA_PYTHON)) \

@@ -291,3 +291,32 @@ def test_report_row_shows_medians_ranges_and_paired_ratios():
     assert machines([result, result, other]) == (
         "Measured on: CPU A (kernels ISA native), 2 logical CPUs, torch t; "
         "CPU B (kernels ISA avx2), 4 logical CPUs, torch t.")
+
+
+def test_a_peer_that_crashes_is_reported_as_a_crash_with_its_log(tmp_path):
+    """A driver killed by a signal (as llama.cpp's segfault was) is a crash, said at once
+    with the signal and the log's tail, not a timeout."""
+    import os
+    import stat
+
+    fake = tmp_path / "python"  # stands in for the peer's interpreter
+    fake.write_text("#!/bin/sh\necho 'loading the peer...' >&2\nread line\nkill -SEGV $$\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    from minivllm.benchmarks.throughput.drivers import DriverError, DriverProcess
+
+    driver = DriverProcess("llama.cpp", str(fake), {}, dict(os.environ), tmp_path)
+    with pytest.raises(DriverError) as err:
+        driver.start(timeout=3600)
+    said = str(err.value)
+    assert "crashed (SIGSEGV, signal 11)" in said and "gave no answer" not in said
+    assert "loading the peer..." in said
+
+
+def test_roofline_fraction_counts_each_engines_own_weight_bytes():
+    # 100 MB/s over 5 MB of float32 weights: 20 steps/s; a quantized engine that
+    # holds 1 MB could do 100 steps/s, so the same time is a fifth of its roofline.
+    roof = {"compute_tokens_per_s": 1e9, "bandwidth_steps_per_s": 20.0, "bandwidth": 100e6}
+    float32 = tp.roofline_fraction(roof, num_tokens=40, num_steps=40, seconds=4.0)
+    quantized = tp.roofline_fraction(roof, num_tokens=40, num_steps=40, seconds=4.0,
+                                     weight_bytes=1_000_000)
+    assert float32 == 0.5 and quantized == pytest.approx(float32 / 5)

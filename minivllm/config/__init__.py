@@ -17,6 +17,7 @@ from minivllm.config.kv_transfer import (KV_CONNECTORS, KV_OFFLOADING_BACKENDS, 
 from minivllm.config.kv_events import KV_EVENT_PUBLISHERS, KVEventsConfig
 from minivllm.config.model import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, resolve_dtype
 from minivllm.config.parallel import ParallelConfig
+from minivllm.config.quantization import QUANTIZATION_CHOICES, resolve_quantization
 from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from minivllm.config.speculative import (DEFAULT_DISABLE_BY_BATCH_SIZE, SPECULATIVE_METHODS,
                                          SpeculativeConfig)
@@ -28,4 +29,4 @@ __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "Schedule
            "DEFAULT_DISABLE_BY_BATCH_SIZE", "BLOCK_SIZES", "engine_args_from_kwargs",
            "resolve_dtype", "bad", "check_int", "check_bool", "check_choice", "is_int",
            "is_number", "KVTransferConfig", "KV_CONNECTORS", "KV_ROLES",
-           "KV_OFFLOADING_BACKENDS"]
+           "KV_OFFLOADING_BACKENDS", "QUANTIZATION_CHOICES", "resolve_quantization"]

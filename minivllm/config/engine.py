@@ -26,6 +26,7 @@ from minivllm.config.checks import bad, check_bool, check_choice, check_int
 from minivllm.config.kv_transfer import KVTransferConfig
 from minivllm.config.model import ModelConfig, resolve_dtype
 from minivllm.config.parallel import ParallelConfig
+from minivllm.config.quantization import check_quantization, quantized_model_config
 from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from minivllm.config.lora import LoRAConfig
 from minivllm.config.speculative import SpeculativeConfig
@@ -91,6 +92,9 @@ class EngineArgs:
     kv_events_config: Optional[dict] = None
     # Only 1: replicas are separate `minivllm serve` processes behind `minivllm router`.
     data_parallel_size: int = 1
+    # "auto", None / "none" (float weights), "gguf" (a .gguf model's blocks as they
+    # ship) or "q8_0" (quantized at load): config/quantization.py.
+    quantization: Optional[str] = "auto"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -134,6 +138,7 @@ class EngineArgs:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = ModelConfig.from_pretrained(self.model, self.dtype, device)
+        model = quantized_model_config(model, self.quantization, self.dtype)
         max_len = self.max_model_len or min(model.max_position_embeddings, 2048)
         if max_len > model.max_position_embeddings:
             raise bad("max_model_len", max_len,
@@ -187,6 +192,7 @@ class EngineArgs:
         check_int("data_parallel_size", self.data_parallel_size, 1, 1,
                   allowed="must be 1: run N `minivllm serve` replicas behind `minivllm "
                   "router --replica URL ...` instead (README, 'A fleet')")
+        check_quantization(self.quantization)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -40,6 +40,10 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
     qk_norm: bool  # RMSNorm on each head of q and k before RoPE (Qwen3)
     dtype: torch.dtype = torch.float32
+    # Quantized weights (config/quantization.py): None, "gguf" (read from
+    # gguf_file as they ship) or "q8_0" (quantized at load).
+    quantization: Optional[str] = None
+    gguf_file: Optional[str] = None
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",

@@ -13,6 +13,7 @@ products. These kernels do the same math in one pass each:
 - ``sampler.cpp`` — greedy argmax over the vocabulary;
 - ``gemm.cpp`` — float32 matrix products for decode-sized batches and single rows
   (see ``prepack.py``);
+- ``gguf_gemm.cpp`` — products with GGUF-quantized weights, on their blocks;
 - ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
 
 The layers' twins (``layers.py``), the CPU attention backend and the fused
@@ -20,7 +21,11 @@ decode step call these. The library is compiled on first use with
 PyTorch's C++ extension builder (a C++ compiler with OpenMP and ``ninja``;
 ``make setup`` does it ahead of time) for this CPU's instruction set
 (``features.py``), one library per ISA, cached under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in a folder
+keyed by what the build depends on (``build_key``: PyTorch and Python
+versions, compiler and flags, the sources), so two checkouts or virtual
+environments sharing that cache each keep their own build instead of
+rebuilding over each other's.
 
 Where they cannot be built — a CPU that is not x86-64 (the kernels use x86
 intrinsics), no compiler, a compiler without OpenMP (Apple's clang), no
@@ -32,7 +37,9 @@ before a build starts, so the reason is one line, not a compiler log.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import sys
 import shutil
 import subprocess
 import tempfile
@@ -54,6 +61,32 @@ def library_name() -> str:
     return f"{LIBRARY_NAME}_{cpu_features().isa}"
 
 
+def _cflags(features) -> list[str]:
+    return ["-O3", f"-march={features.march}", "-fopenmp"]
+
+
+def build_key(features=None) -> str:
+    """A short hash of everything the library's binary depends on."""
+    features = features or cpu_features()
+    h = hashlib.sha256()
+    for part in (torch.__version__, f"{sys.version_info[0]}.{sys.version_info[1]}",
+                 os.environ.get("CXX", "c++"), " ".join(_cflags(features))):
+        h.update(part.encode() + b"\0")
+    for path in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_directory(name: str) -> Path:
+    """``TORCH_EXTENSIONS_DIR/py3X_cpu/<name>-<build_key>``."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    folder = root / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu" / f"{name}-{build_key()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @functools.lru_cache(maxsize=None)
 def _build(name: str) -> Optional[str]:
     """Compile and load the library; None when it worked, else why not (and what would help)."""
@@ -62,9 +95,9 @@ def _build(name: str) -> Optional[str]:
     if problem is not None:
         return problem
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
+        from torch.utils.cpp_extension import load
 
-        build_dir = Path(_get_build_directory(name, verbose=False))
+        build_dir = build_directory(name)
         if not (build_dir / f"{name}.so").exists():  # a build is coming: can it work?
             problem = toolchain_problem()
             if problem is not None:
@@ -73,8 +106,8 @@ def _build(name: str) -> Optional[str]:
 
         sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
         load(name, sources, is_python_module=False, verbose=False,
-             extra_cflags=["-O3", f"-march={features.march}", "-fopenmp"],
-             extra_ldflags=["-fopenmp"])
+             extra_cflags=_cflags(features), extra_ldflags=["-fopenmp"],
+             build_directory=str(build_dir))
     except Exception as e:  # a compiler error the probe did not foresee
         return (f"building {CSRC.name}/*.cpp failed ({_first_lines(e)}); "
                 f"`python -m minivllm.cpu._custom_ops` retries the build")
@@ -233,6 +266,17 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                                        final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
                                        panel_max_rows, list(lm_head), lm_head_panel_max_rows,
                                        gate_up_halves)
+
+
+def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` with W as GGUF blocks [N, row_bytes] of GGML type ``type_id``."""
+    return _lib().gguf_linear(x, qweight, type_id, bias)
+
+
+def gguf_dequantize(qweight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
+    """GGUF blocks [N, row_bytes] -> float32 [N, cols] (the reference's numbers)."""
+    return _lib().gguf_dequantize(qweight, type_id, cols)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from minivllm.cpu.features import cpu_features
 from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
 from minivllm.cpu.layers import CpuSampler, swap_in_twins
 from minivllm.cpu.prepack import prepack_enabled, prepack_model
+from minivllm.cpu.quantized import swap_in_quantized
 from minivllm.logger import info_once
 from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.attention.selector import get_attention_backend
@@ -61,7 +62,7 @@ class CpuPath:
 
     def prepare_model(self, model: nn.Module) -> None:
         """Twins, packed weights and the decode-step replay, once, on the loaded model."""
-        self.num_twins = swap_in_twins(model)
+        self.num_twins = swap_in_twins(model) + swap_in_quantized(model)
         self.num_packed = prepack_model(model) if prepack_enabled() else 0
         self.decode_replay_problem = (fused_decode_problem(model) if hasattr(model, "model")
                                       else f"{type(model).__name__} has no decode-step replay")

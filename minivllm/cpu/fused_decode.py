@@ -75,6 +75,8 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
         return f"turned off by {ENV_SWITCH}=0"
     model = causal_lm.model
     first = model.layers[0]
+    if first.mlp.down_proj.quant_method is not None or causal_lm.lm_head.quant_method:
+        return "quantized weights (the C++ loop reads float weights)"
     if first.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {first.input_layernorm.weight.dtype} (float32 and bfloat16 only)"
     if first.input_layernorm.weight.device.type != "cpu":

@@ -94,6 +94,8 @@ _packed_classes: dict[type, type] = {}
 
 def _twin_class(module: nn.Module) -> Optional[type]:
     cls = type(module)
+    if getattr(module, "quant_method", None) is not None:
+        return None  # quantized blocks: the twins below read float weights
     if cls in _PLAIN_TWINS:
         return _PLAIN_TWINS[cls]
     if isinstance(module, LinearBase) and not isinstance(module, PackedLinear):

@@ -107,6 +107,37 @@ def _eos_ids(tokenizer, reader) -> list[int]:
     return ids
 
 
+def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
+    """The GGUF's tensors as they ship (Hugging Face names): matrices as
+    ``QuantizedTensor`` blocks, vectors (the norms) as float32 tensors. A matrix of
+    a type minivllm cannot compute on is refused here, naming it."""
+    import gguf
+
+    from minivllm.model.layers.quantization import BLOCK_TYPES, QuantizedTensor
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        shape = [int(n) for n in reversed(t.shape.tolist())]
+        if len(shape) == 1:
+            array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            yield hf_tensor_name(t.name), torch.from_numpy(array.reshape(shape))
+            continue
+        if qtype not in BLOCK_TYPES:
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has type {qtype}: quantization='gguf' computes on "
+                f"{', '.join(BLOCK_TYPES)}; load this file with quantization=None "
+                f"(dequantized to float at load) instead")
+        data = np.asarray(t.data).reshape(shape[0], -1)
+        if t.name.endswith("attn_q.weight"):  # whole rows move: the blocks stay intact
+            data = _unpermute(data, num_heads)
+        elif t.name.endswith("attn_k.weight"):
+            data = _unpermute(data, num_kv_heads)
+        data = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+        yield hf_tensor_name(t.name), QuantizedTensor(data.reshape(shape[0], -1), qtype,
+                                                      shape[1])
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write a Hugging Face folder for ``gguf_path`` into ``out_dir`` (atomically)."""
     import gguf

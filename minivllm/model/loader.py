@@ -11,6 +11,7 @@ from torch import nn
 
 from minivllm.config import ModelConfig, SUPPORTED_ARCHITECTURES
 from minivllm.model.attention.backend import AttentionBackend
+from minivllm.model.layers.quantization import QuantizedTensor
 
 
 def iterate_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -55,9 +56,14 @@ def load_weights(model: nn.Module, config: ModelConfig,
     """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, each
     through its own ``weight_loader`` (which takes this rank's shard).
 
+    A layer built with a quantization (``quant_method``) takes its weight as
+    blocks through ``load_quantized`` (a float tensor is quantized first, for
+    ``q8_0``); a GGUF's blocks for a float layer are dequantized.
+
     Returns the names of the parameters that were loaded, so that any left
     unset can be reported."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
@@ -65,6 +71,13 @@ def load_weights(model: nn.Module, config: ModelConfig,
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         target, shard = map_checkpoint_name(model, name)
+        module = modules.get(target.rsplit(".", 1)[0])
+        if target.endswith(".weight") and getattr(module, "quant_method", None) is not None:
+            module.load_quantized(module.quant_method.prepare(tensor, name), shard)
+            loaded.add(target)
+            continue
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in "
@@ -74,6 +87,10 @@ def load_weights(model: nn.Module, config: ModelConfig,
         loaded.add(target)
     if config.tie_word_embeddings:
         loaded.add("lm_head.weight")
+    for target, module in modules.items():  # a quantized weight counts once all filled
+        qweight = getattr(module, "qweight", None)
+        if qweight is not None and not qweight.complete:
+            loaded.discard(f"{target}.weight")
     return loaded
 
 
@@ -93,8 +110,16 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
     cls = get_model_class(config.architecture)
     with torch.device(device):
         model = cls(config, backend)
-    loaded = load_weights(model, config, iterate_safetensors(Path(config.path)))
+    if config.quantization == "gguf":  # the file's blocks as they ship
+        from minivllm.model.gguf_convert import iterate_gguf
+
+        weights = iterate_gguf(Path(config.gguf_file), config.num_attention_heads,
+                               config.num_key_value_heads)
+    else:
+        weights = iterate_safetensors(Path(config.path))
+    loaded = load_weights(model, config, weights)
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    expected |= {f"{n}.weight" for n, m in model.named_modules() if hasattr(m, "qweight")}
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint in {config.path} lacks {len(missing)} tensors, "

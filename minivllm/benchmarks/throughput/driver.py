@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
+from typing import Optional
 
 
 class Backend(ABC):
@@ -60,7 +61,9 @@ class MiniVLLM(Backend):
         self.info = {"version": _version("minivllm"), "tensor_parallel_size": tp,
                      "threads_per_rank": torch.get_num_threads(),
                      # bfloat16 is computed in float32 where the CPU lacks it (said in the log)
-                     "compute_dtype": str(self.llm.engine_core.executor.runner.dtype).split(".")[-1]}
+                     "compute_dtype": str(self.llm.engine_core.executor.runner.dtype).split(".")[-1],
+                     "quantization": self.llm.engine_core.executor.runner.config.model.quantization,
+                     "weight_bytes": _model_weight_bytes(self.llm)}
 
     def run(self, prompts, max_tokens) -> dict:
         from minivllm import SamplingParams
@@ -207,7 +210,10 @@ class LlamaCpp(Backend):
         self.llm = llama_cpp.Llama(model_path=setup["gguf"], n_ctx=2048, n_batch=512,
                                    n_threads=setup.get("threads") or os.cpu_count(),
                                    seed=0, verbose=False)
-        self.info = {"version": llama_cpp.__version__, "weights": os.path.basename(setup["gguf"])}
+        self.info = {"version": llama_cpp.__version__, "weights": os.path.basename(setup["gguf"]),
+                     # what a decode step streams: the file's tensors (its metadata is small)
+                     "weight_bytes": os.path.getsize(setup["gguf"]),
+                     "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
 
     def run(self, prompts, max_tokens) -> dict:
         produced = []
@@ -226,6 +232,26 @@ class LlamaCpp(Backend):
 
 BACKENDS = {"minivllm": MiniVLLM, "hf": HFGenerate, "hf-cb": HFContinuousBatching,
             "vllm": VLLM, "llama.cpp": LlamaCpp}
+
+
+def _model_weight_bytes(llm) -> Optional[int]:
+    """The bytes of the weights this engine holds (quantized blocks as stored; a tied
+    matrix once): what a bandwidth-bound step reads. None where the model is not in
+    this process (tensor-parallel workers)."""
+    runner = getattr(llm.engine_core.executor, "runner", None)
+    if runner is None:
+        return None
+    seen, total = set(), 0
+    for module in runner.model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        qweight = getattr(module, "qweight", None)
+        if qweight is not None and id(qweight) not in seen:
+            seen.add(id(qweight))
+            total += qweight.nbytes
+    return total
 
 
 def _version(package: str) -> str:

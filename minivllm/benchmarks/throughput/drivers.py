@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,9 +47,12 @@ class DriverProcess:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            code = self.proc.poll()
+            # Readable and empty is the end of the driver's output: it died (a
+            # crash closes its pipe a moment before it can be reaped), so wait
+            # for its exit status instead of reporting a timeout.
+            code = self._exit_code(wait=bool(ready))
             self.close()
-            why = (f"exited with code {code}" if code is not None
+            why = (exit_description(code) if code is not None
                    else f"gave no answer within {timeout:.0f} s")
             raise DriverError(f"{self.backend} {why}; its log: {self.log_path}\n"
                               + self.log_tail())
@@ -56,6 +60,14 @@ class DriverProcess:
         if "error" in reply and not message.get("backend"):
             raise DriverError(f"{self.backend}: {reply['error']}")
         return reply
+
+    def _exit_code(self, wait: bool):
+        if not wait:
+            return self.proc.poll()
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            return None
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -75,12 +87,25 @@ class DriverProcess:
         self._log.close()
 
 
+def exit_description(code: int) -> str:
+    """A process's exit status in words: a negative one is the signal that killed it."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"crashed ({name}, signal {-code})"
+    return f"exited with code {code}"
+
+
 def driver_env(args: argparse.Namespace, backend: str) -> dict:
     """The same threading environment for every backend, plus what each one needs."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                       env.get("PYTHONPATH")]))
     env["TOKENIZERS_PARALLELISM"] = "false"
+    # A crash in native code (a peer's kernels) then leaves its Python stack in the log.
+    env["PYTHONFAULTHANDLER"] = "1"
     env["OMP_NUM_THREADS"] = str(args.threads)
     if args.omp_wait_policy != "default":
         # libgomp/libiomp read this when they load: it must be set before the
@@ -113,7 +138,8 @@ def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProces
              "engine_args": {"max_num_seqs": args.max_num_seqs,
                              "max_num_batched_tokens": args.max_num_batched_tokens,
                              "tensor_parallel_size": args.tensor_parallel_size,
-                             "speculative_config": args.speculative_config}}
+                             "speculative_config": args.speculative_config,
+                             "quantization": args.quantization}}
     pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}
     drivers: dict[str, DriverProcess] = {}
     for name in backends:

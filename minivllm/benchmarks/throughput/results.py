@@ -108,10 +108,13 @@ def roofline_for(roofline: dict, dtype: str) -> dict:
 
 
 def roofline_fraction(roofline: dict, num_tokens: int, num_steps: int,
-                      seconds: float) -> float:
-    """Least possible time (compute or weight reads, whichever bounds) / time taken."""
-    least = max(num_tokens / roofline["compute_tokens_per_s"],
-                num_steps / roofline["bandwidth_steps_per_s"])
+                      seconds: float, weight_bytes: Optional[int] = None) -> float:
+    """Least possible time (compute or weight reads, whichever bounds) / time taken.
+    ``weight_bytes``: what this engine's step reads (its own weights, quantized or
+    not); by default the roofline dtype's."""
+    steps_per_s = (roofline["bandwidth"] / weight_bytes if weight_bytes
+                   else roofline["bandwidth_steps_per_s"])
+    least = max(num_tokens / roofline["compute_tokens_per_s"], num_steps / steps_per_s)
     return least / seconds
 
 
@@ -132,8 +135,10 @@ def make_report(args, backends, infos, results, roofline, prompts, max_tokens,
                              "total_tokens_per_s")}
         entry["info"] = infos[name]
         if roof:
+            own = infos[name].get("weight_bytes")
             entry["roofline_fraction"] = summarize(
-                roofline_fraction(roof, num_tokens, passes, r.seconds) for r in runs).as_dict()
+                roofline_fraction(roof, num_tokens, passes, r.seconds, own)
+                for r in runs).as_dict()
         if name == "minivllm":
             total: dict[str, float] = {}
             for r in runs:

@@ -104,6 +104,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="python with llama-cpp-python (default: this one)")
     parser.add_argument("--gguf", default=None, help="llama.cpp: the GGUF file "
                         "(default: the embedded model's)")
+    parser.add_argument("--quantization", default="auto",
+                        type=lambda v: None if v.lower() == "none" else v,
+                        help="minivllm's quantization: auto, none, gguf (a .gguf model's "
+                             "blocks as they ship) or q8_0")
     parser.add_argument("--load-timeout", type=float, default=1800)
     parser.add_argument("--run-timeout", type=float, default=3600)
     parser.add_argument("--output", default=None, help="write the results as JSON here")

@@ -9,7 +9,10 @@
   one matrix so one GEMM does the work of three (or two).
 
 Every parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that
-takes the full checkpoint tensor and copies in this rank's slice.
+takes the full checkpoint tensor and copies in this rank's slice. Built with a
+``quant_config`` (``quantization/``), a layer holds a ``qweight`` of quantized
+blocks instead of ``weight``, filled by ``load_quantized`` with the same
+slices (``shard_rows``), and its ``quant_method`` computes the product.
 """
 
 from __future__ import annotations
@@ -22,15 +25,21 @@ from torch import nn
 import torch.nn.functional as F
 
 from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
 
 
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.in_features, self.out_features = in_features, out_features
+        self.quant_method = None if quant_config is None else quant_config.get_quant_method(self)
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                       requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+        else:
+            self.quant_method.create_weights(self, in_features, out_features)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype),
                                      requires_grad=False)
@@ -39,11 +48,27 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def shard_rows(self, shard_id=None) -> tuple[int, int, int]:
+        """(first row here, first row in the checkpoint tensor, rows) of a shard."""
+        return 0, 0, self.out_features
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: Optional[str] = None) -> None:
-        _copy(param.data, loaded)
+        dst, src, size = self.shard_rows(shard_id)
+        shard = loaded.narrow(0, src, size)
+        _copy(param.data.narrow(0, dst, size), shard if param.dim() == 1 else self._cols(shard))
+
+    def load_quantized(self, loaded: QuantizedTensor, shard_id=None) -> None:
+        dst, src, size = self.shard_rows(shard_id)
+        self.qweight.put(dst, self._cols(loaded.narrow_rows(src, size)))
+
+    def _cols(self, loaded):
+        """This rank's input columns of a checkpoint weight (all but row-parallel: all)."""
+        return loaded
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -55,30 +80,31 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None) -> None:
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         super().__init__(in_features, divide(out_features, self.tp_size, "output size"),
-                         bias, dtype)
+                         bias, dtype, quant_config)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        rows = param.shape[0]
-        _copy(param.data, loaded.narrow(0, self.tp_rank * rows, rows))
+    def shard_rows(self, shard_id=None):
+        rows = self.out_features
+        return 0, self.tp_rank * rows, rows
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked: e.g. [gate; up] of the MLP."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, dtype)
+        super().__init__(in_features, sum(output_sizes), bias, dtype, quant_config)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def shard_rows(self, shard_id=None):
         index = int(shard_id)
         size = self.output_sizes[index] // self.tp_size
         offset = sum(self.output_sizes[:index]) // self.tp_size
-        shard = loaded.narrow(0, self.tp_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), shard)
+        return offset, self.tp_rank * size, size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -90,7 +116,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int,
                  num_kv_heads: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None) -> None:
         size = tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, size, "num_attention_heads")
@@ -105,9 +132,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_replicas = size // num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden_size, out * size, bias, dtype)
+        super().__init__(hidden_size, out * size, bias, dtype, quant_config)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def shard_rows(self, shard_id=None):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
@@ -115,22 +142,29 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank = kv_size, self.tp_rank // self.kv_replicas
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+        return offset, rank * size, size
 
 
 class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None) -> None:
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         super().__init__(divide(in_features, self.tp_size, "input size"), out_features,
-                         bias, dtype)
+                         bias, dtype, quant_config)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # the bias is added once, on rank 0 only
             _copy(param.data, loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             return
-        cols = param.shape[1]
-        _copy(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
+        super().weight_loader(param, loaded, shard_id)
+
+    def _cols(self, loaded):
+        cols = self.in_features
+        if isinstance(loaded, QuantizedTensor):
+            return loaded.narrow_cols(self.tp_rank * cols, cols,
+                                      f"tensor_parallel_size={self.tp_size}")
+        return loaded.narrow(1, self.tp_rank * cols, cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)

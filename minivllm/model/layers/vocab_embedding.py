@@ -1,7 +1,9 @@
 """Token embedding and LM head, split across ranks by vocabulary rows.
 
 Rank r holds rows [r * rows, (r + 1) * rows) with rows = ceil(vocab / tp);
-the last rank's rows past the vocabulary are zero padding.
+the last rank's rows past the vocabulary are zero padding. With a
+``quant_config`` the rows are quantized blocks (``qweight``): a lookup
+dequantizes only the looked-up rows; the LM head multiplies by all of them.
 """
 
 from __future__ import annotations
@@ -13,19 +15,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
+from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32,
+                 quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.tp_size = tp_size()
         self.rows = (vocab_size + self.tp_size - 1) // self.tp_size
         self.start = tp_rank() * self.rows
-        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size, dtype=dtype),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = None if quant_config is None else quant_config.get_quant_method(self)
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size, dtype=dtype),
+                                       requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+        else:
+            self.quant_method.create_weights(self, hidden_size, self.rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[0] != self.vocab_size:
@@ -34,14 +42,29 @@ class VocabParallelEmbedding(nn.Module):
         shard = loaded[self.start:self.start + self.rows]
         param.data[:shard.shape[0]].copy_(shard)
 
+    def load_quantized(self, loaded: QuantizedTensor, shard_id=None) -> None:
+        if loaded.rows != self.vocab_size:
+            raise ValueError(f"embedding has {loaded.rows} rows, config vocab_size "
+                             f"is {self.vocab_size}")
+        shard = loaded.narrow_rows(self.start, min(self.rows, self.vocab_size - self.start))
+        self.qweight.put(0, shard)
+        if shard.rows < self.rows:  # zero blocks: every type's zero scale gives 0.0
+            pad = torch.zeros(self.rows - shard.rows, shard.data.shape[1], dtype=torch.uint8)
+            self.qweight.put(shard.rows, QuantizedTensor(pad, shard.qtype, shard.cols))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.qweight.rows_of(ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Each rank looks up the tokens it owns and writes zeros for the rest;
         # the all-reduce then adds exactly one non-zero row per token.
         local = input_ids - self.start
         mine = (local >= 0) & (local < self.rows)
-        out = F.embedding(local.clamp(0, self.rows - 1), self.weight)
+        out = self._lookup(local.clamp(0, self.rows - 1))
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return all_reduce(out)
 
@@ -51,6 +74,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the vocabulary scores of ``hidden``'s rows."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden)
         return F.linear(hidden, self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:

@@ -20,8 +20,20 @@ from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                           RowParallelLinear)
+from minivllm.model.layers.quantization import get_quantization_config
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+def linear_quant_config(cfg: ModelConfig):
+    """The linear layers' quantization (None: float weights)."""
+    return get_quantization_config(cfg.quantization)
+
+
+def embedding_quant_config(cfg: ModelConfig):
+    """The embedding's and LM head's: a GGUF's blocks; ``q8_0`` at load, as vLLM's
+    ``fp8``, leaves them float."""
+    return linear_quant_config(cfg) if cfg.quantization == "gguf" else None
 
 
 def make_rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
@@ -33,17 +45,17 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  rotary_emb: Optional[RotaryEmbedding] = None) -> None:
         super().__init__()
-        d = cfg.dtype
+        d, qc = cfg.dtype, linear_quant_config(cfg)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim,
                                           cfg.num_attention_heads, cfg.num_key_value_heads,
-                                          bias=cfg.attention_bias, dtype=d)
+                                          bias=cfg.attention_bias, dtype=d, quant_config=qc)
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim,
-                                        cfg.hidden_size, bias=False, dtype=d)
+                                        cfg.hidden_size, bias=False, dtype=d, quant_config=qc)
         self.rotary_emb = rotary_emb or make_rotary_embedding(cfg)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, d) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, d) if cfg.qk_norm else None
@@ -64,10 +76,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        qc = linear_quant_config(cfg)
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, dtype=cfg.dtype)
+            cfg.hidden_size, [cfg.intermediate_size] * 2, dtype=cfg.dtype, quant_config=qc)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
-                                           dtype=cfg.dtype)
+                                           dtype=cfg.dtype, quant_config=qc)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +111,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype,
+                                                   embedding_quant_config(cfg))
         # One RoPE table for all layers: they rotate at the same positions, so
         # the step's cos/sin are looked up once, not once per layer.
         rotary_emb = make_rotary_embedding(cfg)
@@ -123,8 +137,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        if cfg.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype,
+                                      embedding_quant_config(cfg))
+        if cfg.tie_word_embeddings and self.lm_head.quant_method is not None:
+            self.lm_head.qweight = self.model.embed_tokens.qweight
+        elif cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

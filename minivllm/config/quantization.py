@@ -1,0 +1,73 @@
+"""Quantized weights: ``EngineArgs.quantization`` resolved into the model section.
+
+- ``"auto"`` (the default): a model converted from a ``.gguf`` file keeps its
+  quantized blocks (``"gguf"``) when ``AUTO_GGUF`` is on and the dtype is left
+  ``"auto"``; anything else is float.
+- ``None`` / ``"none"``: float weights (a GGUF dequantized at load).
+- ``"gguf"``: the GGUF file's blocks as they ship (``minivllm/model/layers/quantization``).
+- ``"q8_0"``: a float checkpoint's linear layers quantized to Q8_0 at load.
+
+A folder converted from a GGUF file (``minivllm.model.resolve``) names the
+file in its ``SOURCE``: that is where ``"gguf"`` reads the blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from minivllm.config.checks import bad, check_choice
+from minivllm.config.model import ModelConfig
+
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
+# "auto" resolves to "gguf" for a GGUF model when this is on. Off for now: a
+# quantized engine has no decode-step replay yet (minivllm/cpu/fused_decode.py).
+AUTO_GGUF = False
+
+
+def gguf_source(folder: str | Path) -> Optional[Path]:
+    """The .gguf file a converted model folder came from, or None."""
+    source = Path(folder) / "SOURCE"
+    if not source.is_file():
+        return None
+    path = Path(source.read_text().strip())
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def check_quantization(requested: Optional[str]) -> str:
+    return check_choice("quantization", "none" if requested is None else requested,
+                        QUANTIZATION_CHOICES)
+
+
+def resolve_quantization(requested: Optional[str], dtype, is_gguf: bool) -> Optional[str]:
+    """``EngineArgs.quantization`` -> None, "gguf" or "q8_0" (errors name the field)."""
+    q = check_quantization(requested)
+    if q == "auto":
+        return "gguf" if is_gguf and dtype == "auto" and AUTO_GGUF else None
+    if q == "none":
+        return None
+    if q == "gguf" and not is_gguf:
+        raise bad("quantization", q, "needs a .gguf model (this model is a Hugging Face "
+                  "folder); 'q8_0' quantizes a float checkpoint at load")
+    if dtype not in ("auto", "float32", torch.float32):
+        raise bad("dtype", dtype, f"must be 'auto' or 'float32' with quantization={q!r} "
+                  f"(the blocks are dequantized to float32)")
+    return q
+
+
+def quantized_model_config(model: ModelConfig, requested: Optional[str],
+                           dtype) -> ModelConfig:
+    """``model`` with its quantization resolved (and the GGUF file to read, if any)."""
+    source = gguf_source(model.path)
+    q = resolve_quantization(requested, dtype, source is not None)
+    if q is None:
+        return model
+    return dataclasses.replace(model, quantization=q, dtype=torch.float32,
+                               gguf_file=str(source) if q == "gguf" else None)
+
+
+__all__ = ["QUANTIZATION_CHOICES", "AUTO_GGUF", "check_quantization", "gguf_source",
+           "quantized_model_config", "resolve_quantization"]

@@ -1,0 +1,74 @@
+"""Quantized weights: GGUF files computed on as they ship, and Q8_0 at load.
+
+vLLM's names: ``quantization="gguf"`` keeps a GGUF file's quantized tensors;
+``quantization="q8_0"`` quantizes a float checkpoint's linear layers at load
+(as vLLM's ``fp8`` does). A layer built with a ``QuantizationConfig`` holds a
+``QuantizedWeight`` (``tensor.py``) instead of a float ``weight``, and its
+``quant_method`` (below) turns the blocks into a product: the reference
+dequantizes the whole matrix to float32 (``ggml_types.py``) and multiplies —
+slow, plain and the numbers of the float path. The CPU kernels
+(``minivllm/cpu/quantized.py``) do the same product on the packed blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, quantize_q8_0
+from minivllm.model.layers.quantization.tensor import QuantizedTensor, QuantizedWeight
+
+QUANTIZATION_METHODS = ("gguf", "q8_0")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    method: str  # one of QUANTIZATION_METHODS
+
+    def get_quant_method(self, layer: nn.Module) -> "QuantizedLinearMethod":
+        return QuantizedLinearMethod(self)
+
+
+class QuantizedLinearMethod:
+    """Creates a layer's quantized weight, fills it at load and applies it."""
+
+    def __init__(self, config: QuantizationConfig) -> None:
+        self.config = config
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        layer.qweight = QuantizedWeight(out_features, in_features)
+
+    def prepare(self, loaded, name: str) -> QuantizedTensor:
+        """A checkpoint tensor as blocks: a GGUF's as they are; a float one (q8_0)
+        quantized now."""
+        if isinstance(loaded, QuantizedTensor):
+            return loaded
+        if self.config.method != "q8_0" or loaded.dim() != 2:
+            raise ValueError(f"tensor {name!r} is {loaded.dtype} {tuple(loaded.shape)}: "
+                             f"quantization={self.config.method!r} expects quantized blocks")
+        if loaded.shape[1] % 32:
+            raise ValueError(f"tensor {name!r} has {loaded.shape[1]} columns: "
+                             f"quantization='q8_0' needs a multiple of 32 (its block)")
+        return QuantizedTensor(quantize_q8_0(loaded), "Q8_0", loaded.shape[1])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.linear(x, layer.qweight.dequantize().to(x.dtype), bias)
+
+
+def get_quantization_config(method: Optional[str]) -> Optional[QuantizationConfig]:
+    if method is None:
+        return None
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={method!r} is invalid: must be None or one of "
+                         f"{', '.join(QUANTIZATION_METHODS)}")
+    return QuantizationConfig(method)
+
+
+__all__ = ["BLOCK_TYPES", "QUANTIZATION_METHODS", "QuantizationConfig",
+           "QuantizedLinearMethod", "QuantizedTensor", "QuantizedWeight",
+           "get_quantization_config"]

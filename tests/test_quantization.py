@@ -1,0 +1,289 @@
+"""Quantized weights (minivllm/model/layers/quantization): the plain-torch block
+formats against the gguf package's, the quantized layers against float layers
+holding the same dequantized numbers, and the engine's tokens against its float path."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minivllm.model.layers import linear as linear_mod
+from minivllm.model.layers.quantization import (BLOCK_TYPES, QuantizationConfig,
+                                                QuantizedTensor)
+from minivllm.model.layers.quantization.ggml_types import dequantize, quantize_q8_0
+
+GGUF = QuantizationConfig("gguf")
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """[rows, row_bytes] of ``qtype``: gguf's quantizer where it has one, else random
+    bytes with small finite float16 scales (any bytes are a valid K-quant block)."""
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[qtype]
+    try:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
+    except NotImplementedError:
+        bt = BLOCK_TYPES[qtype]
+        raw = rng.integers(0, 256, (rows * cols // bt.block_size, bt.type_size), dtype=np.uint8)
+        scales = np.float16(rng.random((raw.shape[0], 2)) * 0.01).view(np.uint8)
+        if qtype == "Q4_K":
+            raw[:, 0:4] = scales
+        else:  # Q6_K: d is the last 2 bytes
+            raw[:, -2:] = scales[:, :2]
+        return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES))
+def test_dequantize_matches_gguf_on_random_blocks(qtype):
+    blocks = random_blocks(qtype, 6, 512)
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
+    got = dequantize(torch.from_numpy(blocks), qtype).numpy()
+    assert got.shape == want.shape
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_quantize_q8_0_matches_gguf():
+    x = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    want = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(quantize_q8_0(torch.from_numpy(x)).numpy(), want)
+
+
+@pytest.mark.slow
+def test_dequantize_matches_gguf_on_every_tensor_of_the_default_file():
+    from minivllm.model.resolve import default_gguf_path
+
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    seen = set()
+    for t in reader.tensors:
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        got = dequantize(torch.from_numpy(np.array(t.data)).view(torch.uint8)
+                         .reshape(want.shape[0] if want.ndim > 1 else 1, -1),
+                         t.tensor_type.name).numpy().reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), t.name
+        seen.add(t.tensor_type.name)
+    assert {"Q4_1", "Q8_0"} <= seen
+
+
+def qt(qtype: str, rows: int, cols: int, seed: int) -> QuantizedTensor:
+    return QuantizedTensor(torch.from_numpy(random_blocks(qtype, rows, cols, seed)), qtype, cols)
+
+
+def test_qkv_layer_of_mixed_types_equals_float_layer_of_the_same_numbers():
+    # llama.cpp's mixed files ship attn_v in another type than attn_q / attn_k.
+    layer = linear_mod.QKVParallelLinear(256, 32, 4, 2, quant_config=GGUF)
+    parts = {"q": qt("Q4_K", 128, 256, 0), "k": qt("Q4_K", 64, 256, 1),
+             "v": qt("Q6_K", 64, 256, 2)}
+    for shard, t in parts.items():
+        layer.load_quantized(t, shard)
+    assert layer.qweight.complete and layer.qweight.qtypes == ["Q4_K", "Q6_K"]
+    dense = torch.cat([parts[s].dequantize() for s in "qkv"])
+    x = torch.randn(5, 256)
+    assert torch.equal(layer(x), F.linear(x, dense))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
+def test_tensor_parallel_splits_blocks_like_the_float_weight(monkeypatch, qtype):
+    full = qt(qtype, 64, 128, 3)
+    dense = full.dequantize()
+    x = torch.randn(3, 128)
+    want = F.linear(x, dense)
+    outs, partial = [], torch.zeros_like(want)
+    for rank in range(2):
+        monkeypatch.setattr(linear_mod, "tp_rank", lambda r=rank: r)
+        monkeypatch.setattr(linear_mod, "tp_size", lambda: 2)
+        col = linear_mod.ColumnParallelLinear(128, 64, quant_config=GGUF)
+        col.load_quantized(full)
+        outs.append(col.quant_method.apply(col, x))
+        row = linear_mod.RowParallelLinear(128, 64, quant_config=GGUF)
+        row.load_quantized(full)
+        partial += row.quant_method.apply(row, x[:, rank * 64:(rank + 1) * 64])
+        assert torch.equal(row.qweight.dequantize(), dense[:, rank * 64:(rank + 1) * 64])
+    assert torch.equal(torch.cat(outs, dim=1), want)
+    torch.testing.assert_close(partial, want)
+
+
+def test_tensor_parallel_refuses_a_split_inside_a_block(monkeypatch):
+    monkeypatch.setattr(linear_mod, "tp_rank", lambda: 1)
+    monkeypatch.setattr(linear_mod, "tp_size", lambda: 2)
+    row = linear_mod.RowParallelLinear(256, 16, quant_config=GGUF)  # 128 columns a rank
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*Q4_K.*256-weight block"):
+        row.load_quantized(qt("Q4_K", 16, 256, 4))
+
+
+def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tmp_path):
+    from minivllm.model.gguf_convert import iterate_gguf
+
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((4, 176), dtype=np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.Q5_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_down\.weight' has type Q5_K.*"
+                                         r"quantization=None"):
+        list(iterate_gguf(path, 4, 4))
+
+
+def test_quantization_argument_is_checked():
+    from minivllm.config import resolve_quantization
+
+    assert resolve_quantization("auto", "float32", True) is None  # an explicit dtype
+    assert resolve_quantization(None, "auto", True) is None
+    assert resolve_quantization("gguf", "auto", True) == "gguf"
+    with pytest.raises(ValueError, match="quantization='gguf' is invalid: needs a .gguf"):
+        resolve_quantization("gguf", "auto", False)
+    with pytest.raises(ValueError, match="quantization='int4' is invalid"):
+        resolve_quantization("int4", "auto", False)
+    with pytest.raises(ValueError, match="dtype='bfloat16' is invalid"):
+        resolve_quantization("q8_0", "bfloat16", False)
+
+
+def dequantized_copy(folder, out):
+    """A float checkpoint holding exactly what quantization='q8_0' computes with:
+    every linear weight quantized to Q8_0 and back."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("proj.weight"):
+            tensors[name] = dequantize(quantize_q8_0(t), "Q8_0").reshape(t.shape)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in folder.iterdir():
+        if f.suffix == ".json":
+            (out / f.name).write_text(f.read_text())
+    return out
+
+
+@pytest.mark.parametrize("cpu_kernels", [False, None])
+def test_q8_0_at_load_gives_the_tokens_of_its_dequantized_float_weights(
+        tiny_model, tmp_path, cpu_kernels):
+    from minivllm import LLM, SamplingParams
+
+    folder = tiny_model("llama", tie_word_embeddings=False)
+    ref_folder = dequantized_copy(folder, tmp_path / "ref")
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 17]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = LLM(str(folder), quantization="q8_0", cpu_kernels=cpu_kernels).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)
+    want = LLM(str(ref_folder), cpu_kernels=False).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert json.loads((folder / "config.json").read_text())["hidden_size"] % 32 == 0
+
+
+@pytest.mark.slow
+def test_default_file_quantized_tokens_equal_the_float32_path():
+    from minivllm import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    want = LLM(quantization=None, cpu_kernels=False).generate(prompts, params)
+    got = LLM(quantization="gguf", cpu_kernels=False).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+KERNEL_CHECK = """
+import json, torch
+from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.features import cpu_features
+from minivllm.cpu.quantized import CpuQuantizedLinearMethod, QUANTIZED_MAX_ROWS
+from minivllm.model.layers.linear import ColumnParallelLinear
+from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
+from tests.test_quantization import random_blocks
+report = {"isa": cpu_features().isa, "problem": ops.cpu_kernels_problem(), "types": {}}
+for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+    layer = ColumnParallelLinear(512, 48, quant_config=QuantizationConfig("gguf"))
+    layer.load_quantized(QuantizedTensor(torch.from_numpy(random_blocks(qtype, 48, 512, 7)),
+                                         qtype, 512))
+    fast = CpuQuantizedLinearMethod(layer.quant_method.config)
+    errors, same_weights = [], True
+    for rows in (1, 5, QUANTIZED_MAX_ROWS + 3):
+        x = torch.randn(rows, 512)
+        ref = layer.quant_method.apply(layer, x)
+        errors.append(float(((fast.apply(layer, x) - ref).abs().max() / ref.abs().max())))
+    t = layer.qweight.segments[0][1]
+    from minivllm.model.layers.quantization import BLOCK_TYPES
+    same_weights = torch.equal(ops.gguf_dequantize(t.data, BLOCK_TYPES[qtype].type_id, 512),
+                               t.dequantize())
+    report["types"][qtype] = {"max_rel_error": max(errors), "same_weights": same_weights}
+print("REPORT", json.dumps(report))
+"""
+
+
+def _kernel_report(env: dict) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True,
+                         cwd=repo, timeout=900, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(li for li in out.stdout.splitlines() if li.startswith("REPORT "))
+    return json.loads(line[len("REPORT "):])
+
+
+def _check_kernels(report: dict) -> None:
+    assert report["problem"] is None
+    for qtype, r in report["types"].items():
+        assert r["same_weights"], qtype  # the kernel's blocks -> floats: the reference's bits
+        assert r["max_rel_error"] < 1e-5, (qtype, r)  # only the summation order differs
+
+
+def test_quantized_kernels_match_the_reference_method():
+    from tests.cpu_requirements import FEATURES
+
+    if FEATURES.isa not in ("native", "avx2"):
+        pytest.skip("no CPU kernels here")
+    _check_kernels(_kernel_report({}))
+
+
+@pytest.mark.slow
+def test_quantized_kernels_in_the_avx2_build():
+    from tests.cpu_requirements import AVX2_ENV
+
+    report = _kernel_report(AVX2_ENV)
+    assert report["isa"] == "avx2"
+    _check_kernels(report)
+
+
+def perplexity(llm, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of ``token_ids`` after their first token."""
+    from minivllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": token_ids}],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    nll = [-lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:])]
+    return float(np.exp(np.mean(nll)))
+
+
+def held_out_tokens(count: int) -> list[int]:
+    """This repository's README: written after the default model was trained."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from minivllm.model.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_path(None)))
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    return tok(text)["input_ids"][:count]
+
+
+@pytest.mark.slow
+def test_q8_0_at_load_loses_at_most_one_percent_perplexity():
+    from minivllm import LLM
+
+    ids = held_out_tokens(1024)
+    ppl = {q: perplexity(LLM(quantization=q, max_model_len=2048), ids)
+           for q in (None, "q8_0")}
+    print(f"perplexity over {len(ids)} README tokens: float32 {ppl[None]:.4f}, "
+          f"q8_0 {ppl['q8_0']:.4f} ({ppl['q8_0'] / ppl[None] - 1:+.3%})")
+    assert ppl["q8_0"] <= 1.01 * ppl[None]
