@@ -42,7 +42,6 @@ from pathlib import Path
 
 BOOK = Path(__file__).resolve().parent
 COURSE = BOOK / "course"
-MINI = BOOK / "mini"  # the reader's engine package the chapters import
 EXERCISE = re.compile(r"^#+\s*Exercise\s+(\d+)\.(\d+)", re.MULTILINE)
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # A cell runs seconds; a whole chapter under two minutes. Ten minutes is a hang.
@@ -58,9 +57,9 @@ class ExerciseFormatError(ValueError):
     """A chapter's exercise cells do not follow the book's convention."""
 
 
-def chapter_sources(selected: list[str] | None = None) -> list[Path]:
+def chapter_sources(selected: list[str] | None = None, book: Path = BOOK) -> list[Path]:
     """The chapters' jupytext sources; ``selected`` by number ("05") or stem."""
-    sources = sorted(BOOK.glob("[0-9][0-9]_*.py"))
+    sources = sorted(book.glob("[0-9][0-9]_*.py"))
     if not selected:
         return sources
     chosen = [p for p in sources if any(p.stem == s or p.stem.startswith(f"{s}_") for s in selected)]
@@ -85,13 +84,16 @@ def _nbgrader_meta(grade_id: str, *, solution: bool, points: int = 0) -> dict:
     return meta
 
 
-def mark_exercises(nb, name: str = "notebook") -> list[str]:
+def mark_exercises(nb, name: str = "notebook", warn=print) -> list[str]:
     """Give the tagged cells of ``nb`` nbgrader's metadata; returns the check ids.
 
     A ``solution`` cell becomes an nbgrader solution cell (the code between the
-    markers is what ``generate_assignment`` removes); a ``check`` cell becomes a
-    locked, autograded test worth one point. Both are named after the exercise
-    heading above them, so the grade table reads "ex05_1".
+    markers is what ``generate_assignment`` removes; without markers, nbgrader
+    removes the whole cell); a ``check`` cell becomes a locked, autograded test
+    worth one point. Both are named after the exercise heading above them, so
+    the grade table reads "ex05_1". What does not follow the convention is
+    reported through ``warn``; a ``### BEGIN SOLUTION`` in an untagged cell is an
+    error, since it would reach students.
     """
     current: _Exercise | None = None
     seen: list[_Exercise] = []
@@ -109,14 +111,19 @@ def mark_exercises(nb, name: str = "notebook") -> list[str]:
             if BEGIN in cell.source:
                 raise ExerciseFormatError(f"{where}: has {BEGIN!r} but no 'solution' tag")
             continue
-        if current is None:
-            raise ExerciseFormatError(f"{where}: tagged {tags} before any '### Exercise NN.k' heading")
+        if current is None:  # an exercise in the old form ("## Exercise", no number)
+            current = _Exercise(f"{name[:2]}_{len(seen) + 1}")
+            seen.append(current)
+            warn(f"{where}: tagged {tags} under no '### Exercise NN.k' heading; "
+                 f"named ex{current.tag}")
         if "solution" in tags:
             if BEGIN not in cell.source or END not in cell.source:
-                raise ExerciseFormatError(f"{where}: a 'solution' cell needs {BEGIN!r} ... {END!r}")
+                warn(f"{where}: a 'solution' cell without {BEGIN!r} ... {END!r}: "
+                     f"students get the whole cell removed")
             current.solutions += 1
             suffix = "" if current.solutions == 1 else f"_{current.solutions}"
-            cell.metadata["nbgrader"] = _nbgrader_meta(f"ex{current.tag}_solution{suffix}", solution=True)
+            cell.metadata["nbgrader"] = _nbgrader_meta(f"ex{current.tag}_solution{suffix}",
+                                                       solution=True)
             # The student should see the stub they must replace, not a folded cell.
             cell.metadata.get("jupyter", {}).pop("source_hidden", None)
         else:
@@ -126,7 +133,7 @@ def mark_exercises(nb, name: str = "notebook") -> list[str]:
             cell.metadata["nbgrader"] = _nbgrader_meta(check_ids[-1], solution=False, points=1)
     unchecked = [e.tag for e in seen if e.solutions and not e.checks]
     if unchecked:
-        raise ExerciseFormatError(f"{name}: exercises {unchecked} have a solution but no 'check' cell")
+        warn(f"{name}: exercises {unchecked} have a solution but no 'check' cell: not graded")
     return check_ids
 
 
@@ -145,7 +152,8 @@ def _course(course: Path) -> Path:
     return course
 
 
-def make_student(chapters: list[str] | None = None, course: Path = COURSE) -> dict[str, list[str]]:
+def make_student(chapters: list[str] | None = None, course: Path = COURSE,
+                 book: Path = BOOK) -> dict[str, list[str]]:
     """Write every chosen chapter's instructor and student notebooks.
 
     Returns {chapter: its check ids}. Each assignment folder carries a copy of
@@ -156,15 +164,16 @@ def make_student(chapters: list[str] | None = None, course: Path = COURSE) -> di
 
     course = _course(course)
     graded: dict[str, list[str]] = {}
-    for path in chapter_sources(chapters):
+    for path in chapter_sources(chapters, book):
         nb = jupytext.read(path)
         graded[path.stem] = mark_exercises(nb, path.name)
         folder = course / "source" / path.stem
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         jupytext.write(nb, folder / f"{path.stem}.ipynb")
-        if MINI.is_dir():
-            shutil.copytree(MINI, folder / "mini", ignore=shutil.ignore_patterns("__pycache__"))
+        if (book / "mini").is_dir():
+            shutil.copytree(book / "mini", folder / "mini",
+                            ignore=shutil.ignore_patterns("__pycache__"))
         _nbgrader(course, "generate_assignment", path.stem, "--force", "--create")
     return graded
 

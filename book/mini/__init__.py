@@ -13,3 +13,6 @@ The chapters show these files slice by slice and check each piece against the
 engine; chapter 18 assembles them over the engine's model weights. There is one
 copy of each piece: this one.
 """
+
+from mini import (attention, batch, block_pool, detokenizer, engine, kv_cache,  # noqa: E402,F401
+                  sampler, scheduler)

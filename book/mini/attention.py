@@ -69,18 +69,21 @@ class PagedAttention(AttentionBackend):
 
     def sequence(self, q, k_cache, v_cache, block_table, seq_len, scale):
         """q [n, H, D]: the last n positions of a sequence whose K/V fill its blocks."""
-        n, num_heads, _ = q.shape
+        n, num_heads, dim = q.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads  # grouped-query attention: heads share K/V
-        q = q.transpose(0, 1).float() * scale  # [H, n, D]
-        m = torch.full((num_heads, n), float("-inf"))
-        l, acc = torch.zeros(num_heads, n), torch.zeros(num_heads, n, q.shape[-1])
-        q_pos = torch.arange(seq_len - n, seq_len)
-        for j in range(-(-seq_len // block_size)):  # one block of keys per tile
-            block = int(block_table[j])
-            keys = k_cache[block].transpose(0, 1).repeat_interleave(group, 0).float()
-            values = v_cache[block].transpose(0, 1).repeat_interleave(group, 0).float()
-            k_pos = torch.arange(j * block_size, (j + 1) * block_size)
-            scores = (q @ keys.transpose(1, 2)).masked_fill(k_pos > q_pos[:, None], -torch.inf)
-            m, l, acc, _ = softmax_tile(m, l, acc, scores, values)  # the causal mask above
-        return (acc / l[..., None]).transpose(0, 1).to(k_cache.dtype)  # also hides unfilled slots
+        # The query heads of one KV head become rows of one matrix: [Hkv, group * n, D].
+        rows = q.view(n, num_kv_heads, group, dim).permute(1, 2, 0, 3).reshape(
+            num_kv_heads, group * n, dim) * scale
+        q_pos = torch.arange(seq_len - n, seq_len).repeat(group)  # each row's position
+        m = torch.full(rows.shape[:2], float("-inf"))
+        l, acc = torch.zeros(rows.shape[:2]), torch.zeros(rows.shape)
+        for j, block in enumerate(block_table[:-(-seq_len // block_size)].tolist()):
+            keys, values = k_cache[block].transpose(0, 1), v_cache[block].transpose(0, 1)
+            scores = rows @ keys.transpose(1, 2)  # [Hkv, rows, block_size]: one tile
+            if (j + 1) * block_size > seq_len - n:  # keys a query must not see yet,
+                k_pos = torch.arange(j * block_size, (j + 1) * block_size)  # or empty slots
+                scores = scores.masked_fill(k_pos > q_pos[:, None], float("-inf"))
+            m, l, acc, _ = softmax_tile(m, l, acc, scores, values)
+        out = acc / l[..., None]
+        return out.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)

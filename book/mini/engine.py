@@ -48,6 +48,7 @@ class MiniEngine:
         self.detokenizers: dict[str, Detokenizer] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.num_preemptions = 0
+        self.steps: list[dict] = []  # per step: request id -> tokens computed (for plots)
 
     def make_scheduler(self, num_blocks, block_size, max_num_batched_tokens, max_num_seqs):
         return Scheduler(max_num_batched_tokens, max_num_seqs,
@@ -67,6 +68,7 @@ class MiniEngine:
     def step(self) -> list[StreamEvent]:
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted_req_ids)
+        self.steps.append(dict(out.num_scheduled_tokens))
         sampled = {}
         if out.scheduled_requests:
             batch = prepare_inputs(out, self.block_size)

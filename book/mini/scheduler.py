@@ -66,7 +66,7 @@ class Scheduler:
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, left)
             while self.kv_cache_manager.allocate_slots(seq, num_new) is None:
-                self._preempt(self.running[-1], out)  # the newest gives its blocks back
+                self._preempt(self.choose_victim(), out)
                 if seq not in self.running:
                     break
             else:
@@ -82,6 +82,9 @@ class Scheduler:
             self._add(out, seq, num_new)
             left -= num_new
         return out
+
+    def choose_victim(self) -> Sequence:
+        return self.running[-1]  # the newest: it has the least work to lose
 
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         rid = seq.request_id
