@@ -142,7 +142,7 @@ show_source(mini.kv_cache.make_kv_caches)
 # until it can be recomputed.
 
 # %%
-show_source(mini.scheduler.Scheduler.schedule)
+show_source(mini.scheduler.Scheduler.schedule, max_lines=30)
 
 # %%
 show_source(mini.scheduler.Scheduler._preempt)
@@ -206,7 +206,7 @@ show_source(mini.attention.softmax_tile)
 # model through the engine's attention contract (`write_kv` and `forward`).
 
 # %%
-show_source(mini.attention.PagedAttention.sequence)
+show_source(mini.attention.PagedAttention.sequence, max_lines=30)
 
 # %% [markdown]
 # ## 6. The sampler (chapter 9) and the detokenizer (chapter 10)
