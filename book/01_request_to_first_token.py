@@ -50,7 +50,7 @@ from openai import OpenAI
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.launch import ServerProcess
-from minivllm.model.loader import DEFAULT_MODEL_NAME
+from minivllm.model.resolve import DEFAULT_MODEL_NAME
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.timeline import Span, request_timeline, spans_from_steps
 

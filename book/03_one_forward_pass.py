@@ -42,7 +42,7 @@ from IPython.display import display
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
-from minivllm.model.loader import resolve_model_path
+from minivllm.model.resolve import resolve_model_path
 from minivllm.viz.bars import component_bars, line_chart, topk_bars
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.heatmap import attention_heatmap
@@ -218,7 +218,8 @@ assert abs(near - far) < 1e-3 and abs(near - other) > 1e-3
 #
 # Same weights folder, loaded by `transformers`. Its `output_hidden_states` returns
 # the embeddings and the residual stream after every layer (the last one after the
-# final norm). Our model has an `observer` hook that sees the same residual stream.
+# final norm). Each of our decoder layers returns `(hidden, residual)`, whose sum is
+# that residual stream: a PyTorch forward hook on each layer records it.
 
 # %%
 from transformers import AutoModelForCausalLM
@@ -226,10 +227,12 @@ from transformers import AutoModelForCausalLM
 hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(None)),
                                           dtype=torch.float32).eval()
 ours: dict[int, torch.Tensor] = {}
+hooks = [layer.register_forward_hook(lambda mod, args, out, i=i: ours.update({i: sum(out)}))
+         for i, layer in enumerate(model.model.layers)]
 with torch.inference_mode():
-    final = model(torch.tensor(ids), torch.arange(T), AttentionMetadata.for_prefill([T]),
-                  observer=lambda i, h: ours.__setitem__(i, h.clone()))
+    final = model(torch.tensor(ids), torch.arange(T), AttentionMetadata.for_prefill([T]))
     ref = hf(torch.tensor([ids]), output_hidden_states=True)
+[hook.remove() for hook in hooks]
 L = cfg.num_hidden_layers
 assert len(ref.hidden_states) == L + 1 and len(ours) == L
 theirs = [ref.hidden_states[i + 1][0] for i in range(L - 1)] + [ref.hidden_states[L][0]]

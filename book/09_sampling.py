@@ -24,7 +24,7 @@
 # - a real next-token distribution from the default model, checked against the
 #   engine's own logprobs;
 # - temperature, top-k, top-p and min-p computed by hand, each compared with the
-#   engine's sampler (`minivllm/worker/sampler.py`), and sliders that redraw the
+#   engine's sampler (`minivllm/sample/sampler.py`), and sliders that redraw the
 #   distribution after each filter;
 # - sampling itself: draws from the sampler match the probabilities;
 # - repetition, frequency and presence penalties, by hand and on a real generation;
@@ -47,7 +47,7 @@ from minivllm.model.attention import AttentionMetadata
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.sampling import count_bars, filter_figure
 from minivllm.viz.widgets import show_in
-from minivllm.worker.sampler import (Sampler, SamplingMetadata, SamplingRow, apply_min_p,
+from minivllm.sample.sampler import (Sampler, SamplingMetadata, SamplingRow, apply_min_p,
                                      apply_penalties, apply_top_k_top_p)
 
 llm = LLM(num_kv_blocks=64)
@@ -154,12 +154,16 @@ show_source(Sampler.forward, start="logits = logits.float()")
 
 # %% [markdown]
 # Logprobs are taken from the raw logits *first*, so what the API reports is the
-# model's distribution, not the filtered one. Then `_process` applies what changes
+# model's distribution, not the filtered one. Then `process_logits` applies what changes
 # every row, greedy ones too (penalties, and `min_tokens` banning the stop tokens),
-# and `_sample` does the rest:
+# and `_sample` does the rest, drawing from `sampling_probs` (which the rejection
+# sampler of chapter 15 shares, so verification samples what plain sampling would):
 
 # %%
 show_source(Sampler._sample)
+
+# %%
+show_source(Sampler.sampling_probs, start="logits = logits /")
 
 # %% [markdown]
 # Greedy rows skip everything after penalties: temperature 0 means argmax. For the
@@ -345,7 +349,7 @@ assert g1.token_ids == g2.token_ids and g1.token_ids[0] == int(logits.argmax())
 #
 # A greedy request (`temperature=0`) with `repetition_penalty=1.3`: can the penalty
 # change its token, or does greedy ignore it like it ignores top-p? Look at where
-# `_process` sits in `forward`, predict, then open the solution. It builds a row whose
+# `process_logits` sits in `forward`, predict, then open the solution. It builds a row whose
 # prompt contains today's most likely token and asks the engine's sampler.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}

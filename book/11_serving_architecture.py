@@ -55,10 +55,11 @@ from openai import OpenAI
 # %%
 from minivllm import SamplingParams
 from minivllm.config import engine_args_from_kwargs
+from minivllm.model.resolve import create_engine_config
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.detokenizer import REPLACEMENT_CHAR
 from minivllm.entrypoints.launch import ServerProcess
-from minivllm.model.loader import DEFAULT_MODEL_NAME
+from minivllm.model.resolve import DEFAULT_MODEL_NAME
 from minivllm.sampling_params import RequestOutputKind
 from minivllm.viz.bars import line_chart
 from minivllm.viz.export import save_key_figure
@@ -276,7 +277,7 @@ from multiprocessing import Pipe
 from minivllm.core.request import Request
 
 ours, theirs = Pipe()
-config = engine_args_from_kwargs(None, {"num_kv_blocks": 16}).create_engine_config()
+config = create_engine_config(engine_args_from_kwargs(None, {"num_kv_blocks": 16}))
 core_thread = threading.Thread(target=run_engine_core, args=(config, theirs, True))
 core_thread.start()
 ready = ours.recv()

@@ -56,14 +56,14 @@ import torch
 
 # %%
 from minivllm import LLM, SamplingParams
-from minivllm.benchmarks.bench_driver import HFGenerate
-from minivllm.benchmarks.datasets import chat_workload
+from minivllm.benchmarks.throughput.driver import HFGenerate
+from minivllm.benchmarks.workload import chat_workload
 from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
 from minivllm.benchmarks.serve import (add_cli_args, benchmark, build_payloads,
                                        compute_metrics, poisson_delays)
 from minivllm.benchmarks.throughput import min_forward_passes
 from minivllm.entrypoints.launch import ServerProcess
-from minivllm.model.loader import DEFAULT_MODEL_NAME
+from minivllm.model.resolve import DEFAULT_MODEL_NAME
 from minivllm.viz.bars import component_bars
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.latency import batch_tradeoff_figure, load_sweep_figure

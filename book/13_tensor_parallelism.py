@@ -427,7 +427,7 @@ for r, proc in workers.items():
     print(f"rank {r} (pid {proc.pid}) exited with {proc.returncode}")
     assert proc.returncode is not None and not psutil.pid_exists(proc.pid)
 left = [p for p in psutil.Process().children(recursive=True)
-        if "minivllm.worker.distributed" in " ".join(p.cmdline())]
+        if "minivllm.worker.tp_worker" in " ".join(p.cmdline())]
 assert left == []
 assert not torch.distributed.is_initialized()
 

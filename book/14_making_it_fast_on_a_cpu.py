@@ -58,7 +58,7 @@ from minivllm import LLM, SamplingParams
 # The accelerations, and the reference layers they stand in for:
 
 # %%
-from minivllm.benchmarks.ab import alternate
+from minivllm.benchmarks.ab_timing import alternate
 from minivllm.benchmarks.op_profile import profile_ops
 from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
 from minivllm.cpu import _custom_ops as ops
@@ -72,7 +72,7 @@ from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.viz.bars import component_bars
-from minivllm.viz.cpu import roofline_figure, speedup_figure
+from minivllm.viz.cpu_speedups import roofline_figure, speedup_figure
 from minivllm.viz.export import save_key_figure
 
 # %% [markdown]
@@ -89,7 +89,7 @@ from minivllm.viz.export import save_key_figure
 # %%
 FEATURES = cpu_features()
 PANELS = panel_width()  # output columns per GEMM panel: two vector registers
-assert ops.cpu_kernels_problem() is None, ops.cpu_kernels_problem()
+assert ops.build_problem() is None, ops.build_problem()
 print(FEATURES.describe())
 print(f"{torch.get_num_threads()} threads; panel GEMM "
       f"{f'{PANELS} columns per panel' if PANELS else 'off (MKL)'}")
@@ -212,9 +212,12 @@ assert t_step > step_floor  # the reference is far from its ceiling
 # 3. **Python around every operator**: module calls and dispatch, which no kernel
 #    removes, only a step with fewer calls.
 #
-# The accelerated engine is the same model with `minivllm/cpu/` plugged in at three
-# seams, chosen once at start-up (`minivllm/cpu/__init__.py` lists them). Load it, and
-# record a decode step of one and of 32 sequences:
+# The accelerated engine is the same model with `minivllm/cpu/` plugged in at one
+# seam: at start-up the model runner makes one call, `cpu_path(config)`
+# (`minivllm/cpu/accelerate.py`), which returns its compute path — the attention
+# backend, the dtype, the layer twins and packed weights, the sampler and the
+# decode-step replay (`minivllm/worker/compute_path.py` has the reference one). Load
+# it, and record a decode step of one and of 32 sequences:
 
 # %%
 acc = LLM(num_kv_blocks=256, enable_prefix_caching=False)
@@ -685,7 +688,7 @@ assert predicted == actual
 #   Compare the ratios printed above with this machine's own; there, `LLM(dtype=
 #   "bfloat16")` also says in the log that it computes in float32, and why.
 # - Set `MINIVLLM_FUSED_DECODE=0` or `MINIVLLM_CPU_PREPACK=0` before loading `LLM()`
-#   (the finer switches, read in `minivllm/cpu/accelerate.py`): which of the ratios
+#   (the finer switches, `minivllm/envs.py`): which of the ratios
 #   above do you expect to vanish? Check `runner.decode_replay_problem`.
 # - Profile a decode step of the accelerated engine at 32 sequences with `profile_ops`
 #   and the replay set aside: how do the twins' operator counts grow with the batch?

@@ -44,14 +44,14 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
 from minivllm.spec_decode.ngram_proposer import NgramProposer
-from minivllm.spec_decode.rejection_sampler import RejectionSampler
-from minivllm.spec_decode.workloads import grounded_prompts
-from minivllm.benchmarks.datasets import CHAT_PROMPTS
+from minivllm.sample.rejection_sampler import RejectionSampler
+from minivllm.benchmarks.workload import grounded_prompts
+from minivllm.benchmarks.workload import CHAT_PROMPTS
 from minivllm.viz.export import save_key_figure
 from minivllm.viz.source import show_source
-from minivllm.viz.spec import (Verification, acceptance_histogram, accepted_counts,
+from minivllm.viz.spec_decode import (Verification, acceptance_histogram, accepted_counts,
                                draft_slots_figure, slot_kinds)
-from minivllm.worker.sampler import SamplingRow
+from minivllm.sample.sampler import SamplingRow
 
 base = LLM(num_kv_blocks=256)
 model = base.engine_core.executor.runner.model
@@ -354,11 +354,12 @@ show_source("minivllm.core.kv_cache_manager.KVCacheManager.free_tail", start="bl
 # ## 7. The engine's verification
 #
 # The scheduler lays out k + 1 rows per speculating request; the model runner's logits
-# reach `RejectionSampler.__call__`. It first gives each row the request's sampling knobs
-# as if the drafts before it were already output (so penalties count them):
+# reach `RejectionSampler.__call__`. Its `target` first gives each row the request's
+# sampling knobs as if the drafts before it were already output (so penalties count
+# them), through the `Sampler`'s own `process_logits` and `sampling_probs` (chapter 9):
 
 # %%
-show_source(RejectionSampler.__call__, start="expanded =", end="probs = None")
+show_source(RejectionSampler.target, start="expanded =", end="return processed")
 
 # %% [markdown]
 # Then each request is verified on its own k + 1 rows, greedy or random:

@@ -47,7 +47,7 @@ import statistics
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineArgs
-from minivllm.model.loader import resolve_model_path
+from minivllm.model.resolve import resolve_model_path
 from minivllm.sim import (SimExecutor, SimRequest, Simulator, load_hardware,
                           load_model_config, multiturn_requests, random_requests)
 from minivllm.sim.calibrate import calibrate

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
+
+from minivllm import envs
 
 _ROOT = "minivllm"
 
@@ -22,7 +23,7 @@ def _root() -> logging.Logger:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s minivllm: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(os.environ.get("MINIVLLM_LOGGING_LEVEL", "INFO").upper())
+        logger.setLevel(envs.MINIVLLM_LOGGING_LEVEL.upper())
         logger.propagate = False
     return logger
 

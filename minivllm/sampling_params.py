@@ -12,8 +12,14 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
+from minivllm.config.checks import bad, is_int, is_number
+
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
+
+
+def _bad(name: str, value, allowed: str) -> ValueError:
+    return bad(f"SamplingParams.{name}", value, allowed)
 
 
 class RequestOutputKind(enum.Enum):
@@ -22,10 +28,6 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far, every step
     DELTA = 1  # only what is new since the last output (streaming)
     FINAL_ONLY = 2  # one output, when the request finishes (LLM.generate)
-
-
-def _bad(name: str, value, allowed: str) -> ValueError:
-    return ValueError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
 
 
 @dataclass
@@ -94,7 +96,7 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
-    # Token-level knobs (minivllm/worker/logits_processors.py), applied to the
+    # Token-level knobs (minivllm/sample/logits_processors.py), applied to the
     # logits before sampling: OpenAI's logit_bias ({token id: bias in [-100, 100]},
     # added), vLLM's allowed_token_ids (every other token masked) and bad_words
     # (a word's last token masked where the output already ends in its other tokens).
@@ -119,24 +121,18 @@ class SamplingParams:
             if not ok:
                 raise _bad(name, getattr(self, name), allowed)
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
         check("n", is_int(self.n) and self.n >= 1, "must be an integer >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            check(name, is_num(v) and -2.0 <= v <= 2.0, "must be in [-2, 2]")
-        check("repetition_penalty", is_num(self.repetition_penalty)
+            check(name, is_number(v) and -2.0 <= v <= 2.0, "must be in [-2, 2]")
+        check("repetition_penalty", is_number(self.repetition_penalty)
               and self.repetition_penalty > 0, "must be > 0")
-        check("temperature", is_num(self.temperature) and self.temperature >= 0,
+        check("temperature", is_number(self.temperature) and self.temperature >= 0,
               "must be >= 0 (0 means greedy)")
-        check("top_p", is_num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]")
+        check("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]")
         check("top_k", is_int(self.top_k) and 0 <= self.top_k < 2**31,
               "must be -1 or 0 (disabled) or a positive integer below 2**31")
-        check("min_p", is_num(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]")
+        check("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]")
         check("seed", self.seed is None or (is_int(self.seed) and -2**63 <= self.seed < 2**63),
               "must be None or an integer in [-2**63, 2**63)")
         check("stop", all(isinstance(s, str) and s for s in self.stop),
@@ -158,7 +154,7 @@ class SamplingParams:
               or isinstance(self.structured_outputs, StructuredOutputsParams),
               "must be None or a StructuredOutputsParams")
         check("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-            is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100
+            is_int(k) and k >= 0 and is_number(v) and -100 <= v <= 100
             for k, v in self.logit_bias.items())),
             "must be a dict of token id (>= 0) -> bias in [-100, 100]")
         check("allowed_token_ids", self.allowed_token_ids is None or (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm.benchmarks.datasets import CHAT_PROMPTS as BENCH_CHAT_PROMPTS
+from minivllm.benchmarks.workload import CHAT_PROMPTS as BENCH_CHAT_PROMPTS
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -20,7 +20,7 @@ CHAT_PROMPTS = list(BENCH_CHAT_PROMPTS[:16])
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
 
     return resolve_model_path(None)
 

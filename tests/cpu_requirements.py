@@ -21,7 +21,7 @@ AVX2_ENV = AVX2_SIMULATION_ENV
 def _kernels_problem():
     from minivllm.cpu import _custom_ops as ops
 
-    return ops.cpu_kernels_problem()
+    return ops.build_problem()
 
 
 def needs_cpu_kernels():

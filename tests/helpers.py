@@ -17,7 +17,7 @@ from minivllm.entrypoints import launch
 from minivllm.entrypoints.launch import free_port  # noqa: F401 (the tests' import)
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER_MARK = "minivllm.worker.distributed"
+WORKER_MARK = "minivllm.worker.tp_worker"
 
 
 def metric_samples(text: str) -> dict[tuple, float]:

@@ -13,7 +13,7 @@ import torch
 
 from minivllm.benchmarks import roofline as rl
 from minivllm.benchmarks import throughput as tp
-from minivllm.benchmarks.datasets import CHAT_PROMPTS, chat_workload, random_workload
+from minivllm.benchmarks.workload import CHAT_PROMPTS, chat_workload, random_workload
 from minivllm.config import ModelConfig
 
 
@@ -70,7 +70,7 @@ def test_measurements_are_positive_and_finite():
         assert 0 < value < math.inf
     assert bw.best == max(bw.read, bw.copy, bw.matvec)
     from minivllm.cpu import _custom_ops as ops
-    if ops.cpu_kernels_problem() is None and ops.packed_linear_available():
+    if ops.build_problem() is None and ops.packed_linear_available():
         assert 0 < bw.matvec < math.inf
     with pytest.raises(ValueError, match="size"):
         rl.measure_matmul_flops(size=0)

@@ -106,7 +106,7 @@ for dtype in json.loads(sys.argv[3]):
             "weights": str(runner.model.lm_head.weight.dtype).split(".")[-1],
             "kv_cache": str(runner.kv_caches[0][0].dtype).split(".")[-1],
             "replayed": replay.steps if replay else 0, "replay_problem": runner.decode_replay_problem,
-            "kernels_problem": runner.cpu_kernels_problem,
+            "kernels_problem": runner.acceleration_problem,
             "panels": any(getattr(getattr(m, "packed_weight", None), "panels", None) is not None
                           for m in runner.model.modules())}
 print("REPORT", json.dumps(report))
@@ -226,7 +226,7 @@ for name, kernels in (("first", None), ("second", None), ("reference", False)):
     runner = llm.llm_engine.engine_core.executor.runner
     report[name] = {"tokens": [o.outputs[0].token_ids
                                for o in llm.generate(prompts, params, use_tqdm=False)],
-                    "backend": runner.attn_backend.name, "problem": runner.cpu_kernels_problem}
+                    "backend": runner.attn_backend.name, "problem": runner.acceleration_problem}
 print("REPORT", json.dumps(report))
 """
 

@@ -54,7 +54,7 @@ def test_batch_matches_transformers(prompts, hf_greedy, cpu_kernels):
     llm = LLM(cpu_kernels=cpu_kernels)
     runner = llm.llm_engine.engine_core.executor.runner
     if cpu_kernels is False:
-        assert runner.cpu_kernels_problem == "cpu_kernels=False"
+        assert runner.acceleration_problem == "cpu_kernels=False"
         assert runner.decode_replay is None and runner.attn_backend.name == "torch"
     assert engine_tokens(llm, prompts) == hf_greedy
     if runner.decode_replay is not None:  # the accelerated run did replay its decode steps

@@ -9,7 +9,8 @@ import torch
 
 from minivllm.config import ModelConfig
 from minivllm.model.attention import AttentionMetadata, TorchAttentionBackend
-from minivllm.model.loader import load_model, resolve_model_path
+from minivllm.model.loader import load_model
+from minivllm.model.resolve import resolve_model_path
 from tests.conftest import CHAT_PROMPTS, TINY_FAMILIES, chat_ids
 
 
@@ -110,7 +111,7 @@ def test_gguf_conversion_matches_transformers_gguf_loader(smollm2, default_token
     """Our dequantize + un-permute equals transformers' own GGUF loading."""
     from transformers import AutoModelForCausalLM
 
-    from minivllm.model.loader import default_gguf_path
+    from minivllm.model.resolve import default_gguf_path
 
     gguf = default_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.sampler import (
+from minivllm.sample.sampler import (
     Sampler, SamplingMetadata, SamplingRow, apply_min_p, apply_penalties,
     apply_top_k_top_p, make_generator)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.engine.outputs import EngineCoreOutput
+from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
 from minivllm.core.sched_output import SchedulerOutput

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from minivllm.benchmarks.serve import ServeMetrics, arrival_times
+from minivllm.benchmarks.serve import ServeMetrics
+from minivllm.benchmarks.workload import arrival_times
 from minivllm.config import EngineArgs
 from minivllm.sim import (Hardware, SimRequest, Simulator, load_hardware, load_model_config,
                           multiturn_requests, random_requests)

@@ -12,7 +12,7 @@ import pytest
 from minivllm import LLM, EngineArgs, SamplingParams
 from minivllm.config import SpeculativeConfig
 from minivllm.core.kv_cache_manager import hash_request_tokens
-from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.core.spec_decode_stats import SpecDecodingStats
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 
 # Drafts at every batch size: these tests are about the mechanics.
@@ -342,11 +342,12 @@ def test_the_served_metrics_carry_the_spec_decode_counters(tiny, baseline):
 
 
 def test_cli_takes_the_speculative_config_as_json():
-    from minivllm.entrypoints.cli import build_parser, engine_args_from
+    from minivllm.config import EngineArgs
+    from minivllm.entrypoints.cli import build_parser
 
     ns = build_parser().parse_args(["serve", "--speculative-config",
                                     '{"method": "ngram", "num_speculative_tokens": 2}'])
-    assert engine_args_from(ns).speculative_config == {"method": "ngram",
+    assert EngineArgs.from_cli_args(ns).speculative_config == {"method": "ngram",
                                                        "num_speculative_tokens": 2}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", "{ngram"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.spec_decode.workloads import grounded_prompts
+from minivllm.benchmarks.workload import grounded_prompts
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from collections import Counter
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.spec_decode.rejection_sampler import RejectionSampler
+from minivllm.sample.rejection_sampler import RejectionSampler
 from tests.test_spec_decode_sampling import AlwaysAccept, chi_square_threshold, homogeneity
 
 NUM_SAMPLES = 1000

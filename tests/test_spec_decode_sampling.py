@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.spec_decode.rejection_sampler import RejectionSampler
+from minivllm.sample.rejection_sampler import RejectionSampler
 
 NUM_SAMPLES = 1000
 SCALE = 3

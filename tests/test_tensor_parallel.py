@@ -258,9 +258,9 @@ def test_shutdown_does_not_wait_for_a_stuck_worker(tiny_model, monkeypatch):
     """A worker that never takes "stop" (here: frozen) is terminated after a deadline."""
     from datetime import timedelta
 
-    from minivllm.worker import distributed
+    from minivllm.worker import tp_executor
 
-    monkeypatch.setattr(distributed, "STOP_TIMEOUT", timedelta(seconds=1))
+    monkeypatch.setattr(tp_executor, "STOP_TIMEOUT", timedelta(seconds=1))
     llm = LLM(tiny_model("llama"), tensor_parallel_size=2, num_kv_blocks=64)
     worker = llm.engine_core.executor.workers.procs[1]
     os.kill(worker.pid, signal.SIGSTOP)

@@ -96,10 +96,10 @@ STEPS = {
 def make_backend(name: str):
     if name == "torch":
         return TorchAttentionBackend()
-    from minivllm.cpu._custom_ops import cpu_kernels_problem
+    from minivllm.cpu._custom_ops import build_problem
     from minivllm.cpu.attention import CPUAttentionBackend
 
-    problem = cpu_kernels_problem()
+    problem = build_problem()
     if problem is not None:
         pytest.skip(problem)
     return CPUAttentionBackend()
@@ -118,7 +118,7 @@ def test_matches_per_sequence_reference(name, num_heads, num_kv, backend_name):
                     meta.seq_lens_cpu, scale)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     # Every layer after the first reuses the plan (the batched backend): same answer again.
-    assert (backend_name in meta.plan_cache) == (backend_name == "cpu")
+    assert (getattr(backend, "step_plan", None) is not None) == (backend_name == "cpu")
     torch.testing.assert_close(backend.forward(q, k, v, k_cache, v_cache, meta, scale), out)
 
 
@@ -173,20 +173,23 @@ def test_context_without_cache_is_an_error():
 
 def test_cpu_default_uses_the_kernel_when_it_builds(monkeypatch):
     from minivllm.cpu import _custom_ops
+    from minivllm.cpu.attention import cpu_attention_backend
     from minivllm.model.attention.selector import ENV_VAR, get_attention_backend
 
     monkeypatch.delenv(ENV_VAR, raising=False)
+    # What the CPU path asks for: its backend passed in, and made the default.
+    cpu = {"extra_backends": {"cpu": cpu_attention_backend}, "default": "cpu"}
     expected = "cpu" if _custom_ops.build_problem() is None else "torch"
-    assert get_attention_backend(None, "cpu").name == expected
+    assert get_attention_backend(None, "cpu", **cpu).name == expected
     # The engine without its CPU acceleration: the reference, and "cpu" is refused.
-    assert get_attention_backend(None, "cpu", cpu_kernels=False).name == "torch"
+    assert get_attention_backend(None, "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="needs the CPU acceleration, which this engine runs without"):
-        get_attention_backend("cpu", "cpu", cpu_kernels=False)
+        get_attention_backend("cpu", "cpu")
     # Without the kernel the default quietly takes the pure torch path; asking
     # for "cpu" by name is an error that says why.
     monkeypatch.setattr(_custom_ops, "build_problem", lambda: "no compiler here")
-    assert get_attention_backend(None, "cpu").name == "torch"
+    assert get_attention_backend(None, "cpu", **cpu).name == "torch"
     with pytest.raises(RuntimeError, match="no compiler here"):
-        get_attention_backend("cpu", "cpu")
+        get_attention_backend("cpu", "cpu", **cpu)
     with pytest.raises(RuntimeError, match="'cpu' cannot run on device 'meta'"):
-        get_attention_backend("cpu", "meta")
+        get_attention_backend("cpu", "meta", **cpu)

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from minivllm.trace import StepRecord  # noqa: E402
+from minivllm.core.trace import StepRecord  # noqa: E402
 from minivllm.viz import export  # noqa: E402
 from minivllm.viz.bars import component_bars, line_chart, stacked_bars, topk_bars  # noqa: E402
 from minivllm.viz.heatmap import attention_heatmap  # noqa: E402

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from minivllm.cpu import _custom_ops as ops
     from minivllm.cpu.features import cpu_features
 
-    problem = ops.cpu_kernels_problem()
+    problem = ops.build_problem()
     if problem is not None or not ops.packed_linear_available():
         raise SystemExit(f"the panel GEMM is not available here: "
                          f"{problem or 'this build has neither AVX-512 nor AVX2 + FMA'}")

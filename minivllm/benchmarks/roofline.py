@@ -151,7 +151,7 @@ def _matvec_bandwidth(src: torch.Tensor, repeats: int, min_seconds: float) -> fl
     weight, or 0.0 where the CPU kernels are not built."""
     from minivllm.cpu import _custom_ops as ops
 
-    if ops.cpu_kernels_problem() is not None or not ops.packed_linear_available():
+    if ops.build_problem() is not None or not ops.packed_linear_available():
         return 0.0
     cols = 1024
     weight = src[: src.numel() // cols * cols].view(-1, cols)
@@ -310,7 +310,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
 
     cfg = ModelConfig.from_pretrained(resolve_model_path(args.model), "float32")
     bw = measure_bandwidth(min_seconds=args.min_seconds)

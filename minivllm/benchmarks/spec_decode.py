@@ -23,13 +23,13 @@ import json
 import statistics
 import time
 
-from minivllm.benchmarks.datasets import CHAT_PROMPTS
+from minivllm.benchmarks.workload import CHAT_PROMPTS
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from minivllm.entrypoints.cli import json_dict
+    from minivllm.config.engine import json_dict
 
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--speculative-config", type=json_dict("speculative_config"),
@@ -47,7 +47,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_prompts(name: str, n: int) -> list[str]:
-    from minivllm.spec_decode.workloads import grounded_prompts
+    from minivllm.benchmarks.workload import grounded_prompts
 
     if name == "grounded":
         return grounded_prompts(n)
@@ -61,7 +61,7 @@ def timed_run(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    from minivllm.spec_decode.metrics import SpecDecodingStats
+    from minivllm.core.spec_decode_stats import SpecDecodingStats
 
     stats = SpecDecodingStats()
     for r in llm.trace.records[before:]:

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
+from minivllm.config import check_int
+
 
 @dataclass(eq=False)
 class KVCacheBlock:
@@ -101,9 +103,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"BlockPool num_blocks={num_blocks!r} is invalid: "
-                             "must be an integer >= 1")
+        check_int("BlockPool num_blocks", num_blocks, 1)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]

@@ -15,23 +15,20 @@ from typing import Iterable, Optional
 from minivllm.config import EngineConfig
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.engine.outputs import EngineCoreOutput
+from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
-from minivllm.trace import StepRecord, StepTrace
+from minivllm.core.trace import StepRecord, StepTrace
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor=None,
-                 clock: Optional[Clock] = None) -> None:
+    def __init__(self, config: EngineConfig, executor,
+                 clock: Optional[Clock] = None, speculator=None) -> None:
         self.config = config
         # Timestamps (request times, step starts) come from here; the
         # simulator passes a virtual clock that its executor advances.
         self.clock = clock or MONOTONIC
-        if executor is None:
-            from minivllm.worker.executor import make_executor
-
-            executor = make_executor(config)
+        # Both injected (minivllm/engine/core_builder.py): the core imports neither.
         self.executor = executor
         self.num_blocks = executor.determine_num_blocks()
         executor.initialize_kv_cache(self.num_blocks)
@@ -42,11 +39,7 @@ class EngineCore:
                                    sc.max_model_len, self.kv_cache_manager,
                                    sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
                                    clock=self.clock, scheduling_policy=sc.scheduling_policy)
-        self.speculator = None
-        if config.speculative is not None:
-            from minivllm.spec_decode.proposer import Speculator
-
-            self.speculator = Speculator(config)
+        self.speculator = speculator  # proposes draft tokens (speculative_config)
         self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
         self.step_count = 0
         # Set when a step failed inside the model: the KV cache and the

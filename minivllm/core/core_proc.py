@@ -22,11 +22,12 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Callable
 from multiprocessing.connection import Connection
 
 from minivllm.config import EngineConfig
 from minivllm.core.core import EngineCore
-from minivllm.engine.outputs import EngineCoreOutputs
+from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.core.request import Request, RequestStatus
 
 
@@ -61,8 +62,9 @@ class EngineCoreReady:
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, conn: Connection) -> None:
-        self.engine_core = EngineCore(config)
+    def __init__(self, config: EngineConfig, conn: Connection,
+                 build: Callable[[EngineConfig], EngineCore]) -> None:
+        self.engine_core = build(config)
         self.conn = conn
 
     def ready_message(self) -> EngineCoreReady:
@@ -108,8 +110,11 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(0)  # unwinds through `finally`, so the executor shuts down
 
 
-def run_engine_core(config: EngineConfig, conn: Connection, in_thread: bool = False) -> None:
-    """Entry point of the engine-core process (or thread, with ``--inprocess``)."""
+def run_engine_core(config: EngineConfig, conn: Connection,
+                    build: Callable[[EngineConfig], EngineCore],
+                    in_thread: bool = False) -> None:
+    """Entry point of the engine-core process (or thread, with ``--inprocess``);
+    ``build`` makes the core with its executor (``minivllm.engine.core_builder``)."""
     if not in_thread:
         # Ctrl-C reaches every process of the terminal's group; the API
         # process decides when the engine stops, so the engine ignores it.
@@ -117,7 +122,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, in_thread: bool = Fa
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     proc = None
     try:
-        proc = EngineCoreProc(config, conn)
+        proc = EngineCoreProc(config, conn, build)
         proc.run_busy_loop()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the API side is gone: nobody is left to serve

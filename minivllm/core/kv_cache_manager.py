@@ -28,6 +28,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from minivllm.config import check_int
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
 
 if TYPE_CHECKING:
@@ -86,9 +87,7 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"KVCacheManager block_size={block_size!r} is invalid: "
-                             "must be an integer >= 1")
+        check_int("KVCacheManager block_size", block_size, 1)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)

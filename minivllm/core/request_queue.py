@@ -19,10 +19,10 @@ import bisect
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
+from minivllm.config import SCHEDULING_POLICIES
+
 if TYPE_CHECKING:
     from minivllm.core.request import Request
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _key(request: "Request") -> tuple:
@@ -70,15 +70,9 @@ class PriorityRequestQueue:
         return any(item[-1] is request for item in self._items)
 
 
-def check_policy(policy: str) -> str:
-    if policy not in SCHEDULING_POLICIES:
-        raise ValueError(f"scheduling_policy={policy!r} is invalid: must be one of "
-                         f"{', '.join(SCHEDULING_POLICIES)}")
-    return policy
-
-
 def create_request_queue(policy: str):
-    return deque() if check_policy(policy) == "fcfs" else PriorityRequestQueue()
+    """The waiting queue of ``policy`` (checked by ``SchedulerConfig``)."""
+    return deque() if policy == "fcfs" else PriorityRequestQueue()
 
 
 def choose_victim(running: list["Request"], policy: str) -> "Request":
@@ -89,4 +83,4 @@ def choose_victim(running: list["Request"], policy: str) -> "Request":
 
 
 __all__ = ["SCHEDULING_POLICIES", "PriorityRequestQueue", "create_request_queue",
-           "choose_victim", "check_policy"]
+           "choose_victim"]

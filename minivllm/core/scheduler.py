@@ -27,48 +27,21 @@ request that carries draft tokens (``Request.spec_token_ids``) asks for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
+from minivllm.config import SchedulerConfig, is_int
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.engine.outputs import EngineCoreOutput, LogprobInfo
+from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.core.spec_decode_stats import SpecDecodingStats
 
-if TYPE_CHECKING:
-    from minivllm.config import SchedulerConfig
 
 # What the model runner returns per request that reached the end of its
 # known tokens: the sampled token id and its logprob info (None if not asked).
 SampledTokens = dict[str, tuple[int, Optional[LogprobInfo]]]
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_limits(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                  long_prefill_token_threshold: int, enable_chunked_prefill: bool) -> None:
-    for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"Scheduler {name}={value!r} is invalid: must be an integer >= 1")
-    t = long_prefill_token_threshold
-    if not _is_int(t) or t < 0:
-        raise ValueError(f"Scheduler long_prefill_token_threshold={t!r} is invalid: "
-                         "must be an integer >= 0 (0 = no limit)")
-    if not enable_chunked_prefill:
-        # Unchunked, a prompt (or a preempted request's recompute) must fit in
-        # one step, or it would wait forever.
-        if max_num_batched_tokens < max_model_len:
-            raise ValueError(f"Scheduler max_num_batched_tokens={max_num_batched_tokens} "
-                             "is invalid without chunked prefill: must be >= max_model_len "
-                             f"({max_model_len})")
-        if t:
-            raise ValueError(f"Scheduler long_prefill_token_threshold={t} is invalid "
-                             "without chunked prefill: must be 0")
 
 
 @dataclass
@@ -91,8 +64,10 @@ class Scheduler:
                  kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
                  enable_chunked_prefill: bool = True,
                  clock: Optional[Clock] = None, scheduling_policy: str = "fcfs") -> None:
-        _check_limits(max_num_batched_tokens, max_num_seqs, max_model_len,
-                      long_prefill_token_threshold, enable_chunked_prefill)
+        # Checked there, once (minivllm/config/scheduler.py); trusted here.
+        self.config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len,
+                                      long_prefill_token_threshold, enable_chunked_prefill,
+                                      scheduling_policy)
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget per step
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -118,7 +93,7 @@ class Scheduler:
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
 
     @classmethod
-    def from_config(cls, config: "SchedulerConfig",
+    def from_config(cls, config: SchedulerConfig,
                     kv_cache_manager: KVCacheManager) -> "Scheduler":
         """Build from ``minivllm.config.SchedulerConfig``."""
         return cls(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
@@ -138,7 +113,7 @@ class Scheduler:
         if not 1 <= n <= self.max_model_len:
             raise ValueError(f"request {rid!r} has {n} prompt tokens: must be in "
                              f"[1, max_model_len={self.max_model_len}]")
-        if not _is_int(request.max_tokens) or request.max_tokens < 1:
+        if not is_int(request.max_tokens) or request.max_tokens < 1:
             raise ValueError(f"request {rid!r} has max_tokens={request.max_tokens!r}: "
                              "must be an integer >= 1")
         # A request that needs more blocks than exist would preempt itself forever.
@@ -234,10 +209,7 @@ class Scheduler:
 
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        counters = self._read_pool_counters()
-        out.num_blocks_allocated, out.num_blocks_freed, out.num_blocks_evicted = (
-            now - before for now, before in zip(counters, self._pool_counters))
-        self._pool_counters = counters
+        self._record_block_activity(out)
         self.step += 1
         self._awaiting_output = out.total_num_scheduled_tokens > 0
         return out
@@ -332,6 +304,13 @@ class Scheduler:
             out.scheduled_spec_decode_tokens[rid] = request.spec_token_ids[:num_drafts]
         out.num_computed_tokens[rid] = request.num_computed_tokens
         out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
+
+    def _record_block_activity(self, out: SchedulerOutput) -> None:
+        """The step trace's block counts: allocated, freed, evicted since the last step."""
+        counters = self._read_pool_counters()
+        out.num_blocks_allocated, out.num_blocks_freed, out.num_blocks_evicted = (
+            now - before for now, before in zip(counters, self._pool_counters))
+        self._pool_counters = counters
 
     def _read_pool_counters(self) -> tuple[int, int, int]:
         pool = self.kv_cache_manager.block_pool

@@ -47,7 +47,6 @@ from minivllm.logger import info_once
 
 CSRC = Path(__file__).with_name("csrc")
 LIBRARY_NAME = "minivllm_C"
-ENV_SWITCH = "MINIVLLM_CPU_KERNELS"
 
 
 def library_name() -> str:
@@ -153,14 +152,6 @@ def build_problem() -> Optional[str]:
     return _build(library_name())
 
 
-def cpu_kernels_problem() -> Optional[str]:
-    """Why the CPU kernels are not to be used here: ``MINIVLLM_CPU_KERNELS=0`` or
-    ``build_problem()``; None when they are."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"turned off by {ENV_SWITCH}=0"
-    return build_problem()
-
-
 def _lib():
     """``torch.ops.minivllm``, loaded (built if needed) on first use."""
     problem = _build(library_name())
@@ -249,6 +240,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":  # `python -m minivllm.cpu._custom_ops`: build now (make setup does)
-    problem = cpu_kernels_problem()
+    problem = build_problem()
     print(f"minivllm CPU kernels: {problem or 'built'}"
           + ("; the PyTorch paths will be used" if problem else ""))

@@ -1,10 +1,13 @@
-"""Plug the CPU acceleration into a loaded model, once: the runner's one call here.
+"""The CPU acceleration's seam: the model runner's one call here, ``cpu_path(config)``.
 
-``accelerate(model)`` swaps in the layers' twins (``layers.py``), packs the
-GEMM weights (``prepack.py``) and builds the decode-step replay
+It returns the compute path the runner uses instead of the reference
+(``minivllm/worker/compute_path.py``): the "cpu" attention backend
+(``attention.py``), the dtype to compute in, a sampler with a C++ argmax,
+and ``prepare_model``, which swaps in the layers' twins (``layers.py``), packs
+the GEMM weights (``prepack.py``) and builds the decode-step replay
 (``fused_decode.py``) where it applies. The finer switches, for benchmarks
-and chapter 14's one-at-a-time measurements, are environment variables read
-here and nowhere else:
+and chapter 14's one-at-a-time measurements, are environment variables
+(``minivllm/envs.py``):
 
 - ``MINIVLLM_CPU_KERNELS=0``: none of this (the same as ``cpu_kernels=False``);
 - ``MINIVLLM_CPU_PREPACK=0``: no packed weights (and so no replay);
@@ -23,34 +26,66 @@ keeps bfloat16 (the reference path does what it is told).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
+from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.attention import cpu_attention_backend
 from minivllm.cpu.features import cpu_features
 from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
 from minivllm.cpu.layers import CpuSampler, swap_in_twins
 from minivllm.cpu.prepack import prepack_enabled, prepack_model
 from minivllm.logger import info_once
+from minivllm.model.attention.backend import AttentionBackend
+from minivllm.model.attention.selector import get_attention_backend
+
+if TYPE_CHECKING:
+    from minivllm.config import EngineConfig
 
 
 @dataclass
-class CpuAcceleration:
+class CpuPath:
+    """The compute path of a runner with the CPU acceleration: the same fields and
+    methods as ``minivllm.worker.compute_path.ReferencePath``."""
+
+    attn_backend: AttentionBackend
+    dtype: torch.dtype
     sampler: CpuSampler
-    decode_replay: Optional[LlamaFusedDecode]
-    decode_replay_problem: Optional[str]  # why there is no replay, or None
-    num_twins: int  # layers given an accelerated twin
-    num_packed: int  # weights packed for the GEMM
+    problem: Optional[str] = None  # None: the acceleration is on
+    decode_replay: Optional[LlamaFusedDecode] = None
+    decode_replay_problem: Optional[str] = "the model is not prepared yet"
+    num_twins: int = 0  # layers given an accelerated twin
+    num_packed: int = 0  # weights packed for the GEMM
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Twins, packed weights and the decode-step replay, once, on the loaded model."""
+        self.num_twins = swap_in_twins(model)
+        self.num_packed = prepack_model(model) if prepack_enabled() else 0
+        self.decode_replay_problem = (fused_decode_problem(model) if hasattr(model, "model")
+                                      else f"{type(model).__name__} has no decode-step replay")
+        if self.decode_replay_problem is None:
+            self.decode_replay = LlamaFusedDecode(model)
 
 
-def accelerate(model: nn.Module) -> CpuAcceleration:
-    twins = swap_in_twins(model)
-    packed = prepack_model(model) if prepack_enabled() else 0
-    problem = fused_decode_problem(model) if hasattr(model, "model") else (
-        f"{type(model).__name__} has no decode-step replay")
-    replay = LlamaFusedDecode(model) if problem is None else None
-    return CpuAcceleration(CpuSampler(), replay, problem, twins, packed)
+def cpu_path(config: "EngineConfig", reference):
+    """The runner's one call: the CPU path for ``config``, or ``reference`` (with the
+    reason in its ``problem``) where the kernels do not build. ``cpu_kernels=True``
+    makes that an error. The configuration is read, never changed."""
+    problem = ops.build_problem()
+    if problem is not None:
+        if config.cpu_kernels:
+            raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
+        # The problem says what would get the kernels (_custom_ops.py).
+        info_once(f"CPU kernels unavailable, running the reference path (the same tokens, "
+                  f"slower): {problem}")
+        reference.problem = problem
+        return reference
+    backend = get_attention_backend(config.attention_backend, torch.device(config.device),
+                                    extra_backends={"cpu": cpu_attention_backend},
+                                    default="cpu")
+    return CpuPath(backend, compute_dtype(config.model.dtype), CpuSampler())
 
 
 def bf16_compute_problem() -> Optional[str]:

@@ -19,7 +19,8 @@ and plans each step once instead of once per layer:
 
 What depends only on the step's metadata — which rows decode, the block ids
 to gather, the masks — is computed at the first layer and kept on the
-metadata object (``AttentionMetadata.plan_cache``) for the other layers.
+backend (one instance serves every layer) for the other layers, keyed by the
+metadata object itself: a new step brings a new one.
 """
 
 from __future__ import annotations
@@ -212,13 +213,25 @@ def _plan_prefill(meta, group, seq_lens, from_cache, shape: _Shape) -> PrefillBa
 # The backend
 # --------------------------------------------------------------------------
 
+def cpu_attention_backend(device: torch.device) -> "CPUAttentionBackend":
+    """The factory the CPU path gives the selector (``extra_backends``)."""
+    if device.type != "cpu":
+        raise RuntimeError(f"it runs on CPU tensors, not on {device.type!r}")
+    problem = ops.build_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    return CPUAttentionBackend()
+
+
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        problem = ops.cpu_kernels_problem()
+        problem = ops.build_problem()
         if problem is not None:
             raise RuntimeError(f"attention backend 'cpu' cannot run: {problem}")
+        # (the step's metadata, its plan): planned at the first layer, reused by the rest.
+        self.step_plan: Optional[tuple[AttentionMetadata, StepPlan]] = None
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -237,18 +250,16 @@ class CPUAttentionBackend(AttentionBackend):
             out[d.token_idx] = self._decode(q[d.token_idx], k_cache, v_cache, d, scale)
         return out
 
-    @staticmethod
-    def _plan(meta: AttentionMetadata, k_cache, num_kv_heads, dtype, device) -> StepPlan:
-        # Keyed by backend: another backend may keep its own plan on the same metadata.
-        plan = meta.plan_cache.get("cpu")
-        if plan is None:
-            block_size = k_cache.shape[1] if k_cache is not None else 1
-            plan = plan_step(meta, block_size, num_kv_heads, dtype, device)
-            if k_cache is None and (plan.decode is not None
-                                    or any(b.from_cache for b in plan.prefills)):
-                raise ValueError("a sequence has cached context (seq_len > query length) "
-                                 "but no KV cache was given")
-            meta.plan_cache["cpu"] = plan
+    def _plan(self, meta: AttentionMetadata, k_cache, num_kv_heads, dtype, device) -> StepPlan:
+        if self.step_plan is not None and self.step_plan[0] is meta:
+            return self.step_plan[1]
+        block_size = k_cache.shape[1] if k_cache is not None else 1
+        plan = plan_step(meta, block_size, num_kv_heads, dtype, device)
+        if k_cache is None and (plan.decode is not None
+                                or any(b.from_cache for b in plan.prefills)):
+            raise ValueError("a sequence has cached context (seq_len > query length) "
+                             "but no KV cache was given")
+        self.step_plan = (meta, plan)
         return plan
 
     @staticmethod

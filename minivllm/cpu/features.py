@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from minivllm import envs
+
 ISA_ENV = "MINIVLLM_CPU_ISA"
 ISA_CHOICES = ("native", "avx2")
 
@@ -165,10 +167,7 @@ def _cap(flags: frozenset[str], capability: str, cap: str) -> tuple[frozenset[st
 
 
 def read_isa_cap() -> str:
-    cap = os.environ.get(ISA_ENV, "").strip().lower() or "native"
-    if cap not in ISA_CHOICES:
-        raise ValueError(f"{ISA_ENV}={cap!r} is invalid: allowed {', '.join(ISA_CHOICES)}")
-    return cap
+    return envs.MINIVLLM_CPU_ISA
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,12 +28,12 @@ if the layers are repacked later it notices and stands aside.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
+from minivllm import envs
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.model.attention import AttentionMetadata
@@ -44,7 +44,7 @@ _NONE = torch.empty(0)  # "no bias" in the flat weight list
 
 
 def fused_decode_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.MINIVLLM_FUSED_DECODE
 
 
 def _linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
@@ -93,7 +93,13 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
                 "this CPU cannot pack)")
     if len({layer.mlp.gate_up_proj.packed_weight.halves for layer in model.layers}) > 1:
         return "gate_up weights packed in two layouts (the C++ loop takes one for all)"
-    return ops.cpu_kernels_problem()  # last: it may compile the kernels
+    return ops.build_problem()  # last: it may compile the kernels
+
+
+def _is_pure_prefill(meta: AttentionMetadata) -> bool:
+    """No sequence has cached context: every query attends only to itself."""
+    q = meta.query_start_loc_cpu
+    return all(q[i + 1] - q[i] == s for i, s in enumerate(meta.seq_lens_cpu))
 
 
 class LlamaFusedDecode:
@@ -129,7 +135,7 @@ class LlamaFusedDecode:
         return (meta.max_query_len == 1 and input_ids.shape[0] == meta.num_seqs
                 and logits_indices.numel() == input_ids.shape[0]
                 and meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None
-                and not meta.is_pure_prefill and self._caches_bound()
+                and not _is_pure_prefill(meta) and self._caches_bound()
                 and self._weights_current())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,

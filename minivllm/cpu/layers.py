@@ -27,7 +27,7 @@ from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.linear import LinearBase, MergedColumnParallelLinear
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.vocab_embedding import ParallelLMHead
-from minivllm.worker.sampler import Sampler
+from minivllm.sample.sampler import Sampler
 
 
 class CpuRMSNorm(RMSNorm):

@@ -38,7 +38,6 @@ weights are loaded; change the weights later and call it again (or
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm import envs
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.features import cpu_features
 from minivllm.logger import info_once
@@ -90,7 +90,7 @@ def bf16_prepack_problem() -> Optional[str]:
 
 
 def prepack_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.MINIVLLM_CPU_PREPACK
 
 
 @dataclass
@@ -108,7 +108,7 @@ class PackedWeight:
 
 
 def _panels_available() -> bool:
-    return ops.cpu_kernels_problem() is None and ops.packed_linear_available()
+    return ops.build_problem() is None and ops.packed_linear_available()
 
 
 def panel_width() -> Optional[int]:

@@ -26,11 +26,12 @@ from typing import AsyncIterator, Optional
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.engine.core_client import EngineCoreClient, EngineDeadError
 from minivllm.engine.llm_engine import RequestBuilder
-from minivllm.engine.outputs import EngineCoreOutputs
+from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler import SchedulerStats
 from minivllm.inputs import PromptType
+from minivllm.model.resolve import create_engine_config
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -60,7 +61,7 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, in_process: bool = False,
                          stat_logger=None) -> "AsyncLLM":
-        return cls(args.create_engine_config(), in_process, stat_logger)
+        return cls(create_engine_config(args), in_process, stat_logger)
 
     # -- state -------------------------------------------------------------------
     @property

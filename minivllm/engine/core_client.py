@@ -23,9 +23,10 @@ import threading
 from typing import Iterable, Optional, Union
 
 from minivllm.config import EngineConfig
+from minivllm.engine.core_builder import build_engine_core
 from minivllm.core.core_proc import (AddRequests, EngineCoreReady, FinishRequests,
                                        Shutdown, run_engine_core)
-from minivllm.engine.outputs import EngineCoreOutputs
+from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.core.request import Request, RequestStatus
 
 
@@ -42,13 +43,15 @@ class EngineCoreClient:
         self.conn, core_end = multiprocessing.Pipe(duplex=True)
         if in_process:
             self.worker: Union[threading.Thread, multiprocessing.process.BaseProcess] = \
-                threading.Thread(target=run_engine_core, args=(config, core_end, True),
+                threading.Thread(target=run_engine_core,
+                                 args=(config, core_end, build_engine_core, True),
                                  name="EngineCore", daemon=True)
         else:
             # spawn, not fork: this process may already run threads (tokenizers,
             # torch), and forking a threaded process can deadlock the child.
             ctx = multiprocessing.get_context("spawn")
-            self.worker = ctx.Process(target=run_engine_core, args=(config, core_end),
+            self.worker = ctx.Process(target=run_engine_core,
+                                      args=(config, core_end, build_engine_core),
                                       name="EngineCore")
         self.worker.start()
         if not in_process:

@@ -91,9 +91,9 @@ class IncrementalDetokenizer:
         if start >= end:
             return ""
         # The Rust tokenizer directly: what a fast tokenizer's decode() ends in,
-        # minus about 4 microseconds of argument handling a call; that was most
-        # of the detokenizing time (two calls per sequence per step, 128
-        # sequences a step in the benchmarks). No space clean-up here: the
+        # without its per-call argument handling, which is paid twice per
+        # sequence per step (`minivllm bench throughput` shows the detokenize
+        # share of a step, chapter 10 the window). No space clean-up here: the
         # window's edges are arbitrary, so it is done on the stream instead
         # (_clean), where it can see across them.
         return self._backend.decode(self.token_ids[start:end],

@@ -14,11 +14,12 @@ import itertools
 import time
 from typing import Optional
 
-from minivllm.config import EngineArgs, EngineConfig
-from minivllm.core.core import EngineCore
+from minivllm.config import EngineArgs, EngineConfig, check_int
+from minivllm.engine.core_builder import build_engine_core
 from minivllm.engine.output_processor import OutputProcessor, child_params
 from minivllm.core.request import Request, RequestStatus
 from minivllm.inputs import InputProcessor, PromptType, load_tokenizer, read_eos_token_ids
+from minivllm.model.resolve import create_engine_config
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -38,8 +39,7 @@ class RequestBuilder:
 
     def check_priority(self, priority: int) -> None:
         """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        check_int("priority", priority)
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} is invalid with scheduling_policy="
                              f"{self.config.scheduler.scheduling_policy!r}: start the engine "
@@ -74,12 +74,12 @@ class LLMEngine:
         self.request_builder = RequestBuilder(config)
         self.tokenizer = self.request_builder.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = build_engine_core(config)
         self._ids = itertools.count()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config())
+        return cls(create_engine_config(args))
 
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
-from minivllm.engine.outputs import EngineCoreOutput
+from minivllm.core.outputs import EngineCoreOutput
 from minivllm.engine.stop_checker import StopStringChecker
 from minivllm.metrics.request_metrics import RequestMetrics
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput

@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import sys
-import typing
 from typing import Optional
 
 from minivllm.config import EngineArgs
@@ -32,50 +30,14 @@ BENCHMARKS = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
-    """One flag per ``EngineArgs`` field, typed from its annotation."""
-    group = parser.add_argument_group("engine arguments")
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
-        if f.name == "model" and not with_model:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
-        base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
-        if base[0] is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif base[0] is dict or typing.get_origin(base[0]) is dict:
-            group.add_argument(flag, type=json_dict(f.name), default=f.default, metavar="JSON",
-                               help=DICT_HELP.get(f.name))
-        else:
-            group.add_argument(flag, type=base[0], default=f.default, metavar=f.name.upper())
-
-
-DICT_HELP = {
-    "speculative_config": "speculative decoding, vLLM's dict as JSON, e.g. "
-                          '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
-                          '\'{"method": "draft_model", "model": PATH, '
-                          '"num_speculative_tokens": 3}\'',
+# `minivllm simulate [SUBCOMMAND]`, by module name as the benchmarks are: the
+# simulator is a tool on top of the engine (it runs LLM and serve), not below the CLI.
+SIMULATE = {
+    None: "minivllm.sim.cli",
+    "calibrate": "minivllm.sim.calibrate",
+    "validate": "minivllm.sim.validate",
+    "published": "minivllm.sim.published",
 }
-
-
-def json_dict(name: str):
-    """An argparse type: a JSON object, or an error naming the flag."""
-    def parse(text: str) -> dict:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r} is not "
-                                             f"valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r} is "
-                                             "invalid: must be a JSON object")
-        return value
-    return parse
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +72,7 @@ def _stream(llm, prompt, params) -> str:
 def cmd_generate(ns: argparse.Namespace) -> int:
     from minivllm.entrypoints.llm import LLM
 
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(ns)))
     prompt = [{"role": "user", "content": ns.prompt}] if ns.chat else ns.prompt
     _stream(llm, prompt, sampling_params_from(ns))
     return 0
@@ -119,7 +81,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from minivllm.entrypoints.llm import LLM
 
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(ns)))
     params = sampling_params_from(ns)
     messages = [{"role": "system", "content": ns.system}] if ns.system else []
     print("minivllm chat — an empty line or Ctrl-D quits.")
@@ -149,16 +111,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def cmd_simulate(ns: argparse.Namespace) -> int:
-    if ns.sim_command == "calibrate":
-        from minivllm.sim import calibrate
-
-        calibrate.run(ns)
-    elif ns.sim_command in ("validate", "published"):
-        importlib.import_module(f"minivllm.sim.{ns.sim_command}").run(ns)
-    else:
-        from minivllm.sim import cli as sim_cli
-
-        sim_cli.run(ns)
+    importlib.import_module(SIMULATE[ns.sim_command]).run(ns)
     return 0
 
 
@@ -171,13 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message in the chat template")
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="multi-turn chat in the terminal")
     chat.add_argument("--system", default=None, help="a system prompt")
-    add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -189,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_server_args(serve)
     except ImportError:  # server extras not installed
         pass
-    add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -202,18 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(_unavailable=str(e))
         p.set_defaults(func=cmd_bench)
 
-    from minivllm.sim import calibrate, cli as sim_cli, published, validate
-
     sim = sub.add_parser("simulate", help="the real scheduler on simulated hardware")
-    sim_cli.add_cli_args(sim)
+    importlib.import_module(SIMULATE[None]).add_cli_args(sim)
     ssub = sim.add_subparsers(dest="sim_command")
-    calibrate.add_cli_args(ssub.add_parser("calibrate", help=calibrate.__doc__.split("\n")[0]))
-    validate.add_cli_args(ssub.add_parser(
-        "validate", help=validate.__doc__.split("\n")[0], description=validate.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
-    published.add_cli_args(ssub.add_parser(
-        "published", help=published.__doc__.split("\n")[0], description=published.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
+    for name, module_name in SIMULATE.items():
+        if name is None:
+            continue
+        module = importlib.import_module(module_name)
+        kwargs = {} if name == "calibrate" else {
+            "description": module.__doc__,
+            "formatter_class": argparse.RawDescriptionHelpFormatter}
+        module.add_cli_args(ssub.add_parser(name, help=module.__doc__.split("\n")[0],
+                                            **kwargs))
     sim.set_defaults(func=cmd_simulate)
     return parser
 

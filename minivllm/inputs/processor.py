@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
+from minivllm.config import is_int
 from minivllm.sampling_params import SamplingParams
 
 Message = dict
@@ -47,7 +48,7 @@ class InputProcessor:
         if items and all(isinstance(m, dict) for m in items):
             text = self.render_chat(items)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if not all(is_int(t) for t in items):
             raise ValueError("prompt must be a string, a list of token IDs or a list of "
                              "chat messages")
         bad = [t for t in items if not 0 <= t < self.vocab_size]

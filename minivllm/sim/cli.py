@@ -82,8 +82,8 @@ def build(args: argparse.Namespace):
     from minivllm.sim.hardware import load_hardware
     from minivllm.sim.models import load_model_config
     from minivllm.sim.simulator import Simulator
-    from minivllm.benchmarks.serve import draw_priorities, parse_priority_classes
-    from minivllm.sim.workload import multiturn_requests, random_requests
+    from minivllm.benchmarks.serve_metrics import draw_priorities, parse_priority_classes
+    from minivllm.benchmarks.workload import multiturn_requests, random_requests
 
     classes = parse_priority_classes(args.priority_classes)  # bad input fails first
     hw = load_hardware(args.hardware)
@@ -124,7 +124,8 @@ def build(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from minivllm.benchmarks.serve import parse_goodput, print_metrics, print_priority_metrics
+    from minivllm.benchmarks.serve_metrics import (parse_goodput, print_metrics,
+                                                   print_priority_metrics)
     from minivllm.sim.report import (engine_summary, serve_metrics, serve_metrics_by_priority,
                                      to_json)
 

@@ -12,7 +12,7 @@ per build. Llama-3.1-8B has the layer shapes of the ``llama-3-8b`` preset
 never reaches). Each measurement below is simulated on the preset of its GPU
 with the same batch, and the relative error printed: it is the error to
 expect from a preset no one calibrated (data-sheet peaks, guessed
-efficiencies and a guessed 1 ms per step; see ``minivllm/sim/hardware.py``).
+efficiencies and a guessed per-step overhead; see ``minivllm/sim/hardware.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def simulate_latency(m: Measurement) -> float:
     from minivllm.sim.hardware import load_hardware
     from minivllm.sim.models import load_model_config
     from minivllm.sim.simulator import Simulator
-    from minivllm.sim.workload import random_requests
+    from minivllm.benchmarks.workload import random_requests
 
     model = load_model_config(m.model)
     sim = Simulator(model, load_hardware(m.hardware),

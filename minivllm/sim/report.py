@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Optional
 
-from minivllm.benchmarks.serve import (RequestResult, ServeMetrics, benchmark_duration,
-                                       compute_metrics)
+from minivllm.benchmarks.serve_metrics import (RequestResult, ServeMetrics, benchmark_duration,
+                                               compute_metrics)
 from minivllm.sim.simulator import SimResult
 
 
@@ -39,7 +39,7 @@ def serve_metrics(result: SimResult, goodput: Optional[dict] = None) -> ServeMet
 
 def serve_metrics_by_priority(result: SimResult, goodput: Optional[dict] = None) -> dict:
     """``bench serve``'s ``metrics_by_priority``: the metrics of each priority's requests."""
-    from minivllm.benchmarks.serve import metrics_by_priority
+    from minivllm.benchmarks.serve_metrics import metrics_by_priority
 
     results = as_request_results(result)
     return metrics_by_priority(results, duration_of(results), goodput)

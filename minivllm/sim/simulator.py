@@ -27,12 +27,12 @@ from minivllm.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig,
 from minivllm.core.core import EngineCore
 from minivllm.core.request import Request
 from minivllm.sampling_params import SamplingParams
-from minivllm.sim.clock import VirtualClock
+from minivllm.core.clock import VirtualClock
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.executor import SimExecutor
 from minivllm.sim.hardware import Hardware
 from minivllm.sim.router import Router
-from minivllm.sim.workload import SimRequest
+from minivllm.benchmarks.workload import SimRequest
 
 # Device memory the KV cache cannot have besides the weights (activations,
 # workspaces, CUDA graphs): an assumption, vLLM measures it by a trial run.
@@ -44,7 +44,7 @@ def make_engine_config(model: ModelConfig, engine_args: Optional[EngineArgs] = N
                        trace: bool = False) -> EngineConfig:
     """The engine config the real engine would build from these arguments."""
     a = engine_args or EngineArgs()
-    a._validate()
+    a.validate()
     max_len = a.max_model_len or min(model.max_position_embeddings, 2048)
     if max_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} is invalid: must be <= the model's "

@@ -37,7 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-from minivllm.benchmarks.serve import arrival_times, benchmark, compute_metrics
+from minivllm.benchmarks.serve import benchmark, compute_metrics
+from minivllm.benchmarks.workload import arrival_times
 from minivllm.config import EngineArgs
 
 
@@ -163,7 +164,7 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
     Then two probes of single requests, each sent after an idle pause (0.5 s,
     2.5 s), against the back-to-back TTFT: the wake-up cost of an idle engine.
     """
-    from minivllm.sim.workload import random_requests
+    from minivllm.benchmarks.workload import random_requests
 
     def work(n, seed):
         return random_requests(n, args.input_len, args.output_len, vocab, 0.25, seed=seed,
@@ -266,10 +267,10 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from minivllm.entrypoints.launch import ServerProcess
-    from minivllm.model.loader import resolve_model_path
+    from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.calibrate import calibrate
     from minivllm.sim.hardware import load_hardware
-    from minivllm.sim.workload import random_requests
+    from minivllm.benchmarks.workload import random_requests
 
     check_args(args)
     t_start = time.perf_counter()

@@ -70,7 +70,7 @@ class DraftConstraints:
 
     def __init__(self, model_path, vocab_size: int) -> None:
         from minivllm.structured_output import StructuredOutputManager
-        from minivllm.worker.logits_processors import LogitsProcessors
+        from minivllm.sample.logits_processors import LogitsProcessors
 
         self.grammars = StructuredOutputManager(model_path, vocab_size)
         self.logits_processors = LogitsProcessors(model_path)
@@ -79,7 +79,7 @@ class DraftConstraints:
     def apply(self, req: "Request", logits: torch.Tensor) -> bool:
         """Constrain ``logits`` (one row) in place; False if nothing may follow."""
         from minivllm.structured_output import bitmask as bm
-        from minivllm.worker.sampler import SamplingRow
+        from minivllm.sample.sampler import SamplingRow
 
         p = req.sampling_params
         masked = False

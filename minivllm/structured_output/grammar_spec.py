@@ -9,16 +9,29 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
+from typing import Optional, Protocol, Union
 
-if TYPE_CHECKING:
-    from minivllm.sampling_params import StructuredOutputsParams
+
+class GrammarSpec(Protocol):
+    """What is checked and keyed: a ``minivllm.sampling_params.StructuredOutputsParams``
+    (named by shape, not imported: sampling_params sits below this package and calls
+    ``check_spec`` from its own validation)."""
+
+    json: Union[None, str, dict]
+    regex: Optional[str]
+    choice: Optional[list[str]]
+    grammar: Optional[str]
+    json_object: Optional[bool]
+    disable_any_whitespace: bool
+
+    @property
+    def kind(self) -> str: ...
 
 # xgrammar's errors start with "[time] /path/file.cc:line: "; people need the rest.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-def spec_key(p: "StructuredOutputsParams") -> tuple[str, str]:
+def spec_key(p: GrammarSpec) -> tuple[str, str]:
     """(kind, text): JSON schemas as JSON text (property order kept), choices as EBNF."""
     kind = p.kind
     if kind == "json":
@@ -42,7 +55,7 @@ def clean_error(error: Exception) -> str:
     return _CPP_PREFIX.sub("", first)
 
 
-def check_spec(p: "StructuredOutputsParams") -> None:
+def check_spec(p: GrammarSpec) -> None:
     """Raise ValueError naming ``StructuredOutputsParams.<kind>`` if the spec is bad."""
     kind = p.kind
     value = getattr(p, kind)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from minivllm import envs
+
 FIGURES_DIR_ENV = "MINIVLLM_FIGURES_DIR"
 BROWSER_PATH_ENV = "BROWSER_PATH"  # kaleido's (choreographer's) override
 CHAPTER_GLOB = "[0-9][0-9]_*.py"
@@ -88,7 +90,7 @@ def save_key_figure(fig, name: str) -> Optional[Path]:
     Returns the file written (``.html`` when no PNG could be made), or None.
     """
     check_name(name)
-    folder = os.environ.get(FIGURES_DIR_ENV)
+    folder = envs.MINIVLLM_FIGURES_DIR
     if not folder:
         return None
     out = Path(folder)

@@ -14,6 +14,8 @@ from typing import Iterable, Union
 
 import plotly.graph_objects as go
 
+from minivllm.config import is_int
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -52,7 +54,7 @@ def stages_of_chapter(chapter: int) -> list[str]:
 
 
 def _highlighted(highlight: Union[str, int, Iterable[str]]) -> set[str]:
-    if isinstance(highlight, int) and not isinstance(highlight, bool):
+    if is_int(highlight):
         return set(stages_of_chapter(highlight))
     keys = [highlight] if isinstance(highlight, str) else list(highlight)
     bad = [k for k in keys if k not in STAGE_KEYS]

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import plotly.graph_objects as go
 
-from minivllm.engine.outputs import EngineCoreOutputs
+from minivllm.core.outputs import EngineCoreOutputs
 
 LANES = {"engine core": 2, "API side": 1, "client code": 0}
 COLORS = {"AddRequests": "#3182bd", "FinishRequests": "#de2d26",

@@ -28,6 +28,8 @@ from typing import Any, Optional, Union
 MAX_LINES = 20
 Bound = Union[int, str, None]
 
+from minivllm.config import check_int
+
 
 @dataclass(frozen=True)
 class SourceSlice:
@@ -123,8 +125,7 @@ def show_source(obj: Any, start: Bound = None, end: Bound = None,
 
     ``obj`` is a function, method, class or module, or its dotted name.
     """
-    if not isinstance(max_lines, int) or isinstance(max_lines, bool) or max_lines < 1:
-        raise ValueError(f"show_source max_lines={max_lines!r} is invalid: an integer >= 1")
+    check_int("show_source max_lines", max_lines, 1)
     target = resolve(obj)
     target = inspect.unwrap(getattr(target, "fget", target))  # properties show their getter
     qualname = getattr(target, "__qualname__", None) or getattr(target, "__name__", str(obj))

@@ -35,7 +35,7 @@ def make_executor(config: EngineConfig):
     if config.parallel.tensor_parallel_size == 1:
         _refuse_inside_tp_group()
         return UniProcExecutor(config)
-    from minivllm.worker.distributed import TPExecutor
+    from minivllm.worker.tp_executor import TPExecutor
 
     return TPExecutor(config)
 

@@ -14,16 +14,16 @@ reaches the end of their known tokens (a middle prefill chunk produces no
 token: its logits would predict a prompt token we already know).
 
 On a CPU with the C++ acceleration (``minivllm/cpu``, ``cpu_kernels``), the
-runner plugs it in once at start-up: the layers get their accelerated twins,
-and a pure decode step is replayed through one C++ call instead of running
-the model, as vLLM's runner replays CUDA graphs. The model itself never
-knows.
+runner makes one call into it at start-up, which returns the compute path
+to use (``compute_path.py``): the attention backend, the dtype, the layers'
+accelerated twins, the sampler, and a pure decode step replayed through one
+C++ call instead of running the model, as vLLM's runner replays CUDA graphs.
+The model itself never knows, and the caller's configuration is not changed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -32,20 +32,18 @@ import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.engine.outputs import LogprobInfo
+from minivllm.core.outputs import LogprobInfo
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.model.attention.backend import AttentionMetadata
-from minivllm.model.attention.selector import get_attention_backend
-from minivllm.logger import info_once
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
 from minivllm.structured_output import StructuredOutputManager
-from minivllm.worker import logits_processors
+from minivllm.worker.compute_path import ReferencePath
+from minivllm.sample import logits_processors
 from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
-from minivllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
-from minivllm.spec_decode.rejection_sampler import RejectionSampler, verify_step
+from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generator
+from minivllm.sample.rejection_sampler import RejectionSampler, verify_step
 
-CPU_KERNELS_ENV = "MINIVLLM_CPU_KERNELS"  # "0": the environment form of cpu_kernels=False
 # On CPU the KV cache gets this much memory unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # On CUDA, this fraction of the memory free after loading the model.
@@ -77,59 +75,25 @@ class ModelRunnerOutput:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def cpu_kernels_problem(config: EngineConfig) -> Optional[str]:
-    """Why this engine runs without the CPU acceleration, or None when it uses it.
-
-    ``cpu_kernels=None`` takes it where it builds; ``True`` insists (an error
-    if it cannot build); ``False`` or ``MINIVLLM_CPU_KERNELS=0`` never import it.
-    """
-    if config.cpu_kernels is False:
-        return "cpu_kernels=False"
-    if config.cpu_kernels is None and os.environ.get(CPU_KERNELS_ENV, "1") == "0":
-        return f"turned off by {CPU_KERNELS_ENV}=0"
-    if torch.device(config.device).type != "cpu":
-        problem = f"device {config.device!r} is not the CPU"
-    else:
-        from minivllm.cpu._custom_ops import build_problem
-
-        problem = build_problem()
-    if problem is not None and config.cpu_kernels:
-        raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
-    if problem is not None and torch.device(config.device).type == "cpu":
-        # The problem says what would get the kernels (minivllm/cpu/_custom_ops.py).
-        info_once(f"CPU kernels unavailable, running the reference path (the same tokens, "
-                  f"slower): {problem}")
-    return problem
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
-        self.cpu_kernels_problem = cpu_kernels_problem(config)
-        use_kernels = self.cpu_kernels_problem is None
-        self.attn_backend = get_attention_backend(config.attention_backend, self.device,
-                                                  cpu_kernels=use_kernels)
-        if use_kernels:  # the CPU may compute a dtype faster in another one (said once)
-            from minivllm.cpu.accelerate import compute_dtype
+        # The reference path, or the CPU acceleration's in its place (decided once).
+        self.path = ReferencePath.for_config(config)
+        if self.path.problem is None:
+            from minivllm.cpu.accelerate import cpu_path
 
-            dtype = compute_dtype(config.model.dtype)
-            if dtype != config.model.dtype:
-                config.model = dataclasses.replace(config.model, dtype=dtype)
-        self.model = load_model(config.model, self.attn_backend, self.device)
-        self.sampler = Sampler()
+            self.path = cpu_path(config, self.path)
+        self.attn_backend, self.dtype = self.path.attn_backend, self.path.dtype
+        self.model = load_model(dataclasses.replace(config.model, dtype=self.dtype),
+                                self.attn_backend, self.device)
+        self.path.prepare_model(self.model)
+        self.sampler = self.path.sampler
         self.rejection_sampler = RejectionSampler()
         # A pure decode step replayed in one call (None: every step runs the model).
-        self.decode_replay = None
-        self.decode_replay_problem: Optional[str] = self.cpu_kernels_problem
-        if use_kernels:
-            from minivllm.cpu.accelerate import accelerate
-
-            acc = accelerate(self.model)
-            self.sampler = acc.sampler
-            self.decode_replay, self.decode_replay_problem = (acc.decode_replay,
-                                                              acc.decode_replay_problem)
+        self.decode_replay = self.path.decode_replay
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
         self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
@@ -138,11 +102,21 @@ class ModelRunner:
         self.logits_processors = logits_processors.LogitsProcessors(config.model.path)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    @property
+    def acceleration_problem(self) -> Optional[str]:
+        """Why this runner computes without the CPU acceleration, or None."""
+        return self.path.problem
+
+    @property
+    def decode_replay_problem(self) -> Optional[str]:
+        """Why no decode step is replayed, or None."""
+        return self.path.decode_replay_problem
+
     # -- KV cache ----------------------------------------------------------
     def kv_block_bytes(self) -> int:
         """Bytes one block takes on this rank, over all layers, K and V."""
         layer = self.model.attention_layers()[0]
-        elem = torch.tensor([], dtype=self.config.model.dtype).element_size()
+        elem = torch.tensor([], dtype=self.dtype).element_size()
         per_token = 2 * layer.num_kv_heads * layer.head_dim * elem
         return per_token * self.block_size * len(self.model.attention_layers())
 
@@ -168,7 +142,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.model.attention_layers():
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            k = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros_like(k)
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))

@@ -2,11 +2,12 @@
 // minivllm/model/models/llama.py, written out in C++ over the same kernels.
 //
 // Why: in eager PyTorch every operator of a decode step also costs a Python
-// module call and a trip through the dispatcher, a few to a few dozen
-// microseconds each. With ~10 operators a layer and 30 layers, that is
-// several milliseconds a step: on the 2-core CPU, about a fifth of a
-// single-stream step, in which the kernels themselves are short. Running
-// the loop here removes that cost; the arithmetic is the same kernels in the
+// module call and a trip through the dispatcher, about ten operators a layer,
+// for every layer: for a small model at small batches that overhead is a large
+// part of a step, in which the kernels themselves are short (chapter 14
+// measures it with profile_ops; `minivllm bench throughput` with
+// MINIVLLM_FUSED_DECODE=0 shows the end-to-end difference). Running the loop
+// here removes that cost; the arithmetic is the same kernels in the
 // same order, so the results are bit for bit those of the Python layers.
 // (vLLM gets the same effect on GPUs by replaying a CUDA graph.)
 //
@@ -92,8 +93,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_ro
 // kernel its own parallel region means each ends with the threads going idle
 // and the next starts by waking them. Under OMP_WAIT_POLICY=passive (what a
 // machine shared with other processes wants) idle OpenMP threads sleep, and
-// waking one costs tens of microseconds: milliseconds a step, a tenth of a
-// single-stream step here. In one region the threads split every kernel's
+// waking them hundreds of times a step adds up (chapter 14 shows the
+// difference). In one region the threads split every kernel's
 // work between them and meet at a barrier of our own that spins; they sleep
 // only between steps.
 // ---------------------------------------------------------------------------
@@ -118,7 +119,9 @@ class SpinBarrier {
   }
 
  private:
-  static constexpr int kSpinsBeforeYield = 1 << 14;  // ~1 ms of pause instructions
+  // Spin this long before yielding the core: long enough to cover the gap
+  // between two kernels of a step, short enough not to starve other processes.
+  static constexpr int kSpinsBeforeYield = 1 << 14;
   alignas(64) std::atomic<int> arrived_{0};
   alignas(64) std::atomic<int> generation_{0};
   int threads_ = 1;

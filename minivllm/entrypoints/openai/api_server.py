@@ -327,15 +327,16 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def run_server(ns: argparse.Namespace) -> int:
-    from minivllm.entrypoints.cli import engine_args_from
-    from minivllm.model.loader import DEFAULT_MODEL_NAME
+    from minivllm.config import EngineArgs
+    from minivllm.model.resolve import create_engine_config
+    from minivllm.model.resolve import DEFAULT_MODEL_NAME
 
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         raise ValueError(f"model given twice: MODEL={ns.model_tag!r} and "
                          f"--model={ns.model!r}; give one")
     ns.model = ns.model_tag or ns.model
     tool_parser = auto_tool_parser(ns)
-    config = engine_args_from(ns).create_engine_config()
+    config = create_engine_config(EngineArgs.from_cli_args(ns))
     model_name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
     sock = _bind(ns.host, ns.port)
     # uvicorn handles SIGTERM while serving; this covers the model loading before.

@@ -59,9 +59,10 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest):
         """A ``ChatCompletionResponse``, or an async iterator of SSE strings."""
         self.check_request(request)
+        tool_calls.check_tools(request.tools, request.tool_choice)
         tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        params = request.to_sampling_params(kind)
+        params = request.to_sampling_params(kind, tool_calls.structured_outputs(request))
         request_id = random_id("chatcmpl")
         streams, firsts = await self.start_requests([self._prompt(request)], params,
                                                     request_id, "messages", request.priority)

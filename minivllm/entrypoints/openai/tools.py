@@ -21,8 +21,11 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatTool, NamedToolChoice,
-                                                  ToolCall, ToolChoice)
+from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletionRequest,
+                                                  ChatTool, NamedToolChoice, ToolCall,
+                                                  ToolChoice)
+from minivllm.entrypoints.openai.protocol.common import structured_params
+from minivllm.sampling_params import StructuredOutputsParams
 from minivllm.entrypoints.openai.tool_parsers import (NamedCallReader, RequiredCallsReader,
                                                       ToolParser, ToolParserManager)
 
@@ -38,6 +41,22 @@ def check_tools(tools: Optional[list[ChatTool]], choice: Optional[ToolChoice]) -
         if choice.function.name not in names:
             raise BadRequestError(f"tool_choice names function {choice.function.name!r}, "
                                   f"which is not among the tools {names}", "tool_choice")
+
+
+def structured_outputs(request: ChatCompletionRequest) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint: a forced tool call's schema, or its response
+    format (both at once is a 400)."""
+    schema = forced_schema(request.tools, request.effective_tool_choice,
+                           request.parallel_tool_calls)
+    other = request.structured_outputs_params()
+    if schema is None:
+        return other
+    if other is not None:
+        raise BadRequestError("a forced tool call (tool_choice) and a response format "
+                              "cannot both constrain the output", "tool_choice")
+    so = request.structured_outputs
+    return structured_params("tools", json=schema, disable_any_whitespace=bool(
+        so and so.disable_any_whitespace))
 
 
 def _show(choice) -> str:

@@ -19,7 +19,7 @@ Example, block_size=4, two sequences:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,9 +36,6 @@ class AttentionMetadata:
     # Python copies of the small vectors, so CPU loops need no .tolist() per layer.
     query_start_loc_cpu: Optional[list[int]] = None
     seq_lens_cpu: Optional[list[int]] = None
-    # What a backend derives from this metadata once per step (gather indices,
-    # masks) and reuses in every layer; keyed by backend name.
-    plan_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -47,13 +44,6 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
-
-    @property
-    def is_pure_prefill(self) -> bool:
-        """No sequence has cached context: every query attends only to itself."""
-        assert self.query_start_loc_cpu is not None and self.seq_lens_cpu is not None
-        q = self.query_start_loc_cpu
-        return all(q[i + 1] - q[i] == s for i, s in enumerate(self.seq_lens_cpu))
 
     @staticmethod
     def for_prefill(seq_lens: list[int], device: torch.device | str = "cpu"

@@ -1,56 +1,69 @@
 """Pick the attention backend for a device: by name, by environment, or by default.
 
 Precedence: the engine argument ``attention_backend`` if given, else the
-environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the device default
-("triton" on CUDA; on CPU "cpu" — batched, with C++ kernels, from
-``minivllm/cpu`` — when the CPU acceleration is on, else the "torch"
-reference). Triton and ``minivllm.cpu`` are imported only here, and only
-when their backend is wanted, so ``import minivllm`` works without them.
+environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the default
+("triton" on CUDA, "torch" elsewhere). A backend that lives outside
+``model/`` comes in through ``extra_backends``: the CPU acceleration passes
+its "cpu" backend (``minivllm/cpu/attention.py``) and makes it the default, so
+this module imports nothing of ``minivllm/cpu``. Triton is imported only when
+its backend is wanted, so ``import minivllm`` works without it.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
+from minivllm import envs
 from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
 
+# Every name a user may give; "cpu" exists only where the engine runs the CPU acceleration.
 BACKEND_NAMES = ("torch", "triton", "cpu")
 ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
+# name -> a factory that builds the backend for a device, or raises saying why it cannot.
+BackendFactory = Callable[[torch.device], AttentionBackend]
 
 
-def default_backend_name(device: torch.device, cpu_kernels: bool = True) -> str:
-    if device.type == "cpu":
-        return "cpu" if cpu_kernels else "torch"
+def default_backend_name(device: torch.device) -> str:
     return {"cuda": "triton"}.get(device.type, "torch")
 
 
 def get_attention_backend(name: Optional[str] = None, device: torch.device | str = "cpu",
-                          cpu_kernels: bool = True) -> AttentionBackend:
+                          extra_backends: Optional[Mapping[str, BackendFactory]] = None,
+                          default: Optional[str] = None) -> AttentionBackend:
     """A backend instance. Raises if the one asked for is unknown or cannot run here.
-    ``cpu_kernels=False``: the engine runs without the CPU acceleration."""
+
+    ``extra_backends`` adds backends from outside ``model/``; ``default`` replaces
+    the device default (an extra backend that cannot run then falls back to torch)."""
     device = torch.device(device)
+    extra = dict(extra_backends or {})
     if name is not None:
         source = "attention_backend"
-    elif os.environ.get(ENV_VAR, "").strip():
-        name, source = os.environ[ENV_VAR].strip(), f"environment variable {ENV_VAR}"
+    elif envs.MINIVLLM_ATTENTION_BACKEND is not None:
+        name, source = envs.MINIVLLM_ATTENTION_BACKEND, f"environment variable {ENV_VAR}"
     else:
-        name, source = default_backend_name(device, cpu_kernels), "default"
+        name, source = default or default_backend_name(device), "default"
     if name not in BACKEND_NAMES:
         allowed = ", ".join(repr(n) for n in BACKEND_NAMES)
         raise ValueError(f"{source}={name!r} is not an attention backend; allowed: {allowed}")
 
     if name == "torch":
         return TorchAttentionBackend()
-    if name == "cpu":
-        if not cpu_kernels:
-            raise RuntimeError(f"{source}='cpu' needs the CPU acceleration, which this "
-                               f"engine runs without (cpu_kernels); use 'torch'")
-        return _cpu_backend(device, source)
+    if name in extra:
+        try:
+            return extra[name](device)
+        except RuntimeError as e:
+            if source != "default":
+                raise RuntimeError(f"{source}={name!r} cannot run on device "
+                                   f"{str(device)!r}: {e}") from None
+            return TorchAttentionBackend()  # nobody asked for it: torch does the same work
+    if name != "triton":
+        raise RuntimeError(f"{source}={name!r} needs the CPU acceleration, which this "
+                           f"engine runs without (cpu_kernels); use 'torch'")
     problem = triton_problem(device)
     if problem is None:
         from minivllm.model.attention.triton_attn import TritonAttentionBackend
@@ -61,21 +74,6 @@ def get_attention_backend(name: Optional[str] = None, device: torch.device | str
                       f"{problem}; using 'torch' instead", RuntimeWarning, stacklevel=2)
         return TorchAttentionBackend()
     raise RuntimeError(f"{source}='triton' cannot run on device {str(device)!r}: {problem}")
-
-
-def _cpu_backend(device: torch.device, source: str) -> AttentionBackend:
-    problem = None if device.type == "cpu" else f"it runs on CPU tensors, not on {device.type!r}"
-    if problem is None:
-        from minivllm.cpu import _custom_ops
-
-        problem = _custom_ops.build_problem()
-    if problem is None:
-        from minivllm.cpu.attention import CPUAttentionBackend
-
-        return CPUAttentionBackend()
-    if source == "default":  # nobody asked for it: the torch path does the same work
-        return TorchAttentionBackend()
-    raise RuntimeError(f"{source}='cpu' cannot run on device {str(device)!r}: {problem}")
 
 
 def triton_problem(device: torch.device) -> Optional[str]:

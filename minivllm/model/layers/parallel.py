@@ -1,7 +1,7 @@
 """Tensor-parallel rank, size and collectives as the layers see them.
 
 The tensor-parallel group is torch.distributed's default group (the TP
-executor, ``minivllm.worker.distributed``, sets it up). When none is
+executor, ``minivllm.worker.tp_executor``, sets it up). When none is
 initialised (one process, the common case) rank is 0 and size is 1.
 
 A layer reads rank and size once, when it is built, and decides from its own
@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from minivllm.config import check_int
 
 
 class CollectiveStats:
@@ -109,8 +111,7 @@ def check_tensor_parallel_sizes(model, tp: int) -> None:
     each is copied to ``tp / num_key_value_heads`` ranks. The vocabulary need
     not divide: the last rank's rows are padded. ``hidden_size`` is not split.
     """
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor_parallel_size={tp!r} is invalid: must be a positive integer")
+    check_int("tensor_parallel_size", tp, 1, allowed="must be a positive integer")
     for name in ("num_attention_heads", "intermediate_size"):
         value = getattr(model, name)
         if value % tp:

@@ -9,7 +9,7 @@ sample into vocabulary scores.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -22,13 +22,6 @@ from minivllm.model.layers.linear import (MergedColumnParallelLinear, QKVParalle
                                           RowParallelLinear)
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-
-
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, "
-                         f"model expects {tuple(param.shape)}")
-    param.data.copy_(loaded)
 
 
 def make_rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
@@ -113,22 +106,18 @@ class LlamaModel(nn.Module):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
-    def forward(self, input_ids, positions, meta, observer=None):
+    def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
-            if observer is not None:
-                observer(i, hidden + residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class LlamaForCausalLM(nn.Module):
-    # Checkpoint tensors that are fused into one of our parameters.
-    stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
-                      ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
-                      ("gate_up_proj", "up_proj", 1))
+    """Hugging Face checkpoint names map onto these modules' names, with q/k/v and
+    gate/up fused (``minivllm/model/loader.py`` does the loading)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -139,13 +128,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, observer=None) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor:
         """Flat [T] token ids and positions -> final hidden states [T, hidden].
 
-        ``observer(layer_index, hidden)``, if given, sees each layer's output
-        (the book compares them with Hugging Face layer by layer).
+        Each decoder layer returns ``(hidden, residual)``; their sum is the residual
+        stream (a forward hook on ``model.layers[i]`` sees it, as chapter 3 does).
         """
-        return self.model(input_ids, positions, meta, observer)
+        return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Vocabulary scores of ``hidden``'s rows; with tensor parallelism they are
@@ -154,34 +143,3 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into our parameters.
-
-        Returns the names of our parameters that were loaded, so the loader
-        can report any left unset.
-        """
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target, shard = self._map_name(name)
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{self.config.architecture}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard)
-            loaded.add(target)
-        if self.config.tie_word_embeddings:
-            loaded.add("lm_head.weight")
-        return loaded
-
-    def _map_name(self, name: str) -> tuple[str, Optional[object]]:
-        for fused, part, shard in self.stacked_params:
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{fused}."), shard
-        return name, None

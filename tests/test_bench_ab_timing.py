@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.benchmarks.ab import Timings, alternate
+from minivllm.benchmarks.ab_timing import Timings, alternate
 from minivllm.benchmarks.op_profile import profile_ops
 
 

@@ -57,7 +57,7 @@ class StepTrace:
 
     def spec_decoding_stats(self):
         """Acceptance counts over all recorded steps (a SpecDecodingStats)."""
-        from minivllm.spec_decode.metrics import SpecDecodingStats
+        from minivllm.core.spec_decode_stats import SpecDecodingStats
 
         stats = SpecDecodingStats()
         for r in self.records:

@@ -1,4 +1,5 @@
-"""What the engine core reports back about each request after a step."""
+"""What the engine core reports back about each request after a step (engine-core
+outputs; what a caller of ``LLM.generate`` gets is ``minivllm.outputs.RequestOutput``)."""
 
 from __future__ import annotations
 

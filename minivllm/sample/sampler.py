@@ -298,13 +298,14 @@ class Sampler:
                              f"[num_rows={md.num_rows}, vocab_size={md.vocab_size}]")
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        logits = self._process(logits, md)
+        logits = self.process_logits(logits, md)
         sampled = self._sample(logits, md)
         return SamplerOutput(sampled, *self._gather_logprobs(raw_logprobs, sampled, md))
 
     @staticmethod
-    def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Penalties and min_tokens: they change what greedy rows pick too."""
+    def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Penalties and min_tokens: they change what greedy rows pick too. (The
+        rejection sampler calls this too: its target is what this sampler samples.)"""
         if not md.no_penalties:
             logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
                                      md.repetition_penalties, md.presence_penalties,
@@ -323,15 +324,21 @@ class Sampler:
         if md.all_greedy:
             return self.argmax(logits)
         greedy = None if md.all_random else self.argmax(logits)
+        sampled = exponential_race(self.sampling_probs(logits, md), md.generators, self.argmax)
+        if md.all_random:
+            return sampled
+        return torch.where(md.greedy_mask, greedy, sampled)
+
+    @staticmethod
+    def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row is drawn from: temperature, then top-k and
+        top-p, then min-p, then softmax (the rejection sampler's target, too)."""
         logits = logits / md.temperature[:, None]
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        sampled = exponential_race(logits.softmax(dim=-1), md.generators, self.argmax)
-        if md.all_random:
-            return sampled
-        return torch.where(md.greedy_mask, greedy, sampled)
+        return logits.softmax(dim=-1)
 
     @staticmethod
     def _gather_logprobs(raw: Optional[torch.Tensor], sampled: torch.Tensor,

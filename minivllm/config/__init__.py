@@ -1,0 +1,25 @@
+"""One validated configuration tree: model, cache, scheduler, parallel, speculative.
+
+One module per section; ``engine.py`` holds the tree (``EngineConfig``) and the
+flat arguments it is built from (``EngineArgs``); ``checks.py`` is the one
+integer/range helper every check uses. Everything public is re-exported here,
+so ``from minivllm.config import EngineArgs`` is the import to write. This
+package imports nothing else of minivllm: it sits at the bottom.
+"""
+
+from minivllm.config.cache import BLOCK_SIZES, CacheConfig
+from minivllm.config.checks import bad, check_bool, check_choice, check_int, is_int, is_number
+from minivllm.config.engine import (ATTENTION_BACKENDS, EngineArgs, EngineConfig,
+                                    engine_args_from_kwargs)
+from minivllm.config.model import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, resolve_dtype
+from minivllm.config.parallel import ParallelConfig
+from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from minivllm.config.speculative import (DEFAULT_DISABLE_BY_BATCH_SIZE, SPECULATIVE_METHODS,
+                                         SpeculativeConfig)
+
+__all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
+           "ParallelConfig", "SpeculativeConfig", "SUPPORTED_ARCHITECTURES", "DTYPES",
+           "ATTENTION_BACKENDS", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS",
+           "DEFAULT_DISABLE_BY_BATCH_SIZE", "BLOCK_SIZES", "engine_args_from_kwargs",
+           "resolve_dtype", "bad", "check_int", "check_bool", "check_choice", "is_int",
+           "is_number"]

@@ -1,0 +1,58 @@
+"""The one place a configuration value is checked: each error names the field,
+the value and what is allowed (the server turns it into a 400)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+
+def bad(name: str, value: Any, allowed: str) -> ValueError:
+    """The error every check raises: ``name=value is invalid: allowed``."""
+    return ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+def is_int(value: Any) -> bool:
+    """An integer, and not a bool (``True`` is an ``int`` to Python, not to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, low: Optional[int] = None, high: Optional[int] = None,
+              optional: bool = False, allowed: Optional[str] = None) -> Any:
+    """``value`` if it is an integer in [low, high] (None too when ``optional``), else
+    the error; ``allowed`` replaces the generated description of what is allowed."""
+    if value is None and optional:
+        return value
+    if is_int(value) and (low is None or value >= low) and (high is None or value <= high):
+        return value
+    if allowed is None:
+        if low is not None and high is not None:
+            allowed = f"must be an integer in [{low}, {high}]"
+        elif low is not None:
+            allowed = f"must be an integer >= {low}"
+        elif high is not None:
+            allowed = f"must be an integer <= {high}"
+        else:
+            allowed = "must be an integer"
+        if optional:
+            allowed += ", or None"
+    raise bad(name, value, allowed)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise bad(name, value, "must be True or False")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    choices = tuple(choices)
+    if value not in choices:
+        raise bad(name, value, f"must be one of {', '.join(map(str, choices))}")
+    return value
+
+
+__all__ = ["bad", "is_int", "is_number", "check_int", "check_bool", "check_choice"]

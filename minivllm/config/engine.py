@@ -1,0 +1,198 @@
+"""The whole tree and the flat, user-facing arguments it is built from.
+
+``EngineArgs`` is the flat list of knobs (the same names as the
+``minivllm serve --kebab-case`` flags and vLLM's engine arguments;
+``add_cli_args`` / ``from_cli_args`` as vLLM names them).
+``EngineArgs.create_engine_config()`` checks them and resolves the defaults that
+depend on the model (``max_model_len``) into an ``EngineConfig``. It reads a
+Hugging Face folder; ``minivllm.model.resolve.resolve_engine_args`` first turns
+``model=None`` (the embedded default) or a ``.gguf`` file into one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+import torch
+
+from minivllm.config.cache import CacheConfig
+from minivllm.config.checks import bad, check_bool, check_choice, check_int
+from minivllm.config.model import ModelConfig, resolve_dtype
+from minivllm.config.parallel import ParallelConfig
+from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from minivllm.config.speculative import SpeculativeConfig
+
+ATTENTION_BACKENDS = ("torch", "triton", "cpu")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str = "cpu"
+    attention_backend: Optional[str] = None
+    # The C++ CPU acceleration (minivllm/cpu): None = on where it builds.
+    cpu_kernels: Optional[bool] = None
+    seed: int = 0
+    trace: bool = False
+    speculative: Optional[SpeculativeConfig] = None
+
+
+@dataclass
+class EngineArgs:
+    """Every engine argument, flat. ``model=None`` means the embedded default model."""
+
+    model: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: Optional[int] = None
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    attention_backend: Optional[str] = None
+    # None: the CPU acceleration where it builds (MINIVLLM_CPU_KERNELS=0 turns it
+    # off); False: the pure reference path; True: require it.
+    cpu_kernels: Optional[bool] = None
+    seed: int = 0
+    trace: bool = False
+    # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
+    speculative_config: Optional[dict] = None
+    scheduling_policy: str = "fcfs"
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    # -- the command line ----------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+        """One ``--kebab-case`` flag per field, typed from its annotation."""
+        group = parser.add_argument_group("engine arguments")
+        hints = typing.get_type_hints(EngineArgs)
+        for f in fields(EngineArgs):
+            if f.name == "model" and not with_model:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+            if base[0] is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                   default=f.default)
+            elif base[0] is dict or typing.get_origin(base[0]) is dict:
+                group.add_argument(flag, type=json_dict(f.name), default=f.default,
+                                   metavar="JSON", help=_DICT_HELP.get(f.name))
+            else:
+                group.add_argument(flag, type=base[0], default=f.default,
+                                   metavar=f.name.upper())
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+    # -- checking and building -----------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """The checked tree; ``self.model`` must be a Hugging Face folder by now."""
+        self.validate()
+        speculative = (None if self.speculative_config is None
+                       else SpeculativeConfig.from_dict(self.speculative_config))
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = ModelConfig.from_pretrained(self.model, self.dtype, device)
+        max_len = self.max_model_len or min(model.max_position_embeddings, 2048)
+        if max_len > model.max_position_embeddings:
+            raise bad("max_model_len", max_len,
+                      f"must be <= the model's max_position_embeddings "
+                      f"({model.max_position_embeddings})")
+        if speculative is not None and speculative.method == "draft_model":
+            speculative.draft_model_config(model, self.tensor_parallel_size, max_len, device)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(self.block_size, self.num_kv_blocks,
+                              self.kv_cache_memory_bytes, self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
+                                      max_len, self.long_prefill_token_threshold,
+                                      self.enable_chunked_prefill, self.scheduling_policy),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            device=device, attention_backend=self.attention_backend,
+            cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
+            speculative=speculative)
+
+    def validate(self) -> None:
+        """Every check that needs no model, so a bad argument fails before any loading."""
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
+                     "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
+            check_int(name, getattr(self, name), 1, optional=name in (
+                "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"),
+                allowed="must be a positive integer")
+        CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
+                    self.enable_prefix_caching)
+        for name in ("enable_chunked_prefill", "trace"):
+            check_bool(name, getattr(self, name))
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,
+                  allowed="must be an integer >= 0 (0: off)")
+        if self.cpu_kernels not in (None, True, False):
+            raise bad("cpu_kernels", self.cpu_kernels, "must be None (auto), True or False")
+        if self.attention_backend is not None:
+            check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not isinstance(self.device, str) or (
+                self.device not in ("auto", "cpu", "cuda")
+                and not self.device.startswith("cuda:")):
+            raise bad("device", self.device, "must be 'auto', 'cpu' or 'cuda[:N]'")
+        resolve_dtype(self.dtype)
+        check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def replace(self, **changes) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)
+
+
+_DICT_HELP = {
+    "speculative_config": "speculative decoding, vLLM's dict as JSON, e.g. "
+                          '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+                          '\'{"method": "draft_model", "model": PATH, '
+                          '"num_speculative_tokens": 3}\'',
+}
+
+
+def json_dict(name: str):
+    """An argparse type: a JSON object, or an error naming the flag."""
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r} is not "
+                                             f"valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r} is "
+                                             "invalid: must be a JSON object")
+        return value
+    return parse
+
+
+def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
+    """``LLM(model, **kwargs)``: unknown keyword arguments name themselves."""
+    allowed = set(EngineArgs.field_names())
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {unknown}; allowed: "
+                        f"{', '.join(sorted(allowed))}")
+    return EngineArgs(model=model, **kwargs)
+
+
+__all__ = ["EngineConfig", "EngineArgs", "engine_args_from_kwargs", "json_dict", "ATTENTION_BACKENDS"]

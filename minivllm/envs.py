@@ -1,0 +1,121 @@
+"""Every ``MINIVLLM_*`` environment variable: name, type, default and meaning, here only.
+
+Nothing else in minivllm reads these variables from ``os.environ``; code
+writes ``envs.MINIVLLM_CPU_KERNELS`` and gets the parsed value, read at that
+moment (so a test's ``monkeypatch.setenv`` takes effect). A bad value is an
+error naming the variable, the value and what is allowed.
+``python -m minivllm.envs`` prints the README's Environment section, and
+``tests/test_envs.py`` checks that the README says the same.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str, str], Any]  # (name, raw text) -> value
+    default: Any
+    doc: str  # one Markdown paragraph for the README
+
+    def read(self) -> Any:
+        raw = os.environ.get(self.name, "").strip()
+        return self.default if raw == "" else self.parse(self.name, raw)
+
+
+def _switch(name: str, raw: str) -> bool:
+    """"0" turns a switch off; "1" (or unset) leaves it on."""
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r} is invalid: must be 0 (off) or 1 (on)")
+    return raw == "1"
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.lower()
+        if value not in choices:
+            raise ValueError(f"{name}={raw!r} is invalid: allowed {', '.join(choices)}")
+        return value
+    return parse
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} is invalid: must be a number of seconds > 0")
+    return value
+
+
+ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("MINIVLLM_CACHE", _text, str(Path.home() / ".cache" / "minivllm"),
+           "where converted GGUF weights are cached (default `~/.cache/minivllm`)."),
+    EnvVar("MINIVLLM_ATTENTION_BACKEND", _text, None,  # checked by the selector
+           "`cpu`, `torch` or `triton`, overrides the default backend (`triton` on CUDA; "
+           "on CPU `cpu`, the batched backend of `minivllm/cpu/` whose cache writes and "
+           "decode rows go through C++ kernels; `torch`, the one-sequence-at-a-time "
+           "reference, where the CPU acceleration is off or cannot be built)."),
+    EnvVar("MINIVLLM_CPU_KERNELS", _switch, True,
+           "`0` is the environment form of `cpu_kernels=False` (`--no-cpu-kernels`): the "
+           "engine runs the pure reference path and imports nothing of `minivllm/cpu/`. "
+           "The kernels are compiled by `make setup` (`python -m minivllm.cpu._custom_ops`, "
+           "needs a C++ compiler with OpenMP and `ninja`) into `~/.cache/torch_extensions`; "
+           "without a compiler minivllm runs the reference path and says why, once."),
+    EnvVar("MINIVLLM_CPU_ISA", _choice("native", "avx2"), "native",
+           "`avx2`: build and use the kernels as on a CPU without AVX-512 "
+           "(`-march=x86-64-v3`), and treat AVX-512, AMX and AVX-NE-CONVERT as absent; for "
+           "testing the AVX2 code on an AVX-512 machine. To measure it, cap the libraries "
+           "too: `env $(python -m minivllm.cpu.features --env avx2) CMD` also caps PyTorch, "
+           "oneDNN and MKL at AVX2 (`make bench-peers ISA=avx2` does this). The default, "
+           "`native`, builds for what the CPU has (checked once, `minivllm/cpu/features.py`)."),
+    EnvVar("MINIVLLM_CPU_PREPACK", _switch, True,
+           "`0`: no packed GEMM weights (and so no decode-step replay); a finer switch of "
+           "the CPU acceleration, for A/B runs."),
+    EnvVar("MINIVLLM_FUSED_DECODE", _switch, True,
+           "`0`: no decode-step replay (every step runs the model); a finer switch of the "
+           "CPU acceleration, for A/B runs."),
+    EnvVar("MINIVLLM_LOGGING_LEVEL", _choice("debug", "info", "warning", "error", "critical"),
+           "info", "the `minivllm` logger's level (default `INFO`)."),
+    EnvVar("MINIVLLM_TP_TIMEOUT", _seconds, 300.0,
+           "seconds a tensor-parallel collective may wait for the other ranks (default 300)."),
+    EnvVar("MINIVLLM_FIGURES_DIR", _text, None,
+           "when set, the book's key figures are also written there as PNG files "
+           "(`minivllm.viz.export`; `make figures` sets it)."),
+)}
+
+
+def __getattr__(name: str) -> Any:
+    """``envs.MINIVLLM_X``: the variable's parsed value now (its default when unset)."""
+    var = ENVIRONMENT_VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.read()
+
+
+def __dir__() -> list[str]:
+    return sorted(ENVIRONMENT_VARIABLES)
+
+
+def readme_section() -> str:
+    """The README's Environment section (its bullet list), generated from the table."""
+    return "\n".join(f"- `{v.name}`: {v.doc}" for v in ENVIRONMENT_VARIABLES.values()) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    sys.stdout.write(readme_section())
+
+
+if __name__ == "__main__":
+    main()
