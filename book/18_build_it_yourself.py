@@ -348,14 +348,12 @@ print(len(swapped.steps), "steps, the same tokens and the same schedule")
 # %% [markdown]
 # ## Swap in the engine's attention
 #
-# Now your scheduler again, but the attention the engine itself would pick on this
+# Now your scheduler again, but the attention backend `LLM()` itself runs with on this
 # machine (the batched CPU backend when the C++ kernels build, the PyTorch reference
 # otherwise), reading the same cache layout through the same block tables:
 
 # %%
-from minivllm.model.attention.selector import get_attention_backend
-
-theirs = get_attention_backend(None, "cpu")
+theirs = llm.engine_core.executor.runner.attn_backend
 with_theirs = MiniEngine(model, tokenizer, eos, NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS,
                          attention=theirs)
 assert tokens_and_text(with_theirs.generate(prompts, params)) == expected
