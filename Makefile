@@ -8,7 +8,7 @@ BOOK_SOURCES := $(filter-out book/conftest.py,$(wildcard book/[0-9][0-9]_*.py))
 NOTEBOOKS    := $(BOOK_SOURCES:.py=.ipynb)
 PYTEST_ARGS  ?=
 
-.PHONY: setup book notebooks chat test test-fast test-book serve figures bench bench-peers llama-peer sysdeps clean
+.PHONY: setup book notebooks chat test test-fast test-book serve figures bench bench-peers llama-peer sysdeps clean student grade
 
 setup: $(STAMP)
 
@@ -63,6 +63,18 @@ test-fast: setup
 test-book: notebooks
 	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 $(notdir $(NOTEBOOKS))
 
+# Teaching with the book (nbgrader, book/grading.py): student notebooks with the
+# solutions removed into book/course/release/<chapter>/; CHAPTERS="05 18" picks some.
+# `make grade SUBMITTED=dir` grades dir/<student>/<chapter>.ipynb into
+# book/course/grades.csv (one line per exercise) and grades.md (a table).
+CHAPTERS  ?=
+SUBMITTED ?= book/course/submissions
+student: setup
+	$(PY) book/grading.py student $(CHAPTERS)
+
+grade: setup
+	$(PY) book/grading.py grade $(SUBMITTED)
+
 serve: setup
 	$(VENV)/bin/minivllm serve
 
@@ -115,4 +127,4 @@ bench-peers: setup
 	  | tee figures/bench_table$(SFX).md
 
 clean:
-	rm -rf $(VENV) book/*.ipynb .pytest_cache
+	rm -rf $(VENV) book/*.ipynb book/course .pytest_cache

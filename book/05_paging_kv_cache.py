@@ -286,27 +286,18 @@ assert kv.get_block_ids("b") == [2, 3, 4] and free_ids() == [5, 1, 0]
 # ## Build it once: a block allocator with reference counts
 #
 # Everything the pool does for a request without prefix caching fits in a few lines:
-# a queue of free block ids and a count per block.
+# a queue of free block ids and a count per block. You write it once, in the small
+# package beside this book, `book/mini/` (chapter 18 assembles its pieces into a whole
+# engine); the chapter shows the file as it is and runs it.
 
 # %%
-class MiniBlockPool:
-    def __init__(self, num_blocks: int):
-        self.free = deque(range(num_blocks))  # head: handed out next
-        self.ref_cnt = [0] * num_blocks
+import sys
+from pathlib import Path
 
-    def allocate(self, n: int):
-        if n > len(self.free):
-            return None  # all or nothing
-        ids = [self.free.popleft() for _ in range(n)]
-        for i in ids:
-            self.ref_cnt[i] = 1
-        return ids
+sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
+from mini.block_pool import BlockPool as MiniBlockPool
 
-    def release(self, ids):
-        for i in ids:
-            self.ref_cnt[i] -= 1
-            if self.ref_cnt[i] == 0:
-                self.free.append(i)  # tail: reused last
+show_source(MiniBlockPool, start="def __init__", end="self.free.append")
 
 
 # %% [markdown]
@@ -335,19 +326,14 @@ print(f"{len(records)} steps: the same block ids and free counts as the engine")
 # someone else computed, perhaps one already freed and waiting in the queue:
 
 # %%
-class SharingBlockPool(MiniBlockPool):
-    def share(self, ids):
-        for i in ids:
-            if self.ref_cnt[i] == 0:
-                self.free.remove(i)  # a freed block taken back
-            self.ref_cnt[i] += 1
+show_source(MiniBlockPool.share)
 
 # %% [markdown]
 # To check the counts too, drive the engine's `BlockPool` and ours with the same
 # operations, sharing included, and compare every count and the order of the free queue:
 
 # %%
-pool, mine = BlockPool(8, enable_caching=False), SharingBlockPool(8)
+pool, mine = BlockPool(8, enable_caching=False), MiniBlockPool(8)
 ops = [("allocate", 3), ("allocate", 2), ("share", [0, 1]), ("release", [4, 3]),
        ("release", [2, 1, 0]), ("share", [3]), ("release", [1, 0]), ("allocate", 4)]
 for op, arg in ops:

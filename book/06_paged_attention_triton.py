@@ -248,29 +248,25 @@ show_source(triton_attn.paged_attention_kernel.fn, start="# 4. Online", end="# 6
 #
 # ## Build it once: the online softmax
 #
-# The same loop for one row, in plain PyTorch (base e, in float64; the kernel's
-# `exp2` is the same up to a factor `log2(e)` folded into its scores). It records each
-# tile's state as an `OnlineSoftmaxStep` (a plain record from `minivllm.viz.kernel`,
-# so the figure below can draw it):
+# The same fold for one tile, in plain PyTorch, written once in the package beside
+# this book, `book/mini/attention.py` (chapter 18 builds the whole engine from
+# `book/mini/`). Base e, not the kernel's `exp2`: the same up to a factor `log2(e)`
+# folded into the scores. `softmax_tile` folds one tile into the three running values:
 
 # %%
-def online_softmax(scores, tile, values):
-    """softmax(scores) and softmax(scores) @ values, one tile of keys at a time."""
-    m = torch.tensor(float("-inf"), dtype=torch.float64)  # running max
-    l = torch.tensor(0.0, dtype=torch.float64)  # running sum of exp(score - m)
-    acc = torch.zeros(values.shape[1], dtype=torch.float64)  # running sum of exp(..) V
-    steps = []
-    for i, start in enumerate(range(0, len(scores), tile)):
-        chunk = scores[start:start + tile].double()
-        new_m = torch.maximum(m, chunk.max())
-        rescale = torch.exp(m - new_m)  # exp(-inf) = 0 on the first tile
-        p = torch.exp(chunk - new_m)
-        l = l * rescale + p.sum()
-        acc = acc * rescale + p @ values[start:start + tile].double()
-        m = new_m
-        steps.append(OnlineSoftmaxStep(i, start, start + len(chunk), chunk.max().item(),
-                                       m.item(), rescale.item(), l.item()))
-    return steps, torch.exp(scores.double() - m) / l, acc / l
+import sys
+
+sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
+from mini.attention import online_softmax, softmax_tile
+
+show_source(softmax_tile)
+
+# %% [markdown]
+# `online_softmax` runs it over one row, tile after tile, in float64, and records each
+# tile's state (the figure below draws those records):
+
+# %%
+show_source(online_softmax)
 
 # %% [markdown]
 # Let us do that by hand for one row of the launch above: the last new token of the

@@ -431,66 +431,61 @@ assert x.num_output_tokens == y.num_output_tokens == 3
 # %% [markdown]
 # ## Build it once: a token-budget scheduler
 #
-# The rules fit in a few lines. Here they are again, written from scratch with plain
-# dicts and no KV cache (the first engine's cache is large enough never to say no):
-# running requests first in admission order, then waiting ones first come first served,
-# each cut to what is left of the budget; a request that reaches the end of its known
-# tokens samples one more, and leaves when its answer is as long as the engine's was.
-#
-# First the budget of one step. `need(rid)` is how many tokens a request still has to
-# compute (its whole prompt if it is new, one token if it is decoding):
+# The rules fit in a few lines, and you write them once, in the package beside this
+# book, `book/mini/scheduler.py` (chapter 18 assembles `book/mini/` into a whole engine
+# that serves real requests). A step hands out the budget: running requests first, in
+# admission order, each cut to what is left (a long prompt gets a chunk); then waiting
+# requests are admitted, first come first served. If a running request needs a block
+# the pool cannot give, the newest running request is preempted (the next section
+# shows why and what it costs).
 
 # %%
-def hand_out(running, waiting, need, budget, max_seqs):
-    """One step's tokens per request: running ones first, then admit waiting ones."""
-    left, step = budget, {}
-    for rid in running:  # 1. running requests, oldest first
-        if left == 0:
-            break
-        step[rid] = min(need(rid), left)
-        left -= step[rid]
-    while waiting and left > 0 and len(running) < max_seqs:  # 2. admit, FCFS
-        rid = waiting.pop(0)
-        running.append(rid)
-        step[rid] = min(need(rid), left)
-        left -= step[rid]
-    return step
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
+from mini.kv_cache import KVCacheManager as MiniKVCacheManager
+from mini.scheduler import Scheduler as MiniScheduler, Sequence
+
+show_source(MiniScheduler.schedule, max_lines=30)
 
 # %% [markdown]
-# Then the loop around it: requests arrive at their step, each step hands out the
-# budget, and applying the step moves `computed` on and samples where a request
-# reached the end of what it knows.
+# After the step ran, `update_from_output` moves each request on by what it computed;
+# a request that reached the end of its known tokens gets the sampled token, and leaves
+# when its answer is long enough:
 
 # %%
-def mini_schedule(arrivals, prompt_len, answer_len, budget, max_seqs):
-    """FCFS token-budget scheduling with chunked prefill: {rid: tokens} per step."""
-    pending, waiting, running, steps = dict(arrivals), [], [], []
-    computed = {rid: 0 for rid in arrivals}  # tokens with K/V in the cache
-    known = dict(prompt_len)  # prompt + tokens sampled so far
-    while pending or waiting or running:
-        waiting += [rid for rid, a in pending.items() if a <= len(steps)]
-        pending = {rid: a for rid, a in pending.items() if a > len(steps)}
-        step = hand_out(running, waiting, lambda rid: known[rid] - computed[rid],
-                        budget, max_seqs)
-        for rid, n in step.items():  # 3. the step ran: apply it
-            computed[rid] += n
-            if computed[rid] == known[rid]:  # reached the end: one token sampled
-                known[rid] += 1
-                if known[rid] - prompt_len[rid] == answer_len[rid]:
-                    running.remove(rid)
-        steps.append(step)
+show_source(MiniScheduler.update_from_output, start="outputs = []")
+
+# %% [markdown]
+# Replay the three students through it. The model is not needed to check the schedule:
+# each request "samples" the token the engine sampled at that point of its answer, and
+# each request is submitted at its arrival step. Your scheduler gets a KV cache of the
+# engine's size, and must reproduce the engine's continuous run step for step, every
+# request's token count in every step:
+
+# %%
+def replay(prompts, answers, budget, max_seqs, num_blocks, block_size):
+    """Your scheduler on the students' workload: {request id: tokens} per step."""
+    sched, steps = MiniScheduler(budget, max_seqs, MiniKVCacheManager(num_blocks, block_size)), []
+    while len(steps) <= max(arrivals.values()) or sched.has_unfinished_requests():
+        for rid in [r for r, a in arrivals.items() if a == len(steps)]:
+            sched.add_request(Sequence(rid, prompts[rid], params[rid], len(answers[rid])))
+        out = sched.schedule()
+        sampled = {s.request_id: (answers[s.request_id][len(s.output_token_ids)], None)
+                   for s in out.scheduled_requests
+                   if s.num_computed_tokens + out.num_scheduled_tokens[s.request_id]
+                   == s.num_tokens}
+        sched.update_from_output(out, sampled)
+        steps.append(dict(out.num_scheduled_tokens))
     return steps
 
 
-# %% [markdown]
-# Fed the three students' arrival steps, prompt lengths and answer lengths, it must
-# reproduce the engine's continuous run step for step, every request's token count
-# in every step:
-
 # %%
-mine = mini_schedule(arrivals, {rid: len(o.prompt_token_ids) for rid, o in outputs.items()},
-                     {rid: len(o.outputs[0].token_ids) for rid, o in outputs.items()},
-                     BUDGET, engine.config.scheduler.max_num_seqs)
+mine = replay({rid: o.prompt_token_ids for rid, o in outputs.items()},
+              {rid: o.outputs[0].token_ids for rid, o in outputs.items()},
+              BUDGET, engine.config.scheduler.max_num_seqs, llm.engine_core.num_blocks,
+              engine.config.cache.block_size)
 engine_steps = [{rid: n for rid, (n, _) in r.scheduled.items()} for r in records]
 for i, (a, b) in enumerate(zip(mine, engine_steps)):
     assert a == b, (i, a, b)
@@ -546,21 +541,27 @@ assert mixed.num_scheduled_tokens == {"D1": 1, "D2": 1, "H": 10, "L": 52}
 # `block_table[position // block_size] * block_size + position % block_size`.
 # `seq_lens` is computed + new, what attention must read; and the rows whose logits
 # are sampled (`logits_indices`) are each request's last row, except for a chunk
-# that stops inside its prompt (L). By hand, then against `ModelRunner.prepare_inputs`:
+# that stops inside its prompt (L). Your `prepare_inputs` (`book/mini/batch.py`, one
+# of chapter 18's pieces) computes them in one pass over the scheduled requests:
 
 # %%
+from mini.batch import prepare_inputs
+
+show_source(prepare_inputs, start="for seq in", end="samplers.append")
+
+# %%
+flat_batch = prepare_inputs(mixed, BS)  # the engine's scheduler output: the same names
 order = [r.request_id for r in mixed.scheduled_requests]
 new = [mixed.num_scheduled_tokens[r] for r in order]
 done = [mixed.num_computed_tokens[r] for r in order]
-qsl = [sum(new[:i]) for i in range(len(new) + 1)]
-positions = [p for n, c in zip(new, done) for p in range(c, c + n)]
 tables = [mixed.block_ids[r] for r in order]
-owner = [i for i, n in enumerate(new) for _ in range(n)]
-slots = [tables[i][p // BS] * BS + p % BS for i, p in zip(owner, positions)]
-tokens = [t for r, n, c in zip(mixed.scheduled_requests, new, done)
-          for t in r.all_token_ids[c:c + n]]
-sampled_rows = [qsl[i + 1] - 1 for i, r in enumerate(mixed.scheduled_requests)
-                if done[i] + new[i] == r.num_tokens]
+tokens, positions = flat_batch.input_ids.tolist(), flat_batch.positions.tolist()
+qsl, slots = flat_batch.meta.query_start_loc.tolist(), flat_batch.meta.slot_mapping.tolist()
+sampled_rows = flat_batch.logits_indices.tolist()
+assert positions[:2] == [20, 10] and positions[2] == BS  # D1, D2, then H after its hit
+
+# %% [markdown]
+# Against the engine's `ModelRunner.prepare_inputs`, field by field:
 
 # %%
 inputs, _ = runner.prepare_inputs(mixed)

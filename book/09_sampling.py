@@ -103,24 +103,19 @@ print({lp.decoded_token: round(lp.logprob, 3) for lp in engine_top.values()})
 # - **min-p**: keep tokens whose probability is at least `min_p` times the top one's.
 #
 # Dropped tokens get logit `-inf` (probability 0) and the rest are renormalised. The
-# engine applies them in this order: temperature, top-k, top-p, min-p.
+# engine applies them in this order: temperature, top-k, top-p, min-p. You write them
+# once, in the package beside this book, `book/mini/sampler.py` (chapter 18 assembles
+# `book/mini/` into a whole engine):
 
 # %%
-def by_hand(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
-    """The kept-and-renormalised distribution, written out step by step."""
-    l = logits / temperature
-    keep = torch.ones_like(l, dtype=torch.bool)
-    order = l.argsort(descending=True)
-    if top_k:
-        keep[order[top_k:]] = False
-    if top_p < 1.0:
-        p = l.masked_fill(~keep, float("-inf")).softmax(-1)[order]
-        mass_before = p.cumsum(0) - p  # probability of the tokens ranked above
-        keep[order[mass_before >= top_p]] = False
-    if min_p > 0.0:
-        p = l.masked_fill(~keep, float("-inf")).softmax(-1)
-        keep &= p >= min_p * p.max()
-    return l.masked_fill(~keep, float("-inf")).softmax(-1)
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
+from mini.sampler import filtered_probs as by_hand
+from minivllm.viz.source import show_source
+
+show_source(by_hand)
 
 # %% [markdown]
 # The engine's sampler does the same with batched tensors (one row per request). For

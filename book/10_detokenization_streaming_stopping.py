@@ -201,28 +201,18 @@ show_source(IncrementalDetokenizer.update, start="self.token_ids.extend")
 # ## Build it once: an incremental detokenizer
 #
 # Without the two special cases, the idea is a dozen lines: two offsets, two decodes,
-# a subtraction, and a refusal when the window ends in `�`.
+# a subtraction, and a refusal when the window ends in `�`. You write it once, in the
+# package beside this book, `book/mini/detokenizer.py` (chapter 18 assembles
+# `book/mini/` into a whole engine):
 
 # %%
-class MiniDetokenizer:
-    def __init__(self, tokenizer):
-        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+import sys
+from pathlib import Path
 
-    def _decode(self, start: int, end: int) -> str:
-        return self.tok.decode(self.ids[start:end], skip_special_tokens=True)
+sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
+from mini.detokenizer import Detokenizer as MiniDetokenizer
 
-    def update(self, new_ids) -> str:
-        self.ids += list(new_ids)
-        context = self._decode(self.prefix, self.read)
-        window = self._decode(self.prefix, len(self.ids))
-        if len(window) <= len(context) or window.endswith("\ufffd"):
-            return ""  # nothing new, or a character still waits for its bytes
-        self.prefix, self.read = self.read, len(self.ids)
-        return window[len(context):]
-
-    def finish(self) -> str:
-        return self._decode(self.prefix, len(self.ids))[len(self._decode(self.prefix,
-                                                                       self.read)):]
+show_source(MiniDetokenizer, max_lines=30)
 
 
 # %% [markdown]
