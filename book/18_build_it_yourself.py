@@ -310,7 +310,7 @@ print("the same tokens and the same stream for all", len(prompts), "requests")
 # %%
 chunks = [step["r7"] for step in mine.steps if step.get("r7", 0) > 1]
 print("r7's prompt chunks:", chunks, "| preemptions:", mine.num_preemptions)
-assert len(chunks) >= 3 and sum(chunks[:3]) <= len(prompts["r7"])
+assert len(chunks) >= 3 and max(chunks) < len(prompts["r7"])  # never the whole prompt at once
 assert mine.num_preemptions > 0
 assert mine.scheduler.kv_cache_manager.num_free_blocks == NUM_BLOCKS
 
