@@ -31,6 +31,7 @@ def storage(path, role: str = "kv_both") -> dict:
 
 
 def run(model, items, params=GREEDY, **kwargs):
+    kwargs.setdefault("num_kv_blocks", 256)  # (not the default 1 GiB cache: many engines here)
     llm = LLM(model, block_size=BS, cpu_kernels=False, **kwargs)
     try:
         outs = llm.generate(items, params, use_tqdm=False)
@@ -216,8 +217,8 @@ def test_p2p_pull_equals_a_single_engine_and_frees_both_sides(tiny_model):
     model, items = tiny_model("llama"), prompts(3, 41, seed=5)
     want, _, _ = run(model, items)
     prefill = LLM(model, block_size=BS, cpu_kernels=False,
-                  kv_transfer_config=p2p("kv_producer"))
-    decode = LLM(model, block_size=BS, cpu_kernels=False, trace=True,
+                  num_kv_blocks=256, kv_transfer_config=p2p("kv_producer"))
+    decode = LLM(model, block_size=BS, cpu_kernels=False, trace=True, num_kv_blocks=256,
                  kv_transfer_config=p2p("kv_consumer"))
     try:
         first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
@@ -252,7 +253,7 @@ def test_p2p_dead_prefill_engine_is_recomputed_within_the_timeout(tiny_model):
     model, items = tiny_model("llama"), prompts(2, 29, seed=6)
     want, _, _ = run(model, items)
     prefill = LLM(model, block_size=BS, cpu_kernels=False,
-                  kv_transfer_config=p2p("kv_producer"))
+                  num_kv_blocks=256, kv_transfer_config=p2p("kv_producer"))
     first = SamplingParams(temperature=0, max_tokens=1,
                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     handed = [o.kv_transfer_params for o in prefill.generate(items, first, use_tqdm=False)]
@@ -275,8 +276,8 @@ def test_a_request_whose_kv_is_arriving_does_not_hold_the_others_back(tiny_model
     model, (slow, fast) = tiny_model("llama"), prompts(2, 33, seed=7)
     want, _, _ = run(model, [slow, fast])
     prefill = LLM(model, block_size=BS, cpu_kernels=False,
-                  kv_transfer_config=p2p("kv_producer"))
-    decode = LLM(model, block_size=BS, cpu_kernels=False,
+                  num_kv_blocks=256, kv_transfer_config=p2p("kv_producer"))
+    decode = LLM(model, block_size=BS, cpu_kernels=False, num_kv_blocks=256,
                  kv_transfer_config=p2p("kv_consumer", timeout_s=120.0))
     try:
         first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
