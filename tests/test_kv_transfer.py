@@ -131,7 +131,7 @@ def test_shared_storage_across_processes_with_chunked_prefill(tiny_model, tmp_pa
     """The producer is another process; the consumer prefills in small chunks."""
     model, items = tiny_model("llama"), prompts(3, 45, seed=1)
     code = (f"from minivllm import LLM, SamplingParams; "
-            f"llm = LLM({str(model)!r}, block_size={BS}, cpu_kernels=False, "
+            f"llm = LLM({str(model)!r}, block_size={BS}, cpu_kernels=False, num_kv_blocks=256, "
             f"kv_transfer_config={storage(tmp_path, 'kv_producer')!r}); "
             f"llm.generate({items!r}, SamplingParams(temperature=0, max_tokens=1), "
             f"use_tqdm=False); llm.shutdown()")
