@@ -302,8 +302,9 @@ def test_a_request_whose_kv_is_arriving_does_not_hold_the_others_back(tiny_model
         decode.shutdown()
 
 
-def test_a_small_offload_tier_keeps_the_most_recent_blocks(tiny_model):
-    """A tier of 12 blocks cannot hold every evicted block: hits are fewer, tokens the same."""
+def test_a_small_offload_tier_stays_bounded(tiny_model):
+    """A tier of 12 blocks cannot hold every evicted block: LRU drops the oldest
+    (round-robin prompts then miss), hits are fewer, tokens the same."""
     model, items = tiny_model("llama"), prompts(4, 40, seed=4)
     plain, _, _ = run(model, items)
     block_bytes = EngineArgs(model).create_engine_config().model.kv_bytes_per_token * BS
@@ -317,5 +318,5 @@ def test_a_small_offload_tier_keeps_the_most_recent_blocks(tiny_model):
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs[:len(items)]] == plain
     assert [o.outputs[0].token_ids for o in outs[len(items):]] == plain
-    assert 0 < connector.stats["hit_tokens"] < sum(full_blocks(len(p)) for p in items)
-    assert len(connector.tier) == 12
+    assert connector.stats["hit_tokens"] < sum(full_blocks(len(p)) for p in items)
+    assert len(connector.tier) == 12 < connector.stats["stored_blocks"]
