@@ -197,7 +197,7 @@ from minivllm.cpu.quantized import CpuQuantizedLinearMethod, QUANTIZED_MAX_ROWS
 from minivllm.model.layers.linear import ColumnParallelLinear
 from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
 from tests.test_quantization import random_blocks
-report = {"isa": cpu_features().isa, "problem": ops.cpu_kernels_problem(), "types": {}}
+report = {"isa": cpu_features().isa, "problem": ops.build_problem(), "types": {}}
 for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     layer = ColumnParallelLinear(512, 48, quant_config=QuantizationConfig("gguf"))
     layer.load_quantized(QuantizedTensor(torch.from_numpy(random_blocks(qtype, 48, 512, 7)),
