@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from minivllm.core.scheduler import SchedulerStats
+from minivllm.core.scheduler_stats import SchedulerStats
 from minivllm.metrics.request_metrics import RequestMetrics
 from tests.conftest import CHAT_PROMPTS, chat_ids
 from tests.helpers import ServerProcess, metric_samples, wait_for

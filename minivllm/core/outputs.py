@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # scheduler.py imports this module
-    from minivllm.core.scheduler import SchedulerStats
+    from minivllm.core.scheduler_stats import SchedulerStats
 
 # Per token: (logprob of the chosen token, {token_id: logprob} of the top-n).
 LogprobInfo = tuple[float, dict[int, float]]

@@ -26,7 +26,6 @@ request that carries draft tokens (``Request.spec_token_ids``) asks for
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from minivllm.config import SchedulerConfig, is_int
@@ -39,40 +38,13 @@ from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
+from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
 from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
 # What the model runner returns per request that reached the end of its
 # known tokens: the sampled token id and its logprob info (None if not asked).
 SampledTokens = dict[str, tuple[int, Optional[LogprobInfo]]]
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for the metrics layer (totals since start, except the first three)."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_requests: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    # Speculative decoding totals (None when no request had drafts yet).
-    spec_decoding_stats: Optional[SpecDecodingStats] = None
-    # Multi-LoRA (vLLM's lora_requests_info): adapter name -> requests; 0: LoRA off.
-    max_lora: int = 0
-    running_lora_adapters: dict[str, int] = field(default_factory=dict)
-    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
-
-
-def _count_adapters(requests) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in requests:
-        if r.lora_request is not None:
-            name = r.lora_request.lora_name
-            counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 class Scheduler:
@@ -218,8 +190,8 @@ class Scheduler:
             prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
             spec_decoding_stats=(None if self.spec_decoding_stats is None
                                  else self.spec_decoding_stats.copy()),
-            max_lora=self.max_loras, running_lora_adapters=_count_adapters(self.running),
-            waiting_lora_adapters=_count_adapters(self.waiting))
+            max_lora=self.max_loras, running_lora_adapters=count_adapters(self.running),
+            waiting_lora_adapters=count_adapters(self.waiting))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -29,7 +29,7 @@ from minivllm.engine.llm_engine import RequestBuilder
 from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.core.request import RequestStatus
-from minivllm.core.scheduler import SchedulerStats
+from minivllm.core.scheduler_stats import SchedulerStats
 from minivllm.inputs import PromptType
 from minivllm.model.resolve import create_engine_config
 from minivllm.outputs import RequestOutput

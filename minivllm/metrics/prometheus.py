@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from minivllm.core.request import FINISH_REASONS
-from minivllm.core.scheduler import SchedulerStats
+from minivllm.core.scheduler_stats import SchedulerStats
 from minivllm.metrics.request_metrics import RequestMetrics
 
 PREFIX = "minivllm:"

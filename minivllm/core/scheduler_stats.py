@@ -1,0 +1,36 @@
+"""What the scheduler reports each step to the metrics layer (``/metrics``, ``/stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from minivllm.core.spec_decode_stats import SpecDecodingStats
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for the metrics layer (totals since start, except the first three)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # Speculative decoding totals (None when no request had drafts yet).
+    spec_decoding_stats: Optional[SpecDecodingStats] = None
+    # Multi-LoRA (vLLM's lora_requests_info): adapter name -> requests; 0: LoRA off.
+    max_lora: int = 0
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+
+
+def count_adapters(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            name = r.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
