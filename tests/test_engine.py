@@ -82,7 +82,7 @@ def test_prefill_limits_are_engine_arguments(tiny_model):
     assert whole == expected and 40 in shares
     with pytest.raises(ValueError, match="long_prefill_token_threshold=-1 is invalid"):
         LLM(tiny_model("llama"), long_prefill_token_threshold=-1)
-    with pytest.raises(ValueError, match="max_num_batched_tokens=16 is invalid without "
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16 is invalid: without "
                                          "chunked prefill"):
         LLM(tiny_model("llama"), enable_chunked_prefill=False, max_num_batched_tokens=16)
 
