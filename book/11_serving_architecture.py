@@ -251,6 +251,7 @@ assert process_gone(core_pid)  # waits up to 30 s for the process to exit
 from minivllm.core.core import EngineCore
 from minivllm.core.core_proc import (AddRequests, EngineCoreProc, EngineCoreReady, Shutdown,
                                      run_engine_core)
+from minivllm.engine.core_builder import build_engine_core
 from minivllm.viz.source import show_source
 
 show_source(EngineCore.step, start="so = self.scheduler.schedule()",
@@ -279,7 +280,8 @@ from minivllm.core.request import Request
 
 ours, theirs = Pipe()
 config = create_engine_config(engine_args_from_kwargs(None, {"num_kv_blocks": 16}))
-core_thread = threading.Thread(target=run_engine_core, args=(config, theirs, True))
+core_thread = threading.Thread(target=run_engine_core,
+                               args=(config, theirs, build_engine_core, True))
 core_thread.start()
 ready = ours.recv()
 assert isinstance(ready, EngineCoreReady) and ready.num_blocks == 16
@@ -546,7 +548,8 @@ n_messages_one_seat, first_done = 4 + 2, "r1"
 ours, theirs = Pipe()
 one_seat = engine_args_from_kwargs(None, {"num_kv_blocks": 16, "max_num_seqs": 1})
 core_thread = threading.Thread(target=run_engine_core,
-                               args=(create_engine_config(one_seat), theirs, True))
+                               args=(create_engine_config(one_seat), theirs,
+                                     build_engine_core, True))
 core_thread.start()
 assert isinstance(ours.recv(), EngineCoreReady)
 ours.send(AddRequests([Request(rid, list(range(100, 120)), SamplingParams(
