@@ -56,11 +56,12 @@ class LoRALayer:
             lora_a, lora_b = factors
             cols = slice(j * self.rank, j * self.rank + lora_a.shape[0])
             if self.row_parallel:  # A split by input columns, as the weight is
-                self.base.weight_loader(a[cols], lora_a)
+                a[cols].copy_(self.base.shard_cols(lora_a))
                 b[:, cols].copy_(lora_b)
             else:  # B split by output rows, at the rows of its shard of the fused output
                 a[cols].copy_(lora_a)
-                self.base.weight_loader(b[:, cols], lora_b, shard)
+                dst, src, size = self.base.shard_rows(shard)
+                b[:, cols].narrow(0, dst, size).copy_(lora_b.narrow(0, src, size))
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor):
         segments = self.active()

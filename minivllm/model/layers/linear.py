@@ -60,13 +60,13 @@ class LinearBase(nn.Module):
                       shard_id: Optional[str] = None) -> None:
         dst, src, size = self.shard_rows(shard_id)
         shard = loaded.narrow(0, src, size)
-        _copy(param.data.narrow(0, dst, size), shard if param.dim() == 1 else self._cols(shard))
+        _copy(param.data.narrow(0, dst, size), shard if param.dim() == 1 else self.shard_cols(shard))
 
     def load_quantized(self, loaded: QuantizedTensor, shard_id=None) -> None:
         dst, src, size = self.shard_rows(shard_id)
-        self.qweight.put(dst, self._cols(loaded.narrow_rows(src, size)))
+        self.qweight.put(dst, self.shard_cols(loaded.narrow_rows(src, size)))
 
-    def _cols(self, loaded):
+    def shard_cols(self, loaded):
         """This rank's input columns of a checkpoint weight (all but row-parallel: all)."""
         return loaded
 
@@ -159,7 +159,7 @@ class RowParallelLinear(LinearBase):
             return
         super().weight_loader(param, loaded, shard_id)
 
-    def _cols(self, loaded):
+    def shard_cols(self, loaded):
         cols = self.in_features
         if isinstance(loaded, QuantizedTensor):
             return loaded.narrow_cols(self.tp_rank * cols, cols,
