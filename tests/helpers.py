@@ -103,3 +103,22 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {
         "zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
         "additionalProperties": False}}}
+
+
+def dequantized_copy(folder, out):
+    """A float checkpoint holding exactly what quantization='q8_0' computes with:
+    every linear weight quantized to Q8_0 and back."""
+    from safetensors.torch import load_file, save_file
+
+    from minivllm.model.layers.quantization.ggml_types import dequantize, quantize_q8_0
+
+    out.mkdir()
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("proj.weight"):
+            tensors[name] = dequantize(quantize_q8_0(t), "Q8_0").reshape(t.shape)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in folder.iterdir():
+        if f.suffix == ".json":
+            (out / f.name).write_text(f.read_text())
+    return out

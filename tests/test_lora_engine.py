@@ -133,3 +133,45 @@ def test_tensor_parallel_equals_peft(setup):
              num_kv_blocks=64) as llm:
         got, _ = run(llm, s["prompts"], s["which"])
     assert got == s["refs"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_keeps_each_adapters_tokens(setup, method):
+    """Speculative decoding with adapters: the verification pass applies each request's
+    adapter to its draft tokens too, so greedy tokens stay PEFT's (the draft model, as
+    in vLLM, runs without adapters: it only proposes)."""
+    s = setup
+    # Repetitive prompts, so the n-gram proposer finds matches and drafts get verified.
+    prompts = [p[:4] * 3 for p in s["prompts"]]
+    refs = [greedy(s["models"][None if lo is None else lo.lora_int_id], p, MAX_TOKENS)
+            for p, lo in zip(prompts, s["which"])]
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    else:
+        spec["model"] = s["base"]
+    with LLM(s["base"], enable_lora=True, max_loras=3, max_cpu_loras=3,
+             num_kv_blocks=96, speculative_config=spec) as llm:
+        got, _ = run(llm, prompts, s["which"])
+        assert got == refs
+        stats = llm.engine_core.scheduler.spec_decoding_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        assert_clean(llm)
+
+
+def test_adapters_on_a_quantized_base(setup, tmp_path):
+    """quantization='q8_0' (the base layers hold Q8_0 blocks): each adapter's tokens are
+    PEFT's on the float checkpoint of exactly those quantized-and-back weights."""
+    from pathlib import Path
+
+    from tests.helpers import dequantized_copy
+
+    s = setup
+    ref_base = dequantized_copy(Path(s["base"]), tmp_path / "q8_0-as-float")
+    refs = [greedy(peft_model(ref_base, None if lo is None else lo.lora_path), p, MAX_TOKENS)
+            for p, lo in zip(s["prompts"][:4], s["which"][:4])]
+    with LLM(s["base"], enable_lora=True, max_loras=3, max_cpu_loras=3,
+             quantization="q8_0", num_kv_blocks=64) as llm:
+        got, _ = run(llm, s["prompts"][:4], s["which"][:4])
+        assert got == refs
+        assert_clean(llm)

@@ -14,6 +14,7 @@ from minivllm.model.layers import linear as linear_mod
 from minivllm.model.layers.quantization import (BLOCK_TYPES, QuantizationConfig,
                                                 QuantizedTensor)
 from minivllm.model.layers.quantization.ggml_types import dequantize, quantize_q8_0
+from tests.helpers import dequantized_copy
 
 GGUF = QuantizationConfig("gguf")
 
@@ -142,23 +143,6 @@ def test_quantization_argument_is_checked():
         resolve_quantization("int4", "auto", False)
     with pytest.raises(ValueError, match="dtype='bfloat16' is invalid"):
         resolve_quantization("q8_0", "bfloat16", False)
-
-
-def dequantized_copy(folder, out):
-    """A float checkpoint holding exactly what quantization='q8_0' computes with:
-    every linear weight quantized to Q8_0 and back."""
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir()
-    tensors = load_file(str(folder / "model.safetensors"))
-    for name, t in tensors.items():
-        if name.endswith("proj.weight"):
-            tensors[name] = dequantize(quantize_q8_0(t), "Q8_0").reshape(t.shape)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for f in folder.iterdir():
-        if f.suffix == ".json":
-            (out / f.name).write_text(f.read_text())
-    return out
 
 
 @pytest.mark.parametrize("cpu_kernels", [False, None])

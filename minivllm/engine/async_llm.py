@@ -121,10 +121,7 @@ class AsyncLLM:
         if request_id in self.queues:
             raise ValueError(f"request_id={request_id!r} is already in use")
         arrival_time = time.monotonic()
-        text, token_ids = self.request_builder.tokenize(prompt)
-        self.request_builder.validate(token_ids, params)
-        self.request_builder.check_priority(priority)
-        self.request_builder.lora_checker.check(lora_request)
+        text, token_ids = self.request_builder.process(prompt, params, priority, lora_request)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
                                                       arrival_time)
         requests = self.request_builder.build(child_ids, token_ids, params, arrival_time,

@@ -60,12 +60,21 @@ class RequestBuilder:
                              f"must be in [0, {vocab})")
         return max_tokens
 
+    def process(self, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                lora_request=None) -> tuple[Optional[str], list[int]]:
+        """Tokenize and check everything about a request before it is registered
+        anywhere, so a bad one leaves no trace; returns (text, prompt token IDs)."""
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        self.check_priority(priority)
+        self.lora_checker.check(lora_request)
+        return text, token_ids
+
     def build(self, child_ids: list[str], prompt_token_ids: list[int],
               params: SamplingParams, arrival_time: float,
               priority: int = 0, lora_request=None) -> list[Request]:
-        max_tokens = self.validate(prompt_token_ids, params)
-        self.check_priority(priority)
-        self.lora_checker.check(lora_request)
+        """The core requests of a request ``process`` accepted."""
+        max_tokens = self.input_processor.check_length(len(prompt_token_ids), params)
         return [Request(cid, prompt_token_ids, child_params(params, i), max_tokens,
                         self.eos_token_ids, arrival_time, priority, lora_request)
                 for i, cid in enumerate(child_ids)]
@@ -91,10 +100,7 @@ class LLMEngine:
                     lora_request=None) -> str:
         request_id = str(next(self._ids)) if request_id is None else request_id
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        text, token_ids = self.request_builder.tokenize(prompt)
-        self.request_builder.validate(token_ids, params)
-        self.request_builder.check_priority(priority)
-        self.request_builder.lora_checker.check(lora_request)
+        text, token_ids = self.request_builder.process(prompt, params, priority, lora_request)
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
                                                       arrival_time)
         for req in self.request_builder.build(child_ids, token_ids, params, arrival_time,

@@ -36,9 +36,12 @@ class LoRALayer:
         self.base, self.layer_index = base, layer_index
         self.modules, self.shard_ids, self.rank = list(modules), list(shard_ids), max_rank
         self.row_parallel = isinstance(base, RowParallelLinear)
-        out_features, in_features = base.weight.shape  # this rank's shard
+        out_features, in_features = base.out_features, base.in_features  # this rank's shard
         n = len(self.modules) * max_rank
-        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        # A quantized base layer (GGUF blocks) computes in float32: so do its factors.
+        weight = getattr(base, "weight", None)
+        kw = (dict(dtype=torch.float32) if weight is None
+              else dict(dtype=weight.dtype, device=weight.device))
         self.lora_a = torch.zeros(max_loras, n, in_features, **kw)
         self.lora_b = torch.zeros(max_loras, out_features, n, **kw)
         self.active = active  # () -> this step's segments (model_manager)

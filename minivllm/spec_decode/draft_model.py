@@ -126,8 +126,9 @@ class DraftModelProposer:
         draft = spec.draft_model_config(config.model, config.parallel.tensor_parallel_size,
                                         config.scheduler.max_model_len, config.device)
         self.k = spec.num_speculative_tokens
+        # The draft only proposes: no adapters (as in vLLM), the target verifies with them.
         draft_config = dataclasses.replace(config, model=draft, parallel=ParallelConfig(1),
-                                           speculative=None, trace=False)
+                                           speculative=None, trace=False, lora=None)
         self.runner = ModelRunner(draft_config)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
