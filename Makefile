@@ -52,7 +52,7 @@ chat: setup
 	$(VENV)/bin/minivllm generate --chat "What is the capital of France?" --max-tokens 64
 
 test: setup sysdeps
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 	@if [ -n "$(BOOK_SOURCES)" ]; then $(MAKE) --no-print-directory test-book; fi
 
 test-fast: setup
