@@ -32,7 +32,7 @@
 # %%
 from minivllm.viz.path import request_path_figure
 
-request_path_figure(["scheduler", "model_runner"])
+request_path_figure(19)  # the scheduler caps adapters; the runner adds their deltas
 
 # %%
 import tempfile
