@@ -348,5 +348,33 @@ def describe(sim: PoolSimulator) -> list[str]:
     return lines + [f"assumption: {a}" for a in ASSUMPTIONS]
 
 
+def add_pool_args(parser) -> None:
+    """``minivllm simulate``'s flags for pools and tiers."""
+    g = parser.add_argument_group("prefill/decode disaggregation and the KV offload tier")
+    g.add_argument("--num-prefill-replicas", type=int, default=0,
+                   help="> 0: disaggregated, this many prefill replicas (then "
+                   "--num-replicas is ignored)")
+    g.add_argument("--num-decode-replicas", type=int, default=1)
+    g.add_argument("--kv-link-bandwidth", type=float, default=DEFAULT_KV_LINK_GBPS,
+                   help="GB/s of each prefill replica's KV link (inf: instant)")
+    g.add_argument("--kv-offloading-size", type=float, default=0.0,
+                   help="GiB of host memory per replica for blocks the KV cache evicts")
+    g.add_argument("--kv-offloading-bandwidth", type=float, default=DEFAULT_OFFLOAD_GBPS,
+                   help="GB/s of host-to-device copies when blocks come back from the tier")
+
+
+def layout_from_args(args) -> PoolLayout:
+    for name in ("kv_link_bandwidth", "kv_offloading_bandwidth", "kv_offloading_size"):
+        v = getattr(args, name)
+        if not v >= 0 or (v == 0 and name != "kv_offloading_size"):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag}={v} is invalid: must be > 0"
+                             + (" (or 0: no tier)" if name == "kv_offloading_size" else ""))
+    return PoolLayout(args.num_prefill_replicas, args.num_decode_replicas,
+                      args.kv_link_bandwidth * GB, int(args.kv_offloading_size * GIB),
+                      args.kv_offloading_bandwidth * GB)
+
+
 __all__ = ["PoolLayout", "PoolSimulator", "PoolResult", "Transfer", "TransferredKV",
-           "OffloadSimExecutor", "goodput_sweep", "describe", "ASSUMPTIONS"]
+           "OffloadSimExecutor", "goodput_sweep", "describe", "ASSUMPTIONS",
+           "add_pool_args", "layout_from_args"]
