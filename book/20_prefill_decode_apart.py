@@ -40,6 +40,7 @@ request_path_figure(["scheduler", "model_runner"],
 
 # %%
 import tempfile
+from pathlib import Path
 
 from minivllm import LLM, SamplingParams
 from minivllm.core.kv_cache_manager import hash_request_tokens
@@ -47,12 +48,12 @@ from minivllm.distributed.kv_transfer.shared_storage import block_file
 from minivllm.viz.source import show_source
 
 BS = 8  # small blocks: several per prompt
-store = tempfile.mkdtemp(prefix="minivllm-ch20-")
+store = Path(tempfile.mkdtemp(prefix="minivllm-ch20-"))
 
 
 def storage(role):
     return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": store}}
+            "kv_connector_extra_config": {"shared_storage_path": str(store)}}
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
