@@ -242,6 +242,18 @@ class KVCacheManager:
             request.all_token_ids[start * bs:end * bs], bs)
         self.num_cached_block[rid] = end
 
+    def uncache_uncomputed(self, request: "Request") -> None:
+        """Take back out of the prefix cache the blocks this step's allocation cached
+        past the request's computed tokens: the request left the step's batch
+        (preempted within it), so their K/V will never be written. Nobody else can
+        hold them yet: prefix hits are found only after all running requests."""
+        rid, bs = request.request_id, self.block_size
+        start = request.num_computed_tokens // bs
+        if rid not in self.req_to_blocks or self.num_cached_block[rid] <= start:
+            return
+        self.block_pool.uncache_blocks(self.req_to_blocks[rid][start:])
+        self.num_cached_block[rid] = start
+
     # -- release -----------------------------------------------------------
     def free(self, request: "Request") -> None:
         """Release a request's blocks, last block first (evicted first)."""

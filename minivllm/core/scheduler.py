@@ -319,6 +319,7 @@ class Scheduler:
     def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
         """Take a request back out of this step's batch; returns its tokens."""
         rid = request.request_id
+        self.kv_cache_manager.uncache_uncomputed(request)  # its K/V stay unwritten
         out.scheduled_requests.remove(request)
         del out.num_computed_tokens[rid], out.block_ids[rid]
         return out.num_scheduled_tokens.pop(rid)

@@ -70,6 +70,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--num-replicas", type=int, default=1,
                    help="data-parallel replicas, each with its own scheduler and KV cache")
     f.add_argument("--router", choices=ROUTERS, default="round_robin")
+    from minivllm.sim.disagg import add_pool_args
+
+    add_pool_args(parser)
     add_workload_args(parser, datasets=("random", "multiturn"))
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     parser.add_argument("--no-steps", action="store_true",
@@ -96,8 +99,14 @@ def build(args: argparse.Namespace):
                   enable_prefix_caching=args.enable_prefix_caching,
                   tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
     kwargs["scheduling_policy"] = args.scheduling_policy
-    sim = Simulator(model, hw, EngineArgs(model=model.path, **kwargs), args.num_replicas,
-                    args.router, args.gpu_memory_utilization)
+    from minivllm.sim.disagg import PoolSimulator, layout_from_args
+
+    layout = layout_from_args(args)
+    sim = (PoolSimulator(model, hw, EngineArgs(model=model.path, **kwargs), args.num_replicas,
+                         args.router, args.gpu_memory_utilization, layout=layout)
+           if layout.disaggregated or layout.kv_offloading_bytes else
+           Simulator(model, hw, EngineArgs(model=model.path, **kwargs), args.num_replicas,
+                     args.router, args.gpu_memory_utilization))
     if args.dataset_name == "random":
         work = random_requests(args.num_prompts, args.random_input_len,
                                args.random_output_len, model.vocab_size,
@@ -134,10 +143,11 @@ def run(args: argparse.Namespace) -> dict:
     result = sim.run(work, args.max_concurrency, progress=not args.disable_tqdm)
     metrics = serve_metrics(result, goodput)
     print(f"simulated {len(work)} requests of {Path(sim.model.path).name} on "
-          f"{args.num_replicas} replica(s) of {args.tensor_parallel_size} x "
+          f"{sim.num_replicas} replica(s) of {args.tensor_parallel_size} x "
           f"{sim.hardware.name}, "
           f"{sim.num_blocks} KV blocks of {args.block_size} tokens per replica")
     print_metrics(metrics)
+    pool_lines = pool_summary(sim, result)
     by_priority = None
     if args.priority_classes:
         by_priority = serve_metrics_by_priority(result, goodput)
@@ -151,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
           f"time, {result.engine_seconds:.1f} s of it in the real scheduler and engine core "
           f"({engine['scheduler_ms_per_step']:.2f} ms per step)")
     header = {"simulated": True, "model": sim.model.path, "hardware": sim.hardware.to_dict(),
-              "num_replicas": args.num_replicas, "router": args.router,
+              "num_replicas": sim.num_replicas, "router": args.router,
               "dataset_name": args.dataset_name, "request_rate": args.request_rate,
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "engine_args": {k: getattr(args, k) for k in (
@@ -159,11 +169,32 @@ def run(args: argparse.Namespace) -> dict:
                   "enable_prefix_caching", "tensor_parallel_size", "scheduling_policy")},
               "priority_classes": args.priority_classes,
               "cost_model_assumptions": "see minivllm/sim/cost_model.py"}
+    if pool_lines:
+        header["pools"] = pool_lines
     out = to_json(result, metrics, header, not args.no_steps, by_priority)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(out, default=_json_number))
         print(f"wrote {args.output}")
+    return out
+
+
+def pool_summary(sim, result) -> dict:
+    """Prints the layout, its assumptions and the pools' counters; {} without pools."""
+    from minivllm.sim.disagg import PoolSimulator, describe
+
+    if not isinstance(sim, PoolSimulator):
+        return {}
+    lines = describe(sim)
+    for line in lines:
+        print(line)
+    out = {"layout": lines, "roles": result.roles, "connector_stats": result.connector_stats}
+    if result.transfers:
+        t = result.transfers
+        out["kv_transfer_gb"] = sum(x.num_bytes for x in t) / 1e9
+        out["mean_transfer_ms"] = 1e3 * sum(x.end - x.prefill_done for x in t) / len(t)
+        print(f"{'KV transferred (GB)':<40} {out['kv_transfer_gb']:>9.4g}")
+        print(f"{'mean KV transfer incl. queue (ms)':<40} {out['mean_transfer_ms']:>9.4g}")
     return out
 
 

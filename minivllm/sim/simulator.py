@@ -131,6 +131,7 @@ class RequestRecord:
     num_preemptions: int
     finish_reason: Optional[str]
     priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def ttft(self) -> float:
@@ -312,7 +313,7 @@ class _Run:
             rid, i, self.sent_at.pop(rid), t.first_scheduled, t.first_token, t.finished,
             t.token_times, req.num_prompt_tokens, req.num_output_tokens,
             max(req.num_cached_tokens, 0), req.num_preemptions, req.get_finish_reason(),
-            req.priority))
+            req.priority, list(req.output_token_ids)))
         if self.in_flight >= self.cap:  # a blocked request can be sent now, not earlier
             self.slot_free_at = max(self.slot_free_at, now)
         self.in_flight -= 1
