@@ -7,11 +7,10 @@ refuses anything else naming the field and what is allowed.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from minivllm.config.checks import bad, check_int, is_number
+from minivllm.config.checks import bad, check_int, config_dict, is_number
 
 KV_CONNECTORS = ("SharedStorageConnector", "OffloadingConnector", "P2pConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -52,21 +51,9 @@ class KVTransferConfig:
 
     @staticmethod
     def from_dict(raw: Any) -> "KVTransferConfig":
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise bad("kv_transfer_config", raw, f"is not valid JSON ({e})") from None
-        if isinstance(raw, KVTransferConfig):
-            raw = asdict(raw)
-        if not isinstance(raw, dict):
-            raise bad("kv_transfer_config", raw, 'must be a dict such as {"kv_connector": '
-                       '"SharedStorageConnector", "kv_role": "kv_both", '
-                       '"kv_connector_extra_config": {"shared_storage_path": DIR}}')
-        unknown = sorted(set(raw) - set(_KV_KEYS))
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown key(s) {unknown}; allowed: "
-                             f"{', '.join(_KV_KEYS)}")
+        raw = config_dict("kv_transfer_config", raw, _KV_KEYS,
+                          '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
+                          '"kv_connector_extra_config": {"shared_storage_path": DIR}}')
         name = raw.get("kv_connector")
         if name not in KV_CONNECTORS:
             raise bad("kv_transfer_config.kv_connector", name,

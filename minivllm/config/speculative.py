@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from minivllm.config.checks import bad, check_int
+from minivllm.config.checks import bad, check_int, config_dict
 from minivllm.config.model import ModelConfig
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -44,21 +43,8 @@ class SpeculativeConfig:
 
     @staticmethod
     def from_dict(raw: Any) -> "SpeculativeConfig":
-        if isinstance(raw, str):  # JSON, as on the command line
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise bad("speculative_config", raw, f"is not valid JSON ({e})") from None
-        if isinstance(raw, SpeculativeConfig):
-            raw = asdict(raw)
-        if not isinstance(raw, dict):
-            raise bad("speculative_config", raw, "must be a dict such as "
-                       '{"method": "ngram", "num_speculative_tokens": 3}')
-        unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: "
-                             f"{', '.join(_SPECULATIVE_KEYS)}")
-        raw = dict(raw)
+        raw = config_dict("speculative_config", raw, _SPECULATIVE_KEYS,
+                          '{"method": "ngram", "num_speculative_tokens": 3}')
         if raw.get("method") is None and raw.get("model") is not None:
             raw["method"] = "draft_model"  # as vLLM: a model alone means a draft model
         method = raw.get("method")
