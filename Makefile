@@ -61,7 +61,7 @@ test-fast: setup
 # A cell that runs 10 minutes has hung (each takes seconds): fail it rather
 # than wait, e.g. on a kernel that died, which nbval would otherwise wait out.
 test-book: notebooks
-	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 $(notdir $(NOTEBOOKS))
+	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=20 $(notdir $(NOTEBOOKS))
 
 # Teaching with the book (nbgrader, book/grading.py): student notebooks with the
 # solutions removed into book/course/release/<chapter>/; CHAPTERS="05 18" picks some.
