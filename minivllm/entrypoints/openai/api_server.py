@@ -42,6 +42,7 @@ import minivllm
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core_client import EngineDeadError
 from minivllm.entrypoints.openai import serving_tokenization
+from minivllm.entrypoints.openai.openapi import serve_completed_schema
 from minivllm.entrypoints.openai.serving_tokenization import DetokenizeRequest, TokenizeRequest
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletionRequest,
                                                   CompletionRequest, ModelList)
@@ -71,6 +72,9 @@ def error_response(status: int, message: str, err_type: str, param: Optional[str
     return JSONResponse(error_body(message, err_type, param, code), status_code=status)
 
 
+MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     """('field: what is wrong', 'field') from pydantic's list of errors."""
     errors = exc.errors()
@@ -82,6 +86,9 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, Option
     # loc is ('body', field, ...); union branches add type names like 'list[int]'.
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)
            and p not in ("str", "int", "float", "bool")]
+    # A message's role tags its branch (messages.0.user.content): not a field name.
+    loc = [p for i, p in enumerate(loc)
+           if not (i and loc[i - 1].isdigit() and p in MESSAGE_ROLES)]
     field = ".".join(loc) or None
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
     if field and "input" in first and first["type"] != "missing":
@@ -205,6 +212,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     chat = OpenAIServingChat(engine, model_name, tool_parser, models)
     completion = OpenAIServingCompletion(engine, model_name, models)
     responses = OpenAIServingResponses(chat)
+    serve_completed_schema(app, lambda: [c.id for c in models.cards()],
+                           engine.config.model.vocab_size)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):

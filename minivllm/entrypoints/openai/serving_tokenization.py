@@ -24,6 +24,11 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
+    # The schema says what tokenize() enforces: exactly one of the two.
+    model_config = RequestModel.model_config | {"json_schema_extra": {"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]}}
+
 
 class TokenizeResponse(ResponseModel):
     count: int

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, StrictBool, StrictInt
 
@@ -11,7 +11,10 @@ from minivllm.entrypoints.openai.protocol.common import (MAX_N, BadRequestError,
 
 class CompletionRequest(SamplingRequest):
     # One prompt (text or token IDs) or a batch of them.
-    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    prompt: Union[str, Annotated[list[str], Field(min_length=1)],
+                  Annotated[list[StrictInt], Field(min_length=1)],
+                  Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]],
+                            Field(min_length=1)]]
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     # The prompt in front of the completion (text, and logprobs when asked):
     # how clients score a text (lm-eval's loglikelihood) with max_tokens 0 or 1.
