@@ -72,9 +72,6 @@ def error_response(status: int, message: str, err_type: str, param: Optional[str
     return JSONResponse(error_body(message, err_type, param, code), status_code=status)
 
 
-MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     """('field: what is wrong', 'field') from pydantic's list of errors."""
     errors = exc.errors()
@@ -86,9 +83,6 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, Option
     # loc is ('body', field, ...); union branches add type names like 'list[int]'.
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)
            and p not in ("str", "int", "float", "bool")]
-    # A message's role tags its branch (messages.0.user.content): not a field name.
-    loc = [p for i, p in enumerate(loc)
-           if not (i and loc[i - 1].isdigit() and p in MESSAGE_ROLES)]
     field = ".".join(loc) or None
     message = f"{field}: {first.get('msg')}" if field else str(first.get("msg"))
     if field and "input" in first and first["type"] != "missing":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, StrictBool, model_serializer
 
@@ -74,58 +74,33 @@ class TextContentPart(RequestModel):
     text: str
 
 
-class _MessageBase(RequestModel):
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only on an assistant message that called tools.
+    content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message: which call it answers
+
+    # The schema says what ChatCompletionRequest.check enforces (its 400 names the
+    # message): a content, or an assistant message's tool calls.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"], "properties": {
+            "role": {"const": "assistant"},
+            "tool_calls": {"type": "array", "minItems": 1}}}]})
 
     def to_template_dict(self) -> dict:
-        content = getattr(self, "content", None)
-        text = (content if isinstance(content, str) or content is None
-                else "".join(part.text for part in content))
+        text = (self.content if isinstance(self.content, str) or self.content is None
+                else "".join(part.text for part in self.content))
         # "developer" is OpenAI's newer name for the system role.
         role = "system" if self.role == "developer" else self.role
         out = {"role": role, "content": text}
-        if getattr(self, "tool_calls", None):
+        if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if getattr(self, "tool_call_id", None) is not None:
+        if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
-
-
-MessageContent = Union[str, list[TextContentPart]]
-
-
-class SystemMessage(_MessageBase):
-    role: Literal["system", "developer"]
-    content: MessageContent
-
-
-class UserMessage(_MessageBase):
-    role: Literal["user"]
-    content: MessageContent
-
-
-class AssistantMessage(_MessageBase):
-    """An earlier answer: its text, or the tool calls it made (then the text may be absent)."""
-
-    role: Literal["assistant"]
-    content: Optional[MessageContent] = None
-    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
-
-    # The schema says what check() enforces: text, or at least one call.
-    model_config = ConfigDict(json_schema_extra={"anyOf": [
-        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-        {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]})
-
-
-class ToolMessage(_MessageBase):
-    role: Literal["tool"]
-    content: MessageContent
-    tool_call_id: Optional[str] = None  # which call it answers
-
-
-# One message of a conversation, its fields by its role (as in OpenAI's schema).
-ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage],
-                        Field(discriminator="role")]
 
 
 class ChatCompletionRequest(SamplingRequest):
