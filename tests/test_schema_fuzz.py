@@ -37,7 +37,7 @@ def test_no_server_error_on_any_endpoint(tmp_path, tiny_chat_model):
     finally:
         srv.stop()
     report = run.stdout + run.stderr
-    assert run.returncode == 0, report[-4000:]
+    assert run.returncode == 0, report
     for endpoint in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/v1/responses"):
         assert f"POST {endpoint}" in report  # fuzzed
-    assert "validation mismatch" not in report.lower(), report[-4000:]
+    assert "validation mismatch" not in report.lower(), report

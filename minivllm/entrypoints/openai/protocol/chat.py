@@ -103,6 +103,15 @@ class ChatMessage(RequestModel):
         return out
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What the schema's anyOf on a message says, with a 400 naming the message."""
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise BadRequestError(f"messages[{i}].content is missing: only an assistant "
+                                  "message with tool_calls may leave it out",
+                                  f"messages[{i}].content")
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -145,11 +154,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise BadRequestError(
                 f"max_tokens={self.max_tokens} and max_completion_tokens="
                 f"{self.max_completion_tokens} disagree: give one of them", "max_tokens")
-        for i, m in enumerate(self.messages):
-            if m.content is None and not (m.role == "assistant" and m.tool_calls):
-                raise BadRequestError(f"messages[{i}].content is missing: only an assistant "
-                                      "message with tool_calls may leave it out",
-                                      f"messages[{i}].content")
+        check_messages(self.messages)
 
     def prompt(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]
