@@ -207,7 +207,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     completion = OpenAIServingCompletion(engine, model_name, models)
     responses = OpenAIServingResponses(chat)
     serve_completed_schema(app, lambda: [c.id for c in models.cards()],
-                           engine.config.model.vocab_size)
+                           engine.config.model.vocab_size, engine.max_model_len)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):

@@ -165,7 +165,8 @@ class ResponsesRequest(RequestModel):
     stream: StrictBool = False
     store: StrictBool = True  # OpenAI's default
     previous_response_id: Optional[str] = None
-    background: Optional[StrictBool] = None
+    # Not supported: true is a 400 saying so (the schema: false or null only).
+    background: Optional[StrictBool] = Field(None, json_schema_extra={"enum": [False, None]})
     # OpenAI fields with no effect here (RESPONSES_NO_OP_FIELDS).
     reasoning: Optional[dict] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
