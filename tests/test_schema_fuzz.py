@@ -11,6 +11,7 @@ bodies its schema allows, and that warning fails the test too.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -40,3 +41,5 @@ def test_no_server_error_on_any_endpoint(tmp_path, tiny_chat_model):
     print(report)  # (shown with -s, or on a failure)
     assert run.returncode == 0, report
     assert "validation mismatch" not in report.lower(), report
+    selected, tested = re.search(r"Selected: (\d+)/\d+\s+Tested: (\d+)", report).groups()
+    assert selected == tested, report  # every operation was fuzzed
