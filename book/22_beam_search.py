@@ -21,7 +21,9 @@
 #
 # For an inference engine the interesting part is memory. Beams are copies of one
 # another with different endings: they share most of their KV cache. minivllm runs each
-# beam as an ordinary request and lets the prefix cache (chapter 8) find what they share.
+# beam's step as a request that *forks* its parent's KV blocks, as vLLM's first engine
+# forked sequences: every block shared by reference count, and a partly filled block
+# copied only when a second beam writes into it (copy on write).
 #
 # **What you will see**
 #
@@ -29,7 +31,7 @@
 # - the engine's beam step, in its own code;
 # - the beam tree, step by step, and the KV blocks the beams of one step hold: full
 #   blocks shared (one physical block, one reference per beam), the partly filled last
-#   block each beam's own;
+#   block copied for all but one of the beams that continue it;
 # - how EOS and the length penalty decide between finished and running beams.
 
 # %%
@@ -39,7 +41,7 @@ request_path_figure(["scheduler", "sampler"])  # beams are requests; candidates 
 
 # %%
 from minivllm import LLM, BeamSearchParams, SamplingParams
-from minivllm.entrypoints.beam_search import BeamSearch, beam_score
+from minivllm.entrypoints.beam_search import BeamSearch, beam_score, fork_params
 from minivllm.viz.beam import beam_blocks_figure, beam_tree_figure, beam_tree_nodes
 from minivllm.viz.source import show_source
 
@@ -106,9 +108,15 @@ show_source(beam_score)
 # %% [markdown]
 # ## The tree, step by step, and its blocks
 #
-# We now run the same search by hand, one step at a time, and watch the scheduler
-# while it runs: after each `schedule()`, the block table of every running request (one
-# per beam). Watching changes nothing; the patched method calls the real one.
+# We now run the same search by hand, one step at a time, as `LLM.beam_search` does,
+# and watch the scheduler while it runs: after each `schedule()`, the block table of
+# every running request (one per beam) and the blocks copied before the forward.
+# Watching changes nothing; the patched method calls the real one.
+#
+# Each step's requests finish with `kv_hold_blocks`: the block pool keeps their blocks.
+# A next-step beam names its parent (`kv_fork_of`) and starts from the parent's blocks
+# with its K/V already computed, so it runs one token. The last child of a parent takes
+# its blocks over; a parent nobody continues (a dropped beam) is released.
 
 # %%
 sched = llm.engine_core.scheduler
@@ -118,23 +126,28 @@ real_schedule, tables = sched.schedule, []
 
 def watched_schedule():
     out = real_schedule()
-    tables.append([(r.prompt_token_ids, [b.block_id for b in kv.get_blocks(r.request_id)],
-                    [b.ref_cnt for b in kv.get_blocks(r.request_id)]) for r in sched.running])
+    tables.append(([(r.prompt_token_ids, [b.block_id for b in kv.get_blocks(r.request_id)],
+                     [b.ref_cnt for b in kv.get_blocks(r.request_id)]) for r in sched.running],
+                   out.blocks_to_copy, dict(out.num_scheduled_tokens)))
     return out
 
 
 # %%
 params = BeamSearchParams(beam_width=WIDTH, max_tokens=STEPS)
 search = BeamSearch(prompt, params, set(llm.llm_engine.request_builder.eos_token_ids))
-kept, step_tables = [], []
+kept, step_tables, held = [], [], set()
 sched.schedule = watched_schedule
 while not search.done:
     tables.clear()
+    llm.engine_core.release_held_blocks(held - set(search.parents))  # dropped beams
     outs = llm.generate([{"prompt_token_ids": b.tokens} for b in search.beams],
-                        search.step_params(), use_tqdm=False)
-    step_tables.append(max(tables, key=len))  # the step's widest schedule: all beams
+                        fork_params(search.step_params(), search.parents), use_tqdm=False)
+    llm.engine_core.release_held_blocks(held)  # (no-op where a child took them over)
+    held = {o.request_id for o in outs}
+    step_tables.append(max(tables, key=lambda t: len(t[0])))  # the schedule of all beams
     search.advance(outs)
     kept.append([b.tokens for b in search.beams])
+llm.engine_core.release_held_blocks(held)
 sched.schedule = real_schedule
 by_hand = search.result(tok).sequences
 assert [b.tokens for b in by_hand] == [b.tokens for b in beams]  # the same search
@@ -145,20 +158,23 @@ beam_tree_figure(nodes, lambda t: repr(tok.decode([t])), best=beams[0].tokens,
                  title="Beams kept after each step; the best final beam in red")
 
 # %% [markdown]
-# Now the memory. Take a step where all beams ran together. Each row is one beam's block
-# table (block size 16): the first blocks hold the prompt and the beams' common start,
-# so every beam points at the *same* physical block, whose reference count is the
-# number of beams holding it. The last block is partly filled and differs per beam: each
-# beam wrote its own tokens into a fresh block of its own (outlined). That is the copy
-# in "copy on write", made by recomputing a few tokens instead of copying memory.
+# Now the memory. Take the last step in which a block was copied. Each row is one
+# beam's block table (block size 16): the first blocks hold the prompt and the beams'
+# common start, so every beam points at the *same* physical block, whose reference count
+# is the number of beams holding it. The last block is partly filled: the parent's K/V
+# of its first tokens, and this step's new token. Two beams grown from one parent would
+# write into the same block, so before the forward the worker copies it to a fresh block
+# for each of them but the last (outlined: a copy made this step), which writes in place.
 
 # %%
-step = step_tables[3]
+at = max(i for i, t in enumerate(step_tables) if t[1])
+step, copies, computed = step_tables[at]
 block_size = llm.llm_engine.config.cache.block_size
 names = [f"beam {i + 1}" for i in range(len(step))]
-own = [len(tokens) % block_size != 0 for tokens, _, _ in step]
+own = [ids[-1] in {dst for _, dst in copies} for _, ids, _ in step]
+print("copied (source, destination):", copies, "| tokens computed:", computed)
 beam_blocks_figure([ids for _, ids, _ in step], own, names,
-                   title="Step 4: each beam's blocks (same number = one shared block)")
+                   title=f"Step {at + 1}: each beam's blocks (same number = one shared block)")
 
 # %%
 for tokens, ids, refs in step:
@@ -168,6 +184,9 @@ for tokens, ids, refs in step:
         assert all(o[1][j] == ids[j] for o in sharing) and refs[j] == len(sharing)
     if len(tokens) % block_size:  # the partly filled block: this beam's alone
         assert refs[full] == 1 and sum(o[1][full] == ids[full] for o in step) == 1
+# Each copy's source is a partial block one beam kept; nothing was recomputed.
+assert all(any(ids[-1] == src for _, ids, _ in step) for src, _ in copies)
+assert set(computed.values()) == {1}  # every beam ran its one new token only
 print("shared prompt blocks:", step[0][1][:len(prompt) // block_size])
 assert kv.num_free_blocks == kv.num_blocks  # dropped beams gave every block back
 
@@ -239,9 +258,10 @@ assert answer_3 == (len(_refs), sum(_refs.values()))  # each reference counted o
 # - EOS ends a beam only when it ranks among the first `beam_width` candidates (Hugging
 #   Face's rule); finished and running beams are compared by `cum_logprob /
 #   generated_len ** length_penalty`. With `beam_width=1` it is greedy decoding.
-# - Every beam is an ordinary request. The beams share their common full KV blocks
-#   through the prefix cache (one block, one reference per beam); each beam's partly
-#   filled last block is its own, refilled by a little recomputation.
+# - Every beam step is a request that forks its parent's KV blocks (held when the parent
+#   finished): full blocks shared (one block, one reference per beam), a shared partly
+#   filled block copied before the first write into it (copy on write, `blocks_to_copy`),
+#   the last child writing in place; a dropped beam's blocks go back to the pool.
 # - `LLM.beam_search` returns vLLM's shape: per prompt, `sequences` best first, with
 #   `tokens` (prompt included), `text` and `cum_logprob`; the server takes
 #   `use_beam_search` with `n` beams on `/v1/completions`.

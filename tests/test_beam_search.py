@@ -1,6 +1,7 @@
 """Beam search: the best beams equal Hugging Face's ``generate(num_beams=...)``, and
-the beams of a step share their common full KV blocks while each owns its partly
-filled last block (counted in the block pool while the engine runs them)."""
+each step's beams fork their parent's KV blocks: full ones shared, a shared partly
+filled one copied on the first write (counted in the block pool while the engine
+runs them; tests/test_kv_fork.py has the scheduler-level cases)."""
 
 from __future__ import annotations
 
@@ -57,17 +58,19 @@ def test_best_beams_equal_hugging_face_tiny(tiny_model, length_penalty):
         assert check_same_as_hf(llm, folder, prompts, length_penalty) >= 3
 
 
-def test_beams_share_full_blocks_and_own_their_partly_filled_one(tiny_model):
+def test_beams_fork_blocks_and_copy_a_shared_partial_block_on_write(tiny_model):
+    from tests.test_kv_fork import check_books
+
     with LLM(tiny_model(), num_kv_blocks=128, block_size=4) as llm:
         sched = llm.engine_core.scheduler
         kv = sched.kv_cache_manager
         schedule, steps = sched.schedule, []
 
-        def observed():  # after each schedule: every running request's blocks
+        def observed():  # after each schedule: the running beams' tables and the copies
             so = schedule()
-            steps.append([(r.prompt_token_ids, kv.get_blocks(r.request_id),
-                           [b.ref_cnt for b in kv.get_blocks(r.request_id)])
-                          for r in sched.running])
+            check_books(kv)  # ref counts = holders (running beams and held parents)
+            steps.append((so, [(list(r.all_token_ids), r.kv_fork_of, kv.get_blocks(r.request_id))
+                               for r in sched.running]))
             return so
 
         sched.schedule = observed
@@ -75,27 +78,27 @@ def test_beams_share_full_blocks_and_own_their_partly_filled_one(tiny_model):
         out = llm.beam_search({"prompt_token_ids": prompt},
                               BeamSearchParams(beam_width=WIDTH, max_tokens=8, ignore_eos=True))
         sched.schedule = schedule
-        shared_seen = own_seen = 0
-        for step in steps:
-            if len(step) < 2:
-                continue
-            for i, (tokens, blocks, refs) in enumerate(step):
-                full = len(tokens) // 4
-                for j, block in enumerate(blocks[:full]):
-                    # Beams whose tokens agree up to the end of block j hold the same block,
-                    # its reference count one per such beam.
-                    same = [o for o in step if o[0][:4 * (j + 1)] == tokens[:4 * (j + 1)]]
-                    assert all(o[1][j] is block for o in same)
-                    assert refs[j] == len(same)
-                    shared_seen += len(same) > 1
-                if len(tokens) % 4:  # the partly filled block: this beam's own
-                    others = [o[1][full] for k, o in enumerate(step) if k != i]
-                    assert all(block is not blocks[full] for block in others)
-                    assert refs[full] == 1
-                    own_seen += 1
-        assert shared_seen and own_seen
+        num_copies = 0
+        for so, beams in steps:
+            forks: dict[str, list] = {}
+            for tokens, parent, blocks in beams:
+                if parent is not None:
+                    forks.setdefault(parent, []).append((tokens, blocks))
+            want = []
+            for children in forks.values():
+                n = len(children[0][0]) - 1  # the parent's tokens
+                for j in range(n // 4):  # its full blocks: shared by all its children
+                    assert all(c[1][j] is children[0][1][j] for c in children)
+                if n % 4:  # its partial block: the last child's, copied for the others
+                    src = children[-1][1][n // 4].block_id
+                    want += [(src, c[1][n // 4].block_id) for c in children[:-1]]
+            assert sorted(so.blocks_to_copy) == sorted(want)
+            num_copies += len(want)
+            if forks:  # a forked beam computes only its new token
+                assert set(so.num_scheduled_tokens.values()) == {1}
+        assert num_copies > 0 and sum(bool(s[1]) for s in steps) == 8
         # Dropped and finished beams gave every block back (full ones stay cached).
-        assert kv.num_free_blocks == kv.num_blocks
+        assert kv.held == {} and kv.num_free_blocks == kv.num_blocks
         assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
         assert len(out[0].sequences) == WIDTH
         assert all(len(b.tokens) == len(prompt) + 8 for b in out[0].sequences)

@@ -165,7 +165,7 @@ def test_forced_tool_calls_full_and_streamed(server):
     assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
     jsonschema.validate(json.loads(call["function"]["arguments"]),
                         WEATHER["function"]["parameters"])
-    # Streamed: the same arguments, in pieces, after one chunk with id and name.
+    # Streamed: the same arguments, once whole, after one chunk with id and name.
     pieces, reasons, names = [], [], []
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
             "messages": HELLO, "max_tokens": 100, "seed": 1, "stream": True,

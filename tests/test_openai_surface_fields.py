@@ -129,3 +129,31 @@ def test_tokenize_detokenize(server, llm):
     # An empty conversation has no chat-template rendering: a 400 naming the field, not a 500.
     r = post(server, "/tokenize", {"messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    # A message the template cannot render (no content): a 400 naming it, as chat says.
+    r = post(server, "/tokenize", {"messages": [{"role": "tool"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+
+
+def test_openapi_states_what_the_server_enforces(server, llm):
+    """The schema a client (or a fuzzer) reads says which bodies the server takes."""
+    import jsonschema
+
+    schemas = httpx.get(server.url + "/openapi.json", timeout=60).json()["components"]["schemas"]
+    vocab = llm.llm_engine.config.model.vocab_size
+    served = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+    chat, tokenize = schemas["ChatCompletionRequest"], schemas["TokenizeRequest"]
+    assert chat["properties"]["model"]["anyOf"][0]["enum"] == served == ["tiny"]
+    assert chat["properties"]["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == vocab - 1
+    # Each case: what the schema says of a body, and what the server answers it.
+    message = {"components": {"schemas": schemas}, **schemas["ChatMessage"]}
+    tok_body = {"components": {"schemas": schemas}, **tokenize}
+    for schema, path, body in (
+            (message, "/v1/chat/completions", {"role": "tool"}),
+            (message, "/v1/chat/completions", {"role": "user", "content": "hi"}),
+            (tok_body, "/tokenize", {}),
+            (tok_body, "/tokenize", {"prompt": "a", "messages": [{"role": "user",
+                                                                  "content": "a"}]}),
+            (tok_body, "/tokenize", {"prompt": "a"})):
+        valid = jsonschema.Draft202012Validator(schema).is_valid(body)
+        sent = body if path == "/tokenize" else {"messages": [body], "max_tokens": 1}
+        assert (post(server, path, sent).status_code == 200) == valid, (path, body)

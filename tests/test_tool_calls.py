@@ -143,7 +143,7 @@ def test_hermes_parser_reads_the_calls_the_template_writes(tools_tokenizer):
     assert content == "Let me see."
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in info.tool_calls]
-    assert all(c["pieces"] > 1 for c in calls.values())  # arguments in pieces, not whole
+    assert all(c["pieces"] == 1 for c in calls.values())  # arguments once the call is whole
 
 
 def test_plain_template_is_told_the_format_and_shown_earlier_calls(default_tokenizer):
@@ -234,11 +234,36 @@ def test_a_call_cut_short_is_not_a_call():
     assert info.tool_calls == [] and not info.tools_called and info.content == cut
     named = NamedCallReader(_tools(*TOOLS), "get_weather").extract_tool_calls('{"city": "Pa')
     assert not named.tools_called and named.content == '{"city": "Pa'
-    # A free (hermes) answer with a cut call is all content.
+    # A free (hermes) answer: the complete call is a call, the cut one the content.
     free = Hermes2ProToolParser(_tools(*TOOLS))
     text = "<tool_call>" + json.dumps({"name": "get_time", "arguments": {"zone": "UTC"}})
     info = free.extract_tool_calls(text + "</tool_call><tool_call>" + cut)
-    assert not info.tools_called and info.content.endswith(cut)
+    assert [c.function.name for c in info.tool_calls] == ["get_time"]
+    assert info.content == cut and not info.whole
+    # Cut before its first call is whole: all content.
+    info = free.extract_tool_calls("Sure. <tool_call>" + cut)
+    assert not info.tools_called and info.content == "Sure. <tool_call>" + cut
+
+
+@pytest.mark.parametrize("reader, text", [
+    (RequiredCallsReader, '[{"name": "get_time", "parameters": {"zone": "UTC"}}, '
+                          '{"name": "get_weather", "parameters": {"city": "Paris",'),
+    (Hermes2ProToolParser, 'Let me see.<tool_call>{"name": "get_time", "arguments": '
+                           '{"zone": "UTC"}}</tool_call><tool_call>{"name": "get_weather", '
+                           '"arguments": {"city": "Pa')])
+def test_a_streamed_cut_call_is_content_as_in_the_whole_answer(tools_tokenizer, reader, text):
+    """Token by token, a call goes out only once complete: the cut one's text arrives
+    as content at the end, so the stream adds up to the non-streamed answer."""
+    parser = reader(_tools(*TOOLS))
+    info = parser.extract_tool_calls(text)
+    content, calls = _stream(parser, _token_pieces(tools_tokenizer, text))
+    before = text[:text.find("<tool_call>")] if "<tool_call>" in text else ""
+    assert info.tools_called and not info.whole
+    assert info.content == before + text[text.index('{"name": "get_weather"'):]
+    assert content == info.content
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in info.tool_calls]
+    assert all(json.loads(c["arguments"]) for c in calls.values())
 
 
 # -- through the server (a tiny random model) ----------------------------------------------
@@ -303,7 +328,31 @@ def test_forced_calls_stream_in_pieces_that_add_up(plain_server, choice):
         assert content == "" and reasons[-1] == "tool_calls"
         assert set(reasons[:-1]) == {None}
         _assert_same_calls(whole["message"], calls)
-        assert all(c["pieces"] > 1 for c in calls.values())
+        assert all(c["pieces"] == 1 for c in calls.values())  # sent once complete
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_openai_sdk_streamed_cut_calls_equal_the_whole_answer(plain_server, choice):
+    """Cut by max_tokens at several lengths: the OpenAI client reads the same message
+    streamed and not, and a streamed call is always a whole call."""
+    from openai import OpenAI
+
+    cut = 0
+    with OpenAI(base_url=plain_server.url + "/v1", api_key="none", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        for max_tokens in (6, 14, 30):
+            kwargs = dict(model=model, messages=HELLO, tools=[WEATHER, TIME],
+                          tool_choice=choice, temperature=1.0, seed=3, max_tokens=max_tokens,
+                          extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+            whole = client.chat.completions.create(**kwargs).choices[0]
+            content, calls, reasons = _sdk_stream(client, **kwargs)
+            assert reasons[-1] == whole.finish_reason and set(reasons[:-1]) <= {None}
+            assert content == (whole.message.content or "")
+            if whole.message.tool_calls or calls:
+                _assert_same_calls(whole.message.model_dump(), calls)
+            cut += whole.finish_reason == "length"
+    assert cut  # (some answers were cut: what this test is about)
 
 
 def test_required_chooses_among_several_tools(plain_server):
@@ -405,7 +454,7 @@ def test_openai_sdk_streamed_calls_equal_the_whole_answer(default_server, choice
         whole = client.chat.completions.create(**kwargs).choices[0]
         content, calls, reasons = _sdk_stream(client, **kwargs)
     assert whole.finish_reason == "tool_calls" and reasons[-1] == "tool_calls"
-    assert content == "" and all(c["pieces"] > 1 for c in calls.values())
+    assert content == "" and all(c["pieces"] == 1 for c in calls.values())
     _assert_same_calls(whole.message.model_dump(), calls)
 
 

@@ -63,6 +63,9 @@ class BeamSearch:
         self.prompt_len = len(prompt_token_ids)
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
+        # Per beam: the engine request whose held blocks have its tokens but the
+        # last one (the beam it grew from, last step), or None.
+        self.parents: list[Optional[str]] = [None]
         self.finished: list[BeamSearchSequence] = []
         self.steps = 0
 
@@ -82,11 +85,11 @@ class BeamSearch:
         candidates = []
         for beam, out in zip(self.beams, outputs):
             ranked = out.outputs[0].logprobs[0]
-            candidates += [(beam.cum_logprob + lp.logprob, beam, token, ranked)
+            candidates += [(beam.cum_logprob + lp.logprob, beam, token, ranked, out.request_id)
                            for token, lp in ranked.items()]
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam, then rank order
-        running = []
-        for rank, (cum, beam, token, ranked) in enumerate(candidates):
+        running, self.parents = [], []
+        for rank, (cum, beam, token, ranked, parent) in enumerate(candidates):
             seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [ranked], cum)
             if token in self.eos:
                 if rank < width:
@@ -94,12 +97,13 @@ class BeamSearch:
                     self.finished.append(seq)
                 continue
             running.append(seq)
+            self.parents.append(parent)
             if len(running) == width:
                 break
         self.beams = running
         self.steps += 1
         if self._no_better_to_come():
-            self.beams = []
+            self.beams, self.parents = [], []
 
     def _score(self, seq: BeamSearchSequence) -> float:
         return beam_score(seq.cum_logprob, len(seq.tokens) - self.prompt_len,
@@ -125,18 +129,45 @@ class BeamSearch:
         return BeamSearchOutput(best)
 
 
+def fork_params(base: SamplingParams, parents: list[Optional[str]]) -> list[SamplingParams]:
+    """Per beam: keep its blocks when done, and start from its parent's held ones;
+    the last beam of each parent takes the parent's blocks over (no copy)."""
+    last = {p: i for i, p in enumerate(parents) if p is not None}
+    return [base.clone(extra_args={"kv_hold_blocks": True, "kv_fork_of": p,
+                                   "kv_fork_takes_over": last.get(p) == i})
+            for i, p in enumerate(parents)]
+
+
 def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """``LLM.beam_search``: every live beam of every prompt in one batch per step."""
+    """``LLM.beam_search``: every live beam of every prompt in one batch per step.
+
+    Here (the engine core in this process) the beams fork KV blocks as vLLM V0's
+    beams did: each step's requests keep their blocks when they finish, the next
+    step's beams start from their parent's (full and partly filled blocks
+    shared; the partial one copied on the first write of all but the last
+    child), and a parent nobody continues is released before the step.
+    """
     engine = llm.llm_engine
+    core = engine.engine_core
     searches = [BeamSearch(engine.request_builder.tokenize(p)[1], params,
                            set(engine.request_builder.eos_token_ids)) for p in prompts]
-    while not all(s.done for s in searches):
-        live = [s for s in searches if not s.done]
-        beams = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
-        outs = llm.generate(beams, live[0].step_params(), use_tqdm=False)
-        for s in live:
-            mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
-            s.advance(mine)
+    held: set[str] = set()  # requests holding blocks now
+    try:
+        while not all(s.done for s in searches):
+            live = [s for s in searches if not s.done]
+            parents = [p for s in live for p in s.parents]
+            core.release_held_blocks(held - set(parents))  # dropped beams
+            beams = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
+            outs = llm.generate(beams, fork_params(live[0].step_params(), parents),
+                                use_tqdm=False)
+            # (Taken over by their last fork, unless that one ran without forking.)
+            core.release_held_blocks(held)
+            held = {o.request_id for o in outs}
+            for s in live:
+                mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
+                s.advance(mine)
+    finally:
+        core.release_held_blocks(held)
     return [s.result(engine.tokenizer) for s in searches]
 
 

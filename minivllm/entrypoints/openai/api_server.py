@@ -42,6 +42,7 @@ import minivllm
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core_client import EngineDeadError
 from minivllm.entrypoints.openai import serving_tokenization
+from minivllm.entrypoints.openai.openapi import serve_completed_schema
 from minivllm.entrypoints.openai.serving_tokenization import DetokenizeRequest, TokenizeRequest
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletionRequest,
                                                   CompletionRequest, ModelList)
@@ -205,6 +206,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     chat = OpenAIServingChat(engine, model_name, tool_parser, models)
     completion = OpenAIServingCompletion(engine, model_name, models)
     responses = OpenAIServingResponses(chat)
+    serve_completed_schema(app, lambda: [c.id for c in models.cards()],
+                           engine.config.model.vocab_size, engine.max_model_len)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):

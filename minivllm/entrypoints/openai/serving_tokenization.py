@@ -11,6 +11,9 @@ from typing import Optional
 
 from pydantic import Field, StrictBool, StrictInt
 
+from jinja2 import TemplateError
+
+from minivllm.entrypoints.openai.protocol.chat import check_messages
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatMessage, RequestModel,
                                                   ResponseModel)
 
@@ -23,6 +26,11 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
+
+    # The schema says what tokenize() enforces: exactly one of the two.
+    model_config = RequestModel.model_config | {"json_schema_extra": {"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]}}
 
 
 class TokenizeResponse(ResponseModel):
@@ -48,9 +56,14 @@ def tokenize(engine, body: TokenizeRequest) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise BadRequestError("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
-        text = tok.apply_chat_template([m.to_template_dict() for m in body.messages],
-                                       tokenize=False,
-                                       add_generation_prompt=body.add_generation_prompt)
+        check_messages(body.messages)
+        try:
+            text = tok.apply_chat_template([m.to_template_dict() for m in body.messages],
+                                           tokenize=False,
+                                           add_generation_prompt=body.add_generation_prompt)
+        except (TemplateError, ValueError) as e:  # what the template refuses: the input's fault
+            raise BadRequestError(f"messages: the chat template cannot render them: {e}",
+                                  "messages") from None
         ids = tok.encode(text, add_special_tokens=False)  # the template placed them
     else:
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -10,9 +10,12 @@ arguments object, a "required" answer a JSON list of ``{"name",
 
 Every parser ``read``s the text *so far* into the content and the calls seen
 so far (a name once its string is whole, the arguments as raw JSON text).
-Streaming sends what a read has that the reads before did not; the whole
-answer is one read of the whole text. So the streamed pieces add up to the
-non-streamed answer, and the arguments are the model's own JSON text.
+Streaming sends what a read has that the reads before did not, a call only
+once it is complete (its object whole, its arguments parsable): a call cut
+by ``max_tokens`` is never streamed as a call, its text ends the content, as
+in the non-streamed answer, which is one read of the whole text. So the
+streamed pieces add up to the non-streamed answer, and the arguments are the
+model's own JSON text.
 """
 
 from __future__ import annotations
@@ -143,23 +146,29 @@ class ToolParser(ABC):
         """Earlier calls (OpenAI's ``function`` dicts) written the way the model answers."""
         return json.dumps(calls)
 
+    def complete(self, call: CallSoFar) -> bool:
+        """A call to return (and stream): whole, named, its arguments an object (a
+        forced call's arguments are whatever the grammar let through)."""
+        return call.done and call.name is not None and (self.forced
+                                                        or _is_object(call.arguments))
+
+    def complete_calls(self, calls: list[CallSoFar]) -> int:
+        """How many calls from the first are complete (the ones after a cut are not)."""
+        return next((i for i, c in enumerate(calls) if not self.complete(c)), len(calls))
+
     def extract_tool_calls(self, text: str) -> ExtractedToolCallInformation:
         """The complete calls. A call cut short (by ``max_tokens``) is never returned as a
-        call: a forced answer keeps the complete ones and gives the cut one's text as the
-        content (``whole`` False); a free answer with a cut call is all content."""
+        call: the complete ones before it are, and its text (from the cut call on) ends
+        the content (``whole`` False). A free answer with no complete call is content."""
         content, calls = self.read(text, final=True)
-        if not self.forced and not (calls and all(c.name is not None and c.done
-                                                  and _is_object(c.arguments) for c in calls)):
+        n = self.complete_calls(calls)
+        if not self.forced and n == 0:
             return ExtractedToolCallInformation(False, content=text)  # not a call after all
-        whole = all(c.done for c in calls)
         out = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
-               for c in calls if c.done and c.name is not None]
-        if self.forced:
-            cut = next((c for c in calls if not c.done), None)
-            content = text[cut.start:] if cut is not None else None
-        elif out:
-            content = content if content.strip() else None
-        return ExtractedToolCallInformation(bool(out), out, content, whole=whole)
+               for c in calls[:n]]
+        content += text[calls[n].start:] if n < len(calls) else ""
+        return ExtractedToolCallInformation(bool(out), out, content if content.strip() else None,
+                                            whole=n == len(calls))
 
 
 def _is_object(text: str) -> bool:
@@ -217,7 +226,9 @@ class Hermes2ProToolParser(ToolParser):
             body = text[body_start:] if end < 0 else text[body_start:end]
             if end < 0 and not final:
                 body = body[:len(body) - _partial_tag(body, self.END)]
-            calls += read_calls(body, ("arguments", "parameters"))
+            for call in read_calls(body, ("arguments", "parameters")):
+                call.start += body_start  # (where it begins in the whole text)
+                calls.append(call)
             if end < 0:
                 break
             start = text.find(self.START, end + len(self.END))
@@ -260,36 +271,33 @@ class ToolCallStreamer:
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.text = ""
-        self.content_sent = 0
+        self.content = ""  # the content sent so far
         self.sent: list[_SentCall] = []
 
     def feed(self, delta_text: str, final: bool) -> list[DeltaMessage]:
         self.text += delta_text
         content, calls = self.parser.read(self.text, final)
         out = []
-        if len(content) > self.content_sent:
-            out.append(DeltaMessage(content=content[self.content_sent:]))
-            self.content_sent = len(content)
-        for i, call in enumerate(calls):
-            if call.name is None:
-                break  # calls go out in order: a later one waits for this name
-            if i == len(self.sent):
-                self.sent.append(_SentCall(ToolCall(function=FunctionCall(
-                    name=call.name, arguments="")).id))
-                out.append(DeltaMessage(tool_calls=[ToolCallDelta(
-                    index=i, id=self.sent[i].id, type="function",
-                    function=FunctionCallDelta(name=call.name, arguments=""))]))
-            piece = call.arguments[self.sent[i].arguments:]
-            if piece:
-                self.sent[i].arguments = len(call.arguments)
-                out.append(DeltaMessage(tool_calls=[ToolCallDelta(
-                    index=i, function=FunctionCallDelta(arguments=piece))]))
-        if final and not self.sent and not self.parser.forced:
-            # Text that looked like the start of a call but never became one is content.
+        if len(content) > len(self.content):
+            out.append(DeltaMessage(content=content[len(self.content):]))
+            self.content = content
+        # Calls go out in order, each once complete: a cut one never goes out as a call.
+        for i in range(len(self.sent), self.parser.complete_calls(calls)):
+            call = calls[i]
+            self.sent.append(_SentCall(ToolCall(function=FunctionCall(
+                name=call.name, arguments="")).id, len(call.arguments)))
+            out.append(DeltaMessage(tool_calls=[ToolCallDelta(
+                index=i, id=self.sent[i].id, type="function",
+                function=FunctionCallDelta(name=call.name, arguments=""))]))
+            out.append(DeltaMessage(tool_calls=[ToolCallDelta(
+                index=i, function=FunctionCallDelta(arguments=call.arguments))]))
+        if final:
+            # What is left as content: a cut call's text, or text that looked like
+            # the start of a call but never became one.
             whole = self.parser.extract_tool_calls(self.text).content or ""
-            if len(whole) > self.content_sent and whole.startswith(content):
-                out.append(DeltaMessage(content=whole[self.content_sent:]))
-                self.content_sent = len(whole)
+            if len(whole) > len(self.content) and whole.startswith(self.content):
+                out.append(DeltaMessage(content=whole[len(self.content):]))
+                self.content = whole
         return out
 
     @property

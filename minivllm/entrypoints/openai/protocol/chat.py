@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Literal, Optional, Union
 
-from pydantic import Field, StrictBool, model_serializer
+from pydantic import ConfigDict, Field, StrictBool, model_serializer
 
 from minivllm.entrypoints.openai.protocol.common import (BadRequestError, RequestModel, ResponseModel, SamplingRequest, UsageInfo)
 
@@ -82,6 +82,14 @@ class ChatMessage(RequestModel):
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message: which call it answers
 
+    # The schema says what ChatCompletionRequest.check enforces (its 400 names the
+    # message): a content, or an assistant message's tool calls.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"], "properties": {
+            "role": {"const": "assistant"},
+            "tool_calls": {"type": "array", "minItems": 1}}}]})
+
     def to_template_dict(self) -> dict:
         text = (self.content if isinstance(self.content, str) or self.content is None
                 else "".join(part.text for part in self.content))
@@ -93,6 +101,15 @@ class ChatMessage(RequestModel):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What the schema's anyOf on a message says, with a 400 naming the message."""
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise BadRequestError(f"messages[{i}].content is missing: only an assistant "
+                                  "message with tool_calls may leave it out",
+                                  f"messages[{i}].content")
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -137,11 +154,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise BadRequestError(
                 f"max_tokens={self.max_tokens} and max_completion_tokens="
                 f"{self.max_completion_tokens} disagree: give one of them", "max_tokens")
-        for i, m in enumerate(self.messages):
-            if m.content is None and not (m.role == "assistant" and m.tool_calls):
-                raise BadRequestError(f"messages[{i}].content is missing: only an assistant "
-                                      "message with tool_calls may leave it out",
-                                      f"messages[{i}].content")
+        check_messages(self.messages)
 
     def prompt(self) -> list[dict]:
         return [m.to_template_dict() for m in self.messages]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, StrictBool, StrictInt
 
@@ -11,7 +11,13 @@ from minivllm.entrypoints.openai.protocol.common import (MAX_N, BadRequestError,
 
 class CompletionRequest(SamplingRequest):
     # One prompt (text or token IDs) or a batch of them.
-    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    # (An empty text has no token: the schema says so, the engine's 400 explains.)
+    prompt: Union[Annotated[str, Field(json_schema_extra={"minLength": 1})],
+                  Annotated[list[Annotated[str, Field(json_schema_extra={"minLength": 1})]],
+                            Field(min_length=1)],
+                  Annotated[list[StrictInt], Field(min_length=1)],
+                  Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]],
+                            Field(min_length=1)]]
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     # The prompt in front of the completion (text, and logprobs when asked):
     # how clients score a text (lm-eval's loglikelihood) with max_tokens 0 or 1.
@@ -19,7 +25,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Optional[int] = Field(None, ge=0)
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     # OpenAI documents it; it needs a model trained to fill in the middle.
-    suffix: Optional[str] = None
+    suffix: Optional[str] = Field(None, json_schema_extra={"maxLength": 0})  # (check's 400)
     # vLLM's beam search: n beams, best first (entrypoints/beam_search.py).
     use_beam_search: StrictBool = False
     length_penalty: float = Field(1.0, ge=-10, le=10)
