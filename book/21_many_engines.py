@@ -29,8 +29,9 @@
 # - a **replica taken down mid-session**: where the conversation goes and what it
 #   costs;
 # - the **simulator's fleet** making the same routing decisions and finding the same
-#   cached tokens, request by request; and the recorded real-against-simulated fleet
-#   of `minivllm simulate validate --fleet`.
+#   cached tokens, request by request; then **many tenants' sessions** at once, where
+#   `kv_aware` keeps at least twice round robin's cached tokens; and the recorded
+#   real-against-simulated fleet of `minivllm simulate validate --fleet`.
 
 # %%
 from minivllm.viz.path import request_path_figure
@@ -235,6 +236,46 @@ for name, (log, _) in runs.items():
     assert sim_view == real_view
 
 # %% [markdown]
+# ## Many tenants, many sessions
+#
+# One session shows the mechanism; traffic is many at once. In a multi-tenant
+# service each tenant has a system prompt of its own, and an agent's history soon
+# outgrows it: the history is what a replica must have seen to hit. The simulator
+# runs that at a scale no CPU fleet here could: 8 sessions of 5 turns from 4
+# tenants (`multiturn_requests(..., num_system_prompts=4)`, what `bench serve
+# --dataset-name multiturn --multiturn-num-system-prompts 4` sends), 3 replicas of
+# Llama-3-8B whose pools hold every history once, but not once per replica:
+
+# %%
+from minivllm.benchmarks.workload import multiturn_requests
+
+llama = load_model_config("llama-3-8b")
+
+
+def fleet_hits(work, n, policy, blocks):
+    sim = Simulator(llama, load_hardware("h100-sxm"),
+                    EngineArgs(max_num_seqs=64, max_model_len=4096, num_kv_blocks=blocks),
+                    n, policy)
+    return sum(r.num_cached_tokens for r in sim.run(work).requests)
+
+
+tenants = multiturn_requests(8, 5, 32, 32, 64, llama.vocab_size, request_rate=4, seed=0,
+                             num_system_prompts=4)
+fleet = {p: fleet_hits(tenants, N, p, 96) for p in ("round_robin", "kv_aware")}
+one_big = fleet_hits(tenants, 1, "round_robin", 100_000)
+print(fleet, f"one replica holding everything: {one_big}; "
+      f"kv_aware / round_robin = {fleet['kv_aware'] / fleet['round_robin']:.1f}x")
+assert fleet["kv_aware"] >= 2 * fleet["round_robin"] and fleet["kv_aware"] >= 0.95 * one_big
+
+# %% [markdown]
+# Round robin scatters each history over three replicas: each keeps a partial copy,
+# the copies crowd each other out of the pools, and most turns find only the system
+# prompt. `kv_aware` keeps each history where it is, so the fleet hits as one
+# replica with room for everything would. (With one system prompt shared by every
+# session, the earlier version of this workload, every replica caches that prompt
+# whatever the policy and the gap shrinks: exercise 21.4.)
+
+# %% [markdown]
 # With real servers behind `minivllm router`, concurrent sessions and real timing,
 # `minivllm simulate validate --fleet` compares the two fleets per policy. Its recorded
 # run (on a shared 2-core machine: see the README for what that does to TTFT):
@@ -310,6 +351,25 @@ answer_3 = computed["round_robin"] - computed["kv_aware"]
 rr, kv = runs["round_robin"][0], runs["kv_aware"][0]
 assert answer_3 == sum(c for _, c, _, _ in kv) - sum(c for _, c, _, _ in rr) > 0
 
+# %% [markdown]
+# ### Exercise 21.4 — one system prompt for everyone (changes the workload)
+# Rebuild the tenants' workload with one 256-token system prompt shared by all 8
+# sessions (`num_system_prompts=1`, `system_len=256`), everything else as above.
+# **Predict first:** does `kv_aware` still find twice round robin's cached tokens?
+# Set `answer_4` to the ratio kv_aware / round_robin on it.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+shared = multiturn_requests(8, 5, 256, 32, 64, llama.vocab_size, request_rate=4, seed=0,
+                            num_system_prompts=1)
+answer_4 = fleet_hits(shared, N, "kv_aware", 96) / fleet_hits(shared, N, "round_robin", 96)
+### END SOLUTION
+
+# %% tags=["check"]
+same = multiturn_requests(8, 5, 256, 32, 64, llama.vocab_size, request_rate=4, seed=0)
+ratio = fleet_hits(same, N, "kv_aware", 96) / fleet_hits(same, N, "round_robin", 96)
+assert answer_4 == ratio < 2  # the shared prompt is cached everywhere, whatever the policy
+
 # %%
 for sub in subs:
     sub.close()
@@ -328,6 +388,9 @@ for llm in engines:
 # - When a replica goes away, its sessions move and pay for their history once.
 # - The simulator's fleet runs the same routing code over the same scheduler and
 #   cache: on the same prompts it makes the same choices and finds the same hits.
+# - With many tenants' sessions whose histories outgrow their system prompts,
+#   `kv_aware` finds at least twice round robin's cached tokens, as much as one
+#   replica big enough for everything; a system prompt shared by all narrows the gap.
 #
 # ## What to try next
 #

@@ -161,21 +161,23 @@ def fit(base: Hardware, rows: np.ndarray, measured: np.ndarray, tp: int = 1,
 
 def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
               base: Hardware = None, rounds=None,
-              max_relative_error: float = 0.5) -> Calibration:
+              max_relative_error: float = 0.5, steps_path=None) -> Calibration:
     """Run the real engine on the calibration workload and fit its steps (part 1);
     ``model`` None is the default model. Raises ``CalibrationError`` for a fit
     that is not worth writing.
 
     ``rounds``: the workload, as (prompts, output lengths) pairs run one after
     the other (default: ``calibration_workload``). ``base``: the peaks (default:
-    measured now, before the engine starts).
+    measured now, before the engine starts). ``steps_path``: keep the measured
+    steps there (``.npz``: peaks, features, seconds), fitted or refused, so that
+    ``refit`` can try again without the engine.
     """
     from minivllm import LLM
 
-    base = base or measured_cpu()
     llm = LLM(model, trace=True, **(engine_kwargs or {}))
     try:
         cfg = llm.llm_engine.config
+        base = base or measured_cpu(dtype=cfg.model.dtype)
         tp = cfg.parallel.tensor_parallel_size
         cost = CostModel(cfg.model, base, tp)
         longest = min(1200, cfg.scheduler.max_model_len - 64)
@@ -183,6 +185,8 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
         rows, measured = collect(llm, cost, rounds)
     finally:
         llm.shutdown()
+    if steps_path:
+        save_steps(steps_path, base, rows, measured, tp)
     cal = fit(base, rows, measured, tp, max_relative_error)
     errors = "; ".join(cal.result.describe())
     cal.hardware = cal.hardware.with_(
@@ -191,6 +195,22 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
                f"of {cfg.model.path.rsplit('/', 1)[-1]} ({time.strftime('%Y-%m-%d %H:%M')}): "
                f"{errors}")
     return cal
+
+
+def save_steps(path, base: Hardware, rows, measured, tp: int) -> None:
+    import json
+
+    np.savez(path, rows=rows, measured=measured, tp=tp,
+             base=json.dumps(base.to_dict()))
+
+
+def refit(path, max_relative_error: float = 0.5) -> Calibration:
+    """The fit again, on steps kept by ``calibrate(..., steps_path=...)``."""
+    import json
+
+    d = np.load(path)
+    base = Hardware.from_dict(json.loads(str(d["base"])))
+    return fit(base, d["rows"], d["measured"], int(d["tp"]), max_relative_error)
 
 
 def calibrate_serving(cal: Calibration, model, engine_kwargs: dict, args) -> Calibration:
@@ -237,6 +257,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=32,
                         help="--serve: mean output tokens (+-25 %%)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", default=None,
+                        help="keep the measured steps here (.npz), fitted or refused")
+    parser.add_argument("--from-steps", default=None,
+                        help="fit the steps kept by --steps instead of running the engine")
 
 
 def run(args: argparse.Namespace) -> Calibration:
@@ -244,8 +268,14 @@ def run(args: argparse.Namespace) -> Calibration:
         raise ValueError(f"max_relative_error={args.max_relative_error} is invalid: "
                          "must be > 0")
     engine_kwargs = {"max_num_batched_tokens": args.calibrate_mnbt}
-    cal = calibrate(args.calibrate_model, engine_kwargs, args.scale, args.seed,
-                    max_relative_error=args.max_relative_error)
+    if args.from_steps:
+        cal = refit(args.from_steps, args.max_relative_error)
+        cal.hardware = cal.hardware.with_(name="cpu-calibrated", source=(
+            f"minivllm simulate calibrate --from-steps {args.from_steps}: "
+            + "; ".join(cal.result.describe())))
+    else:
+        cal = calibrate(args.calibrate_model, engine_kwargs, args.scale, args.seed,
+                        max_relative_error=args.max_relative_error, steps_path=args.steps)
     print(f"fitted to {len(cal.measured)} steps: median |error| per step "
           f"{cal.median_abs_error:.1%}, total time error {cal.total_error:+.1%}, "
           f"residual std (log) {cal.result.residual_std:.3f}")
@@ -260,4 +290,4 @@ def run(args: argparse.Namespace) -> Calibration:
 
 __all__ = ["calibrate", "fit", "collect", "calibration_workload", "Calibration", "run",
            "add_cli_args", "RecordingExecutor", "calibrate_serving", "simulated_rows",
-           "CalibrationError", "FITTED"]
+           "CalibrationError", "FITTED", "refit", "save_steps"]
