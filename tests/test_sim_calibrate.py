@@ -115,3 +115,26 @@ def test_a_real_engine_s_steps_are_the_designed_ones_and_the_fit_keeps_its_bound
         lo, hi = bounds[name]
         assert lo <= getattr(cal.hardware, name) <= hi
     assert cal.hardware.name == "cpu-calibrated" and "fitted to" in cal.hardware.source
+
+
+def test_the_command_writes_a_fit_and_refuses_to_write_an_unidentified_one(
+        design_rows, tmp_path, capsys):
+    from minivllm.entrypoints.cli import main
+    from minivllm.sim.calibrate import save_steps
+    from minivllm.sim.hardware import load_hardware
+
+    good, bad = tmp_path / "good.npz", tmp_path / "bad.npz"
+    save_steps(good, BASE, design_rows, noisy(design_rows, TRUTH, 0.03, 0), 1)
+    single = design_rows[design_rows[:, 1] == 1]
+    save_steps(bad, BASE, single, noisy(single, TRUTH, 0.03, 0), 1)
+    out = tmp_path / "cal.json"
+    assert main(["simulate", "calibrate", "--from-steps", str(good), "--output", str(out),
+                 "--no-serve"]) == 0
+    hw = load_hardware(str(out))
+    assert hw.name == "cpu-calibrated" and "+-" in hw.source
+    assert hw.flops_efficiency == fit(BASE, design_rows,
+                                      noisy(design_rows, TRUTH, 0.03, 0)).hardware.flops_efficiency
+    refused = tmp_path / "refused.json"
+    assert main(["simulate", "calibrate", "--from-steps", str(bad), "--output", str(refused),
+                 "--no-serve"]) == 2
+    assert "per_seq_overhead_s" in capsys.readouterr().err and not refused.exists()
