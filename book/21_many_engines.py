@@ -51,10 +51,34 @@ from minivllm.routing.policy import cached_prefix_blocks
 from minivllm.viz.fleet import fleet_blocks_figure
 from minivllm.viz.source import show_source
 
+# %%
+import shutil
+
+import torch
+import transformers
+
+from minivllm.model.resolve import resolve_model_path
+
+
+def tiny_chat_model(folder):
+    """A random 2-layer Llama with the default model's tokenizer and chat template:
+    routing needs prompts and blocks, not good answers; three replicas start at once."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(resolve_model_path(None)) / name).is_file():
+            shutil.copy(Path(resolve_model_path(None)) / name, Path(folder) / name)
+    return folder
+
+# %%
 N = 3  # replicas
 folder = tempfile.mkdtemp(prefix="minivllm-ch21-")
+model_path = tiny_chat_model(f"{folder}/model")
 endpoints = [f"ipc://{folder}/kv{i}" for i in range(N)]
-engines = [LLM(num_kv_blocks=64, kv_events_config={
+engines = [LLM(model_path, num_kv_blocks=64, kv_events_config={
     "enable_kv_cache_events": True, "endpoint": ep}) for ep in endpoints]
 subs = [KVEventSubscriber(ep) for ep in endpoints]
 BS = engines[0].llm_engine.config.cache.block_size
@@ -215,10 +239,9 @@ assert after[0][1] == 0 < after[1][1]  # all recomputed once, then cached again
 
 # %%
 from minivllm.config import EngineArgs
-from minivllm.model.resolve import resolve_model_path
 from minivllm.sim import Simulator, SimRequest, load_hardware, load_model_config
 
-path = resolve_model_path(None)
+path = model_path  # the replicas' model: its config.json is all the simulator reads
 
 
 def simulate(log, policy_name):
