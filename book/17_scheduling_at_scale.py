@@ -95,20 +95,24 @@ show_source(CostModel.breakdown, start="flops = hw.peak_flops", end="return out"
 # composition and measured duration, and fits the constants by bounded least
 # squares: efficiencies in (0, 1] of the peaks just measured, overheads between 0 and
 # the shortest step. Each constant comes with its standard error, and a fit that
-# leaves one unidentified is refused rather than returned. A quarter of the
-# command's output lengths keeps this cell short.
+# leaves one unidentified is refused rather than returned. A smaller version of the
+# command's workload keeps this cell short.
 
 # %%
 import random
 import tempfile
 
-from minivllm.sim.calibrate import refit
+from minivllm.sim.calibrate import calibration_workload, refit
 from minivllm.sim.fit import CalibrationError
 
 ENGINE = dict(max_num_batched_tokens=256, num_kv_blocks=512)
 steps = tempfile.mktemp(suffix=".npz")
+# A quarter of the output lengths, a 600-token long context, no mixed batch: shorter.
+rounds = calibration_workload(49152, seed=0, scale=0.25, long_context=600)[:-1]
+
+# %%
 try:
-    cal = calibrate(None, ENGINE, scale=0.25, steps_path=steps)
+    cal = calibrate(None, ENGINE, rounds=rounds, steps_path=steps)
 except CalibrationError as e:  # a machine too busy to measure well: say so, then look
     print(f"refused: {e}")     # at the unrefused fit of the same steps anyway
     cal = refit(steps, max_relative_error=float("inf"))
