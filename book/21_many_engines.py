@@ -29,8 +29,9 @@
 # - a **replica taken down mid-session**: where the conversation goes and what it
 #   costs;
 # - the **simulator's fleet** making the same routing decisions and finding the same
-#   cached tokens, request by request; and the recorded real-against-simulated fleet
-#   of `minivllm simulate validate --fleet`.
+#   cached tokens, request by request; then **many tenants' sessions** at once, where
+#   `kv_aware` keeps at least twice round robin's cached tokens; and the recorded
+#   real-against-simulated fleet of `minivllm simulate validate --fleet`.
 
 # %%
 from minivllm.viz.path import request_path_figure
@@ -50,10 +51,34 @@ from minivllm.routing.policy import cached_prefix_blocks
 from minivllm.viz.fleet import fleet_blocks_figure
 from minivllm.viz.source import show_source
 
+# %%
+import shutil
+
+import torch
+import transformers
+
+from minivllm.model.resolve import resolve_model_path
+
+
+def tiny_chat_model(folder):
+    """A random 2-layer Llama with the default model's tokenizer and chat template:
+    routing needs prompts and blocks, not good answers; three replicas start at once."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(resolve_model_path(None)) / name).is_file():
+            shutil.copy(Path(resolve_model_path(None)) / name, Path(folder) / name)
+    return folder
+
+# %%
 N = 3  # replicas
 folder = tempfile.mkdtemp(prefix="minivllm-ch21-")
+model_path = tiny_chat_model(f"{folder}/model")
 endpoints = [f"ipc://{folder}/kv{i}" for i in range(N)]
-engines = [LLM(num_kv_blocks=64, kv_events_config={
+engines = [LLM(model_path, num_kv_blocks=64, kv_events_config={
     "enable_kv_cache_events": True, "endpoint": ep}) for ep in endpoints]
 subs = [KVEventSubscriber(ep) for ep in endpoints]
 BS = engines[0].llm_engine.config.cache.block_size
@@ -214,10 +239,9 @@ assert after[0][1] == 0 < after[1][1]  # all recomputed once, then cached again
 
 # %%
 from minivllm.config import EngineArgs
-from minivllm.model.resolve import resolve_model_path
 from minivllm.sim import Simulator, SimRequest, load_hardware, load_model_config
 
-path = resolve_model_path(None)
+path = model_path  # the replicas' model: its config.json is all the simulator reads
 
 
 def simulate(log, policy_name):
@@ -233,6 +257,46 @@ for name, (log, _) in runs.items():
     sim_view, real_view = simulate(log, name), [(i, c) for i, c, _, _ in log]
     print(f"{name:12s} simulated {sim_view}\n{'':12s} real      {real_view}")
     assert sim_view == real_view
+
+# %% [markdown]
+# ## Many tenants, many sessions
+#
+# One session shows the mechanism; traffic is many at once. In a multi-tenant
+# service each tenant has a system prompt of its own, and an agent's history soon
+# outgrows it: the history is what a replica must have seen to hit. The simulator
+# runs that at a scale no CPU fleet here could: 8 sessions of 5 turns from 4
+# tenants (`multiturn_requests(..., num_system_prompts=4)`, what `bench serve
+# --dataset-name multiturn --multiturn-num-system-prompts 4` sends), 3 replicas of
+# Llama-3-8B whose pools hold every history once, but not once per replica:
+
+# %%
+from minivllm.benchmarks.workload import multiturn_requests
+
+llama = load_model_config("llama-3-8b")
+
+
+def fleet_hits(work, n, policy, blocks):
+    sim = Simulator(llama, load_hardware("h100-sxm"),
+                    EngineArgs(max_num_seqs=64, max_model_len=4096, num_kv_blocks=blocks),
+                    n, policy)
+    return sum(r.num_cached_tokens for r in sim.run(work).requests)
+
+
+tenants = multiturn_requests(8, 5, 32, 32, 64, llama.vocab_size, request_rate=4, seed=0,
+                             num_system_prompts=4)
+fleet = {p: fleet_hits(tenants, N, p, 96) for p in ("round_robin", "kv_aware")}
+one_big = fleet_hits(tenants, 1, "round_robin", 100_000)
+print(fleet, f"one replica holding everything: {one_big}; "
+      f"kv_aware / round_robin = {fleet['kv_aware'] / fleet['round_robin']:.1f}x")
+assert fleet["kv_aware"] >= 2 * fleet["round_robin"] and fleet["kv_aware"] >= 0.95 * one_big
+
+# %% [markdown]
+# Round robin scatters each history over three replicas: each keeps a partial copy,
+# the copies crowd each other out of the pools, and most turns find only the system
+# prompt. `kv_aware` keeps each history where it is, so the fleet hits as one
+# replica with room for everything would. (With one system prompt shared by every
+# session, the earlier version of this workload, every replica caches that prompt
+# whatever the policy and the gap shrinks: exercise 21.4.)
 
 # %% [markdown]
 # With real servers behind `minivllm router`, concurrent sessions and real timing,
@@ -310,6 +374,25 @@ answer_3 = computed["round_robin"] - computed["kv_aware"]
 rr, kv = runs["round_robin"][0], runs["kv_aware"][0]
 assert answer_3 == sum(c for _, c, _, _ in kv) - sum(c for _, c, _, _ in rr) > 0
 
+# %% [markdown]
+# ### Exercise 21.4 — one system prompt for everyone (changes the workload)
+# Rebuild the tenants' workload with one 256-token system prompt shared by all 8
+# sessions (`num_system_prompts=1`, `system_len=256`), everything else as above.
+# **Predict first:** does `kv_aware` still find twice round robin's cached tokens?
+# Set `answer_4` to the ratio kv_aware / round_robin on it.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+shared = multiturn_requests(8, 5, 256, 32, 64, llama.vocab_size, request_rate=4, seed=0,
+                            num_system_prompts=1)
+answer_4 = fleet_hits(shared, N, "kv_aware", 96) / fleet_hits(shared, N, "round_robin", 96)
+### END SOLUTION
+
+# %% tags=["check"]
+same = multiturn_requests(8, 5, 256, 32, 64, llama.vocab_size, request_rate=4, seed=0)
+ratio = fleet_hits(same, N, "kv_aware", 96) / fleet_hits(same, N, "round_robin", 96)
+assert answer_4 == ratio < 2  # the shared prompt is cached everywhere, whatever the policy
+
 # %%
 for sub in subs:
     sub.close()
@@ -328,6 +411,9 @@ for llm in engines:
 # - When a replica goes away, its sessions move and pay for their history once.
 # - The simulator's fleet runs the same routing code over the same scheduler and
 #   cache: on the same prompts it makes the same choices and finds the same hits.
+# - With many tenants' sessions whose histories outgrow their system prompts,
+#   `kv_aware` finds at least twice round robin's cached tokens, as much as one
+#   replica big enough for everything; a system prompt shared by all narrows the gap.
 #
 # ## What to try next
 #

@@ -98,3 +98,28 @@ def test_router_arguments_name_themselves():
         make_router(p.parse_args(["--replica", "a:1"]))
     with pytest.raises(ValueError, match="--replica is missing"):
         make_router(p.parse_args([]))
+
+
+def test_kv_aware_keeps_twice_round_robins_cache_on_multi_tenant_sessions():
+    """The fleet workload of chapter 21 and the README: tenants with system prompts of
+    their own and histories that outgrow them, as multi-tenant traffic has, on
+    replicas whose pools hold each session once but not once per replica. kv_aware
+    keeps each history on one replica: at least 2x round robin's cached tokens and
+    what one replica big enough for everything finds."""
+    from minivllm.benchmarks.workload import multiturn_requests
+    from minivllm.config import EngineArgs
+    from minivllm.sim import Simulator, load_hardware, load_model_config
+
+    def cached(work, n, router, blocks):
+        sim = Simulator(load_model_config("llama-3-8b"), load_hardware("h100-sxm"),
+                        EngineArgs(max_num_seqs=64, max_model_len=4096, num_kv_blocks=blocks),
+                        n, router)
+        return sum(r.num_cached_tokens for r in sim.run(work).requests)
+
+    # 8 sessions (not a multiple of 3: round robin does not send a session back to
+    # the same replica by the accident of lockstep turns), 5 turns, 4 tenants.
+    tenants = multiturn_requests(8, 5, 32, 32, 64, 128256, request_rate=4, seed=0,
+                                 num_system_prompts=4)
+    hits = {p: cached(tenants, 3, p, 96) for p in ("round_robin", "kv_aware")}
+    assert hits["kv_aware"] >= 2 * hits["round_robin"]
+    assert hits["kv_aware"] >= 0.95 * cached(tenants, 1, "round_robin", 100_000)

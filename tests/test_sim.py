@@ -12,7 +12,6 @@ from minivllm.benchmarks.workload import arrival_times
 from minivllm.config import EngineArgs
 from minivllm.sim import (Hardware, SimRequest, Simulator, load_hardware, load_model_config,
                           multiturn_requests, random_requests)
-from minivllm.sim.calibrate import fit
 from minivllm.sim.cost_model import CostModel, times_of
 from minivllm.sim.report import serve_metrics
 
@@ -51,28 +50,6 @@ def test_cli_rejects_an_unknown_hardware_naming_the_choices(capsys):
     assert main(["simulate", "--hardware", "tpu-v9", "--disable-tqdm"]) == 2
     err = capsys.readouterr().err
     assert "tpu-v9" in err and "h100-sxm" in err
-
-
-def test_fit_recovers_constants_that_generated_the_step_times():
-    m = load_model_config("smollm2-135m", "float32", "cpu")
-    base = Hardware("x", 1e11, 1e10, 1e10, 1e10, dtype="float32", device="cpu")
-    truth = base.with_(flops_efficiency=0.4, bandwidth_efficiency=0.7,
-                       attention_efficiency=0.3, step_overhead_s=2e-3,
-                       per_seq_overhead_s=1e-4, per_token_overhead_s=2e-5)
-    cost = CostModel(m, base)
-    rng = np.random.default_rng(0)
-    rows = []
-    for _ in range(80):
-        seqs = int(rng.integers(1, 32))
-        prefill = int(rng.integers(0, 2)) * int(rng.integers(16, 512))
-        tokens = seqs + prefill
-        ctx = int(rng.integers(16, 1024))
-        rows.append(cost.features_from(tokens, seqs, seqs, tokens * ctx, seqs * ctx + 2 * tokens)
-                    .as_row())
-    rows = np.array(rows, dtype=float)
-    cal = fit(base, rows, times_of(rows, truth), iterations=2000)
-    assert cal.median_abs_error < 0.01
-    assert abs(cal.total_error) < 0.01
 
 
 def test_a_replica_of_a_fleet_schedules_its_share_as_a_lone_engine():
@@ -148,21 +125,6 @@ def test_eos_ends_a_request_at_its_output_length():
     res = small_sim().run([SimRequest("a", [5] * 10, 7, ignore_eos=False)])
     r = res.requests[0]
     assert (r.output_tokens, r.finish_reason) == (7, "stop")
-
-
-def test_calibrate_on_a_real_engine_fits_better_than_its_starting_point(tiny_model):
-    from minivllm.sim.calibrate import calibrate
-
-    base = Hardware("x", 1e10, 1e10, 1e10, 1e10, dtype="float32", device="cpu",
-                    flops_efficiency=1.0, bandwidth_efficiency=1.0, attention_efficiency=1.0,
-                    step_overhead_s=0.0, per_seq_overhead_s=0.0)
-    rounds = [([[5 + i] * (8 + 4 * i) for i in range(n)], [3 + n] * n) for n in (1, 3, 6)]
-    cal = calibrate(tiny_model("llama"), {"num_kv_blocks": 64}, rounds=rounds, base=base)
-    assert len(cal.measured) == len(cal.rows) > 10
-    before = np.mean(np.log(times_of(cal.rows, base) / cal.measured) ** 2)
-    after = np.mean(np.log(cal.predicted / cal.measured) ** 2)
-    assert after < before
-    assert cal.hardware.device == "cpu" and cal.hardware.name == "cpu-calibrated"
 
 
 def test_a_slowed_hardware_makes_every_step_that_much_longer():

@@ -1,6 +1,7 @@
 """`bench serve --dataset-name multiturn`: agent-like conversations against a server.
 
-Each session shares one system prompt (``--multiturn-system-len`` words), then
+Each session starts with its tenant's system prompt (``--multiturn-system-len``
+words; ``--multiturn-num-system-prompts`` tenants, session i of tenant i mod N), then
 sends ``--multiturn-num-turns`` user turns of ``--multiturn-user-len`` words,
 each with the whole conversation so far: the system prompt, the earlier user
 turns and the server's own answers. A turn is sent ``--multiturn-think-time``
@@ -42,11 +43,13 @@ async def run_sessions(base_url: str, args: argparse.Namespace,
     if args.endpoint_type != "chat":
         raise ValueError("dataset_name='multiturn' is invalid with endpoint_type="
                          f"{args.endpoint_type!r}: conversations need --endpoint-type chat")
-    for name in ("multiturn_num_turns", "multiturn_user_len", "multiturn_output_len"):
+    for name in ("multiturn_num_turns", "multiturn_user_len", "multiturn_output_len",
+                 "multiturn_num_system_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name}={getattr(args, name)} is invalid: must be >= 1")
     rng = random.Random(args.seed)
-    system = _words(rng, args.multiturn_system_len)
+    systems = [_words(rng, args.multiturn_system_len)
+               for _ in range(args.multiturn_num_system_prompts)]
     n = num_sessions(args)
     classes = parse_priority_classes(getattr(args, "priority_classes", None))
     priorities = draw_priorities(n, classes, args.seed)  # one per session
@@ -58,7 +61,7 @@ async def run_sessions(base_url: str, args: argparse.Namespace,
 
     async with httpx.AsyncClient(headers=headers, trust_env=False,
                                  limits=httpx.Limits(max_connections=n)) as client:
-        async def session(turns: list[str], priority: int) -> None:
+        async def session(turns: list[str], priority: int, system: str) -> None:
             messages = [{"role": "system", "content": system}] if system else []
             for k, user in enumerate(turns):
                 messages.append({"role": "user", "content": user})
@@ -79,11 +82,12 @@ async def run_sessions(base_url: str, args: argparse.Namespace,
 
         start = time.perf_counter()
         tasks = []
-        for delay, priority in zip(delays, priorities):
+        for i, (delay, priority) in enumerate(zip(delays, priorities)):
             await asyncio.sleep(delay)
             turns = [_words(rng, args.multiturn_user_len)
                      for _ in range(args.multiturn_num_turns)]
-            tasks.append(asyncio.create_task(session(turns, priority)))
+            system = systems[i % len(systems)]
+            tasks.append(asyncio.create_task(session(turns, priority, system)))
         done, pending = await asyncio.wait(tasks, timeout=args.max_duration)
         for task in pending:
             task.cancel()

@@ -209,7 +209,10 @@ def add_workload_args(parser: argparse.ArgumentParser,
     m = parser.add_argument_group("multiturn dataset (--num-prompts = sessions x turns)")
     m.add_argument("--multiturn-num-turns", type=int, default=4)
     m.add_argument("--multiturn-system-len", type=int, default=512,
-                   help="tokens of the system prompt all sessions share")
+                   help="tokens of the system prompt (of each tenant's, see below)")
+    m.add_argument("--multiturn-num-system-prompts", type=int, default=1,
+                   help="tenants, each with its own system prompt; session i belongs to "
+                   "tenant i mod N (1: one prompt shared by every session)")
     m.add_argument("--multiturn-user-len", type=int, default=64)
     m.add_argument("--multiturn-output-len", type=int, default=128)
     m.add_argument("--multiturn-think-time", type=float, default=0.0,

@@ -294,20 +294,28 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
 def multiturn_requests(num_sessions: int, num_turns: int, system_len: int, user_len: int,
                        output_len: int, vocab_size: int, request_rate: float = float("inf"),
                        burstiness: float = 1.0, think_time: float = 0.0, seed: int = 0,
-                       avoid_token_ids: frozenset[int] = frozenset()) -> list[SimRequest]:
-    """``num_sessions`` conversations of ``num_turns`` turns each (ids "s<i>-t<k>")."""
+                       avoid_token_ids: frozenset[int] = frozenset(),
+                       num_system_prompts: int = 1) -> list[SimRequest]:
+    """``num_sessions`` conversations of ``num_turns`` turns each (ids "s<i>-t<k>").
+
+    ``num_system_prompts``: tenants, each with a system prompt of its own;
+    session ``i`` belongs to tenant ``i mod num_system_prompts`` (1: one prompt
+    shared by all, which every replica of a fleet ends up caching).
+    """
     for name, v in (("num_sessions", num_sessions), ("multiturn_num_turns", num_turns),
                     ("multiturn_user_len", user_len), ("multiturn_output_len", output_len)):
         _check(name, v)
     _check("multiturn_system_len", system_len, 0)
+    _check("multiturn_num_system_prompts", num_system_prompts)
     if not think_time >= 0:
         raise ValueError(f"multiturn_think_time={think_time} is invalid: must be >= 0")
     rng = np.random.default_rng(seed)
-    system = _tokens(rng, system_len, vocab_size, avoid_token_ids)
+    systems = [_tokens(rng, system_len, vocab_size, avoid_token_ids)
+               for _ in range(num_system_prompts)]
     starts = arrival_times(num_sessions, request_rate, burstiness, seed)
     out = []
     for s in range(num_sessions):
-        history = list(system)
+        history = list(systems[s % num_system_prompts])
         for k in range(num_turns):
             history += _tokens(rng, user_len, vocab_size, avoid_token_ids)
             answer = _tokens(rng, output_len, vocab_size, avoid_token_ids)

@@ -1,15 +1,31 @@
 """`minivllm simulate calibrate`: fit the cost model to the real engine on this machine.
 
-    minivllm simulate calibrate --output cpu.json [--model FOLDER] [--seconds-budget 30]
+    minivllm simulate calibrate --output cpu.json [--model FOLDER] [--no-serve]
 
-Runs the real engine (the default model unless ``--model``) on a short
-mixed workload: one stream, a few, then a batch with chunked prefills, so
-the steps span small and large batches, prefill and decode. Every step's
-composition is priced by the cost model (``StepFeatures``) and its measured
-duration (the engine trace's, schedule to update) is recorded; the
-efficiencies and overheads of ``Hardware`` are then fitted to minimise the
-squared log error over all steps (Nelder-Mead, the peaks stay as measured
-by ``bench roofline``). The result is a hardware JSON for ``--hardware``.
+Two parts, one file:
+
+1. **The engine's steps.** The peaks (float32 matmul FLOP/s, memory
+   bandwidth) are measured first, as ``bench roofline`` does. Then the real
+   engine runs a workload designed so that each constant is identified
+   (``calibration_workload``): lone prefills of 16 to 512 tokens (small ones
+   bound by the weights, large ones by the matrix products), batch-1 decode
+   at a short and at a long context (bandwidth; attention over 1000+ cached
+   tokens), decode batches of 4 and 16 sequences (per-sequence cost) and a
+   batch of 24 with chunked prefills. Every step's composition is priced by
+   the cost model (``StepFeatures``) and its duration (the engine trace's) is
+   recorded; ``minivllm.sim.fit`` fits the efficiencies in (0, 1] of the peaks
+   and the overheads within their bounds, reports each constant's standard
+   error, and refuses (``CalibrationError``, nothing written) a fit that does
+   not converge or leaves a constant unidentified.
+2. **What serving adds** (unless ``--no-serve``): a real ``minivllm serve``
+   with the same engine arguments, requests one at a time and all at once,
+   and single requests after idle pauses (``minivllm.sim.calibrate_serving``):
+   a served step's fixed and per-sequence cost, a request's serving latency
+   and an idle engine's wake-up cost, each with a bootstrap standard error.
+
+The result is a hardware JSON for ``--hardware`` (``simulate``) and
+``--calibration`` (``simulate validate``); the fitted constants and their
+errors are printed and stored in its ``source``.
 """
 
 from __future__ import annotations
@@ -22,11 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minivllm.sim.cost_model import CostModel, times_of
+from minivllm.sim.fit import FITTED, CalibrationError, FitResult, fit_steps
 from minivllm.sim.hardware import Hardware, measured_cpu
-
-# Fitted, in this order, as logarithms.
-FITTED = ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency",
-          "step_overhead_s", "per_seq_overhead_s", "per_token_overhead_s")
 
 
 class RecordingExecutor:
@@ -51,6 +64,8 @@ class Calibration:
     rows: np.ndarray  # StepFeatures rows
     measured: np.ndarray  # seconds per step
     predicted: np.ndarray = field(default=None)
+    result: FitResult = field(default=None, repr=False)
+    serving: dict = field(default=None)  # what calibrate_serving fitted, with errors
 
     @property
     def median_abs_error(self) -> float:
@@ -61,22 +76,58 @@ class Calibration:
         return float(self.predicted.sum() / self.measured.sum() - 1)
 
 
-def calibration_workload(vocab_size: int, seed: int = 0, scale: float = 1.0
+def calibration_workload(vocab_size: int, seed: int = 0, scale: float = 1.0,
+                         long_context: int = 1200
                          ) -> list[tuple[list[list[int]], list[int]]]:
-    """Rounds of (prompts, output lengths): lone prompts of 16 to 256 tokens (each a
-    prefill alone, as a request that finds the engine idle), 1 stream, 4, then a
-    batch of 24 (chunked prefills, big decode batches)."""
+    """Rounds of (prompts, output lengths), each run alone, each there for a constant:
+
+    - lone prefills of 16, 64, 256 and 512 tokens (2 output tokens): the small ones
+      are bound by reading the weights, the large ones by the matrix products
+      (``flops_efficiency``), and their spread separates ``step_overhead_s``;
+    - one sequence decoding after 32 and after ``long_context`` prompt tokens
+      (``bandwidth_efficiency``; the long one's chunked prefill and decode read
+      1000+ cached tokens per step: ``attention_efficiency``);
+    - 4 and 16 sequences decoding together (``per_seq_overhead_s``);
+    - 24 prompts at once: chunked prefills next to decodes, the mix serving makes.
+    """
     rng = random.Random(seed)
 
     def prompts(n, lo, hi):
         return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, hi))]
                 for _ in range(n)]
 
-    k = lambda x: max(1, int(x * scale))  # noqa: E731
-    lone = [(prompts(1, lo, 2 * lo), [2]) for lo in (16, 32, 64, 96, 128)]
-    return [*lone, (prompts(1, 100, 200), [k(40)]),
-            (prompts(4, 32, 256), [k(24)] * 4),
-            (prompts(24, 16, 128), [rng.randint(k(8), k(32)) for _ in range(24)])]
+    k = lambda x: max(2, int(x * scale))  # noqa: E731
+    lone = [(prompts(1, n, n), [2]) for n in (16, 16, 24, 32, 32, 48, 64, 96, 128, 256, 512)]
+    single = [(prompts(1, n, n), [k(32)]) for n in (32, long_context)]
+    batches = [(prompts(n, 16, 32), [k(24)] * n) for n in (8, 32, 64)]
+    mixed = (prompts(24, 64, 160), [rng.randint(k(8), k(24)) for _ in range(24)])
+    return [*lone, *single, *batches, mixed]
+
+
+class RecordingCostModel(CostModel):
+    """A cost model that keeps the features of every step it prices."""
+
+    rows: list
+
+    def features(self, so):
+        f = super().features(so)
+        self.rows.append(f.as_row())
+        return f
+
+
+def simulated_rows(model, hardware: Hardware, engine_args, rounds) -> np.ndarray:
+    """The feature rows of a workload's steps from the simulator (the real scheduler,
+    no model): what checking a workload's design needs, without an engine."""
+    from minivllm.sim.simulator import SimRequest, Simulator
+
+    rows: list = []
+    for r, (prompts, lens) in enumerate(rounds):
+        sim = Simulator(model, hardware, engine_args)
+        cost = RecordingCostModel(sim.model, hardware, sim.cost_model.tp)
+        cost.rows = rows
+        sim.cost_model = cost
+        sim.run([SimRequest(f"r{r}-{i}", p, n) for i, (p, n) in enumerate(zip(prompts, lens))])
+    return np.array(rows, dtype=float)
 
 
 def collect(llm, cost_model: CostModel, rounds) -> tuple[np.ndarray, np.ndarray]:
@@ -102,80 +153,86 @@ def collect(llm, cost_model: CostModel, rounds) -> tuple[np.ndarray, np.ndarray]
 
 
 def fit(base: Hardware, rows: np.ndarray, measured: np.ndarray, tp: int = 1,
-        iterations: int = 600) -> Calibration:
-    """Efficiencies and overheads that minimise the squared log error of the step times."""
-    def hw_of(x):
-        v = np.exp(np.clip(x, -50.0, 50.0))  # far outside any real constant
-        # The peaks are probes (one float32 1024^2 matmul, a few short reads) on a
-        # machine whose speed moves with its neighbours; the engine's own packed
-        # kernels can beat them, so the factors are left free to say so (the
-        # matmul one up to 4x the probe).
-        v[0] = min(v[0], 4.0)
-        return base.with_(**{n: float(val) for n, val in zip(FITTED, v)})
-
-    def loss(x):
-        pred = times_of(rows, hw_of(x), tp)
-        return float(np.mean(np.log(pred / measured) ** 2))
-
-    start = np.log([0.5, 0.5, 0.5, max(float(np.min(measured)) / 2, 1e-5), 1e-5, 1e-6])
-    best = _nelder_mead(loss, start, iterations)
-    hw = hw_of(best)
-    return Calibration(hw, rows, measured, times_of(rows, hw, tp))
-
-
-def _nelder_mead(f, x0: np.ndarray, iterations: int, step: float = 1.0) -> np.ndarray:
-    n = len(x0)
-    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
-    values = [f(x) for x in simplex]
-    for _ in range(iterations):
-        order = np.argsort(values)
-        simplex = [simplex[i] for i in order]
-        values = [values[i] for i in order]
-        centroid = np.mean(simplex[:-1], axis=0)
-        worst = simplex[-1]
-        reflected = centroid + (centroid - worst)
-        fr = f(reflected)
-        if fr < values[0]:
-            expanded = centroid + 2 * (centroid - worst)
-            fe = f(expanded)
-            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-        else:
-            contracted = centroid + 0.5 * (worst - centroid)
-            fc = f(contracted)
-            if fc < values[-1]:
-                simplex[-1], values[-1] = contracted, fc
-            else:  # shrink towards the best point
-                simplex = [simplex[0]] + [simplex[0] + 0.5 * (x - simplex[0])
-                                          for x in simplex[1:]]
-                values = [values[0]] + [f(x) for x in simplex[1:]]
-    return simplex[int(np.argmin(values))]
+        max_relative_error: float = 0.5) -> Calibration:
+    """The bounded fit (``minivllm.sim.fit.fit_steps``) as a ``Calibration``."""
+    res = fit_steps(base, rows, measured, tp, max_relative_error)
+    return Calibration(res.hardware, rows, measured, times_of(rows, res.hardware, tp), res)
 
 
 def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
-              base: Hardware = None, rounds=None) -> Calibration:
-    """Run the real engine briefly and fit; ``model`` None is the default model.
+              base: Hardware = None, rounds=None,
+              max_relative_error: float = 0.5, steps_path=None) -> Calibration:
+    """Run the real engine on the calibration workload and fit its steps (part 1);
+    ``model`` None is the default model. Raises ``CalibrationError`` for a fit
+    that is not worth writing.
 
     ``rounds``: the workload, as (prompts, output lengths) pairs run one after
-    the other (default: ``calibration_workload``).
+    the other (default: ``calibration_workload``). ``base``: the peaks (default:
+    measured now, before the engine starts). ``steps_path``: keep the measured
+    steps there (``.npz``: peaks, features, seconds), fitted or refused, so that
+    ``refit`` can try again without the engine.
     """
     from minivllm import LLM
 
-    base = base or measured_cpu()
     llm = LLM(model, trace=True, **(engine_kwargs or {}))
     try:
         cfg = llm.llm_engine.config
-        cost = CostModel(cfg.model, base, cfg.parallel.tensor_parallel_size)
-        rounds = rounds or calibration_workload(cfg.model.vocab_size, seed, scale)
+        base = base or measured_cpu(dtype=cfg.model.dtype)
+        tp = cfg.parallel.tensor_parallel_size
+        cost = CostModel(cfg.model, base, tp)
+        longest = min(1200, cfg.scheduler.max_model_len - 64)
+        rounds = rounds or calibration_workload(cfg.model.vocab_size, seed, scale, longest)
         rows, measured = collect(llm, cost, rounds)
     finally:
         llm.shutdown()
-    cal = fit(base, rows, measured, cfg.parallel.tensor_parallel_size)
+    if steps_path:
+        save_steps(steps_path, base, rows, measured, tp)
+    cal = fit(base, rows, measured, tp, max_relative_error)
+    errors = "; ".join(cal.result.describe())
     cal.hardware = cal.hardware.with_(
         name="cpu-calibrated",
         source=f"minivllm simulate calibrate: fitted to {len(measured)} real engine steps "
-               f"of {cfg.model.path.rsplit('/', 1)[-1]} ({time.strftime('%Y-%m-%d %H:%M')})")
+               f"of {cfg.model.path.rsplit('/', 1)[-1]} ({time.strftime('%Y-%m-%d %H:%M')}): "
+               f"{errors}")
+    return cal
+
+
+def save_steps(path, base: Hardware, rows, measured, tp: int) -> None:
+    import json
+
+    np.savez(path, rows=rows, measured=measured, tp=tp,
+             base=json.dumps(base.to_dict()))
+
+
+def refit(path, max_relative_error: float = 0.5) -> Calibration:
+    """The fit again, on steps kept by ``calibrate(..., steps_path=...)``."""
+    import json
+
+    d = np.load(path)
+    base = Hardware.from_dict(json.loads(str(d["base"])))
+    return fit(base, d["rows"], d["measured"], int(d["tp"]), max_relative_error)
+
+
+def calibrate_serving(cal: Calibration, model, engine_kwargs: dict, args) -> Calibration:
+    """Part 2: a real ``minivllm serve`` with the same engine arguments, and what
+    serving adds to the steps (``minivllm.sim.calibrate_serving``)."""
+    import json
+    from pathlib import Path
+
+    from minivllm.benchmarks.workload import random_requests
+    from minivllm.entrypoints.launch import ServerProcess
+    from minivllm.model.resolve import resolve_model_path
+    from minivllm.sim.calibrate_serving import measure, serve_calibration
+
+    path = resolve_model_path(model)
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs.items()]
+    with ServerProcess(*([str(path)] if model else []), *flags) as server:
+        server.wait_until_healthy()
+        # Warm-up: the first requests of a fresh server pay one-time costs.
+        measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99), 100.0, 0)
+        cal.hardware, cal.serving = serve_calibration(server.url, cal.hardware, path,
+                                                      engine_kwargs, vocab, args)
     return cal
 
 
@@ -187,20 +244,50 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="output lengths of the calibration workload times this")
     parser.add_argument("--max-num-batched-tokens", dest="calibrate_mnbt", type=int,
                         default=512, help="the real engine's token budget per step")
+    parser.add_argument("--max-relative-error", type=float, default=0.5,
+                        help="refuse the fit if a constant's standard error exceeds this "
+                        "fraction of its value (the workload did not identify it)")
+    parser.add_argument("--serve", action=argparse.BooleanOptionalAction, default=True,
+                        help="also fit what serving adds on a real minivllm serve (per "
+                        "step, per sequence, per request, idle wake-up)")
+    parser.add_argument("--num-prompts", type=int, default=16,
+                        help="--serve: requests of the all-at-once run (half one at a time)")
+    parser.add_argument("--input-len", type=int, default=96,
+                        help="--serve: mean prompt tokens (+-25 %%)")
+    parser.add_argument("--output-len", type=int, default=32,
+                        help="--serve: mean output tokens (+-25 %%)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", default=None,
+                        help="keep the measured steps here (.npz), fitted or refused")
+    parser.add_argument("--from-steps", default=None,
+                        help="fit the steps kept by --steps instead of running the engine")
 
 
 def run(args: argparse.Namespace) -> Calibration:
-    cal = calibrate(args.calibrate_model, {"max_num_batched_tokens": args.calibrate_mnbt},
-                    args.scale)
-    hw = cal.hardware
-    cal.hardware.save(args.output)
+    if not 0 < args.max_relative_error:
+        raise ValueError(f"max_relative_error={args.max_relative_error} is invalid: "
+                         "must be > 0")
+    engine_kwargs = {"max_num_batched_tokens": args.calibrate_mnbt}
+    if args.from_steps:
+        cal = refit(args.from_steps, args.max_relative_error)
+        cal.hardware = cal.hardware.with_(name="cpu-calibrated", source=(
+            f"minivllm simulate calibrate --from-steps {args.from_steps}: "
+            + "; ".join(cal.result.describe())))
+    else:
+        cal = calibrate(args.calibrate_model, engine_kwargs, args.scale, args.seed,
+                        max_relative_error=args.max_relative_error, steps_path=args.steps)
     print(f"fitted to {len(cal.measured)} steps: median |error| per step "
-          f"{cal.median_abs_error:.1%}, total time error {cal.total_error:+.1%}")
-    for name in FITTED:
-        print(f"  {name:<24} {getattr(hw, name):.4g}")
+          f"{cal.median_abs_error:.1%}, total time error {cal.total_error:+.1%}, "
+          f"residual std (log) {cal.result.residual_std:.3f}")
+    for line in cal.result.describe():
+        print(f"  {line}")
+    if args.serve:
+        cal = calibrate_serving(cal, args.calibrate_model, engine_kwargs, args)
+    cal.hardware.save(args.output)
     print(f"wrote {args.output}")
     return cal
 
 
 __all__ = ["calibrate", "fit", "collect", "calibration_workload", "Calibration", "run",
-           "add_cli_args", "RecordingExecutor"]
+           "add_cli_args", "RecordingExecutor", "calibrate_serving", "simulated_rows",
+           "CalibrationError", "FITTED", "refit", "save_steps"]

@@ -118,7 +118,8 @@ def build(args: argparse.Namespace):
                                   args.multiturn_system_len, args.multiturn_user_len,
                                   args.multiturn_output_len, model.vocab_size,
                                   args.request_rate, args.burstiness,
-                                  args.multiturn_think_time, args.seed, sim.eos_token_ids)
+                                  args.multiturn_think_time, args.seed, sim.eos_token_ids,
+                                  getattr(args, "multiturn_num_system_prompts", 1))
     if classes:  # the priorities bench serve sends for the same flags
         if args.dataset_name == "random":
             for w, p in zip(work, draw_priorities(len(work), classes, args.seed)):

@@ -113,15 +113,17 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
 HARDWARE_NAMES = (*HARDWARE_PRESETS, "cpu")
 
 
-def measured_cpu(min_seconds: float = 0.3) -> Hardware:
-    """This machine's float32 matmul FLOP/s and memory bandwidth, measured now."""
+def measured_cpu(min_seconds: float = 0.3, dtype=None) -> Hardware:
+    """This machine's matmul FLOP/s and memory bandwidth, measured now: float32, or
+    the faster of float32 and ``dtype`` (a peak bounds every kernel the engine may use)."""
     import os
 
     import torch
 
     from minivllm.benchmarks.roofline import measure_bandwidth, measure_matmul_flops
 
-    flops = measure_matmul_flops(torch.float32, 1024, min_seconds=min_seconds)
+    flops = max(measure_matmul_flops(t, 1024, min_seconds=min_seconds)
+                for t in {torch.float32, dtype or torch.float32})
     bw = measure_bandwidth(num_bytes=1 << 28, min_seconds=min_seconds).best
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware("cpu", flops, bw, float(mem), bw, flops_efficiency=1.0,

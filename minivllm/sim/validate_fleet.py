@@ -63,9 +63,9 @@ def conversations(args) -> list[list[str]]:
 
     rng = random.Random(args.seed)
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
-    system = words(args.system_len)
-    return [[system] + [words(args.user_len) for _ in range(args.num_turns)]
-            for _ in range(args.num_sessions)]
+    systems = [words(args.system_len) for _ in range(args.num_system_prompts)]
+    return [[systems[s % len(systems)]] + [words(args.user_len) for _ in range(args.num_turns)]
+            for s in range(args.num_sessions)]
 
 
 async def run_sessions(url: str, replica_urls: list[str], convs, args) -> list[Turn]:
@@ -320,6 +320,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-sessions", type=int, default=6)
     g.add_argument("--num-turns", type=int, default=3)
     g.add_argument("--system-len", type=int, default=160, help="words of the system prompt")
+    g.add_argument("--num-system-prompts", type=int, default=1,
+                   help="tenants, each with its own system prompt (session i: tenant i mod N)")
     g.add_argument("--user-len", type=int, default=24, help="words per user turn")
     g.add_argument("--fleet-output-len", dest="fleet_output_len", type=int, default=16)
     g.add_argument("--session-rate", type=float, default=1.0, help="sessions started per s")

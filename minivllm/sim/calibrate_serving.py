@@ -1,0 +1,230 @@
+"""What serving adds to the engine's steps, fitted on a real ``minivllm serve``.
+
+Part 2 of ``minivllm simulate calibrate`` (``simulate validate`` calls the same
+``serve_calibration`` when it is given no calibration file): the offline fit
+prices the model work of a step; a served engine adds, fitted here on runs of
+their own prompts, never the validated ones,
+
+- a fixed time and a time per scheduled sequence per step (the engine core's
+  loop around ``step()``: the pipe, the API process turning each sequence's
+  token into a streamed chunk on the same cores), fitted to the median TPOT of
+  one request at a time and of all at once: the schedules of both do not
+  depend on step times, so the TPOTs are linear in the two overheads (three
+  simulations give the map), solved with both >= 0;
+- a per-request serving latency (HTTP, IPC, streaming): the one-at-a-time
+  median TTFT less the simulated one;
+- an idle engine's wake-up cost ``w (1 - exp(-t / tau))``: single requests
+  sent after idle pauses of 0.5 and 2.5 s against back-to-back ones.
+
+Each constant's standard error is a bootstrap over the measured requests
+(resampled, medians taken again, the same solve), since each comes from a
+median of a handful of requests rather than from a residual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+
+import numpy as np
+
+from minivllm.benchmarks.serve import benchmark, compute_metrics
+from minivllm.config import EngineArgs
+
+BOOTSTRAP = 200  # resamples for the standard errors
+
+
+def measure_requests(base_url: str, work, rate: float, seed: int, max_concurrency=None):
+    """(metrics, per-request results) of ``bench serve`` sending ``work`` at ``rate``."""
+    payloads = [{"prompt": w.prompt_token_ids, "max_tokens": w.output_len,
+                 "temperature": 0.0, "ignore_eos": True, "stream": True,
+                 "stream_options": {"include_usage": True}} for w in work]
+    results, duration = asyncio.run(benchmark(base_url, payloads, False, rate,
+                                              max_concurrency, 1800, 600, seed))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed; first: "
+                           f"{failed[0]}")
+    return compute_metrics(results, duration), results
+
+
+def measure(base_url: str, work, rate: float, seed: int, max_concurrency=None):
+    return measure_requests(base_url, work, rate, seed, max_concurrency)[0]
+
+
+def simulate(hw, model_path, work, engine_kwargs, max_concurrency=None):
+    from minivllm.sim.models import load_model_config
+    from minivllm.sim.report import serve_metrics
+    from minivllm.sim.simulator import Simulator
+
+    sim = Simulator(load_model_config(model_path, "float32", "cpu"), hw,
+                    EngineArgs(model=str(model_path), **engine_kwargs))
+    return serve_metrics(sim.run(work, max_concurrency))
+
+
+def serving_hardware(hw, step_s: float, seq_s: float, latency: float = 0.0):
+    """``hw`` with a served engine's per-step and per-sequence overheads (totals,
+    replacing the offline ones) and its per-request ``serving_latency_s``."""
+    return hw.with_(step_overhead_s=step_s, per_seq_overhead_s=seq_s,
+                    serving_latency_s=latency)
+
+
+def serving_jacobian(hw, runs, simulate_run):
+    """(simulated TPOTs with no overheads, d TPOT / d (step, per-seq overhead)), seconds."""
+    def tpots(step_s, seq_s):
+        h = serving_hardware(hw, step_s, seq_s)
+        return np.array([simulate_run(h, w, c) for w, c, _ in runs]) / 1000
+
+    base = tpots(0.0, 0.0)
+    jac = np.stack([(tpots(1e-3, 0.0) - base) / 1e-3, (tpots(0.0, 1e-3) - base) / 1e-3],
+                   axis=1)
+    return base, jac
+
+
+def solve_overheads(base, jac, target_s) -> tuple[float, float]:
+    """Least squares of jac x = target - base with both overheads >= 0."""
+    want = np.asarray(target_s) - base
+    x = np.linalg.lstsq(jac, want, rcond=None)[0]
+    if (x < 0).any():  # the best fit on one overhead alone, the other at 0
+        best = None
+        for i in range(2):
+            col = jac[:, i]
+            xi = max(float(col @ want / (col @ col)), 0.0)
+            err = float(np.sum((col * xi - want) ** 2))
+            if best is None or err < best[0]:
+                best = (err, i, xi)
+        x = np.zeros(2)
+        x[best[1]] = best[2]
+    return float(x[0]), float(x[1])
+
+
+def fit_serving(hw, runs, simulate_run) -> tuple[float, float]:
+    """A served engine's per-step and per-sequence overheads, from runs' median TPOT.
+
+    ``runs``: (workload, max_concurrency, measured median TPOT in ms);
+    ``simulate_run(hw, workload, max_concurrency)`` gives the simulated one.
+    """
+    base, jac = serving_jacobian(hw, runs, simulate_run)
+    return solve_overheads(base, jac, np.array([m for _, _, m in runs]) / 1000)
+
+
+def bootstrap_std(samples: list[list[float]], estimate, n: int = BOOTSTRAP,
+                  seed: int = 0) -> np.ndarray:
+    """Standard deviation of ``estimate(medians)`` over resamples of each sample list."""
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(n):
+        meds = [float(np.median(rng.choice(s, len(s)))) for s in samples]
+        draws.append(np.atleast_1d(estimate(meds)))
+    return np.std(np.array(draws, dtype=float), axis=0, ddof=1)
+
+
+def fit_wake(pauses: tuple[float, float], extra: tuple[float, float]) -> tuple[float, float]:
+    """(idle_wake_s, idle_wake_tau_s) with w (1 - exp(-t / tau)) = extra at both pauses.
+
+    ``extra``: seconds a request sent after each pause pays beyond one sent
+    back to back. The ratio of the two fixes tau (bisection on log tau);
+    ratios outside what the curve can give take its limits (a step, a line).
+    """
+    (t1, t2), (e1, e2) = pauses, extra
+    if e2 <= 0:
+        return 0.0, 1.0
+    r = min(max(e1, 0.0) / e2, 1.0)
+
+    def ratio(tau):
+        return math.expm1(-t1 / tau) / math.expm1(-t2 / tau)
+
+    # tau from a step (~1) to twice the longer pause: the probes say nothing of more.
+    lo, hi = math.log(t1 / 20), math.log(t2 * 2)
+    if r >= ratio(math.exp(lo)):
+        tau = math.exp(lo)
+    elif r <= ratio(math.exp(hi)):
+        tau = math.exp(hi)
+    else:
+        for _ in range(60):  # ratio falls as tau grows
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ratio(math.exp(mid)) > r else (lo, mid)
+        tau = math.exp((lo + hi) / 2)
+    return e2 / -math.expm1(-t2 / tau), tau
+
+
+# Idle pauses (s) of the wake-up probe: one like a busy rate's, one like a quiet one's.
+WAKE_PAUSES = (0.5, 2.5)
+
+
+def ttfts_after_pauses(base_url, work, pause: float) -> list[float]:
+    """TTFTs (ms) of requests each sent ``pause`` s after the last one finished."""
+    out = []
+    for w in work:
+        time.sleep(pause)
+        out.append(measure(base_url, [w], float("inf"), 0).ttft_ms["median"])
+    return out
+
+
+def measure_after_pauses(base_url, work, pause: float) -> float:
+    """Median TTFT (ms) of requests each sent ``pause`` s after the last one finished."""
+    return statistics.median(ttfts_after_pauses(base_url, work, pause))
+
+
+def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
+    """``hw`` with what serving adds, fitted on runs that are never validated.
+
+    ``args``: ``input_len``, ``output_len``, ``num_prompts`` and ``seed`` of the
+    requests (random token ids). Returns (hardware, {constant: (value, stderr)}).
+    """
+    from minivllm.benchmarks.workload import random_requests
+
+    def work(n, seed):
+        return random_requests(n, args.input_len, args.output_len, vocab, 0.25, seed=seed,
+                               avoid_token_ids=frozenset(range(3)))
+
+    one, alll = work(max(args.num_prompts // 2, 4), args.seed + 1000), \
+        work(args.num_prompts, args.seed + 2000)
+    m_one, r_one = measure_requests(base_url, one, float("inf"), 0, max_concurrency=1)
+    m_all, r_all = measure_requests(base_url, alll, float("inf"), 0)
+    for m in (m_one, m_all):
+        if not m.tpot_ms["median"] > 0:
+            raise RuntimeError("the serving calibration measured no TPOT: use --output-len >= 2")
+
+    def sim(h, w, c):
+        return simulate(h, model_path, w, engine_kwargs, c)
+
+    runs = [(one, 1, m_one.tpot_ms["median"]), (alll, None, m_all.tpot_ms["median"])]
+    base, jac = serving_jacobian(hw, runs, lambda h, w, c: sim(h, w, c).tpot_ms["median"])
+    a, b = solve_overheads(base, jac, np.array([m for _, _, m in runs]) / 1000)
+    served = serving_hardware(hw, a, b)
+    sim_ttft = sim(served, one, 1).ttft_ms["median"]
+    latency = max((m_one.ttft_ms["median"] - sim_ttft) / 1000, 0.0)
+    served = serving_hardware(hw, a, b, latency)
+    # The wake-up cost: requests each sent after an idle pause, against back to back.
+    probes = [work(4, args.seed + 3000 + i) for i in range(2)]
+    after = [ttfts_after_pauses(base_url, w, p) for w, p in zip(probes, WAKE_PAUSES)]
+    ttft_one = [r.ttft * 1000 for r in r_one]
+
+    def wake_of(meds):  # medians of: back to back, after pause 1, after pause 2 (ms)
+        return fit_wake(WAKE_PAUSES, ((meds[1] - meds[0]) / 1000, (meds[2] - meds[0]) / 1000))
+
+    wake, tau = wake_of([statistics.median(s) for s in (ttft_one, *after)])
+    served = served.with_(idle_wake_s=wake, idle_wake_tau_s=tau)
+    # Standard errors: the same solves on resampled requests.
+    tpot_s = [[r.tpot for r in rs if r.tpot is not None] for rs in (r_one, r_all)]
+    ab_err = bootstrap_std(tpot_s, lambda meds: solve_overheads(base, jac, np.array(meds)))
+    lat_err = float(bootstrap_std([ttft_one], lambda m: m[0])[0]) / 1000
+    wake_err = bootstrap_std([ttft_one, *after], wake_of)
+    fitted = {"step_overhead_s": (a, float(ab_err[0])),
+              "per_seq_overhead_s": (b, float(ab_err[1])),
+              "serving_latency_s": (latency, lat_err),
+              "idle_wake_s": (wake, float(wake_err[0])),
+              "idle_wake_tau_s": (tau, float(wake_err[1]))}
+    what = ("served: " + ", ".join(f"{k} {v:.3g} +- {e:.2g}" for k, (v, e) in fitted.items())
+            + f" (offline step {hw.step_overhead_s:.3g}, per seq {hw.per_seq_overhead_s:.3g})")
+    print(f"serving calibration (its own prompts; one at a time, all at once, after idle "
+          f"pauses): {what}")
+    return served.with_(source=hw.source + "; " + what), fitted
+
+
+__all__ = ["serve_calibration", "fit_serving", "fit_wake", "serving_hardware", "measure",
+           "measure_requests", "simulate", "solve_overheads", "serving_jacobian",
+           "bootstrap_std", "WAKE_PAUSES", "measure_after_pauses"]

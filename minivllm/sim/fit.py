@@ -1,0 +1,174 @@
+"""Fit the cost model's constants to measured step times, within physical bounds.
+
+The constants and what bounds them:
+
+- ``flops_efficiency``, ``bandwidth_efficiency``, ``attention_efficiency``: a
+  fraction of the peaks measured in the same run, so in ``(0, 1]``; a kernel
+  that beats its probe shows up as a constant pinned at 1, not as 5e21;
+- ``step_overhead_s``: at least 0 and at most the shortest measured step (a
+  fixed cost cannot exceed a whole step); ``per_seq_overhead_s``: at least 0,
+  at most the smallest step time per scheduled sequence.
+
+``per_token_overhead_s`` is not fitted (it stays as given, 0 by default): on
+every step whose matrix products are compute-bound it moves the prediction
+exactly as ``flops_efficiency`` does, so no workload separates the two.
+
+The residuals are log(predicted / measured) per step (a relative error, so
+short and long steps weigh alike), minimised by bounded least squares
+(``scipy.optimize.least_squares``, trust region reflective). Each constant's
+standard error comes from the Jacobian at the optimum and the residual
+variance, ``cov = s^2 (J^T J)^-1`` over the constants not pinned at a bound.
+A fit is refused (``CalibrationError``, nothing written) when the solver does
+not converge, when a constant does not move any step's prediction, when two
+cannot be told apart (``J^T J`` singular), or when a constant's standard error
+exceeds ``max_relative_error`` of its value *and* moves some calibration
+step's predicted time by more than ``negligible``: then the workload did not
+identify it, and its value would be noise. (An overhead of a fraction of a
+millisecond under steps of tens of milliseconds may stay relatively uncertain;
+it is kept when its whole uncertainty changes no step's time by more than
+``negligible``, over a workload that spans the batch sizes and contexts the
+simulator is asked about.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minivllm.sim.cost_model import times_of
+from minivllm.sim.hardware import Hardware
+
+FITTED = ("flops_efficiency", "bandwidth_efficiency", "attention_efficiency",
+          "step_overhead_s", "per_seq_overhead_s")
+# What each constant needs in the workload, for the refusal's message.
+NEEDS = {"flops_efficiency": "steps whose matrix products are compute-bound (long prefill "
+         "chunks, large batches)",
+         "bandwidth_efficiency": "steps bound by reading the weights (single-sequence decode)",
+         "attention_efficiency": "steps with long contexts (decode and prefill chunks after "
+         "1000+ cached tokens)",
+         "step_overhead_s": "steps of very different sizes (lone short prefills, batch-1 "
+         "decode)",
+         "per_seq_overhead_s": "decode steps with different numbers of sequences (1, 4, 16)"}
+MIN_EFFICIENCY = 1e-3
+
+
+class CalibrationError(ValueError):
+    """The fit is not worth writing: it names the constant and why."""
+
+
+@dataclass
+class FitResult:
+    hardware: Hardware
+    values: dict[str, float]
+    stderr: dict[str, float]  # nan where the constant sits on a bound
+    at_bound: dict[str, str]  # name -> "lower" / "upper" for pinned constants
+    bounds: dict[str, tuple[float, float]]
+    residual_std: float  # of log(predicted / measured)
+    effect: dict[str, float]  # the most a constant's stderr moves a step's prediction
+    predicted: np.ndarray = field(repr=False, default=None)
+
+    def describe(self) -> list[str]:
+        out = []
+        for n in FITTED:
+            v, lo_hi = self.values[n], self.bounds[n]
+            if n in self.at_bound:
+                err = f"at its {self.at_bound[n]} bound ({lo_hi[0]:.3g}..{lo_hi[1]:.3g})"
+            else:
+                err = (f"+- {self.stderr[n]:.2g} ({self.stderr[n] / v:.0%}; moves a "
+                       f"step's time by at most {self.effect[n]:.1%})")
+            out.append(f"{n:<22} {v:.4g} {err}")
+        return out
+
+
+def bounds_of(rows: np.ndarray, measured: np.ndarray) -> dict[str, tuple[float, float]]:
+    seqs = np.maximum(rows[:, 1], 1)
+    return {"flops_efficiency": (MIN_EFFICIENCY, 1.0),
+            "bandwidth_efficiency": (MIN_EFFICIENCY, 1.0),
+            "attention_efficiency": (MIN_EFFICIENCY, 1.0),
+            "step_overhead_s": (0.0, float(measured.min())),
+            "per_seq_overhead_s": (0.0, float((measured / seqs).min()))}
+
+
+def fit_steps(base: Hardware, rows: np.ndarray, measured: np.ndarray, tp: int = 1,
+              max_relative_error: float = 0.5, negligible: float = 0.01) -> FitResult:
+    """The constants of ``FITTED`` that best predict ``measured`` from ``rows``."""
+    from scipy.optimize import least_squares
+
+    rows, measured = np.asarray(rows, float), np.asarray(measured, float)
+    if len(measured) <= len(FITTED) or not (measured > 0).all():
+        raise CalibrationError(f"{len(measured)} measured steps are too few (or not all > 0) "
+                               f"to fit {len(FITTED)} constants")
+    bounds = bounds_of(rows, measured)
+    lo = np.array([bounds[n][0] for n in FITTED])
+    hi = np.array([bounds[n][1] for n in FITTED])
+    # The solver works on constants scaled to their ranges (all of order 1).
+    scale = hi - lo
+
+    def hw_of(z):
+        return base.with_(**{n: float(v) for n, v in zip(FITTED, lo + z * scale)})
+
+    def residuals(z):
+        return np.log(times_of(rows, hw_of(z), tp) / measured)
+
+    best = None
+    for start in (0.5, 0.1, 0.9):  # a few starts: the roofline's max() has kinks
+        z0 = np.full(len(FITTED), start)
+        z0[3:] = min(start, 0.5) * 0.2  # overheads start small
+        res = least_squares(residuals, z0, bounds=(0.0, 1.0), method="trf",
+                            x_scale="jac", max_nfev=2000)
+        if res.success and (best is None or res.cost < best.cost):
+            best = res
+    if best is None:
+        raise CalibrationError(f"the fit did not converge ({res.message}); nothing written")
+    return _with_uncertainty(best, hw_of, lo, scale, bounds, max_relative_error,
+                             len(measured), negligible)
+
+
+def _with_uncertainty(res, hw_of, lo, scale, bounds, max_rel, n, negligible) -> FitResult:
+    z, jac = res.x, res.jac
+    values = lo + z * scale
+    pinned = {}
+    for i, name in enumerate(FITTED):
+        if z[i] <= 1e-4 or z[i] >= 1 - 1e-4:  # within 0.01 % of its range
+            pinned[name] = "lower" if z[i] <= 1e-4 else "upper"
+    # A constant that moves no prediction is not identified, pinned or not.
+    for i, name in enumerate(FITTED):
+        if np.max(np.abs(jac[:, i])) < 1e-6:
+            raise CalibrationError(
+                f"{name} is not identified: it does not change the predicted time of "
+                f"any calibration step; the workload needs {NEEDS[name]}")
+    free = [i for i, name in enumerate(FITTED) if name not in pinned]
+    dof = max(n - len(free), 1)
+    s2 = float(np.sum(res.fun ** 2) / dof)
+    stderr = {name: float("nan") for name in FITTED}
+    if free:
+        jf = jac[:, free]
+        jtj = jf.T @ jf
+        eigval, eigvec = np.linalg.eigh(jtj)
+        if eigval[0] <= 1e-10 * max(eigval[-1], 1e-300):
+            # The direction the data cannot see: the constants with weight in it.
+            weight = np.abs(eigvec[:, 0])
+            names = [FITTED[free[k]] for k in np.argsort(-weight) if weight[k] > 0.2]
+            raise CalibrationError(
+                f"{' and '.join(names)} are not identified: the calibration steps cannot "
+                f"tell them apart; the workload needs {NEEDS[names[0]]}")
+        cov = s2 * np.linalg.inv(jtj)
+        for k, i in enumerate(free):
+            stderr[FITTED[i]] = float(np.sqrt(max(cov[k, k], 0.0)) * scale[i])
+    effect = {}
+    for i in free:
+        name = FITTED[i]
+        # The most its uncertainty moves any step's prediction (relative).
+        effect[name] = float(np.max(np.abs(jac[:, i])) * stderr[name] / scale[i])
+        if not (stderr[name] <= max_rel * values[i] or effect[name] <= negligible):
+            raise CalibrationError(
+                f"{name} is not identified: {values[i]:.3g} +- {stderr[name]:.2g} "
+                f"(more than {max_rel:.0%} of its value, moving predictions by up to "
+                f"{effect[name]:.1%}); the workload needs {NEEDS[name]}")
+    hw = hw_of(z)
+    return FitResult(hw, {n: float(v) for n, v in zip(FITTED, values)}, stderr, pinned,
+                     bounds, float(np.sqrt(s2)), effect)
+
+
+__all__ = ["fit_steps", "FitResult", "CalibrationError", "FITTED", "bounds_of", "NEEDS"]

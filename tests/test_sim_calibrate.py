@@ -1,0 +1,140 @@
+"""The calibration's fit: physical bounds, uncertainties that mean what they say,
+refusal of what a workload cannot identify, and its design checked on the
+scheduler's own steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minivllm.config import EngineArgs
+from minivllm.sim import Hardware, load_model_config
+from minivllm.sim.calibrate import calibration_workload, fit, simulated_rows
+from minivllm.sim.cost_model import times_of
+from minivllm.sim.fit import FITTED, CalibrationError, bounds_of
+
+MODEL = load_model_config("smollm2-135m", "float32", "cpu")
+# Peaks of the order this 2-core machine's probes measure (float32).
+BASE = Hardware("x", 1e11, 1e10, 1e10, 1e10, dtype="float32", device="cpu")
+TRUTH = BASE.with_(flops_efficiency=0.45, bandwidth_efficiency=0.7, attention_efficiency=0.3,
+                   step_overhead_s=4e-3, per_seq_overhead_s=3e-4)
+
+
+@pytest.fixture(scope="module")
+def design_rows():
+    """The steps the calibration workload makes, as the real scheduler cuts them."""
+    rounds = calibration_workload(MODEL.vocab_size, seed=0)
+    return simulated_rows(MODEL, BASE, EngineArgs(max_num_batched_tokens=512), rounds)
+
+
+def noisy(rows, hw, sigma, seed):
+    rng = np.random.default_rng(seed)
+    return times_of(rows, hw) * np.exp(rng.normal(0.0, sigma, len(rows)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_fit_recovers_the_constants_within_their_reported_uncertainty(design_rows, seed):
+    res = fit(BASE, design_rows, noisy(design_rows, TRUTH, 0.03, seed)).result
+    for name in FITTED:
+        truth, got, err = getattr(TRUTH, name), res.values[name], res.stderr[name]
+        assert name not in res.at_bound
+        assert 0 < err < 0.5 * got, (name, got, err)
+        assert abs(got - truth) <= 3 * err, (name, got, truth, err)
+    # The residuals' spread is the noise put in (log-normal, sigma 3 %).
+    assert res.residual_std == pytest.approx(0.03, rel=0.25)
+
+
+def test_noiseless_step_times_give_the_constants_back_exactly(design_rows):
+    res = fit(BASE, design_rows, times_of(design_rows, TRUTH)).result
+    for name in FITTED:
+        assert res.values[name] == pytest.approx(getattr(TRUTH, name), rel=1e-4)
+
+
+def test_efficiencies_stay_at_most_one_of_the_measured_peaks(design_rows):
+    """Kernels 1.6x faster than the FLOP/s probe: the fit pins the efficiency at 1
+    (and says so) instead of inventing a number beyond the peak."""
+    fast = TRUTH.with_(flops_efficiency=1.6)
+    measured = noisy(design_rows, fast, 0.03, 0)
+    cal = fit(BASE, design_rows, measured)
+    res, bounds = cal.result, bounds_of(design_rows, measured)
+    assert res.at_bound["flops_efficiency"] == "upper"
+    assert res.values["flops_efficiency"] == pytest.approx(1.0)
+    assert np.isnan(res.stderr["flops_efficiency"])
+    for name in FITTED:
+        lo, hi = bounds[name]
+        assert lo <= res.values[name] <= hi
+        assert getattr(cal.hardware, name) == res.values[name]
+    assert bounds["step_overhead_s"][1] == measured.min()
+    assert any("at its upper bound" in line for line in res.describe())
+
+
+def test_a_constant_no_step_depends_on_is_refused_naming_it(design_rows):
+    """Steps whose attention costs nothing (no cached context anywhere): nothing in
+    them can say how fast attention runs, so nothing is written."""
+    rows = design_rows.copy()
+    rows[:, 5:7] = 0.0  # attention FLOPs and bytes
+    with pytest.raises(CalibrationError, match="attention_efficiency is not identified: it "
+                                               "does not change .*long contexts"):
+        fit(BASE, rows, noisy(rows, TRUTH, 0.03, 0))
+
+
+def test_one_sequence_per_step_cannot_tell_the_step_from_the_sequence_cost(design_rows):
+    """Without a step of more than one sequence, 'per step' and 'per sequence' add
+    the same to every step: the fit names both instead of splitting them at random."""
+    single = design_rows[design_rows[:, 1] == 1]
+    with pytest.raises(CalibrationError,
+                       match="step_overhead_s and per_seq_overhead_s are not identified|"
+                             "per_seq_overhead_s and step_overhead_s are not identified"):
+        fit(BASE, single, noisy(single, TRUTH, 0.03, 0))
+
+
+def test_a_constant_the_noise_hides_is_refused_with_what_the_workload_needs(design_rows):
+    """Step times 10x noisier: a per-step cost of 4 ms under 80 ms steps can no longer
+    be told from the weights' read time, and its error would move predictions by
+    several percent; the fit says so instead of writing a number."""
+    with pytest.raises(CalibrationError, match="step_overhead_s is not identified: .*"
+                                               "lone short prefills"):
+        fit(BASE, design_rows, noisy(design_rows, TRUTH, 0.1, 0))
+
+
+def test_a_real_engine_s_steps_are_the_designed_ones_and_the_fit_keeps_its_bounds(tiny_model):
+    """The calibration on a real (tiny) engine: each step it records has the
+    composition the simulator's scheduler gives the same rounds (so the design
+    checks above hold for real runs), and the fitted constants keep their bounds."""
+    from minivllm.sim.calibrate import calibrate
+
+    path = tiny_model("llama")
+    rounds = [([[5 + i] * (8 + 4 * i) for i in range(n)], [3 + n] * n) for n in (1, 3, 6)]
+    cal = calibrate(path, {"num_kv_blocks": 64}, rounds=rounds, base=BASE,
+                    max_relative_error=float("inf"))
+    m = load_model_config(path, "float32", "cpu")
+    designed = simulated_rows(m, BASE, EngineArgs(model=path, num_kv_blocks=64), rounds)
+    assert np.array_equal(cal.rows, designed)
+    bounds = bounds_of(cal.rows, cal.measured)
+    for name in FITTED:
+        lo, hi = bounds[name]
+        assert lo <= getattr(cal.hardware, name) <= hi
+    assert cal.hardware.name == "cpu-calibrated" and "fitted to" in cal.hardware.source
+
+
+def test_the_command_writes_a_fit_and_refuses_to_write_an_unidentified_one(
+        design_rows, tmp_path, capsys):
+    from minivllm.entrypoints.cli import main
+    from minivllm.sim.calibrate import save_steps
+    from minivllm.sim.hardware import load_hardware
+
+    good, bad = tmp_path / "good.npz", tmp_path / "bad.npz"
+    save_steps(good, BASE, design_rows, noisy(design_rows, TRUTH, 0.03, 0), 1)
+    single = design_rows[design_rows[:, 1] == 1]
+    save_steps(bad, BASE, single, noisy(single, TRUTH, 0.03, 0), 1)
+    out = tmp_path / "cal.json"
+    assert main(["simulate", "calibrate", "--from-steps", str(good), "--output", str(out),
+                 "--no-serve"]) == 0
+    hw = load_hardware(str(out))
+    assert hw.name == "cpu-calibrated" and "+-" in hw.source
+    assert hw.flops_efficiency == fit(BASE, design_rows,
+                                      noisy(design_rows, TRUTH, 0.03, 0)).hardware.flops_efficiency
+    refused = tmp_path / "refused.json"
+    assert main(["simulate", "calibrate", "--from-steps", str(bad), "--output", str(refused),
+                 "--no-serve"]) == 2
+    assert "per_seq_overhead_s" in capsys.readouterr().err and not refused.exists()
