@@ -125,7 +125,7 @@ print(f"one pass re-derives all {len(answer)} answer tokens")
 # But that pass needs the answer as input. During generation token *j + 1* does not
 # exist until token *j* has been sampled: decode is a chain of steps, one token each.
 # (Checking a guessed continuation in one pass, as above, is what speculative decoding
-# builds on.)
+# builds on: chapter 15 explains it.)
 #
 # ## Cached and recomputed generation give the same tokens
 #
@@ -471,17 +471,6 @@ print(f"{blocks_8b:,} blocks of 16 = {blocks_8b * 16:,} tokens: "
 assert activations < free_after_weights - budget_8b  # the headroom covers them
 
 # %% [markdown]
-# ## Summary
-#
-# - Prefill computes a whole prompt in one pass (the causal mask makes every position
-#   independent of later ones); decode is a chain, one token per step.
-# - A token's K and V never change once computed, so the engine writes them into the
-#   KV cache (one slot per token, found through the block table) and a decode step only
-#   computes the newest token, attending over the cache: the same tokens as recomputing
-#   everything, with far less work per step.
-# - The cache costs `2 x layers x KV heads x head dim x bytes` per token; its size is a
-#   memory budget divided by the cost of a block.
-#
 # ## Exercises
 
 # %% [markdown]
@@ -546,6 +535,18 @@ shrink = torch.tensor([], dtype=cfg.dtype).element_size() / 2
 # %% tags=["check"]
 as_bf16 = dataclasses.replace(cfg, dtype=torch.bfloat16).kv_bytes_per_token
 assert cfg.kv_bytes_per_token == shrink * as_bf16
+
+# %% [markdown]
+# ## Summary
+#
+# - Prefill computes a whole prompt in one pass (the causal mask makes every position
+#   independent of later ones); decode is a chain, one token per step.
+# - A token's K and V never change once computed, so the engine writes them into the
+#   KV cache (one slot per token, found through the block table) and a decode step only
+#   computes the newest token, attending over the cache: the same tokens as recomputing
+#   everything, with far less work per step.
+# - The cache costs `2 x layers x KV heads x head dim x bytes` per token; its size is a
+#   memory budget divided by the cost of a block.
 
 # %% [markdown]
 # ## Things to try

@@ -146,14 +146,11 @@ show_source(RequestMetrics.tpot, start="spans =")
 show_source(compute_metrics, start="ok = [r for r in results", end="e2el_ms=")
 
 # %% [markdown]
-# Now the definitions, recomputed by hand and checked against `RequestOutput.metrics`:
-#
-# - **TTFT** (time to first token) = first token - arrival: queueing, prefill and the
-#   first sampling;
-# - **ITL** (inter-token latency) = the gaps between consecutive tokens;
-# - **TPOT** (time per output token) = the mean gap after the first token, the decode
-#   time divided by the *n - 1* tokens that followed the first;
-# - **E2E** (end-to-end latency) = finished - arrival.
+# Chapter 1 defined TTFT, ITL and TPOT on one request's timeline; here they are
+# recomputed by hand from the engine's stamps and checked against
+# `RequestOutput.metrics`, with one more, **E2E** (end-to-end latency) = finished -
+# arrival. TPOT, as `vllm bench serve` counts it, divides the time after the first
+# token by the *n - 1* tokens that followed it.
 
 # %%
 ttft = times[0] - m.arrival_time
