@@ -385,22 +385,22 @@ print(answer_1, "chunks")
 # %% [markdown]
 # ### Exercise 18.2 — one request at a time
 # Build a `MiniEngine` with `max_num_seqs=1` (only one request may run at a time) and
-# the same small cache, and serve the first three prompts with it.
+# the same small cache, and serve the first two prompts with it.
 # **Predict first:** how many preemptions will it have (`predicted_2`)? Will the tokens
 # change? Put the engine in `engine_2` and its `generate` result in `streams_2`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
 predicted_2 = 0  # a lone request fits: nobody else holds blocks it could need
-three = {rid: prompts[rid] for rid in ["r0", "r1", "r2"]}
+two = {rid: prompts[rid] for rid in ["r0", "r1"]}
 engine_2 = MiniEngine(model, tokenizer, eos, NUM_BLOCKS, BLOCK_SIZE, BUDGET, max_num_seqs=1)
-streams_2 = engine_2.generate(three, params)
+streams_2 = engine_2.generate(two, params)
 ### END SOLUTION
 
 # %% tags=["check"]
 assert predicted_2 == engine_2.num_preemptions
 assert all(len(step) == 1 for step in engine_2.steps)  # one request per step
-assert streams_2 == {rid: expected[rid] for rid in streams_2} and len(streams_2) == 3
+assert streams_2 == {rid: expected[rid] for rid in streams_2} and len(streams_2) == 2
 
 # %% [markdown]
 # ### Exercise 18.3 — sampling that is greedy in disguise
