@@ -56,7 +56,7 @@ class Scheduler:
         out = SchedulerOutput()
         for seq in list(self.running):  # 1. running requests, oldest first
             if self.budget == out.total_num_scheduled_tokens or seq not in self.running:
-                break  # (a request after a preempted one was preempted too)
+                break  # budget spent, or seq (so everyone newer) just preempted
             while seq in self.running and not self._add(out, seq):  # no free block:
                 self._preempt(self.running[-1], out)  # the newest has least work to lose
         while (self.waiting and self.budget > out.total_num_scheduled_tokens
