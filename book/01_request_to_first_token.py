@@ -370,16 +370,6 @@ print(f"this request alone decoded {decode_rate:.1f} tokens/s; a busy server's t
 assert abs(decode_rate - 1 / m.tpot) < 1e-6 * decode_rate  # TPOT is its inverse
 
 # %% [markdown]
-# ## Summary
-#
-# - `minivllm serve` is two processes: the API server (chat template, tokenizer,
-#   detokenizer, HTTP streaming) and the engine core (scheduler, KV cache, model).
-# - A request's prompt is computed in one step (prefill); every later step computes one
-#   token (decode), the one sampled in the step before.
-# - The forward pass is most of a step; TTFT is tokenizing + queueing + the prefill
-#   step, and the client sees it plus the HTTP round trip.
-# - The chapters that follow open each stage of the map at the top of this chapter.
-#
 # ## Exercises
 #
 # Each exercise has a solution cell (collapsed: write your own answer there first) and a
@@ -450,6 +440,17 @@ finally:
     sched.max_num_batched_tokens = saved_budget
 print(f"{len(prompt_ids)} prompt tokens, budget {BUDGET}: first token after {steps_taken} steps")
 assert steps_to_first_token == steps_taken
+
+# %% [markdown]
+# ## Summary
+#
+# - `minivllm serve` is two processes: the API server (chat template, tokenizer,
+#   detokenizer, HTTP streaming) and the engine core (scheduler, KV cache, model).
+# - A request's prompt is computed in one step (prefill); every later step computes one
+#   token (decode), the one sampled in the step before.
+# - The forward pass is most of a step; TTFT is tokenizing + queueing + the prefill
+#   step, and the client sees it plus the HTTP round trip.
+# - The chapters that follow open each stage of the map at the top of this chapter.
 
 # %% [markdown]
 # ## Things to try

@@ -248,16 +248,6 @@ on_change()
 display(box, shown)
 
 # %% [markdown]
-# ## Summary
-#
-# - The application decides what the model sees: it builds the messages (here with the
-#   lab notes in a system message).
-# - The chat template turns the messages into one string with special marker tokens,
-#   and ends with the assistant's opening so that the model answers.
-# - The tokenizer turns that string into token IDs, the only thing the engine core
-#   ever sees. Tokens are not words or characters: a Chinese character can take
-#   several tokens, and a leading space changes the ID.
-#
 # ## Exercises
 
 # %% [markdown]
@@ -324,6 +314,17 @@ per_char = {k: len(split_tokens(tokenizer, t)) / len(t)
             for k, t in (("zh", zh_text), ("en", en_text))}
 print({k: round(v, 2) for k, v in per_char.items()})
 assert more_per_char == max(per_char, key=per_char.get)
+
+# %% [markdown]
+# ## Summary
+#
+# - The application decides what the model sees: it builds the messages (here with the
+#   lab notes in a system message).
+# - The chat template turns the messages into one string with special marker tokens,
+#   and ends with the assistant's opening so that the model answers.
+# - The tokenizer turns that string into token IDs, the only thing the engine core
+#   ever sees. Tokens are not words or characters: a Chinese character can take
+#   several tokens, and a leading space changes the ID.
 
 # %% [markdown]
 # ## Things to try

@@ -465,16 +465,6 @@ print(f"MLP {mlp / total:.0%}, embedding {counts['embedding = output head (tied)
 assert mlp > total / 2 and counts["embedding = output head (tied)"] > attention and nkv < nq
 
 # %% [markdown]
-# ## Summary
-#
-# - A forward pass is a table lookup (the embedding), the same decoder layer repeated
-#   (RMSNorm, QKV projection, RoPE, attention, output projection, residual add,
-#   RMSNorm, MLP, residual add), a final norm and a product with the vocabulary.
-# - Every tensor's shape follows from a handful of config numbers, and the engine's
-#   model matches Hugging Face's layer by layer.
-# - RMSNorm rescales each row to unit root mean square; RoPE rotates q and k by their
-#   positions so that a score depends only on the distance between two tokens.
-#
 # ## Exercises
 
 # %% [markdown]
@@ -539,6 +529,17 @@ assert untied_extra == model.model.embed_tokens.weight.numel()
 assert untied_extra == counts["embedding = output head (tied)"]
 assert abs(untied_share - counts["embedding = output head (tied)"] / total) < 1e-12
 print(f"an untied head would add {untied_extra:,} parameters, {untied_share:.0%} more")
+
+# %% [markdown]
+# ## Summary
+#
+# - A forward pass is a table lookup (the embedding), the same decoder layer repeated
+#   (RMSNorm, QKV projection, RoPE, attention, output projection, residual add,
+#   RMSNorm, MLP, residual add), a final norm and a product with the vocabulary.
+# - Every tensor's shape follows from a handful of config numbers, and the engine's
+#   model matches Hugging Face's layer by layer.
+# - RMSNorm rescales each row to unit root mean square; RoPE rotates q and k by their
+#   positions so that a score depends only on the distance between two tokens.
 
 # %% [markdown]
 # ## Things to try

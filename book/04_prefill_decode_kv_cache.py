@@ -69,8 +69,9 @@ def forward(ids: list[int]) -> torch.Tensor:
 
 # %% [markdown]
 # `forward` runs the engine's model with metadata for a plain causal prefill: every
-# slot in the `slot_mapping` is -1, so nothing is written into the KV cache and nothing
-# is read from it.
+# entry of its `slot_mapping` (where each token's K and V would go in the KV cache; the
+# cache section below explains it) is -1, so nothing is written into the cache and
+# nothing is read from it.
 #
 # ## Prefill is parallel
 #
@@ -125,7 +126,7 @@ print(f"one pass re-derives all {len(answer)} answer tokens")
 # But that pass needs the answer as input. During generation token *j + 1* does not
 # exist until token *j* has been sampled: decode is a chain of steps, one token each.
 # (Checking a guessed continuation in one pass, as above, is what speculative decoding
-# builds on.)
+# builds on: chapter 15 explains it.)
 #
 # ## Cached and recomputed generation give the same tokens
 #
@@ -151,7 +152,11 @@ assert recompute_tokens_computed == sum(P + j for j in range(len(answer)))
 # Why is reuse allowed? A token's key and value depend only on the tokens up to it, and
 # RoPE rotates them by their absolute position, so appending tokens never changes
 # earlier K and V. The engine's cache for this request holds, slot for slot, the keys a
-# fresh pass computes. Read them back through the request's block table:
+# fresh pass computes. The cache is cut into blocks of `block_size` **slots** (one
+# token's K and V each), and a request's **block table** lists the blocks it holds, in
+# order (chapter 5 explains why and how they are handed out); so position `p` lives in
+# slot `block_table[p // block_size] * block_size + p % block_size`. Read the prompt's
+# keys back through its block table:
 
 # %%
 block_table = llm.trace.records[-1].block_tables[out.request_id]
@@ -189,10 +194,7 @@ print(f"prompt keys in the cache = fresh keys, in all {len(fresh_k)} layers")
 # Each attention layer first writes the step's new keys and values into the cache, then
 # attends. The reference backend (`minivllm/model/attention/torch_attn.py`) writes with
 # one indexed assignment: the model runner has already turned every token's position
-# into a **slot**, `block_table[p // block_size] * block_size + p % block_size`. (The
-# cache is cut into blocks of `block_size` slots, and a request's **block table** lists
-# the blocks it holds, in order; chapter 5 explains why and how they are handed out.
-# Here it is only the map from a position to its slot.)
+# into its slot, with the formula above.
 
 # %%
 from minivllm.model.attention.torch_attn import (TorchAttentionBackend, gather_kv,
@@ -471,17 +473,6 @@ print(f"{blocks_8b:,} blocks of 16 = {blocks_8b * 16:,} tokens: "
 assert activations < free_after_weights - budget_8b  # the headroom covers them
 
 # %% [markdown]
-# ## Summary
-#
-# - Prefill computes a whole prompt in one pass (the causal mask makes every position
-#   independent of later ones); decode is a chain, one token per step.
-# - A token's K and V never change once computed, so the engine writes them into the
-#   KV cache (one slot per token, found through the block table) and a decode step only
-#   computes the newest token, attending over the cache: the same tokens as recomputing
-#   everything, with far less work per step.
-# - The cache costs `2 x layers x KV heads x head dim x bytes` per token; its size is a
-#   memory budget divided by the cost of a block.
-#
 # ## Exercises
 
 # %% [markdown]
@@ -546,6 +537,18 @@ shrink = torch.tensor([], dtype=cfg.dtype).element_size() / 2
 # %% tags=["check"]
 as_bf16 = dataclasses.replace(cfg, dtype=torch.bfloat16).kv_bytes_per_token
 assert cfg.kv_bytes_per_token == shrink * as_bf16
+
+# %% [markdown]
+# ## Summary
+#
+# - Prefill computes a whole prompt in one pass (the causal mask makes every position
+#   independent of later ones); decode is a chain, one token per step.
+# - A token's K and V never change once computed, so the engine writes them into the
+#   KV cache (one slot per token, found through the block table) and a decode step only
+#   computes the newest token, attending over the cache: the same tokens as recomputing
+#   everything, with far less work per step.
+# - The cache costs `2 x layers x KV heads x head dim x bytes` per token; its size is a
+#   memory budget divided by the cost of a block.
 
 # %% [markdown]
 # ## Things to try

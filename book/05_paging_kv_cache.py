@@ -323,17 +323,24 @@ print(f"{len(records)} steps: the same block ids and free counts as the engine")
 # %% [markdown]
 # Reference counts never exceed 1 in that run (prefix caching was off). Counts above 1
 # are what prefix caching adds (chapter 8): a second request **sharing** a block that
-# someone else computed, perhaps one already freed and waiting in the queue:
+# someone else computed, perhaps one already freed and waiting in the queue. Chapter
+# 18's engine has no prefix cache, so this method stays here, in a subclass:
 
 # %%
-show_source(MiniBlockPool.share)
+class SharingBlockPool(MiniBlockPool):
+    def share(self, ids):
+        """A second user of blocks someone else computed (prefix caching, chapter 8)."""
+        for i in ids:
+            if self.ref_cnt[i] == 0:
+                self.free.remove(i)  # a freed block taken back before it was reused
+            self.ref_cnt[i] += 1
 
 # %% [markdown]
 # To check the counts too, drive the engine's `BlockPool` and ours with the same
 # operations, sharing included, and compare every count and the order of the free queue:
 
 # %%
-pool, mine = BlockPool(8, enable_caching=False), MiniBlockPool(8)
+pool, mine = BlockPool(8, enable_caching=False), SharingBlockPool(8)
 ops = [("allocate", 3), ("allocate", 2), ("share", [0, 1]), ("release", [4, 3]),
        ("release", [2, 1, 0]), ("share", [3]), ("release", [1, 0]), ("allocate", 4)]
 for op, arg in ops:

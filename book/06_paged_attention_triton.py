@@ -76,7 +76,7 @@ from minivllm.benchmarks.attention import make_paged_batch
 from minivllm.model.attention import triton_attn
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
 from minivllm.viz.export import save_key_figure
-from minivllm.viz.kernel import (OnlineSoftmaxStep, attention_bench_figure, kernel_tile_plan,
+from minivllm.viz.kernel import (attention_bench_figure, kernel_tile_plan, online_softmax,
                                  online_softmax_figure, tile_visit_figure)
 from minivllm.viz.source import show_source
 
@@ -257,22 +257,17 @@ show_source(triton_attn.paged_attention_kernel.fn, start="# 4. Online", end="# 6
 import sys
 
 sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
-from mini.attention import online_softmax, softmax_tile
+from mini.attention import softmax_tile
 
 show_source(softmax_tile)
 
 # %% [markdown]
-# `online_softmax` runs it over one row, tile after tile, in float64, and records each
-# tile's state (the figure below draws those records):
-
-# %%
-show_source(online_softmax)
-
-# %% [markdown]
 # Let us do that by hand for one row of the launch above: the last new token of the
 # chunk, and the query head whose running maximum grows most often from tile to tile.
-# Our `online_softmax` must end on the full row's maximum and sum, give the exact
-# softmax, and give the kernel's output for that row.
+# The book's tracer `online_softmax` (in `minivllm.viz.kernel`) runs the same fold over
+# one row in float64 and records each tile's state for the figure below; it must end
+# on the full row's maximum and sum, give the exact softmax, and give the kernel's
+# output for that row.
 
 # %%
 def row_inputs(head: int, token: int):
@@ -309,6 +304,19 @@ torch.testing.assert_close(row_out, kernel_row, rtol=0, atol=1e-5)
 online_softmax_figure(steps, full_max, full_sum,
                       title=f"online softmax over {len(scores)} keys, "
                             f"{triton_attn.KV_TILE} keys per tile")
+
+# %% [markdown]
+# Your `softmax_tile`, folded over the same tiles, reaches the same state: the same
+# maximum, the same sum and the same output.
+
+# %%
+m, l, acc = torch.tensor(float("-inf")).double(), torch.tensor(0.0).double(), 0 * values[0]
+for start in range(0, len(scores), triton_attn.KV_TILE):  # your fold, tile by tile
+    tile = slice(start, start + triton_attn.KV_TILE)
+    m, l, acc = softmax_tile(m, l, acc, scores[tile], values[tile])
+assert m.item() == full_max and math.isclose(l.item(), steps[-1].running_sum, rel_tol=1e-12)
+torch.testing.assert_close(acc / l, row_out, rtol=0, atol=1e-12)
+print("softmax_tile: m", m.item(), "l", l.item())
 
 # %% [markdown]
 # ## Why the running max and sum are exact

@@ -470,9 +470,11 @@ def replay(prompts, answers, budget, max_seqs, num_blocks, block_size):
     sched, steps = MiniScheduler(budget, max_seqs, MiniKVCacheManager(num_blocks, block_size)), []
     while len(steps) <= max(arrivals.values()) or sched.has_unfinished_requests():
         for rid in [r for r, a in arrivals.items() if a == len(steps)]:
-            sched.add_request(Sequence(rid, prompts[rid], params[rid], len(answers[rid])))
+            sp = params[rid].clone(max_tokens=len(answers[rid]))  # it stops where it did
+            sched.add_request(Sequence(rid, prompts[rid], sp))
         out = sched.schedule()
-        sampled = {s.request_id: (answers[s.request_id][len(s.output_token_ids)], None)
+        sampled = {s.request_id: (answers[s.request_id][s.num_tokens - s.num_prompt_tokens],
+                                  None)
                    for s in out.scheduled_requests
                    if s.num_computed_tokens + out.num_scheduled_tokens[s.request_id]
                    == s.num_tokens}

@@ -172,10 +172,12 @@ for rid, f in finals.items():
 # %% [markdown]
 # ## The sequence diagram
 #
-# Three lanes: the engine-core process on top, the API side in the middle, the
-# students' code below. Each line is one message, from when it was sent to when it
-# arrived (hover over an arrow head to read it). At the scale of the whole run those
-# lines are nearly vertical, so the panel underneath plots each message's delivery time
+# The processes stand side by side in the order a request goes in: the students' code,
+# the API side, the engine core; time runs down. Each arrow is one message, from its
+# sender when it was sent to its receiver when it arrived (hover over an arrow head to
+# read it): a request's way in reads left to right, its tokens come back right to
+# left. At the scale of the whole run the arrows are level, since delivery takes far
+# less than a step, so the panel on the right plots each message's delivery time
 # (received minus sent) on its own scale: an `EngineCoreOutputs` counts from the end of
 # the core's step to the moment the API side took it from the pipe, and a
 # `RequestOutput` from the API side's queue to the student's code. (An `AddRequests`

@@ -418,28 +418,6 @@ show_source("minivllm.core.scheduler.Scheduler", start="spec_decoding_stats.obse
             end="free_tail(request")
 
 # %% [markdown]
-# ## Summary
-#
-# - A cheap proposer guesses k tokens; the target scores all of them in one forward pass
-#   over k + 1 positions, and a verifier keeps the agreeing prefix plus one token of the
-#   target's own: every step yields at least one token, and up to k + 1.
-# - Greedy verification keeps a draft while it is the target's argmax; sampled
-#   verification accepts d with probability min(1, p(d)/q(d)) and draws a rejection's
-#   replacement from max(p − q, 0). The derivation above shows why the output is then
-#   exactly p: speculation changes the speed, never the distribution.
-# - It pays where a step is bound by reading the weights (one stream) and drafts are
-#   often right (quoting, code, repeated text); in a big batch the step is closer to
-#   compute-bound, every rejected draft costs arithmetic, and the engine stops drafting.
-# - Rejected drafts' KV slots are handed back (`free_tail`), whole blocks included.
-#
-# ## Things to try
-#
-# - Raise k to 8 on the passage and on chat: which one's acceptance rate falls?
-# - Set `prompt_lookup_min` to 3: fewer drafts, but are they better?
-# - Sample at temperature 0.8 with a seed: the tokens differ from greedy, but the same seed
-#   gives the same tokens with and without re-running (chapter 9's generators).
-# - `minivllm bench spec-decode` measures the speed-up properly, with repeats.
-#
 # ## Exercises
 
 # %% [markdown]
@@ -507,3 +485,26 @@ assert abs(sum(runs) / len(runs) - mean_accepted) < 5 * spread / len(runs) ** 0.
 # %%
 for llm in (base, spec, spec2, auto):
     llm.shutdown()
+# %% [markdown]
+# ## Summary
+#
+# - A cheap proposer guesses k tokens; the target scores all of them in one forward pass
+#   over k + 1 positions, and a verifier keeps the agreeing prefix plus one token of the
+#   target's own: every step yields at least one token, and up to k + 1.
+# - Greedy verification keeps a draft while it is the target's argmax; sampled
+#   verification accepts d with probability min(1, p(d)/q(d)) and draws a rejection's
+#   replacement from max(p − q, 0). The derivation above shows why the output is then
+#   exactly p: speculation changes the speed, never the distribution.
+# - It pays where a step is bound by reading the weights (one stream) and drafts are
+#   often right (quoting, code, repeated text); in a big batch the step is closer to
+#   compute-bound, every rejected draft costs arithmetic, and the engine stops drafting.
+# - Rejected drafts' KV slots are handed back (`free_tail`), whole blocks included.
+#
+# ## Things to try
+#
+# - Raise k to 8 on the passage and on chat: which one's acceptance rate falls?
+# - Set `prompt_lookup_min` to 3: fewer drafts, but are they better?
+# - Sample at temperature 0.8 with a seed: the tokens differ from greedy, but the same seed
+#   gives the same tokens with and without re-running (chapter 9's generators).
+# - `minivllm bench spec-decode` measures the speed-up properly, with repeats.
+

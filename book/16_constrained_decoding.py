@@ -287,20 +287,6 @@ print(call.function.name, call.function.arguments)
 jsonschema.validate(json.loads(call.function.arguments), weather.function.parameters)
 
 # %% [markdown]
-# ## Summary
-#
-# - Constrained decoding is a mask on the logits: before sampling, every token that
-#   would break the format gets minus infinity, so the model chooses only among tokens
-#   that keep the output valid, with its probabilities renormalised over them.
-# - The engine compiles each request's schema, regex, choice or grammar into a matcher;
-#   every step the matcher fills one bit per token of its row, and one call applies the
-#   bitmask of the whole batch; the sampled token then advances the matcher.
-# - A regex mask is simple enough to write by hand, and it agrees with the library's.
-# - The mask guarantees form, not content: a valid number can be the wrong number, and
-#   an answer cut by `max_tokens` is a valid prefix that does not parse.
-# - A forced tool call is the same mechanism with the function's parameters as the
-#   schema.
-#
 # ## Exercises
 
 # %% [markdown]
@@ -370,3 +356,18 @@ assert batch_mask.numel() * batch_mask.element_size() == mask_bytes_32
 
 # %%
 llm.shutdown()
+# %% [markdown]
+# ## Summary
+#
+# - Constrained decoding is a mask on the logits: before sampling, every token that
+#   would break the format gets minus infinity, so the model chooses only among tokens
+#   that keep the output valid, with its probabilities renormalised over them.
+# - The engine compiles each request's schema, regex, choice or grammar into a matcher;
+#   every step the matcher fills one bit per token of its row, and one call applies the
+#   bitmask of the whole batch; the sampled token then advances the matcher.
+# - A regex mask is simple enough to write by hand, and it agrees with the library's.
+# - The mask guarantees form, not content: a valid number can be the wrong number, and
+#   an answer cut by `max_tokens` is a valid prefix that does not parse.
+# - A forced tool call is the same mechanism with the function's parameters as the
+#   schema.
+

@@ -343,22 +343,6 @@ paired_bars(list(routing), {"prefix cache hit rate": [v[0] for v in routing.valu
             "share of prompt tokens")
 
 # %% [markdown]
-# ## Summary
-#
-# - The simulator is the engine with one part swapped: the executor prices each step
-#   with a cost model and advances a virtual clock, while the engine's own scheduler,
-#   KV cache manager and block pool decide everything else.
-# - Calibrated on this machine, it reproduced a real run's schedule step for step; its
-#   clock comes within the error printed above, and an uncalibrated GPU preset within
-#   the errors of the published comparison.
-# - On a simulated H100: more load raises throughput and every request's TPOT, then
-#   TTFT once requests queue; a cache too small for the offered work preempts; smaller
-#   chunks smooth the decodes' ITL and delay long prompts' first tokens; priority
-#   scheduling moves TTFT from one class to the other; prefix-aware routing finds a
-#   session's history in the cache that round robin scatters.
-# - Every figure here says "simulated": absolute numbers carry the cost model's error,
-#   comparisons between configurations priced by the same model less so.
-#
 # ## Exercises
 
 # %% [markdown]
@@ -418,6 +402,23 @@ alone = Simulator(MODEL, H100, EngineArgs(max_num_seqs=256, max_num_batched_toke
 long_req = SimRequest("long", [rng.randrange(3, VOCAB) for _ in range(3000)], 4)
 steps = alone.run([long_req]).traces[0]
 assert prefill_steps == sum(r.scheduled.get("long", (0, ""))[1] == "prefill" for r in steps)
+
+# %% [markdown]
+# ## Summary
+#
+# - The simulator is the engine with one part swapped: the executor prices each step
+#   with a cost model and advances a virtual clock, while the engine's own scheduler,
+#   KV cache manager and block pool decide everything else.
+# - Calibrated on this machine, it reproduced a real run's schedule step for step; its
+#   clock comes within the error printed above, and an uncalibrated GPU preset within
+#   the errors of the published comparison.
+# - On a simulated H100: more load raises throughput and every request's TPOT, then
+#   TTFT once requests queue; a cache too small for the offered work preempts; smaller
+#   chunks smooth the decodes' ITL and delay long prompts' first tokens; priority
+#   scheduling moves TTFT from one class to the other; prefix-aware routing finds a
+#   session's history in the cache that round robin scatters.
+# - Every figure here says "simulated": absolute numbers carry the cost model's error,
+#   comparisons between configurations priced by the same model less so.
 
 # %% [markdown]
 # ## Things to try

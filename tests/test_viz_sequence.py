@@ -92,12 +92,22 @@ def test_figure_draws_one_arrow_per_message(session):
         mine = log.of_kind(kind)
         lines, heads = [t for t in fig.data if t.name == kind]
         assert len(lines.x) == 3 * len(mine)
-        assert list(lines.y[::3]) == [LANES[m.sender] for m in mine]
-        assert list(heads.y) == [LANES[m.receiver] for m in mine]
-        assert list(heads.x) == pytest.approx([(m.received - origin) * 1e3 for m in mine])
+        # from the sender's column at the time sent to the receiver's at the time received
+        assert list(lines.x[::3]) == [LANES[m.sender] for m in mine]
+        assert list(lines.x[1::3]) == [LANES[m.receiver] for m in mine]
+        assert list(lines.y[::3]) == pytest.approx([(m.sent - origin) * 1e3 for m in mine])
+        assert list(heads.x) == [LANES[m.receiver] for m in mine]
+        assert list(heads.y) == pytest.approx([(m.received - origin) * 1e3 for m in mine])
         assert list(heads.text) == [m.label for m in mine]
+        # the heads point the way the message went: towards the core is to the right
+        assert list(heads.marker.symbol) == [
+            "triangle-right" if LANES[m.receiver] > LANES[m.sender] else "triangle-left"
+            for m in mine]
         latency = next(t for t in fig.data if t.name == f"{kind} latency")
-        assert list(latency.y) == pytest.approx([(m.received - m.sent) * 1e3 for m in mine])
-        assert latency.yaxis == "y2" and all(v >= 0 for v in latency.y)
+        assert list(latency.x) == pytest.approx([(m.received - m.sent) * 1e3 for m in mine])
+        assert latency.xaxis == "x2" and all(v >= 0 for v in latency.x)
+    # a request goes in left to right: client code, API side, engine core
+    assert LANES["client code"] < LANES["API side"] < LANES["engine core"]
+    assert fig.layout.yaxis.autorange == "reversed"  # time runs down
     with pytest.raises(ValueError, match="messages is empty"):
         sequence_figure([])

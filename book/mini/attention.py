@@ -9,8 +9,6 @@ block by block, in the order the block table lists them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from minivllm.model.attention.backend import AttentionBackend
@@ -21,37 +19,11 @@ def softmax_tile(m, l, acc, scores, values):
     new_m = torch.maximum(m, scores.amax(-1))
     rescale = torch.exp(m - new_m)  # what everything summed so far is worth now
     p = torch.exp(scores - new_m[..., None])
-    return new_m, l * rescale + p.sum(-1), acc * rescale[..., None] + p @ values, rescale
-
-
-class TileStep(NamedTuple):
-    tile: int
-    start: int
-    end: int
-    tile_max: float
-    running_max: float
-    rescale: float
-    running_sum: float
-
-
-def online_softmax(scores, tile, values):
-    """One row: softmax(scores), softmax(scores) @ values and each tile's state."""
-    m = torch.tensor(float("-inf"), dtype=torch.float64)
-    l = torch.tensor(0.0, dtype=torch.float64)
-    acc = torch.zeros(values.shape[1], dtype=torch.float64)
-    steps = []
-    for i, start in enumerate(range(0, len(scores), tile)):
-        chunk = scores[start:start + tile].double()
-        m, l, acc, rescale = softmax_tile(m, l, acc, chunk, values[start:start + tile].double())
-        steps.append(TileStep(i, start, start + len(chunk), chunk.max().item(), m.item(),
-                              rescale.item(), l.item()))
-    return steps, torch.exp(scores.double() - m) / l, acc / l
+    return new_m, l * rescale + p.sum(-1), acc * rescale[..., None] + p @ values
 
 
 class PagedAttention(AttentionBackend):
     """The engine's attention contract, computed over the reader's paged cache."""
-
-    name = "mini"
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         # Slot s is token s % block_size of block s // block_size.
@@ -59,13 +31,10 @@ class PagedAttention(AttentionBackend):
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        out = torch.empty_like(q)
-        starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-        for i, seq_len in enumerate(seq_lens):
-            lo, hi = starts[i], starts[i + 1]
-            out[lo:hi] = self.sequence(q[lo:hi], k_cache, v_cache, meta.block_tables[i],
-                                       seq_len, scale)
-        return out
+        starts = meta.query_start_loc.tolist()  # sequence i's rows: starts[i]:starts[i + 1]
+        return torch.cat([self.sequence(q[starts[i]:starts[i + 1]], k_cache, v_cache,
+                                        meta.block_tables[i], seq_len, scale)
+                          for i, seq_len in enumerate(meta.seq_lens.tolist())])
 
     def sequence(self, q, k_cache, v_cache, block_table, seq_len, scale):
         """q [n, H, D]: the last n positions of a sequence whose K/V fill its blocks."""
@@ -81,9 +50,9 @@ class PagedAttention(AttentionBackend):
         for j, block in enumerate(block_table[:-(-seq_len // block_size)].tolist()):
             keys, values = k_cache[block].transpose(0, 1), v_cache[block].transpose(0, 1)
             scores = rows @ keys.transpose(1, 2)  # [Hkv, rows, block_size]: one tile
-            if (j + 1) * block_size > seq_len - n:  # keys a query must not see yet,
-                k_pos = torch.arange(j * block_size, (j + 1) * block_size)  # or empty slots
-                scores = scores.masked_fill(k_pos > q_pos[:, None], float("-inf"))
-            m, l, acc, _ = softmax_tile(m, l, acc, scores, values)
+            # A query sees no later position (nor the empty slots of the last block).
+            k_pos = torch.arange(j * block_size, (j + 1) * block_size)
+            scores = scores.masked_fill(k_pos > q_pos[:, None], float("-inf"))
+            m, l, acc = softmax_tile(m, l, acc, scores, values)
         out = acc / l[..., None]
         return out.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)

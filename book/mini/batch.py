@@ -26,9 +26,8 @@ class FlatBatch:
 def prepare_inputs(out, block_size: int) -> FlatBatch:
     ids, pos, slots, starts, seq_lens, rows, samplers = [], [], [], [0], [], [], []
     for seq in out.scheduled_requests:
-        rid, table = seq.request_id, out.block_ids[seq.request_id]
-        first = out.num_computed_tokens[rid]
-        last = first + out.num_scheduled_tokens[rid]
+        table, first = out.block_ids[seq.request_id], seq.num_computed_tokens  # cached already
+        last = first + out.num_scheduled_tokens[seq.request_id]
         ids += seq.all_token_ids[first:last]
         pos += range(first, last)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(first, last)]
@@ -37,14 +36,14 @@ def prepare_inputs(out, block_size: int) -> FlatBatch:
         if last == seq.num_tokens:  # reaches the end of what is known: sample
             rows.append(len(ids) - 1)
             samplers.append(seq)
-    width = max(len(out.block_ids[s.request_id]) for s in out.scheduled_requests)
-    tables = [out.block_ids[s.request_id] + [-1] * (width - len(out.block_ids[s.request_id]))
-              for s in out.scheduled_requests]
+    tables = [out.block_ids[seq.request_id] for seq in out.scheduled_requests]
+    width = max(map(len, tables))  # -1 pads the shorter tables
     meta = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
         max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
         max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
     return FlatBatch(torch.tensor(ids), torch.tensor(pos), meta,

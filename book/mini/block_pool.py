@@ -23,10 +23,3 @@ class BlockPool:
             self.ref_cnt[i] -= 1
             if self.ref_cnt[i] == 0:
                 self.free.append(i)  # tail: reused last (a prefix cache may still want it)
-
-    def share(self, ids):
-        """A second user of blocks someone else computed (prefix caching, chapter 8)."""
-        for i in ids:
-            if self.ref_cnt[i] == 0:
-                self.free.remove(i)  # a freed block taken back before it was reused
-            self.ref_cnt[i] += 1

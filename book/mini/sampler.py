@@ -22,11 +22,11 @@ def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> to
     return l.masked_fill(~keep, float("-inf")).softmax(-1)
 
 
-def sample(logits, params, generator=None) -> int:
+def sample(logits, params) -> int:
     """Greedy at temperature 0; otherwise the exponential race: argmax p_i / E_i."""
     if params.temperature == 0:
         return int(logits.argmax())
-    p = filtered_probs(logits.float(), params.temperature, params.top_k if params.top_k > 0
-                       else 0, params.top_p, params.min_p)
-    race = torch.empty_like(p).exponential_(generator=generator)  # E_i ~ Exponential(1)
+    p = filtered_probs(logits.float(), params.temperature, params.top_k, params.top_p,
+                       params.min_p)
+    race = torch.empty_like(p).exponential_()  # E_i ~ Exponential(1)
     return int((p / race).argmax())

@@ -9,21 +9,18 @@ far recomputed as one prefill. The names are the engine's, so the engine's own
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 class Sequence:
     """One request as the scheduler sees it: its tokens and how many are in the cache."""
 
-    def __init__(self, request_id: str, prompt_token_ids, sampling_params, max_tokens: int,
-                 eos_token_ids=frozenset()):
+    def __init__(self, request_id: str, prompt_token_ids, sampling_params, eos_token_ids=()):
         self.request_id, self.sampling_params = request_id, sampling_params
-        self.prompt_token_ids, self.output_token_ids = list(prompt_token_ids), []
         self.all_token_ids = list(prompt_token_ids)  # prompt + answer so far
-        self.max_tokens, self.eos_token_ids = max_tokens, eos_token_ids
+        self.num_prompt_tokens, self.eos_token_ids = len(self.all_token_ids), eos_token_ids
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.finish_reason: Optional[str] = None
 
     @property
     def num_tokens(self) -> int:
@@ -34,24 +31,20 @@ class Sequence:
 class SchedulerOutput:
     scheduled_requests: list = field(default_factory=list)  # batch order
     num_scheduled_tokens: dict = field(default_factory=dict)  # id -> tokens this step
-    num_computed_tokens: dict = field(default_factory=dict)  # id -> in the cache before it
     block_ids: dict = field(default_factory=dict)  # id -> its block table
+    total_num_scheduled_tokens: int = 0  # of the budget
     preempted_req_ids: list = field(default_factory=list)
 
 
-@dataclass
-class TokenOutput:
-    request_id: str
-    new_token_ids: list
-    finish_reason: Optional[str]
+# What one step gives back for one request that got a token.
+TokenOutput = namedtuple("TokenOutput", "request_id new_token_ids finish_reason")
 
 
 class Scheduler:
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, kv_cache_manager):
         self.budget, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: list[Sequence] = []  # first come, first served
-        self.running: list[Sequence] = []  # in admission order
+        self.waiting, self.running = [], []  # first come first served; admission order
 
     def add_request(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -60,38 +53,31 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out, left = SchedulerOutput(), self.budget
+        out = SchedulerOutput()
         for seq in list(self.running):  # 1. running requests, oldest first
-            if left == 0 or seq not in self.running:  # (it may just have been preempted)
-                break
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, left)
-            while self.kv_cache_manager.allocate_slots(seq, num_new) is None:
-                self._preempt(self.choose_victim(), out)
-                if seq not in self.running:
-                    break
-            else:
-                self._add(out, seq, num_new)
-                left -= num_new
-        while (self.waiting and left > 0 and len(self.running) < self.max_num_seqs
+            if self.budget == out.total_num_scheduled_tokens or seq not in self.running:
+                break  # budget spent, or seq (so everyone newer) just preempted
+            while seq in self.running and not self._add(out, seq):  # no free block:
+                self._preempt(self.running[-1], out)  # the newest has least work to lose
+        while (self.waiting and self.budget > out.total_num_scheduled_tokens
+               and len(self.running) < self.max_num_seqs
                and not out.preempted_req_ids):  # 2. admit, unless the cache just ran short
-            seq = self.waiting[0]
-            num_new = min(seq.num_tokens, left)  # a long prompt: only its first chunk
-            if self.kv_cache_manager.allocate_slots(seq, num_new) is None:
+            if not self._add(out, self.waiting[0]):
                 break  # nobody overtakes the head of the queue
             self.running.append(self.waiting.pop(0))
-            self._add(out, seq, num_new)
-            left -= num_new
         return out
 
-    def choose_victim(self) -> Sequence:
-        return self.running[-1]  # the newest: it has the least work to lose
-
-    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
-        rid = seq.request_id
+    def _add(self, out: SchedulerOutput, seq: Sequence) -> bool:
+        """Schedule what the budget leaves of ``seq``'s uncomputed tokens, if blocks allow."""
+        rid, left = seq.request_id, self.budget - out.total_num_scheduled_tokens
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, left)  # maybe a chunk
+        if self.kv_cache_manager.allocate_slots(seq, num_new) is None:
+            return False
         out.scheduled_requests.append(seq)
         out.num_scheduled_tokens[rid] = num_new
-        out.num_computed_tokens[rid] = seq.num_computed_tokens
-        out.block_ids[rid] = self.kv_cache_manager.get_block_ids(rid)
+        out.total_num_scheduled_tokens += num_new
+        out.block_ids[rid] = self.kv_cache_manager.block_tables[rid]
+        return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -108,14 +94,12 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a middle chunk of a prompt: no token yet
             token = sampled[seq.request_id][0]
-            seq.output_token_ids.append(token)
             seq.all_token_ids.append(token)
-            if token in seq.eos_token_ids and not seq.sampling_params.ignore_eos:
-                seq.finish_reason = "stop"
-            elif len(seq.output_token_ids) >= seq.max_tokens:
-                seq.finish_reason = "length"
-            if seq.finish_reason:
+            stop = token in seq.eos_token_ids and not seq.sampling_params.ignore_eos
+            length = seq.num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+            reason = "stop" if stop else "length" if length else None
+            if reason:
                 self.running.remove(seq)
                 self.kv_cache_manager.free(seq)
-            outputs.append(TokenOutput(seq.request_id, [token], seq.finish_reason))
+            outputs.append(TokenOutput(seq.request_id, [token], reason))
         return outputs

@@ -9,8 +9,8 @@ started ``AsyncLLM`` so that every message through its pipe is recorded with
     API side ◀──EngineCoreOutputs─── engine core       (made at the step's end, received at t)
 
 and ``log.deliver(...)`` records what the application's code received.
-``sequence_figure`` draws three lanes (engine core, API side, client code)
-with one arrow per message, and under them each message's delivery time.
+``sequence_figure`` draws the three processes as columns, time running
+down, with one arrow per message, and beside them each message's delivery time.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from plotly.subplots import make_subplots
 
 from minivllm.core.outputs import EngineCoreOutputs
 
-LANES = {"engine core": 2, "API side": 1, "client code": 0}
+# Columns, left to right in the order a request goes in.
+LANES = {"client code": 0, "API side": 1, "engine core": 2}
 COLORS = {"AddRequests": "#3182bd", "FinishRequests": "#de2d26",
           "EngineCoreOutputs": "#31a354", "RequestOutput": "#756bb1"}
 
@@ -116,53 +117,58 @@ def attach_message_log(engine) -> MessageLog:
 
 def sequence_figure(messages: Sequence[Message], origin: Optional[float] = None,
                     title: str = "API side and engine core: the messages") -> go.Figure:
-    """One arrow per message from (sent, sender lane) to (received, receiver lane); x in ms."""
+    """A sequence diagram: the processes side by side, time running down, in ms.
+
+    Left: one column per process (the client code, the API side, the engine core,
+    in the order a request goes in) and one arrow per message from (sender, sent)
+    to (receiver, received), so a request's way in reads left to right and its
+    outputs come back right to left. Right: each message's delivery time,
+    received - sent, on its own scale (at the scale of a whole run a
+    sub-millisecond pipe keeps every arrow level, so the latency is read there).
+    """
     if not messages:
         raise ValueError("messages is empty: record some with attach_message_log first")
     origin = min(m.sent for m in messages) if origin is None else origin
-    # Row 1: the lanes and arrows. Row 2: each message's delivery time, received - sent,
-    # on its own scale: at the lanes' scale (a whole run) a sub-millisecond pipe makes
-    # every arrow vertical, and the latency could not be seen there.
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32],
-                        vertical_spacing=0.06)
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.72, 0.28],
+                        horizontal_spacing=0.04,
+                        subplot_titles=("the messages", "sent → received (ms)"))
     for kind, color in COLORS.items():
         mine = [m for m in messages if m.kind == kind]
         if not mine:
             continue
-        xs, ys, hx, hy, text = [], [], [], [], []
+        xs, ys, hy, text = [], [], [], []
         for m in mine:
-            x0, x1 = (m.sent - origin) * 1e3, (m.received - origin) * 1e3
-            y0, y1 = LANES[m.sender], LANES[m.receiver]
-            xs += [x0, x1, None]
+            y0, y1 = (m.sent - origin) * 1e3, (m.received - origin) * 1e3
+            xs += [LANES[m.sender], LANES[m.receiver], None]
             ys += [y0, y1, None]
-            hx.append(x1)
             hy.append(y1)
             text.append(m.label)
         fig.add_trace(go.Scatter(name=kind, x=xs, y=ys, mode="lines", legendgroup=kind,
-                                 line=dict(color=color, width=1.5), hoverinfo="skip"))
-        # the arrow heads, at the receiving end; hover tells the message
+                                 line=dict(color=color, width=1.5), hoverinfo="skip"),
+                      row=1, col=1)
+        # the arrow heads, at the receiving end, pointing the way the message went
         fig.add_trace(go.Scatter(
-            name=kind, x=hx, y=hy, legendgroup=kind, showlegend=False,
+            name=kind, x=[LANES[m.receiver] for m in mine], y=hy, legendgroup=kind,
+            showlegend=False,
             # FinishRequests are few and matter: their label is written out
             mode="markers+text" if kind == "FinishRequests" else "markers",
-            # alternate sides, so that two close labels do not overlap
-            textposition=["top left" if i % 2 == 0 else "top right" for i in range(len(mine))],
-            textfont=dict(size=11, color=color),
-            marker=dict(symbol=["triangle-up" if LANES[m.receiver] > LANES[m.sender]
-                                else "triangle-down" for m in mine], size=9, color=color),
-            text=text, hovertemplate=f"{kind} at %{{x:.1f}} ms: %{{text}}<extra></extra>"),
+            textposition="middle left", textfont=dict(size=11, color=color),
+            marker=dict(symbol=["triangle-right" if LANES[m.receiver] > LANES[m.sender]
+                                else "triangle-left" for m in mine], size=9, color=color),
+            text=text, hovertemplate=f"{kind} at %{{y:.1f}} ms: %{{text}}<extra></extra>"),
             row=1, col=1)
         fig.add_trace(go.Scatter(
-            name=f"{kind} latency", x=hx, y=[(m.received - m.sent) * 1e3 for m in mine],
+            name=f"{kind} latency", x=[(m.received - m.sent) * 1e3 for m in mine], y=hy,
             mode="markers", legendgroup=kind, showlegend=False, text=text,
             marker=dict(symbol="circle", size=6, color=color),
-            hovertemplate=f"{kind}: %{{y:.2f}} ms from sent to received: %{{text}}"
-                          "<extra></extra>"), row=2, col=1)
-    fig.update_layout(title=title, height=480, legend=dict(orientation="h", y=-0.2))
-    fig.update_yaxes(tickvals=list(LANES.values()), ticktext=list(LANES), range=[-0.4, 2.4],
-                     row=1, col=1)
-    fig.update_yaxes(title_text="sent → received (ms)", rangemode="tozero", row=2, col=1)
-    fig.update_xaxes(title_text="ms since the first message", row=2, col=1)
+            hovertemplate=f"{kind}: %{{x:.2f}} ms from sent to received: %{{text}}"
+                          "<extra></extra>"), row=1, col=2)
+    fig.update_layout(title=title, height=640, legend=dict(orientation="h", y=-0.08))
+    fig.update_xaxes(tickvals=list(LANES.values()), ticktext=list(LANES), range=[-0.3, 2.3],
+                     side="top", row=1, col=1)
+    fig.update_xaxes(rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(title_text="ms since the first message (time runs down)",
+                     autorange="reversed", row=1, col=1)
     return fig
 
 
