@@ -5,6 +5,8 @@ runs them; tests/test_kv_fork.py has the scheduler-level cases)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -166,7 +168,13 @@ def test_server_use_beam_search_returns_the_offline_beams(tmp_path, tiny_chat_mo
                            ({"logprobs": 2}, "logprobs")):
             r = srv.http.post("/v1/completions", json={**body, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert srv.stats()["num_requests_running"] == 0
+        # Every beam's hold released: no block in use once the searches are done (the
+        # core frees the last holds after the answer left: wait for its next stats).
+        deadline = time.monotonic() + 30
+        while (stats := srv.stats())["num_free_blocks"] != stats["num_blocks"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.1)
+        assert stats["num_requests_running"] == 0
     finally:
         srv.stop()
 

@@ -4,15 +4,14 @@ Each step every live beam is one engine request: its tokens so far as the
 prompt, ``max_tokens=1``, the top ``2 * beam_width`` logprobs back. The
 candidates (a beam plus one of its tokens, scored by the summed logprob)
 are ranked together, and the best ``beam_width`` that do not end in EOS are
-the next beams. Nothing about beams is special in the engine: their shared
-history is shared KV because the prefix cache finds it. Every full block of
-a beam's tokens was computed at an earlier step (by it or by the beam it
-grew from) and is found by its hash; the beams of one step that share it
-hold the same physical block, its reference count one per beam. The last,
-partly filled block is each beam's own: its few tokens are written again
-into a fresh block (a copy made by recomputing), so one beam's next token
-never overwrites another's. When a beam is dropped its request has already
-finished and its blocks went back to the pool (full ones stay cached).
+the next beams. The beams fork KV blocks as vLLM's first engine forked
+sequences: a step's requests keep their blocks when they finish
+(``kv_hold_blocks``), each beam of the next step starts from its parent's
+(``kv_fork_of``), every block shared by reference count, so it computes only
+its one new token; the first write into a shared, partly filled last block is
+a copy (``SchedulerOutput.blocks_to_copy``), except for the parent's last
+child, which takes the blocks over. A dropped beam's hold is released before
+the next step, and every hold when the search ends or the client leaves.
 
 EOS, as in Hugging Face's ``generate(num_beams=...)``: a candidate that
 ends in EOS and ranks among the first ``beam_width`` is a finished beam (a
@@ -173,29 +172,45 @@ def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSe
 
 async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
                                 request_id: str) -> list[tuple[BeamSearchOutput, int]]:
-    """The same over ``AsyncLLM`` (the server): (output, prompt length) per prompt."""
+    """The same over ``AsyncLLM`` (the server), beams forking KV blocks as offline:
+    (output, prompt length) per prompt. The engine core takes messages in order, so
+    a release sent after a step's requests finished finds their holds."""
     import asyncio
 
     builder = engine.request_builder
     searches = [BeamSearch(builder.tokenize(p)[1], params, set(builder.eos_token_ids))
                 for p in prompts]
 
-    async def one(tokens: list[int], rid: str) -> RequestOutput:
-        async for out in engine.generate(tokens, searches[0].step_params(), rid):
+    async def one(tokens: list[int], sp: SamplingParams, rid: str) -> RequestOutput:
+        async for out in engine.generate(tokens, sp, rid):
             last = out
         return last
 
-    step = 0
-    while not all(s.done for s in searches):
-        live = [s for s in searches if not s.done]
-        beams = [b.tokens for s in live for b in s.beams]
-        # Cancelled (the client left): gather cancels each, and each aborts its request.
-        outs = list(await asyncio.gather(*(one(t, f"{request_id}-{step}-{i}")
-                                           for i, t in enumerate(beams))))
-        for s in live:
-            mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
-            s.advance(mine)
-        step += 1
+    held: list[str] = []  # requests holding blocks now
+    step_ids: list[str] = []  # this step's requests (they may hold blocks once done)
+    try:
+        step = 0
+        while not all(s.done for s in searches):
+            live = [s for s in searches if not s.done]
+            parents = [p for s in live for p in s.parents]
+            engine.release_held_blocks(set(held) - set(parents))  # dropped beams
+            beams = [b.tokens for s in live for b in s.beams]
+            step_ids = [f"{request_id}-{step}-{i}" for i in range(len(beams))]
+            outs = list(await asyncio.gather(*(
+                one(t, sp, rid) for t, sp, rid in
+                zip(beams, fork_params(live[0].step_params(), parents), step_ids))))
+            engine.release_held_blocks(held)  # taken over or copied by now
+            held, step_ids = step_ids, []
+            for s in live:
+                mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
+                s.advance(mine)
+            step += 1
+    finally:
+        # The client left mid-step: stop this step's beams first (an aborted request
+        # keeps nothing), then free every hold, this step's finished beams' too.
+        for rid in step_ids:
+            engine.abort(rid)
+        engine.release_held_blocks(held + step_ids)
     return [(s.result(engine.tokenizer), s.prompt_len) for s in searches]
 
 
