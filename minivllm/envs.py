@@ -99,6 +99,16 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
 )}
 
 
+def name_of(short: str) -> str:
+    """A variable's full name for messages and tests: ``name_of("CPU_ISA")`` is
+    ``"MINIVLLM_CPU_ISA"`` (an unknown one is an error, so a typo cannot hide)."""
+    name = "MINIVLLM_" + short
+    if name not in ENVIRONMENT_VARIABLES:
+        raise KeyError(f"no environment variable {name}: minivllm has "
+                       f"{', '.join(ENVIRONMENT_VARIABLES)}")
+    return name
+
+
 def __getattr__(name: str) -> Any:
     """``envs.MINIVLLM_X``: the variable's parsed value now (its default when unset)."""
     var = ENVIRONMENT_VARIABLES.get(name)

@@ -34,7 +34,7 @@ from typing import Optional
 
 from minivllm import envs
 
-ISA_ENV = "MINIVLLM_CPU_ISA"
+ISA_ENV = envs.name_of("CPU_ISA")
 ISA_CHOICES = ("native", "avx2")
 
 # A process started with these runs as on an AVX2-only CPU (an AMD Zen 3, an

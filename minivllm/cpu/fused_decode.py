@@ -39,7 +39,7 @@ from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.parallel import tp_size
 
-ENV_SWITCH = "MINIVLLM_FUSED_DECODE"
+ENV_SWITCH = envs.name_of("FUSED_DECODE")
 _NONE = torch.empty(0)  # "no bias" in the flat weight list
 
 
@@ -91,8 +91,8 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
         return "the RoPE tables are not float32 (the C++ RoPE kernel needs them so)"
     if any(getattr(lin, "packed_weight", None) is None
            for lin in _linears(model) + [causal_lm.lm_head]):
-        return ("linear weights are not prepacked (MINIVLLM_CPU_PREPACK=0, or a dtype "
-                "this CPU cannot pack)")
+        return (f"linear weights are not prepacked ({envs.name_of('CPU_PREPACK')}=0, or a "
+                "dtype this CPU cannot pack)")
     if len({layer.mlp.gate_up_proj.packed_weight.halves for layer in model.layers}) > 1:
         return "gate_up weights packed in two layouts (the C++ loop takes one for all)"
     return ops.build_problem()  # last: it may compile the kernels

@@ -54,7 +54,7 @@ from minivllm.logger import info_once
 MIN_PACKED_ROWS = 2
 # float32 rows up to this many use the panel kernel (csrc/gemm.cpp) when built.
 PANEL_MAX_ROWS = 256
-ENV_SWITCH = "MINIVLLM_CPU_PREPACK"  # "0" turns prepacking off (for A/B benchmarks)
+ENV_SWITCH = envs.name_of("CPU_PREPACK")  # "0" turns prepacking off (for A/B benchmarks)
 
 
 # The batch-size hint given to MKL's packing picks its layout; a product far

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 from minivllm import envs
 
-FIGURES_DIR_ENV = "MINIVLLM_FIGURES_DIR"
+FIGURES_DIR_ENV = envs.name_of("FIGURES_DIR")
 BROWSER_PATH_ENV = "BROWSER_PATH"  # kaleido's (choreographer's) override
 CHAPTER_GLOB = "[0-9][0-9]_*.py"
 NAME_PATTERN = re.compile(r"^[0-9]{2}_[a-z0-9_]+$")

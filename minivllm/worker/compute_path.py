@@ -58,7 +58,7 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
     if config.cpu_kernels is False:
         return "cpu_kernels=False"
     if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
-        return "turned off by MINIVLLM_CPU_KERNELS=0"
+        return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
     if torch.device(config.device).type != "cpu":
         problem = f"device {config.device!r} is not the CPU"
         if config.cpu_kernels:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from minivllm import envs
 from minivllm.config import EngineConfig
 
-TIMEOUT_ENV = "MINIVLLM_TP_TIMEOUT"
+TIMEOUT_ENV = envs.name_of("TP_TIMEOUT")
 # Workers wait for the next command for as long as the engine sits idle.
 IDLE_TIMEOUT = timedelta(days=365)
 # How long rank 0 waits for the workers to take "stop" before terminating them.

@@ -23,7 +23,7 @@ from minivllm.model.attention.torch_attn import TorchAttentionBackend
 
 # Every name a user may give; "cpu" exists only where the engine runs the CPU acceleration.
 BACKEND_NAMES = ("torch", "triton", "cpu")
-ENV_VAR = "MINIVLLM_ATTENTION_BACKEND"
+ENV_VAR = envs.name_of("ATTENTION_BACKEND")
 # name -> a factory that builds the backend for a device, or raises saying why it cannot.
 BackendFactory = Callable[[torch.device], AttentionBackend]
 
