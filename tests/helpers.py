@@ -122,3 +122,14 @@ def dequantized_copy(folder, out):
         if f.suffix == ".json":
             (out / f.name).write_text(f.read_text())
     return out
+
+
+def serve_tiny(tmp_path_factory, model, folder: str, num_kv_blocks: int = 256):
+    """A test module's ``minivllm serve --inprocess`` of ``model`` named "tiny", stopped
+    after the module: ``yield from serve_tiny(...)`` in a module fixture."""
+    srv = ServerProcess(tmp_path_factory.mktemp(folder), model, "--inprocess",
+                        "--served-model-name", "tiny", "--num-kv-blocks", str(num_kv_blocks))
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -9,17 +9,14 @@ import httpx
 import pytest
 
 from minivllm import LLM, SamplingParams
-from tests.helpers import TIME, WEATHER, ServerProcess
+from tests.helpers import TIME, WEATHER, serve_tiny
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_chat_model):
-    srv = ServerProcess(tmp_path_factory.mktemp("surface"), tiny_chat_model, "--inprocess",
-                        "--served-model-name", "tiny", "--num-kv-blocks", "256")
-    yield srv
-    srv.stop()
+    yield from serve_tiny(tmp_path_factory, tiny_chat_model, "surface")
 
 
 @pytest.fixture(scope="module")

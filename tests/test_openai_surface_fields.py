@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from tests.helpers import ServerProcess
+from tests.helpers import serve_tiny
 
 PROMPT = [1, 20, 30, 40, 50]
 
@@ -70,10 +70,7 @@ def test_bad_words(llm):
 # -- through the server -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_chat_model):
-    srv = ServerProcess(tmp_path_factory.mktemp("fields"), tiny_chat_model, "--inprocess",
-                        "--served-model-name", "tiny", "--num-kv-blocks", "128")
-    yield srv
-    srv.stop()
+    yield from serve_tiny(tmp_path_factory, tiny_chat_model, "fields", num_kv_blocks=128)
 
 
 def post(server, path, body):

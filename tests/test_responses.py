@@ -18,7 +18,7 @@ from minivllm.entrypoints.openai.protocol.responses import (OutputMessage, Outpu
                                                             ResponsesResponse)
 from minivllm.entrypoints.openai.serving_responses import (ResponseNotFoundError,
                                                            ResponseStore, StoredResponse)
-from tests.helpers import WEATHER, ServerProcess, wait_for
+from tests.helpers import WEATHER, serve_tiny, wait_for
 
 FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -28,10 +28,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_chat_model):
-    srv = ServerProcess(tmp_path_factory.mktemp("responses"), tiny_chat_model, "--inprocess",
-                        "--num-kv-blocks", "256", "--served-model-name", "tiny")
-    yield srv
-    srv.stop()
+    yield from serve_tiny(tmp_path_factory, tiny_chat_model, "responses")
 
 
 @pytest.fixture(scope="module")
