@@ -30,7 +30,7 @@ def test_no_server_error_on_any_endpoint(tmp_path, tiny_chat_model):
     try:
         run = subprocess.run(
             [cli, "run", srv.url + "/openapi.json", "--phases", "coverage,fuzzing",
-             "--max-examples", "5", "--max-time", "150", "--request-timeout", "60",
+             "--max-examples", "5", "--max-time", "60", "--request-timeout", "60",
              "--checks", "not_a_server_error", "--workers", "1",
              "--exclude-path-regex", "^/$", "--generation-deterministic",
              "--output-truncate", "false"],
