@@ -271,3 +271,21 @@ def test_q8_0_at_load_loses_at_most_one_percent_perplexity():
     print(f"perplexity over {len(ids)} README tokens: float32 {ppl[None]:.4f}, "
           f"q8_0 {ppl['q8_0']:.4f} ({ppl['q8_0'] / ppl[None] - 1:+.3%})")
     assert ppl["q8_0"] <= 1.01 * ppl[None]
+
+
+def test_the_simulator_prices_the_bytes_the_quantized_model_holds():
+    """The cost model's weights read per step (``sim/cost_model.py``) equal the
+    bytes of the blocks a quantized default model holds in its matrices (the head
+    tied to the embedding: read once per step as the head)."""
+    from minivllm.model.attention.selector import get_attention_backend
+    from minivllm.model.loader import load_model
+    from minivllm.model.resolve import resolve_model_path
+    from minivllm.sim import load_hardware, load_model_config
+    from minivllm.sim.cost_model import CostModel
+
+    config = load_model_config(str(resolve_model_path(None)), "auto", "cpu", "gguf")
+    model = load_model(config, get_attention_backend("torch", "cpu"))
+    held = {id(t.data): t.data.numel() for m in model.modules() if hasattr(m, "qweight")
+            for _, t in m.qweight.segments}
+    assert CostModel(config, load_hardware("h100-sxm")).weight_bytes == pytest.approx(
+        sum(held.values()), rel=1e-9)

@@ -77,8 +77,10 @@ class CostModel:
         q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
         self.layer_params = h * (q + 2 * kv) + q * h + 3 * h * m.intermediate_size
         self.head_params = m.vocab_size * h
-        # Weights read each step (the embedding table is only looked up, T rows).
-        self.weight_bytes = (L * self.layer_params + self.head_params) * self.elem / tp
+        # Weights read each step (the embedding table is only looked up, T rows),
+        # in the bytes the engine keeps them in (GGUF blocks: under one a weight).
+        self.weight_bytes = (L * self.layer_params + self.head_params) \
+            * _weight_bytes_per_param(m) / tp
         # Elements each token reads + writes through the products of one layer.
         self.act_elems = (h + q + 2 * kv) + (q + h) + (h + 2 * m.intermediate_size) \
             + (m.intermediate_size + h)
@@ -151,6 +153,12 @@ def times_of(rows: np.ndarray, hw: Hardware, tp: int = 1) -> np.ndarray:
     if tp > 1:
         t = t + 2 * (tp - 1) / tp * rb / hw.link_bandwidth + nr * hw.collective_latency_s
     return t
+
+
+def _weight_bytes_per_param(m: ModelConfig) -> float:
+    from minivllm.model.layers.quantization import bytes_per_weight
+
+    return bytes_per_weight(m.quantization, m.dtype, m.gguf_file)
 
 
 def _element_size(m: ModelConfig) -> int:

@@ -28,9 +28,15 @@ def model_folder(spec: str) -> Path:
                      "a model folder with a config.json, or the path of a config.json")
 
 
-def load_model_config(spec: str, dtype: str = "auto", device: str = "cuda") -> ModelConfig:
-    """The ``ModelConfig`` the real engine would build, in the dtype it would run in."""
-    return ModelConfig.from_pretrained(model_folder(spec), dtype, device)
+def load_model_config(spec: str, dtype: str = "auto", device: str = "cuda",
+                      quantization: str = "auto") -> ModelConfig:
+    """The ``ModelConfig`` the real engine would build, in the dtype it would run in
+    and with the weights it would keep (a folder converted from a GGUF file: its
+    quantized blocks, as ``LLM`` resolves ``quantization``)."""
+    from minivllm.config.quantization import quantized_model_config
+
+    model = ModelConfig.from_pretrained(model_folder(spec), dtype, device)
+    return quantized_model_config(model, quantization, dtype)
 
 
 __all__ = ["MODEL_PRESETS", "load_model_config", "model_folder"]

@@ -221,7 +221,7 @@ def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args):
     from minivllm.sim.simulator import Simulator
 
     path = resolve_model_path(None)
-    sim = Simulator(load_model_config(path, "float32", "cpu"), hw,
+    sim = Simulator(load_model_config(path, "auto", "cpu"), hw,
                     EngineArgs(model=str(path), num_kv_blocks=num_blocks,
                                block_size=args.block_size,
                                max_num_batched_tokens=args.max_num_batched_tokens),
