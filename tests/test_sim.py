@@ -133,3 +133,21 @@ def test_a_slowed_hardware_makes_every_step_that_much_longer():
     slow = CostModel(m, H100.slowed(1.7), 2)
     f = fast.features_from(300, 40, 40, 300 * 900, 40 * 900 + 600)
     assert slow.time(f) == pytest.approx(1.7 * fast.time(f))
+
+
+def test_replicas_sharing_a_hosts_cores_slow_down_only_while_oversubscribed():
+    """Two identical requests at once on two replicas of a 1-core host run in
+    lockstep at half speed: every token twice as late as on a replica alone; with a
+    core each, exactly as alone."""
+    work = random_requests(2, 200, 20, 128256, 0.0, request_rate=float("inf"), seed=1)
+    twin = [SimRequest(f"r{i}", work[0].prompt_token_ids, 20, arrival_time=0.0)
+            for i in range(2)]
+    alone = small_sim().run(twin[:1]).requests[0]
+    own = small_sim(num_replicas=2, host_cores=2).run(twin).requests
+    shared = small_sim(num_replicas=2, host_cores=1).run(twin).requests
+    for r in own:
+        assert r.token_times == pytest.approx(alone.token_times)
+    for r in shared:
+        assert np.array(r.token_times) == pytest.approx(2 * np.array(alone.token_times))
+    with pytest.raises(ValueError, match="host_cores=0 is invalid"):
+        small_sim(num_replicas=2, host_cores=0)

@@ -70,6 +70,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--num-replicas", type=int, default=1,
                    help="data-parallel replicas, each with its own scheduler and KV cache")
     f.add_argument("--router", choices=ROUTERS, default="round_robin")
+    f.add_argument("--host-cores", type=int, default=None,
+                   help="the replicas share one host with this many cores (a CPU fleet on "
+                        "one machine); default: each replica has its own hardware")
+    f.add_argument("--threads-per-replica", type=int, default=1,
+                   help="with --host-cores: each replica's threads (the calibration's)")
     from minivllm.sim.disagg import add_pool_args
 
     add_pool_args(parser)
@@ -106,7 +111,8 @@ def build(args: argparse.Namespace):
                          args.router, args.gpu_memory_utilization, layout=layout)
            if layout.disaggregated or layout.kv_offloading_bytes else
            Simulator(model, hw, EngineArgs(model=model.path, **kwargs), args.num_replicas,
-                     args.router, args.gpu_memory_utilization))
+                     args.router, args.gpu_memory_utilization, host_cores=args.host_cores,
+                     threads_per_replica=args.threads_per_replica))
     if args.dataset_name == "random":
         work = random_requests(args.num_prompts, args.random_input_len,
                                args.random_output_len, model.vocab_size,

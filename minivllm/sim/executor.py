@@ -48,6 +48,7 @@ class SimExecutor:
         self.last_features: Optional[StepFeatures] = None
         self.last_duration = 0.0
         self.cost_seconds = 0.0  # real time spent pricing steps
+        self.slowdown = 1.0  # > 1 while the host's cores are shared (simulator._contention)
 
     # -- the executor interface ------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -65,7 +66,7 @@ class SimExecutor:
             return out
         t0 = time.perf_counter()
         features = self.cost_model.features(so)
-        duration = self.cost_model.time(features)
+        duration = self.cost_model.time(features) * self.slowdown
         for req in so.scheduled_requests:
             rid = req.request_id
             if so.num_computed_tokens[rid] + so.num_scheduled_tokens[rid] >= req.num_tokens:

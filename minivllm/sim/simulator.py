@@ -165,10 +165,20 @@ class Simulator:
     def __init__(self, model: ModelConfig, hardware: Hardware,
                  engine_args: Optional[EngineArgs] = None, num_replicas: int = 1,
                  router: str = "round_robin", gpu_memory_utilization: float = 0.9,
-                 eos_token_ids: Optional[frozenset[int]] = None, trace: bool = False) -> None:
+                 eos_token_ids: Optional[frozenset[int]] = None, trace: bool = False,
+                 host_cores: Optional[int] = None, threads_per_replica: int = 1) -> None:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas!r} is invalid: must be an "
                              "integer >= 1")
+        for name, value in (("host_cores", host_cores),
+                            ("threads_per_replica", threads_per_replica)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1"
+                                 + (" or None (each replica has its own hardware)"
+                                    if name == "host_cores" else ""))
+        # Replicas on one host share its cores (None: each has its own hardware,
+        # as GPUs do). ``hardware`` is then one replica alone with its threads.
+        self.host_cores, self.threads_per_replica = host_cores, threads_per_replica
         self.model, self.hardware = model, hardware
         self.config = make_engine_config(model, engine_args, trace)
         self.cost_model = CostModel(model, hardware, self.config.parallel.tensor_parallel_size)
@@ -280,8 +290,20 @@ class _Run:
         replica.core.add_request(req)
         self.live[spec.request_id] = (req, i)
 
+    def _contention(self, start: float) -> float:
+        """How much longer a step starting at ``start`` takes because busy
+        replicas share the host's cores: a fair share, counted at the step's
+        start (a replica is busy then if it has work or its last step is still
+        running); 1 when every busy replica's threads have a core."""
+        cores = self.sim.host_cores
+        if cores is None:
+            return 1.0
+        busy = sum(r.busy or r.clock.now() > start for r in self.replicas)
+        return max(1.0, busy * self.sim.threads_per_replica / cores)
+
     def _step(self, replica: Replica) -> None:
         ex = replica.executor
+        ex.slowdown = self._contention(replica.clock.now())
         priced = ex.cost_seconds
         t0 = time.perf_counter()
         outputs = replica.core.step()

@@ -16,9 +16,11 @@ throughput, and how many requests both routed to the same replica. A
 most any router can find), and every answer is compared with that run's.
 
 The replicas share this machine's cores (each engine gets ``--threads``
-threads), while the simulator gives each replica its own hardware: on a
-machine with fewer cores than replicas, the real fleet's TTFT includes waiting
-for a core, which the simulator does not model. A benchmark, not a test.
+threads), and so do the simulated ones (``Simulator(host_cores=...)``: a step
+takes ``busy replicas x threads / cores`` times longer while the cores are
+oversubscribed). The calibration should then be one replica's: made with the
+same threads (``OMP_NUM_THREADS=1 minivllm simulate calibrate ...``). A
+benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -225,7 +227,8 @@ def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args):
                     EngineArgs(model=str(path), num_kv_blocks=num_blocks,
                                block_size=args.block_size,
                                max_num_batched_tokens=args.max_num_batched_tokens),
-                    n, policy)
+                    n, policy, host_cores=args.host_cores or len(os.sched_getaffinity(0)),
+                    threads_per_replica=args.threads)
     return sim.run(sim_requests(turns))
 
 
@@ -328,4 +331,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=64, help="per replica")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    g.add_argument("--host-cores", type=int, default=None,
+                   help="cores the replicas share, for the simulator (default: this machine's)")
     g.add_argument("--fleet-file", dest="fleet_output", default="figures/fleet_validation.json")
