@@ -11,7 +11,10 @@ Then it asks a replica's ``/tokenize`` for every prompt exactly as the
 engines saw it, replays those prompts in the simulator with the same replica
 count, policy, arrival times and engine arguments, and prints per policy,
 real against simulated: cached prompt tokens, median TTFT, output
-throughput, and how many requests both routed to the same replica. A
+throughput, and how many requests both routed to the same replica; then once
+more with every turn sent when the real one was (the real arrival order: with
+concurrent sessions the order turns reach the router is set by real timing,
+and round robin's choices follow it), cached tokens and same replica again. A
 ``single`` row runs one replica with a cache big enough for everything (the
 most any router can find), and every answer is compared with that run's.
 
@@ -197,7 +200,11 @@ def warm_up(url: str) -> None:
 
 
 # -- the simulated fleet ------------------------------------------------------------
-def sim_requests(turns: list[Turn]):
+def sim_requests(turns: list[Turn], real_order: bool = False):
+    """The turns as the simulator's requests: each turn sent when the simulated
+    previous answer ends (a closed loop, for the timings); ``real_order``: each
+    sent when the real one was, so the router sees the real fleet's order (for
+    the routing decisions, which otherwise follow the simulated timing)."""
     from minivllm.benchmarks.workload import SimRequest
 
     by = {(t.session, t.turn): t for t in turns}
@@ -211,12 +218,14 @@ def sim_requests(turns: list[Turn]):
         script += [5] * (t.output_tokens - len(script))
         out.append(SimRequest(f"s{t.session}-t{t.turn}", t.prompt_ids, t.output_tokens,
                               t.sent, output_token_ids=script,
-                              after=f"s{t.session}-t{t.turn - 1}" if t.turn else None,
+                              after=(f"s{t.session}-t{t.turn - 1}"
+                                     if t.turn and not real_order else None),
                               session=f"s{t.session}"))
     return out
 
 
-def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args):
+def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args,
+            real_order: bool = False):
     from minivllm.config import EngineArgs
     from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.models import load_model_config
@@ -229,7 +238,7 @@ def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args):
                                max_num_batched_tokens=args.max_num_batched_tokens),
                     n, policy, host_cores=args.host_cores or len(os.sched_getaffinity(0)),
                     threads_per_replica=args.threads)
-    return sim.run(sim_requests(turns))
+    return sim.run(sim_requests(turns, real_order))
 
 
 # -- the table ---------------------------------------------------------------------
@@ -258,14 +267,16 @@ def rel(sim: float, real: float) -> float:
 
 def print_table(rows: dict) -> None:
     print(f"{'policy':<13}{'cached tok real/sim':>22}{'err':>7}{'TTFT ms real/sim':>21}"
-          f"{'err':>7}{'tok/s real/sim':>17}{'same replica':>14}{'same answers':>14}")
+          f"{'err':>7}{'tok/s real/sim':>17}{'same replica':>14}{'same answers':>14}"
+          f"{'  real order: cached err, same replica':>40}")
     for name, r in rows.items():
         a, b = r["real"], r["sim"]
         print(f"{name:<13}{a['cached_tokens']:>11}/{b['cached_tokens']:<10}"
               f"{r['err_cached']:>+7.0%}{a['median_ttft_ms']:>10.0f}/"
               f"{b['median_ttft_ms']:<10.0f}{r['err_ttft']:>+7.0%}"
               f"{a['output_throughput']:>8.1f}/{b['output_throughput']:<8.1f}"
-              f"{r['same_replica']:>14}{r['same_answers']:>14}")
+              f"{r['same_replica']:>14}{r['same_answers']:>14}"
+              f"{r['err_cached_real_order']:>+24.0%}{r['same_replica_real_order']:>16}")
 
 
 def load_hw(spec: Optional[str]):
@@ -295,16 +306,25 @@ def run(args: argparse.Namespace) -> dict:
         failed = [t.error for t in turns if t.error]
         if failed or len(turns) != n_req:
             raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[:2]}")
-        result = run_sim(hw, name if n > 1 else "round_robin", n, blocks, turns, args)
+        policy = name if n > 1 else "round_robin"
+        result = run_sim(hw, policy, n, blocks, turns, args)
+        ordered = run_sim(hw, policy, n, blocks, turns, args, real_order=True)
         sim_replica = {r.request_id: r.replica for r in result.requests}
+        ordered_replica = {r.request_id: r.replica for r in ordered.requests}
         texts = {(t.session, t.turn): t.text for t in turns}
         reference = reference or texts
         real, sim = summarize_real(turns), summarize_sim(result)
         same = sum(sim_replica[f"s{t.session}-t{t.turn}"] == t.replica for t in turns)
+        same_ordered = sum(ordered_replica[f"s{t.session}-t{t.turn}"] == t.replica
+                           for t in turns)
+        cached_ordered = summarize_sim(ordered)["cached_tokens"]
         rows[name] = {"real": real, "sim": sim,
                       "err_cached": rel(sim["cached_tokens"], real["cached_tokens"]),
                       "err_ttft": rel(sim["median_ttft_ms"], real["median_ttft_ms"]),
                       "same_replica": f"{same}/{n_req}",
+                      "same_replica_real_order": f"{same_ordered}/{n_req}",
+                      "cached_tokens_real_order": cached_ordered,
+                      "err_cached_real_order": rel(cached_ordered, real["cached_tokens"]),
                       "same_answers": f"{sum(texts[k] == reference[k] for k in texts)}/{n_req}",
                       "replicas": [t.replica for t in turns]}
     print_table(rows)
