@@ -26,32 +26,41 @@ from tests.lora_helpers import ADAPTER_SPECS, build_peft_adapter
 pytestmark = needs_cpu_kernels()
 
 SLOTS = 4
-# (in, out, stacked rank): SmolLM2-135M's qkv, o, gate_up and down at rank 16, then
-# sizes off the vector width (tails) and a rank that is not a multiple of 4.
-SHAPES = [(576, 960, 48), (576, 576, 16), (576, 3072, 32), (1536, 576, 16),
-          (64, 40, 3), (33, 70, 7), (8, 17, 1)]
+# (in, out, stacked rank, module output sizes of a fused layer): SmolLM2-135M's
+# qkv, o, gate_up and down at rank 16, then sizes off the vector width (tails), a
+# module boundary inside a panel, and ranks that are not a multiple of 4.
+SHAPES = [(576, 960, 48, (576, 192, 192)), (576, 576, 16, ()), (576, 3072, 32, (1536, 1536)),
+          (1536, 576, 16, ()), (64, 40, 6, (17, 23)), (64, 40, 3, ()), (33, 70, 7, ()),
+          (8, 17, 1, ())]
 # Token slots: three adapters, base-model tokens (-1), slot 2 unused.
 TOKEN_SLOTS = torch.tensor([0, -1, 3, 3, 1, 0, -1, 1, 1, 3, 0, -1, 0])
 
 
-def _factors(n_in, n_out, r, dtype, seed=0):
+def _factors(n_in, n_out, r, dtype, slices=(), seed=0):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(SLOTS, r, n_in, generator=g) / n_in ** 0.5
     b = torch.randn(SLOTS, n_out, r, generator=g) / r ** 0.5
+    if slices:  # a fused layer's B: module m's rows only in its rank columns
+        mask, rows = torch.zeros(n_out, r), 0
+        for m, size in enumerate(slices):
+            k = r // len(slices)
+            mask[rows:rows + size, m * k:(m + 1) * k] = 1
+            rows += size
+        b *= mask
     x = torch.randn(len(TOKEN_SLOTS), n_in, generator=g)
     out = torch.randn(len(TOKEN_SLOTS), n_out, generator=g)
     return [t.to(dtype) for t in (a, b, x, out)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_in,n_out,r", SHAPES)
-def test_bgmv_equals_punica(n_in, n_out, r, dtype):
-    a, b, x, out = _factors(n_in, n_out, r, dtype)
+@pytest.mark.parametrize("n_in,n_out,r,slices", SHAPES)
+def test_bgmv_equals_punica(n_in, n_out, r, slices, dtype):
+    a, b, x, out = _factors(n_in, n_out, r, dtype, slices)
     segments = punica.segments_of(TOKEN_SLOTS)
     y_ref = punica.shrink(x, a, segments)
     ref = punica.expand(out.clone(), y_ref, b, segments)
     y = ops.bgmv_shrink(x, a, TOKEN_SLOTS)
-    got = ops.bgmv_expand_(out.clone(), y, columns_contiguous(b), TOKEN_SLOTS)
+    got = ops.bgmv_expand_(out.clone(), y, columns_contiguous(b), TOKEN_SLOTS, slices)
     # float32: another summation order; bfloat16: y and the delta rounded as
     # the reference rounds them, so off by a rounding step at most here and there.
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -60,14 +69,15 @@ def test_bgmv_equals_punica(n_in, n_out, r, dtype):
     base = TOKEN_SLOTS < 0
     assert torch.equal(got[base], out[base])  # base-model rows untouched
     assert not y[base].any()  # and their shrink zero
-    # The expand takes B in any layout (a plain [S, out, r] one is copied first).
+    # The expand takes B in any layout (a plain [S, out, r] one is copied first),
+    # and skipping a fused layer's zero blocks changes no bit.
     same = ops.bgmv_expand_(out.clone(), y, b, TOKEN_SLOTS)
     assert torch.equal(same, got)
 
 
 def test_bgmv_gives_the_same_bits_on_any_number_of_threads():
     """Each output is one thread's, in a fixed order: the replay relies on it."""
-    a, b, x, out = _factors(576, 3072, 32, torch.float32)
+    a, b, x, out = _factors(576, 3072, 32, torch.float32, (1536, 1536))
     b = columns_contiguous(b)
     threads = torch.get_num_threads()
     results = []
@@ -75,7 +85,7 @@ def test_bgmv_gives_the_same_bits_on_any_number_of_threads():
         torch.set_num_threads(n)
         try:
             y = ops.bgmv_shrink(x, a, TOKEN_SLOTS)
-            results.append((y, ops.bgmv_expand_(out.clone(), y, b, TOKEN_SLOTS)))
+            results.append((y, ops.bgmv_expand_(out.clone(), y, b, TOKEN_SLOTS, (1536, 1536))))
         finally:
             torch.set_num_threads(threads)
     assert all(torch.equal(p, q) for p, q in zip(*results))
@@ -107,6 +117,10 @@ def test_bgmv_refuses_bad_input_naming_it():
         ops.bgmv_expand_(out, y[:, :4], b, TOKEN_SLOTS)
     with pytest.raises(RuntimeError, match=r"out must be \[tokens, 40\]"):
         ops.bgmv_expand_(out.t().contiguous().t(), y, b, TOKEN_SLOTS)
+    with pytest.raises(RuntimeError, match=r"out_slices \[30, 20\] must sum to the 40 outputs"):
+        ops.bgmv_expand_(out, y, b, TOKEN_SLOTS, (30, 20))
+    with pytest.raises(RuntimeError, match=r"the rank 8 be a multiple of their number"):
+        ops.bgmv_expand_(out, y, b, TOKEN_SLOTS, (10, 10, 20))
     with pytest.raises(RuntimeError, match=r"has dtype Double; allowed: float32, bfloat16"):
         ops.bgmv_shrink(x.double(), a.double(), TOKEN_SLOTS)
 
@@ -176,5 +190,5 @@ def test_the_avx2_build_passes_the_bgmv_tests():
          "not slow", "tests/test_lora_kernels.py", "-k", AVX2_SELECTION],
         capture_output=True, text=True, cwd=repo, timeout=1200, env={**os.environ, **AVX2_ENV})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "PASSED tests/test_lora_kernels.py::test_bgmv_equals_punica[576-960-48-dtype0]" \
+    assert "PASSED tests/test_lora_kernels.py::test_bgmv_equals_punica[576-960-48-slices0-dtype0]" \
         in out.stdout, out.stdout[-3000:]

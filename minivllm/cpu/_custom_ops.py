@@ -290,10 +290,12 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor,
 
 
 def bgmv_expand_(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor,
-                 token_slots: torch.Tensor) -> torch.Tensor:
+                 token_slots: torch.Tensor, out_slices=()) -> torch.Tensor:
     """``out[t] += lora_b[token_slots[t]] @ y[t]`` in place (slot -1 skipped); returns out.
-    Fastest when lora_b [S, out, r] is the transpose of an [S, r, out] tensor."""
-    _lib().bgmv_expand_(out, y, lora_b, token_slots)
+    Fastest when lora_b [S, out, r] is the transpose of an [S, r, out] tensor.
+    ``out_slices``: a fused layer's module output sizes; module m's rows of B are
+    then read only in its rank columns (the block-diagonal B of ``LoRALayer``)."""
+    _lib().bgmv_expand_(out, y, lora_b, token_slots, list(out_slices))
     return out
 
 

@@ -12,7 +12,9 @@ Swapped in as the other twins are (``layers.py``): the ``LoRALayer`` on each
 wrapped projection gets this class, and its ``lora_b`` is re-made with B's
 columns contiguous (an [slots, R, out] tensor seen through its transpose, so
 still [slots, out, R] to everyone else), the layout the expand kernel reads
-with vectors. Tensor parallelism is untouched: the hook's all-reduce between
+with vectors, and it is told the output sizes of a fused layer's modules (q,
+k, v; gate, up), whose B is block-diagonal, so that it reads no zeros.
+Tensor parallelism is untouched: the hook's all-reduce between
 the two products stays where the reference has it. The decode-step replay
 (``fused_decode.py``) reads the same factors and calls the same kernels.
 """
@@ -32,11 +34,30 @@ if TYPE_CHECKING:
 
 
 class CpuLoRALayer(LoRALayer):
+    out_slices: list[int] = []  # the fused modules' output sizes (output_slices)
+
     def shrink(self, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         return ops.bgmv_shrink(x, self.lora_a, mapping.token_lora_indices)
 
     def expand(self, out: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-        return ops.bgmv_expand_(out, y, self.lora_b, mapping.token_lora_indices)
+        return ops.bgmv_expand_(out, y, self.lora_b, mapping.token_lora_indices,
+                                self.out_slices)
+
+
+def output_slices(layer: LoRALayer) -> list[int]:
+    """A fused layer's module output sizes, when its modules' rows follow each other in
+    order (as ``set_slot`` places B block-diagonally): the expand then reads each
+    module's rank columns only. [] for one module, or another layout: all of B."""
+    if len(layer.modules) == 1 or layer.row_parallel:
+        return []
+    sizes, end = [], 0
+    for shard in layer.shard_ids:
+        first, _, size = layer.base.shard_rows(shard)
+        if first != end:
+            return []
+        sizes.append(size)
+        end += size
+    return sizes if end == layer.lora_b.shape[1] else []
 
 
 def columns_contiguous(lora_b: torch.Tensor) -> torch.Tensor:
@@ -56,7 +77,9 @@ def swap_in_lora(model: nn.Module) -> int:
     for layer in layers:
         layer.__class__ = CpuLoRALayer
         layer.lora_b = columns_contiguous(layer.lora_b)
+        layer.out_slices = output_slices(layer)
     return len(layers)
 
 
-__all__ = ["CpuLoRALayer", "columns_contiguous", "lora_layers", "swap_in_lora"]
+__all__ = ["CpuLoRALayer", "columns_contiguous", "lora_layers", "output_slices",
+           "swap_in_lora"]

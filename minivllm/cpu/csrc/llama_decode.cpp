@@ -224,12 +224,14 @@ struct Linear {
 
 // One linear layer's LoRA factors as raw pointers (cpu/lora.py's twin): A
 // [S, r, in] contiguous, B [S, out, r] stored as [S, r, out].
+// out_slices: a fused layer's module output sizes (its B is block-diagonal).
 struct LoRALinear {
   const float *a, *bt;
   int64_t r, in, out;
+  std::vector<int64_t> slice_ends;
 
   LoRALinear(const at::Tensor& A, const at::Tensor& B, int64_t in_features, int64_t out_features,
-             const std::string& what)
+             std::vector<int64_t> out_slices, const std::string& what)
       : r(A.size(1)), in(in_features), out(out_features) {
     const int64_t S = A.size(0);
     TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() &&
@@ -243,6 +245,7 @@ struct LoRALinear {
                 B.scalar_type(), " ", B.sizes(), " strides ", B.strides());
     a = A.data_ptr<float>();
     bt = B.data_ptr<float>();
+    slice_ends = slice::lora_slice_ends(out_slices, out, r, "llama_decode_forward");
   }
 };
 
@@ -343,10 +346,13 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   for (int64_t i = 0; i < layers && !lora_weights.empty(); ++i) {
     const at::Tensor* f = lora_weights.data() + i * kLoRATensorsPerLayer;
     const std::string layer = "layer " + std::to_string(i) + " ";
-    lora.emplace_back(f[0], f[1], E, qkv_size, layer + "qkv_proj");
-    lora.emplace_back(f[2], f[3], q_size, E, layer + "o_proj");
-    lora.emplace_back(f[4], f[5], E, 2 * inter, layer + "gate_up_proj");
-    lora.emplace_back(f[6], f[7], inter, E, layer + "down_proj");
+    // (q, k, v and gate, up: the modules cpu/lora.py's twin gives the kernel too)
+    lora.emplace_back(f[0], f[1], E, qkv_size, std::vector<int64_t>{q_size, kv_size, kv_size},
+                      layer + "qkv_proj");
+    lora.emplace_back(f[2], f[3], q_size, E, std::vector<int64_t>{}, layer + "o_proj");
+    lora.emplace_back(f[4], f[5], E, 2 * inter, std::vector<int64_t>{inter, inter},
+                      layer + "gate_up_proj");
+    lora.emplace_back(f[6], f[7], inter, E, std::vector<int64_t>{}, layer + "down_proj");
     for (int64_t k = 4 * i; k < 4 * i + 4; ++k) max_rank = std::max(max_rank, lora[k].r);
   }
   // The LM head, when given, is the step's last product: logits without
@@ -387,20 +393,27 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
 #pragma omp barrier
     const Share rows(T, t, n), cols(inter, t, n);
     const int64_t items = T * kv_heads, item_chunk = std::max<int64_t>(1, items / (8 * n));
-    // y [T, in] -> out [T, ldo] += the delta of product k (0 qkv, 1 o, 2 gate_up,
-    // 3 down) of layer i, for the step's LoRA tokens; nothing without LoRA.
-    auto add_lora = [&](int64_t i, int64_t k, const float* x, float* y, int64_t ldo) {
+    // The LoRA delta of product k (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, for
+    // the step's LoRA tokens (nothing without LoRA): the shrink of its input x
+    // runs with the product (it needs only x), the expand into the product's
+    // output y [T, ldo] after it, then a barrier.
+    auto lora_shrink = [&](int64_t i, int64_t k, const float* x) {
       if (lora.empty()) return;
       const LoRALinear& f = lora[4 * i + k];
-      const int64_t job = 5 * layers + 1 + 2 * (4 * i + k);
-      work.run(job, slice::bgmv_shrink_items(*lora_groups, f.r), 1, t, [&](int64_t b, int64_t e) {
-        slice::bgmv_shrink(x, f.in, f.a, f.r, f.in, *lora_groups, lora_yp, f.r, b, e);
-      });
-      barrier.wait();
+      work.run(5 * layers + 1 + 2 * (4 * i + k), slice::bgmv_shrink_items(*lora_groups, f.r), 1,
+               t, [&](int64_t b, int64_t e) {
+                 slice::bgmv_shrink(x, f.in, f.a, f.r, f.in, *lora_groups, lora_yp, f.r, b, e);
+               });
+    };
+    auto lora_expand = [&](int64_t i, int64_t k, float* y, int64_t ldo) {
+      if (lora.empty()) return;
+      const LoRALinear& f = lora[4 * i + k];
       const int64_t panels = slice::bgmv_expand_items(*lora_groups, f.out);
-      work.run(job + 1, panels, std::max<int64_t>(1, panels / (8 * n)), t,
-               [&](int64_t b, int64_t e) {
-                 slice::bgmv_expand(lora_yp, f.r, f.bt, f.r, f.out, *lora_groups, y, ldo, b, e);
+      work.run(5 * layers + 2 + 2 * (4 * i + k), panels, std::max<int64_t>(1, panels / (8 * n)),
+               t, [&](int64_t b, int64_t e) {
+                 slice::bgmv_expand(lora_yp, f.r, f.bt, f.r, f.out, f.slice_ends.data(),
+                                    static_cast<int64_t>(f.slice_ends.size()), *lora_groups, y,
+                                    ldo, b, e);
                });
       barrier.wait();
     };
@@ -410,8 +423,9 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       else slice::rms_norm(hp, E, res, in_norm[i], xp, E, eps, rows.begin, rows.end);
       barrier.wait();
       qkv[i].run(xp, T, qkvp, work, 5 * i + 0, t);
+      lora_shrink(i, 0, xp);
       barrier.wait();
-      add_lora(i, 0, xp, qkvp, qkv_size);
+      lora_expand(i, 0, qkvp, qkv_size);
       float *q = qkvp, *k = qkvp + q_size, *v = k + kv_size;
       slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, cos, sin, dim,
                               rows.begin, rows.end);
@@ -426,8 +440,9 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       });
       barrier.wait();
       o[i].run(attnp, T, hp, work, 5 * i + 1, t);
+      lora_shrink(i, 1, attnp);
       barrier.wait();
-      add_lora(i, 1, attnp, hp, E);
+      lora_expand(i, 1, hp, E);
       slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
       barrier.wait();
       if (fuse_silu) {
@@ -437,15 +452,17 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
         barrier.wait();
       } else {
         gate_up[i].run(xp, T, gup, work, 5 * i + 2, t);
+        lora_shrink(i, 2, xp);
         barrier.wait();
-        add_lora(i, 2, xp, gup, 2 * inter);
+        lora_expand(i, 2, gup, 2 * inter);
         // Element-wise: split by columns, so a single row uses every thread.
         slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
         barrier.wait();
       }
       down[i].run(actp, T, hp, work, 5 * i + 3, t);
+      lora_shrink(i, 3, actp);
       barrier.wait();
-      add_lora(i, 3, actp, hp, E);
+      lora_expand(i, 3, hp, E);
     }
     slice::rms_norm(hp, E, res, final_w, outp, E, eps, rows.begin, rows.end);
     if (head) {
@@ -509,10 +526,12 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
   }
   // The LoRA delta of product k of layer i (the tensor-level kernels, as the
   // layers' hook calls them), added to its output in place.
-  auto with_lora = [&](at::Tensor out, const at::Tensor& x, int64_t i, int64_t k) {
+  auto with_lora = [&](at::Tensor out, const at::Tensor& x, int64_t i, int64_t k,
+                       at::IntArrayRef out_slices = {}) {
     if (lora) {
       const at::Tensor* f = lora_weights.data() + i * kLoRATensorsPerLayer + 2 * k;
-      bgmv_expand_(out, bgmv_shrink(x, f[0], *token_lora_indices), f[1], *token_lora_indices);
+      bgmv_expand_(out, bgmv_shrink(x, f[0], *token_lora_indices), f[1], *token_lora_indices,
+                   out_slices);
     }
     return out;
   };
@@ -536,7 +555,8 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     const at::Tensor* w = weights.data() + i * kTensorsPerLayer;
     // Pre-norm residual blocks; the residual add is fused into the next norm.
     at::Tensor x = i == 0 ? rms_norm(hidden, w[0], eps) : fused_add_rms_norm(h, residual, w[0], eps);
-    at::Tensor qkv = with_lora(linear(x, w + 1, panel_max_rows), x, i, 0);
+    at::Tensor qkv =
+        with_lora(linear(x, w + 1, panel_max_rows), x, i, 0, {q_size, kv_size, kv_size});
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -547,8 +567,9 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     at::Tensor a = attn.view({tokens, q_size});
     h = with_lora(linear(a, w + 5, panel_max_rows), a, i, 1);
     x = fused_add_rms_norm(h, residual, w[9], eps);
+    const int64_t inter = w[14].size(1);
     at::Tensor act = silu_and_mul(
-        with_lora(linear(x, w + 10, panel_max_rows, gate_up_halves), x, i, 2));
+        with_lora(linear(x, w + 10, panel_max_rows, gate_up_halves), x, i, 2, {inter, inter}));
     h = with_lora(linear(act, w + 14, panel_max_rows), act, i, 3);
   }
   at::Tensor out = fused_add_rms_norm(h, residual, final_norm, eps);

@@ -22,7 +22,14 @@
 //   [S, r, out] storage (the CPU twin, minivllm/cpu/lora.py, allocates its
 //   [S, out, r] tensor as the transpose of one; another layout is copied so
 //   first). A work item is (group, panel of two vectors of outputs), its
-//   tokens four at a time; the next panel is prefetched meanwhile.
+//   tokens four at a time; panels further on are prefetched meanwhile.
+// - A fused layer's B is block-diagonal (minivllm/lora/layers.py): module m
+//   of M (q, k, v; gate, up) has its output rows and rank columns m r / M to
+//   (m + 1) r / M, zeros elsewhere. Given the modules' output sizes
+//   (out_slices), the expand reads only the columns of the modules a panel
+//   touches: for qkv that skips two thirds of B, for gate_up half. (Adding
+//   those zeros would change nothing; reading them is a third of the
+//   delta's bytes.)
 //
 // Arithmetic is float32; bfloat16 and float16 are converted on the way in, and
 // y and the delta rounded to the dtype as the reference's products round them.
@@ -73,6 +80,7 @@ namespace {
 
 constexpr int64_t kShrinkRows = 4;  // rows of A per shrink item
 constexpr int64_t kTileTokens = 4;  // tokens per expand tile: 8 accumulators
+constexpr int64_t kPrefetchPanels = 4;  // how far ahead the expand prefetches B
 #ifdef MINIVLLM_VEC
 using vec::vf;
 constexpr int64_t L = vec::kLanes;
@@ -162,7 +170,9 @@ void add_delta(T* out, const float* delta, int64_t n) {
 #ifdef MINIVLLM_VEC
 // TT tokens' outputs of one panel: out[t, :n] += sum_j y[t, j] bt[j, :n], with
 // bt's rows ldb apart (n <= kPanel; FULL: n == kPanel, no masks). With
-// `prefetch`, the next panel's rows (kPanel further) are fetched meanwhile.
+// `prefetch`, the same rows kPrefetchPanels panels on are fetched meanwhile: a
+// panel's rows are far apart, more streams than the hardware prefetcher
+// follows, and one panel's arithmetic is shorter than a trip to memory.
 template <int TT, bool FULL, typename T>
 void expand_tile(const float* bt, int64_t ldb, int64_t r, int64_t n, const int64_t* toks,
                  const T* y, int64_t ldy, T* out, int64_t ldo, bool prefetch) {
@@ -172,8 +182,9 @@ void expand_tile(const float* bt, int64_t ldb, int64_t r, int64_t n, const int64
   for (int64_t j = 0; j < r; ++j) {
     const float* b = bt + j * ldb;
     if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPanel), _MM_HINT_T0);
-      if (kPanel > 16) _mm_prefetch(reinterpret_cast<const char*>(b + kPanel + 16), _MM_HINT_T0);
+      const float* ahead = b + kPrefetchPanels * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+      if (kPanel > 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16), _MM_HINT_T0);
     }
     const vf b0 = FULL ? vec::load(b) : vec::load(b, m0, vec::zero());
     const vf b1 = FULL ? vec::load(b + L) : vec::load(b + L, m1, vec::zero());
@@ -217,24 +228,39 @@ void expand_tokens(const float* bt, int64_t ldb, int64_t r, int64_t n, const int
 }
 #endif
 
+// The module (0 .. M - 1) whose output rows hold row c; slice_ends[m] is the
+// end of module m's rows (M = 0: one module).
+inline int64_t module_of(int64_t c, const int64_t* slice_ends, int64_t M) {
+  int64_t m = 0;
+  while (m + 1 < M && c >= slice_ends[m]) ++m;
+  return m;
+}
+
 // Expand items [begin, end): item = (group, panel of kPanel outputs); lora_bt
-// is B as [S, r, out] storage.
+// is B as [S, r, out] storage, block-diagonal over the M modules ending at
+// slice_ends (M = 0: one module, all of B).
 template <typename T>
 void expand_items(const T* y, int64_t ldy, const T* lora_bt, int64_t r, int64_t out_features,
-                  const LoRAGroups& g, T* out, int64_t ldo, int64_t begin, int64_t end) {
+                  const int64_t* slice_ends, int64_t M, const LoRAGroups& g, T* out,
+                  int64_t ldo, int64_t begin, int64_t end) {
   const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  const int64_t rank_of_module = r / std::max<int64_t>(M, 1);
   std::vector<float> b_buf;  // a panel of B as float32 [r, kPanel], for other dtypes
   if constexpr (!std::is_same_v<T, float>) b_buf.resize(r * kPanel);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t grp = item / panels, c0 = item % panels * kPanel;
     const int64_t n = std::min(kPanel, out_features - c0);
-    const T* b = lora_bt + g.slots[grp] * r * out_features + c0;
+    // The rank columns of the modules this panel's rows belong to.
+    const int64_t j0 = module_of(c0, slice_ends, M) * rank_of_module;
+    const int64_t rj = (module_of(c0 + n - 1, slice_ends, M) + 1) * rank_of_module - j0;
+    const T* b = lora_bt + (g.slots[grp] * r + j0) * out_features + c0;
+    const T* yj = y + j0;
     const float* bt;
     int64_t ldb;
     if constexpr (std::is_same_v<T, float>) {
       bt = b, ldb = out_features;
     } else {
-      for (int64_t j = 0; j < r; ++j)
+      for (int64_t j = 0; j < rj; ++j)
         for (int64_t c = 0; c < kPanel; ++c)
           b_buf[j * kPanel + c] = c < n ? to_float(b[j * out_features + c]) : 0.f;
       bt = b_buf.data(), ldb = kPanel;
@@ -243,15 +269,15 @@ void expand_items(const T* y, int64_t ldy, const T* lora_bt, int64_t r, int64_t 
     const int64_t count = g.starts[grp + 1] - g.starts[grp];
     T* o = out + c0;
 #ifdef MINIVLLM_VEC
-    const bool prefetch = std::is_same_v<T, float> && c0 + kPanel < out_features;
-    if (n == kPanel) expand_tokens<true>(bt, ldb, r, n, toks, count, y, ldy, o, ldo, prefetch);
-    else expand_tokens<false>(bt, ldb, r, n, toks, count, y, ldy, o, ldo, prefetch);
+    const bool prefetch = std::is_same_v<T, float> && c0 + kPrefetchPanels * kPanel < out_features;
+    if (n == kPanel) expand_tokens<true>(bt, ldb, rj, n, toks, count, yj, ldy, o, ldo, prefetch);
+    else expand_tokens<false>(bt, ldb, rj, n, toks, count, yj, ldy, o, ldo, prefetch);
 #else
     for (int64_t i = 0; i < count; ++i) {
       float delta[kPanel] = {};
-      for (int64_t j = 0; j < r; ++j) {
-        const float yj = to_float(y[toks[i] * ldy + j]);
-        for (int64_t c = 0; c < n; ++c) delta[c] += yj * bt[j * ldb + c];
+      for (int64_t j = 0; j < rj; ++j) {
+        const float yv = to_float(yj[toks[i] * ldy + j]);
+        for (int64_t c = 0; c < n; ++c) delta[c] += yv * bt[j * ldb + c];
       }
       add_delta(o + toks[i] * ldo, delta, n);
     }
@@ -284,9 +310,25 @@ void slice::bgmv_shrink(const float* x, int64_t ldx, const float* lora_a, int64_
 }
 
 void slice::bgmv_expand(const float* y, int64_t ldy, const float* lora_bt, int64_t r,
-                        int64_t out_features, const LoRAGroups& g, float* out, int64_t ldo,
-                        int64_t begin, int64_t end) {
-  expand_items<float>(y, ldy, lora_bt, r, out_features, g, out, ldo, begin, end);
+                        int64_t out_features, const int64_t* slice_ends, int64_t num_slices,
+                        const LoRAGroups& g, float* out, int64_t ldo, int64_t begin,
+                        int64_t end) {
+  expand_items<float>(y, ldy, lora_bt, r, out_features, slice_ends, num_slices, g, out, ldo,
+                      begin, end);
+}
+
+std::vector<int64_t> slice::lora_slice_ends(at::IntArrayRef out_slices, int64_t out_features,
+                                            int64_t r, const char* op) {
+  std::vector<int64_t> ends;
+  int64_t end = 0;
+  for (const int64_t size : out_slices) {
+    TORCH_CHECK(size > 0, op, ": out_slices ", out_slices, " must be positive sizes");
+    ends.push_back(end += size);
+  }
+  TORCH_CHECK(out_slices.empty() || (end == out_features && r % out_slices.size() == 0), op,
+              ": out_slices ", out_slices, " must sum to the ", out_features,
+              " outputs, one per module, and the rank ", r, " be a multiple of their number");
+  return ends;
 }
 
 // x [T, in] (rows contiguous), lora_a [S, r, in], token_slots [T] int64 ->
@@ -319,8 +361,10 @@ at::Tensor bgmv_shrink(at::Tensor x, at::Tensor lora_a, at::Tensor token_slots) 
 
 // out [T, o] += each token's lora_b[slot] y[t], in place (base-model tokens
 // untouched). lora_b [S, o, r] is read fastest as the transpose of an [S, r, o]
-// tensor; any other layout is first copied so.
-void bgmv_expand_(at::Tensor out, at::Tensor y, at::Tensor lora_b, at::Tensor token_slots) {
+// tensor; any other layout is first copied so. out_slices: the output sizes of
+// a fused layer's modules, whose B is block-diagonal (empty: read all of B).
+void bgmv_expand_(at::Tensor out, at::Tensor y, at::Tensor lora_b, at::Tensor token_slots,
+                  at::IntArrayRef out_slices) {
   check_cpu(out, "bgmv_expand_", "out");
   check_cpu(lora_b, "bgmv_expand_", "lora_b");
   check_dtype(out, "bgmv_expand_", "out");
@@ -339,12 +383,14 @@ void bgmv_expand_(at::Tensor out, at::Tensor y, at::Tensor lora_b, at::Tensor to
               "bgmv_expand_: token_slots must be [", out.size(0),
               "] (one slot per row of out), got ", token_slots.sizes());
   const LoRAGroups groups(token_slots, S, "bgmv_expand_");
+  const std::vector<int64_t> ends = slice::lora_slice_ends(out_slices, o, r, "bgmv_expand_");
   at::Tensor bt = lora_b.transpose(1, 2);  // [S, r, o]
   if (!bt.is_contiguous()) bt = bt.contiguous();
   y = y.contiguous();
   MINIVLLM_DISPATCH_LORA(out.scalar_type(), "bgmv_expand_", [&] {
     at::parallel_for(0, slice::bgmv_expand_items(groups, o), 1, [&](int64_t b, int64_t e) {
-      expand_items<scalar_t>(y.data_ptr<scalar_t>(), r, bt.data_ptr<scalar_t>(), r, o, groups,
+      expand_items<scalar_t>(y.data_ptr<scalar_t>(), r, bt.data_ptr<scalar_t>(), r, o,
+                             ends.data(), static_cast<int64_t>(ends.size()), groups,
                              out.data_ptr<scalar_t>(), out.stride(0), b, e);
     });
   });
@@ -354,7 +400,8 @@ void bgmv_expand_(at::Tensor out, at::Tensor y, at::Tensor lora_b, at::Tensor to
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("bgmv_shrink(Tensor x, Tensor lora_a, Tensor token_slots) -> Tensor");
-  m.def("bgmv_expand_(Tensor(a!) out, Tensor y, Tensor lora_b, Tensor token_slots) -> ()");
+  m.def("bgmv_expand_(Tensor(a!) out, Tensor y, Tensor lora_b, Tensor token_slots, "
+        "int[] out_slices=[]) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
