@@ -174,7 +174,7 @@ def test_replay_with_lora_equals_the_layers(lora_setup, dtype, batch):
     assert [t for t, _ in got] != [t for t, _ in base_only]  # the adapters did something
 
 
-AVX2_SELECTION = "bgmv"
+AVX2_SELECTION = "bgmv or replay"
 
 
 @pytest.mark.slow
@@ -183,12 +183,13 @@ AVX2_SELECTION = "bgmv"
                            f"{FEATURES.describe()}); an AVX2-only CPU runs it as its own build")
 def test_the_avx2_build_passes_the_bgmv_tests():
     """The AVX2 build's kernels (8-lane vectors, 16-output panels) are other code:
-    the kernel tests again in a process that sees an AVX2-only CPU."""
+    the kernel and replay tests again in a process that sees an AVX2-only CPU."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-rp", "-p", "no:cacheprovider", "-m",
          "not slow", "tests/test_lora_kernels.py", "-k", AVX2_SELECTION],
         capture_output=True, text=True, cwd=repo, timeout=1200, env={**os.environ, **AVX2_ENV})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "PASSED tests/test_lora_kernels.py::test_bgmv_equals_punica[576-960-48-slices0-dtype0]" \
-        in out.stdout, out.stdout[-3000:]
+    for test in ("test_bgmv_equals_punica[576-960-48-slices0-dtype0]",
+                 "test_replay_with_lora_equals_the_layers[float32-5]"):
+        assert f"PASSED tests/test_lora_kernels.py::{test}" in out.stdout, out.stdout[-3000:]
