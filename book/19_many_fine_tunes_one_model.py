@@ -186,8 +186,9 @@ assert torch.equal(delta[index < 0], torch.zeros(2, 576))
 #
 # The same 16 requests twice: all on the base model, then spread over the two adapters.
 # Both make the same number of tokens (EOS ignored). On a CPU the LoRA run pays the
-# shrink and expand of every wrapped layer, and loses the one-call decode replay of
-# chapter 14, which steps aside for steps that hold a LoRA token. One run each on a
+# shrink and expand of every wrapped layer: one BGMV kernel call each for all the
+# step's adapters, inside chapter 14's one-call decode replay, so what it costs is
+# mostly reading the adapters' factors next to the base weights. One run each on a
 # shared machine: a noisy number (`minivllm bench throughput --lora-modules` repeats it).
 
 # %%

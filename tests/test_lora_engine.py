@@ -58,7 +58,8 @@ def test_mixed_batch_equals_peft(setup, cpu_kernels):
         assert any(len(set(r.loras.values())) == 3 and len(r.scheduled) > len(r.loras)
                    for r in llm.trace.records)
         runner = llm.engine_core.executor.runner
-        if runner.decode_replay is not None:  # steps aside for LoRA steps only
+        if runner.decode_replay is not None:  # its LoRA decode steps were replayed, and
+            assert runner.decode_replay.lora_steps > 0  # gave PEFT's tokens above
             got, _ = run(llm, s["prompts"][:2], None)
             assert got == s["base_refs"][:2]
         assert_clean(llm)

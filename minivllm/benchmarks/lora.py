@@ -11,11 +11,13 @@ the same number of tokens; the ratio LoRA / base is paired per repeat.
 ``random:N`` writes N random rank-``--max-lora-rank`` adapters over all seven
 projections, in PEFT's format, to a temporary folder.
 
-What the delta costs: per wrapped layer, a shrink and an expand per adapter
-in the step (``minivllm/lora/punica.py``), and the decode-step replay of the
-CPU path steps aside for steps with LoRA tokens (the reference layers with
-their accelerated twins run instead). The step-time breakdown of both runs
-is printed next to each other.
+What the delta costs: per wrapped layer, a shrink and an expand over the
+step's adapters — on the CPU path one BGMV kernel call each for all of them
+(``minivllm/cpu/lora.py``), inside the one-call decode-step replay for decode
+steps; on the reference path one torch product per adapter
+(``minivllm/lora/punica.py``). The adapters' factors are read once per step:
+the delta's bytes next to the base weights' are what it costs. The step-time
+breakdown of both runs is printed next to each other.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ products. These kernels do the same math in one pass each:
 - ``gemm.cpp`` — float32 matrix products for decode-sized batches and single rows
   (see ``prepack.py``);
 - ``gguf_gemm.cpp`` — products with GGUF-quantized weights, on their blocks;
+- ``lora.cpp`` — the LoRA delta of a step mixing adapters (BGMV shrink and expand);
 - ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
 
 The layers' twins (``layers.py``), the CPU attention backend and the fused
@@ -258,14 +259,16 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                          num_kv_heads: int, head_dim: int, eps: float, scale: float,
                          panel_max_rows: int, lm_head=(),
                          lm_head_panel_max_rows: int = 0,
-                         gate_up_halves: bool = False) -> torch.Tensor:
+                         gate_up_halves: bool = False, lora_weights=(),
+                         token_lora_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A whole Llama decode step (see ``fused_decode.py``): the final hidden
-    states, or with ``lm_head`` (weight, panels, bias, packed) the logits."""
+    states, or with ``lm_head`` (weight, panels, bias, packed) the logits; with
+    ``lora_weights`` and ``token_lora_indices``, each linear's LoRA delta too."""
     return _lib().llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
                                        cos_cache, sin_cache, k_caches, v_caches, weights,
                                        final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
                                        panel_max_rows, list(lm_head), lm_head_panel_max_rows,
-                                       gate_up_halves)
+                                       gate_up_halves, list(lora_weights), token_lora_indices)
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int,
@@ -277,6 +280,23 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int,
 def gguf_dequantize(qweight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
     """GGUF blocks [N, row_bytes] -> float32 [N, cols] (the reference's numbers)."""
     return _lib().gguf_dequantize(qweight, type_id, cols)
+
+
+def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor,
+                token_slots: torch.Tensor) -> torch.Tensor:
+    """y [T, r]: each row of x [T, in] through ``lora_a[token_slots[t]]`` ([S, r, in]);
+    zero rows for slot -1 (the base model)."""
+    return _lib().bgmv_shrink(x, lora_a, token_slots)
+
+
+def bgmv_expand_(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor,
+                 token_slots: torch.Tensor, out_slices=()) -> torch.Tensor:
+    """``out[t] += lora_b[token_slots[t]] @ y[t]`` in place (slot -1 skipped); returns out.
+    Fastest when lora_b [S, out, r] is the transpose of an [S, r, out] tensor.
+    ``out_slices``: a fused layer's module output sizes; module m's rows of B are
+    then read only in its rank columns (the block-diagonal B of ``LoRALayer``)."""
+    _lib().bgmv_expand_(out, y, lora_b, token_slots, list(out_slices))
+    return out
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 It returns the compute path the runner uses instead of the reference
 (``minivllm/worker/compute_path.py``): the "cpu" attention backend
 (``attention.py``), the dtype to compute in, a sampler with a C++ argmax,
-and ``prepare_model``, which swaps in the layers' twins (``layers.py``), packs
+and ``prepare_model``, which swaps in the layers' twins (``layers.py``; the
+LoRA delta's, ``lora.py``, where adapters are enabled), packs
 the GEMM weights (``prepack.py``) and builds the decode-step replay
 (``fused_decode.py``) where it applies. The finer switches, for benchmarks
 and chapter 14's one-at-a-time measurements, are environment variables
@@ -36,6 +37,7 @@ from minivllm.cpu.attention import cpu_attention_backend
 from minivllm.cpu.features import cpu_features
 from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
 from minivllm.cpu.layers import CpuSampler, swap_in_twins
+from minivllm.cpu.lora import swap_in_lora
 from minivllm.cpu.prepack import prepack_enabled, prepack_model
 from minivllm.cpu.quantized import swap_in_quantized
 from minivllm.logger import info_once
@@ -62,7 +64,7 @@ class CpuPath:
 
     def prepare_model(self, model: nn.Module) -> None:
         """Twins, packed weights and the decode-step replay, once, on the loaded model."""
-        self.num_twins = swap_in_twins(model) + swap_in_quantized(model)
+        self.num_twins = swap_in_twins(model) + swap_in_quantized(model) + swap_in_lora(model)
         self.num_packed = prepack_model(model) if prepack_enabled() else 0
         self.decode_replay_problem = (fused_decode_problem(model) if hasattr(model, "model")
                                       else f"{type(model).__name__} has no decode-step replay")

@@ -16,7 +16,10 @@ head) items of attention) and meet at a barrier that spins, so they never go
 to sleep between two of the step's kernels. With more than one sequence,
 SiLU-and-mul is the gate/up product's epilogue when that weight's panels
 pair gate and up columns (``PackedWeight.halves``). The LM head runs in the
-same call.
+same call. A step with LoRA tokens stays one call too: each linear's delta is
+added right after its product by the same BGMV kernels the layers' hook
+calls (``cpu/lora.py``), from the adapters' stacked factors and the step's
+token slots.
 
 The runner replays a step only when that equality holds: CPU float32 or
 bfloat16 weights packed (``prepack.py``), one rank, no q/k norm, the ``cpu``
@@ -28,7 +31,7 @@ if the layers are repacked later it notices and stands aside.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -38,6 +41,9 @@ from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.parallel import tp_size
+
+if TYPE_CHECKING:
+    from minivllm.lora.model_manager import LoRAMapping
 
 ENV_SWITCH = envs.name_of("FUSED_DECODE")
 _NONE = torch.empty(0)  # "no bias" in the flat weight list
@@ -61,6 +67,15 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
     return ([layer.input_layernorm.weight] + _linear_tensors(attn.qkv_proj)
             + _linear_tensors(attn.o_proj) + [layer.post_attention_layernorm.weight]
             + _linear_tensors(mlp.gate_up_proj) + _linear_tensors(mlp.down_proj))
+
+
+def _lora_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Each linear's LoRA factors (lora_a, lora_b: ``cpu/lora.py``'s twin, its B stored
+    [slots, R, out]) in the order llama_decode.cpp reads them; [] without LoRA."""
+    layers = [getattr(lin, "lora_layer", None) for lin in _linears(model)]
+    if any(layer is None for layer in layers):
+        return []
+    return [t for layer in layers for t in (layer.lora_a, layer.lora_b)]
 
 
 def _linears(model: nn.Module) -> list[nn.Module]:
@@ -115,6 +130,10 @@ class LlamaFusedDecode:
         # the C++ step then applies SiLU-and-mul in that product's epilogue.
         self.gate_up_halves = all(layer.mlp.gate_up_proj.packed_weight.halves
                                   for layer in model.layers)
+        # The adapters' stacked factors (the same tensors the LoRA hooks read, filled
+        # in place as slots load): a step with LoRA tokens adds each linear's delta
+        # right after its product, with the same kernels as the hook.
+        self.lora_weights = _lora_tensors(model)
         self.lm_head = causal_lm.lm_head
         self.head_tensors = _linear_tensors(self.lm_head)
         self.head_packed = self.lm_head.packed_weight
@@ -124,12 +143,14 @@ class LlamaFusedDecode:
         self.eps = model.norm.eps
         self.rotary = first.rotary_emb
         self.steps = 0  # decode steps replayed (the tests check the path is used)
+        self.lora_steps = 0  # of which with LoRA tokens
         self._caches: Optional[tuple[list, list]] = None
         self._first_attn = first.attn
 
     def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> bool:
-        """A pure decode step that samples every sequence, with the weights captured."""
+                logits_indices: torch.Tensor, lora: Optional[LoRAMapping] = None) -> bool:
+        """A pure decode step that samples every sequence, with the weights captured
+        (and, for a step with LoRA tokens, every linear's factors)."""
         # The sampled rows are distinct and in order: as many as tokens means all.
         # Not a pure prefill: the C++ loop reads every sequence back through its
         # block table, which one-token prompts without cache slots lack
@@ -138,29 +159,34 @@ class LlamaFusedDecode:
                 and logits_indices.numel() == input_ids.shape[0]
                 and meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None
                 and not _is_pure_prefill(meta) and self._caches_bound()
-                and self._weights_current())
+                and self._weights_current() and (lora is None or bool(self.lora_weights)))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, lora: Optional[LoRAMapping] = None) -> torch.Tensor:
         """Every sequence's logits [T, vocab_size] of an accepted step."""
-        return self._run(input_ids, positions, meta, head=True)[:, :self.lm_head.vocab_size]
+        return self._run(input_ids, positions, meta, lora,
+                         head=True)[:, :self.lm_head.vocab_size]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
+                      meta: AttentionMetadata,
+                      lora: Optional[LoRAMapping] = None) -> torch.Tensor:
         """The final hidden states [T, hidden] (what the model's forward returns)."""
-        return self._run(input_ids, positions, meta, head=False)
+        return self._run(input_ids, positions, meta, lora, head=False)
 
-    def _run(self, input_ids, positions, meta, head: bool) -> torch.Tensor:
+    def _run(self, input_ids, positions, meta, lora, head: bool) -> torch.Tensor:
         k_caches, v_caches = self._caches
         hidden = self.model.embed_tokens(input_ids)
         self.steps += 1
+        self.lora_steps += lora is not None
         return ops.llama_decode_forward(
             hidden, positions, meta.slot_mapping, meta.block_tables.to(torch.int32),
             meta.seq_lens.to(torch.int32), self.rotary.cos_cache, self.rotary.sin_cache,
             k_caches, v_caches, self.weights, self.model.norm.weight, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale, PANEL_MAX_ROWS,
             self.head_tensors if head else [],
-            self.head_packed.panel_max_rows if head else 0, self.gate_up_halves)
+            self.head_packed.panel_max_rows if head else 0, self.gate_up_halves,
+            self.lora_weights if lora is not None else [],
+            lora.token_lora_indices if lora is not None else None)
 
     def _caches_bound(self) -> bool:
         """The attention layers' KV caches (re-read when the runner rebinds them)."""

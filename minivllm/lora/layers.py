@@ -26,6 +26,7 @@ from minivllm.model.layers.linear import RowParallelLinear
 from minivllm.model.layers.parallel import all_reduce, tp_size
 
 if TYPE_CHECKING:
+    from minivllm.lora.model_manager import LoRAMapping
     from minivllm.lora.peft_loader import LoRAModel
 
 
@@ -44,8 +45,9 @@ class LoRALayer:
               else dict(dtype=weight.dtype, device=weight.device))
         self.lora_a = torch.zeros(max_loras, n, in_features, **kw)
         self.lora_b = torch.zeros(max_loras, out_features, n, **kw)
-        self.active = active  # () -> this step's segments (model_manager)
+        self.active = active  # () -> this step's LoRAMapping, None: base only (model_manager)
         self.handle = base.register_forward_hook(self)
+        base.lora_layer = self  # how the CPU acceleration finds it (minivllm/cpu/lora.py)
 
     def set_slot(self, slot: int, lora: "LoRAModel") -> None:
         """Copy this layer's factors of ``lora`` into ``slot`` (zeros where it has none)."""
@@ -67,16 +69,25 @@ class LoRALayer:
                 b[:, cols].narrow(0, dst, size).copy_(lora_b.narrow(0, src, size))
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor):
-        segments = self.active()
-        if not segments:
+        mapping = self.active()
+        if mapping is None:
             return None  # a base-model-only step: the layer's output as it is
-        y = shrink(args[0], self.lora_a, segments)
+        y = self.shrink(args[0], mapping)
         if self.row_parallel and tp_size() > 1:
             y = all_reduce(y)
-        return expand(output, y, self.lora_b, segments)
+        return self.expand(output, y, mapping)
+
+    # The delta's two products, by slot segments (punica.py). The CPU acceleration's
+    # twin (minivllm/cpu/lora.py) does each in one C++ call from the token slots.
+    def shrink(self, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        return shrink(x, self.lora_a, mapping.segments)
+
+    def expand(self, out: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        return expand(out, y, self.lora_b, mapping.segments)
 
     def remove(self) -> None:
         self.handle.remove()
+        del self.base.lora_layer
 
 
 def wrap_llama_layers(model: nn.Module, max_loras: int, max_rank: int,

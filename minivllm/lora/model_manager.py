@@ -13,6 +13,7 @@ so a slot in use by the step is never given away.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -38,14 +39,19 @@ class LoRAMapping:
     def slots(self) -> list[int]:
         return sorted(set(self.token_lora_indices.tolist()) - {-1})
 
+    @functools.cached_property
+    def segments(self) -> Segments:
+        """The tokens grouped by slot (punica.py), found once per step when first asked."""
+        return segments_of(self.token_lora_indices)
+
 
 class LoRAModelManager:
     def __init__(self, model: nn.Module, lora_config: LoRAConfig,
                  model_config: ModelConfig) -> None:
         self.config, self.model_config = lora_config, model_config
-        self.segments: Segments = []
+        self.mapping: Optional[LoRAMapping] = None  # this step's (None: base only)
         self.layers = wrap_llama_layers(model, lora_config.max_loras,
-                                        lora_config.max_lora_rank, lambda: self.segments)
+                                        lora_config.max_lora_rank, lambda: self.mapping)
         self.slot_ids: list[Optional[int]] = [None] * lora_config.max_loras
         self._slot_last_used = [0] * lora_config.max_loras
         self._steps = 0
@@ -84,17 +90,14 @@ class LoRAModelManager:
     # -- every rank: do ----------------------------------------------------
     def apply(self, mapping: Optional[LoRAMapping]) -> None:
         """Fill the slots the step needs, and route its tokens (None: base only)."""
-        if mapping is None:
-            self.segments = []
-            return
-        for slot, req in mapping.loads.items():
+        for slot, req in (mapping.loads if mapping is not None else {}).items():
             if self.slot_ids[slot] != req.lora_int_id:
                 lora = self.get_adapter(req)
                 for layer in self.layers:
                     layer.set_slot(slot, lora)
                 self.slot_ids[slot] = req.lora_int_id
                 self.num_slot_loads += 1
-        self.segments = segments_of(mapping.token_lora_indices)
+        self.mapping = mapping
 
     def get_adapter(self, req: LoRARequest) -> LoRAModel:
         """From the CPU cache (now most recently used), or from disk."""

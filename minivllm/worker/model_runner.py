@@ -266,11 +266,11 @@ class ModelRunner:
                 k[dst], v[dst] = k[src], v[src]
         if self.lora_manager is not None:
             self.lora_manager.apply(inputs.lora)
-        # The decode-step replay knows no adapters: it steps aside for LoRA steps.
-        replay = self.decode_replay if inputs.lora is None else None
+        # The decode-step replay adds the adapters' deltas itself (inputs.lora).
+        replay = self.decode_replay
         if replay is not None and replay.accepts(inputs.input_ids, inputs.meta,
-                                                 inputs.logits_indices):
-            return replay(inputs.input_ids, inputs.positions, inputs.meta)
+                                                 inputs.logits_indices, inputs.lora):
+            return replay(inputs.input_ids, inputs.positions, inputs.meta, inputs.lora)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 

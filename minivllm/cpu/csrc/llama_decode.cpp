@@ -43,6 +43,9 @@ namespace {
 // fused_decode.py.
 constexpr int64_t kTensorsPerLinear = 4;
 constexpr int64_t kTensorsPerLayer = 2 + 4 * kTensorsPerLinear;
+// With LoRA, lora_weights holds per layer (lora_a, lora_b) of qkv, o, gate_up
+// and down (fused_decode.py's _lora_tensors).
+constexpr int64_t kLoRATensorsPerLayer = 8;
 
 // The packed-weight products PyTorch registers (what torch.compile emits for
 // frozen CPU linears), looked up once in the dispatcher.
@@ -219,6 +222,33 @@ struct Linear {
   }
 };
 
+// One linear layer's LoRA factors as raw pointers (cpu/lora.py's twin): A
+// [S, r, in] contiguous, B [S, out, r] stored as [S, r, out].
+// out_slices: a fused layer's module output sizes (its B is block-diagonal).
+struct LoRALinear {
+  const float *a, *bt;
+  int64_t r, in, out;
+  std::vector<int64_t> slice_ends;
+
+  LoRALinear(const at::Tensor& A, const at::Tensor& B, int64_t in_features, int64_t out_features,
+             std::vector<int64_t> out_slices, const std::string& what)
+      : r(A.size(1)), in(in_features), out(out_features) {
+    const int64_t S = A.size(0);
+    TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() &&
+                    A.sizes() == at::IntArrayRef({S, r, in}),
+                "llama_decode_forward: ", what, " lora_a must be contiguous float32 [slots, rank, ",
+                in, "], got ", A.scalar_type(), " ", A.sizes());
+    TORCH_CHECK(B.scalar_type() == at::kFloat && B.sizes() == at::IntArrayRef({S, out, r}) &&
+                    B.transpose(1, 2).is_contiguous(),
+                "llama_decode_forward: ", what, " lora_b must be float32 [", S, ", ", out, ", ",
+                r, "] stored as [slots, rank, out] (minivllm/cpu/lora.py), got ",
+                B.scalar_type(), " ", B.sizes(), " strides ", B.strides());
+    a = A.data_ptr<float>();
+    bt = B.data_ptr<float>();
+    slice_ends = slice::lora_slice_ends(out_slices, out, r, "llama_decode_forward");
+  }
+};
+
 // Does every linear layer have float32 panels (so the step needs no MKL)?
 bool all_panels(at::TensorList weights) {
   for (size_t i = 0; i < weights.size(); i += kTensorsPerLayer)
@@ -268,7 +298,8 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
                                 at::TensorList v_caches, at::TensorList weights,
                                 const at::Tensor& final_norm, at::TensorList lm_head,
                                 int64_t heads, int64_t kv_heads, int64_t dim, float eps,
-                                float scale, bool gate_up_halves) {
+                                float scale, bool gate_up_halves, at::TensorList lora_weights,
+                                const LoRAGroups* lora_groups) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t T = hidden.size(0), E = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
@@ -309,6 +340,21 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
     gate_up.back().halves = gate_up_halves;
     down.emplace_back(w + 14, inter, E, layer + "down_proj");
   }
+  // LoRA: each product's delta right after it (A then B, lora.cpp's kernels).
+  std::vector<LoRALinear> lora;
+  int64_t max_rank = 0;
+  for (int64_t i = 0; i < layers && !lora_weights.empty(); ++i) {
+    const at::Tensor* f = lora_weights.data() + i * kLoRATensorsPerLayer;
+    const std::string layer = "layer " + std::to_string(i) + " ";
+    // (q, k, v and gate, up: the modules cpu/lora.py's twin gives the kernel too)
+    lora.emplace_back(f[0], f[1], E, qkv_size, std::vector<int64_t>{q_size, kv_size, kv_size},
+                      layer + "qkv_proj");
+    lora.emplace_back(f[2], f[3], q_size, E, std::vector<int64_t>{}, layer + "o_proj");
+    lora.emplace_back(f[4], f[5], E, 2 * inter, std::vector<int64_t>{inter, inter},
+                      layer + "gate_up_proj");
+    lora.emplace_back(f[6], f[7], inter, E, std::vector<int64_t>{}, layer + "down_proj");
+    for (int64_t k = 4 * i; k < 4 * i + 4; ++k) max_rank = std::max(max_rank, lora[k].r);
+  }
   // The LM head, when given, is the step's last product: logits without
   // leaving the region (for one row, the Python and thread wake-up around a
   // separate call are a visible share of a step).
@@ -319,8 +365,9 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   at::Tensor qkv_out = at::empty({T, qkv_size}, options), attn = at::empty({T, q_size}, options);
   at::Tensor gu = at::empty({T, 2 * inter}, options), act = at::empty({T, inter}, options);
   at::Tensor out = at::empty({T, E}, options);
+  at::Tensor lora_y = at::empty({T, max_rank}, options);  // one product's shrink at a time
   float *res = f32(hidden), *xp = f32(x), *hp = f32(h), *qkvp = f32(qkv_out);
-  float *attnp = f32(attn), *gup = f32(gu), *actp = f32(act);
+  float *attnp = f32(attn), *gup = f32(gu), *actp = f32(act), *lora_yp = f32(lora_y);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -333,10 +380,12 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   // 5 jobs a layer: 4 products and the attention; then the LM head. (Should
   // OpenMP start fewer threads than asked for, the shares of the missing ones
   // are taken as leftovers.)
-  SharedWork work(5 * layers + 1, at::get_num_threads());
+  // With LoRA, then 2 jobs per product: the shrink and the expand.
+  SharedWork work(5 * layers + 1 + 2 * static_cast<int64_t>(lora.size()), at::get_num_threads());
   // More than one row takes the panel kernel, whose epilogue can do SiLU-and-mul
-  // when gate_up's panels are in halves (one row takes matvec: a pass after it).
-  const bool fuse_silu = gate_up_halves && T > 1;
+  // when gate_up's panels are in halves (one row takes matvec: a pass after it);
+  // not with LoRA, whose delta joins [gate | up] before the SiLU.
+  const bool fuse_silu = gate_up_halves && T > 1 && lora.empty();
 #pragma omp parallel num_threads(work.threads())
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -344,13 +393,39 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
 #pragma omp barrier
     const Share rows(T, t, n), cols(inter, t, n);
     const int64_t items = T * kv_heads, item_chunk = std::max<int64_t>(1, items / (8 * n));
+    // The LoRA delta of product k (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, for
+    // the step's LoRA tokens (nothing without LoRA): the shrink of its input x
+    // runs with the product (it needs only x), the expand into the product's
+    // output y [T, ldo] after it, then a barrier.
+    auto lora_shrink = [&](int64_t i, int64_t k, const float* x) {
+      if (lora.empty()) return;
+      const LoRALinear& f = lora[4 * i + k];
+      work.run(5 * layers + 1 + 2 * (4 * i + k), slice::bgmv_shrink_items(*lora_groups, f.r), 1,
+               t, [&](int64_t b, int64_t e) {
+                 slice::bgmv_shrink(x, f.in, f.a, f.r, f.in, *lora_groups, lora_yp, f.r, b, e);
+               });
+    };
+    auto lora_expand = [&](int64_t i, int64_t k, float* y, int64_t ldo) {
+      if (lora.empty()) return;
+      const LoRALinear& f = lora[4 * i + k];
+      const int64_t panels = slice::bgmv_expand_items(*lora_groups, f.out);
+      work.run(5 * layers + 2 + 2 * (4 * i + k), panels, std::max<int64_t>(1, panels / (8 * n)),
+               t, [&](int64_t b, int64_t e) {
+                 slice::bgmv_expand(lora_yp, f.r, f.bt, f.r, f.out, f.slice_ends.data(),
+                                    static_cast<int64_t>(f.slice_ends.size()), *lora_groups, y,
+                                    ldo, b, e);
+               });
+      barrier.wait();
+    };
     for (int64_t i = 0; i < layers; ++i) {
       // Pre-norm residual blocks; the residual add is fused into the next norm.
       if (i == 0) slice::rms_norm(res, E, nullptr, in_norm[i], xp, E, eps, rows.begin, rows.end);
       else slice::rms_norm(hp, E, res, in_norm[i], xp, E, eps, rows.begin, rows.end);
       barrier.wait();
       qkv[i].run(xp, T, qkvp, work, 5 * i + 0, t);
+      lora_shrink(i, 0, xp);
       barrier.wait();
+      lora_expand(i, 0, qkvp, qkv_size);
       float *q = qkvp, *k = qkvp + q_size, *v = k + kv_size;
       slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, cos, sin, dim,
                               rows.begin, rows.end);
@@ -365,7 +440,9 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       });
       barrier.wait();
       o[i].run(attnp, T, hp, work, 5 * i + 1, t);
+      lora_shrink(i, 1, attnp);
       barrier.wait();
+      lora_expand(i, 1, hp, E);
       slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
       barrier.wait();
       if (fuse_silu) {
@@ -375,13 +452,17 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
         barrier.wait();
       } else {
         gate_up[i].run(xp, T, gup, work, 5 * i + 2, t);
+        lora_shrink(i, 2, xp);
         barrier.wait();
+        lora_expand(i, 2, gup, 2 * inter);
         // Element-wise: split by columns, so a single row uses every thread.
         slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
         barrier.wait();
       }
       down[i].run(actp, T, hp, work, 5 * i + 3, t);
+      lora_shrink(i, 3, actp);
       barrier.wait();
+      lora_expand(i, 3, hp, E);
     }
     slice::rms_norm(hp, E, res, final_w, outp, E, eps, rows.begin, rows.end);
     if (head) {
@@ -401,7 +482,10 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
 // those of the attention layers; cos_cache / sin_cache are RotaryEmbedding's
 // tables; panel_max_rows is prepack.PANEL_MAX_ROWS, lm_head_panel_max_rows
 // the LM head's PackedWeight.panel_max_rows; gate_up_halves says every
-// gate_up weight's panels are in halves (PackedWeight.halves).
+// gate_up weight's panels are in halves (PackedWeight.halves). With
+// lora_weights (kLoRATensorsPerLayer per layer) and token_lora_indices (each
+// token's slot, -1 for the base model), each linear's LoRA delta is added to
+// its output, as the layers' hook adds it.
 at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 at::Tensor slot_mapping, at::Tensor block_tables,
                                 at::Tensor seq_lens, at::Tensor cos_cache, at::Tensor sin_cache,
@@ -410,7 +494,8 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                 double eps, double scale, int64_t panel_max_rows,
                                 at::TensorList lm_head, int64_t lm_head_panel_max_rows,
-                                bool gate_up_halves) {
+                                bool gate_up_halves, at::TensorList lora_weights,
+                                c10::optional<at::Tensor> token_lora_indices) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
               "llama_decode_forward: need one K and one V cache per layer, got ",
@@ -428,6 +513,28 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
               "per sequence, got ", hidden.scalar_type(), " ", hidden.sizes(), " for ",
               seq_lens.size(0), " sequences");
   const int64_t tokens = hidden.size(0);
+  std::optional<LoRAGroups> lora;
+  if (!lora_weights.empty()) {
+    TORCH_CHECK(static_cast<int64_t>(lora_weights.size()) == layers * kLoRATensorsPerLayer &&
+                    token_lora_indices.has_value() && token_lora_indices->dim() == 1 &&
+                    token_lora_indices->size(0) == tokens,
+                "llama_decode_forward: with LoRA, lora_weights must hold ",
+                kLoRATensorsPerLayer, " tensors per layer (", layers * kLoRATensorsPerLayer,
+                "), got ", lora_weights.size(), ", and token_lora_indices one slot per token (",
+                tokens, ")");
+    lora.emplace(*token_lora_indices, lora_weights[0].size(0), "llama_decode_forward");
+  }
+  // The LoRA delta of product k of layer i (the tensor-level kernels, as the
+  // layers' hook calls them), added to its output in place.
+  auto with_lora = [&](at::Tensor out, const at::Tensor& x, int64_t i, int64_t k,
+                       at::IntArrayRef out_slices = {}) {
+    if (lora) {
+      const at::Tensor* f = lora_weights.data() + i * kLoRATensorsPerLayer + 2 * k;
+      bgmv_expand_(out, bgmv_shrink(x, f[0], *token_lora_indices), f[1], *token_lora_indices,
+                   out_slices);
+    }
+    return out;
+  };
   if (hidden.scalar_type() == at::kFloat && packed_linear_available() && all_panels(weights) &&
       tokens <= panel_max_rows) {
     // The LM head joins the region when its product is also the panel kernel's
@@ -438,7 +545,7 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
         hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache, sin_cache, k_caches,
         v_caches, weights, final_norm, head_inside ? lm_head : at::TensorList(), num_heads,
         num_kv_heads, head_dim, static_cast<float>(eps), static_cast<float>(scale),
-        gate_up_halves);
+        gate_up_halves, lora ? lora_weights : at::TensorList(), lora ? &*lora : nullptr);
     if (head_inside || lm_head.empty()) return out;
     return linear(out, lm_head.data(), lm_head_panel_max_rows);
   }
@@ -448,7 +555,8 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     const at::Tensor* w = weights.data() + i * kTensorsPerLayer;
     // Pre-norm residual blocks; the residual add is fused into the next norm.
     at::Tensor x = i == 0 ? rms_norm(hidden, w[0], eps) : fused_add_rms_norm(h, residual, w[0], eps);
-    at::Tensor qkv = linear(x, w + 1, panel_max_rows);
+    at::Tensor qkv =
+        with_lora(linear(x, w + 1, panel_max_rows), x, i, 0, {q_size, kv_size, kv_size});
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -456,10 +564,13 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     reshape_and_cache(k, v, k_caches[i], v_caches[i], slot_mapping);
     at::Tensor attn = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, seq_lens,
                                              scale);
-    h = linear(attn.view({tokens, q_size}), w + 5, panel_max_rows);
+    at::Tensor a = attn.view({tokens, q_size});
+    h = with_lora(linear(a, w + 5, panel_max_rows), a, i, 1);
     x = fused_add_rms_norm(h, residual, w[9], eps);
-    h = linear(silu_and_mul(linear(x, w + 10, panel_max_rows, gate_up_halves)), w + 14,
-               panel_max_rows);
+    const int64_t inter = w[14].size(1);
+    at::Tensor act = silu_and_mul(
+        with_lora(linear(x, w + 10, panel_max_rows, gate_up_halves), x, i, 2, {inter, inter}));
+    h = with_lora(linear(act, w + 14, panel_max_rows), act, i, 3);
   }
   at::Tensor out = fused_add_rms_norm(h, residual, final_norm, eps);
   return lm_head.empty() ? out : linear(out, lm_head.data(), lm_head_panel_max_rows);
@@ -473,7 +584,7 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
         "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] weights, Tensor final_norm, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
         "int panel_max_rows, Tensor[] lm_head, int lm_head_panel_max_rows, "
-        "bool gate_up_halves=False) -> Tensor");
+        "bool gate_up_halves, Tensor[] lora_weights, Tensor? token_lora_indices) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {

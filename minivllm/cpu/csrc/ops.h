@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "cpu_types.h"
 
 namespace minivllm {
@@ -26,6 +28,20 @@ int64_t panel_width();  // slice::panel_width, for the Python side
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
                          c10::optional<at::Tensor> bias, bool halves);
 at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
+// The LoRA delta's two products for every adapter of a step (lora.cpp).
+at::Tensor bgmv_shrink(at::Tensor x, at::Tensor lora_a, at::Tensor token_slots);
+void bgmv_expand_(at::Tensor out, at::Tensor y, at::Tensor lora_b, at::Tensor token_slots,
+                  at::IntArrayRef out_slices);
+
+// A step's tokens grouped by LoRA slot, for the BGMV kernels: group g is slot
+// slots[g], its tokens tokens[starts[g] .. starts[g + 1]). token_slots [T]
+// int64 holds each token's slot, -1 (the base model: in no group) or 0 to
+// num_slots - 1 (else an error naming op).
+struct LoRAGroups {
+  std::vector<int64_t> slots, starts, tokens;
+  LoRAGroups(const at::Tensor& token_slots, int64_t num_slots, const char* op);
+  int64_t size() const { return static_cast<int64_t>(slots.size()); }
+};
 
 // The float32 kernels over a slice [begin, end) of their work, on raw
 // pointers, for a caller that splits a step among its own threads
@@ -73,6 +89,22 @@ enum class PanelLayout { kColumns, kHalves, kHalvesSiluAndMul };
 void packed_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
                    const float* bias, float* y, int64_t begin, int64_t end,
                    PanelLayout layout = PanelLayout::kColumns);
+// The LoRA delta (lora.cpp) over work items [begin, end): bgmv_shrink_items
+// of y [T, r] (row stride ldy) = A[slot] x per token of a group, lora_a
+// [S, r, in] contiguous; bgmv_expand_items of out [T, out_features] (row
+// stride ldo) += B[slot] y, lora_bt = B as [S, r, out_features] contiguous,
+// block-diagonal over num_slices modules whose output rows end at slice_ends
+// (lora_slice_ends of their sizes; 0 slices: one module).
+// Rows of tokens in no group are left as they are.
+int64_t bgmv_shrink_items(const LoRAGroups& groups, int64_t r);
+int64_t bgmv_expand_items(const LoRAGroups& groups, int64_t out_features);
+void bgmv_shrink(const float* x, int64_t ldx, const float* lora_a, int64_t r, int64_t in,
+                 const LoRAGroups& groups, float* y, int64_t ldy, int64_t begin, int64_t end);
+void bgmv_expand(const float* y, int64_t ldy, const float* lora_bt, int64_t r,
+                 int64_t out_features, const int64_t* slice_ends, int64_t num_slices,
+                 const LoRAGroups& groups, float* out, int64_t ldo, int64_t begin, int64_t end);
+std::vector<int64_t> lora_slice_ends(at::IntArrayRef out_slices, int64_t out_features, int64_t r,
+                                     const char* op);
 }  // namespace slice
 
 }  // namespace minivllm
