@@ -279,6 +279,11 @@ def gguf_dequantize(qweight: torch.Tensor, type_id: int, cols: int) -> torch.Ten
     return _lib().gguf_dequantize(qweight, type_id, cols)
 
 
+def gguf_max_rows() -> int:
+    """Rows up to which ``gguf_linear`` runs on the blocks (more: dequantize and MKL)."""
+    return _lib().gguf_max_rows()
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     return _lib().argmax(logits)
 

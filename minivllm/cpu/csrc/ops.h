@@ -26,6 +26,11 @@ int64_t panel_width();  // slice::panel_width, for the Python side
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,
                          c10::optional<at::Tensor> bias, bool halves);
 at::Tensor matvec(at::Tensor x, at::Tensor weight, c10::optional<at::Tensor> bias);
+// gguf_gemm.cpp: products with GGUF blocks [N, row_bytes] of GGML type qtype.
+at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype,
+                       c10::optional<at::Tensor> bias);
+// Bytes of a row of `cols` weights of GGML type qtype; -1: a type or width the kernels do not take.
+int64_t gguf_row_bytes(int64_t qtype, int64_t cols);
 
 // The float32 kernels over a slice [begin, end) of their work, on raw
 // pointers, for a caller that splits a step among its own threads
@@ -73,6 +78,14 @@ enum class PanelLayout { kColumns, kHalves, kHalvesSiluAndMul };
 void packed_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
                    const float* bias, float* y, int64_t begin, int64_t end,
                    PanelLayout layout = PanelLayout::kColumns);
+// Output tiles [begin, end) (gguf_tile rows of W each) of y [M, N] (row stride
+// ldy) = x [M, K] W^T + bias, W [N, row_bytes] GGUF blocks of GGML type qtype;
+// M at most gguf_max_rows (more rows: gguf_linear dequantizes and calls MKL).
+constexpr int64_t gguf_tile = 4;
+constexpr int64_t gguf_max_rows = 256;
+void gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                 int64_t qtype, int64_t N, const float* bias, float* y, int64_t ldy,
+                 int64_t begin, int64_t end);
 }  // namespace slice
 
 }  // namespace minivllm
