@@ -291,10 +291,82 @@ void rows_tile(const float* x, int64_t K, const float* buf, float (*sums)[kTile]
     for (int r = 0; r < kTile; ++r) sums[m][r] = vec::reduce_add(acc[m][r]);
 }
 
+// Batches of kWideRows rows or more: the panel GEMM's shape with the roles
+// turned: x transposed once ([K, M] padded to whole vectors, kept for the
+// chunk), kWide weight rows dequantized into a buffer, and for each k one
+// weight broadcast against MV vectors of x rows — kWide x MV accumulators,
+// and no weight ever transposed.
+constexpr int64_t kWideRows = slice::gguf_wide_rows;
+constexpr int kWide = vec::kRegisters == 32 ? 12 : 6;
+
+// The tile's weights as [K / L][kWide][L]: for each run of L columns, the
+// kWide rows' values side by side (each a vector store when dequantized), so
+// a step of k broadcasts from one short stretch of memory.
+template <int64_t T>
+void dequantize_tile(const uint8_t* const* rows, int64_t K, float* buf) {
+  using F = Fmt<T>;
+  vf wv[G];
+  for (int r = 0; r < kWide; ++r)
+    for (int64_t k = 0; k < K; k += 32) {
+      F::group(rows[r] + (k / F::block) * F::bytes, static_cast<int>((k % F::block) / 32), wv);
+      for (int c = 0; c < G; ++c) vec::store(buf + ((k / L + c) * kWide + r) * L, wv[c]);
+    }
+}
+
+template <int MV>
+void wide_tile(const float* xt, int64_t Mp, int64_t K, const float* buf, float* sums) {
+  vf acc[kWide][MV];
+  for (int r = 0; r < kWide; ++r)
+    for (int v = 0; v < MV; ++v) acc[r][v] = vec::zero();
+  for (int64_t kb = 0; kb < K; kb += L) {
+    const float* wb = buf + kb * kWide;
+#pragma GCC unroll 16
+    for (int64_t kk = 0; kk < L; ++kk) {
+      vf xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = vec::load(xt + (kb + kk) * Mp + v * L);
+#pragma GCC unroll 12
+      for (int r = 0; r < kWide; ++r) {
+        const vf b = vec::set1(wb[r * L + kk]);
+        for (int v = 0; v < MV; ++v) acc[r][v] = vec::fmadd(b, xv[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < kWide; ++r)
+    for (int v = 0; v < MV; ++v) vec::store(sums + (r * MV + v) * L, acc[r][v]);
+}
+
+template <int64_t T>
+void linear_rows_wide(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                      const float* bias, float* y, int64_t ldy, int64_t begin, int64_t end) {
+  const int64_t Mp = (M + L - 1) / L * L;
+  std::vector<float> xt(K * Mp, 0.f), buf(kWide * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * Mp + m] = x[m * K + k];
+  alignas(64) float sums[kWide * 2 * L];
+  for (int64_t n0 = begin; n0 < end; n0 += kWide) {
+    const int64_t R = std::min<int64_t>(kWide, end - n0);
+    const uint8_t* rows[kWide];  // a short tile repeats its first row (not stored)
+    for (int r = 0; r < kWide; ++r) rows[r] = w + (r < R ? n0 + r : n0) * row_bytes;
+    dequantize_tile<T>(rows, K, buf.data());
+    for (int64_t m0 = 0; m0 < Mp;) {
+      const int mv = Mp - m0 >= 2 * L ? 2 : 1;
+      if (mv == 2) wide_tile<2>(xt.data() + m0, Mp, K, buf.data(), sums);
+      else wide_tile<1>(xt.data() + m0, Mp, K, buf.data(), sums);
+      for (int64_t r = 0; r < R; ++r) {
+        const float add = bias ? bias[n0 + r] : 0.f;
+        for (int64_t i = 0; i < mv * L && m0 + i < M; ++i)
+          y[(m0 + i) * ldy + n0 + r] = sums[r * mv * L + i] + add;
+      }
+      m0 += mv * L;
+    }
+  }
+}
+
 template <int64_t T>
 void linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                  int64_t N, const float* bias, float* y, int64_t ldy, int64_t begin,
                  int64_t end) {
+  if (M >= kWideRows) return linear_rows_wide<T>(x, M, K, w, row_bytes, bias, y, ldy, begin, end);
   std::vector<float> buf(M > 1 ? kTile * K : 0);
   for (int64_t n0 = begin; n0 < end; n0 += kTile) {
     const int64_t R = std::min(kTile, end - n0);
@@ -382,7 +454,7 @@ void gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   begin *= gguf_tile;
   end = std::min(end * gguf_tile, N);
 #ifdef MINIVLLM_VEC
-  static_assert(gguf_tile == kTile, "one tile size");
+  static_assert(gguf_tile % kTile == 0 && gguf_tile % kWide == 0, "whole tiles a unit");
   switch (qtype) {
     case Q4_0: return linear_rows<Q4_0>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
     case Q4_1: return linear_rows<Q4_1>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);

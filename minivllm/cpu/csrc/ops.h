@@ -81,7 +81,8 @@ void packed_linear(const float* x, int64_t M, int64_t K, const float* packed, in
 // Output tiles [begin, end) (gguf_tile rows of W each) of y [M, N] (row stride
 // ldy) = x [M, K] W^T + bias, W [N, row_bytes] GGUF blocks of GGML type qtype;
 // M at most gguf_max_rows (more rows: gguf_linear dequantizes and calls MKL).
-constexpr int64_t gguf_tile = 4;
+constexpr int64_t gguf_tile = 12;
+constexpr int64_t gguf_wide_rows = 8;  // from here on x is transposed per call
 constexpr int64_t gguf_max_rows = 256;
 void gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                  int64_t qtype, int64_t N, const float* bias, float* y, int64_t ldy,
