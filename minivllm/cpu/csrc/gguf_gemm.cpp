@@ -318,12 +318,13 @@ void wide_tile(const float* xt, int64_t Mp, int64_t K, const float* buf, float* 
   vf acc[kWide][MV];
   for (int r = 0; r < kWide; ++r)
     for (int v = 0; v < MV; ++v) acc[r][v] = vec::zero();
+  // (As the panel kernel's loop: one k a step, pointers advanced.)
+  const float* xk = xt;
   for (int64_t kb = 0; kb < K; kb += L) {
     const float* wb = buf + kb * kWide;
-#pragma GCC unroll 16
-    for (int64_t kk = 0; kk < L; ++kk) {
+    for (int64_t kk = 0; kk < L; ++kk, xk += Mp) {
       vf xv[MV];
-      for (int v = 0; v < MV; ++v) xv[v] = vec::load(xt + (kb + kk) * Mp + v * L);
+      for (int v = 0; v < MV; ++v) xv[v] = vec::load(xk + v * L);
 #pragma GCC unroll 12
       for (int r = 0; r < kWide; ++r) {
         const vf b = vec::set1(wb[r * L + kk]);
