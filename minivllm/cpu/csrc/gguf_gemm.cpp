@@ -3,16 +3,16 @@
 // minivllm/model/layers/quantization/ggml_types.py for the formats).
 //
 // A decode step is bandwidth-bound: what it costs is the bytes of the weights
-// it streams. So the weights stay in their blocks in memory (0.56 bytes a
-// weight for Q4_1, 1.06 for Q8_0, against 4 for float32) and each thread turns
-// one weight row at a time into floats in a small buffer that stays in the L1
-// cache, then multiplies it with every row of x. The arithmetic of a block is
-// the reference's, in the same order (no fused multiply-add in the
-// dequantization), so the weights it multiplies are bit for bit the float
-// path's; only the summation order of the dot products differs, as with any
-// change of GEMM kernel.
+// it streams. So the weights stay in their blocks in memory (0.63 bytes a
+// weight for Q4_1, 1.06 for Q8_0, against 4 for float32) and are turned into
+// floats in vector registers as they are used (the vector kernels below; a
+// portable scalar path where the build has no AVX2). The arithmetic of a
+// block is the reference's, in the same order and rounding (no fused
+// multiply-add in the dequantization), so the weights it multiplies are bit
+// for bit the float path's; only the summation order of the dot products
+// differs, as with any change of GEMM kernel.
 //
-// gguf_dequantize writes a whole matrix out (the caller's large batches then
+// gguf_dequantize writes a whole matrix out (gguf_linear's large batches then
 // take MKL's GEMM on it).
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
