@@ -67,6 +67,42 @@ def test_fused_decode_equals_python_layers(tiny_model, family, dtype, batch):
     assert got == expected  # tokens and logprobs, exactly
 
 
+# Quantized linear layers (Q8_0 blocks made at load) replay on their blocks:
+# one row (registers), a few (the dequantize-to-L1 tile), more than
+# gguf_max_rows (dequantize + MKL, outside the one region).
+@pytest.mark.parametrize("batch", [1, 5, len(MANY)])
+def test_fused_decode_of_quantized_layers_equals_python_layers(tiny_model, batch):
+    llm = LLM(tiny_model("llama", tie_word_embeddings=False), quantization="q8_0",
+              block_size=4, enable_prefix_caching=False, max_num_seqs=len(MANY))
+    runner = _runner(llm)
+    fused = runner.decode_replay
+    assert fused is not None, runner.decode_replay_problem
+    assert _inner(llm).layers[0].mlp.down_proj.qweight.qtypes == ["Q8_0"]
+    prompts = PROMPTS[:batch] if batch <= len(PROMPTS) else MANY[:batch]
+    got = _generate(llm, prompts)
+    assert fused.steps >= 11
+    runner.decode_replay = None
+    assert got == _generate(llm, prompts)  # tokens and logprobs, exactly
+
+
+@pytest.mark.slow
+def test_fused_decode_of_the_default_gguf_file_equals_python_layers():
+    """Q4_1 layers and the Q8_0 tied embedding / LM head, as the file ships."""
+    llm = LLM(quantization="gguf", enable_prefix_caching=False)
+    runner = _runner(llm)
+    fused = runner.decode_replay
+    assert fused is not None, runner.decode_replay_problem
+    assert _inner(llm).layers[0].mlp.down_proj.qweight.qtypes == ["Q4_1"]
+    assert runner.model.lm_head.qweight.qtypes == ["Q8_0"]
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 563, 28265, 30]]
+    for batch in (1, 2):
+        runner.decode_replay = fused
+        got = _generate(llm, prompts[:batch], n=8)
+        runner.decode_replay = None
+        assert got == _generate(llm, prompts[:batch], n=8)
+    assert fused.steps >= 14
+
+
 def test_fused_decode_hidden_states_match_bitwise(tiny_model):
     llm = LLM(tiny_model("llama"))
     inner, fused_decode = _inner(llm), _runner(llm).decode_replay

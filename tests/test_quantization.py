@@ -177,26 +177,32 @@ KERNEL_CHECK = """
 import json, torch
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.features import cpu_features
-from minivllm.cpu.quantized import CpuQuantizedLinearMethod, QUANTIZED_MAX_ROWS
+from minivllm.cpu.quantized import CpuQuantizedLinearMethod
 from minivllm.model.layers.linear import ColumnParallelLinear
 from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
 from tests.test_quantization import random_blocks
 report = {"isa": cpu_features().isa, "problem": ops.build_problem(), "types": {}}
 for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
-    layer = ColumnParallelLinear(512, 48, quant_config=QuantizationConfig("gguf"))
-    layer.load_quantized(QuantizedTensor(torch.from_numpy(random_blocks(qtype, 48, 512, 7)),
+    layer = ColumnParallelLinear(512, 50, quant_config=QuantizationConfig("gguf"))
+    layer.load_quantized(QuantizedTensor(torch.from_numpy(random_blocks(qtype, 50, 512, 7)),
                                          qtype, 512))
     fast = CpuQuantizedLinearMethod(layer.quant_method.config)
-    errors, same_weights = [], True
-    for rows in (1, 5, QUANTIZED_MAX_ROWS + 3):
+    errors, rows_alike = [], True
+    for rows in (1, 2, 5, 33, ops.gguf_max_rows() + 3):
         x = torch.randn(rows, 512)
         ref = layer.quant_method.apply(layer, x)
-        errors.append(float(((fast.apply(layer, x) - ref).abs().max() / ref.abs().max())))
+        got = fast.apply(layer, x)
+        errors.append(float(((got - ref).abs().max() / ref.abs().max())))
+        if rows < 8:  # below the wide kernel (ops.h gguf_wide_rows): a row's sums
+            # are in one order whether it runs alone or in a batch
+            one = torch.cat([fast.apply(layer, x[i:i + 1]) for i in range(rows)])
+            rows_alike &= torch.equal(one, got)
     t = layer.qweight.segments[0][1]
     from minivllm.model.layers.quantization import BLOCK_TYPES
     same_weights = torch.equal(ops.gguf_dequantize(t.data, BLOCK_TYPES[qtype].type_id, 512),
                                t.dequantize())
-    report["types"][qtype] = {"max_rel_error": max(errors), "same_weights": same_weights}
+    report["types"][qtype] = {"max_rel_error": max(errors), "same_weights": same_weights,
+                              "rows_alike": rows_alike}
 print("REPORT", json.dumps(report))
 """
 
@@ -219,6 +225,7 @@ def _check_kernels(report: dict) -> None:
     for qtype, r in report["types"].items():
         assert r["same_weights"], qtype  # the kernel's blocks -> floats: the reference's bits
         assert r["max_rel_error"] < 1e-5, (qtype, r)  # only the summation order differs
+        assert r["rows_alike"], qtype  # one sequence's numbers: alone or in a batch
 
 
 def test_quantized_kernels_match_the_reference_method():

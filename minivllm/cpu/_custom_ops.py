@@ -299,6 +299,11 @@ def bgmv_expand_(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor,
     return out
 
 
+def gguf_max_rows() -> int:
+    """Rows up to which ``gguf_linear`` runs on the blocks (more: dequantize and MKL)."""
+    return _lib().gguf_max_rows()
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     return _lib().argmax(logits)
 

@@ -21,8 +21,13 @@ added right after its product by the same BGMV kernels the layers' hook
 calls (``cpu/lora.py``), from the adapters' stacked factors and the step's
 token slots.
 
+Quantized linear layers (``quantization="gguf"`` or ``"q8_0"``, one block
+type a layer) join the loop with their blocks: their products are
+``gguf_gemm.cpp``'s kernels, as ``CpuQuantizedLinearMethod`` calls them, so
+the tokens are those of the quantized layers.
+
 The runner replays a step only when that equality holds: CPU float32 or
-bfloat16 weights packed (``prepack.py``), one rank, no q/k norm, the ``cpu``
+bfloat16 weights packed (``prepack.py``) or quantized, one rank, no q/k norm, the ``cpu``
 attention backend, and a pure decode step (one new token per sequence, all
 of them sampled). Everything else — prefill, mixed steps, tensor
 parallelism — runs the model. The weights are captured when it is built;
@@ -39,8 +44,10 @@ from torch import nn
 from minivllm import envs
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
+from minivllm.cpu.quantized import CpuQuantizedLinearMethod
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.parallel import tp_size
+from minivllm.model.layers.quantization import BLOCK_TYPES
 
 if TYPE_CHECKING:
     from minivllm.lora.model_manager import LoRAMapping
@@ -53,12 +60,21 @@ def fused_decode_enabled() -> bool:
     return envs.MINIVLLM_FUSED_DECODE
 
 
+def _quantized(layer: nn.Module) -> bool:
+    return getattr(layer, "quant_method", None) is not None
+
+
 def _linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
-    """weight, float32 panels, bias, the GEMM library's packed copy (as the C++ reads them)."""
+    """weight, float32 panels, bias, the GEMM library's packed copy (as the C++ reads them);
+    for quantized blocks: the blocks, no panels, bias, the GGML type id."""
+    bias = getattr(layer, "bias", None)  # (an LM head has none)
+    bias = bias if bias is not None else _NONE
+    if _quantized(layer):
+        (_, t), = layer.qweight.segments
+        return [t.data, _NONE, bias, torch.tensor([BLOCK_TYPES[t.qtype].type_id])]
     packed = layer.packed_weight
     panels = packed.panels if packed.panels is not None else _NONE
-    bias = getattr(layer, "bias", None)  # (an LM head has none)
-    return [layer.weight, panels, bias if bias is not None else _NONE, packed.gemm]
+    return [layer.weight, panels, bias, packed.gemm]
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
@@ -90,8 +106,13 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
         return f"turned off by {ENV_SWITCH}=0"
     model = causal_lm.model
     first = model.layers[0]
-    if first.mlp.down_proj.quant_method is not None or causal_lm.lm_head.quant_method:
-        return "quantized weights (the C++ loop reads float weights)"
+    linears = _linears(model) + [causal_lm.lm_head]
+    for lin in filter(_quantized, linears):
+        if len(lin.qweight.segments) != 1:
+            return (f"a quantized weight in {len(lin.qweight.segments)} segments of types "
+                    f"{lin.qweight.qtypes} (the C++ loop takes one type a layer)")
+        if not isinstance(lin.quant_method, CpuQuantizedLinearMethod):
+            return "quantized layers without the CPU kernels' method (swap_in_quantized)"
     if first.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {first.input_layernorm.weight.dtype} (float32 and bfloat16 only)"
     if first.input_layernorm.weight.device.type != "cpu":
@@ -105,12 +126,17 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
     if first.self_attn.rotary_emb.cos_cache.dtype != torch.float32:
         return "the RoPE tables are not float32 (the C++ RoPE kernel needs them so)"
     if any(getattr(lin, "packed_weight", None) is None
-           for lin in _linears(model) + [causal_lm.lm_head]):
+           for lin in linears if not _quantized(lin)):
         return (f"linear weights are not prepacked ({envs.name_of('CPU_PREPACK')}=0, or a "
                 "dtype this CPU cannot pack)")
-    if len({layer.mlp.gate_up_proj.packed_weight.halves for layer in model.layers}) > 1:
+    if len({_halves(layer.mlp.gate_up_proj) for layer in model.layers}) > 1:
         return "gate_up weights packed in two layouts (the C++ loop takes one for all)"
     return ops.build_problem()  # last: it may compile the kernels
+
+
+def _halves(gate_up: nn.Module) -> bool:
+    """gate_up's panels pair gate and up columns (quantized blocks have no panels)."""
+    return not _quantized(gate_up) and gate_up.packed_weight.halves
 
 
 def _is_pure_prefill(meta: AttentionMetadata) -> bool:
@@ -125,18 +151,17 @@ class LlamaFusedDecode:
     def __init__(self, causal_lm: nn.Module) -> None:
         model = self.model = causal_lm.model
         self.weights = [t for layer in model.layers for t in _layer_tensors(layer)]
-        self.packed = [lin.packed_weight for lin in _linears(model)]
+        self.packed = [getattr(lin, "packed_weight", None) for lin in _linears(model)]
         # gate_up's panels pair gate and up columns (every layer packed alike):
         # the C++ step then applies SiLU-and-mul in that product's epilogue.
-        self.gate_up_halves = all(layer.mlp.gate_up_proj.packed_weight.halves
-                                  for layer in model.layers)
+        self.gate_up_halves = all(_halves(layer.mlp.gate_up_proj) for layer in model.layers)
         # The adapters' stacked factors (the same tensors the LoRA hooks read, filled
         # in place as slots load): a step with LoRA tokens adds each linear's delta
         # right after its product, with the same kernels as the hook.
         self.lora_weights = _lora_tensors(model)
         self.lm_head = causal_lm.lm_head
         self.head_tensors = _linear_tensors(self.lm_head)
-        self.head_packed = self.lm_head.packed_weight
+        self.head_packed = getattr(self.lm_head, "packed_weight", None)
         first = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim, self.scale = first.head_dim, first.attn.scale
@@ -184,7 +209,7 @@ class LlamaFusedDecode:
             k_caches, v_caches, self.weights, self.model.norm.weight, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale, PANEL_MAX_ROWS,
             self.head_tensors if head else [],
-            self.head_packed.panel_max_rows if head else 0, self.gate_up_halves,
+            self.head_packed.panel_max_rows if head and self.head_packed else 0, self.gate_up_halves,
             self.lora_weights if lora is not None else [],
             lora.token_lora_indices if lora is not None else None)
 
@@ -201,5 +226,6 @@ class LlamaFusedDecode:
 
     def _weights_current(self) -> bool:
         # Repacking makes new PackedWeight objects; then our captured panels are stale.
-        return (self.model.layers[0].self_attn.qkv_proj.packed_weight is self.packed[0]
-                and self.lm_head.packed_weight is self.head_packed)
+        return (getattr(self.model.layers[0].self_attn.qkv_proj, "packed_weight", None)
+                is self.packed[0]
+                and getattr(self.lm_head, "packed_weight", None) is self.head_packed)

@@ -3,11 +3,13 @@
 The reference ``QuantizedLinearMethod`` (``model/layers/quantization``)
 dequantizes a whole matrix to float32 at every call and multiplies; this
 twin of it, swapped onto each quantized layer by ``swap_in_twins``, streams
-the blocks instead (a weight row is dequantized into the L1 cache and used
-by every row of the batch), which is what makes a quantized decode step read
-fewer bytes. Batches of more than ``QUANTIZED_MAX_ROWS`` rows (prefill
-chunks) are compute-bound: there the blocks are dequantized once in C++ and
-MKL's GEMM multiplies, as the reference does.
+the blocks instead: four weight rows at a time are dequantized in vector
+registers (one x row) or into an L1-sized buffer (more rows, each weight
+vector then used by every row of the batch), with the reference's rounding,
+which is what makes a quantized decode step read fewer bytes. Batches of
+more than ``gguf_max_rows()`` rows (long prefill chunks) are compute-bound:
+there the blocks are dequantized once in C++ and MKL's GEMM multiplies, as
+the reference does.
 """
 
 from __future__ import annotations
@@ -15,28 +17,20 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.cpu import _custom_ops as ops
 from minivllm.model.layers.quantization import BLOCK_TYPES, QuantizedLinearMethod
 
-# More rows than this: dequantize the matrix once and take MKL's GEMM.
-QUANTIZED_MAX_ROWS = 32
-
 
 class CpuQuantizedLinearMethod(QuantizedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        segments = layer.qweight.segments
         if x.dtype != torch.float32 or x.dim() != 2:
             return super().apply(layer, x, bias)
-        if x.shape[0] > QUANTIZED_MAX_ROWS:
-            w = torch.cat([ops.gguf_dequantize(t.data, BLOCK_TYPES[t.qtype].type_id, t.cols)
-                           for _, t in segments])
-            return F.linear(x, w, bias)
+        # (Past gguf_max_rows rows the C++ dequantizes a segment and takes MKL's GEMM.)
         outs = [ops.gguf_linear(x, t.data, BLOCK_TYPES[t.qtype].type_id, None)
-                for _, t in segments]
+                for _, t in layer.qweight.segments]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return y if bias is None else y + bias
 
@@ -52,4 +46,4 @@ def swap_in_quantized(model: nn.Module) -> int:
     return count
 
 
-__all__ = ["CpuQuantizedLinearMethod", "QUANTIZED_MAX_ROWS", "swap_in_quantized"]
+__all__ = ["CpuQuantizedLinearMethod", "swap_in_quantized"]

@@ -3,16 +3,16 @@
 // minivllm/model/layers/quantization/ggml_types.py for the formats).
 //
 // A decode step is bandwidth-bound: what it costs is the bytes of the weights
-// it streams. So the weights stay in their blocks in memory (0.56 bytes a
-// weight for Q4_1, 1.06 for Q8_0, against 4 for float32) and each thread turns
-// one weight row at a time into floats in a small buffer that stays in the L1
-// cache, then multiplies it with every row of x. The arithmetic of a block is
-// the reference's, in the same order (no fused multiply-add in the
-// dequantization), so the weights it multiplies are bit for bit the float
-// path's; only the summation order of the dot products differs, as with any
-// change of GEMM kernel.
+// it streams. So the weights stay in their blocks in memory (0.63 bytes a
+// weight for Q4_1, 1.06 for Q8_0, against 4 for float32) and are turned into
+// floats in vector registers as they are used (the vector kernels below; a
+// portable scalar path where the build has no AVX2). The arithmetic of a
+// block is the reference's, in the same order and rounding (no fused
+// multiply-add in the dequantization), so the weights it multiplies are bit
+// for bit the float path's; only the summation order of the dot products
+// differs, as with any change of GEMM kernel.
 //
-// gguf_dequantize writes a whole matrix out (the caller's large batches then
+// gguf_dequantize writes a whole matrix out (gguf_linear's large batches then
 // take MKL's GEMM on it).
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cpu_types.h"
+#include "ops.h"
 
 namespace minivllm {
 namespace {
@@ -104,8 +105,8 @@ NO_CONTRACT void q6_k(const uint8_t* b, float* out) {
       }
 }
 
-// One row of K weights into floats.
-void dequantize_row(int64_t t, const uint8_t* row, int64_t K, float* out) {
+// One row of K weights into floats (the portable path's, and the K-quants').
+void dequantize_row_scalar(int64_t t, const uint8_t* row, int64_t K, float* out) {
   switch (t) {
     case F32: std::memcpy(out, row, K * 4); return;
     case F16:
@@ -119,23 +120,319 @@ void dequantize_row(int64_t t, const uint8_t* row, int64_t K, float* out) {
   for (int64_t k = 0, i = 0; k < K; k += ti.block, ++i) block(row + i * ti.bytes, out + k);
 }
 
-inline float dot(const float* a, const float* b, int64_t K) {
 #ifdef MINIVLLM_VEC
-  constexpr int64_t L = vec::kLanes;
-  vec::vf acc0 = vec::zero(), acc1 = vec::zero();
-  int64_t k = 0;
-  for (; k + 2 * L <= K; k += 2 * L) {
-    acc0 = vec::fmadd(vec::load(a + k), vec::load(b + k), acc0);
-    acc1 = vec::fmadd(vec::load(a + k + L), vec::load(b + k + L), acc1);
-  }
-  float s = vec::reduce_add(vec::add(acc0, acc1));
-  for (; k < K; ++k) s += a[k] * b[k];
-  return s;
+// ---------------------------------------------------------------------------
+// The vector kernels. A row is read 32 weights (a "group") at a time: a whole
+// block of the 32-weight types, a sub-block of the K-quants. A group becomes
+// G float vectors in registers: the packed integers are widened to int32
+// lanes, masked and shifted, converted to float and scaled with the block's
+// numbers, in the reference's order and rounding (a product is rounded before
+// a minimum is added: `rounded` keeps the compiler from fusing the two into
+// one FMA, which would round once and give other weights).
+// ---------------------------------------------------------------------------
+using vec::vf;
+constexpr int64_t L = vec::kLanes;
+constexpr int G = static_cast<int>(32 / L);  // vectors per group
+
+#ifdef __AVX512F__
+using vi = __m512i;
+inline vi u8(const uint8_t* p) {  // L bytes, zero-extended
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi s8(const uint8_t* p) {  // L bytes, sign-extended
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi shr(vi a, int s) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(s)); }
+inline vi shl(vi a, int s) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(s)); }
+inline vi band(vi a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+inline vi bor(vi a, vi b) { return _mm512_or_si512(a, b); }
+inline vi subi(vi a, int b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline vf to_f(vi a) { return _mm512_cvtepi32_ps(a); }
 #else
+using vi = __m256i;
+inline vi u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi s8(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi shr(vi a, int s) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(s)); }
+inline vi shl(vi a, int s) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(s)); }
+inline vi band(vi a, int m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+inline vi bor(vi a, vi b) { return _mm256_or_si256(a, b); }
+inline vi subi(vi a, int b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline vf to_f(vi a) { return _mm256_cvtepi32_ps(a); }
+#endif
+
+// A product as its own rounded result (an empty asm the compiler cannot see through).
+inline vf rounded(vf v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+// 4-bit weights c*L .. c*L+L of a 16-byte run: byte k holds weight k (low
+// nibble) and k + 16 (high).
+inline vi nibbles(const uint8_t* qs, int c) {
+  return band(shr(u8(qs + (c * L) % 16), c * L >= 16 ? 4 : 0), 0x0F);
+}
+
+// Each format: weights and bytes per block, groups per block, and group g of
+// block b into out[0..G).
+template <int64_t T> struct Fmt;
+
+template <> struct Fmt<Q4_0> {
+  static constexpr int64_t block = 32, bytes = 18, groups = 1;
+  static inline void group(const uint8_t* b, int, vf* out) {
+    const vf d = vec::set1(f16(b));
+    for (int c = 0; c < G; ++c) out[c] = vec::mul(d, to_f(subi(nibbles(b + 2, c), 8)));
+  }
+};
+
+template <> struct Fmt<Q4_1> {
+  static constexpr int64_t block = 32, bytes = 20, groups = 1;
+  static inline void group(const uint8_t* b, int, vf* out) {
+    const vf d = vec::set1(f16(b)), m = vec::set1(f16(b + 2));
+    for (int c = 0; c < G; ++c) out[c] = vec::add(rounded(vec::mul(d, to_f(nibbles(b + 4, c)))), m);
+  }
+};
+
+template <> struct Fmt<Q8_0> {
+  static constexpr int64_t block = 32, bytes = 34, groups = 1;
+  static inline void group(const uint8_t* b, int, vf* out) {
+    const vf d = vec::set1(f16(b));
+    for (int c = 0; c < G; ++c) out[c] = vec::mul(to_f(s8(b + 2 + c * L)), d);
+  }
+};
+
+template <> struct Fmt<Q4_K> {
+  static constexpr int64_t block = 256, bytes = 144, groups = 8;
+  static inline void group(const uint8_t* b, int j, vf* out) {
+    const uint8_t* s = b + 4;  // sub-block j's 6-bit scale and min, as q4_k above
+    const int sc = j < 4 ? s[j] & 0x3F : (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    const int mn = j < 4 ? s[j + 4] & 0x3F : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    const vf scale = vec::set1(f16(b) * static_cast<float>(sc));
+    const vf shift = vec::set1(f16(b + 2) * static_cast<float>(mn));
+    const uint8_t* q = b + 16 + 32 * (j / 2);
+    for (int c = 0; c < G; ++c)
+      out[c] = vec::sub(rounded(vec::mul(scale, to_f(band(shr(u8(q + c * L), 4 * (j % 2)), 0x0F)))),
+                        shift);
+  }
+};
+
+template <> struct Fmt<Q6_K> {
+  static constexpr int64_t block = 256, bytes = 210, groups = 8;
+  static inline void group(const uint8_t* b, int j, vf* out) {
+    const int h = j / 4, g = j % 4;  // half of 128, group of 32 in it (q6_k above)
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16(b + 208);
+    for (int c = 0; c < G; ++c) {
+      const int i = static_cast<int>(c * L);
+      const vi lo = band(shr(u8(b + 64 * h + 32 * (g % 2) + i), 4 * (g / 2)), 0x0F);
+      const vi hi = band(shr(u8(b + 128 + 32 * h + i), 2 * g), 0x03);
+      const vf scale = vec::set1(d * static_cast<float>(sc[(128 * h + 32 * g + i) / 16]));
+      out[c] = vec::mul(scale, to_f(subi(bor(lo, shl(hi, 4)), 32)));
+    }
+  }
+};
+
+template <int64_t T>
+void dequantize_row_vec(const uint8_t* row, int64_t K, float* out) {
+  using F = Fmt<T>;
+  vf w[G];
+  for (int64_t k = 0; k < K; k += 32) {
+    F::group(row + (k / F::block) * F::bytes, static_cast<int>((k % F::block) / 32), w);
+    for (int c = 0; c < G; ++c) vec::store(out + k + c * L, w[c]);
+  }
+}
+
+// Output rows are taken kTile at a time: one row of x then meets kTile weight
+// rows per load (and kTile independent sums hide the FMA latency).
+constexpr int64_t kTile = 4;
+
+// Every output y[m, n] is one vector sum over k in steps of L (k ascending),
+// then reduce_add, then the bias: the same order whatever the number of x
+// rows or the tile an output falls in, so a decode step's numbers do not
+// depend on how many sequences share it or how the rows are split.
+
+// One x row: the tile's weights dequantized in registers and used at once.
+template <int64_t T>
+void one_row_tile(const float* x, int64_t K, const uint8_t* const* w, float* acc_out) {
+  using F = Fmt<T>;
+  vf acc[kTile], wv[G];
+  for (int r = 0; r < kTile; ++r) acc[r] = vec::zero();
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t blk = (k / F::block) * F::bytes;
+    const int g = static_cast<int>((k % F::block) / 32);
+    vf xv[G];
+    for (int c = 0; c < G; ++c) xv[c] = vec::load(x + k + c * L);
+    for (int r = 0; r < kTile; ++r) {
+      F::group(w[r] + blk, g, wv);
+      for (int c = 0; c < G; ++c) acc[r] = vec::fmadd(wv[c], xv[c], acc[r]);
+    }
+  }
+  for (int r = 0; r < kTile; ++r) acc_out[r] = vec::reduce_add(acc[r]);
+}
+
+// MR x rows against the tile's weights, dequantized once into buf [kTile, K].
+template <int MR>
+void rows_tile(const float* x, int64_t K, const float* buf, float (*sums)[kTile]) {
+  vf acc[MR][kTile];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < kTile; ++r) acc[m][r] = vec::zero();
+  for (int64_t k = 0; k < K; k += L) {
+    vf wv[kTile];
+    for (int r = 0; r < kTile; ++r) wv[r] = vec::load(buf + r * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const vf xv = vec::load(x + m * K + k);
+      for (int r = 0; r < kTile; ++r) acc[m][r] = vec::fmadd(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < kTile; ++r) sums[m][r] = vec::reduce_add(acc[m][r]);
+}
+
+// Batches of kWideRows rows or more: the panel GEMM's shape with the roles
+// turned: x transposed once ([K, M] padded to whole vectors, kept for the
+// chunk), kWide weight rows dequantized into a buffer, and for each k one
+// weight broadcast against MV vectors of x rows — kWide x MV accumulators,
+// and no weight ever transposed.
+constexpr int64_t kWideRows = slice::gguf_wide_rows;
+constexpr int kWide = vec::kRegisters == 32 ? 12 : 6;
+
+// The tile's weights as [K / L][kWide][L]: for each run of L columns, the
+// kWide rows' values side by side (each a vector store when dequantized), so
+// a step of k broadcasts from one short stretch of memory.
+template <int64_t T>
+void dequantize_tile(const uint8_t* const* rows, int64_t K, float* buf) {
+  using F = Fmt<T>;
+  vf wv[G];
+  for (int r = 0; r < kWide; ++r)
+    for (int64_t k = 0; k < K; k += 32) {
+      F::group(rows[r] + (k / F::block) * F::bytes, static_cast<int>((k % F::block) / 32), wv);
+      for (int c = 0; c < G; ++c) vec::store(buf + ((k / L + c) * kWide + r) * L, wv[c]);
+    }
+}
+
+template <int MV>
+void wide_tile(const float* xt, int64_t Mp, int64_t K, const float* buf, float* sums) {
+  vf acc[kWide][MV];
+  for (int r = 0; r < kWide; ++r)
+    for (int v = 0; v < MV; ++v) acc[r][v] = vec::zero();
+  // (As the panel kernel's loop: one k a step, pointers advanced.)
+  const float* xk = xt;
+  for (int64_t kb = 0; kb < K; kb += L) {
+    const float* wb = buf + kb * kWide;
+    for (int64_t kk = 0; kk < L; ++kk, xk += Mp) {
+      vf xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = vec::load(xk + v * L);
+#pragma GCC unroll 12
+      for (int r = 0; r < kWide; ++r) {
+        const vf b = vec::set1(wb[r * L + kk]);
+        for (int v = 0; v < MV; ++v) acc[r][v] = vec::fmadd(b, xv[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < kWide; ++r)
+    for (int v = 0; v < MV; ++v) vec::store(sums + (r * MV + v) * L, acc[r][v]);
+}
+
+template <int64_t T>
+void linear_rows_wide(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                      const float* bias, float* y, int64_t ldy, int64_t begin, int64_t end) {
+  const int64_t Mp = (M + L - 1) / L * L;
+  std::vector<float> xt(K * Mp, 0.f), buf(kWide * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * Mp + m] = x[m * K + k];
+  alignas(64) float sums[kWide * 2 * L];
+  for (int64_t n0 = begin; n0 < end; n0 += kWide) {
+    const int64_t R = std::min<int64_t>(kWide, end - n0);
+    const uint8_t* rows[kWide];  // a short tile repeats its first row (not stored)
+    for (int r = 0; r < kWide; ++r) rows[r] = w + (r < R ? n0 + r : n0) * row_bytes;
+    dequantize_tile<T>(rows, K, buf.data());
+    for (int64_t m0 = 0; m0 < Mp;) {
+      const int mv = Mp - m0 >= 2 * L ? 2 : 1;
+      if (mv == 2) wide_tile<2>(xt.data() + m0, Mp, K, buf.data(), sums);
+      else wide_tile<1>(xt.data() + m0, Mp, K, buf.data(), sums);
+      for (int64_t r = 0; r < R; ++r) {
+        const float add = bias ? bias[n0 + r] : 0.f;
+        for (int64_t i = 0; i < mv * L && m0 + i < M; ++i)
+          y[(m0 + i) * ldy + n0 + r] = sums[r * mv * L + i] + add;
+      }
+      m0 += mv * L;
+    }
+  }
+}
+
+template <int64_t T>
+void linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                 int64_t N, const float* bias, float* y, int64_t ldy, int64_t begin,
+                 int64_t end) {
+  if (M >= kWideRows) return linear_rows_wide<T>(x, M, K, w, row_bytes, bias, y, ldy, begin, end);
+  std::vector<float> buf(M > 1 ? kTile * K : 0);
+  for (int64_t n0 = begin; n0 < end; n0 += kTile) {
+    const int64_t R = std::min(kTile, end - n0);
+    const uint8_t* rows[kTile];  // a short tile repeats its first row (not stored)
+    for (int r = 0; r < kTile; ++r) rows[r] = w + (r < R ? n0 + r : n0) * row_bytes;
+    if (n0 + kTile < end)  // the next tile's blocks on their way
+      for (int64_t o = 0; o < kTile * row_bytes; o += 64)
+        __builtin_prefetch(w + (n0 + kTile) * row_bytes + o);
+    float sums[kTile][kTile];
+    auto store = [&](int64_t m0, int mr) {
+      for (int m = 0; m < mr; ++m)
+        for (int64_t r = 0; r < R; ++r)
+          y[(m0 + m) * ldy + n0 + r] = sums[m][r] + (bias ? bias[n0 + r] : 0.f);
+    };
+    if (M == 1) {
+      one_row_tile<T>(x, K, rows, sums[0]);
+      store(0, 1);
+      continue;
+    }
+    for (int r = 0; r < kTile; ++r) dequantize_row_vec<T>(rows[r], K, buf.data() + r * K);
+    int64_t m0 = 0;
+    for (; m0 + kTile <= M; m0 += kTile) {
+      rows_tile<kTile>(x + m0 * K, K, buf.data(), sums);
+      store(m0, kTile);
+    }
+    switch (M - m0) {
+      case 3: rows_tile<3>(x + m0 * K, K, buf.data(), sums); store(m0, 3); break;
+      case 2: rows_tile<2>(x + m0 * K, K, buf.data(), sums); store(m0, 2); break;
+      case 1: rows_tile<1>(x + m0 * K, K, buf.data(), sums); store(m0, 1); break;
+      default: break;
+    }
+  }
+}
+#endif  // MINIVLLM_VEC
+
+inline float dot(const float* a, const float* b, int64_t K) {
   float s = 0.f;
   for (int64_t k = 0; k < K; ++k) s += a[k] * b[k];
   return s;
+}
+
+// The portable path (and F32 / F16 rows): a row into floats, then dots.
+void linear_rows_scalar(const float* x, int64_t M, int64_t K, int64_t t, const uint8_t* w,
+                        int64_t row_bytes, const float* bias, float* y, int64_t ldy,
+                        int64_t begin, int64_t end) {
+  std::vector<float> row(K);
+  for (int64_t n = begin; n < end; ++n) {
+    dequantize_row_scalar(t, w + n * row_bytes, K, row.data());
+    const float add = bias != nullptr ? bias[n] : 0.f;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot(x + m * K, row.data(), K) + add;
+  }
+}
+
+void dequantize_row(int64_t t, const uint8_t* row, int64_t K, float* out) {
+#ifdef MINIVLLM_VEC
+  switch (t) {
+    case Q4_0: return dequantize_row_vec<Q4_0>(row, K, out);
+    case Q4_1: return dequantize_row_vec<Q4_1>(row, K, out);
+    case Q8_0: return dequantize_row_vec<Q8_0>(row, K, out);
+    case Q4_K: return dequantize_row_vec<Q4_K>(row, K, out);
+    case Q6_K: return dequantize_row_vec<Q6_K>(row, K, out);
+    default: break;
+  }
 #endif
+  dequantize_row_scalar(t, row, K, out);
 }
 
 void check_qweight(const at::Tensor& q, int64_t t, int64_t K, const char* op) {
@@ -151,40 +448,34 @@ void check_qweight(const at::Tensor& q, int64_t t, int64_t K, const char* op) {
 
 }  // namespace
 
-// y [M, N] = x [M, K] W^T (+ bias), W [N, K] as blocks of GGML type `qtype`.
-at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype,
-                       c10::optional<at::Tensor> bias) {
-  check_cpu(x, "gguf_linear", "x");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x must be float32 "
-              "[rows, K], got ", x.scalar_type(), " ", x.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  check_qweight(qweight, qtype, K, "gguf_linear");
-  x = x.contiguous();
-  const float* bp = nullptr;
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat, "gguf_linear: bias must be "
-                "float32 [", N, "]");
-    bp = b.data_ptr<float>();
+namespace slice {
+void gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                 int64_t qtype, int64_t N, const float* bias, float* y, int64_t ldy,
+                 int64_t begin, int64_t end) {
+  begin *= gguf_tile;
+  end = std::min(end * gguf_tile, N);
+#ifdef MINIVLLM_VEC
+  static_assert(gguf_tile % kTile == 0 && gguf_tile % kWide == 0, "whole tiles a unit");
+  switch (qtype) {
+    case Q4_0: return linear_rows<Q4_0>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
+    case Q4_1: return linear_rows<Q4_1>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
+    case Q8_0: return linear_rows<Q8_0>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
+    case Q4_K: return linear_rows<Q4_K>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
+    case Q6_K: return linear_rows<Q6_K>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
+    default: break;
   }
-  auto y = at::empty({M, N}, x.options());
-  const uint8_t* w = qweight.data_ptr<uint8_t>();
-  const int64_t row_bytes = qweight.size(1);
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
-    for (int64_t n = begin; n < end; ++n) {
-      if (n + 1 < end)  // the next row's blocks on their way while this one is used
-        for (int64_t o = 0; o < row_bytes; o += 64)
-          __builtin_prefetch(w + (n + 1) * row_bytes + o);
-      dequantize_row(qtype, w + n * row_bytes, K, row.data());
-      const float add = bp != nullptr ? bp[n] : 0.f;
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(xp + m * K, row.data(), K) + add;
-    }
-  });
-  return y;
+#endif
+  linear_rows_scalar(x, M, K, qtype, w, row_bytes, bias, y, ldy, begin, end);
+}
+}  // namespace slice
+
+int64_t gguf_row_bytes(int64_t qtype, int64_t cols) {
+  switch (qtype) {
+    case F32: case F16: case Q4_0: case Q4_1: case Q8_0: case Q4_K: case Q6_K: break;
+    default: return -1;
+  }
+  const TypeInfo ti = type_info(qtype);
+  return cols % ti.block == 0 ? cols / ti.block * ti.bytes : -1;
 }
 
 at::Tensor gguf_dequantize(at::Tensor qweight, int64_t qtype, int64_t cols) {
@@ -199,14 +490,55 @@ at::Tensor gguf_dequantize(at::Tensor qweight, int64_t qtype, int64_t cols) {
   return out;
 }
 
+// y [M, N] = x [M, K] W^T (+ bias), W [N, K] as blocks of GGML type `qtype`.
+// Up to gguf_max_rows rows: the kernels above on the blocks; more (prefill
+// chunks, compute-bound): the matrix dequantized once and MKL's GEMM.
+at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype,
+                       c10::optional<at::Tensor> bias) {
+  check_cpu(x, "gguf_linear", "x");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gguf_linear: x must be float32 "
+              "[rows, K], got ", x.scalar_type(), " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  check_qweight(qweight, qtype, K, "gguf_linear");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat, "gguf_linear: bias must be "
+                "float32 [", N, "]");
+  }
+  if (M > slice::gguf_max_rows) {
+    c10::optional<at::Tensor> ob;
+    if (b.defined()) ob = b;
+    return at::linear(x, gguf_dequantize(qweight, qtype, K), ob);
+  }
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  const int64_t row_bytes = qweight.size(1), tiles = (N + slice::gguf_tile - 1) / slice::gguf_tile;
+  const float* xp = x.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 4096 / K), [&](int64_t begin, int64_t end) {
+    slice::gguf_linear(xp, M, K, w, row_bytes, qtype, N, bp, yp, N, begin, end);
+  });
+  return y;
+}
+
+int64_t gguf_max_rows() { return slice::gguf_max_rows; }
+
 }  // namespace minivllm
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("gguf_linear(Tensor x, Tensor qweight, int qtype, Tensor? bias) -> Tensor");
   m.def("gguf_dequantize(Tensor qweight, int qtype, int cols) -> Tensor");
+  m.def("gguf_max_rows() -> int");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("gguf_linear", &minivllm::gguf_linear);
   m.impl("gguf_dequantize", &minivllm::gguf_dequantize);
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CompositeExplicitAutograd, m) {
+  m.impl("gguf_max_rows", &minivllm::gguf_max_rows);
 }

@@ -39,8 +39,10 @@ namespace {
 //   gate_up (4), down (4)
 // and each linear layer's 4 are: the weight, its float32 panels for gemm.cpp,
 // the bias, and the GEMM library's packed copy (prepack.PackedWeight.gemm).
-// An absent bias or panels is an empty tensor. Keep in step with
-// fused_decode.py.
+// An absent bias or panels is an empty tensor. A quantized layer's 4 are its
+// GGUF blocks (uint8 [out, row_bytes]), no panels, the bias, and its GGML type
+// id (int64 [1]): gguf_gemm.cpp computes its product on the blocks. Keep in
+// step with fused_decode.py.
 constexpr int64_t kTensorsPerLinear = 4;
 constexpr int64_t kTensorsPerLayer = 2 + 4 * kTensorsPerLinear;
 // With LoRA, lora_weights holds per layer (lora_a, lora_b) of qkv, o, gate_up
@@ -78,6 +80,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_ro
   const at::Tensor &weight = w[0], &panels = w[1], &packed = w[3];
   c10::optional<at::Tensor> bias;
   if (w[2].numel() > 0) bias = w[2];
+  if (weight.scalar_type() == at::kByte) return gguf_linear(x, weight, packed.item<int64_t>(), bias);
   if (x.scalar_type() == at::kBFloat16) return onednn_linear(x, packed, bias);
   const int64_t rows = x.size(0);
   const bool has_panels = panels.numel() > 0;
@@ -175,15 +178,21 @@ class SharedWork {
 };
 
 // One float32 linear layer as its raw pointers (weights list: weight,
-// panels, bias, -).
+// panels, bias, -), or a quantized one (blocks, -, bias, type id).
 struct Linear {
-  const float *weight, *panels, *bias;
+  const float *weight = nullptr, *panels = nullptr, *bias = nullptr;
+  const uint8_t* blocks = nullptr;  // a quantized layer's GGUF blocks
+  int64_t qtype = -1, row_bytes = 0;
   int64_t in, out;
   bool halves = false;  // panels in halves (gate_up_proj: the SiLU epilogue can run)
 
   // `what` names the layer in error messages ("layer 3 qkv_proj", "lm_head").
   Linear(const at::Tensor* w, int64_t in_features, int64_t out_features, const std::string& what)
       : in(in_features), out(out_features) {
+    if (w[0].scalar_type() == at::kByte) {
+      quantized(w, what);
+      return;
+    }
     const int64_t panel_count = (out + slice::panel_width - 1) / slice::panel_width;
     TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[0].is_contiguous() &&
                     w[0].sizes() == at::IntArrayRef({out, in}),
@@ -203,12 +212,41 @@ struct Linear {
     bias = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
   }
 
+  void quantized(const at::Tensor* w, const std::string& what) {
+    TORCH_CHECK(w[3].scalar_type() == at::kLong && w[3].numel() == 1,
+                "llama_decode_forward: ", what, " is quantized: its 4th tensor must be its GGML "
+                "type id (int64 [1]), got ", w[3].scalar_type(), " ", w[3].sizes());
+    qtype = w[3].item<int64_t>();
+    row_bytes = gguf_row_bytes(qtype, in);
+    TORCH_CHECK(row_bytes > 0, "llama_decode_forward: ", what, " has GGML type ", qtype,
+                " with ", in, " columns, which the quantized kernels do not take");
+    TORCH_CHECK(w[0].is_contiguous() && w[0].sizes() == at::IntArrayRef({out, row_bytes}),
+                "llama_decode_forward: ", what, " blocks must be contiguous uint8 [", out, ", ",
+                row_bytes, "], got ", w[0].sizes());
+    TORCH_CHECK(w[2].numel() == 0 || (w[2].scalar_type() == at::kFloat && w[2].is_contiguous() &&
+                                      w[2].sizes() == at::IntArrayRef({out})),
+                "llama_decode_forward: ", what, " bias must be empty or float32 [", out,
+                "], got ", w[2].sizes());
+    blocks = w[0].data_ptr<uint8_t>();
+    bias = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
+  }
+
   // This thread's part of y [rows, out] = x [rows, in] W^T + b: output
   // columns (groups of 4 for one row, panels of slice::panel_width for more),
   // split by `work`.
   // With silu (halves, more than one row): y [rows, out / 2] = silu(gate) * up.
   void run(const float* x, int64_t rows, float* y, SharedWork& work, int64_t job, int t,
            bool silu = false) const {
+    if (blocks != nullptr) {  // tiles of slice::gguf_tile output rows, on the blocks
+      // (Each chunk of a batch transposes x once: fewer, larger chunks then.)
+      const int64_t items = (out + slice::gguf_tile - 1) / slice::gguf_tile;
+      const int64_t chunk =
+          std::max<int64_t>(1, items / ((rows >= slice::gguf_wide_rows ? 2 : 8) * work.threads()));
+      work.run(job, items, chunk, t, [&](int64_t b, int64_t e) {
+        slice::gguf_linear(x, rows, in, blocks, row_bytes, qtype, out, bias, y, out, b, e);
+      });
+      return;
+    }
     const slice::PanelLayout layout = silu     ? slice::PanelLayout::kHalvesSiluAndMul
                                       : halves ? slice::PanelLayout::kHalves
                                                : slice::PanelLayout::kColumns;
@@ -249,11 +287,17 @@ struct LoRALinear {
   }
 };
 
-// Does every linear layer have float32 panels (so the step needs no MKL)?
-bool all_panels(at::TensorList weights) {
+// Is every linear layer's product at `tokens` rows one of our own kernels
+// (float32 panels, or GGUF blocks), so the step needs no MKL?
+bool own_product(const at::Tensor* w, int64_t tokens) {
+  if (w[0].scalar_type() == at::kByte) return tokens <= slice::gguf_max_rows;
+  return w[1].numel() > 0;
+}
+
+bool all_panels(at::TensorList weights, int64_t tokens) {
   for (size_t i = 0; i < weights.size(); i += kTensorsPerLayer)
     for (size_t j : {1, 5, 10, 14})
-      if (weights[i + j + 1].numel() == 0) return false;
+      if (!own_product(weights.data() + i + j, tokens)) return false;
   return true;
 }
 
@@ -303,7 +347,7 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t T = hidden.size(0), E = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
-  const int64_t inter = weights[14].size(1);  // down_proj's in_features
+  const int64_t inter = weights[10].size(0) / 2;  // gate_up_proj's [gate; up] rows
   check_f32(hidden, {T, E}, "hidden");
   check_f32(final_norm, {E}, "final_norm");
   check_f32(sin_cache, cos_cache.sizes(), "sin_cache");
@@ -535,12 +579,14 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     }
     return out;
   };
-  if (hidden.scalar_type() == at::kFloat && packed_linear_available() && all_panels(weights) &&
+  if (hidden.scalar_type() == at::kFloat && packed_linear_available() && all_panels(weights, tokens) &&
       tokens <= panel_max_rows) {
     // The LM head joins the region when its product is also the panel kernel's
     // (or matvec's) at this many rows; otherwise it runs after it.
-    const bool head_inside = !lm_head.empty() && lm_head[1].numel() > 0 &&
-                             tokens <= lm_head_panel_max_rows;
+    const bool head_inside =
+        !lm_head.empty() && (lm_head[0].scalar_type() == at::kByte
+                                 ? own_product(lm_head.data(), tokens)
+                                 : lm_head[1].numel() > 0 && tokens <= lm_head_panel_max_rows);
     at::Tensor out = decode_in_one_region(
         hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache, sin_cache, k_caches,
         v_caches, weights, final_norm, head_inside ? lm_head : at::TensorList(), num_heads,
@@ -567,7 +613,7 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     at::Tensor a = attn.view({tokens, q_size});
     h = with_lora(linear(a, w + 5, panel_max_rows), a, i, 1);
     x = fused_add_rms_norm(h, residual, w[9], eps);
-    const int64_t inter = w[14].size(1);
+    const int64_t inter = w[10].size(0) / 2;  // (w[14] may be quantized blocks)
     at::Tensor act = silu_and_mul(
         with_lora(linear(x, w + 10, panel_max_rows, gate_up_halves), x, i, 2, {inter, inter}));
     h = with_lora(linear(act, w + 14, panel_max_rows), act, i, 3);

@@ -42,6 +42,11 @@ struct LoRAGroups {
   LoRAGroups(const at::Tensor& token_slots, int64_t num_slots, const char* op);
   int64_t size() const { return static_cast<int64_t>(slots.size()); }
 };
+// gguf_gemm.cpp: products with GGUF blocks [N, row_bytes] of GGML type qtype.
+at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype,
+                       c10::optional<at::Tensor> bias);
+// Bytes of a row of `cols` weights of GGML type qtype; -1: a type or width the kernels do not take.
+int64_t gguf_row_bytes(int64_t qtype, int64_t cols);
 
 // The float32 kernels over a slice [begin, end) of their work, on raw
 // pointers, for a caller that splits a step among its own threads
@@ -105,6 +110,15 @@ void bgmv_expand(const float* y, int64_t ldy, const float* lora_bt, int64_t r,
                  const LoRAGroups& groups, float* out, int64_t ldo, int64_t begin, int64_t end);
 std::vector<int64_t> lora_slice_ends(at::IntArrayRef out_slices, int64_t out_features, int64_t r,
                                      const char* op);
+// Output tiles [begin, end) (gguf_tile rows of W each) of y [M, N] (row stride
+// ldy) = x [M, K] W^T + bias, W [N, row_bytes] GGUF blocks of GGML type qtype;
+// M at most gguf_max_rows (more rows: gguf_linear dequantizes and calls MKL).
+constexpr int64_t gguf_tile = 12;
+constexpr int64_t gguf_wide_rows = 8;  // from here on x is transposed per call
+constexpr int64_t gguf_max_rows = 256;
+void gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                 int64_t qtype, int64_t N, const float* bias, float* y, int64_t ldy,
+                 int64_t begin, int64_t end);
 }  // namespace slice
 
 }  // namespace minivllm
