@@ -86,6 +86,9 @@ def test_lm_eval_unchanged_on_the_quantized_blocks(default_model_path, monkeypat
             srv.stop()
     got, ref = per_choice(scores["gguf"], task), per_choice(scores["none"], task)
     assert len(got) == 8 and all(len(row) == 4 for row in got)
+    print("largest loglikelihood difference:",
+          max(abs(g - r) for g_row, r_row in zip(got, ref) for g, r in zip(g_row, r_row)),
+          "accuracy", scores["gguf"]["results"][task]["acc,none"])
     for g_row, r_row in zip(got, ref):
         assert g_row == pytest.approx(r_row, abs=1e-3)
     assert scores["gguf"]["results"][task]["acc,none"] == \
