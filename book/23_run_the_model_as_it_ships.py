@@ -284,8 +284,8 @@ print(tok.decode(block_ids))
 assert block_ids == float_ids
 
 # %% [markdown]
-# And the speed. A short decode on each engine, alternating, the best of three: tokens
-# per second after the first token (1 / TPOT), next to each format's ceiling. This
+# And the speed. A short decode on each engine after a warm-up, alternating, the best of
+# three: tokens per second after the first token (1 / TPOT), next to each format's ceiling. This
 # machine is shared, so read the ratio, not the absolute numbers; how close each comes to
 # its own ceiling says how much of the bandwidth advantage the kernels turn into speed.
 
@@ -295,6 +295,7 @@ def decode_tok_s(engine, n=32):
     return 1 / engine.generate(prompt, params, use_tqdm=False)[0].metrics.tpot
 
 
+decode_tok_s(llm, 8), decode_tok_s(llm_q41, 8)  # untimed: first calls pay one-off costs
 speed = {"float32": [], "gguf": []}
 for _ in range(3):
     speed["float32"].append(decode_tok_s(llm))
