@@ -113,7 +113,7 @@ LLAMA_CMAKE_avx2   := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 LLAMA_CMAKE_ARGS  ?= $(LLAMA_CMAKE_$(ISA))
 LLAMA             ?=
-LLAMA_PEER        := $(LLAMA_VENV)/.built
+LLAMA_PEER         = $(LLAMA_VENV)/.built
 REPEATS      ?= 5
 # ISA=avx2: every engine runs as on an AVX2-only CPU (minivllm.cpu.features'
 # AVX2_SIMULATION_ENV: our kernels, PyTorch, oneDNN and MKL capped), and the
