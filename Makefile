@@ -90,14 +90,30 @@ bench: setup
 # A peer whose interpreter is not given is left out and said so.
 VLLM_PYTHON  ?=
 LLAMA_PYTHON ?=
-# `make llama-peer` builds the llama.cpp peer (llama-cpp-python from PyPI,
-# compiled here; minutes) into its own environment; then pass
-# LLAMA_PYTHON=$(LLAMA_VENV)/bin/python. The flags: AVX-512 with VNNI, no AMX
-# (a native build with AMX crashed in its first eval on a Xeon).
-LLAMA_VENV       ?= $(HOME)/peers/llama
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+# `make llama-peer` builds the llama.cpp peer (llama-cpp-python from PyPI, compiled
+# here; 15 minutes on 2 busy cores) into its own environment, once: it is rebuilt
+# only when missing. `make bench-peers LLAMA=1` builds it if needed and uses it;
+# LLAMA_PYTHON=path uses another. The flags name the ISA instead of -march=native:
+#  native: AVX-512 (F/BW/DQ/VL) with VNNI, BF16 and AVX-VNNI, no AMX (a native build
+#          with AMX crashed in its first eval on a Xeon). Suits an AMD Zen 4/5 and an
+#          Intel Sapphire Rapids or later; an older AVX-512 Xeon (Skylake/Cascade
+#          Lake) lacks BF16 and AVX-VNNI: LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF
+#          -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON" there.
+#  avx2:   AVX2, FMA, F16C, BMI2 only (as on an AMD Zen 3 or an Intel client CPU),
+#          into its own environment ($(HOME)/peers/llama_avx2).
+# pip caches a wheel it built from the sdist whatever CMAKE_ARGS said: --no-cache-dir,
+# or the second ISA would reuse the first one's build.
+LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_VENV        ?= $(HOME)/peers/llama$(SFX)
+LLAMA_CMAKE_native := -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
   -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
   -DGGML_AMX_BF16=OFF
+LLAMA_CMAKE_avx2   := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+  -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_CMAKE_ARGS  ?= $(LLAMA_CMAKE_$(ISA))
+LLAMA             ?=
+LLAMA_PEER         = $(LLAMA_VENV)/.built
 REPEATS      ?= 5
 # ISA=avx2: every engine runs as on an AVX2-only CPU (minivllm.cpu.features'
 # AVX2_SIMULATION_ENV: our kernels, PyTorch, oneDNN and MKL capped), and the
@@ -108,23 +124,38 @@ ISA_RUN = $(if $(filter avx2,$(ISA)),env $(shell $(PY) -m minivllm.cpu.features 
 PEERS = --backend minivllm --backend hf $(if $(VLLM_PYTHON),--backend vllm --vllm-python $(VLLM_PYTHON))
 BENCH = $(ISA_RUN) $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
 OUT = figures/bench_throughput
-llama-peer:
+llama-peer: $(LLAMA_PEER)
+$(LLAMA_PEER):
 	python3 -m venv $(LLAMA_VENV)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LLAMA_VENV)/bin/pip install llama-cpp-python
-	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama.cpp peer', llama_cpp.__version__)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(LLAMA_VENV)/bin/pip install --no-cache-dir \
+	  llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama.cpp peer', \
+	  llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"
+	touch $@
 
-bench-peers: setup
+# llama.cpp (LLAMA=1 or LLAMA_PYTHON) runs every workload on the model's GGUF file
+# (4-bit, so not like for like with float32); the _gguf workloads put minivllm on the
+# same file's blocks (--quantization gguf), beside llama.cpp's generate and its
+# batched decode loop.
+LLAMA_RUN  = $(or $(LLAMA_PYTHON),$(if $(LLAMA),$(LLAMA_VENV)/bin/python))
+LLAMA_ARGS = $(if $(LLAMA_RUN),--backend llama.cpp --llama-python $(LLAMA_RUN))
+GGUF_BENCH = $(BENCH) --backend minivllm $(LLAMA_ARGS) --quantization gguf
+bench-peers: setup $(if $(LLAMA),$(LLAMA_PEER))
 	$(ISA_RUN) $(VENV)/bin/minivllm bench roofline --output figures/bench_roofline$(SFX).json
-	$(BENCH) $(PEERS) $(if $(LLAMA_PYTHON),--backend llama.cpp --llama-python $(LLAMA_PYTHON)) \
-	  --num-prompts 1 --max-tokens 128 --output $(OUT)_1x128$(SFX).json
-	$(BENCH) $(PEERS) --backend hf-cb --num-prompts 32 --max-tokens 128 \
+	$(BENCH) $(PEERS) $(LLAMA_ARGS) --num-prompts 1 --max-tokens 128 \
+	  --output $(OUT)_1x128$(SFX).json
+	$(BENCH) $(PEERS) $(LLAMA_ARGS) --backend hf-cb --num-prompts 32 --max-tokens 128 \
 	  --output $(OUT)_32x128$(SFX).json --figure $(OUT)_32x128$(SFX).png
-	$(BENCH) $(PEERS) --hf-batch-size 128 --num-prompts 128 --max-tokens 128 \
+	$(BENCH) $(PEERS) $(LLAMA_ARGS) --hf-batch-size 128 --num-prompts 128 --max-tokens 128 \
 	  --output $(OUT)_128x128$(SFX).json
-	$(BENCH) $(PEERS) --dtype bfloat16 --num-prompts 32 --max-tokens 128 \
+	$(BENCH) $(PEERS) $(LLAMA_ARGS) --dtype bfloat16 --num-prompts 32 --max-tokens 128 \
 	  --output $(OUT)_32x128_bf16$(SFX).json
-	$(PY) -m minivllm.benchmarks.report $(foreach w,1x128 32x128 128x128 32x128_bf16,$(OUT)_$(w)$(SFX).json) \
-	  | tee figures/bench_table$(SFX).md
+	$(GGUF_BENCH) $(if $(LLAMA_RUN),--backend llama.cpp-decode) --num-prompts 1 \
+	  --max-tokens 128 --output $(OUT)_1x128_gguf$(SFX).json
+	$(GGUF_BENCH) --num-prompts 32 --max-tokens 128 --output $(OUT)_32x128_gguf$(SFX).json
+	$(GGUF_BENCH) --num-prompts 128 --max-tokens 128 --output $(OUT)_128x128_gguf$(SFX).json
+	$(PY) -m minivllm.benchmarks.report $(foreach w,1x128 32x128 128x128 32x128_bf16 \
+	  1x128_gguf 32x128_gguf 128x128_gguf,$(OUT)_$(w)$(SFX).json) | tee figures/bench_table$(SFX).md
 
 clean:
 	rm -rf $(VENV) book/*.ipynb book/course .pytest_cache

@@ -289,9 +289,19 @@ def test_report_row_shows_medians_ranges_and_paired_ratios():
     }
     line = row(result)
     assert line.startswith("| 32 requests × 128 tokens, float32 | 300 (290–310) | 250 (240–260) |")
-    assert "| 1.20× | — | 50 % |" in line
+    assert "| 1.20× | — | — | 50 % |" in line
     head, rule = table([]).splitlines()[:2]
     assert head.startswith("| workload | minivllm |") and rule.startswith("|---|")
+    assert head.count("|") == rule.count("|")
+    # A quantized run is labelled by minivllm's quantization; llama.cpp's ratio shows.
+    gguf = dict(result, backends={**result["backends"], "llama.cpp": {
+        "output_tokens_per_s": stats([90, 100, 110])}},
+        ratios_output_tokens_per_s={"llama.cpp": stats([2.9, 3.0, 3.1])})
+    gguf["backends"]["minivllm"] = dict(result["backends"]["minivllm"],
+                                        info={"quantization": "gguf"})
+    line = row(gguf)
+    assert line.startswith("| 32 requests × 128 tokens, gguf | 300 (290–310) |")
+    assert "| 100 (90–110) | — | — | 3.00× | 50 % |" in line
     # The machine line names each distinct CPU once, as the runs recorded it.
     other = dict(result, roofline={"machine": {"cpu_features": "CPU B (kernels ISA avx2)",
                                                "logical_cpus": 4, "torch": "t"}})

@@ -60,6 +60,41 @@ def test_lm_eval_local_completions_equals_hf_backend(server, default_model_path,
     assert acc == hf["results"][task]["acc,none"]
 
 
+def _local_completions(url: str, tokenizer) -> dict:
+    return {"model": SERVED, "base_url": url + "/v1/completions", "tokenizer": str(tokenizer),
+            "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1}
+
+
+def test_lm_eval_unchanged_on_the_quantized_blocks(default_model_path, monkeypatch,
+                                                   tmp_path):
+    """The server on the GGUF's blocks as they ship (quantization="gguf") scores the
+    task as the float32 path (quantization=None) does: the blocks dequantize to the
+    float path's numbers, so only the order of the sums differs (the per-choice
+    loglikelihoods agree within 1e-3 nats, as the float path does with Hugging Face)."""
+    task, scores = "minivllm_capitals", {}
+    for quantization in ("gguf", "none"):
+        (tmp_path / quantization).mkdir()
+        srv = ServerProcess(tmp_path / quantization, "--served-model-name", SERVED,
+                            "--quantization", quantization)
+        try:
+            assert srv.stats()["quantization"] == (None if quantization == "none"
+                                                   else quantization)
+            scores[quantization] = run_lm_eval(
+                "local-completions", _local_completions(srv.url, default_model_path), task,
+                monkeypatch)
+        finally:
+            srv.stop()
+    got, ref = per_choice(scores["gguf"], task), per_choice(scores["none"], task)
+    assert len(got) == 8 and all(len(row) == 4 for row in got)
+    print("largest loglikelihood difference:",
+          max(abs(g - r) for g_row, r_row in zip(got, ref) for g, r in zip(g_row, r_row)),
+          "accuracy", scores["gguf"]["results"][task]["acc,none"])
+    for g_row, r_row in zip(got, ref):
+        assert g_row == pytest.approx(r_row, abs=1e-3)
+    assert scores["gguf"]["results"][task]["acc,none"] == \
+        scores["none"]["results"][task]["acc,none"]
+
+
 def test_lm_eval_local_chat_completions_generates_as_offline(server, monkeypatch):
     from minivllm import LLM, SamplingParams
 

@@ -31,7 +31,7 @@ STAGES = (
     Stage("engine_core", "engine core", "one step() at a time", (11, 17)),
     Stage("scheduler", "scheduler", "token budget, KV blocks", (5, 7, 8, 15, 17, 18, 19, 20, 22)),
     Stage("model_runner", "model runner", "flat batch, forward",
-          (3, 4, 6, 13, 14, 15, 18, 19, 20)),
+          (3, 4, 6, 13, 14, 15, 18, 19, 20, 23)),
     Stage("sampler", "sampler", "logits to a token", (9, 14, 15, 16, 18, 22)),
     Stage("detokenizer", "detokenizer", "tokens to text, stops", (10, 18)),
     Stage("stream", "stream", "events to the client", (1, 10)),

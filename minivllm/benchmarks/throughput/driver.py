@@ -201,37 +201,173 @@ class VLLM(Backend):
 
 
 class LlamaCpp(Backend):
-    """llama-cpp-python, one sequence at a time (its Python API does not batch)."""
+    """llama-cpp-python. One prompt: its ``generate``, the Python API as users call it
+    (one sequence, sampled through its Python sampler chain). Several prompts:
+    llama.cpp's own batched decode loop (``_BatchedDecode``), as its server's
+    parallel slots run them."""
+
+    loop = "auto"
 
     def __init__(self, setup: dict) -> None:
         super().__init__(setup)
         import llama_cpp
 
+        threads = setup.get("threads") or os.cpu_count()
         self.llm = llama_cpp.Llama(model_path=setup["gguf"], n_ctx=2048, n_batch=512,
-                                   n_threads=setup.get("threads") or os.cpu_count(),
-                                   seed=0, verbose=False)
+                                   n_threads=threads, seed=0, verbose=False)
+        self.batched = _BatchedDecode(llama_cpp, self.llm, max_slots=setup.get("max_num_seqs") or 128,
+                                      n_batch=setup.get("max_num_batched_tokens") or 2048)
         self.info = {"version": llama_cpp.__version__, "weights": os.path.basename(setup["gguf"]),
                      # what a decode step streams: the file's tensors (its metadata is small)
                      "weight_bytes": os.path.getsize(setup["gguf"]),
+                     "loop": ("batched llama_decode" if self.loop == "decode" else
+                              "generate for one prompt, batched llama_decode for several"),
+                     "max_parallel_sequences": self.batched.max_slots,
                      "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
 
-    def run(self, prompts, max_tokens) -> dict:
-        produced = []
+    def run(self, prompts, max_tokens, return_token_ids: bool = False) -> dict:
+        if self.loop == "decode" or len(prompts) > 1:
+            return self.batched.run(prompts, max_tokens, return_token_ids)
+        produced, ids = [], []
         t0 = time.perf_counter()
         for prompt, n in zip(prompts, max_tokens):
             self.llm.reset()
-            count = 0
-            for _ in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0,
-                                       reset=True):
-                count += 1  # generate() never stops on its own: EOS is ignored
-                if count == n:
+            out = []
+            for token in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0,
+                                           reset=True):
+                out.append(token)  # generate() never stops on its own: EOS is ignored
+                if len(out) == n:
                     break
-            produced.append(count)
-        return {"seconds": time.perf_counter() - t0, "output_tokens": produced}
+            produced.append(len(out))
+            ids.append(out)
+        reply = {"seconds": time.perf_counter() - t0, "output_tokens": produced}
+        return {**reply, "token_ids": ids} if return_token_ids else reply
+
+    def close(self) -> None:
+        self.batched.close()
+        self.llm.close()
+
+
+class LlamaCppDecode(LlamaCpp):
+    """llama.cpp's batched decode loop for any number of prompts: for one, its
+    eval speed without the Python sampling of ``generate``."""
+
+    loop = "decode"
+
+
+class _BatchedDecode:
+    """llama.cpp's batched generation (its ``batched`` example; the server's slots):
+    every sequence has its own sequence id in one context's KV cache, and each step
+    is one ``llama_decode`` over a ``llama_batch`` holding every running sequence's
+    last token plus as many waiting prompt tokens as fit in ``n_batch``. Greedy:
+    the argmax of each sequence's logits, EOS ignored. A finished sequence's slot
+    (its sequence id) is emptied and taken by the next waiting prompt."""
+
+    def __init__(self, llama_cpp, llm, max_slots: int, n_batch: int) -> None:
+        import numpy
+
+        self.lc, self.np, self.llm = llama_cpp, numpy, llm
+        # llama.cpp keeps at most llama_max_parallel_sequences() sequences in a context
+        self.max_slots = max(1, min(max_slots, llama_cpp.llama_max_parallel_sequences()))
+        self.n_batch = max(n_batch, self.max_slots)
+        self.n_vocab = llm.n_vocab()
+        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.ctx, self.ctx_shape = None, None
+
+    def context(self, slots: int, per_seq: int):
+        """A context of ``slots`` sequences of up to ``per_seq`` tokens each, each in its
+        own part of the KV cache (non-unified: attention reads only its own cells, what
+        llama.cpp advises for sequences that share no prefix). Made once per shape,
+        before the clock starts."""
+        if self.ctx_shape != (slots, per_seq):
+            self._free_context()
+            # The settings of the Llama object's own context (so both loops run one
+            # llama.cpp: attention kind, KV types, threads), with room for ``slots``.
+            p = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
+            p.n_ctx, p.n_seq_max, p.kv_unified = slots * per_seq, slots, False
+            p.n_batch, p.n_ubatch = self.n_batch, min(self.n_batch, 512)
+            p.no_perf = True
+            self.ctx = self.lc.llama_init_from_model(self.llm._model.model, p)
+            if not self.ctx:
+                raise RuntimeError(f"llama.cpp could not make a context of {slots} "
+                                   f"sequences x {per_seq} tokens")
+            self.ctx_shape = (slots, per_seq)
+        return self.ctx
+
+    def run(self, prompts, max_tokens, return_token_ids: bool = False) -> dict:
+        lc = self.lc
+        slots = min(len(prompts), self.max_slots)
+        longest = max(len(p) + n for p, n in zip(prompts, max_tokens))
+        ctx = self.context(slots, -(-longest // 256) * 256)
+        mem = lc.llama_get_memory(ctx)
+        lc.llama_memory_clear(mem, True)
+        waiting = list(range(len(prompts)))[::-1]  # popped from the end: in order
+        free = list(range(slots))[::-1]
+        running: dict[int, int] = {}  # slot (sequence id) -> request index
+        fed = [0] * len(prompts)  # prompt tokens in the KV cache
+        out: list[list[int]] = [[] for _ in prompts]
+        t0 = time.perf_counter()
+        while waiting or running:
+            while free and waiting:
+                running[free.pop()] = waiting.pop()
+            rows = self._fill(running, prompts, fed, out)
+            rc = lc.llama_decode(ctx, self.batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc} with {self.batch.n_tokens} "
+                                   f"tokens of {len(running)} sequences")
+            logits = self.np.ctypeslib.as_array(lc.llama_get_logits(ctx),
+                                                shape=(len(rows), self.n_vocab))
+            for slot, token in zip(rows, logits.argmax(axis=1).tolist()):
+                i = running[slot]
+                out[i].append(token)
+                if len(out[i]) == max_tokens[i]:
+                    lc.llama_memory_seq_rm(mem, slot, -1, -1)  # the slot is free again
+                    del running[slot]
+                    free.append(slot)
+        reply = {"seconds": time.perf_counter() - t0, "output_tokens": [len(o) for o in out]}
+        return {**reply, "token_ids": out} if return_token_ids else reply
+
+    def _fill(self, running: dict, prompts, fed: list, out: list) -> list[int]:
+        """Put this step's tokens in the batch: each decoding sequence's last token,
+        then prompt tokens up to ``n_batch``. Returns the slots whose logits come back,
+        in batch order (llama_get_logits keeps it)."""
+        b, n, rows = self.batch, 0, []
+
+        def add(token: int, pos: int, slot: int, logits: bool) -> None:
+            nonlocal n
+            b.token[n], b.pos[n], b.n_seq_id[n] = token, pos, 1
+            b.seq_id[n][0], b.logits[n] = slot, logits
+            n += 1
+
+        for slot, i in running.items():
+            if out[i]:
+                add(out[i][-1], len(prompts[i]) + len(out[i]) - 1, slot, True)
+                rows.append(slot)
+        for slot, i in running.items():
+            take = min(len(prompts[i]) - fed[i], self.n_batch - n)
+            for k in range(fed[i], fed[i] + take):
+                last = k == len(prompts[i]) - 1
+                add(prompts[i][k], k, slot, last)
+                if last:
+                    rows.append(slot)
+            fed[i] += take
+        b.n_tokens = n
+        return rows
+
+    def _free_context(self) -> None:
+        if self.ctx:
+            self.lc.llama_free(self.ctx)
+        self.ctx, self.ctx_shape = None, None
+
+    def close(self) -> None:
+        self._free_context()
+        if self.batch is not None:
+            self.lc.llama_batch_free(self.batch)
+            self.batch = None
 
 
 BACKENDS = {"minivllm": MiniVLLM, "hf": HFGenerate, "hf-cb": HFContinuousBatching,
-            "vllm": VLLM, "llama.cpp": LlamaCpp}
+            "vllm": VLLM, "llama.cpp": LlamaCpp, "llama.cpp-decode": LlamaCppDecode}
 
 
 def _model_weight_bytes(llm) -> Optional[int]:
@@ -272,7 +408,7 @@ def main() -> None:
         protocol.write(json.dumps(obj) + "\n")
 
     setup = json.loads(sys.stdin.readline())
-    if setup.get("threads") and setup["backend"] != "llama.cpp":
+    if setup.get("threads") and not setup["backend"].startswith("llama.cpp"):
         import torch  # every other backend runs on torch
 
         torch.set_num_threads(setup["threads"])
@@ -297,7 +433,9 @@ def serve(backend: Backend, send) -> None:
             if cmd["cmd"] == "quit":
                 return
             if cmd["cmd"] == "run":
-                send(backend.run(cmd["prompts"], cmd["max_tokens"]))
+                # return_token_ids: for tests that compare tokens (llama.cpp's backends)
+                extra = {"return_token_ids": True} if cmd.get("return_token_ids") else {}
+                send(backend.run(cmd["prompts"], cmd["max_tokens"], **extra))
             elif cmd["cmd"] == "roofline":
                 send(backend.roofline())
             else:

@@ -140,11 +140,12 @@ def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProces
                              "tensor_parallel_size": args.tensor_parallel_size,
                              "speculative_config": args.speculative_config,
                              "quantization": args.quantization}}
-    pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python}
+    pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python,
+               "llama.cpp-decode": args.llama_python}
     drivers: dict[str, DriverProcess] = {}
     for name in backends:
         extra = {}
-        if name == "llama.cpp":
+        if name.startswith("llama.cpp"):
             extra["gguf"] = args.gguf or str(default_gguf_path())
         d = DriverProcess(name, pythons.get(name) or sys.executable, {**setup, **extra},
                           driver_env(args, name), log_dir)

@@ -185,12 +185,13 @@ def collective_per_step(runs: list[RunResult], breakdown: dict[str, float]) -> d
 
 
 def print_report(report: dict) -> None:
-    print(f"\n{'backend':>10} {'req/s':>7} {'input tok/s':>12} {'output tok/s':>22} "
+    width = max([10] + [len(name) for name in report["backends"]])
+    print(f"\n{'backend':>{width}} {'req/s':>7} {'input tok/s':>12} {'output tok/s':>22} "
           f"{'total tok/s':>12} {'roofline':>9}")
     for name, e in report["backends"].items():
         out = e["output_tokens_per_s"]
         roof = e.get("roofline_fraction", {}).get("median")
-        print(f"{name:>10} {e['requests_per_s']['median']:7.2f} "
+        print(f"{name:>{width}} {e['requests_per_s']['median']:7.2f} "
               f"{e['input_tokens_per_s']['median']:12.1f} "
               f"{out['median']:8.1f} ({out['min']:5.0f}-{out['max']:5.0f}) "
               f"{e['total_tokens_per_s']['median']:12.1f} "

@@ -16,7 +16,7 @@ from minivllm.benchmarks.throughput.results import (RunResult, best_roofline, ma
                                                     print_report, save_figure,
                                                     throughput_figure)
 
-BACKENDS = ("minivllm", "hf", "hf-cb", "vllm", "llama.cpp")
+BACKENDS = ("minivllm", "hf", "hf-cb", "vllm", "llama.cpp", "llama.cpp-decode")
 
 
 def build_workload(args: argparse.Namespace, model_path: str

@@ -301,6 +301,7 @@ def engine_stats(engine: AsyncLLM, model_name: str) -> dict:
         "engine_alive": engine.is_running,
         "engine_pid": engine.engine_core.pid,
         "max_model_len": engine.max_model_len,
+        "quantization": engine.config.model.quantization,  # None: float weights
         "num_requests_running": s.num_running_reqs if s is not None else 0,
         "num_requests_waiting": s.num_waiting_reqs if s is not None else 0,
         "kv_cache_usage_perc": usage,
