@@ -73,9 +73,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads every backend uses")
-    parser.add_argument("--omp-wait-policy", default="passive",
+    # "default" leaves OMP_WAIT_POLICY unset, so each library runs as its users
+    # run it: "passive" made llama.cpp's single stream 4x slower here (its many
+    # short OpenMP regions then sleep between ops), "active" made minivllm's
+    # 3x slower (spinning threads starve its other process on 2 cores).
+    parser.add_argument("--omp-wait-policy", default="default",
                         choices=["passive", "active", "default"],
-                        help="OMP_WAIT_POLICY for every backend (default passive)")
+                        help="OMP_WAIT_POLICY for every backend (default: left unset)")
     parser.add_argument("--max-num-seqs", type=int, default=128,
                         help="minivllm and vLLM: most requests in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
