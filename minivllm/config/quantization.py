@@ -23,11 +23,11 @@ from minivllm.config.checks import bad, check_choice
 from minivllm.config.model import ModelConfig
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
-# "auto" resolves to "gguf" for a GGUF model when this is on. Off for now:
-# the quantized engine (with its decode-step replay) is 2-2.5x the float path
-# on one stream but still ~0.8x at 32 streams, where the step is compute-bound
-# and the float panel GEMM outruns the dequantize-in-registers kernel
-# (README, "Quantized weights"); "auto" must not make any workload slower.
+# "auto" resolves to "gguf" for a GGUF model when this is on. Off for now: the
+# quantized engine wins on one stream, where a step is bound by the bytes it
+# reads, but not yet at 32 streams, where the step is compute-bound and the
+# float panel GEMM outruns the dequantize-in-registers kernel (measured in the
+# README, "llama.cpp, on its own file"); "auto" must not make any workload slower.
 AUTO_GGUF = False
 
 

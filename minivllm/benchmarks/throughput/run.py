@@ -74,9 +74,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads every backend uses")
     # "default" leaves OMP_WAIT_POLICY unset, so each library runs as its users
-    # run it: "passive" made llama.cpp's single stream 4x slower here (its many
-    # short OpenMP regions then sleep between ops), "active" made minivllm's
-    # 3x slower (spinning threads starve its other process on 2 cores).
+    # run it: "passive" slows llama.cpp (its many short OpenMP regions a token
+    # then sleep between ops), "active" slows minivllm (spinning threads starve
+    # its other process on a small machine); README "llama.cpp, on its own file".
     parser.add_argument("--omp-wait-policy", default="default",
                         choices=["passive", "active", "default"],
                         help="OMP_WAIT_POLICY for every backend (default: left unset)")
