@@ -12,6 +12,7 @@ from minivllm.sim import Hardware, load_model_config
 from minivllm.sim.calibrate import calibration_workload, fit, simulated_rows
 from minivllm.sim.cost_model import times_of
 from minivllm.sim.fit import FITTED, CalibrationError, bounds_of
+from tests.cpu_requirements import needs_cpu_kernels
 
 MODEL = load_model_config("smollm2-135m", "float32", "cpu")
 # Peaks of the order this 2-core machine's probes measure (float32).
@@ -149,3 +150,89 @@ def test_the_command_writes_a_fit_and_refuses_to_write_an_unidentified_one(
     assert main(["simulate", "calibrate", "--from-steps", str(bad), "--output", str(refused),
                  "--no-serve"]) == 2
     assert "per_seq_overhead_s" in capsys.readouterr().err and not refused.exists()
+
+
+# -- the peaks: the engine's own kernels, a curve over row counts -----------------
+
+CURVE = BASE.with_(linear_flops_by_rows=((16, 3e10), (256, 1e11), (257, 4e10), (512, 4e10)),
+                   peak_flops=1e11, attention_bandwidth=2e10)
+
+
+def test_a_row_dependent_peak_and_an_attention_bandwidth_are_recovered_and_round_trip(
+        design_rows, tmp_path):
+    """With the matrix products' peak a curve over the step's token rows (a kernel
+    switch at 256) and decode attention priced at its kernel's own bandwidth, the
+    fit still gives the constants back exactly from noiseless steps, and the
+    hardware file keeps both."""
+    truth = CURVE.with_(**{n: getattr(TRUTH, n) for n in FITTED})
+    cal = fit(CURVE, design_rows, times_of(design_rows, truth))
+    for name in FITTED:
+        assert getattr(cal.hardware, name) == pytest.approx(getattr(truth, name), rel=1e-4)
+    # The curve changes the prediction where the kernels switch (not a no-op).
+    big = design_rows[design_rows[:, 0] > 256]
+    assert big.size and (times_of(big, truth) > times_of(big, truth.with_(
+        linear_flops_by_rows=())) * 1.2).any()
+    truth.save(tmp_path / "hw.json")
+    from minivllm.sim.hardware import load_hardware
+
+    assert load_hardware(str(tmp_path / "hw.json")) == truth
+    with pytest.raises(ValueError, match="linear_flops_by_rows=.*rows increasing"):
+        BASE.with_(linear_flops_by_rows=((256, 1e11), (16, 3e10)))
+
+
+def test_the_cost_model_prices_a_step_at_the_curve_s_peak_for_its_rows():
+    from minivllm.sim.cost_model import CostModel
+
+    cost = CostModel(MODEL, CURVE)
+    hw = CURVE.with_(bandwidth_efficiency=1.0, flops_efficiency=1.0)
+    for tokens, peak in ((512, 4e10), (256, 1e11), (136, 6.5e10), (8, 3e10)):
+        f = cost.features_from(tokens, 1, 1, tokens * (tokens + 1) // 2, 2 * tokens)
+        linear = CostModel(MODEL, hw).breakdown(f)["linear"]
+        assert linear == pytest.approx(max(f.linear_flops / peak,
+                                           f.linear_bytes / hw.mem_bandwidth))
+
+
+@needs_cpu_kernels()
+def test_the_peaks_are_measured_on_the_engine_s_own_kernels_and_bound_its_steps(tiny_model):
+    """Where the CPU kernels are on, the matmul peak is the engine's own layers as it
+    calls them (the packed twins), at row counts either side of the kernel switch,
+    and it is at least what the engine reaches on a large prefill step (so the
+    fitted efficiency is a fraction, not pinned at 1); on the reference path the
+    probes stand (no engine peaks)."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.cpu.layers import PackedLinear
+    from minivllm.cpu.prepack import PANEL_MAX_ROWS
+    from minivllm.sim.cost_model import CostModel
+    from minivllm.sim.engine_peaks import engine_peaks, layer_linears
+
+    path, n = tiny_model("llama"), 256
+    llm = LLM(path, trace=True, num_kv_blocks=128, max_num_batched_tokens=512)
+    try:
+        runner = llm.engine_core.executor.runner
+        linears = layer_linears(runner.model)
+        assert len(linears) == 4 and all(isinstance(m, PackedLinear) for m in linears)
+        assert all(m is l for m, l in zip(linears, [
+            runner.model.model.layers[0].self_attn.qkv_proj,
+            runner.model.model.layers[0].self_attn.o_proj,
+            runner.model.model.layers[0].mlp.gate_up_proj,
+            runner.model.model.layers[0].mlp.down_proj]))
+        peaks = engine_peaks(runner, min_seconds=0.1)
+        curve = dict(peaks.linear_by_rows)
+        assert {PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1} <= set(curve)
+        assert peaks.attention_bandwidth > 0
+        # The engine's own large-batch steps: lone prefills of n tokens.
+        for i in range(3):
+            llm.generate([{"prompt_token_ids": [5 + (i * 7 + j) % 200 for j in range(n)]}],
+                         SamplingParams(max_tokens=1), use_tqdm=False)
+        steps = [r.duration for r in llm.trace if r.num_batched_tokens == n]
+        model = llm.llm_engine.config.model
+    finally:
+        llm.shutdown()
+    assert len(steps) == 3
+    f = CostModel(model, BASE).features_from(n, 1, 1, n * (n + 1) // 2, 2 * n)
+    assert curve[n] >= f.linear_flops / float(np.median(steps))
+    ref = LLM(path, num_kv_blocks=16, cpu_kernels=False)
+    try:
+        assert engine_peaks(ref.engine_core.executor.runner) is None
+    finally:
+        ref.shutdown()

@@ -4,8 +4,10 @@
 
 Two parts, one file:
 
-1. **The engine's steps.** The peaks (float32 matmul FLOP/s, memory
-   bandwidth) are measured first, as ``bench roofline`` does. Then the real
+1. **The engine's steps.** The peaks (matmul FLOP/s, memory bandwidth) are
+   measured first, as ``bench roofline`` does; where the CPU kernels are on,
+   the matmul peak and the decode attention's are then measured with the
+   engine's own kernels on the loaded model (``engine_peaks``). Then the real
    engine runs a workload designed so that each constant is identified
    (``calibration_workload``): lone prefills of 16 to 512 tokens (small ones
    bound by the weights, large ones by the matrix products), batch-1 decode
@@ -168,7 +170,8 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
 
     ``rounds``: the workload, as (prompts, output lengths) pairs run one after
     the other (default: ``calibration_workload``). ``base``: the peaks (default:
-    measured now, before the engine starts). ``steps_path``: keep the measured
+    measured now, ``bench roofline``'s probes, then, where the CPU kernels are on,
+    the engine's own kernels on the loaded model: ``kernel_peaks``). ``steps_path``: keep the measured
     steps there (``.npz``: peaks, features, seconds), fitted or refused, so that
     ``refit`` can try again without the engine.
     """
@@ -177,12 +180,15 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
     llm = LLM(model, trace=True, **(engine_kwargs or {}))
     try:
         cfg = llm.llm_engine.config
-        base = base or measured_cpu(dtype=cfg.model.dtype)
+        peaks = base is None  # the caller's peaks stand as given
+        base = base or kernel_peaks(llm, measured_cpu(dtype=cfg.model.dtype))
         tp = cfg.parallel.tensor_parallel_size
         cost = CostModel(cfg.model, base, tp)
         longest = min(1200, cfg.scheduler.max_model_len - 64)
         rounds = rounds or calibration_workload(cfg.model.vocab_size, seed, scale, longest)
         rows, measured = collect(llm, cost, rounds)
+        if peaks:  # again after the workload: a peak is the best the kernels reached
+            base = kernel_peaks(llm, base)
     finally:
         llm.shutdown()
     if steps_path:
@@ -193,8 +199,39 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
         name="cpu-calibrated",
         source=f"minivllm simulate calibrate: fitted to {len(measured)} real engine steps "
                f"of {cfg.model.path.rsplit('/', 1)[-1]} ({time.strftime('%Y-%m-%d %H:%M')}): "
-               f"{errors}")
+               f"{errors}; peaks: {base.source}")
     return cal
+
+
+def kernel_peaks(llm, probes: Hardware) -> Hardware:
+    """``probes`` with the peaks of the engine's own kernels where they are on
+    (``minivllm.sim.engine_peaks``): the matrix products' FLOP/s on the model's
+    layers and the decode attention's K/V bandwidth, so that each efficiency is a
+    fraction of a peak the engine can reach. The reference path keeps the probes.
+    Called again with its own result, it keeps the larger of the two measurements
+    per point (a peak measured while other work held the cores is no peak)."""
+    from minivllm.sim.engine_peaks import engine_peaks
+
+    runner = getattr(llm.engine_core.executor, "runner", None)  # None: TP processes
+    peaks = engine_peaks(runner) if runner is not None else None
+    if peaks is None:
+        return probes
+    first = not probes.linear_flops_by_rows
+    print(f"peaks: {peaks.describe()}" + (
+        f"; bench roofline's probes: matmul {probes.peak_flops / 1e9:.1f} GFLOP/s, "
+        f"bandwidth {probes.mem_bandwidth / 1e9:.1f} GB/s" if first else
+        " (again after the workload: the larger of the two per point is kept)"))
+    curve = dict(peaks.linear_by_rows)
+    for rows, flops in probes.linear_flops_by_rows:  # the earlier measurement's
+        curve[rows] = max(curve.get(rows, 0.0), flops)
+    attention = max(peaks.attention_bandwidth, probes.attention_bandwidth)
+    source = probes.source.split("; peaks of the engine's kernels")[0]
+    text = ", ".join(f"{r}: {f / 1e9:.0f}" for r, f in sorted(curve.items()))
+    return probes.with_(
+        peak_flops=max(curve.values()), linear_flops_by_rows=tuple(sorted(curve.items())),
+        attention_bandwidth=attention, source=(
+            f"{source}; peaks of the engine's kernels on this model: linear GFLOP/s by "
+            f"token rows {{{text}}}, decode attention {attention / 1e9:.1f} GB/s of K/V"))
 
 
 def save_steps(path, base: Hardware, rows, measured, tp: int) -> None:
@@ -290,4 +327,4 @@ def run(args: argparse.Namespace) -> Calibration:
 
 __all__ = ["calibrate", "fit", "collect", "calibration_workload", "Calibration", "run",
            "add_cli_args", "RecordingExecutor", "calibrate_serving", "simulated_rows",
-           "CalibrationError", "FITTED", "refit", "save_steps"]
+           "CalibrationError", "FITTED", "refit", "save_steps", "kernel_peaks"]

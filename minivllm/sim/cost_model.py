@@ -17,7 +17,9 @@ Groups, per step (``T`` new tokens in all, ``S`` sequences that sample):
   bytes: every weight once, plus the activations each product reads and writes.
 - attention, per sequence and layer: FLOPs ``4 heads d (q c + q (q+1) / 2)``
   (QK^T and PV, causal), bytes: the K/V of its ``c + q`` tokens read once,
-  the ``q`` new ones written.
+  the ``q`` new ones written; the bytes at the attention kernel's own
+  bandwidth where calibrate measured it (``attention_bandwidth``), and the
+  whole group at ``attention_efficiency`` of its roofline.
 - all-reduce (``tp > 1``): two per layer over ``T x hidden`` activations, a
   ring: ``2 (tp - 1) / tp x bytes / link bandwidth + latency``.
 
@@ -25,7 +27,9 @@ Assumptions (stated where numbers are shown): groups do not overlap each
 other, and inside a group compute and memory traffic overlap fully; with
 tensor parallelism every rank does 1/tp of the FLOPs and bytes; weights,
 activations and KV are in the model's dtype; kernels reach fixed fractions
-of the peaks whatever the shapes; sampling and the CPU side cost a fixed
+of the peaks whatever the shapes (the matrix products' peak may depend on
+the step's token rows, ``Hardware.linear_flops_by_rows``, where calibrate
+measured the engine's kernels at several); sampling and the CPU side cost a fixed
 time per step, per sequence and per token.
 """
 
@@ -128,9 +132,11 @@ class CostModel:
         hw = self.hardware
         flops = hw.peak_flops * hw.flops_efficiency
         bw = hw.mem_bandwidth * hw.bandwidth_efficiency
+        linear_flops = float(hw.linear_peak(f.num_tokens)) * hw.flops_efficiency
         out = {
-            "linear": max(f.linear_flops / flops, f.linear_bytes / bw),
-            "attention": max(f.attention_flops / flops, f.attention_bytes / bw)
+            "linear": max(f.linear_flops / linear_flops, f.linear_bytes / bw),
+            "attention": max(f.attention_flops / flops,
+                             f.attention_bytes / (hw.attention_bandwidth or bw))
             / hw.attention_efficiency,
             "overhead": (hw.step_overhead_s + hw.per_seq_overhead_s * f.num_seqs
                          + hw.per_token_overhead_s * f.num_tokens),
@@ -147,8 +153,8 @@ def times_of(rows: np.ndarray, hw: Hardware, tp: int = 1) -> np.ndarray:
     tok, seqs, _, lf, lb, af, ab, rb, nr = rows.T
     flops = hw.peak_flops * hw.flops_efficiency
     bw = hw.mem_bandwidth * hw.bandwidth_efficiency
-    t = (np.maximum(lf / flops, lb / bw)
-         + np.maximum(af / flops, ab / bw) / hw.attention_efficiency
+    t = (np.maximum(lf / (hw.linear_peak(tok) * hw.flops_efficiency), lb / bw)
+         + np.maximum(af / flops, ab / (hw.attention_bandwidth or bw)) / hw.attention_efficiency
          + hw.step_overhead_s + hw.per_seq_overhead_s * seqs + hw.per_token_overhead_s * tok)
     if tp > 1:
         t = t + 2 * (tp - 1) / tp * rb / hw.link_bandwidth + nr * hw.collective_latency_s

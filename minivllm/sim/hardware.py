@@ -33,6 +33,15 @@ class Hardware:
     bandwidth_efficiency: float = 0.8
     # Attention kernels reach a different fraction than matrix products.
     attention_efficiency: float = 0.5
+    # K/V bytes/s the engine's decode attention kernel reads at best, measured by
+    # calibrate (minivllm/sim/engine_peaks.py); attention_efficiency is then a
+    # fraction of it. 0 (the presets): mem_bandwidth x bandwidth_efficiency.
+    attention_bandwidth: float = 0.0
+    # ((rows, FLOP/s), ...): what the engine's matrix-product kernels reach on a step
+    # of that many token rows (calibrate measures it; a CPU engine switches kernels
+    # with the row count), interpolated in between, flat beyond the ends;
+    # flops_efficiency is then a fraction of this curve. Empty: peak_flops for all.
+    linear_flops_by_rows: tuple = ()
     # Fixed CPU-side costs: per step (schedule, launch, sample, update), per
     # scheduled sequence (its inputs, its sampling) and per token.
     step_overhead_s: float = 1e-3
@@ -53,6 +62,12 @@ class Hardware:
     source: str = ""
 
     def __post_init__(self) -> None:
+        curve = tuple((int(r), float(f)) for r, f in self.linear_flops_by_rows)
+        if any(f <= 0 or r < 1 for r, f in curve) or \
+                any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+            raise ValueError(f"Hardware linear_flops_by_rows={self.linear_flops_by_rows!r} "
+                             "is invalid: (rows >= 1, FLOP/s > 0) pairs, rows increasing")
+        object.__setattr__(self, "linear_flops_by_rows", curve)
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type in ("float", float) and not (isinstance(v, (int, float)) and v >= 0):
@@ -79,6 +94,15 @@ class Hardware:
                              f"known: {', '.join(sorted(known))}")
         return Hardware(**d)
 
+    def linear_peak(self, rows):
+        """The matrix products' peak FLOP/s on steps of ``rows`` tokens (array or number)."""
+        if not self.linear_flops_by_rows:
+            return self.peak_flops
+        import numpy as np
+
+        r, f = zip(*self.linear_flops_by_rows)
+        return np.interp(rows, r, f)
+
     def wake_cost(self, idle_s: float) -> float:
         """How late the first step after ``idle_s`` idle seconds starts."""
         if self.idle_wake_s <= 0 or idle_s <= 0:
@@ -94,6 +118,7 @@ class Hardware:
             raise ValueError(f"factor={factor!r} is invalid: must be > 0")
         return replace(self, flops_efficiency=self.flops_efficiency / factor,
                        bandwidth_efficiency=self.bandwidth_efficiency / factor,
+                       attention_bandwidth=self.attention_bandwidth / factor,
                        link_bandwidth=self.link_bandwidth / factor,
                        step_overhead_s=self.step_overhead_s * factor,
                        per_seq_overhead_s=self.per_seq_overhead_s * factor,
