@@ -226,6 +226,10 @@ def sim_requests(turns: list[Turn], real_order: bool = False):
 
 def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args,
             real_order: bool = False):
+    return run_sim_requests(hw, policy, n, num_blocks, sim_requests(turns, real_order), args)
+
+
+def run_sim_requests(hw, policy: str, n: int, num_blocks: int, requests, args):
     from minivllm.config import EngineArgs
     from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.models import load_model_config
@@ -238,7 +242,75 @@ def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args,
                                max_num_batched_tokens=args.max_num_batched_tokens),
                     n, policy, host_cores=args.host_cores or len(os.sched_getaffinity(0)),
                     threads_per_replica=args.threads)
-    return sim.run(sim_requests(turns, real_order))
+    return sim.run(requests)
+
+
+# -- choosing a workload before any real run ------------------------------------------
+def planned_turns(args, tokenizer, seed: int) -> list[Turn]:
+    """The workload's turns as the replicas would tokenize them, before any real run:
+    each answer a stand-in of ``fleet_output_len`` words (the real ones are the
+    model's), session starts on the Poisson schedule of ``seed``."""
+    import random
+
+    from minivllm.benchmarks.workload import arrival_times
+
+    rng = random.Random(seed + 7919)
+    starts = arrival_times(args.num_sessions, args.session_rate, 1.0, seed)
+    turns = []
+    for s, conv in enumerate(conversations(args)):
+        messages = [{"role": "system", "content": conv[0]}]
+        for k, user in enumerate(conv[1:]):
+            messages.append({"role": "user", "content": user})
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=True)
+            turns.append(Turn(s, k, list(messages), sent=starts[s],
+                              output_tokens=args.fleet_output_len,
+                              prompt_ids=tokenizer.encode(text, add_special_tokens=False)))
+            answer = " ".join(rng.choice(WORDS) for _ in range(args.fleet_output_len))
+            messages.append({"role": "assistant", "content": answer})
+    return turns
+
+
+def plan(args, hw, seeds=range(20), jitters=(0.0, 1.0, 3.0), policies=None) -> dict:
+    """Cached prompt tokens per policy, simulated over ``seeds`` (session starts) and
+    ``jitters`` (each turn sent up to that many seconds late, uniformly: the real
+    fleet's timing, which decides the order turns reach the router, varies from run
+    to run); returns each policy's and the single big replica's totals per draw, and
+    ``kv_aware`` / ``round_robin`` per draw (what ``--plan`` prints)."""
+    import random
+
+    from minivllm.inputs import load_tokenizer
+    from minivllm.model.resolve import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    policies = list(policies or args.policies)
+    out: dict = {p: [] for p in ["single", *policies]}
+    for seed in seeds:
+        turns = planned_turns(args, tokenizer, seed)
+        for jitter in jitters:
+            for name in out:
+                n, blocks = ((1, args.num_kv_blocks * args.num_replicas * 4) if name == "single"
+                             else (args.num_replicas, args.num_kv_blocks))
+                reqs = sim_requests(turns)
+                rng = random.Random(seed * 1000 + int(jitter * 100))
+                for r in reqs:
+                    r.think_time = rng.uniform(0.0, jitter)
+                result = run_sim_requests(hw, name if n > 1 else "round_robin", n, blocks,
+                                          reqs, args)
+                out[name].append(summarize_sim(result)["cached_tokens"])
+    return out
+
+
+def print_plan(out: dict) -> None:
+    import numpy as np
+
+    print(f"simulated cached prompt tokens over {len(out['single'])} draws (seeds x jitters):")
+    for name, v in out.items():
+        print(f"  {name:<13} median {np.median(v):>7.0f}  min {min(v):>6}  max {max(v):>6}")
+    if "kv_aware" in out and "round_robin" in out:
+        ratio = np.array(out["kv_aware"]) / np.maximum(np.array(out["round_robin"]), 1)
+        print(f"  kv_aware / round_robin: median {np.median(ratio):.2f}, min {ratio.min():.2f}, "
+              f"{(ratio >= 2).mean():.0%} of draws >= 2")
 
 
 # -- the table ---------------------------------------------------------------------
@@ -294,6 +366,10 @@ def run(args: argparse.Namespace) -> dict:
         if p not in POLICIES:
             raise ValueError(f"policies contains {p!r}: each must be one of {', '.join(POLICIES)}")
     hw = load_hw(args.calibration)
+    if args.plan:
+        out = plan(args, hw, seeds=range(args.seed, args.seed + args.plan_seeds))
+        print_plan(out)
+        return {"plan": out}
     convs = conversations(args)
     n_req = args.num_sessions * args.num_turns
     big = args.num_kv_blocks * args.num_replicas * 4  # holds everything
@@ -337,20 +413,30 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
+    # The default workload: multi-tenant agent sessions whose histories outgrow their
+    # system prompts, chosen with --plan (virtual time, 20 session schedules x 3
+    # timing jitters, at the calibrated speed and 3x slower) so that kv_aware's lead
+    # over round_robin is not a coin toss of arrival order; 16 sessions, not a
+    # multiple of 3 replicas, so round robin cannot send a session back by accident.
     g = p.add_argument_group("--fleet")
     g.add_argument("--num-replicas", type=int, default=3)
     g.add_argument("--policies", nargs="+", default=list(POLICIES))
-    g.add_argument("--num-sessions", type=int, default=6)
-    g.add_argument("--num-turns", type=int, default=3)
-    g.add_argument("--system-len", type=int, default=160, help="words of the system prompt")
-    g.add_argument("--num-system-prompts", type=int, default=1,
+    g.add_argument("--num-sessions", type=int, default=16)
+    g.add_argument("--num-turns", type=int, default=5)
+    g.add_argument("--system-len", type=int, default=8, help="words of each system prompt")
+    g.add_argument("--num-system-prompts", type=int, default=5,
                    help="tenants, each with its own system prompt (session i: tenant i mod N)")
-    g.add_argument("--user-len", type=int, default=24, help="words per user turn")
-    g.add_argument("--fleet-output-len", dest="fleet_output_len", type=int, default=16)
+    g.add_argument("--user-len", type=int, default=64, help="words per user turn")
+    g.add_argument("--fleet-output-len", dest="fleet_output_len", type=int, default=32)
     g.add_argument("--session-rate", type=float, default=1.0, help="sessions started per s")
-    g.add_argument("--num-kv-blocks", type=int, default=64, help="per replica")
+    g.add_argument("--num-kv-blocks", type=int, default=160, help="per replica")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     g.add_argument("--host-cores", type=int, default=None,
                    help="cores the replicas share, for the simulator (default: this machine's)")
+    g.add_argument("--plan", action="store_true",
+                   help="start nothing: simulate the workload over --plan-seeds session "
+                   "schedules x 3 timing jitters and print each policy's cached tokens and "
+                   "kv_aware / round_robin (is the gap robust, or a coin toss of arrival order?)")
+    g.add_argument("--plan-seeds", type=int, default=20)
     g.add_argument("--fleet-file", dest="fleet_output", default="figures/fleet_validation.json")
