@@ -155,15 +155,15 @@ def test_the_command_writes_a_fit_and_refuses_to_write_an_unidentified_one(
 # -- the peaks: the engine's own kernels, a curve over row counts -----------------
 
 CURVE = BASE.with_(linear_flops_by_rows=((16, 3e10), (256, 1e11), (257, 4e10), (512, 4e10)),
-                   peak_flops=1e11, attention_bandwidth=2e10)
+                   peak_flops=1e11, attention_bandwidth=2e10, attention_flops=1e10)
 
 
 def test_a_row_dependent_peak_and_an_attention_bandwidth_are_recovered_and_round_trip(
         design_rows, tmp_path):
     """With the matrix products' peak a curve over the step's token rows (a kernel
-    switch at 256) and decode attention priced at its kernel's own bandwidth, the
-    fit still gives the constants back exactly from noiseless steps, and the
-    hardware file keeps both."""
+    switch at 256) and attention priced at its kernels' own peaks (decode: K/V
+    bandwidth, prefill: FLOP/s), the fit still gives the constants back exactly
+    from noiseless steps, and the hardware file keeps all three."""
     truth = CURVE.with_(**{n: getattr(TRUTH, n) for n in FITTED})
     cal = fit(CURVE, design_rows, times_of(design_rows, truth))
     for name in FITTED:
@@ -181,15 +181,25 @@ def test_a_row_dependent_peak_and_an_attention_bandwidth_are_recovered_and_round
 
 
 def test_the_cost_model_prices_a_step_at_the_curve_s_peak_for_its_rows():
+    """The linear group at the curve's FLOP/s for the step's token rows, the attention
+    group at the attention kernels' own peaks; the presets (no curve, no attention
+    peaks) keep the peak and bandwidth of the matrix products."""
     from minivllm.sim.cost_model import CostModel
 
-    cost = CostModel(MODEL, CURVE)
-    hw = CURVE.with_(bandwidth_efficiency=1.0, flops_efficiency=1.0)
+    hw = CURVE.with_(bandwidth_efficiency=1.0, flops_efficiency=1.0, attention_efficiency=0.5)
+    plain = hw.with_(linear_flops_by_rows=(), attention_bandwidth=0.0, attention_flops=0.0)
     for tokens, peak in ((512, 4e10), (256, 1e11), (136, 6.5e10), (8, 3e10)):
-        f = cost.features_from(tokens, 1, 1, tokens * (tokens + 1) // 2, 2 * tokens)
-        linear = CostModel(MODEL, hw).breakdown(f)["linear"]
-        assert linear == pytest.approx(max(f.linear_flops / peak,
-                                           f.linear_bytes / hw.mem_bandwidth))
+        f = CostModel(MODEL, hw).features_from(tokens, 1, 1, tokens * (tokens + 1) // 2,
+                                                2 * tokens)
+        got, old = CostModel(MODEL, hw).breakdown(f), CostModel(MODEL, plain).breakdown(f)
+        assert got["linear"] == pytest.approx(max(f.linear_flops / peak,
+                                                  f.linear_bytes / hw.mem_bandwidth))
+        assert got["attention"] == pytest.approx(max(f.attention_flops / 1e10,
+                                                     f.attention_bytes / 2e10) / 0.5)
+        assert old["linear"] == pytest.approx(max(f.linear_flops / 1e11,
+                                                  f.linear_bytes / hw.mem_bandwidth))
+        assert old["attention"] == pytest.approx(max(f.attention_flops / 1e11,
+                                                     f.attention_bytes / 1e10) / 0.5)
 
 
 @needs_cpu_kernels()
@@ -219,7 +229,7 @@ def test_the_peaks_are_measured_on_the_engine_s_own_kernels_and_bound_its_steps(
         peaks = engine_peaks(runner, min_seconds=0.1)
         curve = dict(peaks.linear_by_rows)
         assert {PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1} <= set(curve)
-        assert peaks.attention_bandwidth > 0
+        assert peaks.attention_bandwidth > 0 and peaks.attention_flops > 0
         # The engine's own large-batch steps: lone prefills of n tokens.
         for i in range(3):
             llm.generate([{"prompt_token_ids": [5 + (i * 7 + j) % 200 for j in range(n)]}],

@@ -206,7 +206,8 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
 def kernel_peaks(llm, probes: Hardware) -> Hardware:
     """``probes`` with the peaks of the engine's own kernels where they are on
     (``minivllm.sim.engine_peaks``): the matrix products' FLOP/s on the model's
-    layers and the decode attention's K/V bandwidth, so that each efficiency is a
+    layers by row count, the decode attention's K/V bandwidth and the prefill
+    attention's FLOP/s, so that each efficiency is a
     fraction of a peak the engine can reach. The reference path keeps the probes.
     Called again with its own result, it keeps the larger of the two measurements
     per point (a peak measured while other work held the cores is no peak)."""
@@ -225,13 +226,15 @@ def kernel_peaks(llm, probes: Hardware) -> Hardware:
     for rows, flops in probes.linear_flops_by_rows:  # the earlier measurement's
         curve[rows] = max(curve.get(rows, 0.0), flops)
     attention = max(peaks.attention_bandwidth, probes.attention_bandwidth)
+    attention_flops = max(peaks.attention_flops, probes.attention_flops)
     source = probes.source.split("; peaks of the engine's kernels")[0]
     text = ", ".join(f"{r}: {f / 1e9:.0f}" for r, f in sorted(curve.items()))
     return probes.with_(
         peak_flops=max(curve.values()), linear_flops_by_rows=tuple(sorted(curve.items())),
-        attention_bandwidth=attention, source=(
+        attention_bandwidth=attention, attention_flops=attention_flops, source=(
             f"{source}; peaks of the engine's kernels on this model: linear GFLOP/s by "
-            f"token rows {{{text}}}, decode attention {attention / 1e9:.1f} GB/s of K/V"))
+            f"token rows {{{text}}}, decode attention {attention / 1e9:.1f} GB/s of K/V, "
+            f"prefill attention {attention_flops / 1e9:.1f} GFLOP/s"))
 
 
 def save_steps(path, base: Hardware, rows, measured, tp: int) -> None:

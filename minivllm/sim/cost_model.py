@@ -17,9 +17,10 @@ Groups, per step (``T`` new tokens in all, ``S`` sequences that sample):
   bytes: every weight once, plus the activations each product reads and writes.
 - attention, per sequence and layer: FLOPs ``4 heads d (q c + q (q+1) / 2)``
   (QK^T and PV, causal), bytes: the K/V of its ``c + q`` tokens read once,
-  the ``q`` new ones written; the bytes at the attention kernel's own
-  bandwidth where calibrate measured it (``attention_bandwidth``), and the
-  whole group at ``attention_efficiency`` of its roofline.
+  the ``q`` new ones written; the FLOPs and bytes at the attention kernels'
+  own peaks where calibrate measured them (``attention_flops``: prefill,
+  ``attention_bandwidth``: decode), and the whole group at
+  ``attention_efficiency`` of its roofline.
 - all-reduce (``tp > 1``): two per layer over ``T x hidden`` activations, a
   ring: ``2 (tp - 1) / tp x bytes / link bandwidth + latency``.
 
@@ -135,7 +136,7 @@ class CostModel:
         linear_flops = float(hw.linear_peak(f.num_tokens)) * hw.flops_efficiency
         out = {
             "linear": max(f.linear_flops / linear_flops, f.linear_bytes / bw),
-            "attention": max(f.attention_flops / flops,
+            "attention": max(f.attention_flops / (hw.attention_flops or flops),
                              f.attention_bytes / (hw.attention_bandwidth or bw))
             / hw.attention_efficiency,
             "overhead": (hw.step_overhead_s + hw.per_seq_overhead_s * f.num_seqs
@@ -154,7 +155,8 @@ def times_of(rows: np.ndarray, hw: Hardware, tp: int = 1) -> np.ndarray:
     flops = hw.peak_flops * hw.flops_efficiency
     bw = hw.mem_bandwidth * hw.bandwidth_efficiency
     t = (np.maximum(lf / (hw.linear_peak(tok) * hw.flops_efficiency), lb / bw)
-         + np.maximum(af / flops, ab / (hw.attention_bandwidth or bw)) / hw.attention_efficiency
+         + np.maximum(af / (hw.attention_flops or flops), ab / (hw.attention_bandwidth or bw))
+         / hw.attention_efficiency
          + hw.step_overhead_s + hw.per_seq_overhead_s * seqs + hw.per_token_overhead_s * tok)
     if tp > 1:
         t = t + 2 * (tp - 1) / tp * rb / hw.link_bandwidth + nr * hw.collective_latency_s

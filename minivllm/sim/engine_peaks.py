@@ -23,6 +23,12 @@ model:
   step, not from the last call's caches; the peak is K/V bytes read per
   second (decode attention reads each cached key and value once and does
   about 1.5 FLOPs per byte: it is memory-bound).
+- **prefill attention**: the CPU backend's prefill path (a padded batch and
+  PyTorch's causal SDPA) on one fresh prompt of ``PREFILL_TOKENS`` tokens, in
+  FLOP/s. It is compute-bound and far below the matrix products' peak (on
+  this 2-core machine about 10 GFLOP/s a thread against 200+), so pricing it
+  at the products' peak made lone prefills of a few hundred tokens 1.5x
+  faster in the simulator than in the engine.
 
 Where the kernels are off (the reference path), ``engine_peaks`` returns
 None and the probes stand.
@@ -44,12 +50,15 @@ LINEAR_ROWS = (16, 64, 128, 512)
 ATTENTION_CONTEXT = 2048
 ATTENTION_SEQS = 8
 ATTENTION_CACHES = 4
+# Tokens of the fresh prompt whose prefill attention is timed (the token budget).
+PREFILL_TOKENS = 512
 
 
 @dataclass
 class EnginePeaks:
     linear_by_rows: tuple  # ((rows, FLOP/s), ...) of one decoder layer's products
     attention_bandwidth: float  # K/V bytes/s of the paged decode kernel
+    attention_flops: float  # FLOP/s of the prefill attention (causal, one fresh prompt)
 
     @property
     def linear_flops(self) -> float:
@@ -59,7 +68,8 @@ class EnginePeaks:
         curve = ", ".join(f"{r}: {f / 1e9:.0f}" for r, f in self.linear_by_rows)
         return (f"engine kernels: linear GFLOP/s by token rows {{{curve}}} (one decoder "
                 f"layer's products), decode attention {self.attention_bandwidth / 1e9:.1f} "
-                f"GB/s of K/V ({ATTENTION_SEQS} x {ATTENTION_CONTEXT} tokens)")
+                f"GB/s of K/V ({ATTENTION_SEQS} x {ATTENTION_CONTEXT} tokens), prefill "
+                f"attention {self.attention_flops / 1e9:.1f} GFLOP/s ({PREFILL_TOKENS} tokens)")
 
 
 def linear_rows() -> tuple[int, ...]:
@@ -142,6 +152,27 @@ def decode_attention_peak(num_heads: int, num_kv_heads: int, head_dim: int, bloc
     return read / best_time(call, min_seconds, repeats=2 * caches)
 
 
+@torch.inference_mode()
+def prefill_attention_peak(num_heads: int, num_kv_heads: int, head_dim: int,
+                           dtype: torch.dtype, tokens: int = PREFILL_TOKENS,
+                           min_seconds: float = 0.3) -> float:
+    """FLOP/s of the CPU backend's prefill attention (``CPUAttentionBackend._prefill``:
+    a gather into a padded batch, then PyTorch's causal SDPA) on one fresh prompt of
+    ``tokens`` tokens, counted as the cost model counts it (``4 heads d q (q+1) / 2``)."""
+    from minivllm.cpu.attention import CPUAttentionBackend, PrefillBatch, _head_major_rows
+
+    q = torch.randn(tokens, num_heads, head_dim).to(dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
+    rows = torch.arange(tokens)
+    batch = PrefillBatch(1, tokens, tokens, rows, _head_major_rows(rows[None], num_kv_heads),
+                         False, None, rows, rows)
+    out = torch.empty_like(q)
+    seconds = best_time(lambda: CPUAttentionBackend._prefill(
+        q, k, v, None, None, batch, head_dim ** -0.5, out), min_seconds)
+    return 4 * num_heads * head_dim * tokens * (tokens + 1) / 2 / seconds
+
+
 def engine_peaks(runner, min_seconds: float = 0.3) -> Optional[EnginePeaks]:
     """The engine's kernel peaks for a loaded ``ModelRunner``, or None where the CPU
     kernels are off (then ``bench roofline``'s probes are what the engine runs)."""
@@ -154,8 +185,10 @@ def engine_peaks(runner, min_seconds: float = 0.3) -> Optional[EnginePeaks]:
     curve = linear_peaks(runner.model, runner.dtype, linear_rows(), min_seconds)
     bw = decode_attention_peak(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                k_cache.shape[1], k_cache.dtype, min_seconds=2 * min_seconds)
-    return EnginePeaks(curve, bw)
+    attn_flops = prefill_attention_peak(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                        runner.dtype, min_seconds=min_seconds)
+    return EnginePeaks(curve, bw, attn_flops)
 
 
 __all__ = ["EnginePeaks", "engine_peaks", "linear_peaks", "linear_rows", "decode_attention_peak",
-           "layer_linears", "LINEAR_ROWS", "ATTENTION_CONTEXT"]
+           "layer_linears", "LINEAR_ROWS", "ATTENTION_CONTEXT", "prefill_attention_peak"]

@@ -37,6 +37,9 @@ class Hardware:
     # calibrate (minivllm/sim/engine_peaks.py); attention_efficiency is then a
     # fraction of it. 0 (the presets): mem_bandwidth x bandwidth_efficiency.
     attention_bandwidth: float = 0.0
+    # FLOP/s the engine's prefill attention reaches at best (calibrate measures it);
+    # 0 (the presets): peak_flops x flops_efficiency.
+    attention_flops: float = 0.0
     # ((rows, FLOP/s), ...): what the engine's matrix-product kernels reach on a step
     # of that many token rows (calibrate measures it; a CPU engine switches kernels
     # with the row count), interpolated in between, flat beyond the ends;
@@ -119,6 +122,7 @@ class Hardware:
         return replace(self, flops_efficiency=self.flops_efficiency / factor,
                        bandwidth_efficiency=self.bandwidth_efficiency / factor,
                        attention_bandwidth=self.attention_bandwidth / factor,
+                       attention_flops=self.attention_flops / factor,
                        link_bandwidth=self.link_bandwidth / factor,
                        step_overhead_s=self.step_overhead_s * factor,
                        per_seq_overhead_s=self.per_seq_overhead_s * factor,
