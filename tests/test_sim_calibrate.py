@@ -246,3 +246,18 @@ def test_the_peaks_are_measured_on_the_engine_s_own_kernels_and_bound_its_steps(
         assert engine_peaks(ref.engine_core.executor.runner) is None
     finally:
         ref.shutdown()
+
+
+def test_a_peak_point_slower_than_a_larger_product_is_capped_by_it():
+    """A product of fewer rows never takes longer than one of more: a measured point
+    that did (other work held the cores) takes the larger product's time; points
+    that keep the rule, the kernel switch's drop among them, stay as measured."""
+    from minivllm.sim.engine_peaks import no_slower_with_fewer_rows
+
+    clean = ((16, 3.6e11), (64, 4.5e11), (256, 4.4e11), (257, 1e11), (512, 8e10))
+    assert no_slower_with_fewer_rows(clean) == clean
+    got = dict(no_slower_with_fewer_rows(((16, 8e9), *clean[1:])))
+    assert got[16] == pytest.approx(16 / (64 / 4.5e11))  # the 64-row product's time
+    assert {r: got[r] for r, _ in clean[1:]} == dict(clean[1:])
+    for (r1, f1), (r2, f2) in zip(sorted(got.items()), sorted(got.items())[1:]):
+        assert r1 / f1 <= r2 / f2 * (1 + 1e-12)

@@ -211,7 +211,7 @@ def kernel_peaks(llm, probes: Hardware) -> Hardware:
     fraction of a peak the engine can reach. The reference path keeps the probes.
     Called again with its own result, it keeps the larger of the two measurements
     per point (a peak measured while other work held the cores is no peak)."""
-    from minivllm.sim.engine_peaks import engine_peaks
+    from minivllm.sim.engine_peaks import engine_peaks, no_slower_with_fewer_rows
 
     runner = getattr(llm.engine_core.executor, "runner", None)  # None: TP processes
     peaks = engine_peaks(runner) if runner is not None else None
@@ -225,6 +225,7 @@ def kernel_peaks(llm, probes: Hardware) -> Hardware:
     curve = dict(peaks.linear_by_rows)
     for rows, flops in probes.linear_flops_by_rows:  # the earlier measurement's
         curve[rows] = max(curve.get(rows, 0.0), flops)
+    curve = dict(no_slower_with_fewer_rows(curve.items()))
     attention = max(peaks.attention_bandwidth, probes.attention_bandwidth)
     attention_flops = max(peaks.attention_flops, probes.attention_flops)
     source = probes.source.split("; peaks of the engine's kernels")[0]

@@ -122,6 +122,19 @@ def linear_peaks(model: torch.nn.Module, dtype: torch.dtype, rows=LINEAR_ROWS,
     return tuple(out)
 
 
+def no_slower_with_fewer_rows(curve) -> tuple[tuple[int, float], ...]:
+    """The curve with each row count's time capped by any larger row count's: a
+    product of fewer rows never takes longer than one of more, whatever the
+    kernel, so a point slower than that was measured while other work held the
+    cores (on a loaded 2-core machine one point in several can be 10x off)."""
+    pts = sorted(curve)
+    out, cap = [], float("inf")
+    for rows, flops in reversed(pts):
+        cap = min(cap, rows / flops)  # seconds per FLOP of one row, times rows
+        out.append((rows, rows / cap))
+    return tuple(reversed(out))
+
+
 @torch.inference_mode()
 def decode_attention_peak(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                           dtype: torch.dtype, context: int = ATTENTION_CONTEXT,
@@ -191,4 +204,5 @@ def engine_peaks(runner, min_seconds: float = 0.3) -> Optional[EnginePeaks]:
 
 
 __all__ = ["EnginePeaks", "engine_peaks", "linear_peaks", "linear_rows", "decode_attention_peak",
-           "layer_linears", "LINEAR_ROWS", "ATTENTION_CONTEXT", "prefill_attention_peak"]
+           "layer_linears", "LINEAR_ROWS", "ATTENTION_CONTEXT", "prefill_attention_peak",
+           "no_slower_with_fewer_rows"]
