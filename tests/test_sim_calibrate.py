@@ -209,6 +209,8 @@ def test_the_peaks_are_measured_on_the_engine_s_own_kernels_and_bound_its_steps(
     and it is at least what the engine reaches on a large prefill step (so the
     fitted efficiency is a fraction, not pinned at 1); on the reference path the
     probes stand (no engine peaks)."""
+    import torch
+
     from minivllm import LLM, SamplingParams
     from minivllm.cpu.layers import PackedLinear
     from minivllm.cpu.prepack import PANEL_MAX_ROWS
@@ -216,6 +218,11 @@ def test_the_peaks_are_measured_on_the_engine_s_own_kernels_and_bound_its_steps(
     from minivllm.sim.engine_peaks import engine_peaks, layer_linears
 
     path, n = tiny_model("llama"), 256
+    # One thread, engine and probe alike: on a machine shared with other work a
+    # two-thread product of this tiny size waits for a descheduled thread at its
+    # barrier far more often than it runs undisturbed.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     llm = LLM(path, trace=True, num_kv_blocks=128, max_num_batched_tokens=512)
     try:
         runner = llm.engine_core.executor.runner
@@ -238,6 +245,7 @@ def test_the_peaks_are_measured_on_the_engine_s_own_kernels_and_bound_its_steps(
         model = llm.llm_engine.config.model
     finally:
         llm.shutdown()
+        torch.set_num_threads(threads)
     assert len(steps) == 3
     f = CostModel(model, BASE).features_from(n, 1, 1, n * (n + 1) // 2, 2 * n)
     assert curve[n] >= f.linear_flops / float(np.median(steps))
