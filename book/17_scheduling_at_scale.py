@@ -88,7 +88,8 @@ show_source(CostModel.breakdown, start="flops = hw.peak_flops", end="return out"
 # %% [markdown]
 # ## Calibrate on this machine
 #
-# `calibrate` measures this machine's peaks (matmul FLOP/s, memory bandwidth), runs
+# `calibrate` measures this machine's peaks (memory bandwidth, and the FLOP/s and
+# bandwidth the engine's own kernels reach on this model's layers and KV cache), runs
 # the real engine on a workload designed so that every constant shows in some steps
 # (lone prefills of 16 to 512 tokens, one sequence decoding at a short and a long
 # context, decode batches of 8 to 64, a mixed batch), records every step's

@@ -186,7 +186,7 @@ def prefill_attention_peak(num_heads: int, num_kv_heads: int, head_dim: int,
     return 4 * num_heads * head_dim * tokens * (tokens + 1) / 2 / seconds
 
 
-def engine_peaks(runner, min_seconds: float = 0.3) -> Optional[EnginePeaks]:
+def engine_peaks(runner, min_seconds: float = 0.2) -> Optional[EnginePeaks]:
     """The engine's kernel peaks for a loaded ``ModelRunner``, or None where the CPU
     kernels are off (then ``bench roofline``'s probes are what the engine runs)."""
     if getattr(runner, "acceleration_problem", "no runner") is not None:
