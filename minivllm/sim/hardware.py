@@ -5,7 +5,9 @@ the vendors' data sheets (dense BF16 tensor-core FLOP/s, HBM bandwidth,
 memory size, one direction of the GPU-to-GPU link) and assume the same
 fractions of them for every GPU; ``minivllm simulate calibrate`` replaces the
 assumptions by constants fitted to the real engine on this machine and writes
-them to a JSON file that ``--hardware FILE`` reads back. ``cpu`` is this
+them to a JSON file that ``--hardware FILE`` reads back (with the peaks the
+engine's own CPU kernels reached on the model: ``linear_flops_by_rows``,
+``attention_bandwidth``, ``attention_flops``). ``cpu`` is this
 machine's float32 peak as ``minivllm bench roofline`` measures it, with
 untuned efficiencies: calibrate it before trusting its numbers.
 """
