@@ -309,7 +309,10 @@ template <> struct OneRow<Q8_0> {
 // rows are one contiguous stream of blocks; the hardware prefetcher alone
 // keeps too few lines in flight for it (half the bandwidth on a Zen 5), a
 // burst for the next tile only starts too late. Each row prefetches its line
-// kPrefetchTiles tiles ahead as it goes (4: best of 1-16 measured).
+// kPrefetchTiles tiles ahead as it goes (4: best of 1-16 measured), as
+// non-temporal: each weight is used once, and the ~100 MB a step streams
+// would otherwise push out of the caches everything the Python step between
+// two decode steps works on (which then runs several times slower).
 constexpr int64_t kPrefetchTiles = 4;
 
 template <int64_t T>
@@ -324,7 +327,7 @@ void one_row_tile(const float* x, int64_t K, const uint8_t* const* w, int64_t ah
     vf xv[G];
     for (int c = 0; c < G; ++c) xv[c] = vec::load(x + k + c * L);
     for (int r = 0; r < kTile; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + blk + ahead),
-                                                 _MM_HINT_T0);
+                                                 _MM_HINT_NTA);
     for (int r = 0; r < kTile; ++r) OneRow<T>::step(w[r] + blk, g, xv, acc[r]);
   }
   for (int r = 0; r < kTile; ++r) acc_out[r] = vec::reduce_add(acc[r]);
