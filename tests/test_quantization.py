@@ -173,6 +173,28 @@ def test_default_file_quantized_tokens_equal_the_float32_path():
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
+@pytest.mark.slow
+def test_default_file_one_stream_on_the_kernels_gives_the_reference_quantized_tokens():
+    """One sequence at a time through the decode-step replay on the blocks (the one-row
+    products: the table-driven Q4_1 and the Q8_0 LM head) against the reference's
+    dequantize-then-matmul on every step, greedy, on the file as it ships."""
+    from minivllm import LLM, SamplingParams
+    from tests.cpu_requirements import FEATURES
+
+    if FEATURES.isa not in ("native", "avx2"):
+        pytest.skip("no CPU kernels here")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    fast = LLM(quantization="gguf")
+    replay = fast.llm_engine.engine_core.executor.runner.decode_replay
+    assert replay is not None
+    got = [fast.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert replay.steps >= 2 * 23  # every decode step on the blocks, one row each
+    ref = LLM(quantization="gguf", cpu_kernels=False)
+    want = [ref.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert got == want
+
+
 KERNEL_CHECK = """
 import json, torch
 from minivllm.cpu import _custom_ops as ops
