@@ -318,3 +318,27 @@ def test_the_simulator_prices_the_bytes_the_quantized_model_holds():
             for _, t in m.qweight.segments}
     assert CostModel(config, load_hardware("h100-sxm")).weight_bytes == pytest.approx(
         sum(held.values()), rel=1e-9)
+
+
+def test_gguf_gemv_bench_streams_every_matrix_of_the_default_file(capsys):
+    """``python -m minivllm.benchmarks.gguf_gemv``: the one-row product over the file's
+    own blocks (210 Q4_1 matrices and the Q8_0 embedding / LM head), cache-hot for each
+    type, against the bandwidth probe."""
+    import argparse
+    from collections import Counter
+
+    from minivllm.benchmarks import gguf_gemv
+    from tests.cpu_requirements import FEATURES
+
+    if FEATURES.isa not in ("native", "avx2"):
+        pytest.skip("no CPU kernels here")
+    matrices = gguf_gemv.file_matrices()
+    assert Counter(t for t, _, _ in matrices) == {BLOCK_TYPES["Q4_1"].type_id: 210,
+                                                 BLOCK_TYPES["Q8_0"].type_id: 1}
+    for type_id, blocks, cols in matrices:  # whole rows of whole blocks
+        bt = next(b for b in BLOCK_TYPES.values() if b.type_id == type_id)
+        assert blocks.shape[1] == bt.row_bytes(cols)
+    rates = gguf_gemv.run(argparse.Namespace(model=None, rounds=1, probe_bytes=1 << 22))
+    assert set(rates) == {"probe", "streamed", "hot type 3", "hot type 8"}
+    assert all(r["best"] > 0 for r in rates.values())
+    assert "best / probe" in capsys.readouterr().out
