@@ -163,6 +163,7 @@ class LlamaFusedDecode:
         model = self.model = causal_lm.model
         self.weights = [t for layer in model.layers for t in _layer_tensors(layer)]
         self.packed = [getattr(lin, "packed_weight", None) for lin in _linears(model)]
+        self._first_qkv = model.layers[0].self_attn.qkv_proj
         # gate_up's panels pair gate and up columns (every layer packed alike):
         # the C++ step then applies SiLU-and-mul in that product's epilogue.
         self.gate_up_halves = all(_halves(layer.mlp.gate_up_proj) for layer in model.layers)
@@ -242,6 +243,7 @@ class LlamaFusedDecode:
 
     def _weights_current(self) -> bool:
         # Repacking makes new PackedWeight objects; then our captured panels are stale.
-        return (getattr(self.model.layers[0].self_attn.qkv_proj, "packed_weight", None)
-                is self.packed[0]
-                and getattr(self.lm_head, "packed_weight", None) is self.head_packed)
+        # (Read from the modules' __dict__, where prepack puts them: a missing
+        # attribute through nn.Module.__getattr__ costs microseconds every step.)
+        return (self._first_qkv.__dict__.get("packed_weight") is self.packed[0]
+                and self.lm_head.__dict__.get("packed_weight") is self.head_packed)
