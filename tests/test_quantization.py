@@ -173,6 +173,28 @@ def test_default_file_quantized_tokens_equal_the_float32_path():
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
+@pytest.mark.slow
+def test_default_file_one_stream_on_the_kernels_gives_the_reference_quantized_tokens():
+    """One sequence at a time through the decode-step replay on the blocks (the one-row
+    products: the table-driven Q4_1 and the Q8_0 LM head) against the reference's
+    dequantize-then-matmul on every step, greedy, on the file as it ships."""
+    from minivllm import LLM, SamplingParams
+    from tests.cpu_requirements import FEATURES
+
+    if FEATURES.isa not in ("native", "avx2"):
+        pytest.skip("no CPU kernels here")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    fast = LLM(quantization="gguf")
+    replay = fast.llm_engine.engine_core.executor.runner.decode_replay
+    assert replay is not None
+    got = [fast.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert replay.steps >= 2 * 23  # every decode step on the blocks, one row each
+    ref = LLM(quantization="gguf", cpu_kernels=False)
+    want = [ref.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert got == want
+
+
 KERNEL_CHECK = """
 import json, torch
 from minivllm.cpu import _custom_ops as ops
@@ -296,3 +318,27 @@ def test_the_simulator_prices_the_bytes_the_quantized_model_holds():
             for _, t in m.qweight.segments}
     assert CostModel(config, load_hardware("h100-sxm")).weight_bytes == pytest.approx(
         sum(held.values()), rel=1e-9)
+
+
+def test_gguf_gemv_bench_streams_every_matrix_of_the_default_file(capsys):
+    """``python -m minivllm.benchmarks.gguf_gemv``: the one-row product over the file's
+    own blocks (210 Q4_1 matrices and the Q8_0 embedding / LM head), cache-hot for each
+    type, against the bandwidth probe."""
+    import argparse
+    from collections import Counter
+
+    from minivllm.benchmarks import gguf_gemv
+    from tests.cpu_requirements import FEATURES
+
+    if FEATURES.isa not in ("native", "avx2"):
+        pytest.skip("no CPU kernels here")
+    matrices = gguf_gemv.file_matrices()
+    assert Counter(t for t, _, _ in matrices) == {BLOCK_TYPES["Q4_1"].type_id: 210,
+                                                 BLOCK_TYPES["Q8_0"].type_id: 1}
+    for type_id, blocks, cols in matrices:  # whole rows of whole blocks
+        bt = next(b for b in BLOCK_TYPES.values() if b.type_id == type_id)
+        assert blocks.shape[1] == bt.row_bytes(cols)
+    rates = gguf_gemv.run(argparse.Namespace(model=None, rounds=1, probe_bytes=1 << 22))
+    assert set(rates) == {"probe", "streamed", "hot type 3", "hot type 8"}
+    assert all(r["best"] > 0 for r in rates.values())
+    assert "best / probe" in capsys.readouterr().out

@@ -85,6 +85,17 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
             + _linear_tensors(mlp.gate_up_proj) + _linear_tensors(mlp.down_proj))
 
 
+def _embedding_blocks(embed: nn.Module) -> Optional[tuple[torch.Tensor, int, int]]:
+    """A quantized embedding's blocks, GGML type id and columns, when one segment holds
+    them (else None: the module looks rows up). The C++ dequantization of a step's rows
+    gives the reference's numbers (tests/test_quantization.py checks that); it spares a
+    one-stream step ~0.1 ms of small PyTorch operators."""
+    if not _quantized(embed) or len(embed.qweight.segments) != 1:
+        return None
+    (_, t), = embed.qweight.segments
+    return t.data, BLOCK_TYPES[t.qtype].type_id, t.cols
+
+
 def _lora_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Each linear's LoRA factors (lora_a, lora_b: ``cpu/lora.py``'s twin, its B stored
     [slots, R, out]) in the order llama_decode.cpp reads them; [] without LoRA."""
@@ -152,6 +163,7 @@ class LlamaFusedDecode:
         model = self.model = causal_lm.model
         self.weights = [t for layer in model.layers for t in _layer_tensors(layer)]
         self.packed = [getattr(lin, "packed_weight", None) for lin in _linears(model)]
+        self._first_qkv = model.layers[0].self_attn.qkv_proj
         # gate_up's panels pair gate and up columns (every layer packed alike):
         # the C++ step then applies SiLU-and-mul in that product's epilogue.
         self.gate_up_halves = all(_halves(layer.mlp.gate_up_proj) for layer in model.layers)
@@ -167,6 +179,7 @@ class LlamaFusedDecode:
         self.head_dim, self.scale = first.head_dim, first.attn.scale
         self.eps = model.norm.eps
         self.rotary = first.rotary_emb
+        self.embed_blocks = _embedding_blocks(model.embed_tokens)
         self.steps = 0  # decode steps replayed (the tests check the path is used)
         self.lora_steps = 0  # of which with LoRA tokens
         self._caches: Optional[tuple[list, list]] = None
@@ -200,7 +213,11 @@ class LlamaFusedDecode:
 
     def _run(self, input_ids, positions, meta, lora, head: bool) -> torch.Tensor:
         k_caches, v_caches = self._caches
-        hidden = self.model.embed_tokens(input_ids)
+        if self.embed_blocks is not None:  # the step's rows of the blocks, dequantized in C++
+            blocks, type_id, cols = self.embed_blocks
+            hidden = ops.gguf_dequantize(blocks.index_select(0, input_ids), type_id, cols)
+        else:
+            hidden = self.model.embed_tokens(input_ids)
         self.steps += 1
         self.lora_steps += lora is not None
         return ops.llama_decode_forward(
@@ -226,6 +243,7 @@ class LlamaFusedDecode:
 
     def _weights_current(self) -> bool:
         # Repacking makes new PackedWeight objects; then our captured panels are stale.
-        return (getattr(self.model.layers[0].self_attn.qkv_proj, "packed_weight", None)
-                is self.packed[0]
-                and getattr(self.lm_head, "packed_weight", None) is self.head_packed)
+        # (Read from the modules' __dict__, where prepack puts them: a missing
+        # attribute through nn.Module.__getattr__ costs microseconds every step.)
+        return (self._first_qkv.__dict__.get("packed_weight") is self.packed[0]
+                and self.lm_head.__dict__.get("packed_weight") is self.head_packed)
