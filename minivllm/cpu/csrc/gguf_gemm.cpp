@@ -332,8 +332,10 @@ template <int64_t T>
 void linear_rows_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                         int64_t N, const float* bias, float* y, int64_t ldy, int64_t begin,
                         int64_t end) {
+  // (Grown, never shrunk or cleared: layers of different K share it.)
   thread_local std::vector<float> storage;
-  storage.resize(K * NR + 16);  // (+16: room to align the panel to a cache line)
+  if (static_cast<int64_t>(storage.size()) < K * NR + 16) storage.resize(K * NR + 16);
+  // (+16: room to align the panel to a cache line)
   float* buf = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
   for (int64_t n0 = begin; n0 < end; n0 += NR) {
     const int64_t rows = std::min(NR, N - n0);
