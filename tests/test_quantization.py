@@ -209,22 +209,29 @@ for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     layer.load_quantized(QuantizedTensor(torch.from_numpy(random_blocks(qtype, 50, 512, 7)),
                                          qtype, 512))
     fast = CpuQuantizedLinearMethod(layer.quant_method.config)
-    errors, rows_alike = [], True
-    for rows in (1, 2, 5, 33, ops.gguf_max_rows() + 3):
+    t = layer.qweight.segments[0][1]
+    from minivllm.model.layers.quantization import BLOCK_TYPES
+    tid = BLOCK_TYPES[qtype].type_id
+    # The float path on the same numbers: the panel GEMM on the dequantized weight.
+    panels = ops.pack_linear_weight(t.dequantize())
+    bias = torch.randn(50)
+    errors, rows_alike, panel_bits = [], True, {}
+    for rows in (1, 2, 5, 8, 13, 33, 100, ops.gguf_max_rows(), ops.gguf_max_rows() + 3):
         x = torch.randn(rows, 512)
         ref = layer.quant_method.apply(layer, x)
         got = fast.apply(layer, x)
         errors.append(float(((got - ref).abs().max() / ref.abs().max())))
-        if rows < 8:  # below the wide kernel (ops.h gguf_wide_rows): a row's sums
+        if rows < 8:  # below the batch kernel (ops.h gguf_wide_rows): a row's sums
             # are in one order whether it runs alone or in a batch
             one = torch.cat([fast.apply(layer, x[i:i + 1]) for i in range(rows)])
             rows_alike &= torch.equal(one, got)
-    t = layer.qweight.segments[0][1]
-    from minivllm.model.layers.quantization import BLOCK_TYPES
-    same_weights = torch.equal(ops.gguf_dequantize(t.data, BLOCK_TYPES[qtype].type_id, 512),
-                               t.dequantize())
+        elif rows <= ops.gguf_max_rows():  # the batch kernel is the float panel GEMM's
+            # kernel on dequantized panels: the float path's bits, bias included
+            panel_bits[rows] = torch.equal(ops.gguf_linear(x, t.data, tid, bias),
+                                           ops.packed_linear(x, panels, 50, bias))
+    same_weights = torch.equal(ops.gguf_dequantize(t.data, tid, 512), t.dequantize())
     report["types"][qtype] = {"max_rel_error": max(errors), "same_weights": same_weights,
-                              "rows_alike": rows_alike}
+                              "rows_alike": rows_alike, "panel_bits": panel_bits}
 print("REPORT", json.dumps(report))
 """
 
@@ -248,6 +255,7 @@ def _check_kernels(report: dict) -> None:
         assert r["same_weights"], qtype  # the kernel's blocks -> floats: the reference's bits
         assert r["max_rel_error"] < 1e-5, (qtype, r)  # only the summation order differs
         assert r["rows_alike"], qtype  # one sequence's numbers: alone or in a batch
+        assert len(r["panel_bits"]) == 5 and all(r["panel_bits"].values()), (qtype, r)
 
 
 def test_quantized_kernels_match_the_reference_method():

@@ -4,9 +4,11 @@ The reference ``QuantizedLinearMethod`` (``model/layers/quantization``)
 dequantizes a whole matrix to float32 at every call and multiplies; this
 twin of it, swapped onto each quantized layer by ``swap_in_twins``, streams
 the blocks instead: four weight rows at a time are dequantized in vector
-registers (one x row) or into an L1-sized buffer (more rows, each weight
-vector then used by every row of the batch), with the reference's rounding,
-which is what makes a quantized decode step read fewer bytes. Batches of
+registers (one x row) or into an L1-sized buffer (2-7 rows, each weight
+vector then used by every row of the batch); from 8 rows on, a panel of
+output rows at a time is dequantized into the float panel GEMM's layout and
+multiplied by its own kernel (the float path's bits). Always with the
+reference's rounding, which is what makes a quantized decode step read fewer bytes. Batches of
 more than ``gguf_max_rows()`` rows (long prefill chunks) are compute-bound:
 there the blocks are dequantized once in C++ and MKL's GEMM multiplies, as
 the reference does.

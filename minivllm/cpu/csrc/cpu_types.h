@@ -90,6 +90,32 @@ inline vf round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT
 inline vf scale2(vf p, vf k) { return _mm512_scalef_ps(p, k); }  // p * 2^k, k integral
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+// r[i] lane j <- r[j] lane i: 16 vectors transposed in registers (4 rounds of
+// 16 shuffles: pairs of lanes, quads, then 128-bit quarters twice).
+inline void transpose(vf* r) {
+  vf t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  auto pd = [](vf a) { return _mm512_castps_pd(a); };
+  for (int i = 0; i < 16; i += 4) {  // u[i + c], quarter q: rows i .. i + 3 of column 4q + c
+    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[i]), pd(t[i + 2])));
+    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[i]), pd(t[i + 2])));
+    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[i + 1]), pd(t[i + 3])));
+    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[i + 1]), pd(t[i + 3])));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const vf a02 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);  // quarters 0, 2 of each
+    const vf a13 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);  // quarters 1, 3
+    const vf b02 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const vf b13 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_f32x4(a02, b02, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(a02, b02, 0xdd);
+    r[4 + c] = _mm512_shuffle_f32x4(a13, b13, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(a13, b13, 0xdd);
+  }
+}
 #else
 using vf = __m256;
 using mask = __m256i;  // a lane is on when its 32 bits are all ones
@@ -129,6 +155,24 @@ inline float reduce_max(vf v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// r[i] lane j <- r[j] lane i: 8 vectors transposed in registers.
+inline void transpose(vf* r) {
+  vf t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + c], half h: rows i .. i + 3 of column 4h + c
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
 }
 #endif
 

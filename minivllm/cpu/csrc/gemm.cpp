@@ -31,11 +31,9 @@
 // packed_linear_available() is false and the caller keeps using MKL.
 #include <ATen/Parallel.h>
 
-#include <array>
-#include <utility>
-
 #include "cpu_types.h"
 #include "ops.h"
+#include "panel_gemm.h"  // the micro-kernel (tile) and its output (PanelOut)
 
 namespace minivllm {
 namespace {
@@ -44,62 +42,8 @@ constexpr int64_t NR = slice::panel_width;  // output columns per panel: two vec
 
 #ifdef MINIVLLM_VEC
 using vec::vf;
+using panel::PanelOut;
 constexpr int64_t L = vec::kLanes;  // NR / 2
-static_assert(NR == 2 * L, "a panel is two vectors wide");
-// Rows per register tile: 2 * MR accumulators, 2 weight vectors and the
-// broadcast row value fit in the register file (32 zmm: 12 rows; 16 ymm: 6).
-constexpr int64_t MR = vec::kRegisters == 32 ? 12 : 6;
-static_assert(2 * MR + 3 <= vec::kRegisters, "the tile must fit in the registers");
-
-// Where one panel's NR outputs go: two L-column halves, y0 and y1 (row
-// stride ldy), each with its bias (or none), the last ncols <= NR of them
-// valid; or, with silu, the single output silu(half 0) * half 1 at y0.
-struct PanelOut {
-  float *y0, *y1;
-  int64_t ldy;
-  const float *b0, *b1;
-  int64_t ncols;
-  bool silu;
-};
-
-// rows x NR outputs of one panel. Meanwhile it prefetches its share of the
-// next panel: `next` points at that share, `step` floats further each k (a
-// panel's row tiles split its next panel between them, so the prefetches are
-// spread over the whole time the panel is being multiplied).
-template <int R>
-void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* next,
-          int64_t step, const PanelOut& out) {
-  vf acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec::zero();
-  for (int64_t k = 0; k < K; ++k) {
-    const vf w0 = vec::load(panel + k * NR);
-    const vf w1 = vec::load(panel + k * NR + L);
-    _mm_prefetch(reinterpret_cast<const char*>(next + k * step), _MM_HINT_T1);
-    if (step > 16) _mm_prefetch(reinterpret_cast<const char*>(next + k * step + 16), _MM_HINT_T1);
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      const vf xr = vec::set1(x[r * ldx + k]);
-      acc[r][0] = vec::fmadd(xr, w0, acc[r][0]);
-      acc[r][1] = vec::fmadd(xr, w1, acc[r][1]);
-    }
-  }
-  // The last panel may be narrower than NR columns: masked loads and stores.
-  const vec::mask m0 = vec::first(out.ncols), m1 = vec::first(out.ncols - L);
-  const vf b0 = out.b0 != nullptr ? vec::load(out.b0, m0, vec::zero()) : vec::zero();
-  const vf b1 = out.b1 != nullptr ? vec::load(out.b1, m1, vec::zero()) : vec::zero();
-  for (int r = 0; r < R; ++r) {
-    const vf h0 = vec::add(acc[r][0], b0), h1 = vec::add(acc[r][1], b1);
-    if (out.silu) {  // (the halves layout: always L + L columns)
-      alignas(64) float gate[L], up[L];
-      vec::store(gate, h0);
-      vec::store(up, h1);
-      silu_and_mul_row(gate, up, out.y0 + r * out.ldy, L);
-    } else {
-      vec::store(out.y0 + r * out.ldy, h0, m0);
-      vec::store(out.y1 + r * out.ldy, h1, m1);
-    }
-  }
-}
 
 // ROWS (<= 4) rows of W times x: the weight rows read side by side, each
 // prefetched four rows ahead when PREFETCH (the hardware prefetcher alone
@@ -126,14 +70,6 @@ void matvec_rows(const float* w, const float* x, int64_t K, float* y) {
   for (int r = 0; r < ROWS; ++r) y[r] = vec::reduce_add(acc[r]);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, int64_t,
-                        const PanelOut&);
-// kTiles[r]: the tile of r rows, r = 1 .. MR.
-template <int... R>
-constexpr std::array<TileFn, sizeof...(R) + 1> tiles(std::integer_sequence<int, R...>) {
-  return {nullptr, tile<R + 1>...};
-}
-constexpr auto kTiles = tiles(std::make_integer_sequence<int, MR>());
 #endif
 
 void check_packed(const at::Tensor& packed, const char* op) {
@@ -218,7 +154,7 @@ void slice::packed_linear(const float* x, int64_t M, int64_t K, const float* pac
 #ifdef MINIVLLM_VEC
   const int64_t panels = (N + NR - 1) / NR, half = N / 2;
   for (int64_t p = begin; p < end; ++p) {
-    const float* panel = packed + p * K * NR;
+    const float* here = packed + p * K * NR;
     const float* next = packed + std::min(p + 1, panels - 1) * K * NR;
     // Panel p's two L-column halves: columns NR p and NR p + L, or with
     // halves, column L p of each half of the output.
@@ -230,14 +166,8 @@ void slice::packed_linear(const float* x, int64_t M, int64_t K, const float* pac
     // Tile i of T prefetches the i-th T-th of the next panel: its K NR / 16
     // cache lines spread over T * K iterations, one line (16 floats) per
     // iteration, two for a single tile of 32-column panels.
-    const int64_t tiles = (M + MR - 1) / MR, share = K * NR / tiles;
-    const int64_t step = tiles == 1 ? NR : 16;
-    for (int64_t m = 0, i = 0; m < M; m += MR, ++i) {
-      const int64_t rows = std::min(MR, M - m);
-      kTiles[rows](x + m * K, K, panel, K, next + i * share, step, out);
-      out.y0 += MR * out.ldy;
-      out.y1 += MR * out.ldy;
-    }
+    const int64_t tiles = (M + panel::MR - 1) / panel::MR;
+    panel::multiply_panel(x, M, K, here, next, K * NR, tiles == 1 ? NR : 16, out);
   }
 #endif
 }

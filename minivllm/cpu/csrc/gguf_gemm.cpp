@@ -21,6 +21,7 @@
 
 #include "cpu_types.h"
 #include "ops.h"
+#include "panel_gemm.h"
 
 namespace minivllm {
 namespace {
@@ -351,75 +352,89 @@ void rows_tile(const float* x, int64_t K, const float* buf, float (*sums)[kTile]
     for (int r = 0; r < kTile; ++r) sums[m][r] = vec::reduce_add(acc[m][r]);
 }
 
-// Batches of kWideRows rows or more: the panel GEMM's shape with the roles
-// turned: x transposed once ([K, M] padded to whole vectors, kept for the
-// chunk), kWide weight rows dequantized into a buffer, and for each k one
-// weight broadcast against MV vectors of x rows — kWide x MV accumulators,
-// and no weight ever transposed.
+// Batches of gguf_wide_rows rows or more: the float panel GEMM's own kernel
+// (panel_gemm.h). The weights of one panel (panel_width output rows) are
+// dequantized into a thread-local buffer laid out as pack_linear_weight lays
+// out a panel ([K][NR], rows past N zero), and every row of x is multiplied
+// with it there: the dequantization is paid once per weight for the whole
+// batch, and the outputs are bit for bit the float path's on the dequantized
+// weights (same kernel, same order over K). No transposed copy of x.
 constexpr int64_t kWideRows = slice::gguf_wide_rows;
-constexpr int kWide = vec::kRegisters == 32 ? 12 : 6;
+constexpr int64_t NR = panel::NR;
 
-// The tile's weights as [K / L][kWide][L]: for each run of L columns, the
-// kWide rows' values side by side (each a vector store when dequantized), so
-// a step of k broadcasts from one short stretch of memory.
-template <int64_t T>
-void dequantize_tile(const uint8_t* const* rows, int64_t K, float* buf) {
-  using F = Fmt<T>;
-  vf wv[G];
-  for (int r = 0; r < kWide; ++r)
-    for (int64_t k = 0; k < K; k += 32) {
-      F::group(rows[r] + (k / F::block) * F::bytes, static_cast<int>((k % F::block) / 32), wv);
-      for (int c = 0; c < G; ++c) vec::store(buf + ((k / L + c) * kWide + r) * L, wv[c]);
-    }
+// A group as dequantize_panel takes it: Fmt<T>::group, but for Q4_0 and Q4_1
+// with AVX-512 the block's 16 possible weights are computed once, with the
+// same operations and rounding, and each nibble looks its weight up with one
+// permute (the index's low 4 bits), instead of a convert, multiply and add.
+template <int64_t T> struct PanelGroup {
+  static inline void group(const uint8_t* b, int j, vf* out) { Fmt<T>::group(b, j, out); }
+};
+#ifdef __AVX512F__
+inline vf iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
-
-template <int MV>
-void wide_tile(const float* xt, int64_t Mp, int64_t K, const float* buf, float* sums) {
-  vf acc[kWide][MV];
-  for (int r = 0; r < kWide; ++r)
-    for (int v = 0; v < MV; ++v) acc[r][v] = vec::zero();
-  // (As the panel kernel's loop: one k a step, pointers advanced.)
-  const float* xk = xt;
-  for (int64_t kb = 0; kb < K; kb += L) {
-    const float* wb = buf + kb * kWide;
-    for (int64_t kk = 0; kk < L; ++kk, xk += Mp) {
-      vf xv[MV];
-      for (int v = 0; v < MV; ++v) xv[v] = vec::load(xk + v * L);
-#pragma GCC unroll 12
-      for (int r = 0; r < kWide; ++r) {
-        const vf b = vec::set1(wb[r * L + kk]);
-        for (int v = 0; v < MV; ++v) acc[r][v] = vec::fmadd(b, xv[v], acc[r][v]);
-      }
-    }
+template <> struct PanelGroup<Q4_0> {
+  static inline void group(const uint8_t* b, int, vf* out) {
+    const vf table = vec::mul(vec::set1(f16(b)), vec::sub(iota16(), vec::set1(8.f)));
+    const vi q = u8(b + 2);  // byte k: weight k (low nibble) and k + 16 (high)
+    out[0] = _mm512_permutexvar_ps(q, table);
+    out[1] = _mm512_permutexvar_ps(shr(q, 4), table);
   }
-  for (int r = 0; r < kWide; ++r)
-    for (int v = 0; v < MV; ++v) vec::store(sums + (r * MV + v) * L, acc[r][v]);
+};
+template <> struct PanelGroup<Q4_1> {
+  static inline void group(const uint8_t* b, int, vf* out) {
+    const vf table = vec::add(rounded(vec::mul(vec::set1(f16(b)), iota16())), vec::set1(f16(b + 2)));
+    const vi q = u8(b + 4);
+    out[0] = _mm512_permutexvar_ps(q, table);
+    out[1] = _mm512_permutexvar_ps(shr(q, 4), table);
+  }
+};
+#endif
+
+// Rows [0, rows) of a panel's weights (rows <= NR; the rest zero) into buf
+// [K][NR]: per 32 columns, L rows dequantized into an L1 scratch as rows,
+// then each L x L square transposed in registers into the panel's columns.
+template <int64_t T>
+void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, float* buf) {
+  using F = Fmt<T>;
+  alignas(64) float scratch[L][32];
+  vf wv[G], sq[L];
+  for (int64_t h = 0; h < NR; h += L)  // the panel's two vectors: rows h .. h + L - 1
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t blk = (k / F::block) * F::bytes;
+      const int g = static_cast<int>((k % F::block) / 32);
+      for (int64_t r = 0; r < L; ++r) {
+        if (h + r < rows) PanelGroup<T>::group(w + (h + r) * row_bytes + blk, g, wv);
+        else for (int c = 0; c < G; ++c) wv[c] = vec::zero();  // padding, as the float pack
+        for (int c = 0; c < G; ++c) vec::store(scratch[r] + c * L, wv[c]);
+      }
+      for (int c = 0; c < G; ++c) {
+        for (int64_t r = 0; r < L; ++r) sq[r] = vec::load(scratch[r] + c * L);
+        vec::transpose(sq);
+        for (int64_t i = 0; i < L; ++i) vec::store(buf + (k + c * L + i) * NR + h, sq[i]);
+      }
+    }
 }
 
+// Output rows [begin, end) (whole panels, but the last) of y = x W^T + bias.
 template <int64_t T>
-void linear_rows_wide(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-                      const float* bias, float* y, int64_t ldy, int64_t begin, int64_t end) {
-  const int64_t Mp = (M + L - 1) / L * L;
-  std::vector<float> xt(K * Mp, 0.f), buf(kWide * K);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xt[k * Mp + m] = x[m * K + k];
-  alignas(64) float sums[kWide * 2 * L];
-  for (int64_t n0 = begin; n0 < end; n0 += kWide) {
-    const int64_t R = std::min<int64_t>(kWide, end - n0);
-    const uint8_t* rows[kWide];  // a short tile repeats its first row (not stored)
-    for (int r = 0; r < kWide; ++r) rows[r] = w + (r < R ? n0 + r : n0) * row_bytes;
-    dequantize_tile<T>(rows, K, buf.data());
-    for (int64_t m0 = 0; m0 < Mp;) {
-      const int mv = Mp - m0 >= 2 * L ? 2 : 1;
-      if (mv == 2) wide_tile<2>(xt.data() + m0, Mp, K, buf.data(), sums);
-      else wide_tile<1>(xt.data() + m0, Mp, K, buf.data(), sums);
-      for (int64_t r = 0; r < R; ++r) {
-        const float add = bias ? bias[n0 + r] : 0.f;
-        for (int64_t i = 0; i < mv * L && m0 + i < M; ++i)
-          y[(m0 + i) * ldy + n0 + r] = sums[r * mv * L + i] + add;
-      }
-      m0 += mv * L;
-    }
+void linear_rows_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                        int64_t N, const float* bias, float* y, int64_t ldy, int64_t begin,
+                        int64_t end) {
+  // (Grown, never shrunk or cleared: layers of different K share it.)
+  thread_local std::vector<float> storage;
+  if (static_cast<int64_t>(storage.size()) < K * NR + 16) storage.resize(K * NR + 16);
+  // (+16: room to align the panel to a cache line)
+  float* buf = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
+  for (int64_t n0 = begin; n0 < end; n0 += NR) {
+    const int64_t rows = std::min(NR, N - n0);
+    dequantize_panel<T>(w + n0 * row_bytes, row_bytes, rows, K, buf);
+    // While this panel is multiplied, the next one's blocks are fetched.
+    const int64_t next_rows = std::max<int64_t>(0, std::min(NR, N - n0 - NR));
+    const float* next = reinterpret_cast<const float*>(w + (n0 + (next_rows ? NR : 0)) * row_bytes);
+    panel::PanelOut out{y + n0, y + n0 + L, ldy, bias ? bias + n0 : nullptr,
+                        bias ? bias + n0 + L : nullptr, rows, false};
+    panel::multiply_panel(x, M, K, buf, next, next_rows * row_bytes / 4, 0, out);
   }
 }
 
@@ -427,7 +442,7 @@ template <int64_t T>
 void linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                  int64_t N, const float* bias, float* y, int64_t ldy, int64_t begin,
                  int64_t end) {
-  if (M >= kWideRows) return linear_rows_wide<T>(x, M, K, w, row_bytes, bias, y, ldy, begin, end);
+  if (M >= kWideRows) return linear_rows_panels<T>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
   std::vector<float> buf(M > 1 ? kTile * K : 0);
   for (int64_t n0 = begin; n0 < end; n0 += kTile) {
     const int64_t R = std::min(kTile, end - n0);
@@ -512,10 +527,11 @@ namespace slice {
 void gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                  int64_t qtype, int64_t N, const float* bias, float* y, int64_t ldy,
                  int64_t begin, int64_t end) {
-  begin *= gguf_tile;
-  end = std::min(end * gguf_tile, N);
+  const int64_t unit = gguf_unit(M);
+  begin *= unit;
+  end = std::min(end * unit, N);
 #ifdef MINIVLLM_VEC
-  static_assert(gguf_tile % kTile == 0 && gguf_tile % kWide == 0, "whole tiles a unit");
+  static_assert(gguf_tile % kTile == 0, "whole tiles a unit");
   switch (qtype) {
     case Q4_0: return linear_rows<Q4_0>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
     case Q4_1: return linear_rows<Q4_1>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
@@ -574,11 +590,13 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype,
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   const uint8_t* w = qweight.data_ptr<uint8_t>();
-  const int64_t row_bytes = qweight.size(1), tiles = (N + slice::gguf_tile - 1) / slice::gguf_tile;
+  const int64_t unit = slice::gguf_unit(M), row_bytes = qweight.size(1);
+  const int64_t units = (N + unit - 1) / unit;
   const float* xp = x.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, std::max<int64_t>(1, 4096 / K), [&](int64_t begin, int64_t end) {
+  const int64_t grain = M >= slice::gguf_wide_rows ? 1 : std::max<int64_t>(1, 4096 / K);
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     slice::gguf_linear(xp, M, K, w, row_bytes, qtype, N, bp, yp, N, begin, end);
   });
   return y;

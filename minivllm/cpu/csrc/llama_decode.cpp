@@ -237,11 +237,9 @@ struct Linear {
   // With silu (halves, more than one row): y [rows, out / 2] = silu(gate) * up.
   void run(const float* x, int64_t rows, float* y, SharedWork& work, int64_t job, int t,
            bool silu = false) const {
-    if (blocks != nullptr) {  // tiles of slice::gguf_tile output rows, on the blocks
-      // (Each chunk of a batch transposes x once: fewer, larger chunks then.)
-      const int64_t items = (out + slice::gguf_tile - 1) / slice::gguf_tile;
-      const int64_t chunk =
-          std::max<int64_t>(1, items / ((rows >= slice::gguf_wide_rows ? 2 : 8) * work.threads()));
+    if (blocks != nullptr) {  // units of slice::gguf_unit(rows) output rows, on the blocks
+      const int64_t items = (out + slice::gguf_unit(rows) - 1) / slice::gguf_unit(rows);
+      const int64_t chunk = std::max<int64_t>(1, items / (8 * work.threads()));
       work.run(job, items, chunk, t, [&](int64_t b, int64_t e) {
         slice::gguf_linear(x, rows, in, blocks, row_bytes, qtype, out, bias, y, out, b, e);
       });

@@ -110,12 +110,13 @@ void bgmv_expand(const float* y, int64_t ldy, const float* lora_bt, int64_t r,
                  const LoRAGroups& groups, float* out, int64_t ldo, int64_t begin, int64_t end);
 std::vector<int64_t> lora_slice_ends(at::IntArrayRef out_slices, int64_t out_features, int64_t r,
                                      const char* op);
-// Output tiles [begin, end) (gguf_tile rows of W each) of y [M, N] (row stride
-// ldy) = x [M, K] W^T + bias, W [N, row_bytes] GGUF blocks of GGML type qtype;
-// M at most gguf_max_rows (more rows: gguf_linear dequantizes and calls MKL).
+// Output units [begin, end) (gguf_unit(M) rows of W each) of y [M, N] (row
+// stride ldy) = x [M, K] W^T + bias, W [N, row_bytes] GGUF blocks of GGML type
+// qtype; M at most gguf_max_rows (more rows: gguf_linear dequantizes and calls MKL).
 constexpr int64_t gguf_tile = 12;
-constexpr int64_t gguf_wide_rows = 8;  // from here on x is transposed per call
+constexpr int64_t gguf_wide_rows = 8;  // from here on: the panel GEMM's kernel, a panel a unit
 constexpr int64_t gguf_max_rows = 256;
+inline int64_t gguf_unit(int64_t M) { return M >= gguf_wide_rows ? panel_width : gguf_tile; }
 void gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                  int64_t qtype, int64_t N, const float* bias, float* y, int64_t ldy,
                  int64_t begin, int64_t end);
