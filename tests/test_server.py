@@ -356,8 +356,11 @@ def test_disconnect_aborts_and_frees_blocks(server):
                     break
             during = server.stats()
         # Leaving the block closed the connection mid-stream.
-    assert during["num_requests_running"] == 1
-    assert during["num_free_blocks"] < during["num_blocks"]
+    # Alive in the engine while the stream runs (the snapshot is the last step's; on a
+    # loaded machine it once read 0 running here, so the whole snapshot is printed).
+    assert during["num_requests_running"] + during["num_requests_waiting"] == 1, during
+    assert during["num_free_blocks"] < during["num_blocks"] or \
+        during["num_requests_waiting"] == 1, during
     wait_for(lambda: (s := server.stats())["num_requests_running"] == 0
              and s["num_free_blocks"] == s["num_blocks"], "the blocks to come back")
     assert server.metrics().get(aborted, 0) == before + 1
