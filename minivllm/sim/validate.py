@@ -73,7 +73,7 @@ def print_table(by_rate: dict[str, list[dict]], num_prompts: int) -> None:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", default=None, help="a hardware JSON (default: calibrate)")
-    p.add_argument("--calibration-scale", type=float, default=1.0,
+    p.add_argument("--calibration-scale", type=float, default=4.0,
                    help="output lengths of the calibration workload times this (smaller: "
                    "a quicker, rougher fit)")
     p.add_argument("--save-calibration", default=None, help="write the fitted hardware here")
