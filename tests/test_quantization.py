@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minivllm.benchmarks.gguf_gemm import random_blocks
 from minivllm.model.layers import linear as linear_mod
 from minivllm.model.layers.quantization import (BLOCK_TYPES, QuantizationConfig,
                                                 QuantizedTensor)
@@ -17,24 +18,6 @@ from minivllm.model.layers.quantization.ggml_types import dequantize, quantize_q
 from tests.helpers import dequantized_copy
 
 GGUF = QuantizationConfig("gguf")
-
-
-def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """[rows, row_bytes] of ``qtype``: gguf's quantizer where it has one, else random
-    bytes with small finite float16 scales (any bytes are a valid K-quant block)."""
-    rng = np.random.default_rng(seed)
-    t = gguf.GGMLQuantizationType[qtype]
-    try:
-        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
-    except NotImplementedError:
-        bt = BLOCK_TYPES[qtype]
-        raw = rng.integers(0, 256, (rows * cols // bt.block_size, bt.type_size), dtype=np.uint8)
-        scales = np.float16(rng.random((raw.shape[0], 2)) * 0.01).view(np.uint8)
-        if qtype == "Q4_K":
-            raw[:, 0:4] = scales
-        else:  # Q6_K: d is the last 2 bytes
-            raw[:, -2:] = scales[:, :2]
-        return raw.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES))

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 import torch
+
+from minivllm.benchmarks.gemm import seconds_per_call
 
 # (name, in_features, out_features, GGML type) of SmolLM2-135M-Instruct.Q4_1.gguf's
 # products (its head is the tied Q8_0 embedding).
@@ -29,17 +30,18 @@ SHAPES = [("q_proj/o_proj", 576, 576, "Q4_1"), ("k/v_proj", 576, 192, "Q4_1"),
 ROWS = (8, 32, 64, 128, 256)
 
 
-def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """[rows, row_bytes] uint8 blocks of ``qtype``: the gguf package's quantizer where
-    it has one, else random bytes with small float16 scales (any bytes are a K-quant block)."""
+    it has one, else random bytes with small float16 scales (any bytes are a valid
+    K-quant block). Shared with tests/test_quantization.py."""
     import gguf
 
     from minivllm.model.layers.quantization import BLOCK_TYPES
 
     rng = np.random.default_rng(seed)
     try:
-        q = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
-                                 gguf.GGMLQuantizationType[qtype])
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32),
+                                    gguf.GGMLQuantizationType[qtype])
     except NotImplementedError:
         bt = BLOCK_TYPES[qtype]
         q = rng.integers(0, 256, (rows * cols // bt.block_size, bt.type_size), dtype=np.uint8)
@@ -48,18 +50,7 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tens
             q[:, 0:4] = scales
         else:  # Q6_K: d is the last 2 bytes
             q[:, -2:] = scales[:, :2]
-    return torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1))
-
-
-def _per_call(fn, budget: float) -> float:
-    fn()
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if calls >= 3 and elapsed >= budget:
-            return elapsed / calls
+        return np.ascontiguousarray(q).reshape(rows, -1)
 
 
 def measure(K: int, N: int, qtype: str, rows: int, rounds: int, budget: float) -> dict:
@@ -68,7 +59,7 @@ def measure(K: int, N: int, qtype: str, rows: int, rounds: int, budget: float) -
     from minivllm.model.layers.quantization import BLOCK_TYPES
 
     tid = BLOCK_TYPES[qtype].type_id
-    blocks = random_blocks(qtype, N, K)
+    blocks = torch.from_numpy(random_blocks(qtype, N, K))
     w = ops.gguf_dequantize(blocks, tid, K)
     panels = ops.pack_linear_weight(w)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(1))
@@ -77,7 +68,7 @@ def measure(K: int, N: int, qtype: str, rows: int, rounds: int, budget: float) -
     times = {k: [] for k in runs}
     for _ in range(rounds):
         for k, fn in runs.items():
-            times[k].append(_per_call(fn, budget))
+            times[k].append(seconds_per_call(fn, budget))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
