@@ -370,10 +370,11 @@ show_source(linear, start="rows = x.shape[0]")
 # panels two vector registers wide (32 output columns with AVX-512, 16 with AVX2), each
 # read strictly front to back, the rows' partial sums held in registers, and the *next*
 # panel prefetched while this one is multiplied, so that streaming the weights overlaps
-# the arithmetic. Its inner tile:
+# the arithmetic. Its inner tile (in `panel_gemm.h`, shared by `gemm.cpp` and the GGUF
+# batch kernel of chapter 23, which dequantizes blocks into the same panel layout):
 
 # %%
-show_csrc("gemm.cpp", "void tile(const float* x")
+show_csrc("panel_gemm.h", "void tile(const float* x")
 
 # %% [markdown]
 # The products of one layer's gate/up projection (the largest of the layer's four; its
