@@ -26,9 +26,9 @@ QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
 # "auto" resolves to "gguf" for a GGUF model when this is on. Off for now: the
 # quantized engine wins on one stream, where a step is bound by the bytes it
 # reads; at 32-128 streams the step is compute-bound, and the quantized batch
-# kernel (the float panel GEMM's own kernel on panels dequantized per call) is
-# still 5-20 % behind the float one per product, with no end-to-end parity shown
-# (README, "Quantized weights (GGUF)"); "auto" must not make any workload slower.
+# kernel (the float panel GEMM's own kernel on panels dequantized per call) still
+# pays the dequantization per call and is behind at 32 streams (measured in the
+# README, "Quantized weights (GGUF)"); "auto" must not make any workload slower.
 AUTO_GGUF = False
 
 

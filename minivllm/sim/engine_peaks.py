@@ -25,10 +25,10 @@ model:
   about 1.5 FLOPs per byte: it is memory-bound).
 - **prefill attention**: the CPU backend's prefill path (a padded batch and
   PyTorch's causal SDPA) on one fresh prompt of ``PREFILL_TOKENS`` tokens, in
-  FLOP/s. It is compute-bound and far below the matrix products' peak (on
-  this 2-core machine about 10 GFLOP/s a thread against 200+), so pricing it
-  at the products' peak made lone prefills of a few hundred tokens 1.5x
-  faster in the simulator than in the engine.
+  FLOP/s. It is compute-bound and far below the matrix products' peak, so
+  pricing it at the products' peak made lone prefills of a few hundred tokens
+  faster in the simulator than in the engine (the peaks are printed by
+  ``simulate calibrate``; the README has one machine's).
 
 Where the kernels are off (the reference path), ``engine_peaks`` returns
 None and the probes stand.
