@@ -89,7 +89,7 @@ def _embedding_blocks(embed: nn.Module) -> Optional[tuple[torch.Tensor, int, int
     """A quantized embedding's blocks, GGML type id and columns, when one segment holds
     them (else None: the module looks rows up). The C++ dequantization of a step's rows
     gives the reference's numbers (tests/test_quantization.py checks that); it spares a
-    one-stream step ~0.1 ms of small PyTorch operators."""
+    one-stream step the embedding's small PyTorch operators."""
     if not _quantized(embed) or len(embed.qweight.segments) != 1:
         return None
     (_, t), = embed.qweight.segments

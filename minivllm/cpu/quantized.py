@@ -8,8 +8,8 @@ registers (one x row) or into an L1-sized buffer (2-7 rows, each weight
 vector then used by every row of the batch); from 8 rows on, a panel of
 output rows at a time is dequantized into the float panel GEMM's layout and
 multiplied by its own kernel (the float path's bits). Always with the
-reference's rounding, which is what makes a quantized decode step read fewer bytes. Batches of
-more than ``gguf_max_rows()`` rows (long prefill chunks) are compute-bound:
+reference's rounding; reading blocks is what makes a quantized decode step
+read fewer bytes. Batches of more than ``gguf_max_rows()`` rows (long prefill chunks) are compute-bound:
 there the blocks are dequantized once in C++ and MKL's GEMM multiplies, as
 the reference does.
 """
