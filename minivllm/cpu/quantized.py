@@ -9,9 +9,9 @@ vector then used by every row of the batch); from 8 rows on, a panel of
 output rows at a time is dequantized into the float panel GEMM's layout and
 multiplied by its own kernel (the float path's bits). Always with the
 reference's rounding; reading blocks is what makes a quantized decode step
-read fewer bytes. Batches of more than ``gguf_max_rows()`` rows (long prefill chunks) are compute-bound:
-there the blocks are dequantized once in C++ and MKL's GEMM multiplies, as
-the reference does.
+read fewer bytes. Batches of more than ``gguf_max_rows()`` rows (long
+prefill chunks) are compute-bound: there the blocks are dequantized once in
+C++ and MKL's GEMM multiplies, as the reference does.
 """
 
 from __future__ import annotations
