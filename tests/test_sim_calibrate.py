@@ -92,10 +92,45 @@ def test_one_sequence_per_step_cannot_tell_the_step_from_the_sequence_cost(desig
 def test_a_constant_the_noise_hides_is_refused_with_what_the_workload_needs(design_rows):
     """Step times 10x noisier: a per-step cost of 4 ms under 80 ms steps can no longer
     be told from the weights' read time, and its error would move predictions by
-    several percent; the fit says so instead of writing a number."""
+    several percent. Where its estimate is still clearly above 0 (about 2.2 standard
+    errors here) and a stricter ``max_relative_error`` asks for 30 %, the fit says so
+    instead of writing a number (it is not consistent with 0, so it is not pinned)."""
     with pytest.raises(CalibrationError, match="step_overhead_s is not identified: .*"
                                                "lone short prefills"):
-        fit(BASE, design_rows, noisy(design_rows, TRUTH, 0.1, 0))
+        fit(BASE, design_rows, noisy(design_rows, TRUTH, 0.1, 1), max_relative_error=0.3)
+
+
+def test_an_unidentified_overhead_consistent_with_zero_is_pinned_at_zero(design_rows):
+    """Steps made with no per-step cost at all: the free fit's estimate of
+    ``step_overhead_s`` is smaller than its uncertainty (the old fit refused it);
+    the data are consistent with no such cost, so it is pinned at 0 (as an
+    efficiency above its peak is pinned at 1), the rest refitted, and reported.
+    The refitted constants are the true ones within their errors."""
+    from minivllm.sim.fit import ZERO_Z
+
+    truth = TRUTH.with_(step_overhead_s=0.0)
+    for seed in (0, 1, 2):
+        res = fit(BASE, design_rows, noisy(design_rows, truth, 0.03, seed)).result
+        was, err = res.zeroed["step_overhead_s"]
+        assert err > 0.5 * was  # what the old rule refused: not identified
+        assert was <= ZERO_Z * err  # and consistent with 0
+        assert res.at_bound["step_overhead_s"] == "zero"
+        assert res.values["step_overhead_s"] == 0.0 == res.hardware.step_overhead_s
+        assert any(line.startswith("step_overhead_s") and "pinned at 0" in line
+                   for line in res.describe())
+        for name in FITTED:
+            if name != "step_overhead_s":
+                got, e = res.values[name], res.stderr[name]
+                assert abs(got - getattr(truth, name)) <= 3 * e, (name, got, e)
+
+
+def test_efficiencies_are_never_pinned_at_zero():
+    """Only costs the engine need not have (the overheads) may be pinned at 0; an
+    efficiency of 0 would be an infinitely slow kernel."""
+    from minivllm.sim.fit import ZERO_PINNABLE
+
+    assert set(ZERO_PINNABLE) == {n for n in FITTED if n.endswith("_s")}
+    assert not any(n.endswith("efficiency") for n in ZERO_PINNABLE)
 
 
 def test_a_real_engine_s_steps_are_the_designed_ones_and_the_fit_keeps_its_bounds(

@@ -198,7 +198,9 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
     cal.hardware = cal.hardware.with_(
         name="cpu-calibrated",
         source=f"minivllm simulate calibrate: fitted to {len(measured)} real engine steps "
-               f"of {cfg.model.path.rsplit('/', 1)[-1]} ({time.strftime('%Y-%m-%d %H:%M')}): "
+               f"of {cfg.model.path.rsplit('/', 1)[-1]} (quantization "
+               f"{cfg.model.quantization or 'none'}, {str(cfg.model.dtype).split('.')[-1]}; "
+               f"{time.strftime('%Y-%m-%d %H:%M')}): "
                f"{errors}; peaks: {base.source}")
     return cal
 
@@ -277,6 +279,25 @@ def calibrate_serving(cal: Calibration, model, engine_kwargs: dict, args) -> Cal
     return cal
 
 
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    """The engine's weights, named for every real engine and server a calibration or
+    validation starts: "auto" follows the library's default (which may change), so
+    the default here is "none", float32 weights, what the calibrations were made on."""
+    from minivllm.config import QUANTIZATION_CHOICES
+
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+                   help="the real engines' and servers' weights, and the simulator's "
+                   "(default none: float32; gguf: a .gguf model's blocks as they ship)")
+
+
+def resolved_quantization(model_path, requested: str) -> dict:
+    """What was asked for and what the engine keeps (None: float weights)."""
+    from minivllm.sim.models import load_model_config
+
+    return {"requested": requested,
+            "resolved": load_model_config(str(model_path), "auto", "cpu", requested).quantization}
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="the hardware JSON to write")
     parser.add_argument("--model", dest="calibrate_model", default=None,
@@ -288,6 +309,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "(default 4; smaller: quicker, and may leave a constant unidentified)")
     parser.add_argument("--max-num-batched-tokens", dest="calibrate_mnbt", type=int,
                         default=512, help="the real engine's token budget per step")
+    add_quantization_arg(parser)
     parser.add_argument("--max-relative-error", type=float, default=0.5,
                         help="refuse the fit if a constant's standard error exceeds this "
                         "fraction of its value (the workload did not identify it)")
@@ -311,7 +333,8 @@ def run(args: argparse.Namespace) -> Calibration:
     if not 0 < args.max_relative_error:
         raise ValueError(f"max_relative_error={args.max_relative_error} is invalid: "
                          "must be > 0")
-    engine_kwargs = {"max_num_batched_tokens": args.calibrate_mnbt}
+    engine_kwargs = {"max_num_batched_tokens": args.calibrate_mnbt,
+                     "quantization": args.quantization}
     if args.from_steps:
         cal = refit(args.from_steps, args.max_relative_error)
         cal.hardware = cal.hardware.with_(name="cpu-calibrated", source=(

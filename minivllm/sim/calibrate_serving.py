@@ -59,7 +59,8 @@ def simulate(hw, model_path, work, engine_kwargs, max_concurrency=None):
     from minivllm.sim.report import serve_metrics
     from minivllm.sim.simulator import Simulator
 
-    sim = Simulator(load_model_config(model_path, "auto", "cpu"), hw,
+    quantization = engine_kwargs.get("quantization", "auto")
+    sim = Simulator(load_model_config(model_path, "auto", "cpu", quantization), hw,
                     EngineArgs(model=str(model_path), **engine_kwargs))
     return serve_metrics(sim.run(work, max_concurrency))
 

@@ -28,6 +28,12 @@ millisecond under steps of tens of milliseconds may stay relatively uncertain;
 it is kept when its whole uncertainty changes no step's time by more than
 ``negligible``, over a workload that spans the batch sizes and contexts the
 simulator is asked about.)
+
+An overhead (lower bound 0) that fails that test but whose value is within
+``ZERO_Z`` standard errors of 0 is not refused: the data are consistent with
+no such cost, so it is pinned at 0 and the rest refitted without it (reported
+as pinned, as an efficiency at its bound of 1 is). An efficiency cannot be 0,
+and an overhead clearly above 0 but uncertain is still refused.
 """
 
 from __future__ import annotations
@@ -51,6 +57,11 @@ NEEDS = {"flops_efficiency": "steps whose matrix products are compute-bound (lon
          "decode)",
          "per_seq_overhead_s": "decode steps with different numbers of sequences (1, 4, 16)"}
 MIN_EFFICIENCY = 1e-3
+# Constants that may be 0 (a cost the engine need not have), and how many standard
+# errors from 0 an unidentified one may be to count as consistent with 0 (about the
+# two-sided 95 % interval of a normal estimate).
+ZERO_PINNABLE = ("step_overhead_s", "per_seq_overhead_s")
+ZERO_Z = 1.96
 
 
 class CalibrationError(ValueError):
@@ -62,17 +73,24 @@ class FitResult:
     hardware: Hardware
     values: dict[str, float]
     stderr: dict[str, float]  # nan where the constant sits on a bound
-    at_bound: dict[str, str]  # name -> "lower" / "upper" for pinned constants
+    at_bound: dict[str, str]  # name -> "lower" / "upper" / "zero" for pinned constants
     bounds: dict[str, tuple[float, float]]
     residual_std: float  # of log(predicted / measured)
     effect: dict[str, float]  # the most a constant's stderr moves a step's prediction
     predicted: np.ndarray = field(repr=False, default=None)
+    # Pinned at 0 because unidentified and consistent with 0: name -> (the value
+    # and standard error of the refused free fit).
+    zeroed: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def describe(self) -> list[str]:
         out = []
         for n in FITTED:
             v, lo_hi = self.values[n], self.bounds[n]
-            if n in self.at_bound:
+            if n in self.zeroed:
+                was, err = self.zeroed[n]
+                err = (f"pinned at 0: unidentified and consistent with 0 ({was:.2g} +- "
+                       f"{err:.2g} when fitted), the rest refitted without it")
+            elif n in self.at_bound:
                 err = f"at its {self.at_bound[n]} bound ({lo_hi[0]:.3g}..{lo_hi[1]:.3g})"
             else:
                 err = (f"+- {self.stderr[n]:.2g} ({self.stderr[n] / v:.0%}; moves a "
@@ -92,53 +110,82 @@ def bounds_of(rows: np.ndarray, measured: np.ndarray) -> dict[str, tuple[float, 
 
 def fit_steps(base: Hardware, rows: np.ndarray, measured: np.ndarray, tp: int = 1,
               max_relative_error: float = 0.5, negligible: float = 0.01) -> FitResult:
-    """The constants of ``FITTED`` that best predict ``measured`` from ``rows``."""
-    from scipy.optimize import least_squares
-
+    """The constants of ``FITTED`` that best predict ``measured`` from ``rows``;
+    an overhead the steps do not identify and that is consistent with 0 is
+    pinned at 0 and the rest refitted (see the module's docstring)."""
     rows, measured = np.asarray(rows, float), np.asarray(measured, float)
     if len(measured) <= len(FITTED) or not (measured > 0).all():
         raise CalibrationError(f"{len(measured)} measured steps are too few (or not all > 0) "
                                f"to fit {len(FITTED)} constants")
     bounds = bounds_of(rows, measured)
-    lo = np.array([bounds[n][0] for n in FITTED])
-    hi = np.array([bounds[n][1] for n in FITTED])
+    zeroed: dict[str, tuple[float, float]] = {}
+    while True:
+        try:
+            res = _fit_free(base, rows, measured, tp, bounds, tuple(zeroed),
+                            max_relative_error, negligible)
+        except _Unidentified as e:
+            if e.name not in ZERO_PINNABLE or e.value > ZERO_Z * e.stderr:
+                raise CalibrationError(str(e)) from None
+            zeroed[e.name] = (e.value, e.stderr)
+            continue
+        res.zeroed = zeroed
+        return res
+
+
+class _Unidentified(CalibrationError):
+    """A constant's uncertainty is too large (``fit_steps`` may pin it at 0)."""
+
+    def __init__(self, name: str, value: float, stderr: float, message: str) -> None:
+        super().__init__(message)
+        self.name, self.value, self.stderr = name, value, stderr
+
+
+def _fit_free(base, rows, measured, tp, bounds, zeroed, max_rel, negligible) -> FitResult:
+    """The bounded fit of every constant of ``FITTED`` but those in ``zeroed`` (held at 0)."""
+    from scipy.optimize import least_squares
+
+    free = [n for n in FITTED if n not in zeroed]
+    lo = np.array([bounds[n][0] for n in free])
+    hi = np.array([bounds[n][1] for n in free])
     # The solver works on constants scaled to their ranges (all of order 1).
     scale = hi - lo
+    held = {n: 0.0 for n in zeroed}
 
     def hw_of(z):
-        return base.with_(**{n: float(v) for n, v in zip(FITTED, lo + z * scale)})
+        return base.with_(**held, **{n: float(v) for n, v in zip(free, lo + z * scale)})
 
     def residuals(z):
         return np.log(times_of(rows, hw_of(z), tp) / measured)
 
+    overhead = np.array([n.endswith("_s") for n in free])
     best = None
     for start in (0.5, 0.1, 0.9):  # a few starts: the roofline's max() has kinks
-        z0 = np.full(len(FITTED), start)
-        z0[3:] = min(start, 0.5) * 0.2  # overheads start small
+        z0 = np.where(overhead, min(start, 0.5) * 0.2, start)  # overheads start small
         res = least_squares(residuals, z0, bounds=(0.0, 1.0), method="trf",
                             x_scale="jac", max_nfev=2000)
         if res.success and (best is None or res.cost < best.cost):
             best = res
     if best is None:
         raise CalibrationError(f"the fit did not converge ({res.message}); nothing written")
-    return _with_uncertainty(best, hw_of, lo, scale, bounds, max_relative_error,
-                             len(measured), negligible)
+    return _with_uncertainty(best, hw_of, free, lo, scale, bounds, max_rel, len(measured),
+                             negligible, held)
 
 
-def _with_uncertainty(res, hw_of, lo, scale, bounds, max_rel, n, negligible) -> FitResult:
+def _with_uncertainty(res, hw_of, names, lo, scale, bounds, max_rel, n, negligible,
+                      held) -> FitResult:
     z, jac = res.x, res.jac
     values = lo + z * scale
-    pinned = {}
-    for i, name in enumerate(FITTED):
+    pinned = {name: "zero" for name in held}
+    for i, name in enumerate(names):
         if z[i] <= 1e-4 or z[i] >= 1 - 1e-4:  # within 0.01 % of its range
             pinned[name] = "lower" if z[i] <= 1e-4 else "upper"
     # A constant that moves no prediction is not identified, pinned or not.
-    for i, name in enumerate(FITTED):
+    for i, name in enumerate(names):
         if np.max(np.abs(jac[:, i])) < 1e-6:
             raise CalibrationError(
                 f"{name} is not identified: it does not change the predicted time of "
                 f"any calibration step; the workload needs {NEEDS[name]}")
-    free = [i for i, name in enumerate(FITTED) if name not in pinned]
+    free = [i for i, name in enumerate(names) if name not in pinned]
     dof = max(n - len(free), 1)
     s2 = float(np.sum(res.fun ** 2) / dof)
     stderr = {name: float("nan") for name in FITTED}
@@ -149,26 +196,29 @@ def _with_uncertainty(res, hw_of, lo, scale, bounds, max_rel, n, negligible) -> 
         if eigval[0] <= 1e-10 * max(eigval[-1], 1e-300):
             # The direction the data cannot see: the constants with weight in it.
             weight = np.abs(eigvec[:, 0])
-            names = [FITTED[free[k]] for k in np.argsort(-weight) if weight[k] > 0.2]
+            tied = [names[free[k]] for k in np.argsort(-weight) if weight[k] > 0.2]
             raise CalibrationError(
-                f"{' and '.join(names)} are not identified: the calibration steps cannot "
-                f"tell them apart; the workload needs {NEEDS[names[0]]}")
+                f"{' and '.join(tied)} are not identified: the calibration steps cannot "
+                f"tell them apart; the workload needs {NEEDS[tied[0]]}")
         cov = s2 * np.linalg.inv(jtj)
         for k, i in enumerate(free):
-            stderr[FITTED[i]] = float(np.sqrt(max(cov[k, k], 0.0)) * scale[i])
+            stderr[names[i]] = float(np.sqrt(max(cov[k, k], 0.0)) * scale[i])
     effect = {}
     for i in free:
-        name = FITTED[i]
+        name = names[i]
         # The most its uncertainty moves any step's prediction (relative).
         effect[name] = float(np.max(np.abs(jac[:, i])) * stderr[name] / scale[i])
         if not (stderr[name] <= max_rel * values[i] or effect[name] <= negligible):
-            raise CalibrationError(
+            raise _Unidentified(
+                name, float(values[i]), stderr[name],
                 f"{name} is not identified: {values[i]:.3g} +- {stderr[name]:.2g} "
                 f"(more than {max_rel:.0%} of its value, moving predictions by up to "
                 f"{effect[name]:.1%}); the workload needs {NEEDS[name]}")
     hw = hw_of(z)
-    return FitResult(hw, {n: float(v) for n, v in zip(FITTED, values)}, stderr, pinned,
+    fitted = dict(held, **{name: float(v) for name, v in zip(names, values)})
+    return FitResult(hw, {name: fitted[name] for name in FITTED}, stderr, pinned,
                      bounds, float(np.sqrt(s2)), effect)
 
 
-__all__ = ["fit_steps", "FitResult", "CalibrationError", "FITTED", "bounds_of", "NEEDS"]
+__all__ = ["fit_steps", "FitResult", "CalibrationError", "FITTED", "bounds_of", "NEEDS",
+           "ZERO_PINNABLE", "ZERO_Z"]

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from minivllm.benchmarks.workload import arrival_times
+from minivllm.sim.calibrate import add_quantization_arg, resolved_quantization  # noqa: F401
 # The serving calibration lives with the calibration (one place); validate reuses it.
 from minivllm.sim.calibrate_serving import (WAKE_PAUSES, fit_serving, fit_wake,  # noqa: F401
                                             measure, serve_calibration, serving_hardware,
@@ -84,6 +85,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=32, help="mean output tokens (+-25 %%)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="the server's and the simulator's token budget per step")
+    add_quantization_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="figures/sim_validation.json",
                    help="write the table, the settings and the hardware as JSON here")
@@ -121,11 +123,13 @@ def run(args: argparse.Namespace) -> dict:
     check_args(args)
     t_start = time.perf_counter()
     model_path = resolve_model_path(None)
-    engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens,
+                     "quantization": args.quantization}
     report = {"settings": {k: getattr(args, k) for k in (
         "rates", "num_prompts", "input_len", "output_len", "max_num_batched_tokens", "seed",
-        "calibration", "calibration_scale", "serve_calibration")},
-        "model": str(model_path), "targets": TARGETS}
+        "calibration", "calibration_scale", "serve_calibration", "quantization")},
+        "model": str(model_path), "targets": TARGETS,
+        "quantization": resolved_quantization(model_path, args.quantization)}
     if args.calibration:
         hw = load_hardware(args.calibration)
     else:
@@ -139,7 +143,8 @@ def run(args: argparse.Namespace) -> dict:
               f"(median |error| per step {cal.median_abs_error:.0%})")
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     by_rate: dict[str, list[dict]] = {}
-    with ServerProcess("--max-num-batched-tokens", str(args.max_num_batched_tokens)) as server:
+    with ServerProcess("--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                       "--quantization", args.quantization) as server:
         server.wait_until_healthy()
         # Warm-up: the first requests of a fresh server pay one-time costs.
         measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99), 100.0, 0)

@@ -172,7 +172,8 @@ def run_real(policy: str, n: int, num_blocks: int, convs, args) -> list[Turn]:
             replicas.append(ServerProcess(
                 "--served-model-name", "m",
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                "--num-kv-blocks", str(num_blocks), "--kv-events-config",
+                "--num-kv-blocks", str(num_blocks), "--quantization", args.quantization,
+                "--kv-events-config",
                 json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{p}"}),
                 env=env))
         for r in replicas:
@@ -236,7 +237,7 @@ def run_sim_requests(hw, policy: str, n: int, num_blocks: int, requests, args):
     from minivllm.sim.simulator import Simulator
 
     path = resolve_model_path(None)
-    sim = Simulator(load_model_config(path, "auto", "cpu"), hw,
+    sim = Simulator(load_model_config(path, "auto", "cpu", args.quantization), hw,
                     EngineArgs(model=str(path), num_kv_blocks=num_blocks,
                                block_size=args.block_size,
                                max_num_batched_tokens=args.max_num_batched_tokens),
@@ -333,6 +334,21 @@ def summarize_sim(result) -> dict:
             / max(r.finished for r in reqs)}
 
 
+def per_request(turns: list[Turn], result) -> list[dict]:
+    """Each turn real against simulated: where the TTFT and cache gaps come from."""
+    sim = {r.request_id: r for r in result.requests}
+    out = []
+    for t in sorted(turns, key=lambda t: t.sent):
+        s = sim[f"s{t.session}-t{t.turn}"]
+        out.append({"id": s.request_id, "sent": round(t.sent, 4), "sim_sent": round(s.arrival, 4),
+                    "prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
+                    "replica": [t.replica, s.replica],
+                    "cached_tokens": [t.cached_tokens, s.num_cached_tokens],
+                    "ttft_ms": [round(t.ttft * 1000, 2), round(s.ttft * 1000, 2)],
+                    "e2e_ms": [round((t.done - t.sent) * 1000, 2), round(s.e2e * 1000, 2)]})
+    return out
+
+
 def rel(sim: float, real: float) -> float:
     return (sim - real) / real if real else float("nan")
 
@@ -402,9 +418,15 @@ def run(args: argparse.Namespace) -> dict:
                       "cached_tokens_real_order": cached_ordered,
                       "err_cached_real_order": rel(cached_ordered, real["cached_tokens"]),
                       "same_answers": f"{sum(texts[k] == reference[k] for k in texts)}/{n_req}",
-                      "replicas": [t.replica for t in turns]}
+                      "replicas": [t.replica for t in turns],
+                      "requests": per_request(turns, result)}
     print_table(rows)
+    from minivllm.model.resolve import resolve_model_path
+    from minivllm.sim.calibrate import resolved_quantization
+
     report = {"settings": vars(args) | {"func": None}, "hardware": hw.to_dict(), "rows": rows,
+              "quantization": resolved_quantization(resolve_model_path(None),
+                                                    args.quantization),
               "targets": {"cached_tokens": 0.10, "median_ttft": 0.20}}
     if args.fleet_output:
         Path(args.fleet_output).write_text(json.dumps(report, indent=2, default=str))
