@@ -151,3 +151,30 @@ def test_replicas_sharing_a_hosts_cores_slow_down_only_while_oversubscribed():
         assert np.array(r.token_times) == pytest.approx(2 * np.array(alone.token_times))
     with pytest.raises(ValueError, match="host_cores=0 is invalid"):
         small_sim(num_replicas=2, host_cores=0)
+
+
+def test_replicas_running_at_once_split_the_host_s_memory_bandwidth():
+    """Two replicas of a 2-core host, a core each, decoding at once: with a host
+    memory bandwidth of 1.5x one replica's, each reads at 0.75 of its bandwidth, so
+    every token comes exactly when it would on one replica alone whose bandwidth
+    efficiency is 0.75x; with a host bandwidth of 2x, or one replica alone on the
+    host, nothing changes."""
+    work = random_requests(1, 200, 20, 128256, 0.0, request_rate=float("inf"), seed=1)
+    twin = [SimRequest(f"r{i}", work[0].prompt_token_ids, 20, arrival_time=0.0)
+            for i in range(2)]
+
+    def run(hw, n, requests):
+        return Simulator(load_model_config("llama-3-8b"), hw,
+                         EngineArgs(max_num_seqs=64, max_num_batched_tokens=2048,
+                                    max_model_len=4096), n, host_cores=2).run(requests).requests
+
+    host = H100.with_(host_mem_bandwidth=1.5 * H100.mem_bandwidth)
+    alone_slower = run(H100.with_(bandwidth_efficiency=0.75 * H100.bandwidth_efficiency), 1,
+                       twin[:1])[0]
+    alone = run(H100, 1, twin[:1])[0]
+    assert alone_slower.token_times[-1] > 1.2 * alone.token_times[-1]  # decode-bound
+    for r in run(host, 2, twin):
+        assert r.token_times == pytest.approx(alone_slower.token_times)
+    for r in run(H100.with_(host_mem_bandwidth=2 * H100.mem_bandwidth), 2, twin):
+        assert r.token_times == pytest.approx(alone.token_times)
+    assert run(host, 2, twin[:1])[0].token_times == pytest.approx(alone.token_times)

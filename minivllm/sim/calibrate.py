@@ -201,7 +201,8 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
                f"of {cfg.model.path.rsplit('/', 1)[-1]} (quantization "
                f"{cfg.model.quantization or 'none'}, {str(cfg.model.dtype).split('.')[-1]}; "
                f"{time.strftime('%Y-%m-%d %H:%M')}): "
-               f"{errors}; peaks: {base.source}")
+               f"{errors}; peaks: {base.source}; host memory bandwidth (all cores) "
+               f"{base.host_mem_bandwidth / 1e9:.1f} GB/s")
     return cal
 
 

@@ -49,6 +49,7 @@ class SimExecutor:
         self.last_duration = 0.0
         self.cost_seconds = 0.0  # real time spent pricing steps
         self.slowdown = 1.0  # > 1 while the host's cores are shared (simulator._contention)
+        self.bandwidth_share = 1.0  # < 1 while other replicas read the host's memory too
 
     # -- the executor interface ------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -66,7 +67,7 @@ class SimExecutor:
             return out
         t0 = time.perf_counter()
         features = self.cost_model.features(so)
-        duration = self.cost_model.time(features) * self.slowdown
+        duration = self.cost_model.time(features, self.bandwidth_share) * self.slowdown
         for req in so.scheduled_requests:
             rid = req.request_id
             if so.num_computed_tokens[rid] + so.num_scheduled_tokens[rid] >= req.num_tokens:

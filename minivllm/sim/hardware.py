@@ -27,7 +27,7 @@ TB = 1e12
 class Hardware:
     name: str
     peak_flops: float  # FLOP/s of dense matrix products in the model's dtype
-    mem_bandwidth: float  # bytes/s of device memory
+    mem_bandwidth: float  # bytes/s of device memory (as one replica's threads read it)
     memory_bytes: float  # device memory per accelerator
     link_bandwidth: float  # bytes/s, one direction, between tensor-parallel ranks
     # Fractions of the peaks that the engine's kernels reach.
@@ -62,6 +62,11 @@ class Hardware:
     # cold while it waited); 0 for the presets.
     idle_wake_s: float = 0.0
     idle_wake_tau_s: float = 1.0
+    # Bytes/s the host's memory gives all its cores together (calibrate measures it
+    # with every core). Replicas sharing one host (Simulator(host_cores=...)) that
+    # run at once split it: each reads at most host / running, not mem_bandwidth.
+    # 0 (the presets, older files): no such limit.
+    host_mem_bandwidth: float = 0.0
     dtype: str = "bfloat16"  # what the presets' peaks are quoted for
     device: str = "cuda"  # "cpu": the KV cache gets the CPU engine's default budget
     source: str = ""
@@ -144,6 +149,26 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
 HARDWARE_NAMES = (*HARDWARE_PRESETS, "cpu")
 
 
+def host_bandwidth(one: float, min_seconds: float = 0.3) -> float:
+    """The memory bandwidth of all this host's cores at once (``one``: measured at the
+    current thread count; the same if that is all of them): what replicas sharing
+    the host split between them while they run at once."""
+    import os
+
+    import torch
+
+    from minivllm.benchmarks.roofline import measure_bandwidth
+
+    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    if threads >= cores:
+        return one
+    torch.set_num_threads(cores)
+    try:
+        return max(one, measure_bandwidth(num_bytes=1 << 28, min_seconds=min_seconds).best)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measured_cpu(min_seconds: float = 0.3, dtype=None) -> Hardware:
     """This machine's matmul FLOP/s and memory bandwidth, measured now: float32, or
     the faster of float32 and ``dtype`` (a peak bounds every kernel the engine may use)."""
@@ -157,7 +182,8 @@ def measured_cpu(min_seconds: float = 0.3, dtype=None) -> Hardware:
                 for t in {torch.float32, dtype or torch.float32})
     bw = measure_bandwidth(num_bytes=1 << 28, min_seconds=min_seconds).best
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware("cpu", flops, bw, float(mem), bw, flops_efficiency=1.0,
+    return Hardware("cpu", flops, bw, float(mem), bw, host_mem_bandwidth=host_bandwidth(
+                    bw, min_seconds), flops_efficiency=1.0,
                     bandwidth_efficiency=1.0, attention_efficiency=0.5,
                     step_overhead_s=2e-3, per_seq_overhead_s=50e-6, dtype="float32", device="cpu",
                     source="this machine, minivllm bench roofline's measurements")

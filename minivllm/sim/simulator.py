@@ -290,20 +290,26 @@ class _Run:
         replica.core.add_request(req)
         self.live[spec.request_id] = (req, i)
 
-    def _contention(self, start: float) -> float:
-        """How much longer a step starting at ``start`` takes because busy
-        replicas share the host's cores: a fair share, counted at the step's
-        start (a replica is busy then if it has work or its last step is still
-        running); 1 when every busy replica's threads have a core."""
-        cores = self.sim.host_cores
+    def _contention(self, start: float) -> tuple[float, float]:
+        """How a step starting at ``start`` is slowed because busy replicas share
+        the host, counted at the step's start (a replica is busy then if it has
+        work or its last step is still running): (how much longer it takes, a
+        fair share of the cores; 1 when every busy replica's threads have a core,
+        the fraction of its memory bandwidth it reads at: the replicas that run
+        at once split ``Hardware.host_mem_bandwidth``, 1 where that is unknown)."""
+        cores, threads = self.sim.host_cores, self.sim.threads_per_replica
         if cores is None:
-            return 1.0
+            return 1.0, 1.0
         busy = sum(r.busy or r.clock.now() > start for r in self.replicas)
-        return max(1.0, busy * self.sim.threads_per_replica / cores)
+        running = min(busy, max(1, cores // threads))
+        hw = self.sim.hardware
+        share = (min(1.0, hw.host_mem_bandwidth / (running * hw.mem_bandwidth))
+                 if hw.host_mem_bandwidth else 1.0)
+        return max(1.0, busy * threads / cores), share
 
     def _step(self, replica: Replica) -> None:
         ex = replica.executor
-        ex.slowdown = self._contention(replica.clock.now())
+        ex.slowdown, ex.bandwidth_share = self._contention(replica.clock.now())
         priced = ex.cost_seconds
         t0 = time.perf_counter()
         outputs = replica.core.step()
