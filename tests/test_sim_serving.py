@@ -130,3 +130,46 @@ def test_an_idle_engine_starts_late_by_its_wake_cost():
     idle_b = 3.0 - woke["a"].finished
     assert woke["b"].ttft == pytest.approx(plain["b"].ttft + hw.wake_cost(idle_b))
     assert hw.wake_cost(idle_b) > hw.wake_cost(0.2) > 0
+
+
+def test_repeated_real_runs_are_judged_by_their_median_and_their_range():
+    """Three real runs of one workload that differ in speed (three servers, 10, 30
+    and 60 ms to the first token): each metric keeps every run's value, the error
+    and the verdict are against their median (the middle server), and the
+    simulated value is said to lie within the runs' range exactly when it does."""
+    import statistics
+
+    from minivllm.sim.calibrate_serving import measure
+    from minivllm.sim.validate import TARGETS, repeat_rows
+
+    work = random_requests(6, 8, 3, 1000, request_rate=20.0, seed=3)
+    runs = []
+    for delay in (0.03, 0.01, 0.06):
+        server = StreamingServer(first_delay=delay, gap=0.005)
+        try:
+            runs.append(measure(server.url, work, 20.0, 3))
+        finally:
+            server.close()
+    ttfts = [m.ttft_ms["median"] for m in runs]
+    assert ttfts[1] < ttfts[0] < ttfts[2]  # the servers' speeds, as measured
+    simulated = serve_metrics(smol_sim().run(work))
+    table = repeat_rows(runs, simulated)
+    assert [r["metric"] for r in table] == list(TARGETS)
+    ttft = table[0]
+    assert ttft["measured_runs"] == ttfts
+    assert ttft["measured"] == statistics.median(ttfts) == ttfts[0]
+    assert (ttft["measured_min"], ttft["measured_max"]) == (ttfts[1], ttfts[2])
+    assert ttft["simulated"] == simulated.ttft_ms["median"]
+    assert ttft["error"] == pytest.approx(simulated.ttft_ms["median"] / ttfts[0] - 1)
+    assert ttft["within_target"] == (abs(ttft["error"]) <= TARGETS["median TTFT (ms)"])
+    for r in table:
+        assert r["simulated_within_runs"] == (r["measured_min"] <= r["simulated"]
+                                              <= r["measured_max"])
+
+
+def test_validate_refuses_zero_real_repeats_naming_the_field(capsys):
+    from minivllm.entrypoints.cli import main
+
+    assert main(["simulate", "validate", "--real-repeats", "0", "--rates", "1", "2", "3",
+                 "--calibration", "h100-sxm"]) == 2
+    assert "real_repeats=0 is invalid: must be >= 1" in capsys.readouterr().err
