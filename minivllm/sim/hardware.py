@@ -150,23 +150,56 @@ HARDWARE_NAMES = (*HARDWARE_PRESETS, "cpu")
 
 
 def host_bandwidth(one: float, min_seconds: float = 0.3) -> float:
-    """The memory bandwidth of all this host's cores at once (``one``: measured at the
-    current thread count; the same if that is all of them): what replicas sharing
-    the host split between them while they run at once."""
+    """The memory bandwidth of all this host's cores at once, what replicas sharing
+    the host split while they run at once (``one``: one replica's, measured at the
+    current thread count; returned as is when that is every core). Measured as
+    replicas read: one independent reader per core (a one-thread sum each, not one
+    multi-thread sum, whose barrier waits for a descheduled thread), their total
+    over one reader alone, times ``one``."""
     import os
 
     import torch
 
-    from minivllm.benchmarks.roofline import measure_bandwidth
-
     threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
     if threads >= cores:
         return one
-    torch.set_num_threads(cores)
+    torch.set_num_threads(1)
     try:
-        return max(one, measure_bandwidth(num_bytes=1 << 28, min_seconds=min_seconds).best)
+        alone, together = _readers(1, min_seconds), _readers(cores, min_seconds)
     finally:
         torch.set_num_threads(threads)
+    return one * max(1.0, together / alone)
+
+
+def _readers(k: int, min_seconds: float, num_bytes: int = 1 << 27) -> float:
+    """bytes/s that ``k`` threads summing their own float32 buffers read in total
+    (best of 3; torch releases the GIL inside the sum)."""
+    import threading
+    import time
+
+    import torch
+
+    bufs = [torch.ones(num_bytes // 4) for _ in range(k)]
+    best = 0.0
+    for _ in range(3):
+        counts, start = [0] * k, threading.Barrier(k + 1)
+
+        def read(i: int) -> None:
+            start.wait()
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < min_seconds:
+                bufs[i].sum()
+                counts[i] += 1
+
+        workers = [threading.Thread(target=read, args=(i,)) for i in range(k)]
+        for w in workers:
+            w.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for w in workers:
+            w.join()
+        best = max(best, sum(counts) * num_bytes / (time.perf_counter() - t0))
+    return best
 
 
 def measured_cpu(min_seconds: float = 0.3, dtype=None) -> Hardware:
