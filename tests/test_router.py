@@ -104,6 +104,9 @@ def test_kv_aware_router_keeps_conversations_on_their_cache(tmp_path_factory, ti
             assert all(hit > 0 for _, hit in s[1:])
         stats = router.stats()
         assert sum(r["num_routed"] for r in stats["replicas"]) == 9
+        # Each request waited for its tokens (a /tokenize round trip) before routing.
+        assert len(stats["tokenize_seconds"]) == 9
+        assert all(0 < s < 30 for s in stats["tokenize_seconds"])
         assert all(r["num_cached_blocks"] > 0 for r in stats["replicas"]
                    if r["num_routed"]), stats
         m = metric_samples(router.http.get("/metrics").text)

@@ -178,3 +178,19 @@ def test_replicas_running_at_once_split_the_host_s_memory_bandwidth():
     for r in run(H100.with_(host_mem_bandwidth=2 * H100.mem_bandwidth), 2, twin):
         assert r.token_times == pytest.approx(alone.token_times)
     assert run(host, 2, twin[:1])[0].token_times == pytest.approx(alone.token_times)
+
+
+def test_a_routing_latency_delays_every_request_s_engine_by_exactly_that():
+    """A router that spends L seconds on each request before routing it (a cache-aware
+    one tokenizes the prompt first): on an idle fleet every token comes exactly L
+    later than without it; a negative latency is refused, naming the field."""
+    work = [SimRequest(f"r{i}", [5 + i] * 100, 8, arrival_time=float(i)) for i in range(3)]
+    plain = small_sim(num_replicas=2, router="kv_aware").run(work).requests
+    late = small_sim(num_replicas=2, router="kv_aware", routing_latency_s=0.25).run(work).requests
+    for a, b in zip(sorted(plain, key=lambda r: r.request_id),
+                    sorted(late, key=lambda r: r.request_id)):
+        assert a.arrival == b.arrival and a.replica == b.replica
+        assert np.array(b.token_times) == pytest.approx(np.array(a.token_times) + 0.25)
+        assert b.ttft == pytest.approx(a.ttft + 0.25)
+    with pytest.raises(ValueError, match="routing_latency_s=-1 is invalid"):
+        small_sim(routing_latency_s=-1)

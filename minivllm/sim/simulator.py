@@ -9,7 +9,9 @@ replica's next step, as in a real engine that takes new requests between
 steps. An idle replica's clock jumps to the next request it gets. With a
 ``serving_latency_s`` (a served engine, as calibrated by ``simulate
 validate``) the engine sees each request that long after it is sent: the
-request's own serving cost, in its TTFT and E2E latency; with an
+request's own serving cost, in its TTFT and E2E latency (and
+``routing_latency_s`` more in a fleet whose router spends that on each request
+before routing it: a cache-aware router asks a replica to tokenize it); with an
 ``idle_wake_s`` an engine that was idle starts its next step later, the
 longer it was idle.
 """
@@ -166,7 +168,8 @@ class Simulator:
                  engine_args: Optional[EngineArgs] = None, num_replicas: int = 1,
                  router: str = "round_robin", gpu_memory_utilization: float = 0.9,
                  eos_token_ids: Optional[frozenset[int]] = None, trace: bool = False,
-                 host_cores: Optional[int] = None, threads_per_replica: int = 1) -> None:
+                 host_cores: Optional[int] = None, threads_per_replica: int = 1,
+                 routing_latency_s: float = 0.0) -> None:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas!r} is invalid: must be an "
                              "integer >= 1")
@@ -176,6 +179,13 @@ class Simulator:
                 raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1"
                                  + (" or None (each replica has its own hardware)"
                                     if name == "host_cores" else ""))
+        if not (isinstance(routing_latency_s, (int, float)) and routing_latency_s >= 0):
+            raise ValueError(f"routing_latency_s={routing_latency_s!r} is invalid: must be "
+                             "a number of seconds >= 0")
+        # What the router spends on each request before it can route it (a
+        # cache-aware router asks a replica to tokenize the prompt): the engine
+        # sees the request that much later, on top of serving_latency_s.
+        self.routing_latency_s = float(routing_latency_s)
         # Replicas on one host share its cores (None: each has its own hardware,
         # as GPUs do). ``hardware`` is then one replica alone with its threads.
         self.host_cores, self.threads_per_replica = host_cores, threads_per_replica
@@ -222,7 +232,7 @@ class _Run:
         # Sent, not yet seen by the engine (Hardware.serving_latency_s):
         # (time the engine sees it, order, req, time it was sent).
         self.ingress: list[tuple[float, int, SimRequest, float]] = []
-        self.latency = sim.hardware.serving_latency_s
+        self.latency = sim.hardware.serving_latency_s + sim.routing_latency_s
         self.sent_at: dict[str, float] = {}
         self.in_flight = 0
         self.slot_free_at = 0.0  # with a concurrency cap: when a slot last opened

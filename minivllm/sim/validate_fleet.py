@@ -21,9 +21,13 @@ most any router can find), and every answer is compared with that run's.
 The replicas share this machine's cores (each engine gets ``--threads``
 threads), and so do the simulated ones (``Simulator(host_cores=...)``: a step
 takes ``busy replicas x threads / cores`` times longer while the cores are
-oversubscribed). The calibration should then be one replica's: made with the
-same threads (``OMP_NUM_THREADS=1 minivllm simulate calibrate ...``). A
-benchmark, not a test.
+oversubscribed) and its memory (the replicas running at once split
+``Hardware.host_mem_bandwidth``). The calibration should then be one replica's: made
+with the same threads (``OMP_NUM_THREADS=1 minivllm simulate calibrate ...``). A
+cache-aware router asks a replica to tokenize each prompt before routing it; the
+router's own record of that wait (``/stats``), median per policy, is the simulated
+fleet's ``routing_latency_s``. Every request's real and simulated TTFT goes to the
+JSON. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -161,7 +165,9 @@ def start_router(policy: str, replicas, kv_ports: list[int], block_size: int):
     raise RuntimeError("the router did not start")
 
 
-def run_real(policy: str, n: int, num_blocks: int, convs, args) -> list[Turn]:
+def run_real(policy: str, n: int, num_blocks: int, convs, args) -> tuple[list[Turn], list]:
+    """The real fleet's turns, and the seconds the router spent tokenizing each
+    request before routing it (empty for the policies that route without tokens)."""
     from minivllm.entrypoints.launch import ServerProcess, free_port
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
@@ -182,8 +188,12 @@ def run_real(policy: str, n: int, num_blocks: int, convs, args) -> list[Turn]:
         router, url = start_router(policy if n > 1 else "round_robin", replicas, kv_ports,
                                    args.block_size)
         turns = asyncio.run(run_sessions(url, [r.url for r in replicas], convs, args))
+        import httpx
+
+        tokenize_s = httpx.get(url + "/stats", timeout=30,
+                               trust_env=False).json().get("tokenize_seconds", [])
         tokenize_all(replicas[0].url, turns)
-        return turns
+        return turns, tokenize_s
     finally:
         if router is not None:
             os.killpg(router.pid, signal.SIGTERM)
@@ -226,11 +236,13 @@ def sim_requests(turns: list[Turn], real_order: bool = False):
 
 
 def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args,
-            real_order: bool = False):
-    return run_sim_requests(hw, policy, n, num_blocks, sim_requests(turns, real_order), args)
+            real_order: bool = False, routing_latency_s: float = 0.0):
+    return run_sim_requests(hw, policy, n, num_blocks, sim_requests(turns, real_order), args,
+                            routing_latency_s)
 
 
-def run_sim_requests(hw, policy: str, n: int, num_blocks: int, requests, args):
+def run_sim_requests(hw, policy: str, n: int, num_blocks: int, requests, args,
+                     routing_latency_s: float = 0.0):
     from minivllm.config import EngineArgs
     from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.models import load_model_config
@@ -242,7 +254,7 @@ def run_sim_requests(hw, policy: str, n: int, num_blocks: int, requests, args):
                                block_size=args.block_size,
                                max_num_batched_tokens=args.max_num_batched_tokens),
                     n, policy, host_cores=args.host_cores or len(os.sched_getaffinity(0)),
-                    threads_per_replica=args.threads)
+                    threads_per_replica=args.threads, routing_latency_s=routing_latency_s)
     return sim.run(requests)
 
 
@@ -378,6 +390,8 @@ def load_hw(spec: Optional[str]):
 
 
 def run(args: argparse.Namespace) -> dict:
+    import numpy as np
+
     for p in args.policies:
         if p not in POLICIES:
             raise ValueError(f"policies contains {p!r}: each must be one of {', '.join(POLICIES)}")
@@ -394,13 +408,16 @@ def run(args: argparse.Namespace) -> dict:
     rows, reference = {}, None
     for name, n, blocks in runs:
         print(f"{name}: {n} replica(s) x {blocks} blocks, {n_req} requests ...", flush=True)
-        turns = run_real(name, n, blocks, convs, args)
+        turns, tokenize_s = run_real(name, n, blocks, convs, args)
+        # Measured, not fitted: the router's median wait for a prompt's tokens.
+        routing_s = float(np.median(tokenize_s)) if tokenize_s else 0.0
         failed = [t.error for t in turns if t.error]
         if failed or len(turns) != n_req:
             raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[:2]}")
         policy = name if n > 1 else "round_robin"
-        result = run_sim(hw, policy, n, blocks, turns, args)
-        ordered = run_sim(hw, policy, n, blocks, turns, args, real_order=True)
+        result = run_sim(hw, policy, n, blocks, turns, args, routing_latency_s=routing_s)
+        ordered = run_sim(hw, policy, n, blocks, turns, args, real_order=True,
+                          routing_latency_s=routing_s)
         sim_replica = {r.request_id: r.replica for r in result.requests}
         ordered_replica = {r.request_id: r.replica for r in ordered.requests}
         texts = {(t.session, t.turn): t.text for t in turns}
@@ -419,6 +436,8 @@ def run(args: argparse.Namespace) -> dict:
                       "err_cached_real_order": rel(cached_ordered, real["cached_tokens"]),
                       "same_answers": f"{sum(texts[k] == reference[k] for k in texts)}/{n_req}",
                       "replicas": [t.replica for t in turns],
+                      "router_tokenize_ms": [round(s * 1000, 2) for s in tokenize_s],
+                      "routing_latency_ms": routing_s * 1000,
                       "requests": per_request(turns, result)}
     print_table(rows)
     from minivllm.model.resolve import resolve_model_path

@@ -26,6 +26,7 @@ events (replayed from the replica's replay socket when given), and only the
 import argparse
 import asyncio
 import json
+import time
 from collections import deque
 from contextlib import asynccontextmanager
 from typing import Optional
@@ -65,6 +66,9 @@ class Router:
         # (request number, replica, prompt tokens, predicted cached blocks): how the
         # book and the tests compare the real fleet's choices with the simulator's.
         self.decisions: deque = deque(maxlen=100_000)
+        # Seconds each request waited for its prompt's tokens before it could be
+        # routed (cache-aware policies only): what the simulator adds per request.
+        self.tokenize_seconds: deque = deque(maxlen=100_000)
         self.num_requests = 0
 
     # -- choosing ---------------------------------------------------------------
@@ -107,7 +111,11 @@ class Router:
             return _error(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
-        tokens = await self.prompt_tokens(path, body) if self.policy.needs_tokens else None
+        tokens = None
+        if self.policy.needs_tokens:
+            t0 = time.perf_counter()
+            tokens = await self.prompt_tokens(path, body)
+            self.tokenize_seconds.append(time.perf_counter() - t0)
         hashes = prompt_block_hashes(tokens, self.block_size) if tokens else []
         number = self.num_requests
         self.num_requests += 1
@@ -206,7 +214,8 @@ class Router:
     def stats(self) -> dict:
         return {"policy": self.policy.policy, "num_requests": self.num_requests,
                 "replicas": [r.stats() for r in self.replicas],
-                "decisions": list(self.decisions)}
+                "decisions": list(self.decisions),
+                "tokenize_seconds": list(self.tokenize_seconds)}
 
 
 def _hits(hashes, cache) -> int:
