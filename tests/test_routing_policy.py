@@ -151,3 +151,37 @@ def test_the_fleet_validation_s_default_workload_keeps_kv_aware_s_lead_over_arri
     kv, rr, single = (np.array(out[k]) for k in ("kv_aware", "round_robin", "single"))
     assert len(kv) == 12 and np.median(kv / rr) >= 2.0 and (kv > 1.3 * rr).all()
     assert np.median(kv / single) >= 0.9
+
+
+def test_a_fleet_measured_several_times_is_judged_by_the_medians():
+    """``validate --fleet --real-repeats``: each run's row kept, the real and the
+    simulated metrics their medians over the runs, the errors between the medians,
+    and the simulated TTFT said to be within the real runs' range exactly when it is.
+    The runs here are rows of three real simulations at different speeds."""
+    import statistics
+
+    from minivllm.config import EngineArgs
+    from minivllm.sim import Hardware, SimRequest, Simulator, load_model_config
+    from minivllm.sim.validate_fleet import over_runs, rel, summarize_sim
+
+    work = [SimRequest(f"r{i}", [5 + i] * 100, 8, arrival_time=0.1 * i) for i in range(6)]
+    model = load_model_config("smollm2-135m", "float32", "cpu")
+    hw = Hardware("x", 1e11, 1e10, 1e10, 1e10, dtype="float32", device="cpu")
+
+    def row(factor):
+        s = summarize_sim(Simulator(model, hw.slowed(factor), EngineArgs(), 2,
+                                    "kv_aware").run(work))
+        return {"real": s, "sim": summarize_sim(Simulator(model, hw, EngineArgs(), 2,
+                                                          "kv_aware").run(work)),
+                "same_replica": "6/6", "same_replica_real_order": "6/6",
+                "cached_tokens_real_order": s["cached_tokens"], "same_answers": "6/6"}
+
+    runs = [row(f) for f in (1.5, 0.5, 3.0)]
+    got = over_runs(runs)
+    ttfts = [r["real"]["median_ttft_ms"] for r in runs]
+    assert got["real"]["median_ttft_ms"] == statistics.median(ttfts) == ttfts[0]
+    assert got["real_ttft_ms_range"] == [ttfts[1], ttfts[2]]
+    assert got["err_ttft"] == rel(got["sim"]["median_ttft_ms"], ttfts[0])
+    assert got["sim_ttft_within_runs"] == (ttfts[1] <= got["sim"]["median_ttft_ms"] <= ttfts[2])
+    assert got["sim_ttft_within_runs"]  # the unslowed simulation lies between 0.5x and 3x
+    assert got["runs"] == runs and got["same_replica"] == "6/6,6/6,6/6"

@@ -365,6 +365,67 @@ def rel(sim: float, real: float) -> float:
     return (sim - real) / real if real else float("nan")
 
 
+def compare(hw, name: str, n: int, blocks: int, turns: list[Turn], tokenize_s: list,
+            texts: dict, reference: dict, args) -> dict:
+    """One real run of a fleet against its simulation (the same prompts, send times,
+    replica count and policy), as a row of the table."""
+    import numpy as np
+
+    n_req = len(turns)
+    # Measured, not fitted: the router's median wait for a prompt's tokens.
+    routing_s = float(np.median(tokenize_s)) if tokenize_s else 0.0
+    policy = name if n > 1 else "round_robin"
+    result = run_sim(hw, policy, n, blocks, turns, args, routing_latency_s=routing_s)
+    ordered = run_sim(hw, policy, n, blocks, turns, args, real_order=True,
+                      routing_latency_s=routing_s)
+    sim_replica = {r.request_id: r.replica for r in result.requests}
+    ordered_replica = {r.request_id: r.replica for r in ordered.requests}
+    real, sim = summarize_real(turns), summarize_sim(result)
+    same = sum(sim_replica[f"s{t.session}-t{t.turn}"] == t.replica for t in turns)
+    same_ordered = sum(ordered_replica[f"s{t.session}-t{t.turn}"] == t.replica for t in turns)
+    cached_ordered = summarize_sim(ordered)["cached_tokens"]
+    return {"real": real, "sim": sim,
+            "err_cached": rel(sim["cached_tokens"], real["cached_tokens"]),
+            "err_ttft": rel(sim["median_ttft_ms"], real["median_ttft_ms"]),
+            "same_replica": f"{same}/{n_req}",
+            "same_replica_real_order": f"{same_ordered}/{n_req}",
+            "cached_tokens_real_order": cached_ordered,
+            "err_cached_real_order": rel(cached_ordered, real["cached_tokens"]),
+            "same_answers": f"{sum(texts[k] == reference[k] for k in texts)}/{n_req}",
+            "replicas": [t.replica for t in turns],
+            "router_tokenize_ms": [round(s * 1000, 2) for s in tokenize_s],
+            "routing_latency_ms": routing_s * 1000,
+            "requests": per_request(turns, result)}
+
+
+def over_runs(per_run: list[dict]) -> dict:
+    """Several real runs of one fleet: the medians of the real and of the simulated
+    metrics (each run simulated with its own send times), the errors between the
+    medians, the real runs' range, and every run kept."""
+    import statistics
+
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[side][key] for r in per_run)
+
+    keys = per_run[0]["real"]
+    real = {k: med("real", k) for k in keys}
+    sim = {k: med("sim", k) for k in keys}
+    ttfts = [r["real"]["median_ttft_ms"] for r in per_run]
+    ordered = statistics.median(r["cached_tokens_real_order"] for r in per_run)
+    return {"real": real, "sim": sim,
+            "err_cached": rel(sim["cached_tokens"], real["cached_tokens"]),
+            "err_ttft": rel(sim["median_ttft_ms"], real["median_ttft_ms"]),
+            "real_ttft_ms_range": [min(ttfts), max(ttfts)],
+            "sim_ttft_within_runs": bool(min(ttfts) <= sim["median_ttft_ms"] <= max(ttfts)),
+            "same_replica": ",".join(r["same_replica"] for r in per_run),
+            "same_replica_real_order": ",".join(r["same_replica_real_order"]
+                                                for r in per_run),
+            "cached_tokens_real_order": ordered,
+            "err_cached_real_order": rel(ordered, real["cached_tokens"]),
+            "same_answers": ",".join(r["same_answers"] for r in per_run),
+            "runs": per_run}
+
+
 def print_table(rows: dict) -> None:
     print(f"{'policy':<13}{'cached tok real/sim':>22}{'err':>7}{'TTFT ms real/sim':>21}"
           f"{'err':>7}{'tok/s real/sim':>17}{'same replica':>14}{'same answers':>14}"
@@ -377,6 +438,13 @@ def print_table(rows: dict) -> None:
               f"{a['output_throughput']:>8.1f}/{b['output_throughput']:<8.1f}"
               f"{r['same_replica']:>14}{r['same_answers']:>14}"
               f"{r['err_cached_real_order']:>+24.0%}{r['same_replica_real_order']:>16}")
+    for name, r in rows.items():
+        if "real_ttft_ms_range" in r:
+            lo, hi = r["real_ttft_ms_range"]
+            print(f"{name}: real median TTFT over {len(r['runs'])} runs {lo:.0f}-{hi:.0f} ms "
+                  f"(median {r['real']['median_ttft_ms']:.0f}), simulated "
+                  f"{r['sim']['median_ttft_ms']:.0f}: "
+                  f"{'within' if r['sim_ttft_within_runs'] else 'outside'} the runs' range")
 
 
 def load_hw(spec: Optional[str]):
@@ -390,8 +458,6 @@ def load_hw(spec: Optional[str]):
 
 
 def run(args: argparse.Namespace) -> dict:
-    import numpy as np
-
     for p in args.policies:
         if p not in POLICIES:
             raise ValueError(f"policies contains {p!r}: each must be one of {', '.join(POLICIES)}")
@@ -405,40 +471,25 @@ def run(args: argparse.Namespace) -> dict:
     big = args.num_kv_blocks * args.num_replicas * 4  # holds everything
     runs = [("single", 1, big)] + [(p, args.num_replicas, args.num_kv_blocks)
                                    for p in args.policies]
+    repeats = getattr(args, "real_repeats", 1)
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"real_repeats={repeats!r} is invalid: must be an integer >= 1")
     rows, reference = {}, None
     for name, n, blocks in runs:
-        print(f"{name}: {n} replica(s) x {blocks} blocks, {n_req} requests ...", flush=True)
-        turns, tokenize_s = run_real(name, n, blocks, convs, args)
-        # Measured, not fitted: the router's median wait for a prompt's tokens.
-        routing_s = float(np.median(tokenize_s)) if tokenize_s else 0.0
-        failed = [t.error for t in turns if t.error]
-        if failed or len(turns) != n_req:
-            raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[:2]}")
-        policy = name if n > 1 else "round_robin"
-        result = run_sim(hw, policy, n, blocks, turns, args, routing_latency_s=routing_s)
-        ordered = run_sim(hw, policy, n, blocks, turns, args, real_order=True,
-                          routing_latency_s=routing_s)
-        sim_replica = {r.request_id: r.replica for r in result.requests}
-        ordered_replica = {r.request_id: r.replica for r in ordered.requests}
-        texts = {(t.session, t.turn): t.text for t in turns}
-        reference = reference or texts
-        real, sim = summarize_real(turns), summarize_sim(result)
-        same = sum(sim_replica[f"s{t.session}-t{t.turn}"] == t.replica for t in turns)
-        same_ordered = sum(ordered_replica[f"s{t.session}-t{t.turn}"] == t.replica
-                           for t in turns)
-        cached_ordered = summarize_sim(ordered)["cached_tokens"]
-        rows[name] = {"real": real, "sim": sim,
-                      "err_cached": rel(sim["cached_tokens"], real["cached_tokens"]),
-                      "err_ttft": rel(sim["median_ttft_ms"], real["median_ttft_ms"]),
-                      "same_replica": f"{same}/{n_req}",
-                      "same_replica_real_order": f"{same_ordered}/{n_req}",
-                      "cached_tokens_real_order": cached_ordered,
-                      "err_cached_real_order": rel(cached_ordered, real["cached_tokens"]),
-                      "same_answers": f"{sum(texts[k] == reference[k] for k in texts)}/{n_req}",
-                      "replicas": [t.replica for t in turns],
-                      "router_tokenize_ms": [round(s * 1000, 2) for s in tokenize_s],
-                      "routing_latency_ms": routing_s * 1000,
-                      "requests": per_request(turns, result)}
+        per_run = []
+        for k in range(repeats):
+            print(f"{name}: {n} replica(s) x {blocks} blocks, {n_req} requests"
+                  + (f", real run {k + 1}/{repeats}" if repeats > 1 else "") + " ...",
+                  flush=True)
+            turns, tokenize_s = run_real(name, n, blocks, convs, args)
+            failed = [t.error for t in turns if t.error]
+            if failed or len(turns) != n_req:
+                raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[:2]}")
+            texts = {(t.session, t.turn): t.text for t in turns}
+            reference = reference or texts
+            per_run.append(compare(hw, name, n, blocks, turns, tokenize_s, texts, reference,
+                                   args))
+        rows[name] = per_run[0] if repeats == 1 else over_runs(per_run)
     print_table(rows)
     from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.calibrate import resolved_quantization
