@@ -124,15 +124,6 @@ def test_an_unidentified_overhead_consistent_with_zero_is_pinned_at_zero(design_
                 assert abs(got - getattr(truth, name)) <= 3 * e, (name, got, e)
 
 
-def test_efficiencies_are_never_pinned_at_zero():
-    """Only costs the engine need not have (the overheads) may be pinned at 0; an
-    efficiency of 0 would be an infinitely slow kernel."""
-    from minivllm.sim.fit import ZERO_PINNABLE
-
-    assert set(ZERO_PINNABLE) == {n for n in FITTED if n.endswith("_s")}
-    assert not any(n.endswith("efficiency") for n in ZERO_PINNABLE)
-
-
 def test_a_real_engine_s_steps_are_the_designed_ones_and_the_fit_keeps_its_bounds(
         tiny_model, tmp_path):
     """The calibration on a real (tiny) engine: each step it records has the
