@@ -30,6 +30,7 @@ def raw_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 def test_activations_are_quantized_as_ggml_quantizes_q8_0():
     """d is ggml's bit for bit; q is ggml's but where x * 127 / max|x| (our rounding,
     llama.cpp's AVX code) and x / d (ggml's reference) round apart at a half."""
+    torch.manual_seed(2)
     x = torch.randn(64, 1024) * torch.rand(64, 1) * 10
     x[3, :32] = 0  # an all-zero block: d = 0, q = 0
     q, d, _ = quantize_activations(x)
@@ -45,6 +46,7 @@ def test_activations_are_quantized_as_ggml_quantizes_q8_0():
 def test_reference_is_the_exact_product_of_the_quantized_numbers(qtype):
     """y = W x_hat, x_hat = q * d, up to float32 rounding (and Q4_1's block sum
     s = float16(d * sum q) in place of d16 * sum q): computed in float64 to compare."""
+    torch.manual_seed(1)
     K, N = 1536, 40
     w = torch.from_numpy(random_blocks(qtype, N, K, 3))
     x = torch.randn(3, K)
@@ -76,6 +78,7 @@ def ops():
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_equals_the_reference_bit_for_bit(ops, qtype):
+    torch.manual_seed(0)
     tid = BLOCK_TYPES[qtype].type_id
     for K in (32, 128, 576, 608, 1536, 4096 + 64):  # whole chunks of 16 blocks and tails
         for make in (random_blocks, raw_blocks):
@@ -102,7 +105,7 @@ def test_kernel_equals_the_reference_on_tensors_of_the_default_file(ops):
         K, name = int(t.shape[0]), t.tensor_type.name
         data = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(int(t.shape[1]), -1)
         data = data[:512].contiguous()
-        x = torch.randn(2, K) * 2
+        x = torch.randn(2, K, generator=torch.Generator().manual_seed(K)) * 2
         got = ops.gguf_linear_int8(x, data, BLOCK_TYPES[name].type_id, None)
         assert torch.equal(got, int8_product(x, data, name)), t.name
 
@@ -162,3 +165,53 @@ def test_int8_switch_is_honoured_by_the_reference_and_the_kernels(ops, tiny_mode
     # kernels, so x may differ in its last bits and an int8 value by one step.
     assert torch.allclose(logprobs(got), logprobs(want), atol=1e-3)
     assert not torch.equal(logprobs(want), logprobs(floats))  # the switch changes numbers
+
+
+@pytest.mark.slow
+def test_int8_activations_on_the_default_file_cost_about_one_rounding(ops):
+    """The accuracy benchmark on the default file (1024 README tokens, ~3 min): int8 x is
+    one 8-bit rounding per product input, as Q8_0 is for weights, where the issue
+    allows 1 % perplexity. Measured: +0.99 % perplexity, top-1 equal to float x at
+    95.9 % of positions (Q8_0 weights: +0.21 %, 98.0 %). The bounds leave room for
+    other summation orders (thread counts, ISA) moving a few positions."""
+    import argparse
+
+    from minivllm.benchmarks import int8_activations
+
+    r = int8_activations.run(argparse.Namespace(tokens=1024, max_tokens=16, cpu_kernels=None))
+    assert r["gguf int8"]["ppl_change"] < 0.015
+    assert r["gguf int8"]["top1_agreement"] > 0.93
+    assert r["gguf int8"]["perplexity"] != r["gguf"]["perplexity"]  # the switch took effect
+
+
+AVX2_CHECK = """
+import torch
+from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.features import cpu_features
+from minivllm.model.layers.quantization import BLOCK_TYPES
+from minivllm.model.layers.quantization.int8_activations import int8_product
+from tests.test_int8_activations import raw_blocks
+assert cpu_features().isa == "avx2" and ops.build_problem() is None
+assert not ops.gguf_int8_vnni()
+for qtype in ("Q4_0", "Q4_1", "Q8_0"):
+    for K in (576, 1536):
+        w = raw_blocks(qtype, 13, K, K)
+        x = torch.randn(3, K)
+        assert torch.equal(ops.gguf_linear_int8(x, w, BLOCK_TYPES[qtype].type_id, None),
+                           int8_product(x, w, qtype)), (qtype, K)
+print("AVX2 OK")
+"""
+
+
+@pytest.mark.slow
+def test_the_portable_int8_loop_of_the_avx2_build_equals_the_reference():
+    import os
+    import subprocess
+    import sys
+
+    from tests.cpu_requirements import AVX2_ENV
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], capture_output=True, text=True,
+                         cwd=repo, timeout=900, env={**os.environ, **AVX2_ENV})
+    assert out.returncode == 0 and "AVX2 OK" in out.stdout, out.stderr[-3000:]

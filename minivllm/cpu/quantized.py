@@ -51,7 +51,20 @@ def swap_in_quantized(model: nn.Module) -> int:
         if method is not None and type(method) is QuantizedLinearMethod:
             module.quant_method = CpuQuantizedLinearMethod(method.config)
             count += 1
+            if method.config.activation_dtype == "int8":
+                _say_int8_path()
     return count
+
+
+def _say_int8_path() -> None:
+    """Once: int8 products without AVX512-VNNI run a portable loop (the same numbers)."""
+    from minivllm.cpu.features import cpu_features
+    from minivllm.logger import info_once
+
+    if not (cpu_features().avx512_vnni and ops.gguf_int8_vnni()):
+        info_once("activation_dtype='int8': this CPU (or build) has no AVX512-VNNI, so the "
+                  "int8 products run a portable loop, slower than float activations; the "
+                  "numbers are the same")
 
 
 __all__ = ["CpuQuantizedLinearMethod", "swap_in_quantized"]

@@ -40,7 +40,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     """float32 x [M, K] -> q int8 [M, K/32, 32], d and s float32 [M, K/32] (float16 values)."""
     b = x.to(torch.float32).reshape(x.shape[0], -1, 32)
     amax = b.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax == 0, torch.zeros_like(amax), 127 / amax)
+    # (A tensor over a tensor: ``127 / amax`` would be 127 * (1 / amax), rounded twice.)
+    inv = torch.where(amax == 0, torch.zeros_like(amax), torch.full_like(amax, 127.0) / amax)
     q = torch.round(b * inv).to(torch.int8)
     d = amax.squeeze(-1) / 127
     s = q.to(torch.int32).sum(dim=-1).to(torch.float32) * d
