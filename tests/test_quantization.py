@@ -330,6 +330,7 @@ def test_gguf_gemv_bench_streams_every_matrix_of_the_default_file(capsys):
         bt = next(b for b in BLOCK_TYPES.values() if b.type_id == type_id)
         assert blocks.shape[1] == bt.row_bytes(cols)
     rates = gguf_gemv.run(argparse.Namespace(model=None, rounds=1, probe_bytes=1 << 22))
-    assert set(rates) == {"probe", "streamed", "hot type 3", "hot type 8"}
+    assert set(rates) == {"probe", "streamed", "streamed int8", "hot type 2", "hot type 2 int8",
+                          "hot type 3", "hot type 3 int8", "hot type 8", "hot type 8 int8"}
     assert all(r["best"] > 0 for r in rates.values())
     assert "best / probe" in capsys.readouterr().out

@@ -14,6 +14,10 @@ process, so that a machine shared with other work slows all of them alike:
 - ``hot``: one matrix of each block type small enough to stay in the caches, over
   and over: what the kernel computes when memory costs nothing, i.e. the most it
   can stream. If it is below the probe, the kernel, not memory, bounds a step.
+- the same two with ``int8`` after the name: ``gguf_linear_int8``, x quantized to
+  int8 blocks (``activation_dtype="int8"``; Q4_0, Q4_1 and Q8_0 matrices, the
+  others as ``gguf_linear``). ``hot type 2`` (Q4_0, not in the default file) is
+  random blocks of the Q4_1 matrix's shape.
 
 It prints the best and the median over rounds of each round's fastest call (GB/s of
 blocks or floats read) and the best ones' ratios to the probe's best.
@@ -80,20 +84,35 @@ def run(args: argparse.Namespace) -> dict:
     xs = {c: torch.randn(1, c) for _, _, c in matrices}
     step_bytes = sum(b.numel() for _, b, _ in matrices)
 
-    def step():
+    from minivllm.model.layers.quantization import BLOCK_TYPES, INT8_TYPES
+
+    int8_ids = {BLOCK_TYPES[n].type_id for n in INT8_TYPES}
+
+    def step(int8: bool = False):
         for type_id, blocks, cols in matrices:
-            ops.gguf_linear(xs[cols], blocks, type_id, None)
+            linear = ops.gguf_linear_int8 if int8 and type_id in int8_ids else ops.gguf_linear
+            linear(xs[cols], blocks, type_id, None)
 
     probe_w = torch.ones(args.probe_bytes // 4 // 1024, 1024)
     probe_x = torch.ones(1, 1024)
     ways: dict[str, tuple[Callable[[], object], int, int]] = {
         "probe": (lambda: ops.matvec(probe_x, probe_w), probe_w.numel() * 4, 3),
-        "streamed": (step, step_bytes, 5)}
-    for type_id in sorted({t for t, _, _ in matrices}):
-        blocks, cols = hot_matrix(matrices, type_id)
+        "streamed": (step, step_bytes, 5), "streamed int8": (lambda: step(True), step_bytes, 5)}
+    hot = {t: hot_matrix(matrices, t) for t in sorted({t for t, _, _ in matrices})}
+    q4_1, q4_0 = BLOCK_TYPES["Q4_1"], BLOCK_TYPES["Q4_0"]
+    if q4_1.type_id in hot and q4_0.type_id not in hot:
+        from minivllm.benchmarks.gguf_gemm import random_blocks
+
+        rows, cols = hot[q4_1.type_id][0].shape[0], hot[q4_1.type_id][1]
+        hot[q4_0.type_id] = (torch.from_numpy(random_blocks("Q4_0", rows, cols)), cols)
+    for type_id, (blocks, cols) in sorted(hot.items()):
         x = torch.randn(1, cols)
         ways[f"hot type {type_id}"] = (
             lambda b=blocks, x=x, t=type_id: ops.gguf_linear(x, b, t, None), blocks.numel(), 20)
+        if type_id in int8_ids:
+            ways[f"hot type {type_id} int8"] = (
+                lambda b=blocks, x=x, t=type_id: ops.gguf_linear_int8(x, b, t, None),
+                blocks.numel(), 20)
     rates: dict[str, list[float]] = {name: [] for name in ways}
     with torch.inference_mode():
         for _ in range(args.rounds):
@@ -103,9 +122,12 @@ def run(args: argparse.Namespace) -> dict:
     print(f"# {cpu_features().describe()}; {torch.get_num_threads()} threads; "
           f"{args.rounds} alternated rounds; a step reads {step_bytes / 1e6:.1f} MB of blocks "
           f"(types {sorted({t for t, _, _ in matrices})})")
-    print(f"{'':<14} {'best GB/s':>10} {'median':>8} {'best / probe':>13}")
+    print(f"{'':<18} {'best GB/s':>10} {'median':>8} {'best / probe':>13} {'int8 / float':>13}")
     for name, r in rates.items():
-        print(f"{name:<14} {max(r):>10.1f} {statistics.median(r):>8.1f} {max(r) / probe:>12.0%}")
+        base = rates.get(name[:-len(" int8")]) if name.endswith(" int8") else None
+        vs = f"{max(r) / max(base):>12.2f}x" if base else ""
+        print(f"{name:<18} {max(r):>10.1f} {statistics.median(r):>8.1f} {max(r) / probe:>12.0%} "
+              f"{vs}")
     return {name: {"best": max(r), "median": statistics.median(r)} for name, r in rates.items()}
 
 

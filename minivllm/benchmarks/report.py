@@ -39,6 +39,8 @@ def _weights(result: dict) -> str:
     info = result["backends"].get("minivllm", {}).get("info", {})
     if info.get("quantization"):
         label = label.rsplit(", ", 1)[0] + f", {info['quantization']}"
+    if info.get("activation_dtype", "auto") != "auto":
+        label += f" x {info['activation_dtype']}"
     return label
 
 

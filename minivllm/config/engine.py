@@ -26,7 +26,8 @@ from minivllm.config.checks import bad, check_bool, check_choice, check_int
 from minivllm.config.kv_transfer import KVTransferConfig
 from minivllm.config.model import ModelConfig, resolve_dtype
 from minivllm.config.parallel import ParallelConfig
-from minivllm.config.quantization import check_quantization, quantized_model_config
+from minivllm.config.quantization import (check_activation_dtype, check_quantization,
+                                          quantized_model_config)
 from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from minivllm.config.lora import LoRAConfig
 from minivllm.config.speculative import SpeculativeConfig
@@ -95,6 +96,9 @@ class EngineArgs:
     # "auto", None / "none" (float weights), "gguf" (a .gguf model's blocks as they
     # ship) or "q8_0" (quantized at load): config/quantization.py.
     quantization: Optional[str] = "auto"
+    # x in the quantized layers' products: "auto" (float32, the float path's numbers)
+    # or "int8" (llama.cpp's: integer dot products; other numbers): config/quantization.py.
+    activation_dtype: str = "auto"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -138,7 +142,8 @@ class EngineArgs:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = ModelConfig.from_pretrained(self.model, self.dtype, device)
-        model = quantized_model_config(model, self.quantization, self.dtype)
+        model = quantized_model_config(model, self.quantization, self.dtype,
+                                       self.activation_dtype)
         max_len = self.max_model_len or min(model.max_position_embeddings, 2048)
         if max_len > model.max_position_embeddings:
             raise bad("max_model_len", max_len,
@@ -193,6 +198,7 @@ class EngineArgs:
                   allowed="must be 1: run N `minivllm serve` replicas behind `minivllm "
                   "router --replica URL ...` instead (README, 'A fleet')")
         check_quantization(self.quantization)
+        check_activation_dtype(self.activation_dtype)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -44,6 +44,8 @@ class ModelConfig:
     # gguf_file as they ship) or "q8_0" (quantized at load).
     quantization: Optional[str] = None
     gguf_file: Optional[str] = None
+    # x in the quantized products: "auto" (float32) or "int8" (config/quantization.py).
+    activation_dtype: str = "auto"
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",

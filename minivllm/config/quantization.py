@@ -7,6 +7,13 @@
 - ``"gguf"``: the GGUF file's blocks as they ship (``minivllm/model/layers/quantization``).
 - ``"q8_0"``: a float checkpoint's linear layers quantized to Q8_0 at load.
 
+``EngineArgs.activation_dtype`` says what x is in the quantized layers'
+products: ``"auto"`` (the default) float32, the float path's numbers;
+``"int8"`` quantized per 32 values as llama.cpp does, for integer dot
+products with the Q4_0, Q4_1 and Q8_0 blocks
+(``model/layers/quantization/int8_activations.py``). It changes the numbers,
+so it is asked for, and it needs quantized weights.
+
 A folder converted from a GGUF file (``minivllm.model.resolve``) names the
 file in its ``SOURCE``: that is where ``"gguf"`` reads the blocks.
 """
@@ -30,6 +37,7 @@ QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
 # pays the dequantization per call and is behind at 32 streams (measured in the
 # README, "Quantized weights (GGUF)"); "auto" must not make any workload slower.
 AUTO_GGUF = False
+ACTIVATION_DTYPES = ("auto", "int8")
 
 
 def gguf_source(folder: str | Path) -> Optional[Path]:
@@ -44,6 +52,10 @@ def gguf_source(folder: str | Path) -> Optional[Path]:
 def check_quantization(requested: Optional[str]) -> str:
     return check_choice("quantization", "none" if requested is None else requested,
                         QUANTIZATION_CHOICES)
+
+
+def check_activation_dtype(requested: str) -> str:
+    return check_choice("activation_dtype", requested, ACTIVATION_DTYPES)
 
 
 def resolve_quantization(requested: Optional[str], dtype, is_gguf: bool) -> Optional[str]:
@@ -63,15 +75,23 @@ def resolve_quantization(requested: Optional[str], dtype, is_gguf: bool) -> Opti
 
 
 def quantized_model_config(model: ModelConfig, requested: Optional[str],
-                           dtype) -> ModelConfig:
+                           dtype, activation_dtype: str = "auto") -> ModelConfig:
     """``model`` with its quantization resolved (and the GGUF file to read, if any)."""
     source = gguf_source(model.path)
     q = resolve_quantization(requested, dtype, source is not None)
+    activation_dtype = check_activation_dtype(activation_dtype)
     if q is None:
+        if activation_dtype != "auto":
+            raise bad("activation_dtype", activation_dtype,
+                      f"needs quantized weights (quantization='gguf' for a .gguf model, or "
+                      f"'q8_0'); quantization={requested!r} gives float weights here, where "
+                      f"only 'auto' is allowed")
         return model
     return dataclasses.replace(model, quantization=q, dtype=torch.float32,
-                               gguf_file=str(source) if q == "gguf" else None)
+                               gguf_file=str(source) if q == "gguf" else None,
+                               activation_dtype=activation_dtype)
 
 
-__all__ = ["QUANTIZATION_CHOICES", "AUTO_GGUF", "check_quantization", "gguf_source",
+__all__ = ["ACTIVATION_DTYPES", "QUANTIZATION_CHOICES", "AUTO_GGUF", "check_activation_dtype",
+           "check_quantization", "gguf_source",
            "quantized_model_config", "resolve_quantization"]

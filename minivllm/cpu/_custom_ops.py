@@ -14,6 +14,7 @@ products. These kernels do the same math in one pass each:
 - ``gemm.cpp`` — float32 matrix products for decode-sized batches and single rows
   (see ``prepack.py``);
 - ``gguf_gemm.cpp`` — products with GGUF-quantized weights, on their blocks;
+- ``gguf_int8.cpp`` — the same with int8 activations (``activation_dtype="int8"``);
 - ``lora.cpp`` — the LoRA delta of a step mixing adapters (BGMV shrink and expand);
 - ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
 
@@ -275,6 +276,18 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` with W as GGUF blocks [N, row_bytes] of GGML type ``type_id``."""
     return _lib().gguf_linear(x, qweight, type_id, bias)
+
+
+def gguf_linear_int8(x: torch.Tensor, qweight: torch.Tensor, type_id: int,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``gguf_linear`` with x quantized to int8 blocks (Q4_0, Q4_1, Q8_0 weights):
+    ``int8_activations.int8_product``'s numbers."""
+    return _lib().gguf_linear_int8(x, qweight, type_id, bias)
+
+
+def gguf_int8_vnni() -> bool:
+    """Whether gguf_linear_int8 runs on AVX512-VNNI (else a portable loop, same numbers)."""
+    return _lib().gguf_int8_vnni()
 
 
 def gguf_dequantize(qweight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:

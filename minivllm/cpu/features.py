@@ -80,6 +80,11 @@ class CPUFeatures:
         return self.avx512 and "avx512_bf16" in self.flags
 
     @property
+    def avx512_vnni(self) -> bool:
+        """AVX512-VNNI's vpdpbusd: the int8 products of ``activation_dtype="int8"``."""
+        return self.avx512 and "avx512_vnni" in self.flags
+
+    @property
     def amx_bf16(self) -> bool:
         return {"amx_tile", "amx_bf16"} <= self.flags
 

@@ -47,7 +47,7 @@ from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.cpu.quantized import CpuQuantizedLinearMethod
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.parallel import tp_size
-from minivllm.model.layers.quantization import BLOCK_TYPES
+from minivllm.model.layers.quantization import BLOCK_TYPES, INT8_TYPES
 
 if TYPE_CHECKING:
     from minivllm.lora.model_manager import LoRAMapping
@@ -66,12 +66,14 @@ def _quantized(layer: nn.Module) -> bool:
 
 def _linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
     """weight, float32 panels, bias, the GEMM library's packed copy (as the C++ reads them);
-    for quantized blocks: the blocks, no panels, bias, the GGML type id."""
+    for quantized blocks: the blocks, no panels, bias, and [GGML type id, 1 if its x is
+    quantized to int8 (activation_dtype="int8")]."""
     bias = getattr(layer, "bias", None)  # (an LM head has none)
     bias = bias if bias is not None else _NONE
     if _quantized(layer):
         (_, t), = layer.qweight.segments
-        return [t.data, _NONE, bias, torch.tensor([BLOCK_TYPES[t.qtype].type_id])]
+        int8 = layer.quant_method.config.activation_dtype == "int8" and t.qtype in INT8_TYPES
+        return [t.data, _NONE, bias, torch.tensor([BLOCK_TYPES[t.qtype].type_id, int(int8)])]
     packed = layer.packed_weight
     panels = packed.panels if packed.panels is not None else _NONE
     return [layer.weight, panels, bias, packed.gemm]

@@ -63,6 +63,8 @@ class MiniVLLM(Backend):
                      # bfloat16 is computed in float32 where the CPU lacks it (said in the log)
                      "compute_dtype": str(self.llm.engine_core.executor.runner.dtype).split(".")[-1],
                      "quantization": self.llm.engine_core.executor.runner.config.model.quantization,
+                     "activation_dtype":
+                         self.llm.engine_core.executor.runner.config.model.activation_dtype,
                      "weight_bytes": _model_weight_bytes(self.llm)}
 
     def run(self, prompts, max_tokens) -> dict:

@@ -139,7 +139,8 @@ def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProces
                              "max_num_batched_tokens": args.max_num_batched_tokens,
                              "tensor_parallel_size": args.tensor_parallel_size,
                              "speculative_config": args.speculative_config,
-                             "quantization": args.quantization}}
+                             "quantization": args.quantization,
+                             "activation_dtype": args.activation_dtype}}
     pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python,
                "llama.cpp-decode": args.llama_python}
     drivers: dict[str, DriverProcess] = {}

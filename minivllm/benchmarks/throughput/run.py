@@ -112,6 +112,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         type=lambda v: None if v.lower() == "none" else v,
                         help="minivllm's quantization: auto, none, gguf (a .gguf model's "
                              "blocks as they ship) or q8_0")
+    parser.add_argument("--activation-dtype", default="auto", choices=("auto", "int8"),
+                        help="minivllm's x in the quantized products: auto (float32) or int8 "
+                             "(llama.cpp's integer dot products; other numbers)")
     parser.add_argument("--load-timeout", type=float, default=1800)
     parser.add_argument("--run-timeout", type=float, default=3600)
     parser.add_argument("--output", default=None, help="write the results as JSON here")

@@ -41,8 +41,9 @@ namespace {
 // the bias, and the GEMM library's packed copy (prepack.PackedWeight.gemm).
 // An absent bias or panels is an empty tensor. A quantized layer's 4 are its
 // GGUF blocks (uint8 [out, row_bytes]), no panels, the bias, and its GGML type
-// id (int64 [1]): gguf_gemm.cpp computes its product on the blocks. Keep in
-// step with fused_decode.py.
+// id (int64 [1]; or [2]: type id, then 1 for int8 activations):
+// gguf_gemm.cpp computes its product on the blocks (gguf_int8.cpp with int8
+// activations). Keep in step with fused_decode.py.
 constexpr int64_t kTensorsPerLinear = 4;
 constexpr int64_t kTensorsPerLayer = 2 + 4 * kTensorsPerLinear;
 // With LoRA, lora_weights holds per layer (lora_a, lora_b) of qkv, o, gate_up
@@ -80,7 +81,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_ro
   const at::Tensor &weight = w[0], &panels = w[1], &packed = w[3];
   c10::optional<at::Tensor> bias;
   if (w[2].numel() > 0) bias = w[2];
-  if (weight.scalar_type() == at::kByte) return gguf_linear(x, weight, packed.item<int64_t>(), bias);
+  if (weight.scalar_type() == at::kByte) {
+    const int64_t qtype = packed[0].item<int64_t>();
+    return packed.numel() > 1 && packed[1].item<int64_t>() ? gguf_linear_int8(x, weight, qtype, bias)
+                                                           : gguf_linear(x, weight, qtype, bias);
+  }
   if (x.scalar_type() == at::kBFloat16) return onednn_linear(x, packed, bias);
   const int64_t rows = x.size(0);
   const bool has_panels = panels.numel() > 0;
@@ -183,6 +188,7 @@ struct Linear {
   const float *weight = nullptr, *panels = nullptr, *bias = nullptr;
   const uint8_t* blocks = nullptr;  // a quantized layer's GGUF blocks
   int64_t qtype = -1, row_bytes = 0;
+  bool int8 = false;  // x quantized to int8 blocks (gguf_int8.cpp)
   int64_t in, out;
   bool halves = false;  // panels in halves (gate_up_proj: the SiLU epilogue can run)
 
@@ -213,10 +219,14 @@ struct Linear {
   }
 
   void quantized(const at::Tensor* w, const std::string& what) {
-    TORCH_CHECK(w[3].scalar_type() == at::kLong && w[3].numel() == 1,
+    TORCH_CHECK(w[3].scalar_type() == at::kLong && (w[3].numel() == 1 || w[3].numel() == 2),
                 "llama_decode_forward: ", what, " is quantized: its 4th tensor must be its GGML "
-                "type id (int64 [1]), got ", w[3].scalar_type(), " ", w[3].sizes());
-    qtype = w[3].item<int64_t>();
+                "type id (int64 [1]) or that and the int8 flag ([2]), got ", w[3].scalar_type(),
+                " ", w[3].sizes());
+    qtype = w[3][0].item<int64_t>();
+    int8 = w[3].numel() == 2 && w[3][1].item<int64_t>() != 0;
+    TORCH_CHECK(!int8 || slice::gguf_int8_type(qtype), "llama_decode_forward: ", what,
+                " asks for int8 activations but its GGML type ", qtype, " has no int8 product");
     row_bytes = gguf_row_bytes(qtype, in);
     TORCH_CHECK(row_bytes > 0, "llama_decode_forward: ", what, " has GGML type ", qtype,
                 " with ", in, " columns, which the quantized kernels do not take");
@@ -237,6 +247,16 @@ struct Linear {
   // With silu (halves, more than one row): y [rows, out / 2] = silu(gate) * up.
   void run(const float* x, int64_t rows, float* y, SharedWork& work, int64_t job, int t,
            bool silu = false) const {
+    if (int8) {  // each thread quantizes x itself (no barrier), then units of gguf_tile rows
+      thread_local slice::Int8Rows xq;
+      xq.quantize(x, rows, in, qtype);
+      const int64_t items = (out + slice::gguf_tile - 1) / slice::gguf_tile;
+      work.run(job, items, std::max<int64_t>(1, items / (8 * work.threads())), t,
+               [&](int64_t b, int64_t e) {
+                 slice::gguf_linear_int8(xq, blocks, row_bytes, out, bias, y, out, b, e);
+               });
+      return;
+    }
     if (blocks != nullptr) {  // units of slice::gguf_unit(rows) output rows, on the blocks
       const int64_t items = (out + slice::gguf_unit(rows) - 1) / slice::gguf_unit(rows);
       const int64_t chunk = std::max<int64_t>(1, items / (8 * work.threads()));

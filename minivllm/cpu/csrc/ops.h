@@ -45,6 +45,9 @@ struct LoRAGroups {
 // gguf_gemm.cpp: products with GGUF blocks [N, row_bytes] of GGML type qtype.
 at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype,
                        c10::optional<at::Tensor> bias);
+at::Tensor gguf_linear_int8(at::Tensor x, at::Tensor qweight, int64_t qtype,
+                            c10::optional<at::Tensor> bias);
+bool gguf_int8_vnni();  // built with AVX512-VNNI (else a portable loop, the same numbers)
 // Bytes of a row of `cols` weights of GGML type qtype; -1: a type or width the kernels do not take.
 int64_t gguf_row_bytes(int64_t qtype, int64_t cols);
 
@@ -120,6 +123,22 @@ inline int64_t gguf_unit(int64_t M) { return M >= gguf_wide_rows ? panel_width :
 void gguf_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                  int64_t qtype, int64_t N, const float* bias, float* y, int64_t ldy,
                  int64_t begin, int64_t end);
+// gguf_int8.cpp (activation_dtype="int8"): x rows quantized to int8 blocks of
+// 32 for weights of GGML type `type` (Q4_0, Q4_1 or Q8_0: gguf_int8_type),
+// then units [begin, end) (gguf_tile output rows each) of y = x W^T + bias.
+struct Int8Rows {
+  int64_t rows = 0, blocks = 0, chunks = 0, type = -1;
+  std::vector<int8_t> qs, q;  // the kernel's layout; plain blocks
+  std::vector<int32_t> sums;  // per block: sum of q, d (float16 value), s = d * sum
+  std::vector<float> d, s;
+  void quantize(const float* x, int64_t M, int64_t K, int64_t qtype);
+
+ private:
+  void quantize_block(const float* x, int64_t at);
+};
+bool gguf_int8_type(int64_t qtype);
+void gguf_linear_int8(const Int8Rows& xq, const uint8_t* w, int64_t row_bytes, int64_t N,
+                      const float* bias, float* y, int64_t ldy, int64_t begin, int64_t end);
 }  // namespace slice
 
 }  // namespace minivllm

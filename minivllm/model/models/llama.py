@@ -27,7 +27,7 @@ from minivllm.model.layers.vocab_embedding import ParallelLMHead, VocabParallelE
 
 def linear_quant_config(cfg: ModelConfig):
     """The linear layers' quantization (None: float weights)."""
-    return get_quantization_config(cfg.quantization)
+    return get_quantization_config(cfg.quantization, cfg.activation_dtype)
 
 
 def embedding_quant_config(cfg: ModelConfig):

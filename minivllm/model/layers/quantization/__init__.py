@@ -8,6 +8,9 @@ vLLM's names: ``quantization="gguf"`` keeps a GGUF file's quantized tensors;
 dequantizes the whole matrix to float32 (``ggml_types.py``) and multiplies —
 slow, plain and the numbers of the float path. The CPU kernels
 (``minivllm/cpu/quantized.py``) do the same product on the packed blocks.
+With ``activation_dtype="int8"`` x is quantized too and the Q4_0 / Q4_1 /
+Q8_0 blocks take integer dot products, llama.cpp's numbers
+(``int8_activations.py``; the kernels give the same bits).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, quantize_q8_0
+from minivllm.model.layers.quantization.int8_activations import INT8_TYPES, int8_linear
 from minivllm.model.layers.quantization.tensor import QuantizedTensor, QuantizedWeight
 
 QUANTIZATION_METHODS = ("gguf", "q8_0")
@@ -28,6 +32,7 @@ QUANTIZATION_METHODS = ("gguf", "q8_0")
 @dataclass(frozen=True)
 class QuantizationConfig:
     method: str  # one of QUANTIZATION_METHODS
+    activation_dtype: str = "auto"  # x in the products: "auto" (float32) or "int8"
 
     def get_quant_method(self, layer: nn.Module) -> "QuantizedLinearMethod":
         return QuantizedLinearMethod(self)
@@ -57,6 +62,8 @@ class QuantizedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.config.activation_dtype == "int8":
+            return int8_linear(x, layer.qweight.segments, bias)
         return F.linear(x, layer.qweight.dequantize().to(x.dtype), bias)
 
 
@@ -76,15 +83,19 @@ def bytes_per_weight(method: Optional[str], dtype: torch.dtype,
     return sum(int(t.n_bytes) for t in matrices) / sum(int(t.n_elements) for t in matrices)
 
 
-def get_quantization_config(method: Optional[str]) -> Optional[QuantizationConfig]:
+def get_quantization_config(method: Optional[str],
+                            activation_dtype: str = "auto") -> Optional[QuantizationConfig]:
     if method is None:
         return None
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={method!r} is invalid: must be None or one of "
                          f"{', '.join(QUANTIZATION_METHODS)}")
-    return QuantizationConfig(method)
+    if activation_dtype not in ("auto", "int8"):
+        raise ValueError(f"activation_dtype={activation_dtype!r} is invalid: must be one of "
+                         f"auto, int8")
+    return QuantizationConfig(method, activation_dtype)
 
 
-__all__ = ["BLOCK_TYPES", "bytes_per_weight", "QUANTIZATION_METHODS", "QuantizationConfig",
+__all__ = ["BLOCK_TYPES", "INT8_TYPES", "bytes_per_weight", "QUANTIZATION_METHODS", "QuantizationConfig",
            "QuantizedLinearMethod", "QuantizedTensor", "QuantizedWeight",
            "get_quantization_config"]
