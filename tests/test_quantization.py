@@ -145,6 +145,21 @@ def test_q8_0_at_load_gives_the_tokens_of_its_dequantized_float_weights(
     assert json.loads((folder / "config.json").read_text())["hidden_size"] % 32 == 0
 
 
+@pytest.mark.parametrize("activation_dtype", ["auto", "int8"])
+def test_default_file_chunked_prefill_on_the_blocks(activation_dtype):
+    """A prompt computed 16 tokens a step: its first chunks sample nothing, so the LM
+    head is asked for 0 rows; the kernels give the reference path's tokens."""
+    from minivllm import LLM, SamplingParams
+
+    prompt = {"prompt_token_ids": list(range(100, 140))}
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    got, want = (LLM(quantization="gguf", activation_dtype=activation_dtype,
+                     max_num_batched_tokens=16, enable_prefix_caching=False,
+                     cpu_kernels=kernels).generate([prompt], params, use_tqdm=False)
+                 for kernels in (None, False))
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
 @pytest.mark.slow
 def test_default_file_quantized_tokens_equal_the_float32_path():
     from minivllm import LLM, SamplingParams

@@ -582,6 +582,8 @@ at::Tensor gguf_linear(at::Tensor x, at::Tensor qweight, int64_t qtype,
     TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat, "gguf_linear: bias must be "
                 "float32 [", N, "]");
   }
+  // A chunk of a prompt that samples no token asks the LM head for 0 rows.
+  if (M == 0) return at::empty({0, N}, x.options());
   if (M > slice::gguf_max_rows) {
     c10::optional<at::Tensor> ob;
     if (b.defined()) ob = b;

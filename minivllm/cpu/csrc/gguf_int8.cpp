@@ -428,6 +428,7 @@ at::Tensor gguf_linear_int8(at::Tensor x, at::Tensor qweight, int64_t qtype,
     TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat, "gguf_linear_int8: bias must "
                 "be float32 [", N, "]");
   }
+  if (M == 0) return at::empty({0, N}, x.options());  // a prompt chunk that samples nothing
   x = x.contiguous();
   slice::Int8Rows xq;
   xq.quantize(x.data_ptr<float>(), M, K, qtype);

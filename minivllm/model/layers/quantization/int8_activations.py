@@ -38,7 +38,7 @@ def _f16_round(v: torch.Tensor) -> torch.Tensor:
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 x [M, K] -> q int8 [M, K/32, 32], d and s float32 [M, K/32] (float16 values)."""
-    b = x.to(torch.float32).reshape(x.shape[0], -1, 32)
+    b = x.to(torch.float32).reshape(x.shape[0], x.shape[1] // 32, 32)
     amax = b.abs().amax(dim=-1, keepdim=True)
     # (A tensor over a tensor: ``127 / amax`` would be 127 * (1 / amax), rounded twice.)
     inv = torch.where(amax == 0, torch.zeros_like(amax), torch.full_like(amax, 127.0) / amax)
@@ -72,7 +72,7 @@ def int8_product(x: torch.Tensor, data: torch.Tensor, qtype: str) -> torch.Tenso
     v = sumi * (wd.reshape(1, N, nb) * xd.reshape(M, 1, nb))
     if wm is not None:
         v = v + wm.reshape(1, N, nb) * xs.reshape(M, 1, nb)
-    v = F.pad(v, (0, -nb % LANES)).reshape(M, N, -1, LANES)
+    v = F.pad(v, (0, -nb % LANES)).reshape(M, N, -(-nb // LANES), LANES)
     acc = torch.zeros(M, N, LANES)
     for c in range(v.shape[2]):  # lane j: blocks j, j + 16, ... in order
         acc = acc + v[:, :, c]
@@ -93,7 +93,7 @@ def int8_linear(x: torch.Tensor, segments, bias: Optional[torch.Tensor] = None) 
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if bias is not None:
         y = y + bias
-    return y.reshape(*shape[:-1], -1).to(x.dtype)
+    return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 __all__ = ["INT8_TYPES", "LANES", "int8_linear", "int8_product", "quantize_activations",
