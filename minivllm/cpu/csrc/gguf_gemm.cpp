@@ -306,6 +306,42 @@ template <> struct OneRow<Q8_0> {
 };
 #endif
 
+#if !defined(__AVX512F__) && defined(__F16C__)
+// AVX2: the default file's types with d (and m) converted by F16C (the same
+// IEEE conversion as f16(), one instruction instead of a dozen scalar ones),
+// and each 16-byte run of nibbles loaded twice, not four times; otherwise
+// Fmt<T>::group's operations in its order.
+inline __m128 f16_pair(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+template <> struct OneRow<Q4_0> {
+  static inline void step(const uint8_t* b, int, const vf* xv, vf& acc) {
+    const vf d = _mm256_broadcastss_ps(f16_pair(b));
+    const vi q0 = u8(b + 2), q1 = u8(b + 10);  // bytes 0-7, 8-15: weights k and k + 16
+    const vi q[G] = {band(q0, 0x0F), band(q1, 0x0F), shr(q0, 4), shr(q1, 4)};
+    for (int c = 0; c < G; ++c) acc = vec::fmadd(vec::mul(d, to_f(subi(q[c], 8))), xv[c], acc);
+  }
+};
+template <> struct OneRow<Q4_1> {
+  static inline void step(const uint8_t* b, int, const vf* xv, vf& acc) {
+    const __m128 dm = f16_pair(b);
+    const vf d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    const vi q0 = u8(b + 4), q1 = u8(b + 12);
+    const vi q[G] = {band(q0, 0x0F), band(q1, 0x0F), shr(q0, 4), shr(q1, 4)};
+    for (int c = 0; c < G; ++c)
+      acc = vec::fmadd(vec::add(rounded(vec::mul(d, to_f(q[c]))), m), xv[c], acc);
+  }
+};
+template <> struct OneRow<Q8_0> {
+  static inline void step(const uint8_t* b, int, const vf* xv, vf& acc) {
+    const vf d = _mm256_broadcastss_ps(f16_pair(b));
+    for (int c = 0; c < G; ++c) acc = vec::fmadd(vec::mul(to_f(s8(b + 2 + c * L)), d), xv[c], acc);
+  }
+};
+#endif
+
 // Software prefetch distance of the one-row product, in tiles. A thread's
 // rows are one contiguous stream of blocks; the hardware prefetcher alone
 // keeps too few lines in flight for it (half the bandwidth on a Zen 5), a
@@ -362,59 +398,110 @@ void rows_tile(const float* x, int64_t K, const float* buf, float (*sums)[kTile]
 constexpr int64_t kWideRows = slice::gguf_wide_rows;
 constexpr int64_t NR = panel::NR;
 
-// A group as dequantize_panel takes it: Fmt<T>::group, but for Q4_0 and Q4_1
-// with AVX-512 the block's 16 possible weights are computed once, with the
-// same operations and rounding, and each nibble looks its weight up with one
-// permute (the index's low 4 bits), instead of a convert, multiply and add.
-template <int64_t T> struct PanelGroup {
-  static inline void group(const uint8_t* b, int j, vf* out) { Fmt<T>::group(b, j, out); }
-};
-#ifdef __AVX512F__
-inline vf iota16() {
-  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-template <> struct PanelGroup<Q4_0> {
-  static inline void group(const uint8_t* b, int, vf* out) {
-    const vf table = vec::mul(vec::set1(f16(b)), vec::sub(iota16(), vec::set1(8.f)));
-    const vi q = u8(b + 2);  // byte k: weight k (low nibble) and k + 16 (high)
-    out[0] = _mm512_permutexvar_ps(q, table);
-    out[1] = _mm512_permutexvar_ps(shr(q, 4), table);
-  }
-};
-template <> struct PanelGroup<Q4_1> {
-  static inline void group(const uint8_t* b, int, vf* out) {
-    const vf table = vec::add(rounded(vec::mul(vec::set1(f16(b)), iota16())), vec::set1(f16(b + 2)));
-    const vi q = u8(b + 4);
-    out[0] = _mm512_permutexvar_ps(q, table);
-    out[1] = _mm512_permutexvar_ps(shr(q, 4), table);
-  }
-};
-#endif
-
-// Rows [0, rows) of a panel's weights (rows <= NR; the rest zero) into buf
-// [K][NR]: per 32 columns, L rows dequantized into an L1 scratch as rows,
-// then each L x L square transposed in registers into the panel's columns.
+// Group g (columns 32g .. 32g + 31) of a panel's rows [0, rows) (rows <=
+// NR; the rest zero, as the float pack pads) into out [32][NR]: per half of
+// the panel, its L rows' groups dequantized into an L1 scratch as rows, then
+// each L x L square transposed in registers into the panel's columns.
 template <int64_t T>
-void dequantize_panel(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, float* buf) {
+void fill_group_transposed(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t g,
+                           float* out) {
   using F = Fmt<T>;
+  const int64_t k = 32 * g, blk = (k / F::block) * F::bytes;
+  const int j = static_cast<int>((k % F::block) / 32);
   alignas(64) float scratch[L][32];
   vf wv[G], sq[L];
-  for (int64_t h = 0; h < NR; h += L)  // the panel's two vectors: rows h .. h + L - 1
-    for (int64_t k = 0; k < K; k += 32) {
-      const int64_t blk = (k / F::block) * F::bytes;
-      const int g = static_cast<int>((k % F::block) / 32);
-      for (int64_t r = 0; r < L; ++r) {
-        if (h + r < rows) PanelGroup<T>::group(w + (h + r) * row_bytes + blk, g, wv);
-        else for (int c = 0; c < G; ++c) wv[c] = vec::zero();  // padding, as the float pack
-        for (int c = 0; c < G; ++c) vec::store(scratch[r] + c * L, wv[c]);
+  for (int64_t h = 0; h < NR; h += L) {  // the panel's two vectors: rows h .. h + L - 1
+    for (int64_t r = 0; r < L; ++r) {
+      if (h + r < rows) F::group(w + (h + r) * row_bytes + blk, j, wv);
+      else for (int c = 0; c < G; ++c) wv[c] = vec::zero();
+      for (int c = 0; c < G; ++c) vec::store(scratch[r] + c * L, wv[c]);
+    }
+    for (int c = 0; c < G; ++c) {
+      for (int64_t r = 0; r < L; ++r) sq[r] = vec::load(scratch[r] + c * L);
+      vec::transpose(sq);
+      for (int64_t i = 0; i < L; ++i) vec::store(out + (c * L + i) * NR + h, sq[i]);
+    }
+  }
+}
+
+// Writes a panel group by group (fill(g, out): group g into out [32][NR]):
+// the blocks of output rows [0, rows) at w.
+template <int64_t T> struct PanelFill {
+  const uint8_t* w;
+  int64_t row_bytes, rows;
+  PanelFill(const uint8_t* w_, int64_t rb, int64_t n) : w(w_), row_bytes(rb), rows(n) {}
+  void operator()(int64_t g, float* out) const { fill_group_transposed<T>(w, row_bytes, rows, g, out); }
+};
+
+#ifdef __AVX512F__
+// Q4_0 / Q4_1 with AVX-512: the packed bytes are transposed, not the floats.
+// A half panel's 16 rows x 16 bytes of nibbles are 4 registers; a 4 x 4
+// transpose of 32-bit words in each 128-bit lane makes word c of every row
+// one register (row r in lane r), and byte b of it holds weights 4c + b (low
+// nibble) and 4c + b + 16 (high). A weight of the 16 rows is then a mask
+// (the nibble left in place: q 2^s), a conversion and the block's arithmetic
+// per lane, each lane with its own row's d (and m), gathered once: with
+// d 2^-s, (q 2^s)(d 2^-s) is exactly the reference's d q, so the same
+// rounding and the same bits, and no float transpose.
+template <int64_t T> struct Q4Fill {
+  static constexpr int64_t qs = T == Q4_1 ? 4 : 2;  // where the nibbles start in a block
+  const uint8_t* w;
+  int64_t rows;
+  int64_t row_at[NR];  // row r's first byte (rows past `rows`: row 0's)
+  __m512i offsets;     // row r's byte offset, r = 0 .. 15
+
+  Q4Fill(const uint8_t* w_, int64_t rb, int64_t n) : w(w_), rows(n) {
+    for (int64_t r = 0; r < NR; ++r) row_at[r] = r < rows ? r * rb : 0;
+    offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                 _mm512_set1_epi32(static_cast<int>(rb)));
+  }
+
+  void operator()(int64_t g, float* out) const {
+    const uint8_t* block = w + g * Fmt<T>::bytes;
+    for (int64_t h = 0; h < NR; h += L, out += L) {
+      const int64_t valid = std::min<int64_t>(L, rows - h);
+      if (valid <= 0) {  // padding, as the float pack
+        for (int i = 0; i < 32; ++i) vec::store(out + i * NR, vec::zero());
+        continue;
       }
-      for (int c = 0; c < G; ++c) {
-        for (int64_t r = 0; r < L; ++r) sq[r] = vec::load(scratch[r] + c * L);
-        vec::transpose(sq);
-        for (int64_t i = 0; i < L; ++i) vec::store(buf + (k + c * L + i) * NR + h, sq[i]);
+      // d (and m) of each row: rows past `valid` get 0, so their weights are 0.
+      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), vec::first(valid),
+                                                     offsets, block + row_at[h], 1);
+      const vf d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+      const vf m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+      auto row = [&](int r) {  // (a padding row reads row 0's bytes; its d is 0)
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + row_at[h + r] + qs));
+      };
+      __m512i a[4];  // a[i], 128-bit lane l: row 4l + i
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm512_castsi128_si512(row(i));
+        a[i] = _mm512_inserti32x4(a[i], row(4 + i), 1);
+        a[i] = _mm512_inserti32x4(a[i], row(8 + i), 2);
+        a[i] = _mm512_inserti32x4(a[i], row(12 + i), 3);
+      }
+      const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+      const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+      const __m512i word[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                               _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+#pragma GCC unroll 8
+      for (int s = 0; s < 32; s += 4) {  // the nibble at bit s of each word
+        const vf ds = vec::mul(d, vec::set1(1.f / static_cast<float>(1u << s)));  // exact
+        const __m512i nib = _mm512_set1_epi32(static_cast<int>(0xFu << s));
+        const int col = s / 8 + (s % 8 ? 16 : 0);  // byte s/8's weight: low or high nibble
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const vf q = _mm512_cvtepu32_ps(_mm512_and_si512(word[c], nib));  // q 2^s, exact
+          const vf wv = T == Q4_1 ? vec::add(rounded(vec::mul(q, ds)), m)
+                                  : vec::mul(vec::sub(q, vec::set1(static_cast<float>(8u << s))), ds);
+          vec::store(out + (4 * c + col) * NR, wv);
+        }
       }
     }
-}
+  }
+};
+template <> struct PanelFill<Q4_0> : Q4Fill<Q4_0> { using Q4Fill<Q4_0>::Q4Fill; };
+template <> struct PanelFill<Q4_1> : Q4Fill<Q4_1> { using Q4Fill<Q4_1>::Q4Fill; };
+#endif
 
 // Output rows [begin, end) (whole panels, but the last) of y = x W^T + bias.
 template <int64_t T>
@@ -428,7 +515,8 @@ void linear_rows_panels(const float* x, int64_t M, int64_t K, const uint8_t* w, 
   float* buf = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
   for (int64_t n0 = begin; n0 < end; n0 += NR) {
     const int64_t rows = std::min(NR, N - n0);
-    dequantize_panel<T>(w + n0 * row_bytes, row_bytes, rows, K, buf);
+    const PanelFill<T> fill(w + n0 * row_bytes, row_bytes, rows);
+    for (int64_t k = 0; k < K; k += 32) fill(k / 32, buf + k * NR);
     // While this panel is multiplied, the next one's blocks are fetched.
     const int64_t next_rows = std::max<int64_t>(0, std::min(NR, N - n0 - NR));
     const float* next = reinterpret_cast<const float*>(w + (n0 + (next_rows ? NR : 0)) * row_bytes);
