@@ -123,6 +123,9 @@ SFX = $(if $(filter avx2,$(ISA)),_avx2)
 ISA_RUN = $(if $(filter avx2,$(ISA)),env $(shell $(PY) -m minivllm.cpu.features --env avx2))
 PEERS = --backend minivllm --backend hf $(if $(VLLM_PYTHON),--backend vllm --vllm-python $(VLLM_PYTHON))
 BENCH = $(ISA_RUN) $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
+# The float workloads compare engines on float32 (bfloat16) weights: minivllm
+# dequantizes the default .gguf at load, as the peers' float checkpoints hold it.
+FLOAT_BENCH = $(BENCH) --quantization none
 OUT = figures/bench_throughput
 llama-peer: $(LLAMA_PEER)
 $(LLAMA_PEER):
@@ -142,13 +145,13 @@ LLAMA_ARGS = $(if $(LLAMA_RUN),--backend llama.cpp --llama-python $(LLAMA_RUN))
 GGUF_BENCH = $(BENCH) --backend minivllm $(LLAMA_ARGS) --quantization gguf
 bench-peers: setup $(if $(LLAMA),$(LLAMA_PEER))
 	$(ISA_RUN) $(VENV)/bin/minivllm bench roofline --output figures/bench_roofline$(SFX).json
-	$(BENCH) $(PEERS) $(LLAMA_ARGS) --num-prompts 1 --max-tokens 128 \
+	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --num-prompts 1 --max-tokens 128 \
 	  --output $(OUT)_1x128$(SFX).json
-	$(BENCH) $(PEERS) $(LLAMA_ARGS) --backend hf-cb --num-prompts 32 --max-tokens 128 \
+	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --backend hf-cb --num-prompts 32 --max-tokens 128 \
 	  --output $(OUT)_32x128$(SFX).json --figure $(OUT)_32x128$(SFX).png
-	$(BENCH) $(PEERS) $(LLAMA_ARGS) --hf-batch-size 128 --num-prompts 128 --max-tokens 128 \
+	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --hf-batch-size 128 --num-prompts 128 --max-tokens 128 \
 	  --output $(OUT)_128x128$(SFX).json
-	$(BENCH) $(PEERS) $(LLAMA_ARGS) --dtype bfloat16 --num-prompts 32 --max-tokens 128 \
+	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --dtype bfloat16 --num-prompts 32 --max-tokens 128 \
 	  --output $(OUT)_32x128_bf16$(SFX).json
 	$(GGUF_BENCH) $(if $(LLAMA_RUN),--backend llama.cpp-decode) --num-prompts 1 \
 	  --max-tokens 128 --output $(OUT)_1x128_gguf$(SFX).json

@@ -80,8 +80,12 @@ N, MAX_TOKENS = 8, 16  # the shared workload: 8 chat requests, 16 output tokens 
 # %%
 # ServerProcess (minivllm/entrypoints/launch.py): `minivllm serve` on a free port, stopped
 # when this kernel exits, even if a cell fails.
-server = ServerProcess("--num-kv-blocks", "64", "--no-enable-prefix-caching")
-llm = LLM(trace=True, enable_prefix_caching=False)
+# Both run float32 weights (`quantization=None`: the model file's blocks dequantized at
+# load), the numbers the roofline below and Hugging Face count in; chapter 23 runs
+# the blocks as they ship.
+server = ServerProcess("--num-kv-blocks", "64", "--no-enable-prefix-caching",
+                       "--quantization", "none")
+llm = LLM(trace=True, enable_prefix_caching=False, quantization=None)
 engine = llm.llm_engine
 
 # %% [markdown]

@@ -67,7 +67,9 @@ from minivllm.viz.parallel import collective_bytes_figure, weight_shards, weight
 # that decide how it can be cut:
 
 # %%
-llm = LLM(num_kv_blocks=64)  # one process: tensor_parallel_size=1
+# float32 weights (the file's blocks dequantized at load), so a rank's slice is a plain
+# tensor to cut by hand
+llm = LLM(num_kv_blocks=64, quantization=None)  # one process: tensor_parallel_size=1
 model = llm.engine_core.executor.runner.model
 cfg = model.config
 H, L, D = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
@@ -328,7 +330,8 @@ COLLECTIVES_PER_PASS = 1 + 2 * L + 1  # embedding all-reduce, 2 per layer, logit
 
 # %%
 # Prefix caching (chapter 8) is off so that the trace counts every prompt token below.
-tp = LLM(tensor_parallel_size=TP, num_kv_blocks=64, trace=True, enable_prefix_caching=False)
+tp = LLM(tensor_parallel_size=TP, num_kv_blocks=64, trace=True, enable_prefix_caching=False,
+         quantization=None)
 workers = dict(tp.engine_core.executor.workers.procs)  # rank -> Popen
 print("worker processes:", {r: p.pid for r, p in workers.items()})
 assert sorted(workers) == list(range(1, TP))

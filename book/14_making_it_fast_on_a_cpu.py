@@ -98,7 +98,10 @@ print(f"{torch.get_num_threads()} threads; panel GEMM "
 # roofline` spends longer and gets closer to the hardware's best).
 
 # %%
-ref = LLM(cpu_kernels=False, num_kv_blocks=256, enable_prefix_caching=False)
+# float32 weights (`quantization=None`): this chapter's kernels are the float path's;
+# chapter 23 computes on the file's 4-bit blocks.
+ref = LLM(cpu_kernels=False, num_kv_blocks=256, enable_prefix_caching=False,
+          quantization=None)
 cfg = ref.llm_engine.config.model
 bw = measure_bandwidth(num_bytes=256 << 20, min_seconds=0.2)
 roof = measure_roofline(cfg, torch.float32, bw, min_seconds=0.2)
@@ -217,7 +220,7 @@ assert t_step > step_floor  # the reference is far from its ceiling
 # it, and record a decode step of one and of 32 sequences:
 
 # %%
-acc = LLM(num_kv_blocks=256, enable_prefix_caching=False)
+acc = LLM(num_kv_blocks=256, enable_prefix_caching=False, quantization=None)
 runner = acc.llm_engine.engine_core.executor.runner
 replay = runner.decode_replay
 assert replay is not None, runner.decode_replay_problem

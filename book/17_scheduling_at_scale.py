@@ -106,7 +106,8 @@ import tempfile
 from minivllm.sim.calibrate import calibration_workload, refit
 from minivllm.sim.fit import CalibrationError
 
-ENGINE = dict(max_num_batched_tokens=256, num_kv_blocks=512)
+# float32 weights, as the simulator's model below prices them
+ENGINE = dict(max_num_batched_tokens=256, num_kv_blocks=512, quantization=None)
 steps = tempfile.mktemp(suffix=".npz")
 # A quarter of the output lengths, a 600-token long context, no mixed batch: shorter.
 rounds = calibration_workload(49152, seed=0, scale=0.25, long_context=600)[:-1]

@@ -119,7 +119,9 @@ marseille = LoRARequest("marseille", 2, str(workdir / "marseille"))
 # the same steps.
 
 # %%
-llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=128, trace=True)
+# float32 weights (the file's blocks dequantized at load): PEFT's reference is float32
+llm = LLM(enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=128, trace=True,
+          quantization=None)
 greedy = SamplingParams(temperature=0, max_tokens=12)
 prompt = {"prompt_token_ids": chat_ids(QUESTION)}
 outs = llm.generate([prompt] * 3, greedy, use_tqdm=False, lora_request=[None, lyon, marseille])
@@ -215,7 +217,8 @@ answer_1 = 1  # the scheduler admits no second adapter while one runs; answers u
 ### END SOLUTION
 
 # %% tags=["check"]
-one = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64, trace=True)
+one = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64, trace=True,
+          quantization=None)
 again = one.generate([prompt] * 3, greedy, use_tqdm=False,
                      lora_request=[None, lyon, marseille])
 assert [o.outputs[0].text for o in again] == answers

@@ -117,6 +117,8 @@ def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tmp_path):
 def test_quantization_argument_is_checked():
     from minivllm.config import resolve_quantization
 
+    assert resolve_quantization("auto", "auto", True) == "gguf"  # a GGUF keeps its blocks
+    assert resolve_quantization("auto", "auto", False) is None
     assert resolve_quantization("auto", "float32", True) is None  # an explicit dtype
     assert resolve_quantization(None, "auto", True) is None
     assert resolve_quantization("gguf", "auto", True) == "gguf"

@@ -1,8 +1,8 @@
 """Quantized weights: ``EngineArgs.quantization`` resolved into the model section.
 
 - ``"auto"`` (the default): a model converted from a ``.gguf`` file keeps its
-  quantized blocks (``"gguf"``) when ``AUTO_GGUF`` is on and the dtype is left
-  ``"auto"``; anything else is float.
+  quantized blocks (``"gguf"``) when the dtype is left ``"auto"``, as vLLM and
+  llama.cpp compute on such a file; anything else is float.
 - ``None`` / ``"none"``: float weights (a GGUF dequantized at load).
 - ``"gguf"``: the GGUF file's blocks as they ship (``minivllm/model/layers/quantization``).
 - ``"q8_0"``: a float checkpoint's linear layers quantized to Q8_0 at load.
@@ -30,13 +30,6 @@ from minivllm.config.checks import bad, check_choice
 from minivllm.config.model import ModelConfig
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "q8_0")
-# "auto" resolves to "gguf" for a GGUF model when this is on. Off for now: the
-# quantized engine wins on one stream, where a step is bound by the bytes it
-# reads; at 32-128 streams the step is compute-bound, and the quantized batch
-# kernel (the float panel GEMM's own kernel on panels dequantized per call) still
-# pays the dequantization per call and is behind at 32 streams (measured in the
-# README, "Quantized weights (GGUF)"); "auto" must not make any workload slower.
-AUTO_GGUF = False
 ACTIVATION_DTYPES = ("auto", "int8")
 
 
@@ -62,7 +55,7 @@ def resolve_quantization(requested: Optional[str], dtype, is_gguf: bool) -> Opti
     """``EngineArgs.quantization`` -> None, "gguf" or "q8_0" (errors name the field)."""
     q = check_quantization(requested)
     if q == "auto":
-        return "gguf" if is_gguf and dtype == "auto" and AUTO_GGUF else None
+        return "gguf" if is_gguf and dtype == "auto" else None
     if q == "none":
         return None
     if q == "gguf" and not is_gguf:
@@ -92,6 +85,6 @@ def quantized_model_config(model: ModelConfig, requested: Optional[str],
                                activation_dtype=activation_dtype)
 
 
-__all__ = ["ACTIVATION_DTYPES", "QUANTIZATION_CHOICES", "AUTO_GGUF", "check_activation_dtype",
+__all__ = ["ACTIVATION_DTYPES", "QUANTIZATION_CHOICES", "check_activation_dtype",
            "check_quantization", "gguf_source",
            "quantized_model_config", "resolve_quantization"]
