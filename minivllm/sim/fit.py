@@ -173,12 +173,13 @@ def _fit_free(base, rows, measured, tp, bounds, zeroed, max_rel, negligible) -> 
 
 def _with_uncertainty(res, hw_of, names, lo, scale, bounds, max_rel, n, negligible,
                       held) -> FitResult:
-    z, jac = res.x, res.jac
-    values = lo + z * scale
+    z, jac = res.x.copy(), res.jac
     pinned = {name: "zero" for name in held}
     for i, name in enumerate(names):
-        if z[i] <= 1e-4 or z[i] >= 1 - 1e-4:  # within 0.01 % of its range
+        if z[i] <= 1e-4 or z[i] >= 1 - 1e-4:  # within 0.01 % of its range: on the bound
             pinned[name] = "lower" if z[i] <= 1e-4 else "upper"
+            z[i] = 0.0 if z[i] <= 1e-4 else 1.0  # exactly, not a 1e-24 s overhead
+    values = lo + z * scale
     # A constant that moves no prediction is not identified, pinned or not.
     for i, name in enumerate(names):
         if np.max(np.abs(jac[:, i])) < 1e-6:
