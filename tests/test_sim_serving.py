@@ -173,3 +173,40 @@ def test_validate_refuses_zero_real_repeats_naming_the_field(capsys):
     assert main(["simulate", "validate", "--real-repeats", "0", "--rates", "1", "2", "3",
                  "--calibration", "h100-sxm"]) == 2
     assert "real_repeats=0 is invalid: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_terminated_validation_stops_the_servers_it_started(tmp_path):
+    """SIGTERM (as `timeout` sends) ends `simulate validate` through its `finally`
+    blocks: the server it started, and that server's engine core, exit too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minivllm.sim.validate", "--calibration",
+         str(root / "figures" / "cal1_quiet_hostbw.json"), "--num-prompts", "2",
+         "--output", str(tmp_path / "v.json")], cwd=root, start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(root)))
+    started = []
+    try:
+        parent, deadline = psutil.Process(proc.pid), time.time() + 300
+        while time.time() < deadline and len(started) < 2:  # the API server and its core
+            started = parent.children(recursive=True)
+            time.sleep(0.5)
+        assert len(started) >= 2, "validate started no server within 300 s"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+        _, alive = psutil.wait_procs(started, timeout=60)
+        assert not alive, f"left running: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in started:  # what a failure left behind
+            if p.is_running():
+                p.kill()

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -144,7 +146,24 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{name}={getattr(args, name)} is invalid: must be >= {low}")
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> dict:
+    """``_run`` with SIGTERM (``timeout``, a job scheduler) turned into SystemExit, so
+    the ``finally`` blocks stop every server and router it started instead of
+    leaving them running (atexit alone does not run on a signal)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> dict:
     from minivllm.entrypoints.launch import ServerProcess
     from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.calibrate import calibrate
