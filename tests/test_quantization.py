@@ -86,6 +86,8 @@ def test_tensor_parallel_splits_blocks_like_the_float_weight(monkeypatch, qtype)
         row.load_quantized(full)
         partial += row.quant_method.apply(row, x[:, rank * 64:(rank + 1) * 64])
         assert torch.equal(row.qweight.dequantize(), dense[:, rank * 64:(rank + 1) * 64])
+        # The CPU kernels read a row's blocks back to back: a rank holds its own copy.
+        assert all(t.data.is_contiguous() for _, t in row.qweight.segments)
     assert torch.equal(torch.cat(outs, dim=1), want)
     torch.testing.assert_close(partial, want)
 

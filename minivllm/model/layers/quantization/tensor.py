@@ -45,7 +45,8 @@ class QuantizedTensor:
             raise ValueError(f"{why}: columns {start}..{start + size} of a {self.qtype} "
                              f"weight do not fall on its {t.block_size}-weight block "
                              f"boundaries, so its blocks cannot be split there")
-        data = self.data.narrow(1, t.row_bytes(start), t.row_bytes(size))
+        # A copy of its own: the kernels read each row's blocks back to back.
+        data = self.data.narrow(1, t.row_bytes(start), t.row_bytes(size)).contiguous()
         return QuantizedTensor(data, self.qtype, size)
 
     def dequantize(self) -> torch.Tensor:
