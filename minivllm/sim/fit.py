@@ -178,7 +178,7 @@ def _with_uncertainty(res, hw_of, names, lo, scale, bounds, max_rel, n, negligib
     for i, name in enumerate(names):
         if z[i] <= 1e-4 or z[i] >= 1 - 1e-4:  # within 0.01 % of its range: on the bound
             pinned[name] = "lower" if z[i] <= 1e-4 else "upper"
-            z[i] = 0.0 if z[i] <= 1e-4 else 1.0  # exactly, not a 1e-24 s overhead
+            z[i] = 0.0 if z[i] <= 1e-4 else 1.0  # exactly the bound, not a hair above it
     values = lo + z * scale
     # A constant that moves no prediction is not identified, pinned or not.
     for i, name in enumerate(names):
