@@ -2,9 +2,10 @@
 (``csrc/gguf_gemm.cpp``) against the float32 panel GEMM (``csrc/gemm.cpp``) on the
 same numbers, per shape of the default model and per row count.
 
-Why it exists: ``quantization="auto"`` may keep a GGUF file's blocks only if the
-quantized kernel is not slower where a step is compute-bound (batches of 8-256
-rows); this prints that ratio per product. The float weight is the blocks
+Why it exists: ``quantization="auto"`` keeps a GGUF file's blocks, and where a step
+is compute-bound (batches of 8-256 rows) the quantized kernel pays a
+dequantization per call that the float path does not; this prints what that costs
+per product. The float weight is the blocks
 dequantized, so both compute the same product. The two are timed in turn, round
 after round, in one process (a machine shared with other work slows both alike);
 it prints median microseconds per call and quantized / float speed (> 1: the
