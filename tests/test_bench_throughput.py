@@ -339,3 +339,16 @@ def test_roofline_fraction_counts_each_engines_own_weight_bytes():
     quantized = tp.roofline_fraction(roof, num_tokens=40, num_steps=40, seconds=4.0,
                                      weight_bytes=1_000_000)
     assert float32 == 0.5 and quantized == pytest.approx(float32 / 5)
+
+
+def test_printed_bandwidth_bound_uses_each_engines_own_weight_bytes():
+    """The roofline line of a quantized run prices minivllm's blocks, not float32's
+    weights; a peer that reports no weight bytes gets the roofline dtype's."""
+    from minivllm.benchmarks.throughput.results import _bandwidth_bounds
+
+    roof = {"dtype": "float32", "bandwidth": 100e6, "weight_bytes": 5_000_000,
+            "bandwidth_steps_per_s": 20.0}
+    report = {"backends": {"minivllm": {"info": {"weight_bytes": 1_000_000}},
+                           "vllm": {"info": {}}}}
+    assert _bandwidth_bounds(report, roof) == ["minivllm 1.0 MB -> 100.0",
+                                               "vllm 5.0 MB -> 20.0"]

@@ -212,12 +212,22 @@ def print_report(report: dict) -> None:
         print(f"measured on {report['machine']['cpu_features']}")
     if report.get("roofline"):
         r = roofline_for(report["roofline"], report["workload"]["dtype"])
-        print(f"roofline ({r['dtype']}): {r['matmul_flops'] / 1e9:.0f} GFLOP/s matmul, "
+        print(f"roofline ({r['dtype']} matmul): {r['matmul_flops'] / 1e9:.0f} GFLOP/s, "
               f"{r['bandwidth'] / 1e9:.1f} GB/s -> {r['compute_tokens_per_s']:.0f} tok/s "
-              f"compute-bound, {r['bandwidth_steps_per_s']:.1f} forward passes/s "
-              f"bandwidth-bound")
+              f"compute-bound; bandwidth-bound forward passes/s, each engine's own "
+              f"weight bytes: " + ", ".join(_bandwidth_bounds(report, r)))
     if report["not_run"]:
         print("not run: " + ", ".join(report["not_run"]))
+
+
+def _bandwidth_bounds(report: dict, roof: dict) -> list[str]:
+    """'name X MB -> N' per backend: the weight bytes its step reads (a quantized
+    engine's blocks where it reports them, else the roofline dtype's weights)."""
+    out = []
+    for name, entry in report["backends"].items():
+        own = entry["info"].get("weight_bytes") or roof["weight_bytes"]
+        out.append(f"{name} {own / 1e6:.1f} MB -> {roof['bandwidth'] / own:.1f}")
+    return out
 
 
 def throughput_figure(report: dict):
