@@ -107,6 +107,8 @@ def test_kv_aware_router_keeps_conversations_on_their_cache(tmp_path_factory, ti
         # Each request waited for its tokens (a /tokenize round trip) before routing.
         assert len(stats["tokenize_seconds"]) == 9
         assert all(0 < s < 30 for s in stats["tokenize_seconds"])
+        # ... asked of the healthy replicas in turn, not always of the first one.
+        assert [r["num_tokenized"] for r in stats["replicas"]] == [5, 4]
         assert all(r["num_cached_blocks"] > 0 for r in stats["replicas"]
                    if r["num_routed"]), stats
         m = metric_samples(router.http.get("/metrics").text)
