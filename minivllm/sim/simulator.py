@@ -306,6 +306,7 @@ class _Run:
         i = self.router.choose(self.replicas, spec.prompt_token_ids)
         replica = self.replicas[i]
         if not replica.busy:  # idle since its last step ended (or the start)
+            replica.frontend_rate = 0.0  # its last chunks were streamed long ago
             idle = now - replica.clock.now()
             replica.clock.advance_to(now + self.sim.hardware.wake_cost(idle))
         ex = replica.executor
