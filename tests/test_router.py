@@ -115,6 +115,13 @@ def test_kv_aware_router_keeps_conversations_on_their_cache(tmp_path_factory, ti
         assert sum(v for (name, _), v in m.items()
                    if name == "minivllm_router_requests_routed_total") == 9
 
+        # Each answer says what its request waited for its tokens (the simulator
+        # replays it per request): one of the router's own records.
+        r = router.http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": sessions[0][:2], "max_tokens": 1})
+        waited = float(r.headers["x-minivllm-tokenize-seconds"])
+        assert waited in [round(s, 6) for s in router.stats()["tokenize_seconds"]]
+
         # Answers equal one engine's.
         with LLM(tiny_chat_model, num_kv_blocks=256) as llm:
             params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

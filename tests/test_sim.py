@@ -196,6 +196,24 @@ def test_a_routing_latency_delays_every_request_s_engine_by_exactly_that():
         small_sim(routing_latency_s=-1)
 
 
+def test_a_request_s_own_extra_latency_delays_only_that_request():
+    """A replayed request that the real router held E seconds (its tokenize wait):
+    on an idle fleet its tokens come exactly E later, the others' not at all; a
+    negative one is refused, naming the request and the field."""
+    import dataclasses
+
+    work = [SimRequest(f"r{i}", [5 + i] * 100, 8, arrival_time=float(i)) for i in range(3)]
+    plain = {r.request_id: r for r in small_sim(num_replicas=2).run(work).requests}
+    held = [dataclasses.replace(w, extra_latency_s=0.3 if w.request_id == "r1" else 0.0)
+            for w in work]
+    late = {r.request_id: r for r in small_sim(num_replicas=2).run(held).requests}
+    for rid, a in plain.items():
+        shift = 0.3 if rid == "r1" else 0.0
+        assert np.array(late[rid].token_times) == pytest.approx(np.array(a.token_times) + shift)
+    with pytest.raises(ValueError, match="'r0': extra_latency_s=-1 is invalid"):
+        small_sim().run([dataclasses.replace(work[0], extra_latency_s=-1)])
+
+
 def test_the_frontend_s_cpu_slows_each_step_by_the_cores_it_demands():
     """One replica whose engine thread fills a 1-core host, with frontend processes
     (API server, router, client) costing c_t CPU seconds per streamed token and c_r

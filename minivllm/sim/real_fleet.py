@@ -41,6 +41,7 @@ class Turn:
     text: str = ""
     error: Optional[str] = None
     prompt_ids: list = field(default_factory=list)
+    tokenize_s: Optional[float] = None  # the router's wait for its tokens (its header)
 
 
 def conversations(args) -> list[list[str]]:
@@ -89,6 +90,8 @@ async def one_turn(client, url, t: Turn, replica_urls, output_len: int, t0: floa
             t.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             return
         t.replica = replica_urls.index(r.headers["x-minivllm-replica"])
+        if "x-minivllm-tokenize-seconds" in r.headers:
+            t.tokenize_s = float(r.headers["x-minivllm-tokenize-seconds"])
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

@@ -294,8 +294,9 @@ class _Run:
 
     def _send(self, spec: SimRequest, now: float) -> None:
         self.in_flight += 1
-        if self.latency > 0:
-            heapq.heappush(self.ingress, (now + self.latency, self.order, spec, now))
+        latency = self.latency + spec.extra_latency_s
+        if latency > 0:
+            heapq.heappush(self.ingress, (now + latency, self.order, spec, now))
             self.order += 1
         else:
             self._deliver(spec, now, now)
@@ -405,6 +406,9 @@ def _check_requests(requests: Sequence[SimRequest], max_model_len: int) -> None:
             raise ValueError(f"request {r.request_id!r}: prompt {len(r.prompt_token_ids)} + "
                              f"output {r.output_len} tokens exceeds max_model_len="
                              f"{max_model_len}; raise --max-model-len or shorten the workload")
+        if not r.extra_latency_s >= 0:
+            raise ValueError(f"request {r.request_id!r}: extra_latency_s={r.extra_latency_s!r} "
+                             "is invalid: must be a number of seconds >= 0")
         if r.output_token_ids is not None and len(r.output_token_ids) != r.output_len:
             raise ValueError(f"request {r.request_id!r}: output_token_ids has "
                              f"{len(r.output_token_ids)} tokens, output_len is {r.output_len}")

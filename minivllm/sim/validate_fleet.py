@@ -25,8 +25,9 @@ oversubscribed) and its memory (the replicas running at once split
 ``Hardware.host_mem_bandwidth``). The calibration should then be one replica's: made
 with the same threads (``OMP_NUM_THREADS=1 minivllm simulate calibrate ...``). A
 cache-aware router asks a replica to tokenize each prompt before routing it; the
-router's own record of that wait (``/stats``), median per policy, is the simulated
-fleet's ``routing_latency_s``. Every request's real and simulated TTFT goes to the
+router's own record of that wait, per request (its ``X-Minivllm-Tokenize-Seconds``
+header; the median of ``/stats`` for a router that does not send it), delays that
+request in the simulated fleet. Every request's real and simulated TTFT goes to the
 JSON. While each fleet runs, the CPU seconds of its engine cores, API servers,
 router and client are read from ``/proc`` (``process_cpu``), printed beside the
 simulated engines' own, and kept per policy (``rows.<policy>.cpu``); the simulated
@@ -68,7 +69,8 @@ def sim_requests(turns: list[Turn], real_order: bool = False):
                               t.sent, output_token_ids=script,
                               after=(f"s{t.session}-t{t.turn - 1}"
                                      if t.turn and not real_order else None),
-                              session=f"s{t.session}"))
+                              session=f"s{t.session}",
+                              extra_latency_s=t.tokenize_s or 0.0))
     return out
 
 
@@ -217,7 +219,10 @@ def compare(hw, name: str, n: int, blocks: int, turns: list[Turn], tokenize_s: l
 
     n_req = len(turns)
     # Measured, not fitted: the router's median wait for a prompt's tokens.
-    routing_s = float(np.median(tokenize_s)) if tokenize_s else 0.0
+    # Each request's own wait for its tokens when the router said it (a header; the
+    # requests carry it), else the router's median wait for every request.
+    own_waits = any(t.tokenize_s is not None for t in turns)
+    routing_s = float(np.median(tokenize_s)) if tokenize_s and not own_waits else 0.0
     # Every row's requests are chats through the router: its measured extra path.
     routing_s += hw.router_latency_s
     policy = name if n > 1 else "round_robin"
@@ -244,6 +249,7 @@ def compare(hw, name: str, n: int, blocks: int, turns: list[Turn], tokenize_s: l
             "router_tokenize_ms": [round(s * 1000, 2) for s in tokenize_s],
             "routing_latency_ms": routing_s * 1000,
             "router_latency_ms": hw.router_latency_s * 1000,
+            "tokenize_wait_per_request": own_waits,
             "sim_engine_cpu_s": round(engine_cpu_s(result, args.threads), 3),
             "mean_ttft_ms": [float(np.mean([t.ttft for t in turns])) * 1000,
                              float(np.mean([r.ttft for r in result.requests])) * 1000],
