@@ -107,11 +107,20 @@ def test_kv_aware_router_keeps_conversations_on_their_cache(tmp_path_factory, ti
         # Each request waited for its tokens (a /tokenize round trip) before routing.
         assert len(stats["tokenize_seconds"]) == 9
         assert all(0 < s < 30 for s in stats["tokenize_seconds"])
+        # ... asked of the healthy replicas in turn, not always of the first one.
+        assert [r["num_tokenized"] for r in stats["replicas"]] == [5, 4]
         assert all(r["num_cached_blocks"] > 0 for r in stats["replicas"]
                    if r["num_routed"]), stats
         m = metric_samples(router.http.get("/metrics").text)
         assert sum(v for (name, _), v in m.items()
                    if name == "minivllm_router_requests_routed_total") == 9
+
+        # Each answer says what its request waited for its tokens (the simulator
+        # replays it per request): one of the router's own records.
+        r = router.http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": sessions[0][:2], "max_tokens": 1})
+        waited = float(r.headers["x-minivllm-tokenize-seconds"])
+        assert waited in [round(s, 6) for s in router.stats()["tokenize_seconds"]]
 
         # Answers equal one engine's.
         with LLM(tiny_chat_model, num_kv_blocks=256) as llm:

@@ -194,3 +194,70 @@ def test_a_routing_latency_delays_every_request_s_engine_by_exactly_that():
         assert b.ttft == pytest.approx(a.ttft + 0.25)
     with pytest.raises(ValueError, match="routing_latency_s=-1 is invalid"):
         small_sim(routing_latency_s=-1)
+
+
+def test_a_request_s_own_extra_latency_delays_only_that_request():
+    """A replayed request that the real router held E seconds (its tokenize wait):
+    on an idle fleet its tokens come exactly E later, the others' not at all; a
+    negative one is refused, naming the request and the field."""
+    import dataclasses
+
+    work = [SimRequest(f"r{i}", [5 + i] * 100, 8, arrival_time=float(i)) for i in range(3)]
+    plain = {r.request_id: r for r in small_sim(num_replicas=2).run(work).requests}
+    held = [dataclasses.replace(w, extra_latency_s=0.3 if w.request_id == "r1" else 0.0)
+            for w in work]
+    late = {r.request_id: r for r in small_sim(num_replicas=2).run(held).requests}
+    for rid, a in plain.items():
+        shift = 0.3 if rid == "r1" else 0.0
+        assert np.array(late[rid].token_times) == pytest.approx(np.array(a.token_times) + shift)
+    with pytest.raises(ValueError, match="'r0': extra_latency_s=-1 is invalid"):
+        small_sim().run([dataclasses.replace(work[0], extra_latency_s=-1)])
+
+
+def test_the_frontend_s_cpu_slows_each_step_by_the_cores_it_demands():
+    """One replica whose engine thread fills a 1-core host, with frontend processes
+    (API server, router, client) costing c_t CPU seconds per streamed token and c_r
+    per request: step k takes its cost times (1 + the cores the frontend used during
+    step k-1), that step's frontend CPU (c_t per sampled token, plus c_r on the step
+    after the request arrived) over its duration; derived here step by step from
+    the same run without a frontend. With a spare core (2 cores) that holds the
+    frontend's demand nothing changes;
+    costs of 0 change nothing; a negative one is refused, naming the field."""
+    work = [SimRequest("r", list(range(10, 210)), 20, arrival_time=0.0)]
+    c_t, c_r = 2e-3, 5e-3
+    bare = small_sim(host_cores=1).run(work)
+    loaded = small_sim(host_cores=1, frontend_cpu_s_per_token=c_t,
+                       frontend_cpu_s_per_request=c_r).run(work)
+    assert [s["num_tokens"] for s in loaded.steps] == [s["num_tokens"] for s in bare.steps]
+    rate, expected = 0.0, []
+    for k, (a, b) in enumerate(zip(bare.steps, loaded.steps)):
+        expected.append(a["duration"] * (1 + rate))
+        rate = (c_t * b["num_sampled"] + (c_r if k == 0 else 0.0)) / expected[-1]
+    assert [s["duration"] for s in loaded.steps] == pytest.approx(expected, rel=1e-12)
+    assert loaded.requests[0].e2e > 1.2 * bare.requests[0].e2e  # the model did bite
+    spare = small_sim(host_cores=2, frontend_cpu_s_per_token=c_t).run(work)  # < 1 core
+    assert max(c_t * s["num_sampled"] / s["duration"] for s in spare.steps) < 1
+    assert [s["duration"] for s in spare.steps] == [s["duration"] for s in bare.steps]
+    zero = small_sim(host_cores=1, frontend_cpu_s_per_token=0.0,
+                     frontend_cpu_s_per_request=0.0).run(work)
+    assert zero.requests[0].token_times == bare.requests[0].token_times
+    for name in ("frontend_cpu_s_per_token", "frontend_cpu_s_per_request"):
+        with pytest.raises(ValueError, match=f"{name}=-0.001 is invalid"):
+            small_sim(**{name: -1e-3})
+
+
+def test_a_fleet_with_no_frontend_cpu_is_the_same_fleet_and_with_some_it_is_slower():
+    """Three replicas on two cores, every session started at once: frontend costs of
+    0 give the same fleet to the token (every routing decision, every token time);
+    with some, the cores are shared with the frontend and the fleet finishes later."""
+    work = multiturn_requests(6, 3, 64, 16, 32, 32000, seed=3, num_system_prompts=2)
+    for router in ("round_robin", "kv_aware"):
+        kw = dict(num_replicas=3, router=router, host_cores=2)
+        bare = small_sim(**kw).run(work).requests
+        zero = small_sim(**kw, frontend_cpu_s_per_token=0.0,
+                         frontend_cpu_s_per_request=0.0).run(work).requests
+        loaded = small_sim(**kw, frontend_cpu_s_per_token=2e-3,
+                           frontend_cpu_s_per_request=5e-3).run(work).requests
+        key = lambda rs: sorted((r.request_id, r.replica, r.token_times) for r in rs)  # noqa
+        assert key(zero) == key(bare)
+        assert max(r.finished for r in loaded) > 1.05 * max(r.finished for r in bare)

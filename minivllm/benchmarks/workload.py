@@ -248,6 +248,9 @@ class SimRequest:
     think_time: float = 0.0
     session: Optional[str] = None
     ignore_eos: bool = True  # False: the executor samples EOS as the last token
+    # Seconds more before the engine sees it, on top of the simulator's latencies
+    # (a replayed request: what the real router waited for its tokens).
+    extra_latency_s: float = 0.0
 
 
 def _length(rng: random.Random, mean: int, ratio: float) -> int:

@@ -24,6 +24,11 @@ Two parts, one file:
    and single requests after idle pauses (``minivllm.sim.calibrate_serving``):
    a served step's fixed and per-sequence cost, a request's serving latency
    and an idle engine's wake-up cost, each with a bootstrap standard error.
+3. **What the frontend costs** (with the served engine of part 2): the CPU
+   seconds its API process, the benchmark client and a router in front take per
+   streamed token and per request, read from the processes' counters
+   (``minivllm.sim.calibrate_frontend``); a fleet on one host pays them from the
+   engines' cores.
 
 The result is a hardware JSON for ``--hardware`` (``simulate``) and
 ``--calibration`` (``simulate validate``); the fitted constants and their
@@ -68,6 +73,7 @@ class Calibration:
     predicted: np.ndarray = field(default=None)
     result: FitResult = field(default=None, repr=False)
     serving: dict = field(default=None)  # what calibrate_serving fitted, with errors
+    frontend: dict = field(default=None)  # calibrate_frontend's CPU counters
 
     @property
     def median_abs_error(self) -> float:
@@ -277,6 +283,9 @@ def calibrate_serving(cal: Calibration, model, engine_kwargs: dict, args) -> Cal
         measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99), 100.0, 0)
         cal.hardware, cal.serving = serve_calibration(server.url, cal.hardware, path,
                                                       engine_kwargs, vocab, args)
+        from minivllm.sim.calibrate_frontend import frontend_calibration
+
+        cal.hardware, cal.frontend = frontend_calibration(server, cal.hardware, vocab, args)
     return cal
 
 

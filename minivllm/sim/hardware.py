@@ -67,6 +67,21 @@ class Hardware:
     # run at once split it: each reads at most host / running, not mem_bandwidth.
     # 0 (the presets, older files): no such limit.
     host_mem_bandwidth: float = 0.0
+    # CPU seconds a served request takes outside the engine core, per streamed
+    # output token and per request: its API process (HTTP, detokenizing, a chunk per
+    # token) and the benchmark client on the same host (frontend_*), and a router in
+    # front (router_*); calibrate reads them from the processes' counters. Replicas
+    # sharing one host pay them from the engines' cores; 0 (presets, older files):
+    # the frontend costs no engine time.
+    frontend_cpu_s_per_token: float = 0.0
+    frontend_cpu_s_per_request: float = 0.0
+    router_cpu_s_per_token: float = 0.0
+    router_cpu_s_per_request: float = 0.0
+    # Seconds a chat request sent through a router spends outside the engine beyond
+    # a completion sent straight to the server (what serving_latency_s holds):
+    # the router's hop, the chat template; calibrate measures it (client TTFT less
+    # the server's own). A fleet behind a router adds it to every request.
+    router_latency_s: float = 0.0
     dtype: str = "bfloat16"  # what the presets' peaks are quoted for
     device: str = "cuda"  # "cpu": the KV cache gets the CPU engine's default budget
     source: str = ""

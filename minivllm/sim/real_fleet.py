@@ -41,6 +41,7 @@ class Turn:
     text: str = ""
     error: Optional[str] = None
     prompt_ids: list = field(default_factory=list)
+    tokenize_s: Optional[float] = None  # the router's wait for its tokens (its header)
 
 
 def conversations(args) -> list[list[str]]:
@@ -89,6 +90,8 @@ async def one_turn(client, url, t: Turn, replica_urls, output_len: int, t0: floa
             t.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             return
         t.replica = replica_urls.index(r.headers["x-minivllm-replica"])
+        if "x-minivllm-tokenize-seconds" in r.headers:
+            t.tokenize_s = float(r.headers["x-minivllm-tokenize-seconds"])
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -119,13 +122,17 @@ def tokenize_all(replica_url: str, turns: list[Turn]) -> None:
 
 # -- the real fleet -----------------------------------------------------------------
 def start_router(policy: str, replicas, kv_ports: list[int], block_size: int):
+    """``minivllm router`` over ``replicas`` (each with its KV-events port, if
+    ``kv_ports`` is not empty); (the process, its URL) once it answers."""
     from minivllm.entrypoints.launch import free_port
 
     port = free_port()
     args = [sys.executable, "-m", "minivllm.entrypoints.cli", "router", "--port", str(port),
             "--policy", policy, "--block-size", str(block_size)]
-    for r, p in zip(replicas, kv_ports):
-        args += ["--replica", r.url, "--kv-events", f"tcp://127.0.0.1:{p}"]
+    for i, r in enumerate(replicas):
+        args += ["--replica", r.url]
+        if kv_ports:
+            args += ["--kv-events", f"tcp://127.0.0.1:{kv_ports[i]}"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -141,10 +148,19 @@ def start_router(policy: str, replicas, kv_ports: list[int], block_size: int):
     raise RuntimeError("the router did not start")
 
 
-def run_real(policy: str, n: int, num_blocks: int, convs, args) -> tuple[list[Turn], list]:
-    """The real fleet's turns, and the seconds the router spent tokenizing each
-    request before routing it (empty for the policies that route without tokens)."""
+def stop_router(proc) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait()
+
+
+def run_real(policy: str, n: int, num_blocks: int, convs,
+             args) -> tuple[list[Turn], list, dict]:
+    """The real fleet's turns, the seconds the router spent tokenizing each
+    request before routing it (empty for the policies that route without tokens),
+    and the CPU seconds each kind of process took while the turns ran
+    (``process_cpu.usage``: engine cores, API servers, router, this client)."""
     from minivllm.entrypoints.launch import ServerProcess, free_port
+    from minivllm.sim import process_cpu
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     kv_ports = [free_port() for _ in range(n)]
@@ -163,19 +179,52 @@ def run_real(policy: str, n: int, num_blocks: int, convs, args) -> tuple[list[Tu
             warm_up(r.url)
         router, url = start_router(policy if n > 1 else "round_robin", replicas, kv_ports,
                                    args.block_size)
-        turns = asyncio.run(run_sessions(url, [r.url for r in replicas], convs, args))
+        pids, urls = [r.pid for r in replicas], [r.url for r in replicas]
+        lat_before = server_latency_sums(urls)
+        before = process_cpu.snapshot(pids, router.pid)
+        turns = asyncio.run(run_sessions(url, urls, convs, args))
+        cpu = process_cpu.usage(before, process_cpu.snapshot(pids, router.pid), len(turns),
+                                sum(t.output_tokens for t in turns),
+                                sum(t.prompt_tokens for t in turns))
+        cpu["server_mean_s"] = server_latency_means(lat_before, server_latency_sums(urls))
         import httpx
 
         tokenize_s = httpx.get(url + "/stats", timeout=30,
                                trust_env=False).json().get("tokenize_seconds", [])
         tokenize_all(replicas[0].url, turns)
-        return turns, tokenize_s
+        return turns, tokenize_s, cpu
     finally:
         if router is not None:
-            os.killpg(router.pid, signal.SIGTERM)
-            router.wait()
+            stop_router(router)
         for r in replicas:
             r.stop()
+
+
+# Server-side latencies (the replicas' /metrics histograms): from the API process's
+# add_request (the prompt already tokenized) to its first token, its queue and prefill.
+SERVER_LATENCIES = ("time_to_first_token_seconds", "request_queue_time_seconds",
+                    "request_prefill_time_seconds")
+
+
+def server_latency_sums(urls: list[str]) -> dict:
+    """{histogram: [sum of seconds, count]} over the replicas, read from /metrics."""
+    import httpx
+
+    out = {h: [0.0, 0] for h in SERVER_LATENCIES}
+    for url in urls:
+        text = httpx.get(url + "/metrics", timeout=30, trust_env=False).text
+        for line in text.splitlines():
+            for h in SERVER_LATENCIES:
+                for part, i, cast in (("_sum", 0, float), ("_count", 1, lambda v: int(float(v)))):
+                    if line.startswith(f"minivllm:{h}{part}"):
+                        out[h][i] += cast(line.rsplit(" ", 1)[1])
+    return out
+
+
+def server_latency_means(before: dict, after: dict) -> dict:
+    """Mean seconds per request of each server-side latency between two readings."""
+    return {h: ((after[h][0] - before[h][0]) / (after[h][1] - before[h][1])
+                if after[h][1] > before[h][1] else None) for h in SERVER_LATENCIES}
 
 
 def warm_up(url: str) -> None:
@@ -189,5 +238,5 @@ def warm_up(url: str) -> None:
 # -- the simulated fleet ------------------------------------------------------------
 
 
-__all__ = ["WORDS", "Turn", "conversations", "run_real", "run_sessions", "start_router",
+__all__ = ["WORDS", "Turn", "conversations", "run_real", "run_sessions", "start_router", "stop_router",
            "tokenize_all", "warm_up"]

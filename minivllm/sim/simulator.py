@@ -13,7 +13,10 @@ request's own serving cost, in its TTFT and E2E latency (and
 ``routing_latency_s`` more in a fleet whose router spends that on each request
 before routing it: a cache-aware router asks a replica to tokenize it); with an
 ``idle_wake_s`` an engine that was idle starts its next step later, the
-longer it was idle.
+longer it was idle. Replicas sharing one host's cores (``host_cores``) slow each
+other's steps when their threads, plus the cores their frontend processes use
+(``frontend_cpu_s_per_token`` / ``_per_request``: API servers, router, client),
+ask for more cores than the host has.
 """
 
 from __future__ import annotations
@@ -97,6 +100,13 @@ def num_kv_blocks(config: EngineConfig, hardware: Hardware,
 
 
 class Replica:
+    # Cores its requests' frontend processes use while it runs (its last step's
+    # frontend CPU seconds over that step's duration), and the per-request CPU of
+    # the requests it got since that step (charged to its next step); class
+    # defaults, so that subclasses with their own __init__ start at 0 too.
+    frontend_rate = 0.0
+    frontend_pending = 0.0
+
     def __init__(self, index: int, config: EngineConfig, cost_model: CostModel,
                  num_blocks: int, eos_token_ids: frozenset[int]) -> None:
         self.index = index
@@ -169,7 +179,8 @@ class Simulator:
                  router: str = "round_robin", gpu_memory_utilization: float = 0.9,
                  eos_token_ids: Optional[frozenset[int]] = None, trace: bool = False,
                  host_cores: Optional[int] = None, threads_per_replica: int = 1,
-                 routing_latency_s: float = 0.0) -> None:
+                 routing_latency_s: float = 0.0, frontend_cpu_s_per_token: float = 0.0,
+                 frontend_cpu_s_per_request: float = 0.0) -> None:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas!r} is invalid: must be an "
                              "integer >= 1")
@@ -179,9 +190,17 @@ class Simulator:
                 raise ValueError(f"{name}={value!r} is invalid: must be an integer >= 1"
                                  + (" or None (each replica has its own hardware)"
                                     if name == "host_cores" else ""))
-        if not (isinstance(routing_latency_s, (int, float)) and routing_latency_s >= 0):
-            raise ValueError(f"routing_latency_s={routing_latency_s!r} is invalid: must be "
-                             "a number of seconds >= 0")
+        for name, value in (("routing_latency_s", routing_latency_s),
+                            ("frontend_cpu_s_per_token", frontend_cpu_s_per_token),
+                            ("frontend_cpu_s_per_request", frontend_cpu_s_per_request)):
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"{name}={value!r} is invalid: must be a number of "
+                                 "seconds >= 0")
+        # CPU seconds the processes around the engines (API servers, router, client)
+        # spend per streamed token and per request; on a shared host (host_cores)
+        # they take that from the engines' cores (see _Run._contention).
+        self.frontend_cpu_s_per_token = float(frontend_cpu_s_per_token)
+        self.frontend_cpu_s_per_request = float(frontend_cpu_s_per_request)
         # What the router spends on each request before it can route it (a
         # cache-aware router asks a replica to tokenize the prompt): the engine
         # sees the request that much later, on top of serving_latency_s.
@@ -275,8 +294,9 @@ class _Run:
 
     def _send(self, spec: SimRequest, now: float) -> None:
         self.in_flight += 1
-        if self.latency > 0:
-            heapq.heappush(self.ingress, (now + self.latency, self.order, spec, now))
+        latency = self.latency + spec.extra_latency_s
+        if latency > 0:
+            heapq.heappush(self.ingress, (now + latency, self.order, spec, now))
             self.order += 1
         else:
             self._deliver(spec, now, now)
@@ -287,6 +307,7 @@ class _Run:
         i = self.router.choose(self.replicas, spec.prompt_token_ids)
         replica = self.replicas[i]
         if not replica.busy:  # idle since its last step ended (or the start)
+            replica.frontend_rate = 0.0  # its last chunks were streamed long ago
             idle = now - replica.clock.now()
             replica.clock.advance_to(now + self.sim.hardware.wake_cost(idle))
         ex = replica.executor
@@ -298,6 +319,7 @@ class _Run:
         req = Request(spec.request_id, spec.prompt_token_ids, params, spec.output_len,
                       self.sim.eos_token_ids, arrival_time=now, priority=spec.priority)
         replica.core.add_request(req)
+        replica.frontend_pending += self.sim.frontend_cpu_s_per_request
         self.live[spec.request_id] = (req, i)
 
     def _contention(self, start: float) -> tuple[float, float]:
@@ -306,16 +328,22 @@ class _Run:
         work or its last step is still running): (how much longer it takes, a
         fair share of the cores; 1 when every busy replica's threads have a core,
         the fraction of its memory bandwidth it reads at: the replicas that run
-        at once split ``Hardware.host_mem_bandwidth``, 1 where that is unknown)."""
+        at once split ``Hardware.host_mem_bandwidth``, 1 where that is unknown).
+
+        The cores' demand is the busy replicas' threads plus the cores their
+        frontend processes use (each busy replica's ``frontend_rate``: the
+        frontend CPU its last step caused over that step's duration); when it
+        exceeds the cores, every step takes demand / cores times longer."""
         cores, threads = self.sim.host_cores, self.sim.threads_per_replica
         if cores is None:
             return 1.0, 1.0
-        busy = sum(r.busy or r.clock.now() > start for r in self.replicas)
-        running = min(busy, max(1, cores // threads))
+        busy = [r for r in self.replicas if r.busy or r.clock.now() > start]
+        running = min(len(busy), max(1, cores // threads))
         hw = self.sim.hardware
         share = (min(1.0, hw.host_mem_bandwidth / (running * hw.mem_bandwidth))
                  if hw.host_mem_bandwidth else 1.0)
-        return max(1.0, busy * threads / cores), share
+        demand = len(busy) * threads + sum(r.frontend_rate for r in busy)
+        return max(1.0, demand / cores), share
 
     def _step(self, replica: Replica) -> None:
         ex = replica.executor
@@ -328,6 +356,12 @@ class _Run:
         sched = replica.core.scheduler
         now = replica.clock.now()
         if f is not None:
+            # The frontend CPU this step causes: a streamed chunk per sampled token
+            # (API server, router, client), the requests it got since its last step.
+            work = (self.sim.frontend_cpu_s_per_token * f.num_sampled
+                    + replica.frontend_pending)
+            replica.frontend_pending = 0.0
+            replica.frontend_rate = work / ex.last_duration if ex.last_duration > 0 else 0.0
             self.steps.append({
                 "replica": replica.index, "step": replica.core.step_count - 1,
                 "start": now - ex.last_duration, "duration": ex.last_duration,
@@ -335,7 +369,7 @@ class _Run:
                 "num_sampled": f.num_sampled, "num_running": sched.num_running,
                 "num_waiting": sched.num_waiting,
                 "kv_usage": replica.core.kv_cache_manager.usage,
-                "num_preemptions": sched.num_preemptions})
+                "num_preemptions": sched.num_preemptions, "slowdown": ex.slowdown})
             ex.last_features = None
         else:
             raise RuntimeError(f"replica {replica.index} has unfinished requests but "
@@ -372,6 +406,9 @@ def _check_requests(requests: Sequence[SimRequest], max_model_len: int) -> None:
             raise ValueError(f"request {r.request_id!r}: prompt {len(r.prompt_token_ids)} + "
                              f"output {r.output_len} tokens exceeds max_model_len="
                              f"{max_model_len}; raise --max-model-len or shorten the workload")
+        if not r.extra_latency_s >= 0:
+            raise ValueError(f"request {r.request_id!r}: extra_latency_s={r.extra_latency_s!r} "
+                             "is invalid: must be a number of seconds >= 0")
         if r.output_token_ids is not None and len(r.output_token_ids) != r.output_len:
             raise ValueError(f"request {r.request_id!r}: output_token_ids has "
                              f"{len(r.output_token_ids)} tokens, output_len is {r.output_len}")

@@ -25,9 +25,16 @@ oversubscribed) and its memory (the replicas running at once split
 ``Hardware.host_mem_bandwidth``). The calibration should then be one replica's: made
 with the same threads (``OMP_NUM_THREADS=1 minivllm simulate calibrate ...``). A
 cache-aware router asks a replica to tokenize each prompt before routing it; the
-router's own record of that wait (``/stats``), median per policy, is the simulated
-fleet's ``routing_latency_s``. Every request's real and simulated TTFT goes to the
-JSON. A benchmark, not a test.
+router's own record of that wait, per request (its ``X-Minivllm-Tokenize-Seconds``
+header; the median of ``/stats`` for a router that does not send it), delays that
+request in the simulated fleet. Every request's real and simulated TTFT goes to the
+JSON. While each fleet runs, the CPU seconds of its engine cores, API servers,
+router and client are read from ``/proc`` (``process_cpu``), printed beside the
+simulated engines' own, and kept per policy (``rows.<policy>.cpu``); the simulated
+fleet's frontend (API servers, router, client) takes the CPU per token and per
+request that ``calibrate`` measured (``Hardware.frontend_cpu_s_*``,
+``router_cpu_s_*``) from the engines' cores, and the simulated median TTFT without
+it is kept too. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 from minivllm.routing import POLICIES
+from minivllm.sim import process_cpu
 from minivllm.sim.real_fleet import WORDS, Turn, conversations, run_real
 
 def sim_requests(turns: list[Turn], real_order: bool = False):
@@ -61,18 +69,22 @@ def sim_requests(turns: list[Turn], real_order: bool = False):
                               t.sent, output_token_ids=script,
                               after=(f"s{t.session}-t{t.turn - 1}"
                                      if t.turn and not real_order else None),
-                              session=f"s{t.session}"))
+                              session=f"s{t.session}",
+                              extra_latency_s=t.tokenize_s or 0.0))
     return out
 
 
 def run_sim(hw, policy: str, n: int, num_blocks: int, turns: list[Turn], args,
-            real_order: bool = False, routing_latency_s: float = 0.0):
+            real_order: bool = False, routing_latency_s: float = 0.0, frontend: bool = True):
     return run_sim_requests(hw, policy, n, num_blocks, sim_requests(turns, real_order), args,
-                            routing_latency_s)
+                            routing_latency_s, frontend)
 
 
 def run_sim_requests(hw, policy: str, n: int, num_blocks: int, requests, args,
-                     routing_latency_s: float = 0.0):
+                     routing_latency_s: float = 0.0, frontend: bool = True):
+    """The simulated fleet; ``frontend``: its API servers, router and client take
+    the CPU the calibration measured (``Hardware.frontend_cpu_s_*`` and
+    ``router_cpu_s_*``) from the engines' cores."""
     from minivllm.config import EngineArgs
     from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.models import load_model_config
@@ -84,7 +96,11 @@ def run_sim_requests(hw, policy: str, n: int, num_blocks: int, requests, args,
                                block_size=args.block_size,
                                max_num_batched_tokens=args.max_num_batched_tokens),
                     n, policy, host_cores=args.host_cores or len(os.sched_getaffinity(0)),
-                    threads_per_replica=args.threads, routing_latency_s=routing_latency_s)
+                    threads_per_replica=args.threads, routing_latency_s=routing_latency_s,
+                    frontend_cpu_s_per_token=(hw.frontend_cpu_s_per_token
+                                              + hw.router_cpu_s_per_token) * frontend,
+                    frontend_cpu_s_per_request=(hw.frontend_cpu_s_per_request
+                                                + hw.router_cpu_s_per_request) * frontend)
     return sim.run(requests)
 
 
@@ -203,9 +219,16 @@ def compare(hw, name: str, n: int, blocks: int, turns: list[Turn], tokenize_s: l
 
     n_req = len(turns)
     # Measured, not fitted: the router's median wait for a prompt's tokens.
-    routing_s = float(np.median(tokenize_s)) if tokenize_s else 0.0
+    # Each request's own wait for its tokens when the router said it (a header; the
+    # requests carry it), else the router's median wait for every request.
+    own_waits = any(t.tokenize_s is not None for t in turns)
+    routing_s = float(np.median(tokenize_s)) if tokenize_s and not own_waits else 0.0
+    # Every row's requests are chats through the router: its measured extra path.
+    routing_s += hw.router_latency_s
     policy = name if n > 1 else "round_robin"
     result = run_sim(hw, policy, n, blocks, turns, args, routing_latency_s=routing_s)
+    bare = run_sim(hw, policy, n, blocks, turns, args, routing_latency_s=routing_s,
+                   frontend=False)  # the same without the frontend's CPU: what it adds
     ordered = run_sim(hw, policy, n, blocks, turns, args, real_order=True,
                       routing_latency_s=routing_s)
     sim_replica = {r.request_id: r.replica for r in result.requests}
@@ -225,7 +248,20 @@ def compare(hw, name: str, n: int, blocks: int, turns: list[Turn], tokenize_s: l
             "replicas": [t.replica for t in turns],
             "router_tokenize_ms": [round(s * 1000, 2) for s in tokenize_s],
             "routing_latency_ms": routing_s * 1000,
+            "router_latency_ms": hw.router_latency_s * 1000,
+            "tokenize_wait_per_request": own_waits,
+            "sim_engine_cpu_s": round(engine_cpu_s(result, args.threads), 3),
+            "mean_ttft_ms": [float(np.mean([t.ttft for t in turns])) * 1000,
+                             float(np.mean([r.ttft for r in result.requests])) * 1000],
+            "sim_median_ttft_ms_no_frontend_cpu": summarize_sim(bare)["median_ttft_ms"],
             "requests": per_request(turns, result)}
+
+
+def engine_cpu_s(result, threads: int) -> float:
+    """The simulated engines' CPU seconds: each step's cost with the cores to itself
+    (its duration over its slowdown), times the replica's threads; what the real
+    engine cores' CPU seconds (``process_cpu``) are compared with."""
+    return sum(s["duration"] / s.get("slowdown", 1.0) for s in result.steps) * threads
 
 
 def over_runs(per_run: list[dict]) -> dict:
@@ -266,8 +302,8 @@ def print_table(rows: dict) -> None:
               f"{r['err_cached']:>+7.0%}{a['median_ttft_ms']:>10.0f}/"
               f"{b['median_ttft_ms']:<10.0f}{r['err_ttft']:>+7.0%}"
               f"{a['output_throughput']:>8.1f}/{b['output_throughput']:<8.1f}"
-              f"{r['same_replica']:>14}{r['same_answers']:>14}"
-              f"{r['err_cached_real_order']:>+24.0%}{r['same_replica_real_order']:>16}")
+              f"{r['same_replica']:>14} {r['same_answers']:>13} "  # runs' lists can be long
+              f"{r['err_cached_real_order']:>+23.0%} {r['same_replica_real_order']:>15}")
     for name, r in rows.items():
         if "real_ttft_ms_range" in r:
             lo, hi = r["real_ttft_ms_range"]
@@ -275,6 +311,41 @@ def print_table(rows: dict) -> None:
                   f"(median {r['real']['median_ttft_ms']:.0f}), simulated "
                   f"{r['sim']['median_ttft_ms']:.0f}: "
                   f"{'within' if r['sim_ttft_within_runs'] else 'outside'} the runs' range")
+
+
+def load_turns(path: str) -> dict:
+    """``--turns-file`` back: {policy: [[Turn, ...] per real run]}."""
+    return {name: [[Turn(**t) for t in run] for run in runs]
+            for name, runs in json.loads(Path(path).read_text()).items()}
+
+
+def print_cpu(rows: dict) -> None:
+    """Where the real fleet's CPU went, against the simulated engines' CPU, and the
+    simulated median TTFT without the frontend's CPU (what the model adds)."""
+    print("CPU seconds while the turns ran (real: /proc counters; sim: the engines' steps "
+          "at full speed)")
+    print(f"{'policy':<13}{'wall s':>8}{'engine real/sim':>17}{'API':>7}{'router':>8}"
+          f"{'client':>8}{'frontend cores':>16}{'sim TTFT no frontend':>22}"
+          f"{'mean TTFT client/server/sim':>29}")
+    for name, r in rows.items():
+        runs = r.get("runs", [r])
+        for run in runs:
+            if "cpu" not in run:
+                continue
+            c, w = run["cpu"]["cpu_s"], run["cpu"]["wall_s"]
+            fe = c["api_server"] + c["router"] + c["client"]
+            print(f"{name:<13}{w:>8.1f}{c['engine_core']:>9.1f}/{run['sim_engine_cpu_s']:<7.1f}"
+                  f"{c['api_server']:>7.1f}{c['router']:>8.1f}{c['client']:>8.1f}"
+                  f"{fe / w:>16.2f}{run['sim_median_ttft_ms_no_frontend_cpu']:>22.0f}"
+                  f"{mean_ttfts(run):>29}")
+
+
+def mean_ttfts(run: dict) -> str:
+    """Mean TTFT (ms) at the client, at the replicas' API processes (from add_request,
+    the prompt tokenized; their /metrics) and simulated: where the time goes."""
+    server = run["cpu"].get("server_mean_s", {}).get("time_to_first_token_seconds")
+    client, sim = run.get("mean_ttft_ms", [float("nan")] * 2)
+    return f"{client:.0f}/{server * 1000 if server else float('nan'):.0f}/{sim:.0f}"
 
 
 def load_hw(spec: Optional[str]):
@@ -304,23 +375,26 @@ def run(args: argparse.Namespace) -> dict:
     repeats = getattr(args, "real_repeats", 1)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"real_repeats={repeats!r} is invalid: must be an integer >= 1")
-    rows, reference = {}, None
+    rows, reference, recorded = {}, None, {}
     for name, n, blocks in runs:
         per_run = []
         for k in range(repeats):
             print(f"{name}: {n} replica(s) x {blocks} blocks, {n_req} requests"
                   + (f", real run {k + 1}/{repeats}" if repeats > 1 else "") + " ...",
                   flush=True)
-            turns, tokenize_s = run_real(name, n, blocks, convs, args)
+            turns, tokenize_s, cpu = run_real(name, n, blocks, convs, args)
+            print(process_cpu.format_usage(name, cpu), flush=True)
             failed = [t.error for t in turns if t.error]
             if failed or len(turns) != n_req:
                 raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[:2]}")
             texts = {(t.session, t.turn): t.text for t in turns}
+            recorded.setdefault(name, []).append([vars(t) for t in turns])
             reference = reference or texts
             per_run.append(compare(hw, name, n, blocks, turns, tokenize_s, texts, reference,
-                                   args))
+                                   args) | {"cpu": cpu})
         rows[name] = per_run[0] if repeats == 1 else over_runs(per_run)
     print_table(rows)
+    print_cpu(rows)
     from minivllm.model.resolve import resolve_model_path
     from minivllm.sim.calibrate import resolved_quantization
 
@@ -331,6 +405,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.fleet_output:
         Path(args.fleet_output).write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {args.fleet_output}")
+    if getattr(args, "turns_file", None):  # every real turn, to replay in the simulator
+        Path(args.turns_file).write_text(json.dumps(recorded))
+        print(f"wrote {args.turns_file}")
     return report
 
 
@@ -362,3 +439,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    "kv_aware / round_robin (is the gap robust, or a coin toss of arrival order?)")
     g.add_argument("--plan-seeds", type=int, default=20)
     g.add_argument("--fleet-file", dest="fleet_output", default="figures/fleet_validation.json")
+    g.add_argument("--turns-file", default=None,
+                   help="also write every real turn (prompt token ids, send time, replica, "
+                   "TTFT) per policy and run, so the simulator can replay them later "
+                   "(validate_fleet.load_turns)")

@@ -27,6 +27,7 @@ class Replica:
         self.healthy = True  # optimistic: the first probe or request decides
         self.in_flight = 0
         self.num_routed = 0
+        self.num_tokenized = 0  # prompts the router asked this replica to tokenize
         self.num_failures = 0  # connects / probes / streams that failed
         self.last_error: Optional[str] = None
         self.down_since: Optional[float] = None
@@ -57,7 +58,8 @@ class Replica:
 
     def stats(self) -> dict:
         return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
-                "num_routed": self.num_routed, "num_failures": self.num_failures,
+                "num_routed": self.num_routed, "num_tokenized": self.num_tokenized,
+                "num_failures": self.num_failures,
                 "last_error": self.last_error,
                 "num_cached_blocks": len(self.cached_hashes)
                 if self.subscriber is not None else None,

@@ -6,8 +6,10 @@
 
 The policy (``minivllm.routing``, the code the simulator runs too) picks a
 replica per request; ``prefix_aware`` and ``kv_aware`` need the prompt's
-tokens, which the router asks a replica's ``/tokenize`` for, so they are the
-replicas' own tokens and chat template. ``kv_aware`` follows each replica's KV
+tokens, which the router asks a replica's ``/tokenize`` for (the healthy
+replicas in turn, so no one replica's API process tokenizes for the whole fleet),
+so they are the replicas' own tokens and chat template; each answer says how long
+its request waited for them (``X-Minivllm-Tokenize-Seconds``). ``kv_aware`` follows each replica's KV
 events (``--kv-events``, in ``--replica`` order).
 
 Faults. A request goes to an *up* replica; if the connection fails, or the
@@ -70,6 +72,7 @@ class Router:
         # routed (cache-aware policies only): what the simulator adds per request.
         self.tokenize_seconds: deque = deque(maxlen=100_000)
         self.num_requests = 0
+        self.num_tokenized = 0  # /tokenize calls made: whose turn it is next
 
     # -- choosing ---------------------------------------------------------------
     async def prompt_tokens(self, path: str, body: dict) -> Optional[list[int]]:
@@ -84,9 +87,16 @@ class Router:
             if isinstance(prompt, list):
                 return [int(t) for t in prompt]
             query = {"prompt": prompt}
-        for r in self.replicas:
+        # Spread over the healthy replicas in turn, so that no one replica's API
+        # process tokenizes (and renders chat templates) for the whole fleet.
+        n = len(self.replicas)
+        start = self.num_tokenized
+        self.num_tokenized += 1
+        for k in range(n):
+            r = self.replicas[(start + k) % n]
             if not r.healthy:
                 continue
+            r.num_tokenized += 1
             try:
                 resp = await self.client.post(r.url + "/tokenize", json=query, timeout=10)
             except Exception as e:
@@ -111,11 +121,12 @@ class Router:
             return _error(400, f"the request body is not valid JSON: {e}", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_request_error")
-        tokens = None
+        tokens, waited = None, None
         if self.policy.needs_tokens:
             t0 = time.perf_counter()
             tokens = await self.prompt_tokens(path, body)
-            self.tokenize_seconds.append(time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            self.tokenize_seconds.append(waited)
         hashes = prompt_block_hashes(tokens, self.block_size) if tokens else []
         number = self.num_requests
         self.num_requests += 1
@@ -139,6 +150,8 @@ class Router:
                 continue
             media = resp_headers.get("content-type", "application/json")
             out_headers = {"X-Minivllm-Replica": replica.url}
+            if waited is not None:  # what this request waited for its tokens
+                out_headers["X-Minivllm-Tokenize-Seconds"] = f"{waited:.6f}"
             if stream and status == 200:
                 return StreamingResponse(chunks, status_code=status, media_type=media,
                                          headers=out_headers)

@@ -1,0 +1,63 @@
+"""What a served request costs outside the engine core: the CPU counters of a real
+(tiny) served run, and the per-token and per-request figures calibrate makes of them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from minivllm.sim import process_cpu
+from minivllm.sim.calibrate_frontend import (FRONTEND_TOKENS, PROBE_TOKENS,
+                                             per_request_and_token)
+
+
+def test_per_request_and_per_token_come_back_from_two_runs():
+    """CPU made from known costs (c_r per request, c_t per token) for the long and
+    the short run gives both back exactly; a run whose tokens cost nothing gives 0
+    per token, and noise that would make a cost negative gives 0, not less."""
+    n, c_r, c_t = 32, 3e-3, 4e-4
+    long_cpu = n * (c_r + FRONTEND_TOKENS * c_t)
+    short_cpu = n * (c_r + PROBE_TOKENS * c_t)
+    assert per_request_and_token(long_cpu, short_cpu, n) == pytest.approx((c_r, c_t))
+    assert per_request_and_token(n * c_r, n * c_r, n) == pytest.approx((c_r, 0.0))
+    assert per_request_and_token(0.5, 0.6, n) == (pytest.approx(0.6 / n), 0.0)
+
+
+def test_the_processes_of_a_served_run_are_read_as_psutil_reads_them(tiny_model):
+    """A real ``minivllm serve`` of a tiny model and ``bench serve`` against it: the
+    API process, its engine core (the processes below it) and this client each took
+    CPU, and the seconds ``process_cpu`` reads are those psutil reads for the same
+    processes at the same moments (to its 10 ms ticks); the per-token figure is the
+    counters' seconds over the tokens served."""
+    psutil = pytest.importorskip("psutil")
+    from minivllm.benchmarks.workload import random_requests
+    from minivllm.entrypoints.launch import ServerProcess
+    from minivllm.sim.calibrate_serving import measure
+
+    model = tiny_model("llama")
+    with ServerProcess(model, "--num-kv-blocks", "256") as server:
+        server.wait_until_healthy()
+        measure(server.url, random_requests(2, 16, 4, 250, seed=9), 100.0, 0)  # warm up
+        work = random_requests(64, 32, 96, 250, seed=1)
+        api = psutil.Process(server.pid)
+
+        def ps():
+            cores = api.children(recursive=True)
+            own = psutil.Process(os.getpid()).cpu_times()
+            return (sum(api.cpu_times()[:2]), sum(sum(c.cpu_times()[:2]) for c in cores),
+                    own.user + own.system)
+
+        before, ps_before = process_cpu.snapshot([server.pid]), ps()
+        measure(server.url, work, float("inf"), 0)
+        after, ps_after = process_cpu.snapshot([server.pid]), ps()
+    u = process_cpu.usage(before, after, len(work), 64 * 96)
+    read = [b - a for a, b in zip(ps_before, ps_after)]
+    for kind, expected in zip(("api_server", "engine_core", "client"), read):
+        assert u["cpu_s"][kind] > 0, u
+        assert u["cpu_s"][kind] == pytest.approx(expected, abs=0.03), (kind, u, read)
+    assert u["cpu_s"]["router"] == 0  # none was started
+    per_token = (u["cpu_s"]["api_server"] + u["cpu_s"]["client"]) / u["output_tokens"]
+    assert per_token == pytest.approx((read[0] + read[2]) / (64 * 96), abs=0.06 / (64 * 96))
+    assert u["wall_s"] > 0 and u["cores"]["engine_core"] == pytest.approx(
+        u["cpu_s"]["engine_core"] / u["wall_s"], rel=0.02)
