@@ -228,11 +228,18 @@ def server_latency_means(before: dict, after: dict) -> dict:
 
 
 def warm_up(url: str) -> None:
-    """First requests of a fresh server pay one-time costs; a prompt nobody else sends."""
+    """First requests of a fresh server pay one-time costs; a prompt nobody else sends.
+    The fleet's own kind (a streamed chat) too: a fresh API process's first stream
+    pays costs of its own."""
     import httpx
 
     httpx.post(url + "/v1/completions", json={"prompt": [7] * 8, "max_tokens": 2,
                "ignore_eos": True}, timeout=300, trust_env=False).raise_for_status()
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=300, trust_env=False,
+                      json={"messages": [{"role": "user", "content": "warm up"}],
+                            "max_tokens": 2, "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        r.read()
 
 
 # -- the simulated fleet ------------------------------------------------------------

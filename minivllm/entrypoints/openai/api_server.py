@@ -351,9 +351,17 @@ def auto_tool_parser(ns: argparse.Namespace) -> Optional[str]:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """Bind before loading the model: a taken port fails in a second, not a minute."""
+    """Bind before loading the model: a taken port fails in a second, not a minute.
+
+    The protocol is named (``IPPROTO_TCP``, not the default 0) because asyncio
+    turns Nagle's algorithm off (``TCP_NODELAY``) only on connections whose
+    socket says TCP, and accepted connections inherit the listening socket's.
+    With Nagle on, a stream's first chunk waits in the kernel for the ACK of the
+    headers, which a peer that just sent a request (the router after its
+    ``/tokenize``) delays by its delayed-ACK timer.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
