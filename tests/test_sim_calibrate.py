@@ -295,3 +295,57 @@ def test_a_peak_point_slower_than_a_larger_product_is_capped_by_it():
     assert {r: got[r] for r, _ in clean[1:]} == dict(clean[1:])
     for (r1, f1), (r2, f2) in zip(sorted(got.items()), sorted(got.items())[1:]):
         assert r1 / f1 <= r2 / f2 * (1 + 1e-12)
+
+
+def test_the_host_bandwidth_is_the_median_of_rounds_each_pairing_one_moment(monkeypatch):
+    """Every core's readers and one reader are measured in turn, round after round:
+    the result is ``one`` times the median of the rounds' ratios (at least 1), so a
+    slow moment on one side of one round cannot set it; with as many threads as
+    cores there is nothing to share and ``one`` comes back as is."""
+    import os
+    import statistics
+
+    import torch
+
+    from minivllm.sim import hardware
+
+    cores = len(os.sched_getaffinity(0))
+    readings = iter([9.0, 3.0, 1.0, 5.0, 8.0, 4.0, 6.0, 3.0, 20.0, 4.0, 7.0, 2.0, 5.0, 5.0])
+    calls = []
+
+    def fake(k, min_seconds):
+        calls.append(k)
+        return next(readings)
+
+    monkeypatch.setattr(hardware, "_readers", fake)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        host, ratios = hardware.host_bandwidth(2.0)
+        assert torch.get_num_threads() == 1  # restored
+    finally:
+        torch.set_num_threads(threads)
+    if cores == 1:
+        assert (host, ratios) == (2.0, [])
+        return
+    assert calls == [cores, 1] * hardware.HOST_BANDWIDTH_ROUNDS
+    assert ratios == [3.0, 0.2, 2.0, 2.0, 5.0, 3.5, 1.0]
+    assert host == 2.0 * statistics.median(ratios)
+    torch.set_num_threads(cores)
+    try:
+        assert hardware.host_bandwidth(2.0) == (2.0, [])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_host_probe_reads_more_with_every_core_than_with_one():
+    """The real probe (no stand-in): every core's readers move at least as many bytes
+    as one reader, within the noise of a shared machine, and each reading is a
+    plausible memory bandwidth."""
+    import os
+
+    from minivllm.sim.hardware import _readers
+
+    one = _readers(1, 0.05, num_bytes=1 << 24)
+    every = _readers(len(os.sched_getaffinity(0)), 0.05, num_bytes=1 << 24)
+    assert 1e8 < one < 1e13 and every > 0.5 * one

@@ -110,12 +110,57 @@ def test_fit_serving_recovers_the_overheads_that_made_the_tpots():
     assert b == pytest.approx(4e-4, rel=0.05)
 
 
+def test_a_served_cost_consistent_with_zero_is_pinned_and_the_other_solved_alone():
+    """TPOTs made with a per-step cost and no per-sequence one, and a per-sequence
+    estimate within 1.96 standard errors of 0 (as noise leaves it): pinned at 0, its
+    error kept for the report, and the per-step cost solved alone gives the truth
+    back; a wake-up cost consistent with 0 is pinned too, a clear one is kept."""
+    from minivllm.sim.calibrate_serving import pin_at_zero, serving_jacobian
+
+    one = random_requests(4, 96, 16, 49152, 0.25, seed=11)
+    alll = random_requests(16, 96, 16, 49152, 0.25, seed=12)
+
+    def tpot(h, w, c):
+        return serve_metrics(smol_sim(h).run(w, c)).tpot_ms["median"]
+
+    truth = serving_hardware(CPU, 3e-3, 0.0)
+    runs = [(one, 1, tpot(truth, one, 1)), (alll, None, tpot(truth, alll, None))]
+    base, jac = serving_jacobian(CPU, runs, tpot)
+    fitted = {"step_overhead_s": (1e-3, 1e-4), "per_seq_overhead_s": (8e-4, 6e-4),
+              "serving_latency_s": (0.011, 0.0055), "idle_wake_s": (0.029, 0.017),
+              "idle_wake_tau_s": (5.0, 2.0)}
+    hw, out = pin_at_zero(serving_hardware(CPU, 1e-3, 8e-4), fitted,
+                          ["per_seq_overhead_s", "idle_wake_s"], base, jac, runs)
+    assert out["per_seq_overhead_s"] == (0.0, 6e-4) and out["idle_wake_s"] == (0.0, 0.017)
+    assert out["step_overhead_s"][0] == pytest.approx(3e-3, rel=0.02)
+    assert out["serving_latency_s"] == (0.011, 0.0055)
+    assert (hw.step_overhead_s, hw.per_seq_overhead_s, hw.idle_wake_s) == (
+        out["step_overhead_s"][0], 0.0, 0.0)
+    assert hw.serving_latency_s == 0.011
+
+
 def test_fit_wake_recovers_the_curve_that_made_the_extras():
     truth = CPU.with_(idle_wake_s=0.06, idle_wake_tau_s=1.3)
     pauses = (0.5, 2.5)
     w, tau = fit_wake(pauses, tuple(truth.wake_cost(p) for p in pauses))
     assert w == pytest.approx(0.06, rel=1e-3) and tau == pytest.approx(1.3, rel=1e-3)
     assert fit_wake(pauses, (0.01, -0.002)) == (0.0, 1.0)  # no wake-up cost measured
+
+
+def test_ttft_residuals_give_back_the_latency_whatever_each_prompt_s_length():
+    """Requests of +-25 % prompt lengths, "measured" one at a time on an engine that
+    adds a known serving latency: each request's TTFT less its own simulated one is
+    that latency, though the raw TTFTs spread by the prefills' differences."""
+    from minivllm.sim.calibrate_serving import ttft_residuals
+
+    work = random_requests(12, 96, 8, 49152, 0.25, seed=21)
+    kwargs = {"max_num_batched_tokens": 512, "dtype": "float32"}
+    truth = CPU.with_(serving_latency_s=0.007)
+    got = {r.request_id: r.ttft for r in smol_sim(truth).run(work, 1).requests}
+    measured = [got[w.request_id] for w in work]
+    resid = ttft_residuals(measured, CPU, "smollm2-135m", work, kwargs)
+    assert resid == pytest.approx([0.007] * len(work), abs=1e-9)
+    assert max(measured) - min(measured) > 0.007  # the prompts spread more than that
 
 
 def test_an_idle_engine_starts_late_by_its_wake_cost():

@@ -2,7 +2,7 @@
 
     minivllm simulate calibrate --output cpu.json [--model FOLDER] [--no-serve]
 
-Two parts, one file:
+Four parts, one file:
 
 1. **The engine's steps.** The peaks (matmul FLOP/s, memory bandwidth) are
    measured first, as ``bench roofline`` does; where the CPU kernels are on,
@@ -29,6 +29,10 @@ Two parts, one file:
    streamed token and per request, read from the processes' counters
    (``minivllm.sim.calibrate_frontend``); a fleet on one host pays them from the
    engines' cores.
+4. **What replicas on this host cost each other** (with fewer threads than cores,
+   unless ``--no-corun``): ``cores // threads`` real engines run a prefill and a
+   decode probe alone and at once (``minivllm.sim.calibrate_corun``), giving the
+   ``host_flops`` and ``host_mem_bandwidth`` replicas that run at once split.
 
 The result is a hardware JSON for ``--hardware`` (``simulate``) and
 ``--calibration`` (``simulate validate``); the fitted constants and their
@@ -74,6 +78,7 @@ class Calibration:
     result: FitResult = field(default=None, repr=False)
     serving: dict = field(default=None)  # what calibrate_serving fitted, with errors
     frontend: dict = field(default=None)  # calibrate_frontend's CPU counters
+    corun: dict = field(default=None)  # calibrate_corun's slowdowns, per round
 
     @property
     def median_abs_error(self) -> float:
@@ -326,8 +331,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action=argparse.BooleanOptionalAction, default=True,
                         help="also fit what serving adds on a real minivllm serve (per "
                         "step, per sequence, per request, idle wake-up)")
+    parser.add_argument("--corun", action=argparse.BooleanOptionalAction, default=True,
+                        help="with fewer threads than cores: also measure what engines "
+                        "running at once on this host cost each other (host_flops, "
+                        "host_mem_bandwidth)")
     parser.add_argument("--num-prompts", type=int, default=16,
-                        help="--serve: requests of the all-at-once run (half one at a time)")
+                        help="--serve: requests of the all-at-once run, and of the "
+                        "one-at-a-time run")
     parser.add_argument("--input-len", type=int, default=96,
                         help="--serve: mean prompt tokens (+-25 %%)")
     parser.add_argument("--output-len", type=int, default=32,
@@ -358,6 +368,11 @@ def run(args: argparse.Namespace) -> Calibration:
           f"residual std (log) {cal.result.residual_std:.3f}")
     for line in cal.result.describe():
         print(f"  {line}")
+    if args.corun and not args.from_steps:
+        from minivllm.sim.calibrate_corun import corun_calibration
+
+        cal.hardware, cal.corun = corun_calibration(cal.hardware, args.calibrate_model,
+                                                    engine_kwargs, args.seed)
     if args.serve:
         cal = calibrate_serving(cal, args.calibrate_model, engine_kwargs, args)
     cal.hardware.save(args.output)

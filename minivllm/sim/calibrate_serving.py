@@ -32,6 +32,7 @@ import numpy as np
 
 from minivllm.benchmarks.serve import benchmark, compute_metrics
 from minivllm.config import EngineArgs
+from minivllm.sim.fit import ZERO_Z
 
 BOOTSTRAP = 200  # resamples for the standard errors
 
@@ -54,15 +55,32 @@ def measure(base_url: str, work, rate: float, seed: int, max_concurrency=None):
     return measure_requests(base_url, work, rate, seed, max_concurrency)[0]
 
 
-def simulate(hw, model_path, work, engine_kwargs, max_concurrency=None):
+def simulate_run(hw, model_path, work, engine_kwargs, max_concurrency=None):
+    """The simulator's result for ``work`` on ``hw`` (``SimResult``)."""
     from minivllm.sim.models import load_model_config
-    from minivllm.sim.report import serve_metrics
     from minivllm.sim.simulator import Simulator
 
     quantization = engine_kwargs.get("quantization", "auto")
     sim = Simulator(load_model_config(model_path, "auto", "cpu", quantization), hw,
                     EngineArgs(model=str(model_path), **engine_kwargs))
-    return serve_metrics(sim.run(work, max_concurrency))
+    return sim.run(work, max_concurrency)
+
+
+def simulate(hw, model_path, work, engine_kwargs, max_concurrency=None):
+    from minivllm.sim.report import serve_metrics
+
+    return serve_metrics(simulate_run(hw, model_path, work, engine_kwargs, max_concurrency))
+
+
+def ttft_residuals(measured_s, hw, model_path, work, engine_kwargs) -> list[float]:
+    """Each request's measured TTFT (seconds, in ``work``'s order) less the one the
+    simulator gives it sent alone: what serving adds to that very prompt. The
+    prompts' lengths differ (+-25 %), and so do their prefills; a median of raw
+    TTFTs carries that spread into the serving latency, a median of these does not."""
+    alone = hw.with_(serving_latency_s=0.0, idle_wake_s=0.0)
+    res = simulate_run(alone, model_path, work, engine_kwargs, 1)
+    sim = {r.request_id: r.ttft for r in res.requests}
+    return [m - sim[w.request_id] for m, w in zip(measured_s, work)]
 
 
 def serving_hardware(hw, step_s: float, seq_s: float, latency: float = 0.0):
@@ -153,6 +171,7 @@ def fit_wake(pauses: tuple[float, float], extra: tuple[float, float]) -> tuple[f
 
 # Idle pauses (s) of the wake-up probe: one like a busy rate's, one like a quiet one's.
 WAKE_PAUSES = (0.5, 2.5)
+WAKE_PROBES = 8  # requests after each pause
 
 
 def ttfts_after_pauses(base_url, work, pause: float) -> list[float]:
@@ -169,6 +188,31 @@ def measure_after_pauses(base_url, work, pause: float) -> float:
     return statistics.median(ttfts_after_pauses(base_url, work, pause))
 
 
+# The costs a served engine need not have: one whose estimate lies within ZERO_Z of its
+# standard errors of 0 is consistent with none and is pinned there, as part 1's fit
+# pins its overheads (minivllm.sim.fit); the other overhead is solved again alone.
+PINNABLE = ("step_overhead_s", "per_seq_overhead_s", "serving_latency_s", "idle_wake_s")
+
+
+def pin_at_zero(served, fitted: dict, pinned: list[str], base, jac, runs):
+    """``served`` and ``fitted`` with the ``pinned`` constants at 0."""
+    fitted = dict(fitted)
+    overheads = ("step_overhead_s", "per_seq_overhead_s")
+    kept = [i for i, k in enumerate(overheads) if k not in pinned]
+    if len(kept) < 2:  # one overhead (or none) left: its best fit alone, >= 0
+        want = np.array([m for _, _, m in runs]) / 1000 - base
+        x = [0.0, 0.0]
+        for i in kept:
+            col = jac[:, i]
+            x[i] = max(float(col @ want / (col @ col)), 0.0)
+        for i in kept:
+            fitted[overheads[i]] = (x[i], fitted[overheads[i]][1])
+    for k in pinned:
+        fitted[k] = (0.0, fitted[k][1])
+    values = {k: v for k, (v, _) in fitted.items()}
+    return served.with_(**values), fitted
+
+
 def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
     """``hw`` with what serving adds, fitted on runs that are never validated.
 
@@ -181,7 +225,10 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
         return random_requests(n, args.input_len, args.output_len, vocab, 0.25, seed=seed,
                                avoid_token_ids=frozenset(range(3)))
 
-    one, alll = work(max(args.num_prompts // 2, 4), args.seed + 1000), \
+    # As many requests one at a time as all at once: the one-at-a-time medians fix
+    # the serving latency and the wake-up's baseline, which half as many left to
+    # chance (errors larger than the values on a quiet machine).
+    one, alll = work(max(args.num_prompts, 8), args.seed + 1000), \
         work(args.num_prompts, args.seed + 2000)
     m_one, r_one = measure_requests(base_url, one, float("inf"), 0, max_concurrency=1)
     m_all, r_all = measure_requests(base_url, alll, float("inf"), 0)
@@ -196,30 +243,37 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
     base, jac = serving_jacobian(hw, runs, lambda h, w, c: sim(h, w, c).tpot_ms["median"])
     a, b = solve_overheads(base, jac, np.array([m for _, _, m in runs]) / 1000)
     served = serving_hardware(hw, a, b)
-    sim_ttft = sim(served, one, 1).ttft_ms["median"]
-    latency = max((m_one.ttft_ms["median"] - sim_ttft) / 1000, 0.0)
-    served = serving_hardware(hw, a, b, latency)
-    # The wake-up cost: requests each sent after an idle pause, against back to back.
-    probes = [work(4, args.seed + 3000 + i) for i in range(2)]
-    after = [ttfts_after_pauses(base_url, w, p) for w, p in zip(probes, WAKE_PAUSES)]
-    ttft_one = [r.ttft * 1000 for r in r_one]
+    # The serving latency and the wake-up cost, each request against its own
+    # simulated TTFT: one at a time, and sent after idle pauses.
+    probes = [work(WAKE_PROBES, args.seed + 3000 + i) for i in range(2)]
+    after = [[t / 1000 for t in ttfts_after_pauses(base_url, w, p)]
+             for w, p in zip(probes, WAKE_PAUSES)]
+    resid = [ttft_residuals([r.ttft for r in r_one], served, model_path, one, engine_kwargs),
+             *(ttft_residuals(t, served, model_path, w, engine_kwargs)
+               for t, w in zip(after, probes))]
+    latency = max(statistics.median(resid[0]), 0.0)
 
-    def wake_of(meds):  # medians of: back to back, after pause 1, after pause 2 (ms)
-        return fit_wake(WAKE_PAUSES, ((meds[1] - meds[0]) / 1000, (meds[2] - meds[0]) / 1000))
+    def wake_of(meds):  # median residuals of: back to back, after pause 1, after pause 2
+        return fit_wake(WAKE_PAUSES, (meds[1] - meds[0], meds[2] - meds[0]))
 
-    wake, tau = wake_of([statistics.median(s) for s in (ttft_one, *after)])
-    served = served.with_(idle_wake_s=wake, idle_wake_tau_s=tau)
+    wake, tau = wake_of([statistics.median(r) for r in resid])
+    served = serving_hardware(hw, a, b, latency).with_(idle_wake_s=wake, idle_wake_tau_s=tau)
     # Standard errors: the same solves on resampled requests.
     tpot_s = [[r.tpot for r in rs if r.tpot is not None] for rs in (r_one, r_all)]
     ab_err = bootstrap_std(tpot_s, lambda meds: solve_overheads(base, jac, np.array(meds)))
-    lat_err = float(bootstrap_std([ttft_one], lambda m: m[0])[0]) / 1000
-    wake_err = bootstrap_std([ttft_one, *after], wake_of)
+    lat_err = float(bootstrap_std([resid[0]], lambda m: m[0])[0])
+    wake_err = bootstrap_std(resid, wake_of)
     fitted = {"step_overhead_s": (a, float(ab_err[0])),
               "per_seq_overhead_s": (b, float(ab_err[1])),
               "serving_latency_s": (latency, lat_err),
               "idle_wake_s": (wake, float(wake_err[0])),
               "idle_wake_tau_s": (tau, float(wake_err[1]))}
+    pinned = [k for k in PINNABLE if 0 < fitted[k][0] < ZERO_Z * fitted[k][1]]
+    if pinned:
+        served, fitted = pin_at_zero(served, fitted, pinned, base, jac, runs)
     what = ("served: " + ", ".join(f"{k} {v:.3g} +- {e:.2g}" for k, (v, e) in fitted.items())
+            + (f"; pinned at 0 (within {ZERO_Z} standard errors of it): {', '.join(pinned)}"
+               if pinned else "")
             + f" (offline step {hw.step_overhead_s:.3g}, per seq {hw.per_seq_overhead_s:.3g})")
     print(f"serving calibration (its own prompts; one at a time, all at once, after idle "
           f"pauses): {what}")
@@ -227,5 +281,5 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
 
 
 __all__ = ["serve_calibration", "fit_serving", "fit_wake", "serving_hardware", "measure",
-           "measure_requests", "simulate", "solve_overheads", "serving_jacobian",
-           "bootstrap_std", "WAKE_PAUSES", "measure_after_pauses"]
+           "measure_requests", "simulate", "simulate_run", "ttft_residuals", "solve_overheads",
+           "serving_jacobian", "bootstrap_std", "pin_at_zero", "PINNABLE", "WAKE_PAUSES", "measure_after_pauses"]

@@ -126,20 +126,23 @@ class CostModel:
     def step_time(self, so: SchedulerOutput) -> float:
         return self.time(self.features(so))
 
-    def time(self, f: StepFeatures, bandwidth_share: float = 1.0) -> float:
-        return sum(self.breakdown(f, bandwidth_share).values())
+    def time(self, f: StepFeatures, bandwidth_share: float = 1.0,
+             flops_share: float = 1.0) -> float:
+        return sum(self.breakdown(f, bandwidth_share, flops_share).values())
 
-    def breakdown(self, f: StepFeatures, bandwidth_share: float = 1.0) -> dict[str, float]:
-        """Seconds per part of the step; ``bandwidth_share``: the fraction of its
-        memory bandwidth the replica gets (other replicas on its host reading too)."""
+    def breakdown(self, f: StepFeatures, bandwidth_share: float = 1.0,
+                  flops_share: float = 1.0) -> dict[str, float]:
+        """Seconds per part of the step; ``bandwidth_share`` and ``flops_share``: the
+        fractions of its memory bandwidth and of its matrix FLOP/s the replica gets
+        (other replicas on its host running too)."""
         hw = self.hardware
         flops = hw.peak_flops * hw.flops_efficiency
         bw = hw.mem_bandwidth * hw.bandwidth_efficiency * bandwidth_share
         kv_bw = (hw.attention_bandwidth * bandwidth_share) or bw
-        linear_flops = float(hw.linear_peak(f.num_tokens)) * hw.flops_efficiency
+        linear_flops = float(hw.linear_peak(f.num_tokens)) * hw.flops_efficiency * flops_share
         out = {
             "linear": max(f.linear_flops / linear_flops, f.linear_bytes / bw),
-            "attention": max(f.attention_flops / (hw.attention_flops or flops),
+            "attention": max(f.attention_flops / ((hw.attention_flops or flops) * flops_share),
                              f.attention_bytes / kv_bw)
             / hw.attention_efficiency,
             "overhead": (hw.step_overhead_s + hw.per_seq_overhead_s * f.num_seqs

@@ -50,6 +50,7 @@ class SimExecutor:
         self.cost_seconds = 0.0  # real time spent pricing steps
         self.slowdown = 1.0  # > 1 while the host's cores are shared (simulator._contention)
         self.bandwidth_share = 1.0  # < 1 while other replicas read the host's memory too
+        self.flops_share = 1.0  # < 1 while other replicas' products slow this one's
 
     # -- the executor interface ------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -67,7 +68,8 @@ class SimExecutor:
             return out
         t0 = time.perf_counter()
         features = self.cost_model.features(so)
-        duration = self.cost_model.time(features, self.bandwidth_share) * self.slowdown
+        duration = (self.cost_model.time(features, self.bandwidth_share, self.flops_share)
+                    * self.slowdown)
         for req in so.scheduled_requests:
             rid = req.request_id
             if so.num_computed_tokens[rid] + so.num_scheduled_tokens[rid] >= req.num_tokens:

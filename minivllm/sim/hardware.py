@@ -67,6 +67,10 @@ class Hardware:
     # run at once split it: each reads at most host / running, not mem_bandwidth.
     # 0 (the presets, older files): no such limit.
     host_mem_bandwidth: float = 0.0
+    # FLOP/s of matrix products the host gives all its replicas at once, relative to
+    # peak_flops: replicas that run at once split it as they split host_mem_bandwidth
+    # (calibrate measures both with the engine itself: part 4). 0: no such limit.
+    host_flops: float = 0.0
     # CPU seconds a served request takes outside the engine core, per streamed
     # output token and per request: its API process (HTTP, detokenizing, a chunk per
     # token) and the benchmark client on the same host (frontend_*), and a router in
@@ -164,57 +168,65 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
 HARDWARE_NAMES = (*HARDWARE_PRESETS, "cpu")
 
 
-def host_bandwidth(one: float, min_seconds: float = 0.3) -> float:
+# Rounds of host_bandwidth's probe (one reader, then every core's), each 2 x min_seconds.
+HOST_BANDWIDTH_ROUNDS = 7
+
+
+def host_bandwidth(one: float, min_seconds: float = 0.3) -> tuple[float, list[float]]:
     """The memory bandwidth of all this host's cores at once, what replicas sharing
     the host split while they run at once (``one``: one replica's, measured at the
-    current thread count; returned as is when that is every core). Measured as
-    replicas read: one independent reader per core (a one-thread sum each, not one
-    multi-thread sum, whose barrier waits for a descheduled thread), their total
-    over one reader alone, times ``one``."""
+    current thread count; returned as is when that is every core), and the ratios
+    it came from. Measured as replicas read: one independent reader per core (a
+    one-thread sum each, not one multi-thread sum, whose barrier waits for a
+    descheduled thread), their total over one reader alone, times ``one``.
+
+    A shared host's other tenants move both readings from one second to the next,
+    so one reader alone and all of them together are measured in turn, round after
+    round, and the median of the rounds' ratios is taken (not the best of each
+    side, which pairs two different moments)."""
     import os
+    import statistics
 
     import torch
 
     threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
     if threads >= cores:
-        return one
+        return one, []
     torch.set_num_threads(1)
     try:
-        alone, together = _readers(1, min_seconds), _readers(cores, min_seconds)
+        ratios = [_readers(cores, min_seconds) / _readers(1, min_seconds)
+                  for _ in range(HOST_BANDWIDTH_ROUNDS)]
     finally:
         torch.set_num_threads(threads)
-    return one * max(1.0, together / alone)
+    return one * max(1.0, statistics.median(ratios)), ratios
 
 
 def _readers(k: int, min_seconds: float, num_bytes: int = 1 << 27) -> float:
     """bytes/s that ``k`` threads summing their own float32 buffers read in total
-    (best of 3; torch releases the GIL inside the sum)."""
+    (torch releases the GIL inside the sum)."""
     import threading
     import time
 
     import torch
 
     bufs = [torch.ones(num_bytes // 4) for _ in range(k)]
-    best = 0.0
-    for _ in range(3):
-        counts, start = [0] * k, threading.Barrier(k + 1)
+    counts, start = [0] * k, threading.Barrier(k + 1)
 
-        def read(i: int) -> None:
-            start.wait()
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < min_seconds:
-                bufs[i].sum()
-                counts[i] += 1
-
-        workers = [threading.Thread(target=read, args=(i,)) for i in range(k)]
-        for w in workers:
-            w.start()
+    def read(i: int) -> None:
         start.wait()
         t0 = time.perf_counter()
-        for w in workers:
-            w.join()
-        best = max(best, sum(counts) * num_bytes / (time.perf_counter() - t0))
-    return best
+        while time.perf_counter() - t0 < min_seconds:
+            bufs[i].sum()
+            counts[i] += 1
+
+    workers = [threading.Thread(target=read, args=(i,)) for i in range(k)]
+    for w in workers:
+        w.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for w in workers:
+        w.join()
+    return sum(counts) * num_bytes / (time.perf_counter() - t0)
 
 
 def measured_cpu(min_seconds: float = 0.3, dtype=None) -> Hardware:
@@ -230,11 +242,13 @@ def measured_cpu(min_seconds: float = 0.3, dtype=None) -> Hardware:
                 for t in {torch.float32, dtype or torch.float32})
     bw = measure_bandwidth(num_bytes=1 << 28, min_seconds=min_seconds).best
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware("cpu", flops, bw, float(mem), bw, host_mem_bandwidth=host_bandwidth(
-                    bw, min_seconds), flops_efficiency=1.0,
-                    bandwidth_efficiency=1.0, attention_efficiency=0.5,
+    host, ratios = host_bandwidth(bw, min_seconds)
+    spread = (f"; host memory bandwidth: every core's readers over one's, median of "
+              f"{len(ratios)} rounds ({min(ratios):.2f}..{max(ratios):.2f})" if ratios else "")
+    return Hardware("cpu", flops, bw, float(mem), bw, host_mem_bandwidth=host,
+                    flops_efficiency=1.0, bandwidth_efficiency=1.0, attention_efficiency=0.5,
                     step_overhead_s=2e-3, per_seq_overhead_s=50e-6, dtype="float32", device="cpu",
-                    source="this machine, minivllm bench roofline's measurements")
+                    source="this machine, minivllm bench roofline's measurements" + spread)
 
 
 def load_hardware(spec: "str | Hardware") -> Hardware:

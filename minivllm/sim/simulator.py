@@ -322,13 +322,14 @@ class _Run:
         replica.frontend_pending += self.sim.frontend_cpu_s_per_request
         self.live[spec.request_id] = (req, i)
 
-    def _contention(self, start: float) -> tuple[float, float]:
+    def _contention(self, start: float) -> tuple[float, float, float]:
         """How a step starting at ``start`` is slowed because busy replicas share
         the host, counted at the step's start (a replica is busy then if it has
         work or its last step is still running): (how much longer it takes, a
         fair share of the cores; 1 when every busy replica's threads have a core,
-        the fraction of its memory bandwidth it reads at: the replicas that run
-        at once split ``Hardware.host_mem_bandwidth``, 1 where that is unknown).
+        the fractions of its memory bandwidth and of its matrix FLOP/s it gets: the
+        replicas that run at once split ``Hardware.host_mem_bandwidth`` and
+        ``Hardware.host_flops``, 1 where those are unknown).
 
         The cores' demand is the busy replicas' threads plus the cores their
         frontend processes use (each busy replica's ``frontend_rate``: the
@@ -336,18 +337,21 @@ class _Run:
         exceeds the cores, every step takes demand / cores times longer."""
         cores, threads = self.sim.host_cores, self.sim.threads_per_replica
         if cores is None:
-            return 1.0, 1.0
+            return 1.0, 1.0, 1.0
         busy = [r for r in self.replicas if r.busy or r.clock.now() > start]
         running = min(len(busy), max(1, cores // threads))
         hw = self.sim.hardware
-        share = (min(1.0, hw.host_mem_bandwidth / (running * hw.mem_bandwidth))
-                 if hw.host_mem_bandwidth else 1.0)
+
+        def share(host: float, one: float) -> float:
+            return min(1.0, host / (running * one)) if host else 1.0
+
         demand = len(busy) * threads + sum(r.frontend_rate for r in busy)
-        return max(1.0, demand / cores), share
+        return (max(1.0, demand / cores), share(hw.host_mem_bandwidth, hw.mem_bandwidth),
+                share(hw.host_flops, hw.peak_flops))
 
     def _step(self, replica: Replica) -> None:
         ex = replica.executor
-        ex.slowdown, ex.bandwidth_share = self._contention(replica.clock.now())
+        ex.slowdown, ex.bandwidth_share, ex.flops_share = self._contention(replica.clock.now())
         priced = ex.cost_seconds
         t0 = time.perf_counter()
         outputs = replica.core.step()

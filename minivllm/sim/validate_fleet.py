@@ -21,8 +21,10 @@ most any router can find), and every answer is compared with that run's.
 The replicas share this machine's cores (each engine gets ``--threads``
 threads), and so do the simulated ones (``Simulator(host_cores=...)``: a step
 takes ``busy replicas x threads / cores`` times longer while the cores are
-oversubscribed) and its memory (the replicas running at once split
-``Hardware.host_mem_bandwidth``). The calibration should then be one replica's: made
+oversubscribed) and what each core's neighbours take from it (the replicas running
+at once split ``Hardware.host_mem_bandwidth`` and ``Hardware.host_flops``, which
+``calibrate`` measures with engines running side by side). The calibration should
+then be one replica's: made
 with the same threads (``OMP_NUM_THREADS=1 minivllm simulate calibrate ...``). A
 cache-aware router asks a replica to tokenize each prompt before routing it; the
 router's own record of that wait, per request (its ``X-Minivllm-Tokenize-Seconds``

@@ -1,0 +1,155 @@
+"""Part 4 of ``minivllm simulate calibrate``: what replicas on one host cost each other.
+
+Replicas sharing a host do not only share its cores (the simulator's
+``slowdown``, demand over cores): while they run at once, each step of each of
+them takes longer even on a core of its own, since they share the memory
+bandwidth, the last-level cache and the chip's power. A probe of synthetic
+readers (``hardware.host_bandwidth``) sees only the first. This measures the
+effect with the engine itself: ``cores // threads`` real engines (one process
+each, as many threads as the calibration's), the first one running a probe
+workload alone and then all of them running it at once, round after round:
+
+- a lone prefill of ``PREFILL_TOKENS`` (a compute-bound step: the matrix
+  products) gives ``host_flops``, the products' FLOP/s all replicas get together;
+- ``DECODE_SEQS`` sequences decoding (a bandwidth-bound step: the weights read
+  again every token) gives ``host_mem_bandwidth``.
+
+Each is the number of engines over the median of the rounds' slowdowns (a step
+together over the same step alone), times one engine's peak: replicas that run
+at once split it (``Simulator._contention``), so that when all of them run,
+each step takes the measured slowdown longer. The workers wait at barriers with a
+timeout, and a worker that dies ends the probe with its error: nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+from typing import Optional
+
+PREFILL_TOKENS = 256
+DECODE_SEQS, DECODE_TOKENS = 8, 32
+ROUNDS = 5
+TIMEOUT_S = 600.0  # a barrier or a result not reached by then: a worker died or hung
+
+
+def probe(llm, rng: random.Random) -> tuple[float, float]:
+    """Median seconds of a lone ``PREFILL_TOKENS`` prefill step and of a decode step
+    of ``DECODE_SEQS`` sequences (fresh random prompts: no prefix cache hits)."""
+    from minivllm import SamplingParams
+
+    vocab = llm.llm_engine.config.model.vocab_size
+
+    def prompt(n):
+        return {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
+
+    llm.trace.clear()
+    for _ in range(3):
+        llm.generate([prompt(PREFILL_TOKENS)], SamplingParams(max_tokens=1, ignore_eos=True),
+                     use_tqdm=False)
+    llm.generate([prompt(16) for _ in range(DECODE_SEQS)],
+                 SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True),
+                 use_tqdm=False)
+    prefill = [r.duration for r in llm.trace if r.num_batched_tokens >= PREFILL_TOKENS]
+    decode = [r.duration for r in llm.trace if len(r.scheduled) == DECODE_SEQS
+              and all(kind == "decode" for _, kind in r.scheduled.values())]
+    return statistics.median(prefill), statistics.median(decode)
+
+
+def worker(index: int, model: Optional[str], engine_kwargs: dict, threads: int, barrier,
+           results, rounds: int, seed: int) -> None:
+    """One engine: the probe alone (engine 0; the others wait) and then all engines'
+    probes at once, their prefills and decodes side by side, ``rounds`` times;
+    engine 0 puts (phase, round, (prefill, decode))."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from minivllm import LLM
+
+    try:
+        llm = LLM(model, trace=True, **engine_kwargs)
+        try:
+            rng = random.Random(seed * 1000 + index)
+            probe(llm, rng)  # warm-up: the first steps pay for lazy initialisation
+            for r in range(rounds):
+                barrier.wait(TIMEOUT_S)
+                if index == 0:
+                    results.put(("alone", r, probe(llm, rng)))
+                barrier.wait(TIMEOUT_S)
+                out = probe(llm, rng)
+                if index == 0:
+                    results.put(("together", r, out))
+        finally:
+            llm.shutdown()
+    except BaseException as e:  # the parent raises it; the barrier breaks for the rest
+        barrier.abort()
+        results.put(("error", index, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def measure(model: Optional[str], engine_kwargs: dict, engines: int, threads: int,
+            rounds: int = ROUNDS, seed: int = 0) -> dict[str, list[float]]:
+    """Per round, the prefill and decode step's slowdown with ``engines`` running at
+    once (together over alone): {"prefill": [...], "decode": [...]}."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(engines), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(i, model, engine_kwargs, threads, barrier,
+                                              results, rounds, seed), daemon=True)
+             for i in range(engines)]
+    for p in procs:
+        p.start()
+    got: dict[tuple[str, int], tuple[float, float]] = {}
+    try:
+        while len(got) < 2 * rounds:
+            try:
+                phase, r, value = results.get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError(f"the co-running probe got no result in {TIMEOUT_S:.0f} s "
+                                   f"(workers alive: {[p.is_alive() for p in procs]})") from None
+            if phase == "error":
+                raise RuntimeError(f"co-running engine {r} failed: {value}")
+            got[phase, r] = value
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return {kind: [got["together", r][k] / got["alone", r][k] for r in range(rounds)]
+            for k, kind in enumerate(("prefill", "decode"))}
+
+
+def host_shares(hw, slowdowns: dict[str, list[float]], engines: int):
+    """``hw`` with the ``host_flops`` and ``host_mem_bandwidth`` that make each of
+    ``engines`` replicas running at once take the median measured slowdown (at
+    least 1: no slowdown measured is no limit), and the text for its ``source``."""
+    med = {k: max(1.0, statistics.median(v)) for k, v in slowdowns.items()}
+    text = "; ".join(f"{k} step x{med[k]:.2f} (rounds " + ", ".join(f"{x:.2f}" for x in v) + ")"
+                     for k, v in slowdowns.items())
+    return hw.with_(host_flops=engines * hw.peak_flops / med["prefill"],
+                    host_mem_bandwidth=engines * hw.mem_bandwidth / med["decode"]), (
+        f"{engines} engines running at once: {text}")
+
+
+def corun_calibration(hw, model: Optional[str], engine_kwargs: dict, seed: int = 0):
+    """Part 4 where replicas can share this host (fewer threads than cores): ``hw``
+    with what they cost each other, and the measured slowdowns; else ``hw`` as is."""
+    import torch
+
+    threads = torch.get_num_threads()
+    engines = len(os.sched_getaffinity(0)) // threads
+    if engines < 2:
+        return hw, None
+    slowdowns = measure(model, engine_kwargs, engines, threads, seed=seed)
+    hw, text = host_shares(hw, slowdowns, engines)
+    print(f"co-running engines: {text}; host_flops {hw.host_flops / 1e9:.0f} GFLOP/s, "
+          f"host_mem_bandwidth {hw.host_mem_bandwidth / 1e9:.1f} GB/s")
+    return hw.with_(source=f"{hw.source}; co-running: {text}"), slowdowns
+
+
+__all__ = ["corun_calibration", "host_shares", "measure", "probe", "PREFILL_TOKENS",
+           "DECODE_SEQS"]
