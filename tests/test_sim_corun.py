@@ -10,7 +10,7 @@ import pytest
 
 from minivllm.config import EngineArgs
 from minivllm.sim import Hardware, SimRequest, Simulator, load_hardware, load_model_config
-from minivllm.sim.calibrate_corun import host_shares, measure
+from minivllm.sim.calibrate_corun import host_shares, measure, oversubscribed_factor
 
 H100 = load_hardware("h100-sxm")
 CPU = Hardware("x", 2e11, 4e10, 1e10, 4e10, step_overhead_s=0.0, per_seq_overhead_s=0.0,
@@ -65,15 +65,41 @@ def test_the_calibrated_shares_give_each_replica_the_measured_slowdown():
     assert durations(none, 2, 1024, 1)[0] == pytest.approx(prefill_alone)
 
 
+def test_a_time_sliced_host_charges_its_measured_cpu_factor_beyond_the_core_share():
+    """Three one-thread replicas prefilling at once on 2 cores: demand 3 threads, so
+    each step takes 1.5x (the cores' share) times the factor the calibration derived
+    from a time-sliced round; two replicas (a core each) pay neither; factor 1 is
+    the old model. The factor is each round's time-sliced slowdown over demand /
+    cores x the side-by-side one, pooled over both step kinds, median."""
+    slowdowns = {"together": {"prefill": [1.0, 1.1, 1.05], "decode": [1.0, 1.2, 1.1]},
+                 "sliced": {"prefill": [1.65, 1.8, 1.68], "decode": [1.8, 2.16, 1.98]}}
+    factor, text = oversubscribed_factor(slowdowns, engines=2, threads=1, cores=2)
+    ratios = [1.65 / 1.5, 1.8 / 1.65, 1.68 / 1.575, 1.8 / 1.5, 2.16 / 1.8, 1.98 / 1.65]
+    assert factor == pytest.approx(sorted(ratios)[2] / 2 + sorted(ratios)[3] / 2)
+    assert "3 engines time-sliced" in text
+
+    def first_step(h, n):
+        reqs = [SimRequest(f"r{i}", [5 + i] * 512, 1, arrival_time=0.0) for i in range(n)]
+        return [s["duration"] for s in run(h, n, reqs).steps if s["replica"] == 0][0]
+
+    sliced = CPU.with_(oversubscribed_cpu_factor=factor)
+    alone = first_step(CPU, 1)
+    assert first_step(sliced, 3) == pytest.approx(1.5 * factor * alone)
+    assert first_step(CPU, 3) == pytest.approx(1.5 * alone)
+    assert first_step(sliced, 2) == pytest.approx(alone)
+
+
 @pytest.mark.slow
 def test_the_probe_runs_real_engines_side_by_side_and_leaves_no_process(tiny_model):
-    """Two real engines (one thread each) of a tiny model: a slowdown per round for
-    each step kind, positive; every worker process is gone afterwards; an engine that
+    """Two real engines (one thread each) of a tiny model, and a third time-sliced
+    among them: a slowdown per round for each step kind and phase, positive; every worker process is gone afterwards; an engine that
     cannot start ends the probe with its error, at once, not at the timeout."""
     model = tiny_model("llama", max_position_embeddings=1024)
     got = measure(model, {"max_num_batched_tokens": 512}, engines=2, threads=1, rounds=2)
-    assert set(got) == {"prefill", "decode"}
-    assert all(len(v) == 2 and all(x > 0 for x in v) for v in got.values())
+    assert set(got) == {"together", "sliced"}
+    for phase in got.values():
+        assert set(phase) == {"prefill", "decode"}
+        assert all(len(v) == 2 and all(x > 0 for x in v) for v in phase.values())
     assert multiprocessing.active_children() == []
     with pytest.raises(RuntimeError, match=r"co-running engine \d failed"):
         measure("/nonexistent/model", {}, engines=2, threads=1, rounds=1)

@@ -17,7 +17,10 @@ workload alone and then all of them running it at once, round after round:
 Each is the number of engines over the median of the rounds' slowdowns (a step
 together over the same step alone), times one engine's peak: replicas that run
 at once split it (``Simulator._contention``), so that when all of them run,
-each step takes the measured slowdown longer. The workers wait at barriers with a
+each step takes the measured slowdown longer. Then one engine more than fit the
+cores runs it too: time-sliced, a step also costs more CPU than its share of the
+cores explains (it loses its core and comes back to cold caches), which gives
+``oversubscribed_cpu_factor``. The workers wait at barriers with a
 timeout, and a worker that dies ends the probe with its error: nothing hangs.
 """
 
@@ -34,34 +37,41 @@ ROUNDS = 5
 TIMEOUT_S = 600.0  # a barrier or a result not reached by then: a worker died or hung
 
 
-def probe(llm, rng: random.Random) -> tuple[float, float]:
-    """Median seconds of a lone ``PREFILL_TOKENS`` prefill step and of a decode step
-    of ``DECODE_SEQS`` sequences (fresh random prompts: no prefix cache hits)."""
-    from minivllm import SamplingParams
-
+def prompt(llm, rng: random.Random, n: int) -> dict:
     vocab = llm.llm_engine.config.model.vocab_size
+    return {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
 
-    def prompt(n):
-        return {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
+
+def probe_prefill(llm, rng: random.Random) -> float:
+    """Median seconds of a lone ``PREFILL_TOKENS`` prefill step (fresh random prompts:
+    no prefix cache hits)."""
+    from minivllm import SamplingParams
 
     llm.trace.clear()
     for _ in range(3):
-        llm.generate([prompt(PREFILL_TOKENS)], SamplingParams(max_tokens=1, ignore_eos=True),
-                     use_tqdm=False)
-    llm.generate([prompt(16) for _ in range(DECODE_SEQS)],
+        llm.generate([prompt(llm, rng, PREFILL_TOKENS)],
+                     SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    return statistics.median(r.duration for r in llm.trace
+                             if r.num_batched_tokens >= PREFILL_TOKENS)
+
+
+def probe_decode(llm, rng: random.Random) -> float:
+    """Median seconds of a decode step of ``DECODE_SEQS`` sequences."""
+    from minivllm import SamplingParams
+
+    llm.trace.clear()
+    llm.generate([prompt(llm, rng, 16) for _ in range(DECODE_SEQS)],
                  SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True),
                  use_tqdm=False)
-    prefill = [r.duration for r in llm.trace if r.num_batched_tokens >= PREFILL_TOKENS]
-    decode = [r.duration for r in llm.trace if len(r.scheduled) == DECODE_SEQS
-              and all(kind == "decode" for _, kind in r.scheduled.values())]
-    return statistics.median(prefill), statistics.median(decode)
+    return statistics.median(r.duration for r in llm.trace if len(r.scheduled) == DECODE_SEQS
+                             and all(kind == "decode" for _, kind in r.scheduled.values()))
 
 
-def worker(index: int, model: Optional[str], engine_kwargs: dict, threads: int, barrier,
-           results, rounds: int, seed: int) -> None:
-    """One engine: the probe alone (engine 0; the others wait) and then all engines'
-    probes at once, their prefills and decodes side by side, ``rounds`` times;
-    engine 0 puts (phase, round, (prefill, decode))."""
+def worker(index: int, model: Optional[str], engine_kwargs: dict, threads: int,
+           engines: int, barrier, results, rounds: int, seed: int) -> None:
+    """One engine. Per round, engine 0 runs the probe alone (the others wait), then
+    the first ``engines`` run it side by side, then all of them (one more than fit
+    the cores: time-sliced); engine 0 puts (phase, round, (prefill, decode))."""
     import torch
 
     torch.set_num_threads(threads)
@@ -71,15 +81,17 @@ def worker(index: int, model: Optional[str], engine_kwargs: dict, threads: int, 
         llm = LLM(model, trace=True, **engine_kwargs)
         try:
             rng = random.Random(seed * 1000 + index)
-            probe(llm, rng)  # warm-up: the first steps pay for lazy initialisation
+            probe_prefill(llm, rng)  # warm-up: the first steps pay for lazy initialisation
+            probe_decode(llm, rng)
             for r in range(rounds):
-                barrier.wait(TIMEOUT_S)
-                if index == 0:
-                    results.put(("alone", r, probe(llm, rng)))
-                barrier.wait(TIMEOUT_S)
-                out = probe(llm, rng)
-                if index == 0:
-                    results.put(("together", r, out))
+                for phase, runs in (("alone", index == 0), ("together", index < engines),
+                                    ("sliced", True)):
+                    out = []
+                    for part in (probe_prefill, probe_decode):  # each kind all at once
+                        barrier.wait(TIMEOUT_S)
+                        out.append(part(llm, rng) if runs else None)
+                    if index == 0:
+                        results.put((phase, r, tuple(out)))
         finally:
             llm.shutdown()
     except BaseException as e:  # the parent raises it; the barrier breaks for the rest
@@ -89,22 +101,23 @@ def worker(index: int, model: Optional[str], engine_kwargs: dict, threads: int, 
 
 
 def measure(model: Optional[str], engine_kwargs: dict, engines: int, threads: int,
-            rounds: int = ROUNDS, seed: int = 0) -> dict[str, list[float]]:
-    """Per round, the prefill and decode step's slowdown with ``engines`` running at
-    once (together over alone): {"prefill": [...], "decode": [...]}."""
+            rounds: int = ROUNDS, seed: int = 0) -> dict[str, dict[str, list[float]]]:
+    """Per round, the prefill and decode step's slowdown over the step alone, with
+    ``engines`` running side by side and with one more time-sliced among them:
+    {"together" | "sliced": {"prefill": [...], "decode": [...]}}."""
     import multiprocessing as mp
     import queue
 
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(engines), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(i, model, engine_kwargs, threads, barrier,
-                                              results, rounds, seed), daemon=True)
-             for i in range(engines)]
+    barrier, results = ctx.Barrier(engines + 1), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(i, model, engine_kwargs, threads, engines,
+                                              barrier, results, rounds, seed), daemon=True)
+             for i in range(engines + 1)]
     for p in procs:
         p.start()
     got: dict[tuple[str, int], tuple[float, float]] = {}
     try:
-        while len(got) < 2 * rounds:
+        while len(got) < 3 * rounds:
             try:
                 phase, r, value = results.get(timeout=TIMEOUT_S)
             except queue.Empty:
@@ -119,8 +132,9 @@ def measure(model: Optional[str], engine_kwargs: dict, engines: int, threads: in
             if p.is_alive():
                 p.terminate()
                 p.join()
-    return {kind: [got["together", r][k] / got["alone", r][k] for r in range(rounds)]
-            for k, kind in enumerate(("prefill", "decode"))}
+    return {phase: {kind: [got[phase, r][k] / got["alone", r][k] for r in range(rounds)]
+                    for k, kind in enumerate(("prefill", "decode"))}
+            for phase in ("together", "sliced")}
 
 
 def host_shares(hw, slowdowns: dict[str, list[float]], engines: int):
@@ -135,21 +149,38 @@ def host_shares(hw, slowdowns: dict[str, list[float]], engines: int):
         f"{engines} engines running at once: {text}")
 
 
+def oversubscribed_factor(slowdowns: dict, engines: int, threads: int, cores: int):
+    """The CPU factor a time-sliced step pays beyond its share of the cores and what
+    its neighbours take: each round's time-sliced slowdown over (demand / cores x
+    the side-by-side slowdown of the same round), both step kinds pooled, median (at
+    least 1), and the text for the ``source``."""
+    demand = (engines + 1) * threads / cores
+    ratios = [s / (demand * t) for kind in ("prefill", "decode")
+              for s, t in zip(slowdowns["sliced"][kind], slowdowns["together"][kind])]
+    factor = max(1.0, statistics.median(ratios))
+    return factor, (f"{engines + 1} engines time-sliced: x{factor:.2f} beyond "
+                    f"{demand:.2f} cores of demand (rounds "
+                    + ", ".join(f"{x:.2f}" for x in ratios) + ")")
+
+
 def corun_calibration(hw, model: Optional[str], engine_kwargs: dict, seed: int = 0):
     """Part 4 where replicas can share this host (fewer threads than cores): ``hw``
     with what they cost each other, and the measured slowdowns; else ``hw`` as is."""
     import torch
 
-    threads = torch.get_num_threads()
-    engines = len(os.sched_getaffinity(0)) // threads
+    threads, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
+    engines = cores // threads
     if engines < 2:
         return hw, None
     slowdowns = measure(model, engine_kwargs, engines, threads, seed=seed)
-    hw, text = host_shares(hw, slowdowns, engines)
+    hw, text = host_shares(hw, slowdowns["together"], engines)
+    factor, sliced = oversubscribed_factor(slowdowns, engines, threads, cores)
+    hw = hw.with_(oversubscribed_cpu_factor=factor)
     print(f"co-running engines: {text}; host_flops {hw.host_flops / 1e9:.0f} GFLOP/s, "
-          f"host_mem_bandwidth {hw.host_mem_bandwidth / 1e9:.1f} GB/s")
-    return hw.with_(source=f"{hw.source}; co-running: {text}"), slowdowns
+          f"host_mem_bandwidth {hw.host_mem_bandwidth / 1e9:.1f} GB/s; {sliced}")
+    return hw.with_(source=f"{hw.source}; co-running: {text}; {sliced}"), slowdowns
 
 
-__all__ = ["corun_calibration", "host_shares", "measure", "probe", "PREFILL_TOKENS",
+__all__ = ["corun_calibration", "host_shares", "oversubscribed_factor", "measure",
+           "probe_prefill", "probe_decode", "PREFILL_TOKENS",
            "DECODE_SEQS"]

@@ -71,6 +71,10 @@ class Hardware:
     # peak_flops: replicas that run at once split it as they split host_mem_bandwidth
     # (calibrate measures both with the engine itself: part 4). 0: no such limit.
     host_flops: float = 0.0
+    # How much more CPU a step costs while more threads than cores share the host: a
+    # step that loses its core comes back to cold caches. Applied in full from one
+    # thread over the cores (what calibrate part 4 measures), in part below. 1: none.
+    oversubscribed_cpu_factor: float = 1.0
     # CPU seconds a served request takes outside the engine core, per streamed
     # output token and per request: its API process (HTTP, detokenizing, a chunk per
     # token) and the benchmark client on the same host (frontend_*), and a router in

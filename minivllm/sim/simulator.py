@@ -334,7 +334,9 @@ class _Run:
         The cores' demand is the busy replicas' threads plus the cores their
         frontend processes use (each busy replica's ``frontend_rate``: the
         frontend CPU its last step caused over that step's duration); when it
-        exceeds the cores, every step takes demand / cores times longer."""
+        exceeds the cores, every step takes demand / cores times longer, and
+        ``Hardware.oversubscribed_cpu_factor`` longer again once a whole thread
+        waits for a core (in proportion below that)."""
         cores, threads = self.sim.host_cores, self.sim.threads_per_replica
         if cores is None:
             return 1.0, 1.0, 1.0
@@ -346,7 +348,9 @@ class _Run:
             return min(1.0, host / (running * one)) if host else 1.0
 
         demand = len(busy) * threads + sum(r.frontend_rate for r in busy)
-        return (max(1.0, demand / cores), share(hw.host_mem_bandwidth, hw.mem_bandwidth),
+        excess = min(1.0, max(0.0, demand - cores))  # threads waiting for a core
+        slowdown = max(1.0, demand / cores) * (1 + (hw.oversubscribed_cpu_factor - 1) * excess)
+        return (slowdown, share(hw.host_mem_bandwidth, hw.mem_bandwidth),
                 share(hw.host_flops, hw.peak_flops))
 
     def _step(self, replica: Replica) -> None:
