@@ -102,6 +102,12 @@ def serving_jacobian(hw, runs, simulate_run):
     return base, jac
 
 
+def one_overhead(jac, want, i: int) -> float:
+    """Least squares of overhead ``i`` alone (the other at 0), at least 0."""
+    col = jac[:, i]
+    return max(float(col @ want / (col @ col)), 0.0)
+
+
 def solve_overheads(base, jac, target_s) -> tuple[float, float]:
     """Least squares of jac x = target - base with both overheads >= 0."""
     want = np.asarray(target_s) - base
@@ -109,9 +115,8 @@ def solve_overheads(base, jac, target_s) -> tuple[float, float]:
     if (x < 0).any():  # the best fit on one overhead alone, the other at 0
         best = None
         for i in range(2):
-            col = jac[:, i]
-            xi = max(float(col @ want / (col @ col)), 0.0)
-            err = float(np.sum((col * xi - want) ** 2))
+            xi = one_overhead(jac, want, i)
+            err = float(np.sum((jac[:, i] * xi - want) ** 2))
             if best is None or err < best[0]:
                 best = (err, i, xi)
         x = np.zeros(2)
@@ -201,12 +206,8 @@ def pin_at_zero(served, fitted: dict, pinned: list[str], base, jac, runs):
     kept = [i for i, k in enumerate(overheads) if k not in pinned]
     if len(kept) < 2:  # one overhead (or none) left: its best fit alone, >= 0
         want = np.array([m for _, _, m in runs]) / 1000 - base
-        x = [0.0, 0.0]
         for i in kept:
-            col = jac[:, i]
-            x[i] = max(float(col @ want / (col @ col)), 0.0)
-        for i in kept:
-            fitted[overheads[i]] = (x[i], fitted[overheads[i]][1])
+            fitted[overheads[i]] = (one_overhead(jac, want, i), fitted[overheads[i]][1])
     for k in pinned:
         fitted[k] = (0.0, fitted[k][1])
     values = {k: v for k, (v, _) in fitted.items()}
