@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 
 import pytest
 
@@ -61,3 +62,32 @@ def test_the_processes_of_a_served_run_are_read_as_psutil_reads_them(tiny_model)
     assert per_token == pytest.approx((read[0] + read[2]) / (64 * 96), abs=0.06 / (64 * 96))
     assert u["wall_s"] > 0 and u["cores"]["engine_core"] == pytest.approx(
         u["cpu_s"]["engine_core"] / u["wall_s"], rel=0.02)
+
+
+def test_the_serving_latency_is_measured_outside_the_engine_s_prefill(tiny_chat_model):
+    """``measure_one_at_a_time`` reads each run's server prefill (its /metrics) and
+    takes it from the client's TTFT: prompts 16x longer make the engine's prefill
+    grow, while what serving adds stays what it was (HTTP, IPC and queue do not
+    read the prompt's tokens through the model). A count the server never
+    recorded is refused, naming both counts."""
+    from minivllm.benchmarks.workload import random_requests
+    from minivllm.entrypoints.launch import ServerProcess
+    from minivllm.sim.calibrate_serving import measure, measure_one_at_a_time, server_means
+    from minivllm.sim.real_fleet import server_latency_sums
+
+    with ServerProcess(tiny_chat_model, "--num-kv-blocks", "512", "--max-num-batched-tokens",
+                       "1024") as server:
+        server.wait_until_healthy()
+        measure(server.url, random_requests(2, 16, 4, 49152, seed=9), 100.0, 0)  # warm up
+        got = {n: measure_one_at_a_time(server.url, random_requests(
+            12, n, 4, 49152, seed=n, avoid_token_ids=frozenset(range(3)))) for n in (60, 960)}
+        before = server_latency_sums([server.url])
+        with pytest.raises(RuntimeError, match="recorded 0 requests, not the 1 sent"):
+            server_means(server.url, before, 1, wait_s=0.2)
+    (r_s, out_s, pre_s), (r_l, out_l, pre_l) = got[60], got[960]
+    assert len(r_s) == len(r_l) == 12 and len(out_s) == len(out_l) == 4
+    assert min(out_s + out_l) > 0 and min(pre_s, pre_l) > 0
+    grew = pre_l - pre_s
+    assert grew > 0.002, (pre_s, pre_l)
+    moved = abs(statistics.fmean(out_l) - statistics.fmean(out_s))
+    assert moved < grew / 2, (out_s, out_l, pre_s, pre_l)

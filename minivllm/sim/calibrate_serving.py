@@ -11,8 +11,13 @@ their own prompts, never the validated ones,
   one request at a time and of all at once: the schedules of both do not
   depend on step times, so the TPOTs are linear in the two overheads (three
   simulations give the map), solved with both >= 0;
-- a per-request serving latency (HTTP, IPC, streaming): the one-at-a-time
-  median TTFT less the simulated one;
+- a per-request serving latency (HTTP, IPC, queue, streaming): measured, not
+  left over from a price: each one-at-a-time request's TTFT at the client less
+  the server's own prefill time (its ``/metrics``: first scheduled to first
+  token), in ``OUTSIDE_CHUNKS`` runs read against the server. A residual against
+  the simulated TTFT (as fitted before) also took in how far this machine's
+  speed moved since part 1 priced the steps, 6 to 29 ms over five calibrations;
+  the served prefill's price against its measured time is printed instead;
 - an idle engine's wake-up cost ``w (1 - exp(-t / tau))``: single requests
   sent after idle pauses of 0.5 and 2.5 s against back-to-back ones.
 
@@ -49,6 +54,46 @@ def measure_requests(base_url: str, work, rate: float, seed: int, max_concurrenc
         raise RuntimeError(f"{len(failed)} of {len(results)} requests failed; first: "
                            f"{failed[0]}")
     return compute_metrics(results, duration), results
+
+
+OUTSIDE_CHUNKS = 4  # one-at-a-time runs, each read against the server's /metrics
+
+
+def server_means(base_url: str, before: dict, count: int, wait_s: float = 5.0) -> dict:
+    """Mean server-side latencies of the ``count`` requests finished since ``before``
+    (``real_fleet.server_latency_sums``); waits up to ``wait_s`` for their records."""
+    from minivllm.sim.real_fleet import server_latency_means, server_latency_sums
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        after = server_latency_sums([base_url])
+        done = after["request_prefill_time_seconds"][1] - before["request_prefill_time_seconds"][1]
+        if done >= count or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if done != count:
+        raise RuntimeError(f"the server's /metrics recorded {done} requests, not the {count} sent")
+    return server_latency_means(before, after)
+
+
+def measure_one_at_a_time(base_url: str, work):
+    """(results, seconds outside the engine per chunk, mean server prefill seconds) of
+    ``work`` sent one at a time in ``OUTSIDE_CHUNKS`` runs: each run's mean client TTFT
+    less the server's mean prefill time, what serving adds to a prefill step."""
+    from minivllm.sim.real_fleet import server_latency_sums
+
+    results, outside, prefill = [], [], []
+    for chunk in np.array_split(np.arange(len(work)), min(OUTSIDE_CHUNKS, len(work))):
+        before = server_latency_sums([base_url])
+        _, rs = measure_requests(base_url, [work[i] for i in chunk], float("inf"), 0, 1)
+        if any(r.ttft is None for r in rs):
+            raise RuntimeError("a one-at-a-time request streamed no text, so its TTFT is "
+                               "unknown: use --output-len >= 2 or a prompt the model answers")
+        served = server_means(base_url, before, len(rs))["request_prefill_time_seconds"]
+        outside.append(statistics.fmean(r.ttft for r in rs) - served)
+        prefill.append(served)
+        results += rs
+    return results, outside, statistics.fmean(prefill)
 
 
 def measure(base_url: str, work, rate: float, seed: int, max_concurrency=None):
@@ -231,16 +276,16 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
     # chance (errors larger than the values on a quiet machine).
     one, alll = work(max(args.num_prompts, 8), args.seed + 1000), \
         work(args.num_prompts, args.seed + 2000)
-    m_one, r_one = measure_requests(base_url, one, float("inf"), 0, max_concurrency=1)
+    r_one, outside, served_prefill = measure_one_at_a_time(base_url, one)
     m_all, r_all = measure_requests(base_url, alll, float("inf"), 0)
-    for m in (m_one, m_all):
-        if not m.tpot_ms["median"] > 0:
-            raise RuntimeError("the serving calibration measured no TPOT: use --output-len >= 2")
+    tpot_s = [[r.tpot for r in rs if r.tpot is not None] for rs in (r_one, r_all)]
+    if not all(tpot_s):
+        raise RuntimeError("the serving calibration measured no TPOT: use --output-len >= 2")
 
     def sim(h, w, c):
         return simulate(h, model_path, w, engine_kwargs, c)
 
-    runs = [(one, 1, m_one.tpot_ms["median"]), (alll, None, m_all.tpot_ms["median"])]
+    runs = [(w, c, statistics.median(t) * 1000) for w, c, t in zip((one, alll), (1, None), tpot_s)]
     base, jac = serving_jacobian(hw, runs, lambda h, w, c: sim(h, w, c).tpot_ms["median"])
     a, b = solve_overheads(base, jac, np.array([m for _, _, m in runs]) / 1000)
     served = serving_hardware(hw, a, b)
@@ -252,7 +297,9 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
     resid = [ttft_residuals([r.ttft for r in r_one], served, model_path, one, engine_kwargs),
              *(ttft_residuals(t, served, model_path, w, engine_kwargs)
                for t, w in zip(after, probes))]
-    latency = max(statistics.median(resid[0]), 0.0)
+    latency = max(statistics.fmean(outside), 0.0)
+    # What part 1 priced this served prefill at, against what it took (the server's).
+    priced = statistics.fmean(r.ttft for r in r_one) - statistics.fmean(resid[0])
 
     def wake_of(meds):  # median residuals of: back to back, after pause 1, after pause 2
         return fit_wake(WAKE_PAUSES, (meds[1] - meds[0], meds[2] - meds[0]))
@@ -260,9 +307,8 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
     wake, tau = wake_of([statistics.median(r) for r in resid])
     served = serving_hardware(hw, a, b, latency).with_(idle_wake_s=wake, idle_wake_tau_s=tau)
     # Standard errors: the same solves on resampled requests.
-    tpot_s = [[r.tpot for r in rs if r.tpot is not None] for rs in (r_one, r_all)]
     ab_err = bootstrap_std(tpot_s, lambda meds: solve_overheads(base, jac, np.array(meds)))
-    lat_err = float(bootstrap_std([resid[0]], lambda m: m[0])[0])
+    lat_err = statistics.stdev(outside) / math.sqrt(len(outside))
     wake_err = bootstrap_std(resid, wake_of)
     fitted = {"step_overhead_s": (a, float(ab_err[0])),
               "per_seq_overhead_s": (b, float(ab_err[1])),
@@ -275,7 +321,9 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
     what = ("served: " + ", ".join(f"{k} {v:.3g} +- {e:.2g}" for k, (v, e) in fitted.items())
             + (f"; pinned at 0 (within {ZERO_Z} standard errors of it): {', '.join(pinned)}"
                if pinned else "")
-            + f" (offline step {hw.step_overhead_s:.3g}, per seq {hw.per_seq_overhead_s:.3g})")
+            + f" (offline step {hw.step_overhead_s:.3g}, per seq {hw.per_seq_overhead_s:.3g});"
+            f" a lone served prefill took {served_prefill / priced:.2f}x its price"
+            " (how far this machine's speed moved since part 1)")
     print(f"serving calibration (its own prompts; one at a time, all at once, after idle "
           f"pauses): {what}")
     return served.with_(source=hw.source + "; " + what), fitted
@@ -283,4 +331,4 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
 
 __all__ = ["serve_calibration", "fit_serving", "fit_wake", "serving_hardware", "measure",
            "measure_requests", "simulate", "simulate_run", "ttft_residuals", "solve_overheads",
-           "serving_jacobian", "bootstrap_std", "pin_at_zero", "PINNABLE", "WAKE_PAUSES", "measure_after_pauses"]
+           "serving_jacobian", "bootstrap_std", "measure_one_at_a_time", "server_means", "pin_at_zero", "PINNABLE", "WAKE_PAUSES", "measure_after_pauses"]

@@ -175,21 +175,27 @@ def print_plan(out: dict) -> None:
 
 
 # -- the table ---------------------------------------------------------------------
-def summarize_real(turns: list[Turn]) -> dict:
+def ttft_summary(ttfts_s: list[float]) -> dict:
+    """Median TTFT and its quartiles (ms): an overloaded fleet's TTFTs fall in two
+    modes (requests that queue behind a busy replica and those that do not), and a
+    median between them moves with the share in each; the quartiles show the modes."""
     import numpy as np
 
+    q1, med, q3 = np.percentile(ttfts_s, [25, 50, 75]) * 1000
+    return {"median_ttft_ms": float(med), "p25_ttft_ms": float(q1), "p75_ttft_ms": float(q3)}
+
+
+def summarize_real(turns: list[Turn]) -> dict:
     end = max(t.done for t in turns)
     return {"cached_tokens": sum(t.cached_tokens for t in turns),
-            "median_ttft_ms": float(np.median([t.ttft for t in turns])) * 1000,
+            **ttft_summary([t.ttft for t in turns]),
             "output_throughput": sum(t.output_tokens for t in turns) / end}
 
 
 def summarize_sim(result) -> dict:
-    import numpy as np
-
     reqs = result.requests
     return {"cached_tokens": sum(r.num_cached_tokens for r in reqs),
-            "median_ttft_ms": float(np.median([r.ttft for r in reqs])) * 1000,
+            **ttft_summary([r.ttft for r in reqs]),
             "output_throughput": sum(r.output_tokens for r in reqs)
             / max(r.finished for r in reqs)}
 
@@ -313,6 +319,13 @@ def print_table(rows: dict) -> None:
                   f"(median {r['real']['median_ttft_ms']:.0f}), simulated "
                   f"{r['sim']['median_ttft_ms']:.0f}: "
                   f"{'within' if r['sim_ttft_within_runs'] else 'outside'} the runs' range")
+    print("TTFT quartiles, ms (p25 / median / p75), real (medians over runs) against simulated")
+    for name, r in rows.items():
+        a, b = r["real"], r["sim"]
+        if "p25_ttft_ms" in a:
+            print(f"{name:<13}" + "   ".join(
+                f"{x['p25_ttft_ms']:.0f} / {x['median_ttft_ms']:.0f} / {x['p75_ttft_ms']:.0f}"
+                for x in (a, b)))
 
 
 def load_turns(path: str) -> dict:
