@@ -185,6 +185,9 @@ def test_a_fleet_measured_several_times_is_judged_by_the_medians():
     assert got["sim_ttft_within_runs"] == (ttfts[1] <= got["sim"]["median_ttft_ms"] <= ttfts[2])
     assert got["sim_ttft_within_runs"]  # the unslowed simulation lies between 0.5x and 3x
     assert got["runs"] == runs and got["same_replica"] == "6/6,6/6,6/6"
+    cached = sorted(r["real"]["cached_tokens"] for r in runs)
+    assert got["real_cached_range"] == [cached[0], cached[-1]]
+    assert got["sim_cached_within_runs"] == (cached[0] <= got["sim"]["cached_tokens"] <= cached[-1])
     for q in ("p25_ttft_ms", "p75_ttft_ms"):  # the quartiles are medians over runs too
         assert got["real"][q] == statistics.median(r["real"][q] for r in runs) == runs[0]["real"][q]
     assert got["real"]["p25_ttft_ms"] <= got["real"]["median_ttft_ms"] <= got["real"]["p75_ttft_ms"]
