@@ -65,34 +65,42 @@ def test_the_calibrated_shares_give_each_replica_the_measured_slowdown():
     assert durations(none, 2, 1024, 1)[0] == pytest.approx(prefill_alone)
 
 
-def test_a_time_sliced_host_charges_its_measured_cpu_factor_beyond_the_core_share():
-    """Three one-thread replicas prefilling at once on 2 cores: demand 3 threads, so
-    each step takes 1.5x (the cores' share) times the factor the calibration derived
-    from a time-sliced round; two replicas (a core each) pay neither; factor 1 is
-    the old model. The factor is each round's time-sliced slowdown over demand /
-    cores x the side-by-side one, pooled over both step kinds, median."""
+def test_a_time_sliced_host_charges_each_step_kind_its_measured_factor():
+    """Three one-thread replicas on 2 cores: demand 3 threads, so each step takes 1.5x
+    (the cores' share) times its kind's factor from the time-sliced rounds: a
+    compute-bound prefill the prefill rounds', a bandwidth-bound decode the decode
+    rounds'; two replicas (a core each) pay neither; factors of 1 are the old model,
+    and a file without the compute factor charges both kinds the other. Each factor
+    is its kind's time-sliced slowdown over demand / cores x the side-by-side one,
+    median over the rounds."""
     slowdowns = {"together": {"prefill": [1.0, 1.1, 1.05], "decode": [1.0, 1.2, 1.1]},
-                 "sliced": {"prefill": [1.65, 1.8, 1.68], "decode": [1.8, 2.16, 1.98]}}
-    factor, text = oversubscribed_factor(slowdowns, engines=2, threads=1, cores=2)
-    ratios = [1.65 / 1.5, 1.8 / 1.65, 1.68 / 1.575, 1.8 / 1.5, 2.16 / 1.8, 1.98 / 1.65]
-    assert factor == pytest.approx(sorted(ratios)[2] / 2 + sorted(ratios)[3] / 2)
-    assert "3 engines time-sliced" in text
+                 "sliced": {"prefill": [1.95, 2.1, 1.98], "decode": [1.5, 1.86, 1.68]}}
+    factors, text = oversubscribed_factor(slowdowns, engines=2, threads=1, cores=2)
+    assert factors["prefill"] == pytest.approx(sorted([1.95 / 1.5, 2.1 / 1.65, 1.98 / 1.575])[1])
+    assert factors["decode"] == pytest.approx(1.68 / 1.65)
+    assert "3 engines time-sliced" in text and "prefill x1.27" in text
 
-    def first_step(h, n):
-        reqs = [SimRequest(f"r{i}", [5 + i] * 512, 1, arrival_time=0.0) for i in range(n)]
-        return [s["duration"] for s in run(h, n, reqs).steps if s["replica"] == 0][0]
+    def first_steps(h, n, tokens, out):
+        reqs = [SimRequest(f"r{i}", [5 + i] * tokens, out, arrival_time=0.0) for i in range(n)]
+        return [s["duration"] for s in run(h, n, reqs).steps if s["replica"] == 0]
 
-    sliced = CPU.with_(oversubscribed_cpu_factor=factor)
-    alone = first_step(CPU, 1)
-    assert first_step(sliced, 3) == pytest.approx(1.5 * factor * alone)
-    assert first_step(CPU, 3) == pytest.approx(1.5 * alone)
-    assert first_step(sliced, 2) == pytest.approx(alone)
+    sliced = CPU.with_(oversubscribed_cpu_factor=factors["decode"],
+                       oversubscribed_compute_factor=factors["prefill"])
+    alone, plain = first_steps(CPU, 1, 512, 3), first_steps(CPU, 3, 512, 3)
+    got = first_steps(sliced, 3, 512, 3)
+    assert plain == pytest.approx([1.5 * a for a in alone])
+    assert got[0] == pytest.approx(1.5 * factors["prefill"] * alone[0])  # 512 tokens
+    assert got[1:] == pytest.approx([1.5 * factors["decode"] * a for a in alone[1:]])  # decodes
+    assert first_steps(sliced, 2, 512, 3) == pytest.approx(alone)
+    older = CPU.with_(oversubscribed_cpu_factor=1.1)  # no compute factor: one for both
+    assert first_steps(older, 3, 512, 3) == pytest.approx([1.5 * 1.1 * a for a in alone])
 
 
 @pytest.mark.slow
 def test_the_probe_runs_real_engines_side_by_side_and_leaves_no_process(tiny_model):
     """Two real engines (one thread each) of a tiny model, and a third time-sliced
-    among them: a slowdown per round for each step kind and phase, positive; every worker process is gone afterwards; an engine that
+    among them (each looping ``SLICED_S`` seconds): a slowdown per round for each step
+    kind and phase, positive; every worker process is gone afterwards; an engine that
     cannot start ends the probe with its error, at once, not at the timeout."""
     model = tiny_model("llama", max_position_embeddings=1024)
     got = measure(model, {"max_num_batched_tokens": 512}, engines=2, threads=1, rounds=2)

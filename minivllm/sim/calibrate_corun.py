@@ -18,9 +18,13 @@ Each is the number of engines over the median of the rounds' slowdowns (a step
 together over the same step alone), times one engine's peak: replicas that run
 at once split it (``Simulator._contention``), so that when all of them run,
 each step takes the measured slowdown longer. Then one engine more than fit the
-cores runs it too: time-sliced, a step also costs more CPU than its share of the
-cores explains (it loses its core and comes back to cold caches), which gives
-``oversubscribed_cpu_factor``. The workers wait at barriers with a
+cores runs it too, each looping on it for ``SLICED_S`` seconds (a fleet's load
+lasts; a burst that ends at different times on each engine is partly run
+alone): time-sliced, a step also costs more CPU than its share of the cores
+explains (it loses its core and comes back to cold caches), which gives
+``oversubscribed_compute_factor`` (the prefill step's: its cache-blocked tiles
+go with its core) and ``oversubscribed_cpu_factor`` (the decode step's: it
+streams its weights from memory either way). The workers wait at barriers with a
 timeout, and a worker that dies ends the probe with its error: nothing hangs.
 """
 
@@ -29,11 +33,13 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import time
 from typing import Optional
 
 PREFILL_TOKENS = 256
 DECODE_SEQS, DECODE_TOKENS = 8, 32
 ROUNDS = 5
+SLICED_S = 4.0  # seconds each engine loops on a probe kind while time-sliced
 TIMEOUT_S = 600.0  # a barrier or a result not reached by then: a worker died or hung
 
 
@@ -42,27 +48,39 @@ def prompt(llm, rng: random.Random, n: int) -> dict:
     return {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
 
 
-def probe_prefill(llm, rng: random.Random) -> float:
+def repeat(run, until: Optional[float]) -> None:
+    """``run()`` once, or again and again until ``time.monotonic()`` passes ``until``."""
+    run()
+    while until is not None and time.monotonic() < until:
+        run()
+
+
+def probe_prefill(llm, rng: random.Random, until: Optional[float] = None) -> float:
     """Median seconds of a lone ``PREFILL_TOKENS`` prefill step (fresh random prompts:
-    no prefix cache hits)."""
+    no prefix cache hits); three, or as many as fit before ``until``."""
     from minivllm import SamplingParams
 
+    def three():
+        for _ in range(3):
+            llm.generate([prompt(llm, rng, PREFILL_TOKENS)],
+                         SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+
     llm.trace.clear()
-    for _ in range(3):
-        llm.generate([prompt(llm, rng, PREFILL_TOKENS)],
-                     SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    repeat(three, until)
     return statistics.median(r.duration for r in llm.trace
                              if r.num_batched_tokens >= PREFILL_TOKENS)
 
 
-def probe_decode(llm, rng: random.Random) -> float:
-    """Median seconds of a decode step of ``DECODE_SEQS`` sequences."""
+def probe_decode(llm, rng: random.Random, until: Optional[float] = None) -> float:
+    """Median seconds of a decode step of ``DECODE_SEQS`` sequences (``DECODE_TOKENS``
+    each, again until ``until``)."""
     from minivllm import SamplingParams
 
     llm.trace.clear()
-    llm.generate([prompt(llm, rng, 16) for _ in range(DECODE_SEQS)],
-                 SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True),
-                 use_tqdm=False)
+    repeat(lambda: llm.generate(
+        [prompt(llm, rng, 16) for _ in range(DECODE_SEQS)],
+        SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True),
+        use_tqdm=False), until)
     return statistics.median(r.duration for r in llm.trace if len(r.scheduled) == DECODE_SEQS
                              and all(kind == "decode" for _, kind in r.scheduled.values()))
 
@@ -89,7 +107,8 @@ def worker(index: int, model: Optional[str], engine_kwargs: dict, threads: int,
                     out = []
                     for part in (probe_prefill, probe_decode):  # each kind all at once
                         barrier.wait(TIMEOUT_S)
-                        out.append(part(llm, rng) if runs else None)
+                        until = time.monotonic() + SLICED_S if phase == "sliced" else None
+                        out.append(part(llm, rng, until) if runs else None)
                     if index == 0:
                         results.put((phase, r, tuple(out)))
         finally:
@@ -151,16 +170,18 @@ def host_shares(hw, slowdowns: dict[str, list[float]], engines: int):
 
 def oversubscribed_factor(slowdowns: dict, engines: int, threads: int, cores: int):
     """The CPU factor a time-sliced step pays beyond its share of the cores and what
-    its neighbours take: each round's time-sliced slowdown over (demand / cores x
-    the side-by-side slowdown of the same round), both step kinds pooled, median (at
-    least 1), and the text for the ``source``."""
+    its neighbours take, per step kind: each round's time-sliced slowdown over
+    (demand / cores x the side-by-side slowdown of the same round), median (at least
+    1); {"prefill": f, "decode": f} and the text for the ``source``."""
     demand = (engines + 1) * threads / cores
-    ratios = [s / (demand * t) for kind in ("prefill", "decode")
-              for s, t in zip(slowdowns["sliced"][kind], slowdowns["together"][kind])]
-    factor = max(1.0, statistics.median(ratios))
-    return factor, (f"{engines + 1} engines time-sliced: x{factor:.2f} beyond "
-                    f"{demand:.2f} cores of demand (rounds "
-                    + ", ".join(f"{x:.2f}" for x in ratios) + ")")
+    ratios = {kind: [s / (demand * t) for s, t in zip(slowdowns["sliced"][kind],
+                                                       slowdowns["together"][kind])]
+              for kind in ("prefill", "decode")}
+    factors = {kind: max(1.0, statistics.median(r)) for kind, r in ratios.items()}
+    return factors, (f"{engines + 1} engines time-sliced, beyond {demand:.2f} cores of "
+                     "demand: " + "; ".join(
+                         f"{kind} x{factors[kind]:.2f} (rounds "
+                         + ", ".join(f"{x:.2f}" for x in r) + ")" for kind, r in ratios.items()))
 
 
 def corun_calibration(hw, model: Optional[str], engine_kwargs: dict, seed: int = 0):
@@ -174,13 +195,14 @@ def corun_calibration(hw, model: Optional[str], engine_kwargs: dict, seed: int =
         return hw, None
     slowdowns = measure(model, engine_kwargs, engines, threads, seed=seed)
     hw, text = host_shares(hw, slowdowns["together"], engines)
-    factor, sliced = oversubscribed_factor(slowdowns, engines, threads, cores)
-    hw = hw.with_(oversubscribed_cpu_factor=factor)
+    factors, sliced = oversubscribed_factor(slowdowns, engines, threads, cores)
+    hw = hw.with_(oversubscribed_cpu_factor=factors["decode"],
+                  oversubscribed_compute_factor=factors["prefill"])
     print(f"co-running engines: {text}; host_flops {hw.host_flops / 1e9:.0f} GFLOP/s, "
           f"host_mem_bandwidth {hw.host_mem_bandwidth / 1e9:.1f} GB/s; {sliced}")
     return hw.with_(source=f"{hw.source}; co-running: {text}; {sliced}"), slowdowns
 
 
 __all__ = ["corun_calibration", "host_shares", "oversubscribed_factor", "measure",
-           "probe_prefill", "probe_decode", "PREFILL_TOKENS",
+           "probe_prefill", "probe_decode", "PREFILL_TOKENS", "SLICED_S",
            "DECODE_SEQS"]

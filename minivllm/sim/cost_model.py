@@ -130,6 +130,14 @@ class CostModel:
              flops_share: float = 1.0) -> float:
         return sum(self.breakdown(f, bandwidth_share, flops_share).values())
 
+    def compute_bound(self, f: StepFeatures, bandwidth_share: float = 1.0,
+                      flops_share: float = 1.0) -> bool:
+        """Whether the step's matrix products wait on FLOP/s rather than on memory."""
+        hw = self.hardware
+        flops = float(hw.linear_peak(f.num_tokens)) * hw.flops_efficiency * flops_share
+        bw = hw.mem_bandwidth * hw.bandwidth_efficiency * bandwidth_share
+        return f.linear_flops / flops > f.linear_bytes / bw
+
     def breakdown(self, f: StepFeatures, bandwidth_share: float = 1.0,
                   flops_share: float = 1.0) -> dict[str, float]:
         """Seconds per part of the step; ``bandwidth_share`` and ``flops_share``: the

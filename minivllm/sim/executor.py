@@ -49,6 +49,8 @@ class SimExecutor:
         self.last_duration = 0.0
         self.cost_seconds = 0.0  # real time spent pricing steps
         self.slowdown = 1.0  # > 1 while the host's cores are shared (simulator._contention)
+        self.excess = 0.0  # of a thread waiting for a core: the time-sliced factor's weight
+        self.last_slowdown = 1.0  # what the last step took beyond its cost alone
         self.bandwidth_share = 1.0  # < 1 while other replicas read the host's memory too
         self.flops_share = 1.0  # < 1 while other replicas' products slow this one's
 
@@ -68,8 +70,11 @@ class SimExecutor:
             return out
         t0 = time.perf_counter()
         features = self.cost_model.features(so)
-        duration = (self.cost_model.time(features, self.bandwidth_share, self.flops_share)
-                    * self.slowdown)
+        shares = (self.bandwidth_share, self.flops_share)
+        bound = self.excess > 0 and self.cost_model.compute_bound(features, *shares)
+        self.last_slowdown = self.slowdown * self.cost_model.hardware.time_sliced(
+            bound, self.excess)
+        duration = self.cost_model.time(features, *shares) * self.last_slowdown
         for req in so.scheduled_requests:
             rid = req.request_id
             if so.num_computed_tokens[rid] + so.num_scheduled_tokens[rid] >= req.num_tokens:

@@ -18,6 +18,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Optional
 
 GB = 1e9
 TB = 1e12
@@ -74,7 +75,11 @@ class Hardware:
     # How much more CPU a step costs while more threads than cores share the host: a
     # step that loses its core comes back to cold caches. Applied in full from one
     # thread over the cores (what calibrate part 4 measures), in part below. 1: none.
+    # The first for a bandwidth-bound step (a decode streams its weights from memory
+    # either way), the second for a compute-bound one (a prefill's cache-blocked
+    # tiles go with its core); None: the first for both (older files).
     oversubscribed_cpu_factor: float = 1.0
+    oversubscribed_compute_factor: Optional[float] = None
     # CPU seconds a served request takes outside the engine core, per streamed
     # output token and per request: its API process (HTTP, detokenizing, a chunk per
     # token) and the benchmark client on the same host (frontend_*), and a router in
@@ -141,6 +146,14 @@ class Hardware:
         if self.idle_wake_s <= 0 or idle_s <= 0:
             return 0.0
         return self.idle_wake_s * -math.expm1(-idle_s / max(self.idle_wake_tau_s, 1e-9))
+
+    def time_sliced(self, compute_bound: bool, excess: float) -> float:
+        """How much longer a step takes beyond its share of the cores while ``excess``
+        (0 to 1) of a thread waits for one: its kind's oversubscribed factor."""
+        f = self.oversubscribed_cpu_factor
+        if compute_bound and self.oversubscribed_compute_factor is not None:
+            f = self.oversubscribed_compute_factor
+        return 1 + (f - 1) * excess
 
     def with_(self, **changes) -> "Hardware":
         return replace(self, **changes)

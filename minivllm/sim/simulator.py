@@ -322,11 +322,13 @@ class _Run:
         replica.frontend_pending += self.sim.frontend_cpu_s_per_request
         self.live[spec.request_id] = (req, i)
 
-    def _contention(self, start: float) -> tuple[float, float, float]:
+    def _contention(self, start: float) -> tuple[float, float, float, float]:
         """How a step starting at ``start`` is slowed because busy replicas share
         the host, counted at the step's start (a replica is busy then if it has
         work or its last step is still running): (how much longer it takes, a
         fair share of the cores; 1 when every busy replica's threads have a core,
+        the part of a thread that waits for a core (0 to 1: the weight of the
+        time-sliced factor, ``Hardware.time_sliced``, which the step's kind picks),
         the fractions of its memory bandwidth and of its matrix FLOP/s it gets: the
         replicas that run at once split ``Hardware.host_mem_bandwidth`` and
         ``Hardware.host_flops``, 1 where those are unknown).
@@ -334,12 +336,12 @@ class _Run:
         The cores' demand is the busy replicas' threads plus the cores their
         frontend processes use (each busy replica's ``frontend_rate``: the
         frontend CPU its last step caused over that step's duration); when it
-        exceeds the cores, every step takes demand / cores times longer, and
-        ``Hardware.oversubscribed_cpu_factor`` longer again once a whole thread
-        waits for a core (in proportion below that)."""
+        exceeds the cores, every step takes demand / cores times longer, and its
+        kind's oversubscribed factor longer again once a whole thread waits for a
+        core (in proportion below that)."""
         cores, threads = self.sim.host_cores, self.sim.threads_per_replica
         if cores is None:
-            return 1.0, 1.0, 1.0
+            return 1.0, 0.0, 1.0, 1.0
         busy = [r for r in self.replicas if r.busy or r.clock.now() > start]
         running = min(len(busy), max(1, cores // threads))
         hw = self.sim.hardware
@@ -349,13 +351,13 @@ class _Run:
 
         demand = len(busy) * threads + sum(r.frontend_rate for r in busy)
         excess = min(1.0, max(0.0, demand - cores))  # threads waiting for a core
-        slowdown = max(1.0, demand / cores) * (1 + (hw.oversubscribed_cpu_factor - 1) * excess)
-        return (slowdown, share(hw.host_mem_bandwidth, hw.mem_bandwidth),
+        return (max(1.0, demand / cores), excess, share(hw.host_mem_bandwidth, hw.mem_bandwidth),
                 share(hw.host_flops, hw.peak_flops))
 
     def _step(self, replica: Replica) -> None:
         ex = replica.executor
-        ex.slowdown, ex.bandwidth_share, ex.flops_share = self._contention(replica.clock.now())
+        ex.slowdown, ex.excess, ex.bandwidth_share, ex.flops_share = \
+            self._contention(replica.clock.now())
         priced = ex.cost_seconds
         t0 = time.perf_counter()
         outputs = replica.core.step()
@@ -377,7 +379,7 @@ class _Run:
                 "num_sampled": f.num_sampled, "num_running": sched.num_running,
                 "num_waiting": sched.num_waiting,
                 "kv_usage": replica.core.kv_cache_manager.usage,
-                "num_preemptions": sched.num_preemptions, "slowdown": ex.slowdown})
+                "num_preemptions": sched.num_preemptions, "slowdown": ex.last_slowdown})
             ex.last_features = None
         else:
             raise RuntimeError(f"replica {replica.index} has unfinished requests but "
