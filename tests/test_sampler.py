@@ -58,6 +58,28 @@ def test_all_greedy_is_argmax_and_takes_the_fast_path():
     assert out.logprobs is None and out.top_logprobs is None
 
 
+@pytest.mark.parametrize("sampler", ["reference", "cpu"])
+def test_greedy_bfloat16_logits_give_the_tokens_of_their_float32_values(sampler):
+    """The all-greedy path takes the model's bfloat16 logits without converting them;
+    bfloat16 -> float32 is exact, so ties and NaNs pick the same index either way."""
+    from minivllm.cpu.layers import CpuSampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(32, 4096).bfloat16()  # 8-bit mantissas: many exact ties
+    logits[3, [7, 900, 4000]] = 9.0
+    logits[5, 123] = float("nan")
+    logits[6] = float("-inf")
+    md = SamplingMetadata.from_rows([row(temperature=0.0) for _ in range(32)], 4096)
+    assert md.only_argmax
+    s = Sampler() if sampler == "reference" else CpuSampler()
+    got = s(logits, md).sampled_token_ids
+    assert torch.equal(got, logits.float().argmax(-1))
+    assert got[3] == 7 and got[5] == 123 and got[6] == 0
+    with_logprobs = SamplingMetadata.from_rows([row(temperature=0.0, logprobs=1)] * 32, 4096)
+    assert not with_logprobs.only_argmax
+    assert torch.equal(s(logits, with_logprobs).sampled_token_ids, got)
+
+
 def test_an_empty_batch_samples_nothing():
     out = run(torch.empty(0, 10), [])
     assert out.sampled_token_ids.shape == (0,)

@@ -96,6 +96,12 @@ class SamplingMetadata:
     # Largest ``logprobs`` asked by any row; None when no row asks.
     max_num_logprobs: Optional[int]
 
+    @property
+    def only_argmax(self) -> bool:
+        """Every row greedy with nothing to change its logits or to report."""
+        return (self.all_greedy and self.no_penalties and self.min_tokens_rows is None
+                and self.max_num_logprobs is None)
+
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int,
                   device: torch.device | str = "cpu") -> "SamplingMetadata":
@@ -296,6 +302,10 @@ class Sampler:
         if tuple(logits.shape) != (md.num_rows, md.vocab_size):
             raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: must be "
                              f"[num_rows={md.num_rows}, vocab_size={md.vocab_size}]")
+        if md.only_argmax:
+            # bfloat16 -> float32 is exact, so the model's own logits give the same
+            # token; the copy would cost a big batch's step a visible share.
+            return SamplerOutput(self.argmax(logits), None, None)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         logits = self.process_logits(logits, md)

@@ -65,9 +65,13 @@ class StructuredOutputManager:
                                                                extra)
         return g
 
+    @staticmethod
+    def constrained_rows(reqs: list) -> list[int]:
+        return [i for i, r in enumerate(reqs) if r.sampling_params.structured_outputs]
+
     def mask_logits(self, logits: torch.Tensor, reqs: list) -> Optional[list[int]]:
         """Mask the constrained rows of ``logits`` in place; returns those rows."""
-        rows = [i for i, r in enumerate(reqs) if r.sampling_params.structured_outputs]
+        rows = self.constrained_rows(reqs)
         if not rows:
             return None
         t0 = time.perf_counter()

@@ -365,7 +365,8 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
         rows = [self._sampling_row(req) for req in reqs]
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
-        logits = logits.float()
+        if logits_processors.wanted(reqs) or self.structured_output.constrained_rows(reqs):
+            logits = logits.float()  # what the processors and grammar masks write into
         if logits_processors.wanted(reqs):  # logit_bias, allowed_token_ids, bad_words
             self.logits_processors.apply(logits, reqs)
         # Structured outputs: tokens that would break a request's grammar get -inf.
