@@ -209,6 +209,28 @@ inline void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t d) {
   }
 }
 
+#ifdef MINIVLLM_VEC
+// The one-row products' software prefetch of the weight stream (gguf_gemm.cpp,
+// gguf_int8.cpp). On AMD a non-temporal prefetch keeps the step's ~100 MB from
+// evicting what the Python step between two decode steps works on. On Intel the
+// same hint fills L1 alone, bypassing L2, so a line pushed out of L1 before its
+// use is read from memory again and the stream slows: there the ordinary hint
+// is the faster one (`python -m minivllm.benchmarks.gguf_gemv` measures both
+// sides of it on the machine at hand: the streamed and cache-hot rates).
+inline bool intel_cpu() {
+  __builtin_cpu_init();  // needed when this runs during static initialization
+  return __builtin_cpu_is("intel");
+}
+inline const bool kTemporalStreamPrefetch = intel_cpu();
+inline void prefetch_stream(const void* p) {
+  if (kTemporalStreamPrefetch) {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  } else {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
+  }
+}
+#endif
+
 inline void check_cpu(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor");
 }

@@ -346,10 +346,10 @@ template <> struct OneRow<Q8_0> {
 // rows are one contiguous stream of blocks; the hardware prefetcher alone
 // keeps too few lines in flight for it (half the bandwidth on a Zen 5), a
 // burst for the next tile only starts too late. Each row prefetches its line
-// kPrefetchTiles tiles ahead as it goes (4: best of 1-16 measured), as
-// non-temporal: each weight is used once, and the ~100 MB a step streams
-// would otherwise push out of the caches everything the Python step between
-// two decode steps works on (which then runs several times slower).
+// kPrefetchTiles tiles ahead as it goes (4: best of 1-16 measured), with
+// the hint that suits the CPU's caches (prefetch_stream, cpu_types.h): each
+// weight is used once, and the ~100 MB a step streams should not push out of
+// the caches what the Python step between two decode steps works on.
 constexpr int64_t kPrefetchTiles = 4;
 
 template <int64_t T>
@@ -363,8 +363,7 @@ void one_row_tile(const float* x, int64_t K, const uint8_t* const* w, int64_t ah
     const int g = static_cast<int>((k % F::block) / 32);
     vf xv[G];
     for (int c = 0; c < G; ++c) xv[c] = vec::load(x + k + c * L);
-    for (int r = 0; r < kTile; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + blk + ahead),
-                                                 _MM_HINT_NTA);
+    for (int r = 0; r < kTile; ++r) prefetch_stream(w[r] + blk + ahead);
     for (int r = 0; r < kTile; ++r) OneRow<T>::step(w[r] + blk, g, xv, acc[r]);
   }
   for (int r = 0; r < kTile; ++r) acc_out[r] = vec::reduce_add(acc[r]);

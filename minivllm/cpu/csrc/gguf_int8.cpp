@@ -344,10 +344,9 @@ void tile_rows(const slice::Int8Rows& xq, int64_t m, const uint8_t* const* w, in
   for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < xq.chunks; ++c) {
     const int64_t blk0 = c * kLanes, count = std::min(kLanes, xq.blocks - blk0);
-    if (ahead > 0)  // each row's next lines, non-temporal (as gguf_gemm.cpp's one-row product)
+    if (ahead > 0)  // each row's next lines (as gguf_gemm.cpp's one-row product)
       for (int r = 0; r < kTile; ++r)
-        for (int64_t o = 0; o < count * bytes; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w[r] + blk0 * bytes + o + ahead), _MM_HINT_NTA);
+        for (int64_t o = 0; o < count * bytes; o += 64) prefetch_stream(w[r] + blk0 * bytes + o + ahead);
     if (count <= kTailBlocks) {
       for (int r = 0; r < kTile; ++r)
         acc[r] = tail_blocks<T>(acc[r], w[r], blk0, count, xq, m * nbp + blk0);
