@@ -133,10 +133,16 @@ class CostModel:
     def compute_bound(self, f: StepFeatures, bandwidth_share: float = 1.0,
                       flops_share: float = 1.0) -> bool:
         """Whether the step's matrix products wait on FLOP/s rather than on memory."""
+        compute, memory = self._linear_times(f, bandwidth_share, flops_share)
+        return compute > memory
+
+    def _linear_times(self, f: StepFeatures, bandwidth_share: float,
+                      flops_share: float) -> tuple[float, float]:
+        """The matrix products' seconds at the FLOP/s ceiling and at the bandwidth one."""
         hw = self.hardware
         flops = float(hw.linear_peak(f.num_tokens)) * hw.flops_efficiency * flops_share
         bw = hw.mem_bandwidth * hw.bandwidth_efficiency * bandwidth_share
-        return f.linear_flops / flops > f.linear_bytes / bw
+        return f.linear_flops / flops, f.linear_bytes / bw
 
     def breakdown(self, f: StepFeatures, bandwidth_share: float = 1.0,
                   flops_share: float = 1.0) -> dict[str, float]:
@@ -147,9 +153,8 @@ class CostModel:
         flops = hw.peak_flops * hw.flops_efficiency
         bw = hw.mem_bandwidth * hw.bandwidth_efficiency * bandwidth_share
         kv_bw = (hw.attention_bandwidth * bandwidth_share) or bw
-        linear_flops = float(hw.linear_peak(f.num_tokens)) * hw.flops_efficiency * flops_share
         out = {
-            "linear": max(f.linear_flops / linear_flops, f.linear_bytes / bw),
+            "linear": max(self._linear_times(f, bandwidth_share, flops_share)),
             "attention": max(f.attention_flops / ((hw.attention_flops or flops) * flops_share),
                              f.attention_bytes / kv_bw)
             / hw.attention_efficiency,
