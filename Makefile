@@ -120,6 +120,8 @@ REPEATS      ?= 5
 # files are figures/bench_*_avx2.*; the default, native, is this CPU as it is.
 ISA          ?= native
 SFX = $(if $(filter avx2,$(ISA)),_avx2)
+# TAG names a second machine's files (TAG=_amx: figures/bench_*_amx.*) so they keep the first's.
+TAG ?=
 ISA_RUN = $(if $(filter avx2,$(ISA)),env $(shell $(PY) -m minivllm.cpu.features --env avx2))
 PEERS = --backend minivllm --backend hf $(if $(VLLM_PYTHON),--backend vllm --vllm-python $(VLLM_PYTHON))
 BENCH = $(ISA_RUN) $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
@@ -127,6 +129,7 @@ BENCH = $(ISA_RUN) $(VENV)/bin/minivllm bench throughput --repeats $(REPEATS)
 # dequantizes the default .gguf at load, as the peers' float checkpoints hold it.
 FLOAT_BENCH = $(BENCH) --quantization none
 OUT = figures/bench_throughput
+OSFX = $(SFX)$(TAG)
 llama-peer: $(LLAMA_PEER)
 $(LLAMA_PEER):
 	python3 -m venv $(LLAMA_VENV)
@@ -144,21 +147,23 @@ LLAMA_RUN  = $(or $(LLAMA_PYTHON),$(if $(LLAMA),$(LLAMA_VENV)/bin/python))
 LLAMA_ARGS = $(if $(LLAMA_RUN),--backend llama.cpp --llama-python $(LLAMA_RUN))
 GGUF_BENCH = $(BENCH) --backend minivllm $(LLAMA_ARGS) --quantization gguf
 bench-peers: setup $(if $(LLAMA),$(LLAMA_PEER))
-	$(ISA_RUN) $(VENV)/bin/minivllm bench roofline --output figures/bench_roofline$(SFX).json
+	$(ISA_RUN) $(VENV)/bin/minivllm bench roofline --output figures/bench_roofline$(OSFX).json
 	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --num-prompts 1 --max-tokens 128 \
-	  --output $(OUT)_1x128$(SFX).json
+	  --output $(OUT)_1x128$(OSFX).json
 	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --backend hf-cb --num-prompts 32 --max-tokens 128 \
-	  --output $(OUT)_32x128$(SFX).json --figure $(OUT)_32x128$(SFX).png
+	  --output $(OUT)_32x128$(OSFX).json --figure $(OUT)_32x128$(OSFX).png
 	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --hf-batch-size 128 --num-prompts 128 --max-tokens 128 \
-	  --output $(OUT)_128x128$(SFX).json
+	  --output $(OUT)_128x128$(OSFX).json
 	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --dtype bfloat16 --num-prompts 32 --max-tokens 128 \
-	  --output $(OUT)_32x128_bf16$(SFX).json
+	  --output $(OUT)_32x128_bf16$(OSFX).json
+	$(FLOAT_BENCH) $(PEERS) $(LLAMA_ARGS) --dtype bfloat16 --hf-batch-size 128 --num-prompts 128 \
+	  --max-tokens 128 --output $(OUT)_128x128_bf16$(OSFX).json
 	$(GGUF_BENCH) $(if $(LLAMA_RUN),--backend llama.cpp-decode) --num-prompts 1 \
-	  --max-tokens 128 --output $(OUT)_1x128_gguf$(SFX).json
-	$(GGUF_BENCH) --num-prompts 32 --max-tokens 128 --output $(OUT)_32x128_gguf$(SFX).json
-	$(GGUF_BENCH) --num-prompts 128 --max-tokens 128 --output $(OUT)_128x128_gguf$(SFX).json
-	$(PY) -m minivllm.benchmarks.report $(foreach w,1x128 32x128 128x128 32x128_bf16 \
-	  1x128_gguf 32x128_gguf 128x128_gguf,$(OUT)_$(w)$(SFX).json) | tee figures/bench_table$(SFX).md
+	  --max-tokens 128 --output $(OUT)_1x128_gguf$(OSFX).json
+	$(GGUF_BENCH) --num-prompts 32 --max-tokens 128 --output $(OUT)_32x128_gguf$(OSFX).json
+	$(GGUF_BENCH) --num-prompts 128 --max-tokens 128 --output $(OUT)_128x128_gguf$(OSFX).json
+	$(PY) -m minivllm.benchmarks.report $(foreach w,1x128 32x128 128x128 32x128_bf16 128x128_bf16 \
+	  1x128_gguf 32x128_gguf 128x128_gguf,$(OUT)_$(w)$(OSFX).json) | tee figures/bench_table$(OSFX).md
 
 clean:
 	rm -rf $(VENV) book/*.ipynb book/course .pytest_cache
