@@ -50,10 +50,12 @@ from minivllm.viz.export import save_key_figure
 # %% [markdown]
 # The engine runs with `cpu_kernels=False`: the plain PyTorch reference path, so the
 # code this chapter shows is the code that runs (chapter 14 switches the CPU kernels on
-# and compares).
+# and compares). `quantization=None` dequantizes the model's 4-bit GGUF weights to
+# float32 once, at load: the reference path's quantized layer dequantizes every weight
+# at every step (chapter 23), a fixed cost that would hide what this chapter measures.
 
 # %%
-llm = LLM(num_kv_blocks=64, trace=True, cpu_kernels=False)  # 64 blocks x 16 tokens
+llm = LLM(num_kv_blocks=64, trace=True, cpu_kernels=False, quantization=None)  # 64 blocks x 16
 model = llm.engine_core.executor.runner.model
 cfg = model.config
 tokenizer = llm.get_tokenizer()

@@ -124,7 +124,7 @@ print(f"mass kept by the mask: {math.exp(-shifts[0]):.3f}")
 from minivllm.structured_output.manager import StructuredOutputManager
 from minivllm.viz.source import show_source
 
-show_source(StructuredOutputManager.mask_logits, start="rows = [i for i")
+show_source(StructuredOutputManager.mask_logits, start="rows = self.constrained_rows")
 
 # %% [markdown]
 # Each request has its own `RequestGrammar`, a matcher compiled from its schema or
