@@ -206,10 +206,11 @@ from minivllm.model.layers.linear import ColumnParallelLinear
 from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
 from tests.test_quantization import random_blocks
 report = {"isa": cpu_features().isa, "problem": ops.build_problem(), "types": {}}
+K = 768  # 24 blocks of 32: a whole run of 16 and a part (Q4_1 takes heads 16 at a time)
 for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
-    layer = ColumnParallelLinear(512, 50, quant_config=QuantizationConfig("gguf"))
-    layer.load_quantized(QuantizedTensor(torch.from_numpy(random_blocks(qtype, 50, 512, 7)),
-                                         qtype, 512))
+    layer = ColumnParallelLinear(K, 50, quant_config=QuantizationConfig("gguf"))
+    layer.load_quantized(QuantizedTensor(torch.from_numpy(random_blocks(qtype, 50, K, 7)),
+                                         qtype, K))
     fast = CpuQuantizedLinearMethod(layer.quant_method.config)
     t = layer.qweight.segments[0][1]
     from minivllm.model.layers.quantization import BLOCK_TYPES
@@ -219,7 +220,7 @@ for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     bias = torch.randn(50)
     errors, rows_alike, panel_bits = [], True, {}
     for rows in (1, 2, 5, 8, 13, 33, 100, ops.gguf_max_rows(), ops.gguf_max_rows() + 3):
-        x = torch.randn(rows, 512)
+        x = torch.randn(rows, K)
         ref = layer.quant_method.apply(layer, x)
         got = fast.apply(layer, x)
         errors.append(float(((got - ref).abs().max() / ref.abs().max())))
@@ -231,7 +232,7 @@ for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
             # kernel on dequantized panels: the float path's bits, bias included
             panel_bits[rows] = torch.equal(ops.gguf_linear(x, t.data, tid, bias),
                                            ops.packed_linear(x, panels, 50, bias))
-    same_weights = torch.equal(ops.gguf_dequantize(t.data, tid, 512), t.dequantize())
+    same_weights = torch.equal(ops.gguf_dequantize(t.data, tid, K), t.dequantize())
     report["types"][qtype] = {"max_rel_error": max(errors), "same_weights": same_weights,
                               "rows_alike": rows_alike, "panel_bits": panel_bits}
 print("REPORT", json.dumps(report))

@@ -20,13 +20,14 @@
 #include <vector>
 
 #include "cpu_types.h"
+#include "gguf_blocks.h"
 #include "ops.h"
 #include "panel_gemm.h"
 
 namespace minivllm {
 namespace {
 
-enum GgmlType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+using namespace gguf;
 
 struct TypeInfo {
   int64_t block, bytes;  // weights and bytes per block
@@ -282,15 +283,32 @@ inline __m128 f16_pair(const uint8_t* p) {
 // Those 16 floats are made once (one multiply, one add, the reference's
 // rounding), and vpermps picks each weight's from the low 4 bits of its
 // lane: no per-weight conversion, multiply or add. The same numbers as
-// Fmt<Q4_1>::group, in the same lanes.
+// Fmt<Q4_1>::group, in the same lanes. The blocks' d and m come from
+// Q4_1Heads (below), as floats in memory: broadcasting one from memory is a
+// load, while converting and broadcasting it in registers takes the shuffle
+// port that the two permutes already fill, and that port bounds this loop.
+struct Q4_1Heads {
+  alignas(64) float d[16], m[16];
+  // The d and m of `count` (<= 16) blocks from `b` on, 20 bytes apart: one
+  // gather and two conversions (F16C's, as f16()) for 16 blocks. (A gather,
+  // unlike gguf_int8.cpp's chunks, where block_heads' loads and permutes win:
+  // here the permute port is the one this loop is short of.)
+  void load(const uint8_t* b, int64_t count) {
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(20));
+    const __mmask16 live = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+    const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, b, 1);
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+    _mm512_store_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+  }
+};
+
 template <> struct OneRow<Q4_1> {
-  static inline void step(const uint8_t* b, int, const vf* xv, vf& acc) {
-    const __m128 dm = f16_pair(b);
-    const __m512 d = _mm512_broadcastss_ps(dm);
-    const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(1), _mm512_castps128_ps512(dm));
+  static inline void step(const uint8_t* b, float d, float m, const vf* xv, vf& acc) {
     const __m512 iota =
         _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = _mm512_add_ps(rounded(_mm512_mul_ps(d, iota)), m);
+    const __m512 table =
+        _mm512_add_ps(rounded(_mm512_mul_ps(_mm512_set1_ps(d), iota)), _mm512_set1_ps(m));
     const vi q = u8(b + 4);  // byte i: weight i (low nibble), weight i + 16 (high)
     acc = vec::fmadd(_mm512_permutexvar_ps(q, table), xv[0], acc);
     acc = vec::fmadd(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), xv[1], acc);
@@ -368,6 +386,27 @@ void one_row_tile(const float* x, int64_t K, const uint8_t* const* w, int64_t ah
   }
   for (int r = 0; r < kTile; ++r) acc_out[r] = vec::reduce_add(acc[r]);
 }
+
+#if defined(__AVX512F__) && defined(__F16C__)
+// Q4_1 (the default file's): each row's block heads taken 16 blocks at a time.
+template <>
+void one_row_tile<Q4_1>(const float* x, int64_t K, const uint8_t* const* w, int64_t ahead,
+                        float* acc_out) {
+  constexpr int64_t bytes = block_bytes(Q4_1);
+  vf acc[kTile];
+  Q4_1Heads heads[kTile];
+  for (int r = 0; r < kTile; ++r) acc[r] = vec::zero();
+  for (int64_t j = 0; j < K / 32; ++j) {
+    const int64_t blk = j * bytes, h = j % 16;
+    if (h == 0)
+      for (int r = 0; r < kTile; ++r) heads[r].load(w[r] + blk, K / 32 - j);
+    const vf xv[2] = {vec::load(x + 32 * j), vec::load(x + 32 * j + L)};
+    for (int r = 0; r < kTile; ++r) prefetch_stream(w[r] + blk + ahead);
+    for (int r = 0; r < kTile; ++r) OneRow<Q4_1>::step(w[r] + blk, heads[r].d[h], heads[r].m[h], xv, acc[r]);
+  }
+  for (int r = 0; r < kTile; ++r) acc_out[r] = vec::reduce_add(acc[r]);
+}
+#endif
 
 // MR x rows against the tile's weights, dequantized once into buf [kTile, K].
 template <int MR>

@@ -28,18 +28,17 @@
 #include <vector>
 
 #include "cpu_types.h"
+#include "gguf_blocks.h"
 #include "ops.h"
 
 namespace minivllm {
 namespace {
 
-enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+using namespace gguf;
 constexpr int64_t kLanes = 16;  // blocks per chunk: the float accumulator's lanes
 constexpr int64_t kTile = 4;    // weight rows streamed together (as gguf_gemm.cpp)
 constexpr int64_t kPrefetchTiles = 4;  // how far ahead each row prefetches (gguf_gemm.cpp's)
 constexpr int64_t kTailBlocks = 4;  // a last chunk this short goes block by block
-
-int64_t block_bytes(int64_t t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34; }
 
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
@@ -214,7 +213,7 @@ inline __m512i block_sums(const __m512i* z) {
 // Per type, the windows' permute indices and lanes (for a whole chunk; a
 // short one masks its lanes and loads).
 template <int64_t T> struct HeadWindows {
-  static constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  static constexpr int64_t bytes = block_bytes(T);
   static constexpr int64_t esize = T == Q4_1 ? 4 : 2, per_window = 128 / esize;
   static constexpr int64_t count = (kLanes * bytes + 127) / 128;
   alignas(64) uint16_t idx[count][32] = {};
@@ -259,7 +258,7 @@ inline __m512i block_heads(const uint8_t* base, int64_t count) {
 template <int64_t T>
 inline __m512 chunk_values(const uint8_t* row, int64_t blk0, int64_t count,
                            const slice::Int8Rows& xq, int64_t at) {
-  constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int64_t bytes = block_bytes(T);
   const __m512i* xs = reinterpret_cast<const __m512i*>(xq.qs.data() + at * 32);
   const uint8_t* base = row + blk0 * bytes;
   __m512i z[8];
@@ -297,7 +296,7 @@ inline __m512 chunk_values(const uint8_t* row, int64_t blk0, int64_t count,
 template <int64_t T>
 inline __m512 tail_blocks(__m512 acc, const uint8_t* row, int64_t blk0, int64_t count,
                           const slice::Int8Rows& xq, int64_t at) {
-  constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int64_t bytes = block_bytes(T);
   for (int64_t j = 0; j < count; ++j) {
     const uint8_t* b = row + (blk0 + j) * bytes;
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (at + j) * 32));
@@ -338,7 +337,7 @@ inline float lanes_sum(__m512 acc) {
 template <int64_t T>
 void tile_rows(const slice::Int8Rows& xq, int64_t m, const uint8_t* const* w, int64_t ahead,
                float* sums) {
-  constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int64_t bytes = block_bytes(T);
   const int64_t nbp = xq.chunks * kLanes;
   __m512 acc[kTile];
   for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
