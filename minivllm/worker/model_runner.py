@@ -365,9 +365,10 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
         rows = [self._sampling_row(req) for req in reqs]
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
-        if logits_processors.wanted(reqs) or self.structured_output.constrained_rows(reqs):
+        processed = logits_processors.wanted(reqs)  # logit_bias, allowed_token_ids, bad_words
+        if processed or self.structured_output.constrained_rows(reqs):
             logits = logits.float()  # what the processors and grammar masks write into
-        if logits_processors.wanted(reqs):  # logit_bias, allowed_token_ids, bad_words
+        if processed:
             self.logits_processors.apply(logits, reqs)
         # Structured outputs: tokens that would break a request's grammar get -inf.
         constrained = self.structured_output.mask_logits(logits, reqs)

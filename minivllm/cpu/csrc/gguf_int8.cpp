@@ -40,13 +40,6 @@ constexpr int64_t kTile = 4;    // weight rows streamed together (as gguf_gemm.c
 constexpr int64_t kPrefetchTiles = 4;  // how far ahead each row prefetches (gguf_gemm.cpp's)
 constexpr int64_t kTailBlocks = 4;  // a last chunk this short goes block by block
 
-#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-
-inline float f16(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-}
 inline float round_f16(float v) { return static_cast<float>(c10::Half(v)); }
 
 // Where the 32 x bytes of chunk-local block b go in the kernel's layout: a
@@ -152,11 +145,9 @@ NO_CONTRACT float row_dot_scalar(const slice::Int8Rows& xq, int64_t m, const uin
     defined(__AVX512VL__)
 #define MINIVLLM_INT8_VNNI 1
 
-// A product kept apart from the add that follows (no FMA: the reference rounds twice).
-inline __m512 rounded(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
+// A product kept apart from the add that follows (no FMA: the reference rounds
+// twice); the 16-lane one is gguf_blocks.h's.
+using gguf::rounded;
 inline __m128 rounded(__m128 v) {
   asm("" : "+v"(v));
   return v;
