@@ -47,12 +47,13 @@ import torch
 
 import minivllm
 from minivllm import LLM, SamplingParams
+from minivllm.benchmarks.decode_share import measure as measure_token_share
 from minivllm.benchmarks.roofline import measure_bandwidth, model_param_count
 from minivllm.model.layers.quantization import QuantizedLinearMethod
 from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, dequantize_q4_1
 from minivllm.model.resolve import default_gguf_path
 from minivllm.viz.export import save_key_figure
-from minivllm.viz.quant import format_ceilings_figure, q4_1_block_figure
+from minivllm.viz.quant import format_ceilings_figure, q4_1_block_figure, token_share_figure
 from minivllm.viz.source import show_source
 
 path = default_gguf_path()
@@ -308,6 +309,34 @@ print(f"gguf / float32: {best['gguf'] / best['float32']:.2f}x")
 assert all(v > 0 for v in best.values())
 
 # %% [markdown]
+# ## Where a token goes
+#
+# Neither engine reaches its ceiling. To see why, split one stream's token in two. A
+# decode step of one sequence runs in one C++ call that reads every weight once (the
+# *replay*, `minivllm/cpu/fused_decode.py`); around it the engine's Python schedules the
+# step, builds its inputs, samples and detokenizes. `decode_share.measure` probes the
+# bandwidth, then times every replay inside a greedy stream; the ceiling is the file's
+# weights read once at the probed rate.
+
+# %%
+share = measure_token_share(llm_q41, max_tokens=48, probe_seconds=0.2)
+print(share.line())
+assert len(share.replay_seconds) == 48 - 1  # every step after the prompt's was one replay
+token_share_figure(share.roofline_s * 1e3, share.replay_s * 1e3, share.outside_replay_s * 1e3,
+                   title=f"One stream on the Q4_1 blocks ({share.bandwidth / 1e9:.1f} GB/s probed)")
+
+# %% [markdown]
+# Two things stand between a token and its ceiling. Inside the replay, the products
+# stream the blocks more slowly than the probe reads memory (they also unpack and scale
+# every weight), and between the products come barriers, norms and attention. Outside
+# it, the Python step costs the same fraction of a millisecond whatever the model. For a
+# 135M-weight model whose whole step reads under 100 MB, that fixed part is a large
+# share of a token of a few milliseconds: llama.cpp, whose decode loop has no Python at
+# all, reaches about a quarter of the same ceiling on this file (README, Benchmarks).
+# On a model whose step reads gigabytes, the fixed part all but vanishes; exercise 23.5
+# puts a number on it.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
@@ -386,6 +415,28 @@ assert abs(answer_4 - bw.best * _k.block_size / (8.03e9 * _k.type_size)) < 1e-6 
 print(f"at most {answer_4:.1f} tokens/s")
 
 # %% [markdown]
+# ### Exercise 23.5 — the same engine on an 8B model
+# Suppose the replay kept this model's efficiency on Llama 3 8B in Q4_K (its time over
+# the weights' time at the probed rate: `share.replay_s / share.roofline_s`) and the
+# Python step kept its cost per token (`share.outside_replay_s`). What fraction of its
+# ceiling (exercise 23.4's `answer_4` tokens/s) would one stream reach? `answer_5`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+weights_s = 1 / answer_4
+answer_5 = weights_s / (weights_s * share.replay_s / share.roofline_s + share.outside_replay_s)
+### END SOLUTION
+
+# %% tags=["check"]
+_ceiling_s = 1 / answer_4
+_token_s = _ceiling_s * share.replay_s / share.roofline_s + share.outside_replay_s
+assert abs(answer_5 - _ceiling_s / _token_s) < 1e-9 * answer_5
+# the Python step, a large share of a 135M-weight token, is next to nothing here
+assert share.outside_replay_s / _token_s < 0.01 < share.outside_replay_s / share.token_s
+print(f"{answer_5:.0%} of the 8B model's ceiling, against {share.roofline_s / share.token_s:.0%} "
+      f"for this one")
+
+# %% [markdown]
 # ## Summary
 #
 # - A GGUF matrix is rows of blocks; a Q4_1 block is a float16 scale `d`, a float16
@@ -397,6 +448,9 @@ print(f"at most {answer_4:.1f} tokens/s")
 # - Kept as blocks (`quantization="gguf"`) the model is the float path's numbers — the
 #   same perplexity, the same greedy tokens — read from about a fifth of the bytes;
 #   Q8_0 at load costs well under 1 % perplexity.
+# - A small model's token also pays fixed costs (barriers, norms, the Python step) that
+#   keep one stream well below its ceiling; on a model that reads gigabytes a step they
+#   vanish, and the kernels' stream rate is what is left.
 #
 # **Try next:** `minivllm bench throughput --quantization gguf --backend llama.cpp`
 # against llama.cpp on the same file (README, Benchmarks); Q4_K and Q6_K files from a

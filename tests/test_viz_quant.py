@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("plotly")
 
 from minivllm.viz.quant import (format_ceilings_figure, q4_1_block_figure,  # noqa: E402
-                                q4_1_fields)
+                                q4_1_fields, token_share_figure)
 
 
 def _block(seed: int = 0) -> np.ndarray:
@@ -49,3 +49,15 @@ def test_format_ceilings_figure_and_its_checks():
     assert list(ceiling.x) == [10, 64]
     with pytest.raises(ValueError, match="same non-empty formats"):
         format_ceilings_figure({"F32": 32}, {"Q4_1": 5})
+
+
+def test_token_share_figure_stacks_the_token_beside_its_ceiling():
+    fig = token_share_figure(3.1, 5.6, 0.8)
+    by_name = {t.name: t for t in fig.data}
+    assert list(by_name["ceiling"].x) == [3.1] and list(by_name["ceiling"].y) == ["ceiling"]
+    # the token's two parts stack on one bar, and add up to the token
+    assert list(by_name["replay"].y) == list(by_name["outside"].y) == ["a token"]
+    assert by_name["replay"].x[0] + by_name["outside"].x[0] == pytest.approx(6.4)
+    assert fig.layout.barmode == "stack"
+    with pytest.raises(ValueError, match="outside_ms=-1 is invalid"):
+        token_share_figure(3.1, 5.6, -1)

@@ -5,6 +5,9 @@
   each weight ``d * q + m`` with its 4-bit ``q`` and the byte it came from.
 - ``format_ceilings_figure``: bits per weight and the single-stream tokens/s
   ceiling each format allows at a measured bandwidth.
+- ``token_share_figure``: one stream's token split into the decode-step replay
+  and the Python around it, beside the time the weights alone take at the
+  measured bandwidth (``minivllm.benchmarks.decode_share``'s numbers).
 """
 
 from __future__ import annotations
@@ -100,4 +103,26 @@ def format_ceilings_figure(bits_per_weight: Mapping[str, float],
     return fig
 
 
-__all__ = ["q4_1_fields", "q4_1_block_figure", "format_ceilings_figure"]
+def token_share_figure(ceiling_ms: float, replay_ms: float, outside_ms: float,
+                       title: str = "Where one stream's token goes") -> go.Figure:
+    """Two bars in milliseconds: the ceiling (the weights read once at the measured
+    bandwidth) and a token, stacked as its replay and the Python outside it. Traces
+    ``ceiling``, ``replay`` and ``outside``."""
+    for name, v in (("ceiling_ms", ceiling_ms), ("replay_ms", replay_ms),
+                    ("outside_ms", outside_ms)):
+        if not v >= 0:
+            raise ValueError(f"{name}={v} is invalid: a time in ms must be >= 0")
+    rows = ["ceiling", "a token"]
+    fig = go.Figure([
+        go.Bar(name="ceiling", y=rows[:1], x=[ceiling_ms], orientation="h",
+               marker_color="#bdbdbd", text=[f"{ceiling_ms:.2f} ms"]),
+        go.Bar(name="replay", y=rows[1:], x=[replay_ms], orientation="h",
+               marker_color="#3182bd", text=[f"replay {replay_ms:.2f} ms"]),
+        go.Bar(name="outside", y=rows[1:], x=[outside_ms], orientation="h",
+               marker_color="#e6550d", text=[f"Python {outside_ms:.2f} ms"])])
+    fig.update_layout(barmode="stack", title=title, height=220, xaxis_title="ms",
+                      yaxis=dict(autorange="reversed"), margin=dict(l=10, r=10, t=60, b=40))
+    return fig
+
+
+__all__ = ["q4_1_fields", "q4_1_block_figure", "format_ceilings_figure", "token_share_figure"]
