@@ -176,6 +176,35 @@ inline void transpose(vf* r) {
 }
 #endif
 
+// kLanes 16-bit floats as a float32 vector, converted in registers (both
+// exactly: a bfloat16 is the top half of a float32; a float16 through F16C's
+// IEEE conversion), so a kernel reads a bfloat16 or float16 tensor as it
+// reads a float32 one, without a float32 copy in memory.
+#ifdef __AVX512F__
+using half_bits = __m256i;  // kLanes 16-bit values
+inline half_bits load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline vf bf16_to_float(half_bits b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+inline vf load(const c10::Half* p) { return _mm512_cvtph_ps(load_bits(p)); }
+#else
+using half_bits = __m128i;
+inline half_bits load_bits(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline vf bf16_to_float(half_bits b) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+inline vf load(const c10::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(load_bits(p));
+#else
+  alignas(32) float f[kLanes];
+  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(p[i]);
+  return load(f);
+#endif
+}
+#endif
+inline vf load(const c10::BFloat16* p) { return bf16_to_float(load_bits(p)); }
+
 // exp_nonpositive on every lane at once, the same steps as the scalar one
 // (for the loops the compiler does not vectorize by itself).
 inline vf exp_nonpositive(vf x) {

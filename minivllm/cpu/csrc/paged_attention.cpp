@@ -232,7 +232,7 @@ void attend_in_registers(const Item<T>& it, T* out) {
   constexpr int V = kD / L, B = value_block(kG, V);
   alignas(64) float acc[kG][kD];
   float m[kG], l[kG];
-  alignas(64) float scores[kG][kSpan], buf[kD];
+  alignas(64) float scores[kG][kSpan];
   for (int h = 0; h < kG; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
     l[h] = 0.f;
@@ -248,11 +248,13 @@ void attend_in_registers(const Item<T>& it, T* out) {
           continue;
         }
         span.before_key(t0 + t);
-        const float* k = as_float(it.k_cache + span.off[t0 + t], buf, kD);
+        const T* key = it.k_cache + span.off[t0 + t];
+        vf k[V];  // the key as float32, converted once for the kG heads
+        for (int i = 0; i < V; ++i) k[i] = vec::load(key + L * i);
         for (int h = 0; h < kG; ++h) {
           const float* q = it.q + h * kD;
-          vf s = vec::mul(vec::load(q), vec::load(k));
-          for (int i = 1; i < V; ++i) s = vec::fmadd(vec::load(q + L * i), vec::load(k + L * i), s);
+          vf s = vec::mul(vec::load(q), k[0]);
+          for (int i = 1; i < V; ++i) s = vec::fmadd(vec::load(q + L * i), k[i], s);
           part[h][t] = s;
         }
       }
@@ -268,7 +270,7 @@ void attend_in_registers(const Item<T>& it, T* out) {
         for (int i = 0; i < B; ++i) a[h][i] = vec::load(acc[h] + L * (i0 + i));
       for (int64_t t = 0; t < n; ++t) {
         if (i0 == 0) span.before_value(t);
-        const float* v = as_float(it.v_cache + span.off[t] + L * i0, buf, L * B);
+        const T* v = it.v_cache + span.off[t] + L * i0;
 #pragma GCC unroll 16
         for (int i = 0; i < B; ++i) {
           const vf x = vec::load(v + L * i);
