@@ -47,7 +47,6 @@ import torch
 
 import minivllm
 from minivllm import LLM, SamplingParams
-from minivllm.benchmarks.decode_share import measure as measure_token_share
 from minivllm.benchmarks.roofline import measure_bandwidth, model_param_count
 from minivllm.model.layers.quantization import QuantizedLinearMethod
 from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, dequantize_q4_1
@@ -319,6 +318,8 @@ assert all(v > 0 for v in best.values())
 # weights read once at the probed rate.
 
 # %%
+from minivllm.benchmarks.decode_share import measure as measure_token_share
+
 share = measure_token_share(llm_q41, max_tokens=48, probe_seconds=0.2)
 print(share.line())
 assert len(share.replay_seconds) == 48 - 1  # every step after the prompt's was one replay
