@@ -21,14 +21,17 @@ namespace gguf {
 
 enum GgmlType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
-// Bytes of one block of the 32-weight types: float16 d (Q4_1: d, m), then the weights.
-constexpr int64_t block_bytes(int64_t t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34; }
-
 struct TypeInfo {
   int64_t block, bytes;  // weights and bytes per block
 };
 
-inline TypeInfo type_info(int64_t t) {
+[[noreturn]] inline void unsupported_type(int64_t t) {
+  TORCH_CHECK(false, "gguf: unsupported GGML type ", t);
+  __builtin_unreachable();
+}
+
+// (constexpr, so the kernels' templates take their block sizes from here too)
+constexpr TypeInfo type_info(int64_t t) {
   switch (t) {
     case F32: return {1, 4};
     case F16: return {1, 2};
@@ -37,9 +40,12 @@ inline TypeInfo type_info(int64_t t) {
     case Q8_0: return {32, 34};
     case Q4_K: return {256, 144};
     case Q6_K: return {256, 210};
-    default: TORCH_CHECK(false, "gguf: unsupported GGML type ", t);
+    default: unsupported_type(t);
   }
 }
+
+// Bytes of one block.
+constexpr int64_t block_bytes(int64_t t) { return type_info(t).bytes; }
 
 inline float f16(const uint8_t* p) {
   uint16_t bits;
