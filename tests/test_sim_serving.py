@@ -255,3 +255,14 @@ def test_a_terminated_validation_stops_the_servers_it_started(tmp_path):
         for p in started:  # what a failure left behind
             if p.is_running():
                 p.kill()
+
+
+def test_calibration_warns_when_the_machine_speed_moved(capsys):
+    """Set 12 (README "A fleet"): part 2 measured a lone served prefill at 1.26x part 1's
+    price, and the real single replica came out 1.26x the prediction; such a
+    calibration must say so, and one within SPEED_MOVED of its price must not."""
+    from minivllm.sim.calibrate_serving import SPEED_MOVED, warn_speed_moved
+
+    assert warn_speed_moved(1.26) and "+26%" in capsys.readouterr().out
+    assert warn_speed_moved(1 - 2 * SPEED_MOVED) and "-20%" in capsys.readouterr().out
+    assert not warn_speed_moved(1 + SPEED_MOVED / 2) and capsys.readouterr().out == ""

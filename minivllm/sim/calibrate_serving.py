@@ -17,7 +17,8 @@ their own prompts, never the validated ones,
   token), in ``OUTSIDE_CHUNKS`` runs read against the server. A residual against
   the simulated TTFT (as fitted before) also took in how far this machine's
   speed moved since part 1 priced the steps, 6 to 29 ms over five calibrations;
-  the served prefill's price against its measured time is printed instead;
+  the served prefill's price against its measured time is printed instead,
+  with a warning past ``SPEED_MOVED``;
 - an idle engine's wake-up cost ``w (1 - exp(-t / tau))``: single requests
   sent after idle pauses of 0.5 and 2.5 s against back-to-back ones.
 
@@ -40,6 +41,10 @@ from minivllm.config import EngineArgs
 from minivllm.sim.fit import ZERO_Z
 
 BOOTSTRAP = 200  # resamples for the standard errors
+# A lone served prefill more than this far from part 1's price: the served engine
+# runs at another speed than the one priced (the machine moved between the parts,
+# or the fit misprices a served prompt's size), and every prediction moves with it.
+SPEED_MOVED = 0.10
 
 
 def measure_requests(base_url: str, work, rate: float, seed: int, max_concurrency=None):
@@ -326,9 +331,22 @@ def serve_calibration(base_url, hw, model_path, engine_kwargs, vocab, args):
             " (how far this machine's speed moved since part 1)")
     print(f"serving calibration (its own prompts; one at a time, all at once, after idle "
           f"pauses): {what}")
+    warn_speed_moved(served_prefill / priced)
     return served.with_(source=hw.source + "; " + what), fitted
 
 
-__all__ = ["serve_calibration", "fit_serving", "fit_wake", "serving_hardware", "measure",
+def warn_speed_moved(ratio: float) -> bool:
+    """Print a warning when a served engine ran at another speed than part 1 priced."""
+    if abs(ratio - 1) <= SPEED_MOVED:
+        return False
+    print(f"WARNING: a lone served prefill took {ratio:.2f}x what part 1 priced it at "
+          f"({ratio - 1:+.0%}): predictions made with this calibration will be off by about "
+          f"as much; if the machine was busy (`uptime`), its speed moved between the parts: "
+          f"calibrate again when it is quiet")
+    return True
+
+
+__all__ = ["serve_calibration", "warn_speed_moved",
+           "fit_serving", "fit_wake", "serving_hardware", "measure",
            "measure_requests", "simulate", "simulate_run", "ttft_residuals", "solve_overheads",
            "serving_jacobian", "bootstrap_std", "measure_one_at_a_time", "server_means", "pin_at_zero", "PINNABLE", "WAKE_PAUSES", "measure_after_pauses"]
