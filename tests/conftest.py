@@ -90,13 +90,17 @@ def tiny_model(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory, default_model_path):
-    """A tiny random Llama that shares SmolLM2's tokenizer and chat template."""
-    folder = tmp_path_factory.mktemp("tiny-chat")
+def build_chat_model(folder, default_model_path, **overrides) -> str:
+    """A random Llama that shares SmolLM2's tokenizer and chat template."""
     build_tiny_model(folder, "llama", vocab_size=49152, eos_token_id=2,
-                     max_position_embeddings=1024)
+                     max_position_embeddings=1024, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (Path(default_model_path) / name).is_file():
             shutil.copy(Path(default_model_path) / name, folder / name)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, default_model_path):
+    """A tiny random Llama that shares SmolLM2's tokenizer and chat template."""
+    return build_chat_model(tmp_path_factory.mktemp("tiny-chat"), default_model_path)

@@ -11,6 +11,7 @@ import pytest
 from minivllm.sim import process_cpu
 from minivllm.sim.calibrate_frontend import (FRONTEND_TOKENS, PROBE_TOKENS,
                                              per_request_and_token)
+from tests.conftest import build_chat_model
 
 
 def test_per_request_and_per_token_come_back_from_two_runs():
@@ -64,18 +65,23 @@ def test_the_processes_of_a_served_run_are_read_as_psutil_reads_them(tiny_model)
         u["cpu_s"]["engine_core"] / u["wall_s"], rel=0.02)
 
 
-def test_the_serving_latency_is_measured_outside_the_engine_s_prefill(tiny_chat_model):
+def test_the_serving_latency_is_measured_outside_the_engine_s_prefill(tmp_path,
+                                                                      default_model_path):
     """``measure_one_at_a_time`` reads each run's server prefill (its /metrics) and
     takes it from the client's TTFT: prompts 16x longer make the engine's prefill
     grow, while what serving adds stays what it was (HTTP, IPC and queue do not
     read the prompt's tokens through the model). A count the server never
-    recorded is refused, naming both counts."""
+    recorded is refused, naming both counts. The model is wide enough that the
+    prefill's growth stands well above the jitter of a shared machine's HTTP."""
     from minivllm.benchmarks.workload import random_requests
     from minivllm.entrypoints.launch import ServerProcess
     from minivllm.sim.calibrate_serving import measure, measure_one_at_a_time, server_means
     from minivllm.sim.real_fleet import server_latency_sums
 
-    with ServerProcess(tiny_chat_model, "--num-kv-blocks", "512", "--max-num-batched-tokens",
+    model = build_chat_model(tmp_path, default_model_path, hidden_size=384,
+                             intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=6, num_key_value_heads=2)
+    with ServerProcess(model, "--num-kv-blocks", "512", "--max-num-batched-tokens",
                        "1024") as server:
         server.wait_until_healthy()
         measure(server.url, random_requests(2, 16, 4, 49152, seed=9), 100.0, 0)  # warm up
@@ -88,6 +94,6 @@ def test_the_serving_latency_is_measured_outside_the_engine_s_prefill(tiny_chat_
     assert len(r_s) == len(r_l) == 12 and len(out_s) == len(out_l) == 4
     assert min(out_s + out_l) > 0 and min(pre_s, pre_l) > 0
     grew = pre_l - pre_s
-    assert grew > 0.002, (pre_s, pre_l)
-    moved = abs(statistics.fmean(out_l) - statistics.fmean(out_s))
+    assert grew > 0.01, (pre_s, pre_l)
+    moved = abs(statistics.median(out_l) - statistics.median(out_s))
     assert moved < grew / 2, (out_s, out_l, pre_s, pre_l)
