@@ -71,10 +71,12 @@ show_source(SimExecutor.execute_model, start="t0 = time.perf_counter()",
             end="out.timings =")
 
 # %% [markdown]
-# The price of a step is a roofline per operator group: matrix products (every weight
-# read once; FLOPs for each new token, the LM head only for sampling rows), attention
-# over each sequence's context, and the all-reduces of tensor parallelism, plus fixed
-# overheads per step, per sequence and per token.
+# The price of a step is a roofline per operator group: the layers' matrix products
+# (every weight read once, FLOPs for each new token), the LM head (only sampling rows
+# get logits, so a lone prefill's head is a matrix-vector product that streams the
+# vocabulary's weights while its layers wait on FLOP/s), attention over each sequence's
+# context, and the all-reduces of tensor parallelism, plus fixed overheads per step,
+# per sequence and per token.
 
 # %%
 show_source(CostModel.breakdown, start="flops = hw.peak_flops", end="return out")
@@ -95,7 +97,9 @@ show_source(CostModel.breakdown, start="flops = hw.peak_flops", end="return out"
 # context, decode batches of 8 to 64, a mixed batch), records every step's
 # composition and measured duration, and fits the constants by bounded least
 # squares: efficiencies in (0, 1] of the peaks just measured, overheads between 0 and
-# the shortest step. Each constant comes with its standard error, and a fit that
+# the shortest step. Each kind of step (lone decodes, decode batches, lone prefills,
+# mixed steps) weighs alike, or the many decode steps would set the price of the few
+# prefills that a request's time to first token is made of. Each constant comes with its standard error, and a fit that
 # leaves one unidentified is refused rather than returned. A smaller version of the
 # command's workload keeps this cell short.
 

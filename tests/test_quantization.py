@@ -327,8 +327,8 @@ def test_the_simulator_prices_the_bytes_the_quantized_model_holds():
     model = load_model(config, get_attention_backend("torch", "cpu"))
     held = {id(t.data): t.data.numel() for m in model.modules() if hasattr(m, "qweight")
             for _, t in m.qweight.segments}
-    assert CostModel(config, load_hardware("h100-sxm")).weight_bytes == pytest.approx(
-        sum(held.values()), rel=1e-9)
+    cm = CostModel(config, load_hardware("h100-sxm"))
+    assert cm.weight_bytes + cm.head_bytes == pytest.approx(sum(held.values()), rel=1e-9)
 
 
 def test_gguf_gemv_bench_streams_every_matrix_of_the_default_file(capsys):

@@ -94,14 +94,18 @@ def calibration_workload(vocab_size: int, seed: int = 0, scale: float = 1.0,
                          ) -> list[tuple[list[list[int]], list[int]]]:
     """Rounds of (prompts, output lengths), each run alone, each there for a constant:
 
-    - lone prefills of 16, 64, 256 and 512 tokens (2 output tokens): the small ones
-      are bound by reading the weights, the large ones by the matrix products
-      (``flops_efficiency``), and their spread separates ``step_overhead_s``;
+    - lone prefills of 16 to 512 tokens (2 output tokens), ``scale`` times over: the
+      small ones are bound by reading the weights, the large ones by the matrix
+      products (``flops_efficiency``), and their spread separates ``step_overhead_s``;
+      they are what a served request's TTFT is made of, and with one sequence each
+      they tell the matrix products from ``per_seq_overhead_s``, which in decode
+      batches grow together;
     - one sequence decoding after 32 and after ``long_context`` prompt tokens
       (``bandwidth_efficiency``; the long one's chunked prefill and decode read
       1000+ cached tokens per step: ``attention_efficiency``);
     - 4 and 16 sequences decoding together (``per_seq_overhead_s``);
-    - 24 prompts at once: chunked prefills next to decodes, the mix serving makes.
+    - 24 prompts at once, ``scale`` times over: chunked prefills next to decodes,
+      the mix serving makes.
     """
     rng = random.Random(seed)
 
@@ -110,11 +114,13 @@ def calibration_workload(vocab_size: int, seed: int = 0, scale: float = 1.0,
                 for _ in range(n)]
 
     k = lambda x: max(2, int(x * scale))  # noqa: E731
-    lone = [(prompts(1, n, n), [2]) for n in (16, 16, 24, 32, 32, 48, 64, 96, 128, 256, 512)]
+    lone = [(prompts(1, n, n), [2]) for _ in range(max(1, round(scale)))
+            for n in (16, 16, 24, 32, 32, 48, 64, 96, 128, 256, 512)]
     single = [(prompts(1, n, n), [k(32)]) for n in (32, long_context)]
     batches = [(prompts(n, 16, 32), [k(24)] * n) for n in (8, 32, 64)]
-    mixed = (prompts(24, 64, 160), [rng.randint(k(8), k(24)) for _ in range(24)])
-    return [*lone, *single, *batches, mixed]
+    mixed = [(prompts(24, 64, 160), [rng.randint(k(8), k(24)) for _ in range(24)])
+             for _ in range(max(1, round(scale)))]
+    return [*lone, *single, *batches, *mixed]
 
 
 class RecordingCostModel(CostModel):
@@ -263,7 +269,13 @@ def refit(path, max_relative_error: float = 0.5) -> Calibration:
     """The fit again, on steps kept by ``calibrate(..., steps_path=...)``."""
     import json
 
+    from minivllm.sim.cost_model import FEATURE_NAMES
+
     d = np.load(path)
+    if d["rows"].shape[1] != len(FEATURE_NAMES):
+        raise ValueError(f"steps file {path}: rows have {d['rows'].shape[1]} features, and "
+                         f"this cost model prices {len(FEATURE_NAMES)} "
+                         f"({', '.join(FEATURE_NAMES)}); run calibrate again to keep them")
     base = Hardware.from_dict(json.loads(str(d["base"])))
     return fit(base, d["rows"], d["measured"], int(d["tp"]), max_relative_error)
 

@@ -12,9 +12,15 @@ tokens (``q``) after how many cached ones (``c``). From that and the model's
 
 Groups, per step (``T`` new tokens in all, ``S`` sequences that sample):
 
-- linear: every matrix product. FLOPs ``2 T P`` for the ``P`` weights of the
-  layers and ``2 S V h`` for the LM head (only sampling rows get logits);
-  bytes: every weight once, plus the activations each product reads and writes.
+- linear: the decoder layers' matrix products. FLOPs ``2 T P`` for their ``P``
+  weights; bytes: every weight once, plus the activations each product reads
+  and writes; at the matrix products' peak for ``T`` rows.
+- lm_head: the vocabulary projection, ``2 S V h`` FLOPs, since only sampling
+  rows get logits, and its ``V h`` weights once; at the peak for ``S`` rows.
+  Its own group because its rows are not the layers': a prefill's layers are
+  compute-bound over ``T`` rows while its head is a matrix-vector product that
+  streams the vocabulary's weights, and ``max`` over the two together would
+  hide that stream behind the layers' arithmetic.
 - attention, per sequence and layer: FLOPs ``4 heads d (q c + q (q+1) / 2)``
   (QK^T and PV, causal), bytes: the K/V of its ``c + q`` tokens read once,
   the ``q`` new ones written; the FLOPs and bytes at the attention kernels'
@@ -52,8 +58,10 @@ class StepFeatures:
     num_tokens: int = 0
     num_seqs: int = 0
     num_sampled: int = 0
-    linear_flops: float = 0.0
+    linear_flops: float = 0.0  # the decoder layers' products
     linear_bytes: float = 0.0
+    head_flops: float = 0.0  # the LM head's product (sampled rows)
+    head_bytes: float = 0.0
     attention_flops: float = 0.0
     attention_bytes: float = 0.0
     allreduce_bytes: float = 0.0  # per rank, all collectives of the step
@@ -62,11 +70,12 @@ class StepFeatures:
     def as_row(self) -> list[float]:
         return [self.num_tokens, self.num_seqs, self.num_sampled, self.linear_flops,
                 self.linear_bytes, self.attention_flops, self.attention_bytes,
-                self.allreduce_bytes, self.num_allreduces]
+                self.allreduce_bytes, self.num_allreduces, self.head_flops, self.head_bytes]
 
 
 FEATURE_NAMES = ("num_tokens", "num_seqs", "num_sampled", "linear_flops", "linear_bytes",
-                 "attention_flops", "attention_bytes", "allreduce_bytes", "num_allreduces")
+                 "attention_flops", "attention_bytes", "allreduce_bytes", "num_allreduces",
+                 "head_flops", "head_bytes")
 
 
 class CostModel:
@@ -84,8 +93,9 @@ class CostModel:
         self.head_params = m.vocab_size * h
         # Weights read each step (the embedding table is only looked up, T rows),
         # in the bytes the engine keeps them in (GGUF blocks: under one a weight).
-        self.weight_bytes = (L * self.layer_params + self.head_params) \
-            * _weight_bytes_per_param(m) / tp
+        per_param = _weight_bytes_per_param(m) / tp
+        self.weight_bytes = L * self.layer_params * per_param
+        self.head_bytes = self.head_params * per_param
         # Elements each token reads + writes through the products of one layer.
         self.act_elems = (h + q + 2 * kv) + (q + h) + (h + 2 * m.intermediate_size) \
             + (m.intermediate_size + h)
@@ -111,10 +121,12 @@ class CostModel:
                       ctx_tokens: int) -> StepFeatures:
         m, tp, L = self.model, self.tp, self.model.num_hidden_layers
         f = StepFeatures(num_tokens=tokens, num_seqs=seqs, num_sampled=sampled)
-        f.linear_flops = (2 * tokens * L * self.layer_params
-                          + 2 * sampled * self.head_params) / tp
-        f.linear_bytes = (self.weight_bytes
-                          + tokens * L * self.act_elems * self.elem / tp)
+        f.linear_flops = 2 * tokens * L * self.layer_params / tp
+        f.linear_bytes = self.weight_bytes + tokens * L * self.act_elems * self.elem / tp
+        f.head_flops = 2 * sampled * self.head_params / tp
+        if sampled:  # a step that samples nothing (a chunk of a prompt) skips the head
+            f.head_bytes = self.head_bytes + sampled * (m.hidden_size + m.vocab_size) \
+                * self.elem / tp
         f.attention_flops = self.attn_flops_unit * ctx_pairs
         f.attention_bytes = self.kv_bytes_token * ctx_tokens
         if tp > 1:
@@ -132,17 +144,21 @@ class CostModel:
 
     def compute_bound(self, f: StepFeatures, bandwidth_share: float = 1.0,
                       flops_share: float = 1.0) -> bool:
-        """Whether the step's matrix products wait on FLOP/s rather than on memory."""
+        """Whether the decoder layers' matrix products (most of a step's) wait on FLOP/s
+        rather than on memory."""
         compute, memory = self._linear_times(f, bandwidth_share, flops_share)
         return compute > memory
 
-    def _linear_times(self, f: StepFeatures, bandwidth_share: float,
-                      flops_share: float) -> tuple[float, float]:
-        """The matrix products' seconds at the FLOP/s ceiling and at the bandwidth one."""
+    def _linear_times(self, f: StepFeatures, bandwidth_share: float, flops_share: float,
+                      head: bool = False) -> tuple[float, float]:
+        """The layers' (or the LM head's) products' seconds at the FLOP/s ceiling for
+        their rows and at the bandwidth one."""
         hw = self.hardware
-        flops = float(hw.linear_peak(f.num_tokens)) * hw.flops_efficiency * flops_share
+        rows, fl, by = ((f.num_sampled, f.head_flops, f.head_bytes) if head else
+                        (f.num_tokens, f.linear_flops, f.linear_bytes))
+        flops = float(hw.linear_peak(rows)) * hw.flops_efficiency * flops_share
         bw = hw.mem_bandwidth * hw.bandwidth_efficiency * bandwidth_share
-        return f.linear_flops / flops, f.linear_bytes / bw
+        return fl / flops, by / bw
 
     def breakdown(self, f: StepFeatures, bandwidth_share: float = 1.0,
                   flops_share: float = 1.0) -> dict[str, float]:
@@ -155,6 +171,7 @@ class CostModel:
         kv_bw = (hw.attention_bandwidth * bandwidth_share) or bw
         out = {
             "linear": max(self._linear_times(f, bandwidth_share, flops_share)),
+            "lm_head": max(self._linear_times(f, bandwidth_share, flops_share, head=True)),
             "attention": max(f.attention_flops / ((hw.attention_flops or flops) * flops_share),
                              f.attention_bytes / kv_bw)
             / hw.attention_efficiency,
@@ -170,10 +187,11 @@ class CostModel:
 
 def times_of(rows: np.ndarray, hw: Hardware, tp: int = 1) -> np.ndarray:
     """``CostModel.time`` for many steps at once (rows of ``StepFeatures.as_row``)."""
-    tok, seqs, _, lf, lb, af, ab, rb, nr = rows.T
+    tok, seqs, sampled, lf, lb, af, ab, rb, nr, hf, hb = rows.T
     flops = hw.peak_flops * hw.flops_efficiency
     bw = hw.mem_bandwidth * hw.bandwidth_efficiency
     t = (np.maximum(lf / (hw.linear_peak(tok) * hw.flops_efficiency), lb / bw)
+         + np.maximum(hf / (hw.linear_peak(sampled) * hw.flops_efficiency), hb / bw)
          + np.maximum(af / (hw.attention_flops or flops), ab / (hw.attention_bandwidth or bw))
          / hw.attention_efficiency
          + hw.step_overhead_s + hw.per_seq_overhead_s * seqs + hw.per_token_overhead_s * tok)

@@ -15,9 +15,15 @@ exactly as ``flops_efficiency`` does, so no workload separates the two.
 
 The residuals are log(predicted / measured) per step (a relative error, so
 short and long steps weigh alike), minimised by bounded least squares
-(``scipy.optimize.least_squares``, trust region reflective). Each constant's
+(``scipy.optimize.least_squares``, trust region reflective). Each kind of step
+(``step_kinds``: lone decodes, batched decodes, lone prefills, mixed steps)
+weighs alike in all, whatever the workload's mix: the calibration workload is
+mostly decode steps, and unweighted they set the constants a prefill is priced
+with, while a served request's TTFT is mostly its prefill. Each constant's
 standard error comes from the Jacobian at the optimum and the residual
-variance, ``cov = s^2 (J^T J)^-1`` over the constants not pinned at a bound.
+variance, ``cov = s^2 A^-1 (J^T W^2 J) A^-1`` with ``A = J^T W J`` over the
+constants not pinned at a bound (the weights say what matters, not which steps
+are noisier, so the plain ``s^2 A^-1`` would claim too small an error).
 A fit is refused (``CalibrationError``, nothing written) when the solver does
 not converge, when a constant does not move any step's prediction, when two
 cannot be told apart (``J^T J`` singular), or when a constant's standard error
@@ -64,6 +70,23 @@ ZERO_PINNABLE = ("step_overhead_s", "per_seq_overhead_s")
 ZERO_Z = 1.96
 
 
+KINDS = ("lone decode", "batched decode", "lone prefill", "mixed")
+
+
+def step_kinds(rows: np.ndarray) -> np.ndarray:
+    """Each step's index into ``KINDS``, from its tokens and sequences."""
+    tokens, seqs = rows[:, 0], rows[:, 1]
+    decode = tokens == seqs
+    return np.where(decode, np.where(seqs == 1, 0, 1), np.where(seqs == 1, 2, 3))
+
+
+def kind_weights(rows: np.ndarray) -> np.ndarray:
+    """Per-step weights (mean 1) under which each kind present weighs alike."""
+    kinds = step_kinds(rows)
+    counts = np.bincount(kinds, minlength=len(KINDS))
+    return len(rows) / (np.count_nonzero(counts) * counts[kinds])
+
+
 class CalibrationError(ValueError):
     """The fit is not worth writing: it names the constant and why."""
 
@@ -75,7 +98,7 @@ class FitResult:
     stderr: dict[str, float]  # nan where the constant sits on a bound
     at_bound: dict[str, str]  # name -> "lower" / "upper" / "zero" for pinned constants
     bounds: dict[str, tuple[float, float]]
-    residual_std: float  # of log(predicted / measured)
+    residual_std: float  # of log(predicted / measured), unweighted
     effect: dict[str, float]  # the most a constant's stderr moves a step's prediction
     predicted: np.ndarray = field(repr=False, default=None)
     # Pinned at 0 because unidentified and consistent with 0: name -> (the value
@@ -150,12 +173,13 @@ def _fit_free(base, rows, measured, tp, bounds, zeroed, max_rel, negligible) -> 
     # The solver works on constants scaled to their ranges (all of order 1).
     scale = hi - lo
     held = {n: 0.0 for n in zeroed}
+    root_w = np.sqrt(kind_weights(rows))
 
     def hw_of(z):
         return base.with_(**held, **{n: float(v) for n, v in zip(free, lo + z * scale)})
 
     def residuals(z):
-        return np.log(times_of(rows, hw_of(z), tp) / measured)
+        return root_w * np.log(times_of(rows, hw_of(z), tp) / measured)
 
     overhead = np.array([n.endswith("_s") for n in free])
     best = None
@@ -168,12 +192,13 @@ def _fit_free(base, rows, measured, tp, bounds, zeroed, max_rel, negligible) -> 
     if best is None:
         raise CalibrationError(f"the fit did not converge ({res.message}); nothing written")
     return _with_uncertainty(best, hw_of, free, lo, scale, bounds, max_rel, len(measured),
-                             negligible, held)
+                             negligible, held, root_w)
 
 
 def _with_uncertainty(res, hw_of, names, lo, scale, bounds, max_rel, n, negligible,
-                      held) -> FitResult:
+                      held, root_w) -> FitResult:
     z, jac = res.x.copy(), res.jac
+    step_jac = jac / root_w[:, None]  # how each step's own prediction moves
     pinned = {name: "zero" for name in held}
     for i, name in enumerate(names):
         if z[i] <= 1e-4 or z[i] >= 1 - 1e-4:  # within 0.01 % of its range: on the bound
@@ -182,17 +207,17 @@ def _with_uncertainty(res, hw_of, names, lo, scale, bounds, max_rel, n, negligib
     values = lo + z * scale
     # A constant that moves no prediction is not identified, pinned or not.
     for i, name in enumerate(names):
-        if np.max(np.abs(jac[:, i])) < 1e-6:
+        if np.max(np.abs(step_jac[:, i])) < 1e-6:
             raise CalibrationError(
                 f"{name} is not identified: it does not change the predicted time of "
                 f"any calibration step; the workload needs {NEEDS[name]}")
     free = [i for i, name in enumerate(names) if name not in pinned]
     dof = max(n - len(free), 1)
-    s2 = float(np.sum(res.fun ** 2) / dof)
+    s2 = float(np.sum((res.fun / root_w) ** 2) / dof)
     stderr = {name: float("nan") for name in FITTED}
     if free:
         jf = jac[:, free]
-        jtj = jf.T @ jf
+        jtj = jf.T @ jf  # A = J^T W J (the solver's Jacobian carries sqrt(W))
         eigval, eigvec = np.linalg.eigh(jtj)
         if eigval[0] <= 1e-10 * max(eigval[-1], 1e-300):
             # The direction the data cannot see: the constants with weight in it.
@@ -201,14 +226,15 @@ def _with_uncertainty(res, hw_of, names, lo, scale, bounds, max_rel, n, negligib
             raise CalibrationError(
                 f"{' and '.join(tied)} are not identified: the calibration steps cannot "
                 f"tell them apart; the workload needs {NEEDS[tied[0]]}")
-        cov = s2 * np.linalg.inv(jtj)
+        inv, jww = np.linalg.inv(jtj), jf * root_w[:, None]
+        cov = s2 * inv @ (jww.T @ jww) @ inv
         for k, i in enumerate(free):
             stderr[names[i]] = float(np.sqrt(max(cov[k, k], 0.0)) * scale[i])
     effect = {}
     for i in free:
         name = names[i]
         # The most its uncertainty moves any step's prediction (relative).
-        effect[name] = float(np.max(np.abs(jac[:, i])) * stderr[name] / scale[i])
+        effect[name] = float(np.max(np.abs(step_jac[:, i])) * stderr[name] / scale[i])
         if not (stderr[name] <= max_rel * values[i] or effect[name] <= negligible):
             raise _Unidentified(
                 name, float(values[i]), stderr[name],
@@ -222,4 +248,4 @@ def _with_uncertainty(res, hw_of, names, lo, scale, bounds, max_rel, n, negligib
 
 
 __all__ = ["fit_steps", "FitResult", "CalibrationError", "FITTED", "bounds_of", "NEEDS",
-           "ZERO_PINNABLE", "ZERO_Z"]
+           "ZERO_PINNABLE", "ZERO_Z", "KINDS", "step_kinds", "kind_weights"]
