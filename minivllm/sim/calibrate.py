@@ -103,7 +103,7 @@ def calibration_workload(vocab_size: int, seed: int = 0, scale: float = 1.0,
     - one sequence decoding after 32 and after ``long_context`` prompt tokens
       (``bandwidth_efficiency``; the long one's chunked prefill and decode read
       1000+ cached tokens per step: ``attention_efficiency``);
-    - 4 and 16 sequences decoding together (``per_seq_overhead_s``);
+    - 8, 32 and 64 sequences decoding together (``per_seq_overhead_s``);
     - 24 prompts at once, ``scale`` times over: chunked prefills next to decodes,
       the mix serving makes.
     """
@@ -114,12 +114,13 @@ def calibration_workload(vocab_size: int, seed: int = 0, scale: float = 1.0,
                 for _ in range(n)]
 
     k = lambda x: max(2, int(x * scale))  # noqa: E731
-    lone = [(prompts(1, n, n), [2]) for _ in range(max(1, round(scale)))
+    repeats = max(1, round(scale))
+    lone = [(prompts(1, n, n), [2]) for _ in range(repeats)
             for n in (16, 16, 24, 32, 32, 48, 64, 96, 128, 256, 512)]
     single = [(prompts(1, n, n), [k(32)]) for n in (32, long_context)]
     batches = [(prompts(n, 16, 32), [k(24)] * n) for n in (8, 32, 64)]
     mixed = [(prompts(24, 64, 160), [rng.randint(k(8), k(24)) for _ in range(24)])
-             for _ in range(max(1, round(scale)))]
+             for _ in range(repeats)]
     return [*lone, *single, *batches, *mixed]
 
 
