@@ -80,7 +80,7 @@ serve: setup
 
 # Every chapter's key figure into figures/; ONLY="01 12" re-runs just those chapters.
 figures: setup sysdeps
-	$(PY) -m minivllm.viz.export figures $(if $(ONLY),--only $(ONLY))
+	$(PY) -m minivllm.lab.viz.export figures $(if $(ONLY),--only $(ONLY))
 
 bench: setup
 	$(VENV)/bin/minivllm bench throughput
@@ -162,7 +162,7 @@ bench-peers: setup $(if $(LLAMA),$(LLAMA_PEER))
 	  --max-tokens 128 --output $(OUT)_1x128_gguf$(OSFX).json
 	$(GGUF_BENCH) --num-prompts 32 --max-tokens 128 --output $(OUT)_32x128_gguf$(OSFX).json
 	$(GGUF_BENCH) --num-prompts 128 --max-tokens 128 --output $(OUT)_128x128_gguf$(OSFX).json
-	$(PY) -m minivllm.benchmarks.report $(foreach w,1x128 32x128 128x128 32x128_bf16 128x128_bf16 \
+	$(PY) -m minivllm.lab.bench.report $(foreach w,1x128 32x128 128x128 32x128_bf16 128x128_bf16 \
 	  1x128_gguf 32x128_gguf 128x128_gguf,$(OUT)_$(w)$(OSFX).json) | tee figures/bench_table$(OSFX).md
 
 clean:

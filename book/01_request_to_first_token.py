@@ -43,8 +43,8 @@
 
 
 # %%
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.path import request_path_figure
 
 path_map = request_path_figure(1)  # where this chapter is on the request path: all of it
 save_key_figure(path_map, "00_request_path")  # (for `make figures`; a no-op otherwise)
@@ -58,8 +58,8 @@ from openai import OpenAI
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints.launch import ServerProcess, process_gone
 from minivllm.model.resolve import DEFAULT_MODEL_NAME
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.timeline import Span, request_timeline, spans_from_steps
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.timeline import Span, request_timeline, spans_from_steps
 
 # %% [markdown]
 # ## 1. Where the engine sits
@@ -225,9 +225,9 @@ assert exit_code is not None and process_gone(engine_pid)  # waits up to 30 s
 # `Request` handed to the engine core, which puts it in the scheduler's waiting queue:
 
 # %%
-from minivllm.core.core import EngineCore
+from minivllm.core.engine_core import EngineCore
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(LLMEngine.add_request, start="text, token_ids =")
 

@@ -29,7 +29,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(2)  # where this chapter is on the request path
 
@@ -38,9 +38,9 @@ import ipywidgets as widgets
 from IPython.display import display
 
 from minivllm import LLM, SamplingParams
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.tokens import pieces_from_ids, split_tokens, token_boundaries
-from minivllm.viz.widgets import show_in
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.tokens import pieces_from_ids, split_tokens, token_boundaries
+from minivllm.lab.viz.widgets import show_in
 
 llm = LLM(num_kv_blocks=64)  # the default model, SmolLM2-135M-Instruct; 64 blocks is plenty
 tokenizer = llm.get_tokenizer()
@@ -101,7 +101,7 @@ assert no_system.startswith("<|im_start|>system\n") and default_system not in pr
 
 # %%
 from minivllm.inputs.processor import InputProcessor
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(InputProcessor.tokenize, start="if isinstance(prompt, str)",
             end="return text, self.tokenizer.encode")

@@ -31,7 +31,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(3)  # where this chapter is on the request path
 
@@ -43,10 +43,10 @@ from IPython.display import display
 from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.resolve import resolve_model_path
-from minivllm.viz.bars import component_bars, line_chart, topk_bars
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.heatmap import attention_heatmap
-from minivllm.viz.widgets import show_in
+from minivllm.lab.viz.bars import component_bars, line_chart, topk_bars
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.heatmap import attention_heatmap
+from minivllm.lab.viz.widgets import show_in
 
 # %% [markdown]
 # The engine runs with `cpu_kernels=False`: the plain PyTorch reference path, so the
@@ -161,7 +161,7 @@ assert torch.equal(emb, model.model.embed_tokens.weight[torch.tensor(ids)])
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.models.llama import LlamaDecoderLayer
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(LlamaDecoderLayer.forward)
 

@@ -32,7 +32,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(4)  # where this chapter is on the request path
 
@@ -44,8 +44,8 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.model.attention import AttentionMetadata
-from minivllm.viz.bars import component_bars, line_chart
-from minivllm.viz.export import save_key_figure
+from minivllm.lab.viz.bars import component_bars, line_chart
+from minivllm.lab.viz.export import save_key_figure
 
 # %% [markdown]
 # The engine runs with `cpu_kernels=False`: the plain PyTorch reference path, so the
@@ -201,7 +201,7 @@ print(f"prompt keys in the cache = fresh keys, in all {len(fresh_k)} layers")
 # %%
 from minivllm.model.attention.torch_attn import (TorchAttentionBackend, gather_kv,
                                                  sequence_attention)
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(TorchAttentionBackend.write_kv)
 

@@ -30,7 +30,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(5)  # where this chapter is on the request path
 
@@ -41,10 +41,10 @@ import ipywidgets as widgets
 from IPython.display import display
 
 from minivllm import LLM, SamplingParams
-from minivllm.viz.blocks import (all_request_ids, block_map_figure, block_map_states,
+from minivllm.lab.viz.blocks import (all_request_ids, block_map_figure, block_map_states,
                                  footprint_lines, request_colors, reserved_slots, waste_bars)
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.widgets import show_in
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.widgets import show_in
 
 BLOCK_SIZE = 16  # token slots per block
 NUM_BLOCKS = 64  # a deliberately small cache, so the map fits on the screen
@@ -230,7 +230,7 @@ assert scattered  # at least one request's blocks are not one contiguous run
 # %%
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(BlockPool.get_new_blocks, start="blocks = []")
 

@@ -35,7 +35,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(6)  # where this chapter is on the request path
 
@@ -70,15 +70,15 @@ from IPython.display import display
 # %%
 import minivllm
 from minivllm import LLM, SamplingParams
-from minivllm.benchmarks import attention as bench
-from minivllm.benchmarks.args import bench_args
-from minivllm.benchmarks.attention import make_paged_batch
+from minivllm.lab.bench import attention as bench
+from minivllm.lab.bench.args import bench_args
+from minivllm.lab.bench.attention import make_paged_batch
 from minivllm.model.attention import triton_attn
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.kernel import (attention_bench_figure, kernel_tile_plan, online_softmax,
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.kernel import (attention_bench_figure, kernel_tile_plan, online_softmax,
                                  online_softmax_figure, tile_visit_figure)
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 print("Triton interprets:", triton_attn.interpreter_active())
 assert triton_attn.interpreter_active() == (not ON_GPU)
@@ -264,7 +264,7 @@ show_source(softmax_tile)
 # %% [markdown]
 # Let us do that by hand for one row of the launch above: the last new token of the
 # chunk, and the query head whose running maximum grows most often from tile to tile.
-# The book's tracer `online_softmax` (in `minivllm.viz.kernel`) runs the same fold over
+# The book's tracer `online_softmax` (in `minivllm.lab.viz.kernel`) runs the same fold over
 # one row in float64 and records each tile's state for the figure below; it must end
 # on the full row's maximum and sum, give the exact softmax, and give the kernel's
 # output for that row.

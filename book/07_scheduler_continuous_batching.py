@@ -34,7 +34,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(7)  # where this chapter is on the request path
 
@@ -42,8 +42,8 @@ request_path_figure(7)  # where this chapter is on the request path
 from dataclasses import dataclass
 
 from minivllm import LLM, SamplingParams
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.gantt import (finish_events, gantt_compare_figure, gantt_figure,
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.gantt import (finish_events, gantt_compare_figure, gantt_figure,
                                 gantt_segments, preemption_events, token_budget_figure)
 
 BUDGET = 256  # max_num_batched_tokens: tokens one step may compute, all requests together
@@ -254,7 +254,7 @@ assert len(static_chunks) > 1 and all(set(s) == {"B"} for s in static_chunks)
 
 # %%
 from minivllm.metrics.summary import percentile
-from minivllm.viz.bars import line_chart
+from minivllm.lab.viz.bars import line_chart
 
 loaded = LLM(trace=True, max_num_batched_tokens=1024, enable_prefix_caching=False)
 DECODERS = [chat(f"Name {n} things a good lab report contains.") for n in range(3, 7)]
@@ -334,7 +334,7 @@ line_chart(budgets, {"decodes' ITL p99": [chunking[b]["itl_p99_ms"] for b in bud
 # package as it runs:
 
 # %%
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source("minivllm.core.scheduler.Scheduler.schedule", start="out = SchedulerOutput",
             end="self._schedule_waiting")
@@ -577,7 +577,7 @@ print("query_start_loc", qsl, "| seq_lens", meta.seq_lens.tolist(),
       "| logits_indices", sampled_rows)
 
 # %%
-from minivllm.viz.batch import flat_batch_figure
+from minivllm.lab.viz.batch import flat_batch_figure
 
 flat_batch_figure({"input_ids": tokens, "positions": positions, "slot_mapping": slots},
                   qsl, order, sampled_rows,

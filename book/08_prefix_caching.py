@@ -40,7 +40,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(8)  # where this chapter is on the request path
 
@@ -53,8 +53,8 @@ from openai.types import CompletionUsage
 from minivllm import LLM, SamplingParams
 from minivllm.core.kv_cache_manager import hash_block_tokens, hash_request_tokens
 from minivllm.entrypoints.openai.serving_engine import UsageCounter
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.prefix import (STATUS_COLORS, chain_rows, hash_chain_figure, short_hash,
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.prefix import (STATUS_COLORS, chain_rows, hash_chain_figure, short_hash,
                                  turn_bars_figure)
 
 llm = LLM(trace=True)  # prefix caching is on by default, as in vLLM
@@ -177,7 +177,7 @@ assert all(kv.block_pool.get_cached_block(h) is not None
 # %%
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(hash_block_tokens, start="digest = hashlib.sha256()")
 

@@ -33,7 +33,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(9)  # where this chapter is on the request path
 
@@ -44,9 +44,9 @@ from IPython.display import display
 
 from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.sampling import count_bars, filter_figure
-from minivllm.viz.widgets import show_in
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.sampling import count_bars, filter_figure
+from minivllm.lab.viz.widgets import show_in
 from minivllm.sample.sampler import (Sampler, SamplingMetadata, SamplingRow, apply_min_p,
                                      apply_penalties, apply_top_k_top_p)
 
@@ -113,7 +113,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
 from mini.sampler import filtered_probs as by_hand
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(by_hand)
 
@@ -148,7 +148,7 @@ for s in settings:
 # per row. Its `forward`, taken from the package as it runs:
 
 # %%
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(Sampler.forward, start="logits = logits.float()")
 

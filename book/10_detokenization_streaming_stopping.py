@@ -40,7 +40,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(10)  # where this chapter is on the request path
 
@@ -50,10 +50,10 @@ from IPython.display import display
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.stream import carried_tokens, record_stream, stream_figure
-from minivllm.viz.tokens import token_bytes
-from minivllm.viz.widgets import show_in
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.stream import carried_tokens, record_stream, stream_figure
+from minivllm.lab.viz.tokens import token_bytes
+from minivllm.lab.viz.widgets import show_in
 
 llm = LLM()
 engine = llm.llm_engine
@@ -62,7 +62,7 @@ tok = llm.get_tokenizer()
 # %% [markdown]
 # ## One Chinese answer, recorded step by step
 #
-# `record_stream` (in `minivllm.viz.stream`) submits one request and calls
+# `record_stream` (in `minivllm.lab.viz.stream`) submits one request and calls
 # `engine.step()` until it finishes, asking for **delta** outputs, as a streaming
 # server does: each step's output holds only what is new. After every step it also
 # notes the new token's bytes and what the output path is holding back.
@@ -193,7 +193,7 @@ assert detok.finish() == ""
 # this one), and `_clean` undoes Hugging Face's space clean-up across window edges:
 
 # %%
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(IncrementalDetokenizer.update, start="self.token_ids.extend")
 

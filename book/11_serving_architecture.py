@@ -34,7 +34,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(11)  # where this chapter is on the request path
 
@@ -60,10 +60,10 @@ from minivllm.engine.detokenizer import REPLACEMENT_CHAR
 from minivllm.entrypoints.launch import ServerProcess, port_is_free, process_gone
 from minivllm.model.resolve import DEFAULT_MODEL_NAME
 from minivllm.sampling_params import RequestOutputKind
-from minivllm.viz.bars import line_chart
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.sequence import attach_message_log, sequence_figure
-from minivllm.viz.stream import arrivals_figure
+from minivllm.lab.viz.bars import line_chart
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.sequence import attach_message_log, sequence_figure
+from minivllm.lab.viz.stream import arrivals_figure
 
 # %% [markdown]
 # The real server takes a while to load the model, so we start it now, as chapter 1
@@ -80,7 +80,7 @@ print(server.command, "-> pid", server.pid)
 #
 # The server's engine is an `AsyncLLM` (`minivllm/engine/async_llm.py`). We build the
 # same object here. Its constructor starts the **engine core** in a new process
-# (`minivllm/core/core_proc.py`: scheduler, KV cache, model) and keeps the
+# (`minivllm/core/engine_core_proc.py`: scheduler, KV cache, model) and keeps the
 # **API side** in ours: chat template, tokenizer, detokenizer, stop strings.
 
 # %%
@@ -250,11 +250,11 @@ assert process_gone(core_pid)  # waits up to 30 s for the process to exit
 # the sampled tokens back to the scheduler. Taken from the package as it runs:
 
 # %%
-from minivllm.core.core import EngineCore
-from minivllm.core.core_proc import (AddRequests, EngineCoreProc, EngineCoreReady, Shutdown,
+from minivllm.core.engine_core import EngineCore
+from minivllm.core.engine_core_proc import (AddRequests, EngineCoreProc, EngineCoreReady, Shutdown,
                                      run_engine_core)
 from minivllm.engine.core_builder import build_engine_core
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(EngineCore.step, start="so = self.scheduler.schedule()",
             end="outputs = self.scheduler.update_from_output")

@@ -33,12 +33,12 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(12)  # where this chapter is on the request path
 
 # %%
-from minivllm.viz.notes import timing_note
+from minivllm.lab.viz.notes import timing_note
 
 timing_note()  # what this chapter's measured times are worth, said once
 
@@ -56,19 +56,19 @@ import torch
 
 # %%
 from minivllm import LLM, SamplingParams
-from minivllm.benchmarks.args import bench_args
-from minivllm.benchmarks.throughput.driver import HFGenerate
-from minivllm.benchmarks.workload import chat_workload
-from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
-from minivllm.benchmarks.serve import (add_cli_args, benchmark, build_payloads,
+from minivllm.lab.bench.args import bench_args
+from minivllm.lab.bench.throughput.driver import HFGenerate
+from minivllm.lab.bench.workload import chat_workload
+from minivllm.lab.bench.roofline import measure_bandwidth, measure_roofline
+from minivllm.lab.bench.serve import (add_cli_args, benchmark, build_payloads,
                                        compute_metrics, poisson_delays)
-from minivllm.benchmarks.throughput import min_forward_passes
+from minivllm.lab.bench.throughput import min_forward_passes
 from minivllm.entrypoints.launch import ServerProcess
 from minivllm.model.resolve import DEFAULT_MODEL_NAME
-from minivllm.viz.bars import component_bars
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.latency import batch_tradeoff_figure, load_sweep_figure
-from minivllm.viz.timeline import request_timeline, spans_from_steps
+from minivllm.lab.viz.bars import component_bars
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.latency import batch_tradeoff_figure, load_sweep_figure
+from minivllm.lab.viz.timeline import request_timeline, spans_from_steps
 
 N, MAX_TOKENS = 8, 16  # the shared workload: 8 chat requests, 16 output tokens each
 
@@ -137,12 +137,12 @@ print("every token time falls inside its own step")
 
 # %%
 from minivllm.metrics.request_metrics import RequestMetrics
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(RequestMetrics.tpot, start="spans =")
 
 # %% [markdown]
-# The benchmark client (`minivllm/benchmarks/serve.py`) has its own stamps, taken when
+# The benchmark client (`minivllm/lab/bench/serve.py`) has its own stamps, taken when
 # each chunk of text reaches it, and aggregates them over requests the way `vllm bench
 # serve` does: medians and percentiles of the per-request numbers.
 

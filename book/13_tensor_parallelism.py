@@ -44,7 +44,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(13)  # where this chapter is on the request path
 
@@ -59,8 +59,8 @@ from minivllm.model.layers.linear import RowParallelLinear
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.parallel import (check_tensor_parallel_sizes, collective_stats,
                                             expected_collective_bytes)
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.parallel import collective_bytes_figure, weight_shards, weight_split_figure
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.parallel import collective_bytes_figure, weight_shards, weight_split_figure
 
 # %% [markdown]
 # The engine in one process first (`tensor_parallel_size=1`), and the model's sizes
@@ -184,7 +184,7 @@ fig
 
 # %%
 from minivllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(ColumnParallelLinear)
 

@@ -40,7 +40,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(14)  # where this chapter is on the request path
 
@@ -54,9 +54,9 @@ from minivllm import LLM, SamplingParams
 # The accelerations, and the reference layers they stand in for:
 
 # %%
-from minivllm.benchmarks.ab_timing import alternate
-from minivllm.benchmarks.op_profile import profile_ops
-from minivllm.benchmarks.roofline import measure_bandwidth, measure_roofline
+from minivllm.lab.bench.ab_timing import alternate
+from minivllm.lab.bench.op_profile import profile_ops
+from minivllm.lab.bench.roofline import measure_bandwidth, measure_roofline
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.attention import CPUAttentionBackend
 from minivllm.cpu.features import cpu_features
@@ -67,10 +67,10 @@ from minivllm.model.attention.torch_attn import TorchAttentionBackend
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
-from minivllm.viz.bars import component_bars
-from minivllm.viz.cpu_speedups import roofline_figure, speedup_figure
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.source import show_csrc, show_source
+from minivllm.lab.viz.bars import component_bars
+from minivllm.lab.viz.cpu_speedups import roofline_figure, speedup_figure
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.source import show_csrc, show_source
 
 # %% [markdown]
 # ## This machine
@@ -163,7 +163,7 @@ ref_runner = ref.llm_engine.engine_core.executor.runner
 ref_one = decode_step(ref, PROMPTS[:1])
 
 # %% [markdown]
-# `profile_ops` (`minivllm/benchmarks/op_profile.py`) runs a call once under
+# `profile_ops` (`minivllm/lab/bench/op_profile.py`) runs a call once under
 # `torch.profiler` and counts the operators Python called: `aten::linear`, `aten::mul`,
 # `aten::view`, each one trip through PyTorch's dispatcher.
 

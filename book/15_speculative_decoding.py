@@ -32,7 +32,7 @@
 # - the engine's own verification code.
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(15)
 
@@ -45,11 +45,11 @@ from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.sample.rejection_sampler import RejectionSampler
-from minivllm.benchmarks.workload import grounded_prompts
-from minivllm.benchmarks.workload import CHAT_PROMPTS
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.source import show_source
-from minivllm.viz.spec_decode import (Verification, acceptance_histogram, accepted_counts,
+from minivllm.lab.bench.workload import grounded_prompts
+from minivllm.lab.bench.workload import CHAT_PROMPTS
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.source import show_source
+from minivllm.lab.viz.spec_decode import (Verification, acceptance_histogram, accepted_counts,
                                draft_slots_figure, slot_kinds)
 from minivllm.sample.sampler import SamplingRow
 

@@ -28,7 +28,7 @@
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(16)  # where this chapter is on the request path
 
@@ -45,8 +45,8 @@ from minivllm.entrypoints.openai.tools import forced_schema, parse_tool_calls
 from minivllm.sampling_params import StructuredOutputsParams as SO
 from minivllm.structured_output import bitmask
 from minivllm.structured_output.request_grammar import RequestGrammar
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.sampling import filter_figure
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.sampling import filter_figure
 
 llm = LLM(num_kv_blocks=64)
 tokenizer = llm.get_tokenizer()
@@ -122,7 +122,7 @@ print(f"mass kept by the mask: {math.exp(-shifts[0]):.3f}")
 
 # %%
 from minivllm.structured_output.manager import StructuredOutputManager
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 show_source(StructuredOutputManager.mask_logits, start="rows = self.constrained_rows")
 

@@ -18,7 +18,7 @@
 # on a 2-core CPU by running the model. But the part that *decides* it, the scheduler
 # and the block manager, is plain Python that does not care what executes the model.
 #
-# `minivllm.sim` keeps the engine's own `EngineCore`, `Scheduler`, `KVCacheManager`
+# `minivllm.lab.sim` keeps the engine's own `EngineCore`, `Scheduler`, `KVCacheManager`
 # and `BlockPool`, unchanged, and swaps only the executor: each step's duration comes
 # from a cost model, the clock is virtual, and the model is only its `config.json`.
 #
@@ -32,12 +32,12 @@
 #   and four replicas behind three routers for an agent workload.
 #
 # Every number quoted comes from a cell below; the H100 numbers are the cost model's,
-# whose assumptions `minivllm/sim/cost_model.py` states (and a cell below compares
+# whose assumptions `minivllm/lab/sim/cost_model.py` states (and a cell below compares
 # the uncalibrated GPU presets with vLLM's published measurements).
 
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(17)  # where this chapter is on the request path
 
@@ -47,16 +47,16 @@ import statistics
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineArgs
 from minivllm.model.resolve import resolve_model_path
-from minivllm.sim import (SimExecutor, SimRequest, Simulator, load_hardware,
+from minivllm.lab.sim import (SimExecutor, SimRequest, Simulator, load_hardware,
                           load_model_config, multiturn_requests, random_requests)
-from minivllm.sim.calibrate import calibrate
-from minivllm.sim.cost_model import CostModel
-from minivllm.sim.report import engine_summary, serve_metrics
-from minivllm.viz.bars import line_chart
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.latency import load_sweep_figure
-from minivllm.viz.sim import paired_bars, step_fit_figure
-from minivllm.viz.source import show_source
+from minivllm.lab.sim.calibrate import calibrate
+from minivllm.lab.sim.cost_model import CostModel
+from minivllm.lab.sim.report import engine_summary, serve_metrics
+from minivllm.lab.viz.bars import line_chart
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.latency import load_sweep_figure
+from minivllm.lab.viz.sim import paired_bars, step_fit_figure
+from minivllm.lab.viz.source import show_source
 
 # %% [markdown]
 # ## The seam: an executor that only prices the step
@@ -107,8 +107,8 @@ show_source(CostModel.breakdown, start="flops = hw.peak_flops", end="return out"
 import random
 import tempfile
 
-from minivllm.sim.calibrate import calibration_workload, refit
-from minivllm.sim.fit import CalibrationError
+from minivllm.lab.sim.calibrate import calibration_workload, refit
+from minivllm.lab.sim.fit import CalibrationError
 
 # float32 weights, as the simulator's model below prices them
 ENGINE = dict(max_num_batched_tokens=256, num_kv_blocks=512, quantization=None)
@@ -190,7 +190,7 @@ assert 0.4 < sim_s / real_s < 2.5  # (a loose bound: the machine is shared)
 # published` runs that batch on the presets of the GPUs it was measured on:
 
 # %%
-from minivllm.sim.published import compare, print_table
+from minivllm.lab.sim.published import compare, print_table
 
 published = compare()
 print_table(published)
@@ -359,7 +359,7 @@ paired_bars(list(routing), {"prefix cache hit rate": [v[0] for v in routing.valu
 # divided by one block (16 tokens of K and V in every layer).
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-from minivllm.benchmarks.roofline import weight_bytes
+from minivllm.lab.bench.roofline import weight_bytes
 
 ### BEGIN SOLUTION
 per_block = 16 * 2 * MODEL.num_hidden_layers * MODEL.num_key_value_heads * MODEL.head_dim * 2

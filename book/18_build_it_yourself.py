@@ -36,7 +36,7 @@
 # attention over pages, the sampling and the detokenizing are yours.
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(["engine_core", "scheduler", "model_runner", "sampler", "detokenizer"])
 
@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path.cwd()))  # book/: where the `mini` package lives
 import mini
 from minivllm import LLM, SamplingParams
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 print(mini.__doc__)
 

@@ -30,7 +30,7 @@
 # - what the mixed batch costs against the base model.
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(19)  # the scheduler caps adapters; the runner adds their deltas
 
@@ -47,8 +47,8 @@ from minivllm import LLM, LoRARequest, SamplingParams
 from minivllm.lora import punica
 from minivllm.lora.peft_loader import load_adapter
 from minivllm.model.resolve import resolve_model_path
-from minivllm.viz.lora import shrink_expand_figure, token_index_figure
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.lora import shrink_expand_figure, token_index_figure
+from minivllm.lab.viz.source import show_source
 
 base_path = resolve_model_path(None)  # SmolLM2-135M-Instruct, as a Hugging Face folder
 workdir = Path(tempfile.mkdtemp(prefix="ch19-"))

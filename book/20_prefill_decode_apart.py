@@ -33,7 +33,7 @@
 #   does not raise throughput; goodput under a TTFT + TPOT SLO.
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(["scheduler", "model_runner"],
                     "A connector has a half in the scheduler and a half in the model runner")
@@ -45,7 +45,7 @@ from pathlib import Path
 from minivllm import LLM, SamplingParams
 from minivllm.core.kv_cache_manager import hash_request_tokens
 from minivllm.distributed.kv_transfer.shared_storage import block_file
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.source import show_source
 
 BS = 8  # small blocks: several per prompt
 store = Path(tempfile.mkdtemp(prefix="minivllm-ch20-"))
@@ -149,7 +149,7 @@ assert c_out.num_cached_tokens == sent * BS and computed_first_step == P - sent 
 # engine used (the block tables of their first steps), and which ones crossed:
 
 # %%
-from minivllm.viz.disagg import kv_transfer_figure
+from minivllm.lab.viz.disagg import kv_transfer_figure
 
 p_blocks = producer.trace.records[0].block_tables[p_out.request_id][:len(hashes)]
 c_blocks = first.block_tables[c_out.request_id][:len(hashes)]
@@ -224,8 +224,8 @@ tiered.shutdown()
 
 # %%
 from minivllm.config import EngineArgs
-from minivllm.sim import load_hardware, load_model_config, random_requests
-from minivllm.sim.disagg import PoolLayout, PoolSimulator, describe, goodput_sweep
+from minivllm.lab.sim import load_hardware, load_model_config, random_requests
+from minivllm.lab.sim.disagg import PoolLayout, PoolSimulator, describe, goodput_sweep
 
 model, hw = load_model_config("llama-3-8b"), load_hardware("h100-sxm")
 SLO = {"ttft": 300, "tpot": 15}  # milliseconds
@@ -242,7 +242,7 @@ print("\n".join(describe(PoolSimulator(model, hw, layout=PoolLayout(1, 1)))))
 rows = goodput_sweep(model, hw, LAYOUTS, RATES, workload, SLO)
 
 # %%
-from minivllm.viz.disagg import goodput_curve_figure
+from minivllm.lab.viz.disagg import goodput_curve_figure
 
 goodput_curve_figure(rows, "p99_itl_ms", "Simulated p99 inter-token latency (ms)")
 

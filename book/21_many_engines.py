@@ -34,7 +34,7 @@
 #   real-against-simulated fleet of `minivllm simulate validate --fleet`.
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure("scheduler", "Routing happens before a request reaches any scheduler")
 
@@ -48,8 +48,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.distributed.kv_events import BlockStored, KVEventSubscriber
 from minivllm.routing import RoutingPolicy, prompt_block_hashes
 from minivllm.routing.policy import cached_prefix_blocks
-from minivllm.viz.fleet import fleet_blocks_figure
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.fleet import fleet_blocks_figure
+from minivllm.lab.viz.source import show_source
 
 # %%
 import shutil
@@ -101,7 +101,7 @@ show_source("minivllm.core.block_pool.BlockPool._record_stored", start="runs:")
 # that misses a batch sees the gap in the numbers:
 
 # %%
-show_source("minivllm.core.core.EngineCore.publish_kv_events")
+show_source("minivllm.core.engine_core.EngineCore.publish_kv_events")
 
 # %% [markdown]
 # A subscriber applies the events to a set of hashes. After a request, replica 0's
@@ -239,7 +239,7 @@ assert after[0][1] == 0 < after[1][1]  # all recomputed once, then cached again
 
 # %%
 from minivllm.config import EngineArgs
-from minivllm.sim import Simulator, SimRequest, load_hardware, load_model_config
+from minivllm.lab.sim import Simulator, SimRequest, load_hardware, load_model_config
 
 path = model_path  # the replicas' model: its config.json is all the simulator reads
 
@@ -270,7 +270,7 @@ for name, (log, _) in runs.items():
 # Llama-3-8B whose pools hold every history once, but not once per replica:
 
 # %%
-from minivllm.benchmarks.workload import multiturn_requests
+from minivllm.lab.bench.workload import multiturn_requests
 
 llama = load_model_config("llama-3-8b")
 

@@ -35,15 +35,15 @@
 # - how EOS and the length penalty decide between finished and running beams.
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(["scheduler", "sampler"])  # beams are requests; candidates are logprobs
 
 # %%
 from minivllm import LLM, BeamSearchParams, SamplingParams
 from minivllm.entrypoints.beam_search import BeamSearch, beam_score, fork_params
-from minivllm.viz.beam import beam_blocks_figure, beam_tree_figure, beam_tree_nodes
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.beam import beam_blocks_figure, beam_tree_figure, beam_tree_nodes
+from minivllm.lab.viz.source import show_source
 
 llm = LLM()
 tok = llm.get_tokenizer()

@@ -33,7 +33,7 @@
 #   per step, and its decode speed measured next to float32's.
 
 # %%
-from minivllm.viz.path import request_path_figure
+from minivllm.lab.viz.path import request_path_figure
 
 request_path_figure(23)  # the model runner's forward reads the weights: in which format?
 
@@ -47,13 +47,13 @@ import torch
 
 import minivllm
 from minivllm import LLM, SamplingParams
-from minivllm.benchmarks.roofline import measure_bandwidth, model_param_count
+from minivllm.lab.bench.roofline import measure_bandwidth, model_param_count
 from minivllm.model.layers.quantization import QuantizedLinearMethod
 from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, dequantize_q4_1
 from minivllm.model.resolve import default_gguf_path
-from minivllm.viz.export import save_key_figure
-from minivllm.viz.quant import format_ceilings_figure, q4_1_block_figure, token_share_figure
-from minivllm.viz.source import show_source
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.quant import format_ceilings_figure, q4_1_block_figure, token_share_figure
+from minivllm.lab.viz.source import show_source
 
 path = default_gguf_path()
 reader = gguf.GGUFReader(str(path))
@@ -318,7 +318,7 @@ assert all(v > 0 for v in best.values())
 # weights read once at the probed rate.
 
 # %%
-from minivllm.benchmarks.decode_share import measure as measure_token_share
+from minivllm.lab.bench.decode_share import measure as measure_token_share
 
 share = measure_token_share(llm_q41, max_tokens=48, probe_seconds=0.2)
 print(share.line())

@@ -95,7 +95,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "seconds a tensor-parallel collective may wait for the other ranks (default 300)."),
     EnvVar("MINIVLLM_FIGURES_DIR", _text, None,
            "when set, the book's key figures are also written there as PNG files "
-           "(`minivllm.viz.export`; `make figures` sets it)."),
+           "(`minivllm.lab.viz.export`; `make figures` sets it)."),
 )}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm.benchmarks.workload import CHAT_PROMPTS as BENCH_CHAT_PROMPTS
+from minivllm.lab.bench.workload import CHAT_PROMPTS as BENCH_CHAT_PROMPTS
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.benchmarks.ab_timing import Timings, alternate
-from minivllm.benchmarks.op_profile import profile_ops
+from minivllm.lab.bench.ab_timing import Timings, alternate
+from minivllm.lab.bench.op_profile import profile_ops
 
 
 def test_alternate_takes_turns_and_times_every_round():

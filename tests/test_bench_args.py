@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
-from minivllm.benchmarks import attention, serve
-from minivllm.benchmarks.args import bench_args
+from minivllm.lab.bench import attention, serve
+from minivllm.lab.bench.args import bench_args
 
 
 @pytest.mark.parametrize("module", [attention, serve])

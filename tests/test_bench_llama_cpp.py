@@ -44,7 +44,7 @@ def prompts(default_tokenizer):
 
 
 def _driver(backend: str, tmp_path, **setup):
-    from minivllm.benchmarks.throughput.drivers import DriverProcess
+    from minivllm.lab.bench.throughput.drivers import DriverProcess
     from minivllm.model.resolve import default_gguf_path
 
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONFAULTHANDLER="1")

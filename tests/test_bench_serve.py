@@ -19,7 +19,7 @@ import threading
 import numpy as np
 import pytest
 
-from minivllm.benchmarks import serve
+from minivllm.lab.bench import serve
 
 SERVED = "fake-served-model"  # what the fake server's /v1/models lists
 FIRST_DELAY = 0.05  # before the first chunk (the server's "prefill")

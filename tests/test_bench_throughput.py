@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from minivllm.benchmarks import roofline as rl
-from minivllm.benchmarks import throughput as tp
-from minivllm.benchmarks.workload import CHAT_PROMPTS, chat_workload, random_workload
+from minivllm.lab.bench import roofline as rl
+from minivllm.lab.bench import throughput as tp
+from minivllm.lab.bench.workload import CHAT_PROMPTS, chat_workload, random_workload
 from minivllm.config import ModelConfig
 
 
@@ -274,7 +274,7 @@ def test_tensor_parallel_run_reports_its_collectives(tiny_chat_model, tmp_path, 
 
 
 def test_report_row_shows_medians_ranges_and_paired_ratios():
-    from minivllm.benchmarks.report import machines, row, table
+    from minivllm.lab.bench.report import machines, row, table
 
     def stats(values):
         values = sorted(values)
@@ -321,7 +321,7 @@ def test_a_peer_that_crashes_is_reported_as_a_crash_with_its_log(tmp_path):
     fake = tmp_path / "python"  # stands in for the peer's interpreter
     fake.write_text("#!/bin/sh\necho 'loading the peer...' >&2\nread line\nkill -SEGV $$\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    from minivllm.benchmarks.throughput.drivers import DriverError, DriverProcess
+    from minivllm.lab.bench.throughput.drivers import DriverError, DriverProcess
 
     driver = DriverProcess("llama.cpp", str(fake), {}, dict(os.environ), tmp_path)
     with pytest.raises(DriverError) as err:
@@ -344,7 +344,7 @@ def test_roofline_fraction_counts_each_engines_own_weight_bytes():
 def test_printed_bandwidth_bound_uses_each_engines_own_weight_bytes():
     """The roofline line of a quantized run prices minivllm's blocks, not float32's
     weights; a peer that reports no weight bytes gets the roofline dtype's."""
-    from minivllm.benchmarks.throughput.results import _bandwidth_bounds
+    from minivllm.lab.bench.throughput.results import _bandwidth_bounds
 
     roof = {"dtype": "float32", "bandwidth": 100e6, "weight_bytes": 5_000_000,
             "bandwidth_steps_per_s": 20.0}

@@ -1,7 +1,7 @@
 """The book's cells stay short: no code cell over 20 lines (BOOK.md, issue 19).
 
 Long cells hide the line a paragraph explains; plumbing belongs in a named
-helper of ``minivllm.viz`` or ``minivllm.entrypoints.launch``. A cell that is
+helper of ``minivllm.lab.viz`` or ``minivllm.entrypoints.launch``. A cell that is
 only a ``show_source(...)`` listing is exempt (the listing's length is the
 engine's, and ``show_source`` cuts it at 20 lines anyway).
 """

@@ -2,7 +2,7 @@
 
 import pytest
 
-from minivllm.benchmarks.decode_share import measure, timed_replay
+from minivllm.lab.bench.decode_share import measure, timed_replay
 from minivllm.entrypoints.llm import LLM
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.benchmarks.gguf_gemm import random_blocks
+from minivllm.lab.bench.gguf_gemm import random_blocks
 from minivllm.model.layers.quantization import BLOCK_TYPES
 from minivllm.model.layers.quantization.ggml_types import dequantize
 from minivllm.model.layers.quantization.int8_activations import (INT8_TYPES, int8_product,
@@ -176,7 +176,7 @@ def test_int8_activations_on_the_default_file_cost_about_one_rounding(ops):
     other summation orders (thread counts, ISA) moving a few positions."""
     import argparse
 
-    from minivllm.benchmarks import int8_activations
+    from minivllm.lab.bench import int8_activations
 
     r = int8_activations.run(argparse.Namespace(tokens=1024, max_tokens=16, cpu_kernels=None))
     assert r["gguf int8"]["ppl_change"] < 0.015

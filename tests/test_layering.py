@@ -2,9 +2,12 @@
 
 Every import of every module is counted — top-level, function-level and under
 ``TYPE_CHECKING`` alike — and mapped to the subpackage (or top-level module) it
-comes from and goes to. No two of them may import each other, and ``model/``
-and ``core/`` (the reference path and the engine-core process) never reach
-``cpu/``. Adding a package that depends one way on others needs no change here.
+comes from and goes to; the instruments in ``lab/`` count as one unit each
+(``lab.sim``, ``lab.bench``, ``lab.viz``). The graph of units has no cycle of
+any length (its strongly connected components are single units), no engine
+unit reaches ``lab/``, and ``model/`` and ``core/`` (the reference path and the
+engine-core process) never reach ``cpu/``. Adding a package that depends one
+way on others needs no change here.
 """
 
 import ast
@@ -16,9 +19,16 @@ NEVER = {"model": {"cpu"}, "core": {"cpu", "engine", "entrypoints", "worker"}}
 
 
 def _unit(module: str) -> str | None:
-    """minivllm.core.scheduler -> "core"; minivllm.envs -> "envs"; minivllm -> None."""
+    """minivllm.core.scheduler -> "core"; minivllm.envs -> "envs"; minivllm -> None;
+    minivllm.lab.sim.cost_model -> "lab.sim"."""
     parts = module.split(".")
-    return parts[1] if parts[0] == "minivllm" and len(parts) > 1 else None
+    if parts[0] != "minivllm" or len(parts) < 2:
+        return None
+    return ".".join(parts[1:3]) if parts[1] == "lab" and len(parts) > 2 else parts[1]
+
+
+def _is_lab(unit: str) -> bool:
+    return unit == "lab" or unit.startswith("lab.")
 
 
 def _module_name(path: Path) -> str:
@@ -67,11 +77,73 @@ def import_edges() -> dict[tuple[str, str], list[str]]:
     return edges
 
 
-def test_no_two_packages_import_each_other():
+def strongly_connected_components(edges) -> list[list[str]]:
+    """Tarjan's algorithm over the unit graph: the components, each sorted."""
+    graph = defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+        graph[b]
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def test_the_units_form_no_cycle():
     edges = import_edges()
-    both_ways = sorted(f"{a} <-> {b}: {edges[(a, b)][:3]} / {edges[(b, a)][:3]}"
-                       for a, b in edges if a < b and (b, a) in edges)
-    assert both_ways == []
+    cycles = [c for c in strongly_connected_components(edges) if len(c) > 1]
+    assert cycles == [], [
+        {f"{a} -> {b}": edges[(a, b)][:2] for a in c for b in c if (a, b) in edges}
+        for c in cycles]
+
+
+def test_the_cycle_finder_sees_a_long_cycle():
+    """Three units in a ring (no two import each other) are one component."""
+    ring = {("a", "b"): [], ("b", "c"): [], ("c", "a"): [], ("c", "d"): []}
+    assert sorted(strongly_connected_components(ring)) == [["a", "b", "c"], ["d"]]
+
+
+def test_no_engine_module_imports_the_lab():
+    edges = import_edges()
+    reached = sorted(f"{a} -> {b}: {sites[:3]}" for (a, b), sites in edges.items()
+                     if _is_lab(b) and not _is_lab(a))
+    assert reached == []
+
+
+def test_only_the_cli_names_lab_modules():
+    """``minivllm bench`` / ``minivllm simulate`` dispatch by module name, in one table."""
+    named = []
+    for path in sorted(ROOT.rglob("*.py")):
+        unit = _unit(_module_name(path))
+        if unit is None or _is_lab(unit):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and node.value.startswith("minivllm.lab")):
+                named.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert named and all(site.startswith("minivllm/entrypoints/cli.py:") for site in named), named
 
 
 def test_reference_path_and_engine_core_stay_below():

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm.benchmarks.gguf_gemm import random_blocks
+from minivllm.lab.bench.gguf_gemm import random_blocks
 from minivllm.model.layers import linear as linear_mod
 from minivllm.model.layers.quantization import (BLOCK_TYPES, QuantizationConfig,
                                                 QuantizedTensor)
@@ -320,8 +320,8 @@ def test_the_simulator_prices_the_bytes_the_quantized_model_holds():
     from minivllm.model.attention.selector import get_attention_backend
     from minivllm.model.loader import load_model
     from minivllm.model.resolve import resolve_model_path
-    from minivllm.sim import load_hardware, load_model_config
-    from minivllm.sim.cost_model import CostModel
+    from minivllm.lab.sim import load_hardware, load_model_config
+    from minivllm.lab.sim.cost_model import CostModel
 
     config = load_model_config(str(resolve_model_path(None)), "auto", "cpu", "gguf")
     model = load_model(config, get_attention_backend("torch", "cpu"))
@@ -332,13 +332,13 @@ def test_the_simulator_prices_the_bytes_the_quantized_model_holds():
 
 
 def test_gguf_gemv_bench_streams_every_matrix_of_the_default_file(capsys):
-    """``python -m minivllm.benchmarks.gguf_gemv``: the one-row product over the file's
+    """``python -m minivllm.lab.bench.gguf_gemv``: the one-row product over the file's
     own blocks (210 Q4_1 matrices and the Q8_0 embedding / LM head), cache-hot for each
     type, against the bandwidth probe."""
     import argparse
     from collections import Counter
 
-    from minivllm.benchmarks import gguf_gemv
+    from minivllm.lab.bench import gguf_gemv
     from tests.cpu_requirements import FEATURES
 
     if FEATURES.isa not in ("native", "avx2"):

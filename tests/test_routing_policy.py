@@ -6,7 +6,7 @@ import pytest
 
 from minivllm.core.kv_cache_manager import hash_request_tokens
 from minivllm.routing import RoutingPolicy, prompt_block_hashes
-from minivllm.sim.router import Router as SimRouter
+from minivllm.lab.sim.router import Router as SimRouter
 
 
 def test_round_robin_skips_replicas_that_are_down():
@@ -64,8 +64,8 @@ def test_kv_aware_fleet_finds_the_cache_round_robin_misses():
     """The simulated fleet: the cache-aware policies find more cached tokens than the
     blind ones, and kv_aware nearly what one replica big enough for everything finds."""
     from minivllm.config import EngineArgs
-    from minivllm.sim import Simulator, load_hardware, load_model_config
-    from minivllm.benchmarks.workload import multiturn_requests
+    from minivllm.lab.sim import Simulator, load_hardware, load_model_config
+    from minivllm.lab.bench.workload import multiturn_requests
 
     work = multiturn_requests(12, 4, 64, 128, 64, 128256, request_rate=4, seed=0)
 
@@ -106,9 +106,9 @@ def test_kv_aware_keeps_twice_round_robins_cache_on_multi_tenant_sessions():
     replicas whose pools hold each session once but not once per replica. kv_aware
     keeps each history on one replica: at least 2x round robin's cached tokens and
     what one replica big enough for everything finds."""
-    from minivllm.benchmarks.workload import multiturn_requests
+    from minivllm.lab.bench.workload import multiturn_requests
     from minivllm.config import EngineArgs
-    from minivllm.sim import Simulator, load_hardware, load_model_config
+    from minivllm.lab.sim import Simulator, load_hardware, load_model_config
 
     def cached(work, n, router, blocks):
         sim = Simulator(load_model_config("llama-3-8b"), load_hardware("h100-sxm"),
@@ -137,9 +137,9 @@ def test_the_fleet_validation_s_default_workload_keeps_kv_aware_s_lead_over_arri
 
     import numpy as np
 
-    from minivllm.sim import validate
-    from minivllm.sim.hardware import Hardware
-    from minivllm.sim.validate_fleet import plan
+    from minivllm.lab.sim import validate
+    from minivllm.lab.sim.hardware import Hardware
+    from minivllm.lab.sim.validate_fleet import plan
 
     p = argparse.ArgumentParser()
     validate.add_cli_args(p)
@@ -162,8 +162,8 @@ def test_a_fleet_measured_several_times_is_judged_by_the_medians():
     import statistics
 
     from minivllm.config import EngineArgs
-    from minivllm.sim import Hardware, SimRequest, Simulator, load_model_config
-    from minivllm.sim.validate_fleet import over_runs, rel, summarize_sim
+    from minivllm.lab.sim import Hardware, SimRequest, Simulator, load_model_config
+    from minivllm.lab.sim.validate_fleet import over_runs, rel, summarize_sim
 
     work = [SimRequest(f"r{i}", [5 + i] * 100, 8, arrival_time=0.1 * i) for i in range(6)]
     model = load_model_config("smollm2-135m", "float32", "cpu")

@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from minivllm.benchmarks.serve import ServeMetrics
-from minivllm.benchmarks.workload import arrival_times
+from minivllm.lab.bench.serve import ServeMetrics
+from minivllm.lab.bench.workload import arrival_times
 from minivllm.config import EngineArgs
-from minivllm.sim import (Hardware, SimRequest, Simulator, load_hardware, load_model_config,
+from minivllm.lab.sim import (Hardware, SimRequest, Simulator, load_hardware, load_model_config,
                           multiturn_requests, random_requests)
-from minivllm.sim.cost_model import CostModel, times_of
-from minivllm.sim.report import serve_metrics
+from minivllm.lab.sim.cost_model import CostModel, times_of
+from minivllm.lab.sim.report import serve_metrics
 
 H100 = load_hardware("h100-sxm")
 

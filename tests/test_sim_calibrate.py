@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from minivllm.config import EngineArgs
-from minivllm.sim import Hardware, load_model_config
-from minivllm.sim.calibrate import calibration_workload, fit, simulated_rows
-from minivllm.sim.cost_model import times_of
-from minivllm.sim.fit import FITTED, CalibrationError, bounds_of
+from minivllm.lab.sim import Hardware, load_model_config
+from minivllm.lab.sim.calibrate import calibration_workload, fit, simulated_rows
+from minivllm.lab.sim.cost_model import times_of
+from minivllm.lab.sim.fit import FITTED, CalibrationError, bounds_of
 from tests.cpu_requirements import needs_cpu_kernels
 
 MODEL = load_model_config("smollm2-135m", "float32", "cpu")
@@ -113,7 +113,7 @@ def test_an_unidentified_overhead_consistent_with_zero_is_pinned_at_zero(design_
     efficiency above its peak is pinned at 1), the rest refitted, and reported.
     The refitted constants are the true ones within their errors. (Seed 1's free
     fit lands on the bound 0 itself, which is no test of the pinning.)"""
-    from minivllm.sim.fit import ZERO_Z
+    from minivllm.lab.sim.fit import ZERO_Z
 
     truth = TRUTH.with_(step_overhead_s=0.0)
     for seed in (0, 2, 3):
@@ -139,7 +139,7 @@ def test_a_real_engine_s_steps_are_the_designed_ones_and_the_fit_keeps_its_bound
     A tiny model's step times are mostly noise on a busy machine, so the fit may
     also be refused (a constant no step depends on at the fitted point): then the
     refusal must name the constant."""
-    from minivllm.sim.calibrate import calibrate
+    from minivllm.lab.sim.calibrate import calibrate
 
     path, steps = tiny_model("llama"), tmp_path / "steps.npz"
     rounds = [([[5 + i] * (8 + 4 * i) for i in range(n)], [3 + n] * n) for n in (1, 3, 6)]
@@ -165,8 +165,8 @@ def test_a_real_engine_s_steps_are_the_designed_ones_and_the_fit_keeps_its_bound
 def test_the_command_writes_a_fit_and_refuses_to_write_an_unidentified_one(
         design_rows, tmp_path, capsys):
     from minivllm.entrypoints.cli import main
-    from minivllm.sim.calibrate import save_steps
-    from minivllm.sim.hardware import load_hardware
+    from minivllm.lab.sim.calibrate import save_steps
+    from minivllm.lab.sim.hardware import load_hardware
 
     good, bad = tmp_path / "good.npz", tmp_path / "bad.npz"
     save_steps(good, BASE, design_rows, noisy(design_rows, TRUTH, 0.03, 0), 1)
@@ -211,7 +211,7 @@ def test_a_row_dependent_peak_and_an_attention_bandwidth_are_recovered_and_round
     assert big.size and (times_of(big, truth) > times_of(big, truth.with_(
         linear_flops_by_rows=())) * 1.2).any()
     truth.save(tmp_path / "hw.json")
-    from minivllm.sim.hardware import load_hardware
+    from minivllm.lab.sim.hardware import load_hardware
 
     assert load_hardware(str(tmp_path / "hw.json")) == truth
     with pytest.raises(ValueError, match="linear_flops_by_rows=.*rows increasing"):
@@ -222,7 +222,7 @@ def test_the_cost_model_prices_a_step_at_the_curve_s_peak_for_its_rows():
     """The linear group at the curve's FLOP/s for the step's token rows, the attention
     group at the attention kernels' own peaks; the presets (no curve, no attention
     peaks) keep the peak and bandwidth of the matrix products."""
-    from minivllm.sim.cost_model import CostModel
+    from minivllm.lab.sim.cost_model import CostModel
 
     hw = CURVE.with_(bandwidth_efficiency=1.0, flops_efficiency=1.0, attention_efficiency=0.5)
     plain = hw.with_(linear_flops_by_rows=(), attention_bandwidth=0.0, attention_flops=0.0)
@@ -247,7 +247,7 @@ def test_the_lm_head_is_priced_at_its_own_rows():
     7.7 ms in the head's product, hidden by ``max`` when the head was priced with
     the layers). A decode batch whose layers and head are both compute-bound costs
     what one group did; a prompt chunk that samples nothing has no head."""
-    from minivllm.sim.cost_model import CostModel
+    from minivllm.lab.sim.cost_model import CostModel
 
     hw = CURVE.with_(bandwidth_efficiency=1.0, flops_efficiency=1.0)
     cm = CostModel(MODEL, hw)
@@ -277,8 +277,8 @@ def test_the_peaks_are_measured_on_the_engine_s_own_kernels_and_bound_its_steps(
     from minivllm import LLM, SamplingParams
     from minivllm.cpu.layers import PackedLinear
     from minivllm.cpu.prepack import PANEL_MAX_ROWS
-    from minivllm.sim.cost_model import CostModel
-    from minivllm.sim.engine_peaks import engine_peaks, layer_linears
+    from minivllm.lab.sim.cost_model import CostModel
+    from minivllm.lab.sim.engine_peaks import engine_peaks, layer_linears
 
     path, n = tiny_model("llama"), 256
     # One thread, engine and probe alike: on a machine shared with other work a
@@ -323,7 +323,7 @@ def test_a_peak_point_slower_than_a_larger_product_is_capped_by_it():
     """A product of fewer rows never takes longer than one of more: a measured point
     that did (other work held the cores) takes the larger product's time; points
     that keep the rule, the kernel switch's drop among them, stay as measured."""
-    from minivllm.sim.engine_peaks import no_slower_with_fewer_rows
+    from minivllm.lab.sim.engine_peaks import no_slower_with_fewer_rows
 
     clean = ((16, 3.6e11), (64, 4.5e11), (256, 4.4e11), (257, 1e11), (512, 8e10))
     assert no_slower_with_fewer_rows(clean) == clean
@@ -344,7 +344,7 @@ def test_the_host_bandwidth_is_the_median_of_rounds_each_pairing_one_moment(monk
 
     import torch
 
-    from minivllm.sim import hardware
+    from minivllm.lab.sim import hardware
 
     cores = len(os.sched_getaffinity(0))
     readings = iter([9.0, 3.0, 1.0, 5.0, 8.0, 4.0, 6.0, 3.0, 20.0, 4.0, 7.0, 2.0, 5.0, 5.0])
@@ -381,7 +381,7 @@ def test_the_host_probe_reads_more_with_every_core_than_with_one():
     plausible memory bandwidth."""
     import os
 
-    from minivllm.sim.hardware import _readers
+    from minivllm.lab.sim.hardware import _readers
 
     one = _readers(1, 0.05, num_bytes=1 << 24)
     every = _readers(len(os.sched_getaffinity(0)), 0.05, num_bytes=1 << 24)

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from minivllm.benchmarks import serve
+from minivllm.lab.bench import serve
 from minivllm.entrypoints.cli import main
 from tests.test_bench_serve import StreamingServer
 
@@ -82,7 +82,7 @@ def test_multiturn_sessions_keep_one_priority_in_both(server):
     drawn = serve.draw_priorities(6, serve.parse_priority_classes(["0:1", "1:1"]), 2)
     assert Counter(p for s in sessions.values() for p in s) == Counter(drawn)
 
-    from minivllm.sim.cli import add_cli_args, build
+    from minivllm.lab.sim.cli import add_cli_args, build
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
@@ -126,7 +126,7 @@ def test_bad_priority_classes_name_the_flag(bad, capsys):
 def test_the_gpu_presets_against_vllms_published_latency(tmp_path, capsys):
     """Validation (3): each preset within 30 % of vLLM's own nightly measurement
     (the table in the README is this command's output)."""
-    from minivllm.sim.published import PUBLISHED
+    from minivllm.lab.sim.published import PUBLISHED
 
     out = tmp_path / "published.json"
     assert main(["simulate", "published", "--output", str(out)]) == 0
@@ -149,7 +149,7 @@ def test_validate_wants_three_rates_before_it_starts_anything(capsys):
 
 
 def test_validate_judges_each_metric_by_its_own_target():
-    from minivllm.sim.validate import TARGETS, rows
+    from minivllm.lab.sim.validate import TARGETS, rows
 
     def one_run(ttft, gap, n=3, tokens=5):
         results = [serve.RequestResult(True, 4, tokens, start=i,
@@ -170,7 +170,7 @@ def test_validate_judges_each_metric_by_its_own_target():
 
 def test_the_random_dataset_is_the_same_requests_in_both():
     """Same flags, same requests: prompt and output lengths, send times, priorities."""
-    from minivllm.sim.cli import add_cli_args, build
+    from minivllm.lab.sim.cli import add_cli_args, build
 
     flags = ["--dataset-name", "random", "--num-prompts", "30", "--random-input-len", "40",
              "--random-output-len", "12", "--random-range-ratio", "0.5",

@@ -9,8 +9,8 @@ import multiprocessing
 import pytest
 
 from minivllm.config import EngineArgs
-from minivllm.sim import Hardware, SimRequest, Simulator, load_hardware, load_model_config
-from minivllm.sim.calibrate_corun import host_shares, measure, oversubscribed_factor
+from minivllm.lab.sim import Hardware, SimRequest, Simulator, load_hardware, load_model_config
+from minivllm.lab.sim.calibrate_corun import host_shares, measure, oversubscribed_factor
 
 H100 = load_hardware("h100-sxm")
 CPU = Hardware("x", 2e11, 4e10, 1e10, 4e10, step_overhead_s=0.0, per_seq_overhead_s=0.0,
@@ -48,7 +48,7 @@ def test_the_calibrated_shares_give_each_replica_the_measured_slowdown():
     measured slowdown on a compute-bound prefill (its one-row LM head, a stream of
     the vocabulary's weights, takes the decode's) and on a bandwidth-bound decode;
     a slowdown under 1 (noise) is no limit."""
-    from minivllm.sim.cost_model import CostModel
+    from minivllm.lab.sim.cost_model import CostModel
 
     hw, text = host_shares(CPU, {"prefill": [1.2, 1.3, 1.25], "decode": [1.5, 1.4, 1.6]}, 2)
     assert hw.host_flops == pytest.approx(2 * CPU.peak_flops / 1.25)

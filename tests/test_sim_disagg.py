@@ -17,9 +17,9 @@ import pytest
 
 from minivllm.config import EngineArgs
 from minivllm.entrypoints.cli import main
-from minivllm.sim import Simulator, load_hardware, load_model_config
-from minivllm.sim.disagg import PoolLayout, PoolSimulator, goodput_sweep
-from minivllm.benchmarks.workload import SimRequest, multiturn_requests, random_requests
+from minivllm.lab.sim import Simulator, load_hardware, load_model_config
+from minivllm.lab.sim.disagg import PoolLayout, PoolSimulator, goodput_sweep
+from minivllm.lab.bench.workload import SimRequest, multiturn_requests, random_requests
 
 MODEL, HW = "llama-3-8b", "h100-sxm"
 

@@ -16,7 +16,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineArgs
-from minivllm.sim import Hardware, SimRequest, Simulator, load_model_config
+from minivllm.lab.sim import Hardware, SimRequest, Simulator, load_model_config
 
 # Any rates do: the schedule of an offline batch does not depend on time.
 HW = Hardware("test", peak_flops=1e11, mem_bandwidth=1e10, memory_bytes=1e10,

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from minivllm.sim import process_cpu
-from minivllm.sim.calibrate_frontend import (FRONTEND_TOKENS, PROBE_TOKENS,
+from minivllm.lab.sim import process_cpu
+from minivllm.lab.sim.calibrate_frontend import (FRONTEND_TOKENS, PROBE_TOKENS,
                                              per_request_and_token)
 from tests.conftest import build_chat_model
 
@@ -33,9 +33,9 @@ def test_the_processes_of_a_served_run_are_read_as_psutil_reads_them(tiny_model)
     processes at the same moments (to its 10 ms ticks); the per-token figure is the
     counters' seconds over the tokens served."""
     psutil = pytest.importorskip("psutil")
-    from minivllm.benchmarks.workload import random_requests
+    from minivllm.lab.bench.workload import random_requests
     from minivllm.entrypoints.launch import ServerProcess
-    from minivllm.sim.calibrate_serving import measure
+    from minivllm.lab.sim.calibrate_serving import measure
 
     model = tiny_model("llama")
     with ServerProcess(model, "--num-kv-blocks", "256") as server:
@@ -73,10 +73,10 @@ def test_the_serving_latency_is_measured_outside_the_engine_s_prefill(tmp_path,
     read the prompt's tokens through the model). A count the server never
     recorded is refused, naming both counts. The model is wide enough that the
     prefill's growth stands well above the jitter of a shared machine's HTTP."""
-    from minivllm.benchmarks.workload import random_requests
+    from minivllm.lab.bench.workload import random_requests
     from minivllm.entrypoints.launch import ServerProcess
-    from minivllm.sim.calibrate_serving import measure, measure_one_at_a_time, server_means
-    from minivllm.sim.real_fleet import server_latency_sums
+    from minivllm.lab.sim.calibrate_serving import measure, measure_one_at_a_time, server_means
+    from minivllm.lab.sim.real_fleet import server_latency_sums
 
     model = build_chat_model(tmp_path, default_model_path, hidden_size=384,
                              intermediate_size=1024, num_hidden_layers=4,

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from minivllm.benchmarks import serve
+from minivllm.lab.bench import serve
 from minivllm.config import EngineArgs
-from minivllm.sim import Hardware, SimRequest, Simulator, load_model_config, random_requests
-from minivllm.sim.report import serve_metrics
-from minivllm.sim.simulator import RequestRecord, SimResult
-from minivllm.sim.validate import fit_serving, fit_wake, serving_hardware
+from minivllm.lab.sim import Hardware, SimRequest, Simulator, load_model_config, random_requests
+from minivllm.lab.sim.report import serve_metrics
+from minivllm.lab.sim.simulator import RequestRecord, SimResult
+from minivllm.lab.sim.validate import fit_serving, fit_wake, serving_hardware
 from tests.test_bench_serve import StreamingServer
 
 CPU = Hardware("x", 1e11, 1e10, 1e10, 1e10, dtype="float32", device="cpu")
@@ -115,7 +115,7 @@ def test_a_served_cost_consistent_with_zero_is_pinned_and_the_other_solved_alone
     estimate within 1.96 standard errors of 0 (as noise leaves it): pinned at 0, its
     error kept for the report, and the per-step cost solved alone gives the truth
     back; a wake-up cost consistent with 0 is pinned too, a clear one is kept."""
-    from minivllm.sim.calibrate_serving import pin_at_zero, serving_jacobian
+    from minivllm.lab.sim.calibrate_serving import pin_at_zero, serving_jacobian
 
     one = random_requests(4, 96, 16, 49152, 0.25, seed=11)
     alll = random_requests(16, 96, 16, 49152, 0.25, seed=12)
@@ -151,7 +151,7 @@ def test_ttft_residuals_give_back_the_latency_whatever_each_prompt_s_length():
     """Requests of +-25 % prompt lengths, "measured" one at a time on an engine that
     adds a known serving latency: each request's TTFT less its own simulated one is
     that latency, though the raw TTFTs spread by the prefills' differences."""
-    from minivllm.sim.calibrate_serving import ttft_residuals
+    from minivllm.lab.sim.calibrate_serving import ttft_residuals
 
     work = random_requests(12, 96, 8, 49152, 0.25, seed=21)
     kwargs = {"max_num_batched_tokens": 512, "dtype": "float32"}
@@ -184,8 +184,8 @@ def test_repeated_real_runs_are_judged_by_their_median_and_their_range():
     simulated value is said to lie within the runs' range exactly when it does."""
     import statistics
 
-    from minivllm.sim.calibrate_serving import measure
-    from minivllm.sim.validate import TARGETS, repeat_rows
+    from minivllm.lab.sim.calibrate_serving import measure
+    from minivllm.lab.sim.validate import TARGETS, repeat_rows
 
     work = random_requests(6, 8, 3, 1000, request_rate=20.0, seed=3)
     runs = []
@@ -234,7 +234,7 @@ def test_a_terminated_validation_stops_the_servers_it_started(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minivllm.sim.validate", "--calibration",
+        [sys.executable, "-m", "minivllm.lab.sim.validate", "--calibration",
          str(root / "figures" / "cal1_quiet_hostbw.json"), "--num-prompts", "2",
          "--output", str(tmp_path / "v.json")], cwd=root, start_new_session=True,
         env=dict(os.environ, PYTHONPATH=str(root)))
@@ -261,7 +261,7 @@ def test_calibration_warns_when_the_machine_speed_moved(capsys):
     """Set 12 (README "A fleet"): part 2 measured a lone served prefill at 1.26x part 1's
     price, and the real single replica came out 1.26x the prediction; such a
     calibration must say so, and one within SPEED_MOVED of its price must not."""
-    from minivllm.sim.calibrate_serving import SPEED_MOVED, warn_speed_moved
+    from minivllm.lab.sim.calibrate_serving import SPEED_MOVED, warn_speed_moved
 
     assert warn_speed_moved(1.26) and "+26%" in capsys.readouterr().out
     assert warn_speed_moved(1 - 2 * SPEED_MOVED) and "-20%" in capsys.readouterr().out

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from minivllm.viz.sim import paired_bars, step_fit_figure  # noqa: E402
+from minivllm.lab.viz.sim import paired_bars, step_fit_figure  # noqa: E402
 
 
 def test_step_fit_draws_each_step_in_ms_and_the_diagonal_over_their_range():

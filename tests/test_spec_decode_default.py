@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.benchmarks.workload import grounded_prompts
+from minivllm.lab.bench.workload import grounded_prompts
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow

@@ -201,7 +201,7 @@ def test_default_model_valid_at_temperature_one_and_greedy_equals_hf_xgrammar(
 def test_bench_structured_runs_both_modes(tiny_chat_model, capsys):
     import argparse
 
-    from minivllm.benchmarks import structured
+    from minivllm.lab.bench import structured
 
     p = argparse.ArgumentParser()
     structured.add_cli_args(p)

@@ -42,8 +42,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from minivllm.benchmarks import attention as bench  # noqa: E402
-from minivllm.benchmarks.attention import make_paged_batch  # noqa: E402
+from minivllm.lab.bench import attention as bench  # noqa: E402
+from minivllm.lab.bench.attention import make_paged_batch  # noqa: E402
 from minivllm.model.attention.selector import (  # noqa: E402
     ENV_VAR, default_backend_name, get_attention_backend)
 from minivllm.model.attention.torch_attn import TorchAttentionBackend, gather_kv  # noqa: E402

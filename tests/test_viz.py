@@ -14,13 +14,13 @@ import pytest
 pytest.importorskip("plotly")
 
 from minivllm.core.trace import StepRecord  # noqa: E402
-from minivllm.viz import export  # noqa: E402
-from minivllm.viz.bars import component_bars, line_chart, stacked_bars, topk_bars  # noqa: E402
-from minivllm.viz.heatmap import attention_heatmap  # noqa: E402
-from minivllm.viz.labels import unique_labels, visible  # noqa: E402
-from minivllm.viz.timeline import (Span, request_timeline, spans_from_steps,  # noqa: E402
+from minivllm.lab.viz import export  # noqa: E402
+from minivllm.lab.viz.bars import component_bars, line_chart, stacked_bars, topk_bars  # noqa: E402
+from minivllm.lab.viz.heatmap import attention_heatmap  # noqa: E402
+from minivllm.lab.viz.labels import unique_labels, visible  # noqa: E402
+from minivllm.lab.viz.timeline import (Span, request_timeline, spans_from_steps,  # noqa: E402
                                    ttft_and_gaps)
-from minivllm.viz.tokens import (byte_level_alphabet, pieces_from_ids,  # noqa: E402
+from minivllm.lab.viz.tokens import (byte_level_alphabet, pieces_from_ids,  # noqa: E402
                                  split_tokens, token_boundaries, token_bytes)
 
 
@@ -286,7 +286,7 @@ def test_stacked_bars_lines_on_a_second_axis_markers_on_the_first():
 
 
 def test_stacked_bars_second_axis_ticks_at_round_numbers():
-    from minivllm.viz.bars import nice_step
+    from minivllm.lab.viz.bars import nice_step
 
     for top in (0.9, 9.3, 888.0, 1234.0, 51.0):
         fig = stacked_bars(["a", "b"], {"n": [1, 2]}, "t", "y", lines={"ms": [top / 3, top]})
@@ -360,8 +360,8 @@ def test_chapters_are_found_in_order(tmp_path):
 
 CHAPTER = textwrap.dedent('''\
     # %%
-    from minivllm.viz.bars import line_chart
-    from minivllm.viz.export import save_key_figure
+    from minivllm.lab.viz.bars import line_chart
+    from minivllm.lab.viz.export import save_key_figure
     save_key_figure(line_chart([1, 2], {"a": [1.0, 2.0]}, "t", "x", "y"), "01_demo")
     ''')
 
@@ -388,7 +388,7 @@ def test_show_in_replaces_what_an_output_widget_shows(monkeypatch):
     widgets = pytest.importorskip("ipywidgets")
     import plotly.io as pio
 
-    from minivllm.viz.widgets import show_in
+    from minivllm.lab.viz.widgets import show_in
 
     monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")  # as in a kernel
     out = widgets.Output()

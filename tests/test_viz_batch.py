@@ -1,4 +1,4 @@
-"""minivllm.viz.batch: the flat-batch table, checked through fig.data."""
+"""minivllm.lab.viz.batch: the flat-batch table, checked through fig.data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from minivllm.viz.batch import flat_batch_figure  # noqa: E402
+from minivllm.lab.viz.batch import flat_batch_figure  # noqa: E402
 
 ROWS = {"input_ids": [7, 8, 30, 31, 32], "positions": [20, 10, 0, 1, 2],
         "slot_mapping": [36, 74, 16, 17, 18]}

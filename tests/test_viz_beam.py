@@ -1,6 +1,6 @@
 """The beam-search figures, through their data."""
 
-from minivllm.viz.beam import BEST, beam_blocks_figure, beam_tree_figure, beam_tree_nodes
+from minivllm.lab.viz.beam import BEST, beam_blocks_figure, beam_tree_figure, beam_tree_nodes
 
 
 def test_tree_nodes_and_best_path():

@@ -1,4 +1,4 @@
-"""minivllm.viz.blocks: block maps replayed from a real engine trace, checked against
+"""minivllm.lab.viz.blocks: block maps replayed from a real engine trace, checked against
 the engine's own block accounting, and the figures checked through fig.data."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("plotly")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm.viz.blocks import (all_request_ids, block_map_figure,  # noqa: E402
+from minivllm.lab.viz.blocks import (all_request_ids, block_map_figure,  # noqa: E402
                                  block_map_states, footprint_lines, request_colors,
                                  reserved_slots, waste_bars)
 

@@ -1,4 +1,4 @@
-"""Chapter 14's figures (minivllm/viz/cpu_speedups.py), checked through their data."""
+"""Chapter 14's figures (minivllm/lab/viz/cpu_speedups.py), checked through their data."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from minivllm.benchmarks.roofline import Roofline  # noqa: E402
-from minivllm.viz.cpu_speedups import roofline_figure, roofline_tokens_per_s, speedup_figure  # noqa: E402
+from minivllm.lab.bench.roofline import Roofline  # noqa: E402
+from minivllm.lab.viz.cpu_speedups import roofline_figure, roofline_tokens_per_s, speedup_figure  # noqa: E402
 
 
 def test_speedup_bars_in_order_with_labels_and_the_no_gain_line():

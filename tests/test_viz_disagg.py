@@ -2,7 +2,7 @@
 
 import pytest
 
-from minivllm.viz.disagg import goodput_curve_figure, kv_transfer_figure
+from minivllm.lab.viz.disagg import goodput_curve_figure, kv_transfer_figure
 
 
 def test_kv_transfer_figure_draws_a_line_per_sent_block():

@@ -1,4 +1,4 @@
-"""minivllm.viz.fleet: the heatmaps carry the counts they are given, policy by policy."""
+"""minivllm.lab.viz.fleet: the heatmaps carry the counts they are given, policy by policy."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from minivllm.viz.fleet import fleet_blocks_figure  # noqa: E402
+from minivllm.lab.viz.fleet import fleet_blocks_figure  # noqa: E402
 
 
 def test_one_heatmap_per_policy_with_its_counts():

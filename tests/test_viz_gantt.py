@@ -1,4 +1,4 @@
-"""minivllm.viz.gantt: Gantt segments and token budgets from real engine traces, checked
+"""minivllm.lab.viz.gantt: Gantt segments and token budgets from real engine traces, checked
 against the requests' own token counts, and the figures checked through fig.data."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("plotly")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm.viz.gantt import (COLORS, finish_events, gantt_compare_figure,  # noqa: E402
+from minivllm.lab.viz.gantt import (COLORS, finish_events, gantt_compare_figure,  # noqa: E402
                                 gantt_figure, gantt_segments, preemption_events,
                                 token_budget_figure)
 

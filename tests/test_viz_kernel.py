@@ -1,4 +1,4 @@
-"""minivllm.viz.kernel: the tile plan checked against the real Triton kernel (in the
+"""minivllm.lab.viz.kernel: the tile plan checked against the real Triton kernel (in the
 interpreter, in a child process), online softmax against torch.softmax, and the
 figures checked through fig.data."""
 
@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("plotly")
 
-from minivllm.viz.kernel import (NOT_READ, READ_MASKED, USED,  # noqa: E402
+from minivllm.lab.viz.kernel import (NOT_READ, READ_MASKED, USED,  # noqa: E402
                                  attention_bench_figure, kernel_tile_plan, online_softmax,
                                  online_softmax_figure, tile_visit_figure)
 
@@ -108,7 +108,7 @@ def test_online_softmax_rejects_bad_input():
 def test_attention_bench_figure_from_a_real_run():
     import argparse
 
-    from minivllm.benchmarks.attention import run
+    from minivllm.lab.bench.attention import run
 
     args = argparse.Namespace(device="cpu", dtype="float32", num_heads=4, num_kv_heads=2,
                               head_dim=32, block_size=16, shapes="all", warmup=0, iters=1,
@@ -132,10 +132,10 @@ def test_attention_bench_figure_from_a_real_run():
 
 KERNEL_CHECK = textwrap.dedent("""
     import json, math, torch
-    from minivllm.benchmarks.attention import make_paged_batch
+    from minivllm.lab.bench.attention import make_paged_batch
     from minivllm.model.attention.torch_attn import TorchAttentionBackend
     from minivllm.model.attention import triton_attn
-    from minivllm.viz.kernel import kernel_tile_plan
+    from minivllm.lab.viz.kernel import kernel_tile_plan
 
     q_len, ctx, group, bs = 50, 30, 3, 16
     qpt = triton_attn.PREFILL_ROWS // group

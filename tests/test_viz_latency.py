@@ -1,4 +1,4 @@
-"""minivllm.viz.latency: the load-sweep and batch-trade-off figures, checked through
+"""minivllm.lab.viz.latency: the load-sweep and batch-trade-off figures, checked through
 fig.data against the benchmark's own metrics and the roofline's own arithmetic."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from minivllm.benchmarks.roofline import Roofline  # noqa: E402
-from minivllm.benchmarks.serve import RequestResult, compute_metrics  # noqa: E402
-from minivllm.viz.latency import (LATENCY_COLORS, batch_tradeoff_figure,  # noqa: E402
+from minivllm.lab.bench.roofline import Roofline  # noqa: E402
+from minivllm.lab.bench.serve import RequestResult, compute_metrics  # noqa: E402
+from minivllm.lab.viz.latency import (LATENCY_COLORS, batch_tradeoff_figure,  # noqa: E402
                                   load_sweep_figure)
 
 

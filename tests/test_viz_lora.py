@@ -2,7 +2,7 @@
 
 import pytest
 
-from minivllm.viz.lora import shrink_expand_figure, token_index_figure, token_slots
+from minivllm.lab.viz.lora import shrink_expand_figure, token_index_figure, token_slots
 
 
 def test_token_slots_follow_the_requests():

@@ -1,6 +1,6 @@
 """timing_note: the one boxed caveat about measured times."""
 
-from minivllm.viz.notes import TIMING_RULES, timing_note
+from minivllm.lab.viz.notes import TIMING_RULES, timing_note
 
 
 def test_timing_note_shows_every_rule_as_text_and_html():

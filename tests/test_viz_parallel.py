@@ -1,4 +1,4 @@
-"""minivllm.viz.parallel: the hand-made weight split checked against the engine's own
+"""minivllm.lab.viz.parallel: the hand-made weight split checked against the engine's own
 weight loaders, the split figure through fig.data, and the collective-bytes figure on
 the byte counts of a real tensor-parallel run of a tiny model."""
 
@@ -12,7 +12,7 @@ pytest.importorskip("plotly")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.model.layers import linear as linear_mod  # noqa: E402
-from minivllm.viz.parallel import (RANK_COLORS, collective_bytes_figure,  # noqa: E402
+from minivllm.lab.viz.parallel import (RANK_COLORS, collective_bytes_figure,  # noqa: E402
                                    weight_shards, weight_split_figure)
 
 # SmolLM2-135M's layer: hidden 576, 9 query heads and 3 KV heads of 64, MLP 1536.

@@ -1,4 +1,4 @@
-"""minivllm.viz.path: the request-path map, checked through fig.data."""
+"""minivllm.lab.viz.path: the request-path map, checked through fig.data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from minivllm.viz.path import (HIGHLIGHT, STAGE_KEYS, highlighted_stages,  # noqa: E402
+from minivllm.lab.viz.path import (HIGHLIGHT, STAGE_KEYS, highlighted_stages,  # noqa: E402
                                request_path_figure, stages_of_chapter)
 
 

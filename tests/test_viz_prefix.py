@@ -1,4 +1,4 @@
-"""minivllm.viz.prefix: hash-chain rows checked against a real tiny engine's prefix cache
+"""minivllm.lab.viz.prefix: hash-chain rows checked against a real tiny engine's prefix cache
 (its hits and its cached hashes), and the figures checked through fig.data."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ pytest.importorskip("plotly")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.core.kv_cache_manager import hash_request_tokens  # noqa: E402
-from minivllm.viz.prefix import (STATUS_COLORS, chain_rows, hash_chain_figure,  # noqa: E402
+from minivllm.lab.viz.prefix import (STATUS_COLORS, chain_rows, hash_chain_figure,  # noqa: E402
                                  short_hash, turn_bars_figure)
 
 BS = 4

@@ -1,4 +1,4 @@
-"""minivllm.viz.quant: a Q4_1 block drawn, checked against the gguf package's numbers."""
+"""minivllm.lab.viz.quant: a Q4_1 block drawn, checked against the gguf package's numbers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from minivllm.viz.quant import (format_ceilings_figure, q4_1_block_figure,  # noqa: E402
+from minivllm.lab.viz.quant import (format_ceilings_figure, q4_1_block_figure,  # noqa: E402
                                 q4_1_fields, token_share_figure)
 
 

@@ -1,4 +1,4 @@
-"""minivllm.viz.sampling: the filter figure fed by the engine's own top-p on known
+"""minivllm.lab.viz.sampling: the filter figure fed by the engine's own top-p on known
 logits, and the count bars fed by the sampler's exponential race."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ pytest.importorskip("plotly")
 
 import torch  # noqa: E402
 
-from minivllm.viz.sampling import (BEFORE_COLOR, KEPT_COLOR, count_bars,  # noqa: E402
+from minivllm.lab.viz.sampling import (BEFORE_COLOR, KEPT_COLOR, count_bars,  # noqa: E402
                                    filter_figure)
 from minivllm.sample.sampler import apply_top_k_top_p, exponential_race  # noqa: E402
 

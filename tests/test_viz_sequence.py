@@ -1,4 +1,4 @@
-"""minivllm.viz.sequence: the messages of a real AsyncLLM and its engine core (a tiny
+"""minivllm.lab.viz.sequence: the messages of a real AsyncLLM and its engine core (a tiny
 random model with SmolLM2's tokenizer; the core in a thread, same pipe protocol),
 checked against the requests' own outputs, and the figure checked through fig.data."""
 
@@ -14,7 +14,7 @@ from minivllm import SamplingParams  # noqa: E402
 from minivllm.config import engine_args_from_kwargs  # noqa: E402
 from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
 from minivllm.sampling_params import RequestOutputKind  # noqa: E402
-from minivllm.viz.sequence import (LANES, attach_message_log,  # noqa: E402
+from minivllm.lab.viz.sequence import (LANES, attach_message_log,  # noqa: E402
                                    sequence_figure)
 
 DELTA = RequestOutputKind.DELTA

@@ -1,4 +1,4 @@
-"""minivllm.viz.source: slices of the engine's source checked against the file itself."""
+"""minivllm.lab.viz.source: slices of the engine's source checked against the file itself."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.viz.source import MAX_LINES, show_source
+from minivllm.lab.viz.source import MAX_LINES, show_source
 
 
 def file_lines(obj) -> list[str]:
@@ -69,7 +69,7 @@ def test_bad_input_names_the_field(kwargs, words):
 
 
 def test_show_csrc_slices_a_kernel_file_from_its_template_line():
-    from minivllm.viz.source import CSRC, show_csrc
+    from minivllm.lab.viz.source import CSRC, show_csrc
 
     text = (CSRC / "layernorm.cpp").read_text().splitlines()
     at = next(i for i, line in enumerate(text) if "void norm_row(" in line)
@@ -84,7 +84,7 @@ def test_show_csrc_slices_a_kernel_file_from_its_template_line():
 
 
 def test_show_csrc_names_what_is_wrong():
-    from minivllm.viz.source import show_csrc
+    from minivllm.lab.viz.source import show_csrc
 
     with pytest.raises(ValueError, match="file='nope.cpp'.*layernorm.cpp"):
         show_csrc("nope.cpp", "x")

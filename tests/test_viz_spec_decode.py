@@ -3,7 +3,7 @@
 import pytest
 
 from minivllm.core.trace import StepRecord
-from minivllm.viz.spec_decode import acceptance_histogram, accepted_counts
+from minivllm.lab.viz.spec_decode import acceptance_histogram, accepted_counts
 
 
 def test_shares_per_accepted_count():
@@ -24,7 +24,7 @@ def test_counts_from_a_trace_and_bad_counts():
 
 
 def test_slots_of_a_verification_by_kind():
-    from minivllm.viz.spec_decode import Verification, draft_slots_figure, slot_kinds
+    from minivllm.lab.viz.spec_decode import Verification, draft_slots_figure, slot_kinds
 
     # 6 known, 4 drafts in slots 6..9, 1 accepted: the request keeps 8 tokens (2 blocks).
     kinds, freed = slot_kinds(Verification("r", 6, 4, 1), block_size=4)

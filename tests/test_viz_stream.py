@@ -1,4 +1,4 @@
-"""minivllm.viz.stream: a real streamed request recorded step by step (SmolLM2, greedy),
+"""minivllm.lab.viz.stream: a real streamed request recorded step by step (SmolLM2, greedy),
 its events checked against the tokens' bytes, and the figure checked through fig.data."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ pytest.importorskip("plotly")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.engine.detokenizer import REPLACEMENT_CHAR  # noqa: E402
-from minivllm.viz.stream import (LANES, carried_tokens, record_stream,  # noqa: E402
+from minivllm.lab.viz.stream import (LANES, carried_tokens, record_stream,  # noqa: E402
                                  stream_figure, token_label)
 
 CHINESE = [{"role": "user", "content": "用中文回答：北京是哪个国家的首都？"}]
@@ -92,7 +92,7 @@ def test_upto_shades_the_detokenizer_window(chinese):
 
 
 def test_arrivals_figure_draws_each_way_from_zero():
-    from minivllm.viz.stream import arrivals_figure
+    from minivllm.lab.viz.stream import arrivals_figure
 
     fig = arrivals_figure({"streamed": [(0.2, 3), (0.3, 7)], "not streamed": [(0.35, 7)]})
     streamed, whole = fig.data

@@ -1,6 +1,6 @@
 """The clock the engine core reads timestamps from.
 
-The real engine reads ``time.monotonic()``. The simulator (``minivllm.sim``)
+The real engine reads ``time.monotonic()``. The simulator (``minivllm.lab.sim``)
 passes a ``VirtualClock`` instead, one that moves only when told, so the same
 scheduler and engine core run in simulated time without sleeping and without
 patching ``time``. Any object

@@ -10,7 +10,7 @@ it as the engine-core process's target (``core_client.py``).
 from __future__ import annotations
 
 from minivllm.config import EngineConfig
-from minivllm.core.core import EngineCore
+from minivllm.core.engine_core import EngineCore
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:

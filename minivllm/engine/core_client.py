@@ -1,6 +1,6 @@
 """The API side's handle on the engine core: send requests, receive outputs.
 
-The core runs ``run_engine_core`` (see ``core_proc.py``) either in its own
+The core runs ``run_engine_core`` (see ``minivllm/core/engine_core_proc.py``) either in its own
 process (the server's default) or in a thread of this process
 (``--inprocess``, for debugging: one process, one debugger). Both talk over
 the same ``multiprocessing`` pipe, so the client code is the same for both.
@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Union
 
 from minivllm.config import EngineConfig
 from minivllm.engine.core_builder import build_engine_core
-from minivllm.core.core_proc import (AddRequests, EngineCoreReady, FinishRequests,
+from minivllm.core.engine_core_proc import (AddRequests, EngineCoreReady, FinishRequests,
                                        ReleaseHeldBlocks, Shutdown, run_engine_core)
 from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.core.request import Request, RequestStatus

@@ -23,24 +23,24 @@ from typing import Optional
 from minivllm.config import EngineArgs
 
 BENCHMARKS = {
-    "throughput": "minivllm.benchmarks.throughput",
-    "serve": "minivllm.benchmarks.serve",
-    "roofline": "minivllm.benchmarks.roofline",
-    "attention": "minivllm.benchmarks.attention",
-    "spec-decode": "minivllm.benchmarks.spec_decode",
-    "structured": "minivllm.benchmarks.structured",
-    "kv-offload": "minivllm.benchmarks.kv_offload",
-    "disagg": "minivllm.benchmarks.disagg",
+    "throughput": "minivllm.lab.bench.throughput",
+    "serve": "minivllm.lab.bench.serve",
+    "roofline": "minivllm.lab.bench.roofline",
+    "attention": "minivllm.lab.bench.attention",
+    "spec-decode": "minivllm.lab.bench.spec_decode",
+    "structured": "minivllm.lab.bench.structured",
+    "kv-offload": "minivllm.lab.bench.kv_offload",
+    "disagg": "minivllm.lab.bench.disagg",
 }
 
 
 # `minivllm simulate [SUBCOMMAND]`, by module name as the benchmarks are: the
 # simulator is a tool on top of the engine (it runs LLM and serve), not below the CLI.
 SIMULATE = {
-    None: "minivllm.sim.cli",
-    "calibrate": "minivllm.sim.calibrate",
-    "validate": "minivllm.sim.validate",
-    "published": "minivllm.sim.published",
+    None: "minivllm.lab.sim.cli",
+    "calibrate": "minivllm.lab.sim.calibrate",
+    "validate": "minivllm.lab.sim.validate",
+    "published": "minivllm.lab.sim.published",
 }
 
 

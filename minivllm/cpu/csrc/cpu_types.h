@@ -244,7 +244,7 @@ inline void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t d) {
 // evicting what the Python step between two decode steps works on. On Intel the
 // same hint fills L1 alone, bypassing L2, so a line pushed out of L1 before its
 // use is read from memory again and the stream slows: there the ordinary hint
-// is the faster one (`python -m minivllm.benchmarks.gguf_gemv` measures both
+// is the faster one (`python -m minivllm.lab.bench.gguf_gemv` measures both
 // sides of it on the machine at hand: the streamed and cache-hot rates).
 inline bool intel_cpu() {
   __builtin_cpu_init();  // needed when this runs during static initialization

@@ -1,0 +1,147 @@
+"""The engine core in its own process: a busy loop around ``EngineCore.step()``.
+
+    API process                              engine-core process
+    ───────────                              ───────────────────
+    AsyncLLM ──AddRequests / FinishRequests──▶ EngineCoreProc.run_busy_loop()
+             ◀────────EngineCoreOutputs──────    (drain messages, step, send)
+
+The two sides talk over one ``multiprocessing`` pipe; every message is a
+pickled dataclass. Keeping the core in its own process means the model's
+forward pass never blocks the API server's event loop: while the core
+computes a step, the API process keeps tokenizing new requests, turning
+token IDs into text and streaming it to clients.
+
+The loop blocks on the pipe while there is nothing to do, so an idle engine
+uses no CPU. It ends on a ``Shutdown`` message, or when the pipe closes (the
+API process died): an engine core is never left running on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Callable
+from multiprocessing.connection import Connection
+
+from minivllm.config import EngineConfig
+from minivllm.core.engine_core import EngineCore
+from minivllm.core.outputs import EngineCoreOutputs
+from minivllm.core.request import Request, RequestStatus
+
+
+# -- messages: API side -> engine core ------------------------------------------
+@dataclass
+class AddRequests:
+    requests: list[Request]
+
+
+@dataclass
+class FinishRequests:
+    """Abort (the client went away) or stop (a stop string matched) requests."""
+
+    request_ids: list[str]
+    status: RequestStatus
+
+
+@dataclass
+class ReleaseHeldBlocks:
+    """Free the blocks finished requests kept for forks (beam search's dropped beams)."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- messages: engine core -> API side (besides EngineCoreOutputs) ----------------
+@dataclass
+class EngineCoreReady:
+    """The first message: the model is loaded and the KV cache allocated."""
+
+    pid: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, conn: Connection,
+                 build: Callable[[EngineConfig], EngineCore]) -> None:
+        self.engine_core = build(config)
+        self.conn = conn
+
+    def ready_message(self) -> EngineCoreReady:
+        core = self.engine_core
+        return EngineCoreReady(pid=os.getpid(), num_blocks=core.num_blocks,
+                               block_size=core.config.cache.block_size,
+                               max_model_len=core.config.scheduler.max_model_len)
+
+    def run_busy_loop(self) -> None:
+        self.conn.send(self.ready_message())
+        while True:
+            rejected: dict[str, str] = {}
+            # Idle: sleep until a message comes. Busy: take only what is
+            # already there, so a step is never delayed by waiting.
+            block = not self.engine_core.has_unfinished_requests()
+            while block or self.conn.poll():
+                message = self.conn.recv()
+                block = False
+                if isinstance(message, Shutdown):
+                    return
+                self._handle(message, rejected)
+            outputs = (self.engine_core.step() if self.engine_core.has_unfinished_requests()
+                       else [])
+            # Sent even when the step produced no token (a prefill chunk, an
+            # abort while idle): the stats changed and /metrics should say so.
+            self.conn.send(EngineCoreOutputs(outputs, self.engine_core.scheduler.make_stats(),
+                                             rejected))
+
+    def _handle(self, message, rejected: dict[str, str]) -> None:
+        if isinstance(message, AddRequests):
+            for request in message.requests:
+                try:
+                    self.engine_core.add_request(request)
+                except ValueError as e:  # a bad request must not end the engine
+                    rejected[request.request_id] = str(e)
+        elif isinstance(message, FinishRequests):
+            self.engine_core.finish_requests(message.request_ids, message.status)
+        elif isinstance(message, ReleaseHeldBlocks):
+            self.engine_core.release_held_blocks(message.request_ids)
+        else:
+            raise TypeError(f"engine core got an unknown message {message!r}")
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)  # unwinds through `finally`, so the executor shuts down
+
+
+def run_engine_core(config: EngineConfig, conn: Connection,
+                    build: Callable[[EngineConfig], EngineCore],
+                    in_thread: bool = False) -> None:
+    """Entry point of the engine-core process (or thread, with ``--inprocess``);
+    ``build`` makes the core with its executor (``minivllm.engine.core_builder``)."""
+    if not in_thread:
+        # Ctrl-C reaches every process of the terminal's group; the API
+        # process decides when the engine stops, so the engine ignores it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    proc = None
+    try:
+        proc = EngineCoreProc(config, conn, build)
+        proc.run_busy_loop()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the API side is gone: nobody is left to serve
+    except SystemExit:
+        pass  # SIGTERM: a normal way to end
+    except BaseException as e:
+        print(f"minivllm engine core failed: {type(e).__name__}: {e}", file=sys.stderr)
+        raise
+    finally:
+        if proc is not None:
+            proc.engine_core.shutdown()
+        # Closing our end is how the API side learns that we are gone.
+        conn.close()
