@@ -50,10 +50,10 @@ from minivllm.lab.viz.widgets import show_in
 
 # %% [markdown]
 # The engine runs with `cpu_kernels=False`: the plain PyTorch reference path, so the
-# code this chapter shows is the code that runs (chapter 14 switches the CPU kernels on
+# code this chapter shows is the code that runs (chapter 15 switches the CPU kernels on
 # and compares). `quantization=None` dequantizes the model file's 4-bit blocks to
 # float32 at load, so the weights this chapter reads are plain tensors (by default
-# the engine computes on the blocks as they ship: chapter 23).
+# the engine computes on the blocks as they ship: chapter 16).
 
 # %%
 llm = LLM(num_kv_blocks=64, cpu_kernels=False, quantization=None)

@@ -49,10 +49,10 @@ from minivllm.lab.viz.export import save_key_figure
 
 # %% [markdown]
 # The engine runs with `cpu_kernels=False`: the plain PyTorch reference path, so the
-# code this chapter shows is the code that runs (chapter 14 switches the CPU kernels on
+# code this chapter shows is the code that runs (chapter 15 switches the CPU kernels on
 # and compares). `quantization=None` dequantizes the model's 4-bit GGUF weights to
 # float32 once, at load: the reference path's quantized layer dequantizes every weight
-# at every step (chapter 23), a fixed cost that would hide what this chapter measures.
+# at every step (chapter 16), a fixed cost that would hide what this chapter measures.
 
 # %%
 llm = LLM(num_kv_blocks=64, trace=True, cpu_kernels=False, quantization=None)  # 64 blocks x 16
@@ -128,7 +128,7 @@ print(f"one pass re-derives all {len(answer)} answer tokens")
 # But that pass needs the answer as input. During generation token *j + 1* does not
 # exist until token *j* has been sampled: decode is a chain of steps, one token each.
 # (Checking a guessed continuation in one pass, as above, is what speculative decoding
-# builds on: chapter 15 explains it.)
+# builds on: chapter 17 explains it.)
 #
 # ## Cached and recomputed generation give the same tokens
 #

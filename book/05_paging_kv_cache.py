@@ -287,7 +287,7 @@ assert kv.get_block_ids("b") == [2, 3, 4] and free_ids() == [5, 1, 0]
 #
 # Everything the pool does for a request without prefix caching fits in a few lines:
 # a queue of free block ids and a count per block. You write it once, in the small
-# package beside this book, `book/mini/` (chapter 18 assembles its pieces into a whole
+# package beside this book, `book/mini/` (chapter 14 assembles its pieces into a whole
 # engine); the chapter shows the file as it is and runs it.
 
 # %%

@@ -249,7 +249,7 @@ show_source(triton_attn.paged_attention_kernel.fn, start="# 4. Online", end="# 6
 # ## Build it once: the online softmax
 #
 # The same fold for one tile, in plain PyTorch, written once in the package beside
-# this book, `book/mini/attention.py` (chapter 18 builds the whole engine from
+# this book, `book/mini/attention.py` (chapter 14 builds the whole engine from
 # `book/mini/`). Base e, not the kernel's `exp2`: the same up to a factor `log2(e)`
 # folded into the scores. `softmax_tile` folds one tile into the three running values:
 

@@ -319,7 +319,7 @@ line_chart(budgets, {"decodes' ITL p99": [chunking[b]["itl_p99_ms"] for b in bud
 # prompt, or a batch job that only counts throughput. Too small a budget wastes steps:
 # below a few hundred tokens the forward pass no longer gets cheaper in proportion
 # (chapter 12's roofline explains why), so the ITL barely falls while TTFT keeps rising.
-# Chapter 17 sweeps the same knob on a simulated GPU under load.
+# Chapter 23 sweeps the same knob on a simulated GPU under load.
 
 # %% [markdown]
 # ## Inside the scheduler: `num_computed_tokens`
@@ -432,7 +432,7 @@ assert x.num_output_tokens == y.num_output_tokens == 3
 # ## Build it once: a token-budget scheduler
 #
 # The rules fit in a few lines, and you write them once, in the package beside this
-# book, `book/mini/scheduler.py` (chapter 18 assembles `book/mini/` into a whole engine
+# book, `book/mini/scheduler.py` (chapter 14 assembles `book/mini/` into a whole engine
 # that serves real requests). A step hands out the budget: running requests first, in
 # admission order, each cut to what is left (a long prompt gets a chunk); then waiting
 # requests are admitted, first come first served. If a running request needs a block
@@ -544,7 +544,7 @@ assert mixed.num_scheduled_tokens == {"D1": 1, "D2": 1, "H": 10, "L": 52}
 # `seq_lens` is computed + new, what attention must read; and the rows whose logits
 # are sampled (`logits_indices`) are each request's last row, except for a chunk
 # that stops inside its prompt (L). Your `prepare_inputs` (`book/mini/batch.py`, one
-# of chapter 18's pieces) computes them in one pass over the scheduled requests:
+# of chapter 14's pieces) computes them in one pass over the scheduled requests:
 
 # %%
 from mini.batch import prepare_inputs

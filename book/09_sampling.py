@@ -104,7 +104,7 @@ print({lp.decoded_token: round(lp.logprob, 3) for lp in engine_top.values()})
 #
 # Dropped tokens get logit `-inf` (probability 0) and the rest are renormalised. The
 # engine applies them in this order: temperature, top-k, top-p, min-p. You write them
-# once, in the package beside this book, `book/mini/sampler.py` (chapter 18 assembles
+# once, in the package beside this book, `book/mini/sampler.py` (chapter 14 assembles
 # `book/mini/` into a whole engine):
 
 # %%
@@ -157,7 +157,7 @@ show_source(Sampler.forward, start="logits = logits.float()")
 # model's distribution, not the filtered one. Then `process_logits` applies what changes
 # every row, greedy ones too (penalties, and `min_tokens` banning the stop tokens),
 # and `_sample` does the rest, drawing from `sampling_probs` (which the rejection
-# sampler of chapter 15 shares, so verification samples what plain sampling would):
+# sampler of chapter 17 shares, so verification samples what plain sampling would):
 
 # %%
 show_source(Sampler._sample)

@@ -202,7 +202,7 @@ show_source(IncrementalDetokenizer.update, start="self.token_ids.extend")
 #
 # Without the two special cases, the idea is a dozen lines: two offsets, two decodes,
 # a subtraction, and a refusal when the window ends in `�`. You write it once, in the
-# package beside this book, `book/mini/detokenizer.py` (chapter 18 assembles
+# package beside this book, `book/mini/detokenizer.py` (chapter 14 assembles
 # `book/mini/` into a whole engine):
 
 # %%

@@ -81,7 +81,7 @@ N, MAX_TOKENS = 8, 16  # the shared workload: 8 chat requests, 16 output tokens 
 # ServerProcess (minivllm/entrypoints/launch.py): `minivllm serve` on a free port, stopped
 # when this kernel exits, even if a cell fails.
 # Both run float32 weights (`quantization=None`: the model file's blocks dequantized at
-# load), the numbers the roofline below and Hugging Face count in; chapter 23 runs
+# load), the numbers the roofline below and Hugging Face count in; chapter 16 runs
 # the blocks as they ship.
 server = ServerProcess("--num-kv-blocks", "64", "--no-enable-prefix-caching",
                        "--quantization", "none")

@@ -3,7 +3,7 @@
 The chapters mark their exercises with plain cell tags (BOOK.md)::
 
     # %% [markdown]
-    # ### Exercise 05.1 — short title
+    # ### Exercise 5.1 — short title
     # %% tags=["solution"] jupyter={"source_hidden": true}
     ### BEGIN SOLUTION
     answer_1 = ...

@@ -1,4 +1,4 @@
-"""The A/B harness and the operator profile chapter 14 measures with."""
+"""The A/B harness and the operator profile chapter 15 measures with."""
 
 from __future__ import annotations
 

@@ -129,14 +129,14 @@ def test_student_notebooks_score_zero_solved_full_tampered_zero(tmp_path):
 
 @pytest.mark.slow
 def test_the_capstone_chapter_grades_zero_untouched_and_full_solved(tmp_path):
-    """The real thing: chapter 18, its exercises, its ``book/mini`` package alongside."""
+    """The real thing: chapter 14, its exercises, its ``book/mini`` package alongside."""
     course, out = tmp_path / "course", tmp_path / "submitted"
-    checks = grading.make_student(["18"], course)["18_build_it_yourself"]
+    checks = grading.make_student(["18"], course)["14_build_it_yourself"]
     assert len(checks) >= 3
-    assert (course / "release" / "18_build_it_yourself" / "mini" / "engine.py").is_file()
-    submit(course, out, "18_build_it_yourself", "untouched", "release")
-    submit(course, out, "18_build_it_yourself", "solved", "source")
+    assert (course / "release" / "14_build_it_yourself" / "mini" / "engine.py").is_file()
+    submit(course, out, "14_build_it_yourself", "untouched", "release")
+    submit(course, out, "14_build_it_yourself", "solved", "source")
     got = scores(grading.grade(out, course))
     n = len(checks)
-    assert got == {("untouched", "18_build_it_yourself"): (0, n),
-                   ("solved", "18_build_it_yourself"): (n, n)}
+    assert got == {("untouched", "14_build_it_yourself"): (0, n),
+                   ("solved", "14_build_it_yourself"): (n, n)}

@@ -101,7 +101,7 @@ def test_router_arguments_name_themselves():
 
 
 def test_kv_aware_keeps_twice_round_robins_cache_on_multi_tenant_sessions():
-    """The fleet workload of chapter 21 and the README: tenants with system prompts of
+    """The fleet workload of chapter 22 and the README: tenants with system prompts of
     their own and histories that outgrow them, as multi-tenant traffic has, on
     replicas whose pools hold each session once but not once per replica. kv_aware
     keeps each history on one replica: at least 2x round robin's cached tokens and

@@ -1,4 +1,4 @@
-"""Chapter 14's figures (minivllm/lab/viz/cpu_speedups.py), checked through their data."""
+"""Chapter 15's figures (minivllm/lab/viz/cpu_speedups.py), checked through their data."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@
     batch.py        chapter 7   the flat varlen batch and its slot mapping
     sampler.py      chapter 9   temperature / top-k / top-p / min-p, the exponential race
     detokenizer.py  chapter 10  incremental detokenizing that never splits a character
-    engine.py       chapter 18  the KV tensors, and the loop that makes the pieces serve
+    engine.py       chapter 14  the KV tensors, and the loop that makes the pieces serve
 
 The chapters show these files slice by slice and check each piece against the
-engine; chapter 18 assembles them over the engine's model weights. There is one
+engine; chapter 14 assembles them over the engine's model weights. There is one
 copy of each piece: this one.
 """
 

@@ -1,4 +1,4 @@
-"""The loop that makes the pieces serve requests together (chapter 18).
+"""The loop that makes the pieces serve requests together (chapter 14).
 
 Each step: the scheduler picks tokens within the budget, the flat batch lays
 them end to end, the model runs once over it (the engine's layers, attending

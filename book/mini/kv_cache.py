@@ -2,7 +2,7 @@
 
 The K and V vectors themselves live in one tensor per layer,
 ``[num_blocks, block_size, kv_heads, head_dim]``, that the engine allocates
-(chapter 18); a block id is an index into its first dimension.
+(chapter 14); a block id is an index into its first dimension.
 """
 
 from __future__ import annotations

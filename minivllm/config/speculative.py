@@ -12,7 +12,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Left out of the dict, disable_by_batch_size is this: a batch this large is
 # compute-bound on a CPU, so verifying rejected drafts costs more than the steps
 # saved. `minivllm bench spec-decode` measures where plain chat starts losing
-# (chapter 15 shows it). An explicit None keeps speculation on at any batch size.
+# (chapter 17 shows it). An explicit None keeps speculation on at any batch size.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 12
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max",
                      "prompt_lookup_min", "model", "disable_by_batch_size")

@@ -7,7 +7,7 @@ and ``prepare_model``, which swaps in the layers' twins (``layers.py``; the
 LoRA delta's, ``lora.py``, where adapters are enabled), packs
 the GEMM weights (``prepack.py``) and builds the decode-step replay
 (``fused_decode.py``) where it applies. The finer switches, for benchmarks
-and chapter 14's one-at-a-time measurements, are environment variables
+and chapter 15's one-at-a-time measurements, are environment variables
 (``minivllm/envs.py``):
 
 - ``MINIVLLM_CPU_KERNELS=0``: none of this (the same as ``cpu_kernels=False``);

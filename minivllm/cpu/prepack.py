@@ -28,7 +28,7 @@ packed once, after loading, and each product picks by its row count:
 The price is memory: the packed copies sit next to the originals, which stay
 for the embedding lookup, one-row steps and anyone who reads the weights.
 Results equal ``F.linear`` up to float rounding (a different summation
-order), like any change of GEMM kernel. Chapter 14 measures the products
+order), like any change of GEMM kernel. Chapter 15 measures the products
 against F.linear at decode-sized row counts.
 
 The packed copy is a snapshot: ``prepack_model`` runs once after the

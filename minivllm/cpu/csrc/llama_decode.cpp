@@ -4,7 +4,7 @@
 // Why: in eager PyTorch every operator of a decode step also costs a Python
 // module call and a trip through the dispatcher, about ten operators a layer,
 // for every layer: for a small model at small batches that overhead is a large
-// part of a step, in which the kernels themselves are short (chapter 14
+// part of a step, in which the kernels themselves are short (chapter 15
 // measures it with profile_ops; `minivllm bench throughput` with
 // MINIVLLM_FUSED_DECODE=0 shows the end-to-end difference). Running the loop
 // here removes that cost; the arithmetic is the same kernels in the
@@ -104,7 +104,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_ro
 // kernel its own parallel region means each ends with the threads going idle
 // and the next starts by waking them. Under OMP_WAIT_POLICY=passive (what a
 // machine shared with other processes wants) idle OpenMP threads sleep, and
-// waking them hundreds of times a step adds up (chapter 14 shows the
+// waking them hundreds of times a step adds up (chapter 15 shows the
 // difference). In one region the threads split every kernel's
 // work between them and meet at a barrier of our own that spins; they sleep
 // only between steps.

@@ -4,7 +4,7 @@ Two timings taken minutes apart on a machine other programs also use differ
 by more than most optimisations are worth. So ``alternate`` runs A, then B,
 then A again, round after round, and each round times a few calls of each;
 a burst of outside load then slows both sides of the same round, and the
-median over rounds drops the rounds a burst spoilt. Chapter 14 uses it for
+median over rounds drops the rounds a burst spoilt. Chapter 15 uses it for
 every acceleration it measures.
 """
 

@@ -1,4 +1,4 @@
-"""Figures of chapter 14: what each CPU acceleration buys, and how high it can go.
+"""Figures of chapter 15: what each CPU acceleration buys, and how high it can go.
 
 - ``speedup_figure``: one bar per acceleration, how many times faster than
   the reference it made its piece of work (log axis, a line at 1x: no gain).

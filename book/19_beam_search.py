@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 22. Beam search
+# # 19. Beam search
 #
 # Greedy decoding (chapter 9) takes the most likely token at every step. That is not
 # the most likely *answer*: a token that looks worse now can lead to a better sequence.
@@ -194,7 +194,7 @@ assert kv.num_free_blocks == kv.num_blocks  # dropped beams gave every block bac
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 22.1 — where beam search leaves greedy
+# ### Exercise 19.1 — where beam search leaves greedy
 # After how many generated tokens does the best beam first differ from the greedy
 # answer? Compute it from the two token lists (`answer_1`: the first position, counted
 # from 1, where they differ; `STEPS + 1` if they never do).
@@ -216,7 +216,7 @@ _b = beams[0].tokens[len(prompt):]
 assert answer_1 == min([i + 1 for i in range(STEPS) if _g[i] != _b[i]] + [STEPS + 1])
 
 # %% [markdown]
-# ### Exercise 22.2 — a beam of one
+# ### Exercise 19.2 — a beam of one
 # **Predict first:** with `beam_width=1`, what does beam search return? Run it and put
 # its generated tokens in `answer_2`.
 
@@ -234,7 +234,7 @@ assert answer_2 == llm.generate({"prompt_token_ids": prompt},
                                 use_tqdm=False)[0].outputs[0].token_ids
 
 # %% [markdown]
-# ### Exercise 22.3 — counting blocks
+# ### Exercise 19.3 — counting blocks
 # In the step drawn above, how many *distinct* physical blocks did the beams hold
 # together, and how many block references (the sum of the rows' lengths)? Set
 # `answer_3 = (distinct, references)` from `step`.

@@ -11,12 +11,12 @@
 # ---
 
 # %% [markdown]
-# # 23. Run the model as it ships
+# # 16. Run the model as it ships
 #
 # The default model arrives as a llama.cpp file, `SmolLM2-135M-Instruct.Q4_1.gguf`: most
 # of its matrices are stored in **Q4_1 blocks**, 32 weights in 20 bytes. Until now the
 # engine turned those blocks into float32 at load (chapter 3's weights are those floats)
-# and read every float32 byte at every decode step. Chapter 14 showed that one stream is
+# and read every float32 byte at every decode step. Chapter 15 showed that one stream is
 # bound by memory bandwidth: the bytes a step reads set its speed. So the format the
 # weights are *kept* in is a speed question as much as an accuracy one.
 #
@@ -104,7 +104,7 @@ print(block)
 
 # %%
 fig = q4_1_block_figure(block, title=f"The first Q4_1 block of {t.name}")
-save_key_figure(fig, "23_run_the_model_as_it_ships")
+save_key_figure(fig, "16_run_the_model_as_it_ships")
 fig
 
 # %% [markdown]
@@ -181,7 +181,7 @@ for name in FORMATS:  # the gguf package's own table agrees
     assert layout[name] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
 
 # %% [markdown]
-# One decode step reads every weight once (chapter 14). For this model's 134.5 M weights
+# One decode step reads every weight once (chapter 15). For this model's 134.5 M weights
 # that is the bytes per token of one stream; divided into the memory bandwidth we
 # measure now, it is the most tokens per second one stream can make in each format:
 
@@ -334,14 +334,14 @@ token_share_figure(share.roofline_s * 1e3, share.replay_s * 1e3, share.outside_r
 # 135M-weight model whose whole step reads under 100 MB, that fixed part is a large
 # share of a token of a few milliseconds: llama.cpp, whose decode loop has no Python at
 # all, reaches about a quarter of the same ceiling on this file (README, Benchmarks).
-# On a model whose step reads gigabytes, the fixed part all but vanishes; exercise 23.5
+# On a model whose step reads gigabytes, the fixed part all but vanishes; exercise 16.5
 # puts a number on it.
 
 # %% [markdown]
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 23.1 — bits per weight of Q5_1
+# ### Exercise 16.1 — bits per weight of Q5_1
 # Q5_1 is Q4_1 with a fifth bit: a block of 32 weights holds `d` and `m` (float16 each),
 # 4 bytes with the 32 high bits, and 16 bytes of nibbles. How many bits per weight is
 # that? Put it in `answer_1`.
@@ -356,7 +356,7 @@ _bs, _ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q5_1]
 assert answer_1 == _ts * 8 / _bs
 
 # %% [markdown]
-# ### Exercise 23.2 — Q8_0 at load, token by token
+# ### Exercise 16.2 — Q8_0 at load, token by token
 # **Predict first:** `llm_q8` rounds the float32 weights to Q8_0 (one scale per 32
 # weights, 256 levels). Will its 24 greedy tokens on `prompt` be the float path's
 # (`float_ids`)? Then count how many of the first tokens agree before the first
@@ -375,7 +375,7 @@ assert answer_2 == min([i for i in range(24) if _q8[i] != float_ids[i]] + [24])
 print("agree for", answer_2, "tokens")
 
 # %% [markdown]
-# ### Exercise 23.3 — write a Q4_0 quantizer
+# ### Exercise 16.3 — write a Q4_0 quantizer
 # Q4_0 is a block of 32 weights in 18 bytes: a float16 `d`, then 16 bytes of nibbles
 # (low nibble weight `k`, high nibble weight `k + 16`), and `w = d · (q − 8)`. ggml picks
 # `d = x_max / −8`, where `x_max` is the weight of the largest magnitude (with its sign),
@@ -401,7 +401,7 @@ _x[0] = 0.0  # an all-zero block
 assert np.array_equal(quantize_q4_0(_x), gguf.quants.quantize(_x, gguf.GGMLQuantizationType.Q4_0))
 
 # %% [markdown]
-# ### Exercise 23.4 — an 8B model on this machine
+# ### Exercise 16.4 — an 8B model on this machine
 # Llama 3 8B has 8.03 billion weights. In Q4_K, how many tokens per second can one
 # stream make at most at the bandwidth measured above (`bw.best`)? `answer_4`.
 
@@ -416,11 +416,11 @@ assert abs(answer_4 - bw.best * _k.block_size / (8.03e9 * _k.type_size)) < 1e-6 
 print(f"at most {answer_4:.1f} tokens/s")
 
 # %% [markdown]
-# ### Exercise 23.5 — the same engine on an 8B model
+# ### Exercise 16.5 — the same engine on an 8B model
 # Suppose the replay kept this model's efficiency on Llama 3 8B in Q4_K (its time over
 # the weights' time at the probed rate: `share.replay_s / share.roofline_s`) and the
 # Python step kept its cost per token (`share.outside_replay_s`). What fraction of its
-# ceiling (exercise 23.4's `answer_4` tokens/s) would one stream reach? `answer_5`.
+# ceiling (exercise 16.4's `answer_4` tokens/s) would one stream reach? `answer_5`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION

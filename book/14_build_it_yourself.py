@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 18. Build it yourself
+# # 14. Build it yourself
 #
 # Chapters 5 to 10 each built one piece of an inference engine and checked it against
 # minivllm: a block pool (5), an online softmax (6), a token-budget scheduler (7), the
@@ -366,7 +366,7 @@ print(f"attention {theirs.name!r}: the same tokens and text")
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 18.1 — count the chunks
+# ### Exercise 14.1 — count the chunks
 # With a budget of `BUDGET` tokens per step, in how many steps did the engine's own
 # scheduler (the `swapped` run above) compute part of request `r7`'s prompt? Count
 # them from `swapped.steps` (a list of `{request_id: tokens}` per step); a step that
@@ -383,7 +383,7 @@ assert answer_1 * BUDGET >= len(prompts["r7"])
 print(answer_1, "chunks")
 
 # %% [markdown]
-# ### Exercise 18.2 — one request at a time
+# ### Exercise 14.2 — one request at a time
 # Build a `MiniEngine` with `max_num_seqs=1` (only one request may run at a time) and
 # the same small cache, and serve the first two prompts with it.
 # **Predict first:** how many preemptions will it have (`predicted_2`)? Will the tokens
@@ -403,7 +403,7 @@ assert all(len(step) == 1 for step in engine_2.steps)  # one request per step
 assert streams_2 == {rid: expected[rid] for rid in streams_2} and len(streams_2) == 2
 
 # %% [markdown]
-# ### Exercise 18.3 — sampling that is greedy in disguise
+# ### Exercise 14.3 — sampling that is greedy in disguise
 # `SamplingParams(temperature=1.0, top_k=1)` samples at temperature 1, but keeps
 # only the single most likely token. **Predict first:** do `r0`'s tokens differ from
 # the greedy ones? Serve `r0` alone with these parameters on a fresh `MiniEngine` and

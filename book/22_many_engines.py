@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 21. Many engines
+# # 22. Many engines
 #
 # One engine has one KV cache. When one engine is not enough, you run several
 # *replicas* of it and put a router in front. Chapter 8 showed what the prefix cache
@@ -296,7 +296,7 @@ assert fleet["kv_aware"] >= 2 * fleet["round_robin"] and fleet["kv_aware"] >= 0.
 # prompt. `kv_aware` keeps each history where it is, so the fleet hits as one
 # replica with room for everything would. (With one system prompt shared by every
 # session, the earlier version of this workload, every replica caches that prompt
-# whatever the policy and the gap shrinks: exercise 21.4.)
+# whatever the policy and the gap shrinks: exercise 22.4.)
 
 # %% [markdown]
 # With real servers behind `minivllm router`, concurrent sessions and real timing,
@@ -316,7 +316,7 @@ for name, r in rows.items():
 # %% [markdown]
 # ## Exercises
 #
-# ### Exercise 21.1 — predict a hit from the events alone
+# ### Exercise 22.1 — predict a hit from the events alone
 # The session above now lives on replica `after[-1][0]`. Its student asks one more
 # question, "What is a block table?". Using only the subscribers (not the engines),
 # compute `answer_1`: how many prompt tokens the replica `kv_aware` picks will find
@@ -337,7 +337,7 @@ i, cached, _, _ = send_turn(policy, history, "What is a block table?", down={hom
 assert answer_1 == cached, (answer_1, cached)
 
 # %% [markdown]
-# ### Exercise 21.2 — a stricter balance (changes the router)
+# ### Exercise 22.2 — a stricter balance (changes the router)
 # Replica `home` is back. The replica the session moved to is busy with one request;
 # the others have none. Build `RoutingPolicy("kv_aware", N, balance_slack=0)`.
 # **Predict first:** which replica gets the session's next turn, and how many of its
@@ -360,7 +360,7 @@ pick = strict.choose(loads, h2, [s.index.hashes for s in subs])
 assert answer_2 == (pick, cached_prefix_blocks(h2, subs[pick].index.hashes) * BS) and pick == home
 
 # %% [markdown]
-# ### Exercise 21.3 — what round robin cost
+# ### Exercise 22.3 — what round robin cost
 # From `runs`, compute `answer_3`: how many more prompt tokens round robin had to
 # compute (prompt tokens minus cached tokens, summed over the turns) than `kv_aware`.
 
@@ -375,7 +375,7 @@ rr, kv = runs["round_robin"][0], runs["kv_aware"][0]
 assert answer_3 == sum(c for _, c, _, _ in kv) - sum(c for _, c, _, _ in rr) > 0
 
 # %% [markdown]
-# ### Exercise 21.4 — one system prompt for everyone (changes the workload)
+# ### Exercise 22.4 — one system prompt for everyone (changes the workload)
 # Rebuild the tenants' workload with one 256-token system prompt shared by all 8
 # sessions (`num_system_prompts=1`, `system_len=256`), everything else as above.
 # **Predict first:** does `kv_aware` still find twice round robin's cached tokens?

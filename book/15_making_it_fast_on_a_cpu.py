@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 14. Making it fast on a CPU
+# # 15. Making it fast on a CPU
 #
 # The model code of chapter 3 is plain PyTorch: one readable path per layer, the one
 # you can step through with a debugger. It is also slow on a CPU, and not because the
@@ -99,7 +99,7 @@ print(f"{torch.get_num_threads()} threads; panel GEMM "
 
 # %%
 # float32 weights (`quantization=None`): this chapter's kernels are the float path's;
-# chapter 23 computes on the file's 4-bit blocks.
+# chapter 16 computes on the file's 4-bit blocks.
 ref = LLM(cpu_kernels=False, num_kv_blocks=256, enable_prefix_caching=False,
           quantization=None)
 cfg = ref.llm_engine.config.model
@@ -374,7 +374,7 @@ show_source(linear, start="rows = x.shape[0]")
 # read strictly front to back, the rows' partial sums held in registers, and the *next*
 # panel prefetched while this one is multiplied, so that streaming the weights overlaps
 # the arithmetic. Its inner tile (in `panel_gemm.h`, shared by `gemm.cpp` and the GGUF
-# batch kernel of chapter 23, which dequantizes blocks into the same panel layout):
+# batch kernel of chapter 16, which dequantizes blocks into the same panel layout):
 
 # %%
 show_csrc("panel_gemm.h", "void tile(const float* x")
@@ -618,7 +618,7 @@ speedup_figure(speedups, f"minivllm.cpu against the reference, A/B in one run, o
 fig = roofline_figure(roof.compute_tokens_per_s, roof.bandwidth_steps_per_s,
                       {name: {n: e2e[n][name] for n in e2e} for name in e2e[1]},
                       f"Default model, float32, on {FEATURES.model} ({FEATURES.isa})")
-save_key_figure(fig, "14_making_it_fast_on_a_cpu")
+save_key_figure(fig, "15_making_it_fast_on_a_cpu")
 fig
 
 # %%
@@ -636,7 +636,7 @@ for n in e2e:
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 14.1 — predict the reference's operator count
+# ### Exercise 15.1 — predict the reference's operator count
 # The reference decode step of one sequence ran `prof_ref.num_ops` operators. Only one
 # part of the model runs more operators when the batch grows: the attention loop, one
 # round of gathers and softmax per sequence. Count the operators of reference decode
@@ -659,7 +659,7 @@ predicted_ops_32 = two + (32 - 2) * (three - two)  # the same operators per sequ
 assert predicted_ops_32 == step_ops(32)
 
 # %% [markdown]
-# ### Exercise 14.2 — swap a twin back, with the replay on
+# ### Exercise 15.2 — swap a twin back, with the replay on
 # The check below changes the accelerated engine: every RMSNorm module of the model goes
 # back to the reference class (`module.__class__ = RMSNorm`), and the recorded one-
 # sequence decode step runs again through `runner.forward`, the decode replay still on.
@@ -686,7 +686,7 @@ finally:
 assert norms and logits_move == (not torch.equal(before, after))
 
 # %% [markdown]
-# ### Exercise 14.3 — what a batch buys
+# ### Exercise 15.3 — what a batch buys
 # From the measured roofline (`roof`): how many times more tokens per second does the
 # ceiling allow at batch 32 than at batch 1 (`ceiling_gain_32`)? Write it with
 # `crossover` (the batch size where compute becomes the limit).

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 20. Prefill and decode apart
+# # 21. Prefill and decode apart
 #
 # Chapter 7 put prefill chunks and decode tokens into the same step; chapter 12
 # measured what that costs a decoding request: while a long prompt is being
@@ -218,7 +218,7 @@ tiered.shutdown()
 #
 # One CPU cannot show what disaggregation is for: the two engines here share the
 # same cores. The simulator can (it runs the real scheduler of every replica on a
-# virtual clock, chapter 17). Two GPUs' worth of `llama-3-8b` on `h100-sxm`, two
+# virtual clock, chapter 23). Two GPUs' worth of `llama-3-8b` on `h100-sxm`, two
 # ways: two colocated replicas, or one prefill replica plus one decode replica whose
 # KV crosses a link. The assumptions are printed with the numbers:
 
@@ -276,11 +276,11 @@ assert best[names[1]] > best[names[0]] and peak[names[0]] > peak[names[1]]
 # both decode, while in the pair the prefill replica alone takes every prompt (its
 # queue sets the TTFT) and the decode replica's compute is mostly idle (decode is
 # memory-bound). Disaggregation buys a latency *guarantee* by using the hardware less
-# evenly; the ratio of prefill to decode replicas is then the knob (exercise 20.2 turns
+# evenly; the ratio of prefill to decode replicas is then the knob (exercise 21.2 turns
 # another one).
 
 # %% [markdown]
-# ### Exercise 20.1 — what the consumer computes
+# ### Exercise 21.1 — what the consumer computes
 # A prompt of 50 tokens, blocks of `BS` tokens, every full block in the store. How
 # many prompt tokens does the consumer compute in its first step? Write it as a
 # formula of 50 and `BS`.
@@ -297,7 +297,7 @@ res = PoolSimulator(model, hw, EngineArgs(block_size=BS),
 assert answer_1 == 50 - res.transfers[0].num_tokens  # what the simulated consumer computed
 
 # %% [markdown]
-# ### Exercise 20.2 — smaller chunks instead of a second engine (changes the engine)
+# ### Exercise 21.2 — smaller chunks instead of a second engine (changes the engine)
 # vLLM's answer to prefill interference *without* disaggregation is a smaller token
 # budget per step: a prompt is prefilled in smaller chunks, so a step that carries one
 # is shorter. Run the colocated pair at 24 req/s with `max_num_batched_tokens=256`
@@ -317,7 +317,7 @@ print(f"p99 ITL at 24 req/s: colocated {colo[24]['p99_itl_ms']:.1f} ms, 256-toke
       f"{answer_2:.1f} ms, disaggregated {pd[24]['p99_itl_ms']:.1f} ms")
 
 # %% [markdown]
-# ### Exercise 20.3 — the transfer's time
+# ### Exercise 21.3 — the transfer's time
 # On the simulated link of 50 GB/s, how many seconds does the KV of a 1000-token
 # `llama-3-8b` prompt take to cross (full blocks of 16 tokens, the last token
 # excluded)? Derive it from the model: K and V, per layer, per KV head, `head_dim`

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 17. Scheduling at scale
+# # 23. Scheduling at scale
 #
 # What happens to TTFT and TPOT when a hundred students hit a Llama-3-8B on an H100
 # at once? How big must the KV cache be before preemptions stop? Nobody answers that
@@ -227,7 +227,7 @@ assert sweep[-1].output_throughput > 2 * sweep[0].output_throughput
 # %%
 fig = load_sweep_figure([f"{r}/s" for r in rates], sweep,
                         title="Simulated: Llama-3-8B on one H100 at rising load")
-save_key_figure(fig, "17_scheduling_at_scale")
+save_key_figure(fig, "23_scheduling_at_scale")
 fig
 
 # %% [markdown]
@@ -352,7 +352,7 @@ paired_bars(list(routing), {"prefix cache hit rate": [v[0] for v in routing.valu
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 17.1 — the H100's KV blocks
+# ### Exercise 23.1 — the H100's KV blocks
 # How many KV blocks does the simulated H100 give Llama-3-8B (`predicted_blocks`)?
 # Derive it from the model's config: 90 % of 80 GB, minus the bf16 weights
 # (`weight_bytes(MODEL)`), minus the 1 GiB the simulator reserves for activations,
@@ -370,7 +370,7 @@ predicted_blocks = int((0.9 * 80e9 - weight_bytes(MODEL) - 2 ** 30) // per_block
 assert predicted_blocks == h100().num_blocks
 
 # %% [markdown]
-# ### Exercise 17.2 — eight seats
+# ### Exercise 23.2 — eight seats
 # Configure the simulated engine with `max_num_seqs=8` instead of 256 and run the load
 # sweep's workload at 32 requests/s. **Predict first:** does the median TTFT rise
 # (`ttft_rises`), and does the output throughput fall (`throughput_falls`), compared
@@ -392,7 +392,7 @@ assert ttft_rises == (few.ttft_ms["median"] > sweep[-1].ttft_ms["median"])
 assert throughput_falls == (few.output_throughput < sweep[-1].output_throughput)
 
 # %% [markdown]
-# ### Exercise 17.3 — a long prompt's chunks
+# ### Exercise 23.3 — a long prompt's chunks
 # On the simulated H100 with `max_num_batched_tokens=1024`, one request with a
 # 3,000-token prompt arrives alone. How many engine steps compute its prompt
 # (`prefill_steps`)?

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 16. Constrained decoding
+# # 18. Constrained decoding
 #
 # An application that wants JSON cannot rely on asking nicely. Constrained decoding
 # makes the engine itself refuse, at every step, every token that would break the
@@ -104,7 +104,7 @@ fig = filter_figure([tokenizer.decode([t]) for t in top], [free_p[t] for t in to
                     title="First token of a JSON answer: free and under the mask",
                     names=("free (no mask)", "under the mask (renormalised)"))
 fig.show()
-save_key_figure(fig, "16_constrained_decoding")
+save_key_figure(fig, "18_constrained_decoding")
 shifts = [held_lp[t].logprob - free_lp[t].logprob for t in held_lp
           if t in free_lp and allowed[t]]
 assert shifts  # the allowed tokens among the free top-20
@@ -290,7 +290,7 @@ jsonschema.validate(json.loads(call.function.arguments), weather.function.parame
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 16.1 — yes or no
+# ### Exercise 18.1 — yes or no
 # For `choice=["yes", "no"]`, which tokens are allowed at the first step
 # (`allowed_yes_no`, a set of token IDs)? Compute it from `vocab` (token ID → bytes).
 
@@ -310,7 +310,7 @@ print(sorted(tokenizer.decode([t]) for t in library_yn))
 assert allowed_yes_no == library_yn
 
 # %% [markdown]
-# ### Exercise 16.2 — switch the mask off
+# ### Exercise 18.2 — switch the mask off
 # The check below changes the engine: the structured-output manager's `mask_logits`
 # does nothing (`return None`), and the cat request of the first section runs again,
 # constrained to `spec`, for one greedy token. **Predict first:** which token comes
@@ -333,7 +333,7 @@ finally:
 assert first_unmasked == unmasked.outputs[0].token_ids[0]
 
 # %% [markdown]
-# ### Exercise 16.3 — the mask's size
+# ### Exercise 18.3 — the mask's size
 # How many int32 words does one row of the bitmask take for this vocabulary
 # (`words_per_row`), and how many bytes does the mask of a step with 32 constrained
 # requests take (`mask_bytes_32`)?

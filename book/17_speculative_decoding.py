@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 15. Speculative decoding
+# # 17. Speculative decoding
 #
 # A decode step makes one token per request, and for a single request that step is
 # limited by reading the weights, not by arithmetic. Speculative decoding uses the spare
@@ -252,7 +252,7 @@ def share_all_k(counts):
 
 assert share_all_k(accepted["passage"]) > share_all_k(accepted["chat"])
 fig = acceptance_histogram(accepted, k=K)
-save_key_figure(fig, "15_speculative_decoding")
+save_key_figure(fig, "17_speculative_decoding")
 fig
 
 # %% [markdown]
@@ -421,7 +421,7 @@ show_source("minivllm.core.scheduler.Scheduler", start="spec_decoding_stats.obse
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 15.1 — all k accepted
+# ### Exercise 17.1 — all k accepted
 # With a one-hot q, the chance that *all* k drafts are accepted is the product of the
 # target's probabilities of the drafts. Compute it for the drafts of section 2 from `p`
 # (`p_all_k`). The check measures it with `verify_sampled` (shown to agree with the
@@ -441,7 +441,7 @@ print(f"predicted {p_all_k:.1%}, measured {measured:.1%}")
 assert abs(measured - p_all_k) < 5 * (p_all_k * (1 - p_all_k) / len(runs)) ** 0.5 + 0.005
 
 # %% [markdown]
-# ### Exercise 15.2 — forget to subtract q
+# ### Exercise 17.2 — forget to subtract q
 # The check below changes the engine's `RejectionSampler`: its `residual` returns p
 # itself instead of max(p − q, 0), and the first draft is verified for 1,000 seeds with
 # a one-hot q. **Predict first:** how often is the first output token the first draft
@@ -467,7 +467,7 @@ print(f"a = {a:.3f}; first token = d0 in {hits / 1000:.3f} of seeds")
 assert abs(hits / 1000 - p_first_is_d0) < 5 * (p_first_is_d0 * (1 - p_first_is_d0) / 1000) ** 0.5
 
 # %% [markdown]
-# ### Exercise 15.3 — the mean accepted length
+# ### Exercise 17.3 — the mean accepted length
 # Still with the one-hot n-gram drafts of section 2: how many drafts are accepted on
 # average per verification (`mean_accepted`)? A draft counts only if every draft before
 # it was accepted.

@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 19. Many fine-tunes, one model
+# # 20. Many fine-tunes, one model
 #
 # A fine-tune with LoRA leaves the base weights alone and learns, for some linear layers,
 # a low-rank change `ΔW = B A · scale` (A is `r × in`, B is `out × r`, r small). So a
@@ -189,7 +189,7 @@ assert torch.equal(delta[index < 0], torch.zeros(2, 576))
 # The same 16 requests twice: all on the base model, then spread over the two adapters.
 # Both make the same number of tokens (EOS ignored). On a CPU the LoRA run pays the
 # shrink and expand of every wrapped layer: one BGMV kernel call each for all the
-# step's adapters, inside chapter 14's one-call decode replay, so what it costs is
+# step's adapters, inside chapter 15's one-call decode replay, so what it costs is
 # mostly reading the adapters' factors next to the base weights. One run each on a
 # shared machine: a noisy number (`minivllm bench throughput --lora-modules` repeats it).
 
@@ -206,7 +206,7 @@ print({k: f"{v:.0f} tok/s" for k, v in rates.items()},
 assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
 
 # %% [markdown]
-# ### Exercise 19.1 — one slot
+# ### Exercise 20.1 — one slot
 # Start an engine with `max_loras=1` and send the three requests of this chapter again.
 # **Predict first:** how many distinct adapters will the busiest step hold, and will
 # the answers change? Set `answer_1` to that number.
@@ -226,7 +226,7 @@ assert answer_1 == max(len(set(r.loras.values())) for r in one.trace.records)
 one.shutdown()
 
 # %% [markdown]
-# ### Exercise 19.2 — rsLoRA's scale
+# ### Exercise 20.2 — rsLoRA's scale
 # With `use_rslora=True`, PEFT scales by `lora_alpha / sqrt(r)` instead of `lora_alpha / r`.
 # What scale does the Lyon adapter (r = 8, alpha = 16) get with it? Set `answer_2`.
 
@@ -245,7 +245,7 @@ got = load_adapter(LoRARequest("rs", 9, str(rs)), llm.llm_engine.config.model, 8
 assert abs(answer_2 - got) < 1e-9
 
 # %% [markdown]
-# ### Exercise 19.3 — no KV shared across adapters
+# ### Exercise 20.3 — no KV shared across adapters
 # The same prompt was sent with the base model, with `lyon` and with `marseille`. Send it
 # once more with `marseille`, then with a new adapter id for the Lyon files. How many
 # prompt tokens does each find in the prefix cache? Set `answer_3` to the pair.
