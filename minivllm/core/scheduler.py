@@ -40,6 +40,7 @@ from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
 from minivllm.core.spec_decode_stats import SpecDecodingStats
+from minivllm.core.stop_conditions import check_stop
 
 
 # What the model runner returns per request that reached the end of its
@@ -423,7 +424,7 @@ class Scheduler:
             request.logprobs.append(logprob_info)
             request.cumulative_logprob += logprob_info[0]
         self.kv_cache_manager.update_block_hashes(request)
-        stop = self._check_stop(request)
+        stop = check_stop(request, self.max_model_len)
         if stop is not None:
             self._finish(request, *stop)
         return stop is not None
@@ -472,25 +473,6 @@ class Scheduler:
         return self._core_output(
             request, new_ids, None if new_logprobs[0] is None else new_logprobs, finished,
             num_draft_tokens=k, num_accepted_tokens=num_accepted)
-
-    def _check_stop(self, request: Request
-                    ) -> Optional[tuple[RequestStatus, Optional[int]]]:
-        """Token-level stop conditions after a new token; None to continue.
-
-        A stop token that is also the last allowed token reports "stop": it
-        is the more informative reason.
-        """
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if last in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, last
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.max_model_len):
-            return RequestStatus.FINISHED_LENGTH_CAPPED, None
-        return None
 
 
 __all__ = ["Scheduler", "SchedulerStats", "SchedulerOutput", "SampledTokens"]
