@@ -429,7 +429,7 @@ steps_to_first_token = -(-len(prompt_ids) // BUDGET)  # ceiling division
 # %% tags=["check"]
 sched = engine.engine_core.scheduler
 sched.reset_prefix_cache()  # forget the earlier runs' K/V of this prompt (chapter 8)
-saved_budget, sched.max_num_batched_tokens = sched.max_num_batched_tokens, BUDGET
+saved_budget, sched.config.max_num_batched_tokens = sched.config.max_num_batched_tokens, BUDGET
 try:
     engine.add_request(messages, SamplingParams(temperature=0, max_tokens=1))
     steps_taken = 0
@@ -437,7 +437,7 @@ try:
         engine.step()
         steps_taken += 1
 finally:
-    sched.max_num_batched_tokens = saved_budget
+    sched.config.max_num_batched_tokens = saved_budget
 print(f"{len(prompt_ids)} prompt tokens, budget {BUDGET}: first token after {steps_taken} steps")
 assert steps_to_first_token == steps_taken
 

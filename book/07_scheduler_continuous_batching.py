@@ -263,7 +263,7 @@ DECODERS = [chat(f"Name {n} things a good lab report contains.") for n in range(
 # %%
 def itl_under_chunking(budget: int, arrive_at: int = 3) -> dict:
     eng, sched = loaded.llm_engine, loaded.engine_core.scheduler
-    sched.max_num_batched_tokens, ends = budget, {}  # the engine change: another budget
+    sched.config.max_num_batched_tokens, ends = budget, {}  # the engine change: another budget
     decode = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for i, messages in enumerate(DECODERS):
         eng.add_request(messages, decode, request_id=f"D{i}")
@@ -289,7 +289,7 @@ for budget in (1024, 256, 64):
     print(f"budget {budget:4d}: largest step {chunking[budget]['max_step_tokens']:4d} "
           f"tokens, decodes' ITL p99 {chunking[budget]['itl_p99_ms']:6.1f} ms, "
           f"B's TTFT {chunking[budget]['ttft_b_ms']:6.0f} ms")
-loaded.engine_core.scheduler.max_num_batched_tokens = 1024
+loaded.engine_core.scheduler.config.max_num_batched_tokens = 1024
 assert chunking[1024]["max_step_tokens"] == len(B_PROMPT) + len(DECODERS)  # one step
 assert all(c["max_step_tokens"] <= b for b, c in chunking.items())
 # what the timings follow, exactly: smaller budgets, smaller steps, more steps for B
@@ -372,9 +372,12 @@ show_source("minivllm.core.scheduler.Scheduler.update_from_output",
 # The scheduler needs no model: it only moves token IDs and block IDs. So we can run
 # the engine's own `Scheduler` by hand, with its own `KVCacheManager`, and play the
 # model ourselves: every request that reaches the end of its tokens "samples" token 0.
+# The scheduler takes its section of the engine's config, a `SchedulerConfig` (the
+# engine builds it from `LLM(...)`'s arguments and checks it once).
 # A 40-token prompt X and a 3-token prompt Y, a budget of 16 tokens, blocks of 4:
 
 # %%
+from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
@@ -413,9 +416,8 @@ def show_row(step, scheduled, requests):
 
 
 x, y = make_request("X", 40, 3), make_request("Y", 3, 3)
-hand = Scheduler(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
-                 kv_cache_manager=KVCacheManager(num_blocks=32, block_size=4,
-                                                   enable_caching=False))
+hand = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64),
+                 KVCacheManager(num_blocks=32, block_size=4, enable_caching=False))
 hand_steps = by_hand(hand, [x, y], show_row)
 assert hand_steps[0] == {"X": 16}  # X's first chunk takes the whole budget
 assert hand_steps[2] == {"X": 8, "Y": 3}  # X's last chunk, and Y admitted into the rest
@@ -509,8 +511,8 @@ print(f"{len(mine)} steps, identical; e.g. step {ARRIVAL_B + 1}: {mine[ARRIVAL_B
 # %%
 runner = llm.engine_core.executor.runner
 BS = runner.block_size
-flat = Scheduler(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
-                 kv_cache_manager=KVCacheManager(num_blocks=32, block_size=BS))
+flat = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256),
+                 KVCacheManager(num_blocks=32, block_size=BS))
 
 
 def ids_request(rid: str, token_ids: list[int]) -> Request:
@@ -699,9 +701,8 @@ def life_of(watched: Request, scheduler: Scheduler, others: list[Request]) -> li
 
 # %%
 q = make_request("Q", 8, 8)
-tight = Scheduler(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
-                  kv_cache_manager=KVCacheManager(num_blocks=5, block_size=4,
-                                                   enable_caching=False))
+tight = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64),
+                  KVCacheManager(num_blocks=5, block_size=4, enable_caching=False))
 life = life_of(q, tight, [make_request("P", 8, 8)])
 print(f"{'when':8s} {'status':22s} computed tokens output preemptions blocks")
 for when, status, comp, tokens, out, pre, blocks in life:
@@ -750,9 +751,9 @@ predicted = {"fcfs": {"L": 3, "S": 3}, "shortest": {"L": 4, "S": 0}}
 # %% tags=["check"]
 def first_token_steps(scheduler_class) -> dict[str, int]:
     reqs = [make_request("L", 60, 2), make_request("S", 4, 2)]
-    s = scheduler_class(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
-                        kv_cache_manager=KVCacheManager(num_blocks=32, block_size=4,
-                                                        enable_caching=False))
+    s = scheduler_class(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8,
+                                        max_model_len=64),
+                        KVCacheManager(num_blocks=32, block_size=4, enable_caching=False))
     steps, done, first = by_hand(s, reqs, show=lambda *args: None), {"L": 0, "S": 0}, {}
     for i, step in enumerate(steps):
         for rid, n in step.items():
@@ -795,9 +796,8 @@ min_blocks = 2 * -(-(8 + 8 - 1) // 4)
 
 # %% tags=["check"]
 def preempted_with(num_blocks: int) -> bool:
-    s = Scheduler(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64,
-                  kv_cache_manager=KVCacheManager(num_blocks=num_blocks, block_size=4,
-                                                  enable_caching=False))
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=64),
+                  KVCacheManager(num_blocks=num_blocks, block_size=4, enable_caching=False))
     life = life_of(make_request("Q", 8, 8), s, [make_request("P", 8, 8)])
     return any(row[1] == "PREEMPTED" for row in life)
 

@@ -283,11 +283,12 @@ server.stop()
 # %%
 BATCHES = [1, 2, 4, 8, 16]
 scheduler = llm.engine_core.scheduler
+configured_seats = scheduler.config.max_num_seqs  # put back after the sweep
 short = [f"Count from {i} to {i + 20}:" for i in range(max(BATCHES))]
 
 
 def one_wave(b: int) -> dict:
-    scheduler.max_num_seqs = b
+    scheduler.config.max_num_seqs = b
     llm.trace.clear()
     outs = llm.generate(short[:b], greedy, use_tqdm=False)
     records = list(llm.trace.records)
@@ -308,7 +309,7 @@ for b in BATCHES:
     batch[b]["best_step"] = min(r[b]["best_step"] for r in rounds)
     print(f"batch {b:2d}: {batch[b]['steps']} steps, TPOT {batch[b]['tpot'] * 1000:6.1f} ms, "
           f"{batch[b]['tokens_per_s']:6.1f} decode tokens/s")
-scheduler.max_num_seqs = llm.llm_engine.config.scheduler.max_num_seqs
+scheduler.config.max_num_seqs = configured_seats
 
 # %% [markdown]
 # The counts are exact: one wave is one prefill step plus `MAX_TOKENS - 1` decode
@@ -505,12 +506,12 @@ steps_two_seats, steps_four_seats = 2 * MAX_TOKENS, MAX_TOKENS
 
 # %% tags=["check"]
 def steps_with(seats: int) -> int:
-    scheduler.max_num_seqs = seats
+    scheduler.config.max_num_seqs = seats
     llm.trace.clear()
     try:
         llm.generate(short[:4], greedy, use_tqdm=False)
     finally:
-        scheduler.max_num_seqs = llm.llm_engine.config.scheduler.max_num_seqs
+        scheduler.config.max_num_seqs = configured_seats
     return len(llm.trace.records)
 
 

@@ -321,12 +321,13 @@ assert mine.scheduler.kv_cache_manager.num_free_blocks == NUM_BLOCKS
 # ## Swap in the engine's scheduler
 #
 # Your engine builds its scheduler and its requests in two small methods. A subclass
-# replaces them with the engine's `Scheduler` (with its `KVCacheManager`) and the
-# engine's `Request`; everything else, your flat batch, your attention over your
-# cache, your sampler and detokenizer, stays. The names are the same, so nothing else
-# has to change.
+# replaces them with the engine's `Scheduler` (with its `KVCacheManager`, and its
+# `SchedulerConfig` where your scheduler took two numbers) and the engine's `Request`;
+# everything else, your flat batch, your attention over your cache, your sampler and
+# detokenizer, stays. The names are the same, so nothing else has to change.
 
 # %%
+from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager as EngineKVCacheManager
 from minivllm.core.request import Request
 from minivllm.core.scheduler import Scheduler as EngineScheduler
@@ -335,8 +336,9 @@ from minivllm.core.scheduler import Scheduler as EngineScheduler
 class WithEngineScheduler(MiniEngine):
     def make_scheduler(self, num_blocks, block_size, max_num_batched_tokens, max_num_seqs):
         kv = EngineKVCacheManager(num_blocks, block_size, enable_caching=False)
-        return EngineScheduler(max_num_batched_tokens, max_num_seqs,
-                               llm.llm_engine.config.scheduler.max_model_len, kv)
+        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs,
+                                 llm.llm_engine.config.scheduler.max_model_len)
+        return EngineScheduler(config, kv)
 
     def make_request(self, request_id, prompt_token_ids, params):
         return Request(request_id, prompt_token_ids, params, params.max_tokens,

@@ -116,12 +116,25 @@ show_source("minivllm.distributed.kv_transfer.shared_storage.SharedStorageConnec
 # %% [markdown]
 # The scheduler counts those tokens as **computed**: it allocates blocks for them,
 # tells the connector which blocks they are (`update_state_after_alloc`), and
-# schedules only the rest. If the connector said the load is *asynchronous* (the
-# P2P connector pulls over the network), the request is parked with its blocks and
-# the other requests keep stepping:
+# schedules only the rest. It asks through a `KVConnectorScheduling` that the engine
+# core chose once, when it built the connector (without one the scheduler holds
+# `None` and asks nothing): prefix-cache hits first, then what the connector supplies.
 
 # %%
-show_source("minivllm.core.kv_connector_hooks.find_computed_with_connector")
+show_source("minivllm.core.kv_connector_scheduling.KVConnectorScheduling.find_computed")
+
+# %% [markdown]
+# The scheduler acts on the answer in its own queues. If the connector said the load
+# is *asynchronous* (the P2P connector pulls over the network), the request is parked
+# aside with its blocks (`waiting_for_remote`) and the other requests keep stepping;
+# when the worker reports its KV arrived, it goes back to the head of the queue:
+
+# %%
+show_source("minivllm.core.scheduler.Scheduler._schedule_waiting",
+            start="found = self.connector.find_computed", end="continue")
+
+# %%
+show_source("minivllm.core.scheduler.Scheduler._park")
 
 # %% [markdown]
 # On the worker side, `start_load_kv` runs before the forward pass and copies each

@@ -26,6 +26,7 @@ from mini.sampler import filtered_probs, sample  # noqa: E402
 from mini.scheduler import Scheduler as MiniScheduler, Sequence  # noqa: E402
 
 from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm.config import SchedulerConfig  # noqa: E402
 from minivllm.core.block_pool import BlockPool  # noqa: E402
 from minivllm.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from minivllm.core.request import Request  # noqa: E402
@@ -130,7 +131,7 @@ def test_scheduler_reproduces_the_engine_scheduler_with_chunks_and_preemption():
     prompts = {"a": 40, "b": 9, "c": 23, "d": 5, "e": 61}
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     kv = KVCacheManager(num_blocks=14, block_size=8, enable_caching=False)
-    theirs = drive(Scheduler(32, 4, 256, kv), lambda rid, n: Request(
+    theirs = drive(Scheduler(SchedulerConfig(32, 4, 256), kv), lambda rid, n: Request(
         rid, list(range(n)), params, 12), prompts, 12)
     mine = drive(MiniScheduler(32, 4, MiniKV(14, 8)), lambda rid, n: Sequence(
         rid, list(range(n)), params), prompts, 12)
@@ -180,7 +181,7 @@ def reference_streams(llm, prompts, params):
 class WithEngineScheduler(MiniEngine):
     def make_scheduler(self, num_blocks, block_size, budget, max_seqs):
         kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
-        return Scheduler(budget, max_seqs, 1024, kv)
+        return Scheduler(SchedulerConfig(budget, max_seqs, 1024), kv)
 
     def make_request(self, request_id, prompt_token_ids, params):
         return Request(request_id, prompt_token_ids, params, params.max_tokens,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request
 from minivllm.core.scheduler import Scheduler
@@ -47,7 +48,7 @@ def check_books(kv: KVCacheManager) -> None:
 @pytest.mark.parametrize("prompt_len", [6, 8])
 def test_children_share_the_parents_blocks_and_copy_a_partial_one_on_write(prompt_len):
     kv = KVCacheManager(num_blocks=32, block_size=BS)
-    sched = Scheduler(64, 8, 64, kv)
+    sched = Scheduler(SchedulerConfig(64, 8, 64), kv)
     prompt = list(range(10, 10 + prompt_len))
     sched.add_request(request("p", prompt, kv_hold_blocks=True))
     run_step(sched)
@@ -88,7 +89,7 @@ def test_children_share_the_parents_blocks_and_copy_a_partial_one_on_write(promp
 
 def test_a_fork_without_its_hold_runs_as_an_ordinary_request():
     kv = KVCacheManager(num_blocks=32, block_size=BS)
-    sched = Scheduler(64, 8, 64, kv)
+    sched = Scheduler(SchedulerConfig(64, 8, 64), kv)
     prompt = list(range(10, 16))
     sched.add_request(request("p", prompt, kv_hold_blocks=True))
     run_step(sched)
@@ -103,7 +104,7 @@ def test_a_fork_without_its_hold_runs_as_an_ordinary_request():
 
 def test_an_aborted_request_does_not_hold_its_blocks():
     kv = KVCacheManager(num_blocks=32, block_size=BS)
-    sched = Scheduler(64, 8, 64, kv)
+    sched = Scheduler(SchedulerConfig(64, 8, 64), kv)
     sched.add_request(request("p", list(range(10, 16)), kv_hold_blocks=True))
     sched.schedule()
     sched.abort_requests("p")

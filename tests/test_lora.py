@@ -170,6 +170,7 @@ def test_request_and_config_refusals(base, adapters):
 def test_scheduler_admits_at_most_max_loras_adapters():
     """A request for a third adapter waits (passed over, not evicting anyone); base
     requests and requests for adapters already running go ahead of it."""
+    from minivllm.config import SchedulerConfig
     from minivllm.core.kv_cache_manager import KVCacheManager
     from minivllm.core.request import Request, RequestStatus
     from minivllm.core.scheduler import Scheduler
@@ -179,7 +180,7 @@ def test_scheduler_admits_at_most_max_loras_adapters():
     order = [1, 2, 3, 0, 1, 3]  # adapter id per request, 0: base
     reqs = [Request(f"r{n}", [1, 2, 3], SamplingParams(), 4, lora_request=lora.get(i))
             for n, i in enumerate(order)]
-    sched = Scheduler(64, 16, 64, KVCacheManager(64, 4), max_loras=2)
+    sched = Scheduler(SchedulerConfig(64, 16, 64), KVCacheManager(64, 4), max_loras=2)
     for r in reqs:
         sched.add_request(r)
     out = sched.schedule()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
@@ -117,16 +118,16 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     """Limits and bookkeeping right after schedule()."""
     kv = sched.kv_cache_manager
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-    assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
-    assert len(sched.running) <= sched.max_num_seqs
-    assert out.num_seqs <= sched.max_num_seqs
+    assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+    assert len(sched.running) <= sched.config.max_num_seqs
+    assert out.num_seqs <= sched.config.max_num_seqs
     assert out.request_ids() == list(out.num_scheduled_tokens)
     for req in out.scheduled_requests:
         rid = req.request_id
         n, done = out.num_scheduled_tokens[rid], out.num_computed_tokens[rid]
         assert n >= 1 and done + n <= req.num_tokens
-        if sched.long_prefill_token_threshold:
-            assert n <= sched.long_prefill_token_threshold
+        if sched.config.long_prefill_token_threshold:
+            assert n <= sched.config.long_prefill_token_threshold
         assert req.status == RequestStatus.RUNNING and done == req.num_computed_tokens
         assert out.block_ids[rid] == kv.get_block_ids(rid)
         assert len(out.block_ids[rid]) == kv.num_blocks_needed(done + n)
@@ -185,9 +186,9 @@ def make():
     made: list[Scheduler] = []
 
     def build(num_blocks=64, block_size=4, budget=32, max_num_seqs=8, max_model_len=128,
-              caching=True, **kwargs):
+              caching=True, **config):
         kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-        sched = Scheduler(budget, max_num_seqs, max_model_len, kv, **kwargs)
+        sched = Scheduler(SchedulerConfig(budget, max_num_seqs, max_model_len, **config), kv)
         made.append(sched)
         return sched, PagedTokenModel(num_blocks, block_size)
 
@@ -203,7 +204,7 @@ def run_alone(req: Request, max_model_len: int, block_size: int = 4) -> tuple[li
     """The unbatched reference: one request, ample blocks and budget, no prefix cache."""
     num_blocks = -(-(max_model_len + 1) // block_size)
     kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
-    sched = Scheduler(max_model_len, 1, max_model_len, kv)
+    sched = Scheduler(SchedulerConfig(max_model_len, 1, max_model_len), kv)
     sched.add_request(clone(req))
     run = drive(sched, PagedTokenModel(num_blocks, block_size))
     assert kv.num_free_blocks == num_blocks
@@ -635,11 +636,15 @@ def test_random_workloads_keep_the_invariants(make, seed):
             assert tokens == chain(req.prompt_token_ids, len(tokens))
 
 
-def test_from_config_reads_the_engine_scheduler_config():
-    from minivllm.config import SchedulerConfig
-
-    kv = KVCacheManager(8, 4)
-    sched = Scheduler.from_config(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=3,
-                                                  max_model_len=32), kv)
-    assert (sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len) == (24, 3, 32)
-    assert sched.enable_chunked_prefill and sched.long_prefill_token_threshold == 0
+def test_the_scheduler_reads_its_config_every_step(make):
+    """The config is the scheduler's, not a copy: a budget changed on a live
+    scheduler (as the book does) holds from the next step on."""
+    sched, model = make(budget=8)
+    req = make_request("a", list(range(30)), max_tokens=2)
+    sched.add_request(req)
+    run = Run()
+    assert step(sched, model, run).num_scheduled_tokens == {"a": 8}
+    sched.config.max_num_batched_tokens = 16
+    assert step(sched, model, run).num_scheduled_tokens == {"a": 16}
+    drive(sched, model, run)
+    assert run.tokens("a") == chain(req.prompt_token_ids, 2)

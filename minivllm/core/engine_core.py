@@ -40,16 +40,21 @@ class EngineCore:
         # Where the block pool's cache changes go (KV events, for routers);
         # injected (core_builder.py), None when no one listens.
         self.kv_event_publisher = kv_event_publisher
-        sc = config.scheduler
         self.kv_connector = self._make_kv_connector(config)
-        self.scheduler = Scheduler(sc.max_num_batched_tokens, sc.max_num_seqs,
-                                   sc.max_model_len, self.kv_cache_manager,
-                                   sc.long_prefill_token_threshold, sc.enable_chunked_prefill,
-                                   clock=self.clock, scheduling_policy=sc.scheduling_policy,
-                                   max_loras=0 if config.lora is None else config.lora.max_loras,
-                                   connector=self.kv_connector)
-        if self.kv_connector is not None:  # evicted blocks may go to a second tier
+        # Chosen once, here: what the scheduler asks a KV connector, or None (it
+        # then never asks, and none of that code is loaded).
+        connector_scheduling = None
+        if self.kv_connector is not None:
+            from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
+
+            connector_scheduling = KVConnectorScheduling(self.kv_connector,
+                                                         self.kv_cache_manager)
+            # Evicted blocks may go to a second tier (the offloading connector).
             self.kv_cache_manager.block_pool.on_evict = self.kv_connector.on_block_evicted
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache_manager, clock=self.clock,
+            max_loras=0 if config.lora is None else config.lora.max_loras,
+            connector_scheduling=connector_scheduling)
         self.speculator = speculator  # proposes draft tokens (speculative_config)
         self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
         self.step_count = 0

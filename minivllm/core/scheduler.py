@@ -22,24 +22,28 @@ Speculative decoding (minivllm/spec_decode/) adds one thing: a decoding
 request that carries draft tokens (``Request.spec_token_ids``) asks for
 1 + k slots, and ``update_from_output`` applies the verified run of tokens
 (``_apply_verified``) instead of one.
+
+A KV connector adds ``waiting_for_remote`` (KV arriving) and ``sending`` (finished,
+blocks being sent): ``self.connector`` answers questions, only this class moves requests.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from minivllm.config import SchedulerConfig, is_int
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.kv_connector_hooks import (apply_kv_connector_output,
-                                               find_computed_with_connector,
-                                               release_with_connector)
 from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
 from minivllm.core.spec_decode_stats import SpecDecodingStats
+from minivllm.core.stop_conditions import check_stop
+
+if TYPE_CHECKING:  # (built by the engine core, only with a KV connector)
+    from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
 
 
 # What the model runner returns per request that reached the end of its
@@ -48,29 +52,17 @@ SampledTokens = dict[str, tuple[int, Optional[LogprobInfo]]]
 
 
 class Scheduler:
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 kv_cache_manager: KVCacheManager, long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True,
-                 clock: Optional[Clock] = None, scheduling_policy: str = "fcfs",
-                 max_loras: int = 0, connector=None) -> None:
-        # Checked there, once (minivllm/config/scheduler.py); trusted here.
-        self.config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len,
-                                      long_prefill_token_threshold, enable_chunked_prefill,
-                                      scheduling_policy)
-        self.max_num_batched_tokens = max_num_batched_tokens  # token budget per step
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        # > 0: no request gets more than this many tokens in one step, so one
-        # huge prompt cannot take a whole step from the others.
-        self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.enable_chunked_prefill = enable_chunked_prefill
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *,
+                 clock: Optional[Clock] = None, max_loras: int = 0,
+                 connector_scheduling: Optional[KVConnectorScheduling] = None) -> None:
+        self.config = config  # checked there, once (minivllm/config/scheduler.py)
+        self.max_model_len = config.max_model_len  # (read for every request and token)
         self.kv_cache_manager = kv_cache_manager
         self.clock = clock or MONOTONIC  # request timestamps (virtual in the simulator)
         self.requests: dict[str, Request] = {}  # every unfinished request
         # "fcfs" or "priority" (minivllm.core.request_queue): the waiting
         # queue's order and who is preempted first.
-        self.policy = scheduling_policy
-        self.waiting = create_request_queue(scheduling_policy)
+        self.waiting = create_request_queue(config.scheduling_policy)
         self.running: list[Request] = []  # in admission order
         # Finished/aborted since the last schedule(), reported in its output.
         self.finished_req_ids: set[str] = set()
@@ -82,20 +74,11 @@ class Scheduler:
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
         # Multi-LoRA: at most this many distinct adapters run at once (0: no LoRA).
         self.max_loras = max_loras
-        # The scheduler half of a KV connector (minivllm/distributed/kv_transfer), or None.
-        self.connector = connector
+        # What to ask a KV connector (kv_connector_scheduling.py), or None: no connector.
+        self.connector = connector_scheduling
         # Admitted with KV still arriving; finished with blocks held until sent.
         self.waiting_for_remote: dict[str, Request] = {}
         self.sending: dict[str, Request] = {}
-
-    @classmethod
-    def from_config(cls, config: SchedulerConfig,
-                    kv_cache_manager: KVCacheManager) -> "Scheduler":
-        """Build from ``minivllm.config.SchedulerConfig``."""
-        return cls(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
-                   kv_cache_manager, config.long_prefill_token_threshold,
-                   config.enable_chunked_prefill,
-                   scheduling_policy=config.scheduling_policy)
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -165,7 +148,10 @@ class Scheduler:
             else:
                 self.kv_cache_manager.free(request)
         else:
-            release_with_connector(self, request, receiving)
+            if self.connector.request_finished(request):  # being sent: blocks stay
+                self.sending[request.request_id] = request
+            elif not receiving:  # (a receiving one's are freed when its KV has arrived)
+                self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -210,8 +196,7 @@ class Scheduler:
             raise RuntimeError("schedule() called again before update_from_output() "
                                "applied the previous step")
         out = SchedulerOutput(step=self.step)
-        budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # After a preemption the cache is known to be short: admitting new
         # requests now would only get them preempted in turn.
         if not out.preempted_req_ids:
@@ -237,7 +222,7 @@ class Scheduler:
                 raise RuntimeError(f"running request {request.request_id!r} has nothing "
                                    "to compute: was update_from_output() skipped?")
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                victim = choose_victim(self.running, self.policy)
+                victim = choose_victim(self.running, self.config.scheduling_policy)
                 j = self.running.index(victim)
                 if j < i:  # (priority only) scheduled earlier in this step: undo that
                     budget += self._unschedule(out, victim)
@@ -256,7 +241,7 @@ class Scheduler:
         # all max_loras slots are taken (it is passed over, nobody is evicted).
         loras = {r.lora_int_id for r in self.running} - {0}
         passed_over: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             lora_id = request.lora_int_id
             if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
@@ -270,14 +255,15 @@ class Scheduler:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
                 num_external, num_computed = 0, num_hit_tokens
             else:  # (prefix hits, then what the connector supplies from outside)
-                found = find_computed_with_connector(self, request)
-                if found is None:  # parked while its KV arrives, or no room to
-                    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                        continue
-                    break
-                hit_blocks, num_hit_tokens, num_external, num_computed = found
+                found = self.connector.find_computed(request)
+                if found.load_async:  # its KV arrives later: it waits aside, or for room
+                    if not self.connector.allocate_for_async_load(request, found):
+                        break
+                    self._park(request, found.num_computed_tokens)
+                    continue
+                hit_blocks, num_hit_tokens, num_external, num_computed, _ = found
             num_new = request.num_tokens - num_computed
-            if not self.enable_chunked_prefill and num_new > budget:
+            if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._cap(num_new, budget)
             if held is not None:
@@ -314,7 +300,7 @@ class Scheduler:
         return request.spec_token_ids
 
     def _cap(self, num_tokens: int, budget: int) -> int:
-        threshold = self.long_prefill_token_threshold
+        threshold = self.config.long_prefill_token_threshold
         if threshold:
             num_tokens = min(num_tokens, threshold)
         return min(num_tokens, budget)
@@ -362,6 +348,42 @@ class Scheduler:
         pool = self.kv_cache_manager.block_pool
         return pool.num_allocated, pool.num_freed, pool.num_evicted
 
+    # -- with a KV connector: its requests move between the queues here -------
+    def _park(self, request: Request, num_computed: int) -> None:
+        """Aside, with its blocks, while its KV arrives: the others go on stepping."""
+        self.waiting_for_remote[request.request_id] = self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+
+    def _apply_kv_connector_output(self, so: SchedulerOutput, live: list[Request],
+                                   kv_out) -> list[Request]:
+        """Free what was sent, wake what arrived, recompute what failed to load."""
+        kv, bad = self.kv_cache_manager, kv_out.invalid_block_ids
+        for rid in kv_out.finished_sending:
+            if rid in self.sending:
+                kv.free(self.sending.pop(rid))
+        for rid in kv_out.finished_recving:
+            request = self.waiting_for_remote.pop(rid, None)
+            if request is not None and request.is_finished():  # aborted meanwhile
+                kv.free(request)
+            elif request is not None:
+                self._requeue(request, load_failed=bool(bad & set(kv.get_block_ids(rid))))
+        victims = self.connector.hit_by_failed_loads(so, live, bad) if bad else []
+        for request in victims:
+            self.running.remove(request)
+            self._requeue(request, load_failed=True)
+        return [r for r in live if r not in victims]  # (their step's result is dropped)
+
+    def _requeue(self, request: Request, load_failed: bool = False) -> None:
+        """Back to the front of the waiting queue (admitted before anyone there)."""
+        if load_failed:  # it computes everything itself (blocks freed, never offered again)
+            self.connector.drop_failed_load(request)
+            request.num_computed_tokens, request.num_cached_tokens = 0, -1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
     # -- one step: apply -------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: SampledTokens,
@@ -395,7 +417,7 @@ class Scheduler:
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
         if kv_connector_output is not None and not kv_connector_output.is_empty:
-            live = apply_kv_connector_output(self, scheduler_output, live, kv_connector_output)
+            live = self._apply_kv_connector_output(scheduler_output, live, kv_connector_output)
         outputs = []
         for request in live:
             rid = request.request_id
@@ -423,7 +445,7 @@ class Scheduler:
             request.logprobs.append(logprob_info)
             request.cumulative_logprob += logprob_info[0]
         self.kv_cache_manager.update_block_hashes(request)
-        stop = self._check_stop(request)
+        stop = check_stop(request, self.max_model_len)
         if stop is not None:
             self._finish(request, *stop)
         return stop is not None
@@ -472,25 +494,6 @@ class Scheduler:
         return self._core_output(
             request, new_ids, None if new_logprobs[0] is None else new_logprobs, finished,
             num_draft_tokens=k, num_accepted_tokens=num_accepted)
-
-    def _check_stop(self, request: Request
-                    ) -> Optional[tuple[RequestStatus, Optional[int]]]:
-        """Token-level stop conditions after a new token; None to continue.
-
-        A stop token that is also the last allowed token reports "stop": it
-        is the more informative reason.
-        """
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if last in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, last
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.max_model_len):
-            return RequestStatus.FINISHED_LENGTH_CAPPED, None
-        return None
 
 
 __all__ = ["Scheduler", "SchedulerStats", "SchedulerOutput", "SampledTokens"]

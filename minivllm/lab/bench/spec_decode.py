@@ -56,7 +56,7 @@ def workload_prompts(name: str, n: int) -> list[str]:
 
 def timed_run(llm, prompts: list[list[int]], params, concurrency: int) -> dict:
     """One run: seconds, tokens, and the acceptance counts of this run only."""
-    llm.engine_core.scheduler.max_num_seqs = concurrency
+    llm.engine_core.scheduler.config.max_num_seqs = concurrency
     before = len(llm.trace)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

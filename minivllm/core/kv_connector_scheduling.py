@@ -1,0 +1,110 @@
+"""What the scheduler asks when a KV connector is configured.
+
+A KV connector (minivllm/distributed/kv_transfer) lets a request's KV come from
+outside the engine (another engine, a file store, a host-memory tier) and lets a
+finished request's KV leave it. The engine core chooses once: with
+``kv_transfer_config`` it hands the scheduler a ``KVConnectorScheduling`` around
+the connector's scheduler half; without, the scheduler holds None and never
+asks. The scheduler asks questions here and moves its requests between its own
+queues (``waiting``, ``running``, ``waiting_for_remote``, ``sending``) itself:
+
+* a waiting request: how much of it is computed, and does the rest of its KV
+  arrive later (``find_computed``)?
+* a finished request: must its blocks stay while the connector sends them
+  (``request_finished``)?
+* a step whose loads failed: which running requests read a bad block
+  (``hit_by_failed_loads``)?
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+if TYPE_CHECKING:
+    from minivllm.core.block_pool import KVCacheBlock
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.core.request import Request
+    from minivllm.core.sched_output import SchedulerOutput
+
+
+class ComputedTokens(NamedTuple):
+    """What a waiting request does not have to compute."""
+
+    hit_blocks: list["KVCacheBlock"]  # this engine's prefix-cache hits
+    num_hit_tokens: int
+    num_external_tokens: int  # what the connector supplies past the hits
+    num_computed_tokens: int
+    # True: the external tokens arrive later; the request waits aside meanwhile.
+    load_async: bool = False
+
+
+class KVConnectorScheduling:
+    def __init__(self, connector, kv_cache_manager: "KVCacheManager") -> None:
+        self.connector = connector  # the scheduler half (KVConnectorRole.SCHEDULER)
+        self.kv_cache_manager = kv_cache_manager
+
+    def find_computed(self, request: "Request") -> ComputedTokens:
+        """Prefix-cache hits first, then what the connector supplies from outside."""
+        kv = self.kv_cache_manager
+        if kv.get_blocks(request.request_id):  # its KV arrived while it waited aside
+            return ComputedTokens([], 0, 0, request.num_computed_tokens)
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+        return ComputedTokens(hit_blocks, num_hit, num_external, num_hit + num_external,
+                              load_async=bool(num_external and load_async))
+
+    def allocate_for_async_load(self, request: "Request", found: ComputedTokens) -> bool:
+        """Blocks for KV that will arrive later; False: no room for them now.
+
+        They enter the prefix cache only once filled (``delay_cache_blocks``):
+        until then nobody else may find them.
+        """
+        kv = self.kv_cache_manager
+        if kv.allocate_slots(request, found.num_external_tokens, found.hit_blocks,
+                             delay_cache_blocks=True) is None:
+            return False
+        self.update_state_after_alloc(request, kv.get_block_ids(request.request_id),
+                                      found.num_external_tokens)
+        return True
+
+    def update_state_after_alloc(self, request: "Request", block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        self.connector.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput"):
+        return self.connector.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request") -> bool:
+        """True: the connector still sends the request's blocks; keep them until it
+        reports them sent. Its ``kv_transfer_params`` go out with the response."""
+        hold, request.kv_transfer_params = self.connector.request_finished(
+            request, self.kv_cache_manager.get_block_ids(request.request_id))
+        return hold
+
+    def drop_failed_load(self, request: "Request") -> None:
+        """A load into the request's blocks failed: free them, and never offer its
+        external KV again (it recomputes everything)."""
+        self.connector.request_load_failed(request)
+        self.kv_cache_manager.free(request)
+
+    def hit_by_failed_loads(self, so: "SchedulerOutput", live: list["Request"],
+                            bad_block_ids: set[int]) -> list["Request"]:
+        """The running requests whose K/V a failed load spoiled.
+
+        From a bad block on, a request's blocks (and any request sharing them)
+        hold K/V computed over garbage, so they also leave the prefix cache.
+        """
+        kv, bad = self.kv_cache_manager, set(bad_block_ids)
+        victims = []
+        for request in live:
+            blocks = kv.get_blocks(request.request_id)
+            first = next((i for i, b in enumerate(blocks) if b.block_id in bad), None)
+            if first is not None:
+                bad.update(b.block_id for b in blocks[first:])
+                victims.append(request)
+        victims += [r for r in live if r not in victims and bad & set(so.block_ids[r.request_id])]
+        kv.block_pool.uncache_blocks(b for b in kv.block_pool.blocks if b.block_id in bad)
+        return victims
+
+
+__all__ = ["KVConnectorScheduling", "ComputedTokens"]
