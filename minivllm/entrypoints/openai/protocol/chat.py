@@ -131,6 +131,14 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[StrictBool] = None
 
+    PROMPT_FIELD = "messages"
+
+    def field_of(self, param: Optional[str]) -> Optional[str]:
+        forced = self.tools and self.effective_tool_choice not in ("none", "auto")
+        if param == "structured_outputs" and forced:  # a forced call's schema
+            return "tools"
+        return super().field_of(param)
+
     @property
     def effective_tool_choice(self) -> Optional[ToolChoice]:
         """OpenAI's default: "auto" when tools are given, else "none"."""
@@ -145,8 +153,8 @@ class ChatCompletionRequest(SamplingRequest):
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def check(self, vocab_size: int) -> None:
-        super().check(vocab_size)
+    def check(self) -> None:
+        super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError("top_logprobs needs logprobs to be true", "top_logprobs")
         if (self.max_tokens is not None and self.max_completion_tokens is not None
