@@ -125,6 +125,32 @@ def test_server_fields(server, llm):
     assert r.status_code == 200, r.text
 
 
+def test_engine_refusals_are_400s_naming_the_request_field(server):
+    """The engine's InvalidRequestError carries its param; the server turns it into
+    the request's own field name, never by reading the message (a priority error
+    names no field in its text, a prompt error is each endpoint's prompt field)."""
+    limit = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    hello = [{"role": "user", "content": "hi"}]
+    for path, body, param, words in (
+            ("/v1/completions", {"prompt": [5] * limit}, "prompt", "leaves no room"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content":
+                                                    "hi " * limit}]},
+             "messages", "leaves no room"),
+            ("/v1/responses", {"input": "hi " * limit}, "input", "leaves no room"),
+            ("/v1/completions", {"prompt": [5, 6], "max_tokens": limit}, "max_tokens",
+             f"exceed max_model_len={limit}"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": limit},
+             "max_output_tokens", f"exceed max_model_len={limit}"),
+            ("/v1/chat/completions", {"messages": hello, "stop_token_ids": [10 ** 9]},
+             "stop_token_ids", "token IDs must be in [0, 49152)"),
+            ("/v1/completions", {"prompt": "a", "priority": 1}, "priority",
+             "scheduling_policy='fcfs'")):
+        r = post(server, path, body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], (path, err)
+
+
 def test_tokenize_detokenize(server, llm):
     tok = llm.get_tokenizer()
     r = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
