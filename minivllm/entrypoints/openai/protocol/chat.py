@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, StrictBool, model_serializer
 
@@ -131,12 +131,14 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[StrictBool] = None
 
-    PROMPT_FIELD = "messages"
+    PROMPT_FIELD: ClassVar[str] = "messages"
 
     def field_of(self, param: Optional[str]) -> Optional[str]:
         forced = self.tools and self.effective_tool_choice not in ("none", "auto")
         if param == "structured_outputs" and forced:  # a forced call's schema
             return "tools"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
         return super().field_of(param)
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -156,7 +156,7 @@ class SamplingRequest(RequestModel):
     kv_transfer_params: Optional[dict] = None
 
     # The request's field that carries the prompt.
-    PROMPT_FIELD = "prompt"
+    PROMPT_FIELD: ClassVar[str] = "prompt"
 
     def field_of(self, param: Optional[str]) -> Optional[str]:
         """The field of this request that an engine error's ``param`` is about (the
