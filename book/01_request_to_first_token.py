@@ -99,7 +99,7 @@ messages = [
     {"role": "user", "content": "What do I need to hand in for this week's lab?"},
 ]
 llm = LLM(num_kv_blocks=64, trace=True)
-prompt_text, prompt_ids = llm.llm_engine.request_builder.tokenize(messages)
+prompt_text, prompt_ids = llm.llm_engine.input_processor.tokenize(messages)
 print(prompt_text)
 print(len(prompt_ids), "prompt tokens")
 
@@ -220,16 +220,17 @@ assert exit_code is not None and process_gone(engine_pid)  # waits up to 30 s
 # ## The loop, in the engine's own code
 #
 # Before timing it, read it. In-process, `LLMEngine.add_request` does the API server's
-# part: chat template and tokenizer (`request_builder.tokenize`), the limits check, a
-# detokenizer state for the answer (`output_processor.add_request`), and then one
-# `Request` handed to the engine core, which puts it in the scheduler's waiting queue:
+# part: chat template, tokenizer and every check of the request (`input_processor.
+# process_inputs`), a detokenizer state for the answer (`output_processor.add_request`,
+# which returns the core's `Request`), and then that `Request` handed to the engine
+# core, which puts it in the scheduler's waiting queue:
 
 # %%
 from minivllm.core.engine_core import EngineCore
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.lab.viz.source import show_source
 
-show_source(LLMEngine.add_request, start="text, token_ids =")
+show_source(LLMEngine.add_request, start="request = self.input_processor")
 
 # %% [markdown]
 # Every step is the three-line loop of the sketch above. `EngineCore.step` asks the

@@ -44,7 +44,7 @@ from minivllm.lab.viz.widgets import show_in
 
 llm = LLM(num_kv_blocks=64)  # the default model, SmolLM2-135M-Instruct; 64 blocks is plenty
 tokenizer = llm.get_tokenizer()
-inputs = llm.llm_engine.request_builder.input_processor  # the engine's first stage
+inputs = llm.llm_engine.input_processor  # the engine's first stage
 print(type(tokenizer).__name__, "with", len(tokenizer), "tokens in its vocabulary")
 
 # %% [markdown]

@@ -72,7 +72,7 @@ print(f"{cfg.architecture}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_s
 
 # %%
 messages = [{"role": "user", "content": "What is the capital of France?"}]
-_, chat_ids = llm.llm_engine.request_builder.tokenize(messages)
+_, chat_ids = llm.llm_engine.input_processor.tokenize(messages)
 answer_start = "The capital of France is"
 ids = chat_ids + tokenizer.encode(answer_start, add_special_tokens=False)
 labels = [tokenizer.decode([i]) for i in ids]

@@ -81,7 +81,7 @@ def forward(ids: list[int]) -> torch.Tensor:
 
 # %%
 messages = [{"role": "user", "content": "Explain what a KV cache is in one sentence."}]
-_, prompt = llm.llm_engine.request_builder.tokenize(messages)
+_, prompt = llm.llm_engine.input_processor.tokenize(messages)
 P = len(prompt)
 print(P, "prompt tokens")
 

@@ -50,7 +50,7 @@ BUDGET = 256  # max_num_batched_tokens: tokens one step may compute, all request
 # Prefix caching (chapter 8) is off so that both runs below compute the same tokens.
 llm = LLM(trace=True, max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
 engine = llm.llm_engine
-render = engine.request_builder.input_processor.render_chat
+render = engine.input_processor.render_chat
 tokenizer = llm.get_tokenizer()
 
 # %% [markdown]

@@ -94,7 +94,7 @@ agent_system = (
     "the problem; run the tests after every edit; finish only when all tests pass.")
 task = "The test test_parse_date fails. Find the bug and fix it."
 turn1 = [{"role": "system", "content": agent_system}, {"role": "user", "content": task}]
-_, turn1_ids = llm.llm_engine.request_builder.tokenize(turn1)
+_, turn1_ids = llm.llm_engine.input_processor.tokenize(turn1)
 
 # %% [markdown]
 # The first turn of a coding agent: a long system prompt with its tools, and a task.

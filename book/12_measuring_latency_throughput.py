@@ -417,7 +417,7 @@ fig
 # call only.
 
 # %%
-tokenize = engine.request_builder.tokenize
+tokenize = engine.input_processor.tokenize
 N_HF = 4  # Hugging Face is slow on a CPU: a small batch keeps this section short
 prompts = [tokenize(r.messages)[1] for r in chat_workload(N_HF, MAX_TOKENS)]
 tokenizer = llm.get_tokenizer()

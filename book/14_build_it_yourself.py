@@ -68,14 +68,14 @@ print(mini.__doc__)
 NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS = 24, 16, 64, 8
 llm = LLM(num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
           max_num_seqs=MAX_SEQS, enable_prefix_caching=False)
-builder = llm.llm_engine.request_builder
+inputs = llm.llm_engine.input_processor
 schedule = " ".join(f"Week {w}: the lab covers topic {w}; hand in lab{w}.py by Friday."
                     for w in range(1, 7))
 questions = ["What is the capital of France?", "Name three primary colours.",
              "What is 12 times 12?", "Write a haiku about the sea.", "Why is the sky blue?",
              "What is a prime number?", "Say 'good morning' in French.",
              f"Summarise this schedule: {schedule}"]
-prompts = {f"r{i}": builder.tokenize([{"role": "user", "content": q}])[1]
+prompts = {f"r{i}": inputs.tokenize([{"role": "user", "content": q}])[1]
            for i, q in enumerate(questions)}
 params = SamplingParams(temperature=0, max_tokens=12)
 print({rid: len(ids) for rid, ids in prompts.items()}, "prompt tokens; budget", BUDGET)
@@ -289,7 +289,7 @@ from mini.attention import PagedAttention
 from mini.engine import MiniEngine
 
 model = load_model(llm.llm_engine.config.model, PagedAttention(), "cpu")
-eos = builder.eos_token_ids
+eos = inputs.eos_token_ids
 tokenizer = llm.get_tokenizer()
 
 mine = MiniEngine(model, tokenizer, eos, NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS)

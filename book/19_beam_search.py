@@ -134,7 +134,7 @@ def watched_schedule():
 
 # %%
 params = BeamSearchParams(beam_width=WIDTH, max_tokens=STEPS)
-search = BeamSearch(prompt, params, set(llm.llm_engine.request_builder.eos_token_ids))
+search = BeamSearch(prompt, params, set(llm.llm_engine.input_processor.eos_token_ids))
 kept, step_tables, held = [], [], set()
 sched.schedule = watched_schedule
 while not search.done:

@@ -146,7 +146,7 @@ questions = ["What is a KV cache?", "Why are blocks fixed in size?",
 
 
 def session_ids(history):
-    return engines[0].llm_engine.request_builder.tokenize(history)[1]
+    return engines[0].llm_engine.input_processor.tokenize(history)[1]
 
 # %%
 def fresh_fleet():

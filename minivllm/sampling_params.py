@@ -1,9 +1,11 @@
 """How one request should be sampled and when it should stop.
 
 Field names and defaults follow vLLM's ``SamplingParams`` so that code moves
-between the two projects unchanged. Every field is validated on construction:
-a bad value raises ``ValueError`` naming the field, the value and what is
-allowed. Nothing is silently clipped.
+between the two projects unchanged. Every field is validated on its own on
+construction: a bad value raises ``InvalidRequestError`` (a ``ValueError``)
+naming the field, the value and what is allowed. Nothing is silently clipped.
+What needs the model (token ids in its vocabulary, a grammar that compiles,
+bad words as token ids) is checked by the input processor (minivllm/inputs).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
-from minivllm.config.checks import bad, is_int, is_number
+from minivllm.config.checks import InvalidRequestError, bad, is_int, is_number
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
 
 
 def _bad(name: str, value, allowed: str) -> ValueError:
-    return bad(f"SamplingParams.{name}", value, allowed)
+    return bad(f"SamplingParams.{name}", value, allowed, param=name)
 
 
 class RequestOutputKind(enum.Enum):
@@ -37,9 +39,10 @@ class StructuredOutputsParams:
 
     ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON
     object; ``regex``: a regular expression; ``choice``: one of these strings;
-    ``grammar``: an EBNF grammar (GBNF style, start rule ``root``). The engine
-    compiles it with xgrammar and masks, at every step, the tokens that
-    cannot continue a valid output (``minivllm.structured_output``).
+    ``grammar``: an EBNF grammar (GBNF style, start rule ``root``). The input
+    processor checks that it compiles; the engine compiles it with xgrammar
+    and masks, at every step, the tokens that cannot continue a valid output
+    (``minivllm.structured_output``).
     """
 
     json: Union[None, str, dict] = None
@@ -56,12 +59,9 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"StructuredOutputsParams has {given or 'none'} set: give exactly one of "
-                f"{', '.join(self.KINDS)}")
-        from minivllm.structured_output.grammar_spec import check_spec
-
-        check_spec(self)
+                f"{', '.join(self.KINDS)}", "structured_outputs")
 
     @property
     def kind(self) -> str:
@@ -104,6 +104,10 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    # Set by the input processor: each bad word as the token-id sequences it
+    # can appear as (the worker bans their last tokens, it never tokenizes).
+    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False,
+                                                           repr=False)
     # vLLM's free-form per-request arguments; "kv_transfer_params" (disaggregated
     # prefill, minivllm/distributed/kv_transfer) travels here.
     extra_args: Optional[dict] = None
@@ -182,10 +186,12 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (validated again)."""
         kept = {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "all_stop_token_ids"}
+                if f.name != "all_stop_token_ids" and f.init}
         kept.update(changes)
         new = SamplingParams(**kept)
         new.all_stop_token_ids |= self.all_stop_token_ids
+        if "bad_words" not in changes:
+            new.bad_words_token_ids = self.bad_words_token_ids
         return new
 
 

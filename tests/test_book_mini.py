@@ -192,15 +192,15 @@ def test_mini_engine_serves_like_llm(tiny_chat_model):
     args = dict(num_kv_blocks=10, max_num_batched_tokens=24, block_size=8,
                 enable_prefix_caching=False, cpu_kernels=False)
     llm = LLM(tiny_chat_model, **args)
-    builder = llm.llm_engine.request_builder
-    prompts = {f"r{i}": builder.tokenize([{"role": "user", "content": q}])[1]
+    inputs = llm.llm_engine.input_processor
+    prompts = {f"r{i}": inputs.tokenize([{"role": "user", "content": q}])[1]
                for i, q in enumerate(["Hi", "What is 2+2?", "Name a colour, please, now.",
                                       "Tell me a long story about a cat " * 2])}
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     expected = reference_streams(llm, prompts, params)
     assert llm.engine_core.scheduler.num_preemptions > 0
     model = load_model(llm.llm_engine.config.model, PagedAttention(), "cpu")
-    eos = builder.eos_token_ids
+    eos = inputs.eos_token_ids
     for engine_class, attention in [(MiniEngine, None), (WithEngineScheduler, None),
                                     (MiniEngine, TorchAttentionBackend())]:
         engine = engine_class(model, llm.get_tokenizer(), eos, 10, 8, 24, 8, attention)

@@ -53,18 +53,35 @@ def test_logit_bias_and_allowed_token_ids(llm, tiny_chat_model):
     assert got.token_ids[0] == allowed[int(logits[allowed].argmax())]
 
 
-def test_bad_words(llm):
+def test_bad_words(llm, tiny_chat_model):
+    """The input processor tokenizes the words (tests/test_input_processor.py); the
+    worker bans by those token IDs: the output equals Hugging Face's greedy run with
+    its own ban of the same sequences (``NoBadWordsLogitsProcessor``)."""
+    from transformers import AutoModelForCausalLM, NoBadWordsLogitsProcessor
+
     free = first_step(llm)
     tok = llm.get_tokenizer()
     word = tok.decode(free.token_ids[:2])  # the first two tokens as one "word"
-    runner = llm.engine_core.executor.runner.logits_processors
-    seqs = runner.tokenized([word])
+    request = llm.llm_engine.input_processor.process_inputs(
+        "probe", PROMPT, SamplingParams(bad_words=[word]), 0.0)
+    seqs = request.sampling_params.bad_words_token_ids
     assert free.token_ids[:2] in seqs
     got = first_step(llm, bad_words=[word])
     assert got.token_ids[:2] != free.token_ids[:2]
     for seq in seqs:  # no banned sequence anywhere in the output
         n = len(seq)
         assert all(got.token_ids[i:i + n] != seq for i in range(len(got.token_ids)))
+    # Hugging Face matches a word's first tokens against the prompt too; minivllm (as
+    # vLLM) against the output only: the same here, where no word starts in the prompt.
+    assert all(PROMPT[-1] not in s[:-1] for s in seqs)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+    ban = NoBadWordsLogitsProcessor(seqs, eos_token_id=None)
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        for _ in range(len(got.token_ids)):
+            scores = ban(ids, hf(ids).logits[:, -1].clone())
+            ids = torch.cat([ids, scores.argmax(-1, keepdim=True)], dim=1)
+    assert ids[0, len(PROMPT):].tolist() == got.token_ids
 
 
 # -- through the server -----------------------------------------------------------------
@@ -106,6 +123,32 @@ def test_server_fields(server, llm):
     r = post(server, "/v1/completions", {"prompt": "a b", "allowed_token_ids": [300, 400],
                                          "max_tokens": 3, "bad_words": ["zz"]})
     assert r.status_code == 200, r.text
+
+
+def test_engine_refusals_are_400s_naming_the_request_field(server):
+    """The engine's InvalidRequestError carries its param; the server turns it into
+    the request's own field name, never by reading the message (a priority error
+    names no field in its text, a prompt error is each endpoint's prompt field)."""
+    limit = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    hello = [{"role": "user", "content": "hi"}]
+    for path, body, param, words in (
+            ("/v1/completions", {"prompt": [5] * limit}, "prompt", "leaves no room"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content":
+                                                    "hi " * limit}]},
+             "messages", "leaves no room"),
+            ("/v1/responses", {"input": "hi " * limit}, "input", "leaves no room"),
+            ("/v1/completions", {"prompt": [5, 6], "max_tokens": limit}, "max_tokens",
+             f"exceed max_model_len={limit}"),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": limit},
+             "max_output_tokens", f"exceed max_model_len={limit}"),
+            ("/v1/chat/completions", {"messages": hello, "stop_token_ids": [10 ** 9]},
+             "stop_token_ids", "token IDs must be in [0, 49152)"),
+            ("/v1/completions", {"prompt": "a", "priority": 1}, "priority",
+             "scheduling_policy='fcfs'")):
+        r = post(server, path, body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], (path, err)
 
 
 def test_tokenize_detokenize(server, llm):

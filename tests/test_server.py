@@ -87,7 +87,7 @@ def test_request_models_map_to_sampling_params():
     assert (params.max_tokens, params.logprobs, params.top_k, params.seed, params.stop) == \
         (7, 3, 5, 11, ["x"])
     with pytest.raises(BadRequestError) as e:
-        ChatCompletionRequest(messages=FRANCE, top_logprobs=2).check(100)
+        ChatCompletionRequest(messages=FRANCE, top_logprobs=2).check()
     assert e.value.param == "top_logprobs"
     with pytest.raises(BadRequestError) as e:
         ChatCompletionRequest(messages=FRANCE, min_tokens=9, max_tokens=3

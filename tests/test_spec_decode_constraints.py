@@ -122,9 +122,13 @@ def assert_nothing_held(llm: LLM) -> None:
 
 # -- the matcher walks the drafts and back -----------------------------------------------
 def test_fill_drafts_gives_each_position_the_plain_mask(base, tiny_chat_model):
+    import functools
+
+    from minivllm.inputs.tokenizer import load_tokenizer_and_eos
     from minivllm.structured_output.manager import StructuredOutputManager
 
-    manager = StructuredOutputManager(tiny_chat_model, 49152)
+    manager = StructuredOutputManager(functools.partial(load_tokenizer_and_eos,
+                                                        tiny_chat_model), 49152)
     tok = base.get_tokenizer()
     compiled, extra = manager.compiler.compile(SO(json=PERSON, disable_any_whitespace=True))
     valid = tok.encode('{"name": "Al", "age": 7}', add_special_tokens=False)

@@ -8,7 +8,8 @@ package imports nothing else of minivllm: it sits at the bottom.
 """
 
 from minivllm.config.cache import BLOCK_SIZES, CacheConfig
-from minivllm.config.checks import bad, check_bool, check_choice, check_int, is_int, is_number
+from minivllm.config.checks import (InvalidRequestError, bad, check_bool, check_choice,
+                                     check_int, is_int, is_number)
 from minivllm.config.engine import (ATTENTION_BACKENDS, EngineArgs, EngineConfig,
                                     engine_args_from_kwargs)
 from minivllm.config.lora import LoRAConfig
@@ -27,6 +28,7 @@ __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "Schedule
            "KV_EVENT_PUBLISHERS", "SUPPORTED_ARCHITECTURES", "DTYPES",
            "ATTENTION_BACKENDS", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS",
            "DEFAULT_DISABLE_BY_BATCH_SIZE", "BLOCK_SIZES", "engine_args_from_kwargs",
-           "resolve_dtype", "bad", "check_int", "check_bool", "check_choice", "is_int",
+           "resolve_dtype", "InvalidRequestError", "bad", "check_int", "check_bool",
+           "check_choice", "is_int",
            "is_number", "KVTransferConfig", "KV_CONNECTORS", "KV_ROLES",
            "KV_OFFLOADING_BACKENDS", "QUANTIZATION_CHOICES", "resolve_quantization"]

@@ -8,9 +8,24 @@ from dataclasses import asdict, is_dataclass
 from typing import Any, Iterable, Optional
 
 
-def bad(name: str, value: Any, allowed: str) -> ValueError:
-    """The error every check raises: ``name=value is invalid: allowed``."""
-    return ValueError(f"{name}={value!r} is invalid: {allowed}")
+class InvalidRequestError(ValueError):
+    """A request the engine refuses. ``param`` names the request's field as the API
+    spells it ("prompt", "max_tokens", "logprobs", ...): the server puts it in the
+    OpenAI error's ``param`` as it is, without reading the message."""
+
+    def __init__(self, message: str, param: Optional[str]) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickled whole (with its param) from the engine-core process
+        return InvalidRequestError, (str(self), self.param)
+
+
+def bad(name: str, value: Any, allowed: str, param: Optional[str] = None) -> ValueError:
+    """The error every check raises: ``name=value is invalid: allowed``; an
+    ``InvalidRequestError`` when ``param`` names the request field it checks."""
+    message = f"{name}={value!r} is invalid: {allowed}"
+    return ValueError(message) if param is None else InvalidRequestError(message, param)
 
 
 def is_int(value: Any) -> bool:
@@ -57,7 +72,7 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
     return value
 
 
-__all__ = ["bad", "is_int", "is_number", "check_int", "check_bool", "check_choice"]
+__all__ = ["InvalidRequestError", "bad", "is_int", "is_number", "check_int", "check_bool", "check_choice"]
 
 
 def config_dict(name: str, raw: Any, allowed_keys: Iterable[str], example: str) -> dict:

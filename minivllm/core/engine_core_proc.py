@@ -83,7 +83,7 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         self.conn.send(self.ready_message())
         while True:
-            rejected: dict[str, str] = {}
+            rejected: dict[str, ValueError] = {}
             # Idle: sleep until a message comes. Busy: take only what is
             # already there, so a step is never delayed by waiting.
             block = not self.engine_core.has_unfinished_requests()
@@ -100,13 +100,13 @@ class EngineCoreProc:
             self.conn.send(EngineCoreOutputs(outputs, self.engine_core.scheduler.make_stats(),
                                              rejected))
 
-    def _handle(self, message, rejected: dict[str, str]) -> None:
+    def _handle(self, message, rejected: dict[str, ValueError]) -> None:
         if isinstance(message, AddRequests):
             for request in message.requests:
                 try:
                     self.engine_core.add_request(request)
                 except ValueError as e:  # a bad request must not end the engine
-                    rejected[request.request_id] = str(e)
+                    rejected[request.request_id] = e
         elif isinstance(message, FinishRequests):
             self.engine_core.finish_requests(message.request_ids, message.status)
         elif isinstance(message, ReleaseHeldBlocks):

@@ -57,9 +57,9 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: Optional["SchedulerStats"] = None
-    # request_id -> why the core refused to add it (e.g. it can never fit
-    # in the KV cache); the API side fails that request with the message.
-    rejected: dict[str, str] = field(default_factory=dict)
+    # request_id -> why the core refused to add it (e.g. it can never fit in
+    # the KV cache: an InvalidRequestError); the API side fails the request with it.
+    rejected: dict[str, ValueError] = field(default_factory=dict)
 
 
 __all__ = ["EngineCoreOutput", "EngineCoreOutputs", "LogprobInfo"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from minivllm.config import SchedulerConfig, is_int
+from minivllm.config import InvalidRequestError, SchedulerConfig
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
@@ -88,21 +88,17 @@ class Scheduler:
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {rid!r} has status={request.status.name}: "
                              "only WAITING requests can be added")
+        # The prompt's length and max_tokens were checked by the input processor
+        # (minivllm/inputs); only the scheduler knows how many KV blocks exist. A
+        # request that needs more blocks than exist would preempt itself forever.
         n = request.num_prompt_tokens
-        if not 1 <= n <= self.max_model_len:
-            raise ValueError(f"request {rid!r} has {n} prompt tokens: must be in "
-                             f"[1, max_model_len={self.max_model_len}]")
-        if not is_int(request.max_tokens) or request.max_tokens < 1:
-            raise ValueError(f"request {rid!r} has max_tokens={request.max_tokens!r}: "
-                             "must be an integer >= 1")
-        # A request that needs more blocks than exist would preempt itself forever.
         need = self.kv_cache_manager.num_blocks_needed(self._max_kv_tokens(request))
         if need > self.kv_cache_manager.num_blocks:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"request {rid!r} may need {need} KV blocks (prompt {n} + max_tokens "
                 f"{request.max_tokens}, max_model_len {self.max_model_len}) but "
                 f"the cache has {self.kv_cache_manager.num_blocks}: lower max_tokens "
-                "or max_model_len, or give the cache more blocks")
+                "or max_model_len, or give the cache more blocks", "max_tokens")
         self.requests[rid] = request
         request.queue_order = self._num_added
         self._num_added += 1

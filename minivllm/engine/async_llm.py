@@ -25,12 +25,11 @@ from typing import AsyncIterator, Optional
 
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.engine.core_client import EngineCoreClient, EngineDeadError
-from minivllm.engine.llm_engine import RequestBuilder
 from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler_stats import SchedulerStats
-from minivllm.inputs import PromptType
+from minivllm.inputs import InputProcessor, InvalidRequestError, PromptType
 from minivllm.model.resolve import create_engine_config
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -44,11 +43,11 @@ class AsyncLLM:
         # this one loads the tokenizer.
         self.engine_core = EngineCoreClient(config, in_process=in_process)
         try:
-            self.request_builder = RequestBuilder(config)
+            self.input_processor = InputProcessor(config)
         except BaseException:
             self.engine_core.shutdown()
             raise
-        self.tokenizer = self.request_builder.tokenizer
+        self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = stat_logger  # e.g. a PrometheusStatLogger, or None
         self.scheduler_stats: Optional[SchedulerStats] = None  # latest snapshot
@@ -97,8 +96,8 @@ class AsyncLLM:
         """Yield the request's outputs (of ``sampling_params.output_kind``) as they come.
 
         Bad input (too long, bad token IDs, a chat template error) raises
-        ``ValueError`` before anything is queued; a dead engine raises
-        ``EngineDeadError``.
+        ``InvalidRequestError`` (its ``param`` names the field) before anything
+        is queued; a dead engine raises ``EngineDeadError``.
         """
         self.start()
         queue = self._add_request(prompt, sampling_params, request_id, priority, lora_request)
@@ -119,13 +118,11 @@ class AsyncLLM:
                      request_id: str, priority: int = 0, lora_request=None) -> asyncio.Queue:
         self._check_running()
         if request_id in self.queues:
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        arrival_time = time.monotonic()
-        text, token_ids = self.request_builder.process(prompt, params, priority, lora_request)
-        child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
-                                                      arrival_time)
-        requests = self.request_builder.build(child_ids, token_ids, params, arrival_time,
-                                              priority, lora_request)
+            raise InvalidRequestError(f"request_id={request_id!r} is already in use",
+                                      "request_id")
+        request = self.input_processor.process_inputs(request_id, prompt, params,
+                                                      time.monotonic(), priority, lora_request)
+        requests = self.output_processor.add_request(request)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:
@@ -181,8 +178,8 @@ class AsyncLLM:
             self._fail_all(EngineDeadError(f"the output handler failed: {e!r}"))
 
     def _process(self, batch: EngineCoreOutputs) -> None:
-        for child_id, reason in batch.rejected.items():
-            self._reject(child_id, reason)
+        for child_id, error in batch.rejected.items():
+            self._reject(child_id, error)
         outputs, stopped = self.output_processor.process_outputs(batch.outputs)
         if stopped:  # a stop string matched: the core can free those requests now
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -200,7 +197,7 @@ class AsyncLLM:
             if queue is not None:
                 queue.put_nowait(out)
 
-    def _reject(self, child_id: str, reason: str) -> None:
+    def _reject(self, child_id: str, error: ValueError) -> None:
         parent_id = self.output_processor.child_to_parent.get(child_id)
         if parent_id is None:
             return
@@ -213,7 +210,7 @@ class AsyncLLM:
                 pass
         queue = self.queues.get(parent_id)
         if queue is not None:
-            queue.put_nowait(ValueError(reason))
+            queue.put_nowait(error)
 
     def _record_finished(self, out: RequestOutput) -> None:
         if self.stat_logger is not None and out.metrics is not None:

@@ -1,6 +1,7 @@
 """The synchronous engine: input processing + engine core + output processing.
 
     prompt ──InputProcessor──▶ token IDs ──EngineCore.step()──▶ new token IDs
+             (every check)
                                                    │
             RequestOutput ◀──OutputProcessor───────┘  (text, stop strings, metrics)
 
@@ -14,77 +15,21 @@ import itertools
 import time
 from typing import Optional
 
-from minivllm.config import EngineArgs, EngineConfig, check_int
+from minivllm.config import EngineArgs, EngineConfig
 from minivllm.engine.core_builder import build_engine_core
-from minivllm.engine.output_processor import OutputProcessor, child_params
-from minivllm.core.request import Request, RequestStatus
-from minivllm.lora.checker import LoRARequestChecker
-from minivllm.inputs import InputProcessor, PromptType, load_tokenizer, read_eos_token_ids
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.core.request import RequestStatus
+from minivllm.inputs import InputProcessor, PromptType
 from minivllm.model.resolve import create_engine_config
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 
-class RequestBuilder:
-    """Prompt + params -> the core ``Request``s (one per completion when n > 1)."""
-
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
-        self.config = config
-        self.tokenizer = tokenizer or load_tokenizer(config.model.path)
-        self.eos_token_ids = read_eos_token_ids(config.model.path, self.tokenizer)
-        self.input_processor = InputProcessor(
-            self.tokenizer, config.scheduler.max_model_len, config.model.vocab_size)
-        self.lora_checker = LoRARequestChecker(config.lora, config.model)
-
-    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        return self.input_processor.tokenize(prompt)
-
-    def check_priority(self, priority: int) -> None:
-        """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
-        check_int("priority", priority)
-        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} is invalid with scheduling_policy="
-                             f"{self.config.scheduler.scheduling_policy!r}: start the engine "
-                             "with scheduling_policy='priority' (--scheduling-policy priority)")
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request against this model; returns its resolved max_tokens.
-
-        Call it before registering the request anywhere, so a bad one leaves no trace.
-        """
-        max_tokens = self.input_processor.check_length(len(prompt_token_ids), params)
-        vocab = self.config.model.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids contains {bad[:5]}: token IDs "
-                             f"must be in [0, {vocab})")
-        return max_tokens
-
-    def process(self, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                lora_request=None) -> tuple[Optional[str], list[int]]:
-        """Tokenize and check everything about a request before it is registered
-        anywhere, so a bad one leaves no trace; returns (text, prompt token IDs)."""
-        text, token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params)
-        self.check_priority(priority)
-        self.lora_checker.check(lora_request)
-        return text, token_ids
-
-    def build(self, child_ids: list[str], prompt_token_ids: list[int],
-              params: SamplingParams, arrival_time: float,
-              priority: int = 0, lora_request=None) -> list[Request]:
-        """The core requests of a request ``process`` accepted."""
-        max_tokens = self.input_processor.check_length(len(prompt_token_ids), params)
-        return [Request(cid, prompt_token_ids, child_params(params, i), max_tokens,
-                        self.eos_token_ids, arrival_time, priority, lora_request)
-                for i, cid in enumerate(child_ids)]
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.request_builder = RequestBuilder(config)
-        self.tokenizer = self.request_builder.tokenizer
+        self.input_processor = InputProcessor(config)
+        self.tokenizer = self.input_processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = build_engine_core(config)
         self._ids = itertools.count()
@@ -100,12 +45,15 @@ class LLMEngine:
                     lora_request=None) -> str:
         request_id = str(next(self._ids)) if request_id is None else request_id
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        text, token_ids = self.request_builder.process(prompt, params, priority, lora_request)
-        child_ids = self.output_processor.add_request(request_id, text, token_ids, params,
-                                                      arrival_time)
-        for req in self.request_builder.build(child_ids, token_ids, params, arrival_time,
-                                              priority, lora_request):
-            self.engine_core.add_request(req)
+        request = self.input_processor.process_inputs(request_id, prompt, params,
+                                                      arrival_time, priority, lora_request)
+        core_requests = self.output_processor.add_request(request)
+        try:
+            for req in core_requests:
+                self.engine_core.add_request(req)  # the scheduler: do its KV blocks fit?
+        except BaseException:
+            self.abort_request(request_id)  # nothing of it stays behind
+            raise
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> None:

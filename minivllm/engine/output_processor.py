@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+from minivllm.config import InvalidRequestError
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.core.outputs import EngineCoreOutput
+from minivllm.core.request import Request
 from minivllm.engine.stop_checker import StopStringChecker
 from minivllm.metrics.request_metrics import RequestMetrics
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.inputs import EngineCoreRequest
 
 
 @dataclass
@@ -96,15 +101,21 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> list[str]:
-        """Track a request; returns the ids of its children as the core knows them."""
+    def add_request(self, request: EngineCoreRequest) -> list[Request]:
+        """Track a request the input processor accepted; returns the core ``Request``
+        of each of its ``n`` completions (children), for the engine core to run."""
+        request_id, params = request.request_id, request.sampling_params
+        prompt, prompt_token_ids = request.prompt, request.prompt_token_ids
         if request_id in self.requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        children = []
+            raise InvalidRequestError(f"request_id={request_id!r} is already in use",
+                                      "request_id")
+        children, core_requests = [], []
         for i in range(params.n):
             cid = child_request_id(request_id, i, params.n)
             p = child_params(params, i)
+            core_requests.append(Request(cid, prompt_token_ids, p, request.max_tokens,
+                                         request.eos_token_ids, request.arrival_time,
+                                         request.priority, request.lora_request))
             detok = (IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
                      if p.detokenize and self.tokenizer is not None else None)
             children.append(ChildState(cid, i, p, detok,
@@ -116,10 +127,10 @@ class OutputProcessor:
             self.child_to_parent[cid] = request_id
         self.requests[request_id] = RequestState(
             request_id, prompt, list(prompt_token_ids), params.output_kind, children,
-            RequestMetrics(arrival_time=arrival_time,
+            RequestMetrics(arrival_time=request.arrival_time,
                            num_prompt_tokens=len(prompt_token_ids),
                            completion_token_times=[[] for _ in range(params.n)]))
-        return [c.request_id for c in children]
+        return core_requests
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

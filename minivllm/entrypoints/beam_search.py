@@ -148,8 +148,8 @@ def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSe
     """
     engine = llm.llm_engine
     core = engine.engine_core
-    searches = [BeamSearch(engine.request_builder.tokenize(p)[1], params,
-                           set(engine.request_builder.eos_token_ids)) for p in prompts]
+    searches = [BeamSearch(engine.input_processor.tokenize(p)[1], params,
+                           set(engine.input_processor.eos_token_ids)) for p in prompts]
     held: set[str] = set()  # requests holding blocks now
     try:
         while not all(s.done for s in searches):
@@ -177,8 +177,8 @@ async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
     a release sent after a step's requests finished finds their holds."""
     import asyncio
 
-    builder = engine.request_builder
-    searches = [BeamSearch(builder.tokenize(p)[1], params, set(builder.eos_token_ids))
+    processor = engine.input_processor
+    searches = [BeamSearch(processor.tokenize(p)[1], params, set(processor.eos_token_ids))
                 for p in prompts]
 
     async def one(tokens: list[int], sp: SamplingParams, rid: str) -> RequestOutput:

@@ -59,14 +59,15 @@ class LLM:
         if len(priority) != len(items):
             raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts: "
                              "give one per prompt")
-        for p in priority:
-            self.llm_engine.request_builder.check_priority(p)
         loras = _as_lora_list(lora_request, len(items))
-        for lora in loras:  # every adapter checked before any request is added
-            self.llm_engine.request_builder.lora_checker.check(lora)
-        ids = [self.llm_engine.add_request(_unwrap(p), sp.clone(
-            output_kind=RequestOutputKind.FINAL_ONLY), priority=pr, lora_request=lo)
-            for p, sp, pr, lo in zip(items, params, priority, loras)]
+        ids: list[str] = []
+        try:
+            for p, sp, pr, lo in zip(items, params, priority, loras):
+                ids.append(self.llm_engine.add_request(_unwrap(p), sp.clone(
+                    output_kind=RequestOutputKind.FINAL_ONLY), priority=pr, lora_request=lo))
+        except BaseException:  # one bad request: none of them runs (as in vLLM)
+            self.llm_engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],

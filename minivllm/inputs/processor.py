@@ -1,47 +1,100 @@
-"""Prompt → token IDs: the first stage of every request.
+"""Prompt + parameters → the engine request: the first stage of every request.
 
 A prompt may be a string, a list of token IDs, or a list of chat messages
 (``[{"role": "user", "content": "..."}]``). Chat messages go through the
 model's chat template first, which adds the role markers and special tokens
 the model was trained with; the rendered text is then tokenized without
 adding any more special tokens (the template already placed them).
+
+Every check a request needs against this model and engine is made here, once,
+before the request is registered anywhere (a bad one leaves no trace): token
+IDs in the vocabulary, the prompt's length against ``max_model_len`` (and
+``max_tokens`` resolved), the parameters against the model, the grammar of
+``structured_outputs`` (it must compile), the priority, the LoRA adapter. Each
+refusal is an ``InvalidRequestError`` whose ``param`` names the request field.
+``bad_words`` are tokenized here too: the worker only sees token IDs. What only
+the engine core knows (are there KV blocks enough) the scheduler checks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from minivllm.config import is_int
+from minivllm.config import EngineConfig, InvalidRequestError, is_int
+from minivllm.inputs.tokenizer import load_tokenizer, read_eos_token_ids
 from minivllm.sampling_params import SamplingParams
 
 Message = dict
 PromptType = Union[str, Sequence[int], Sequence[Message]]
 
 
-class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+@dataclass
+class EngineCoreRequest:
+    """A request the input processor accepted: what the output processor tracks
+    (text, its ``n`` completions) and the engine core runs (one core ``Request``
+    per completion)."""
 
+    request_id: str
+    prompt: Optional[str]  # the text (rendered chat template), None for token IDs
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # with bad_words_token_ids set
+    max_tokens: int  # resolved: SamplingParams' None means "up to max_model_len"
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    priority: int = 0
+    lora_request: object = None  # a minivllm.LoRARequest, or None
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.path) if tokenizer is None else tokenizer
+        self.eos_token_ids = read_eos_token_ids(config.model.path, self.tokenizer)
+        self.max_model_len = config.scheduler.max_model_len
+        self.vocab_size = config.model.vocab_size
+        self._lora_checker = None
+
+    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float, priority: int = 0,
+                       lora_request=None) -> EngineCoreRequest:
+        """Tokenize and check a request; the engine request, or ``InvalidRequestError``."""
+        text, token_ids = self.tokenize(prompt)
+        self.check_params(params)
+        max_tokens = self.check_length(len(token_ids), params)
+        self.check_priority(priority)
+        self.check_lora(lora_request)
+        return EngineCoreRequest(request_id, text, token_ids, self.with_bad_words(params),
+                                 max_tokens, self.eos_token_ids, arrival_time, priority,
+                                 lora_request)
+
+    # -- the prompt ----------------------------------------------------------------
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     chat_template: Optional[str] = None) -> str:
+        from jinja2 import TemplateError
+
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}]={m!r} is invalid: each message must be a "
-                                 f"dict with 'role' and 'content'")
+                raise InvalidRequestError(f"messages[{i}]={m!r} is invalid: each message "
+                                          "must be a dict with 'role' and 'content'",
+                                          "messages")
         if self.tokenizer.chat_template is None and chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template; pass "
-                             "chat_template=... or use a plain prompt")
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template)
+            raise InvalidRequestError("this model's tokenizer has no chat template; pass "
+                                      "chat_template=... or use a plain prompt", "messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template)
+        except (TemplateError, ValueError) as e:  # what the template refuses: the input's
+            raise InvalidRequestError(f"messages: the chat template cannot render them: {e}",
+                                      "messages") from None
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token IDs) for any accepted prompt form."""
         if self.tokenizer is None and (isinstance(prompt, str) or any(
                 isinstance(m, dict) for m in prompt)):
-            raise ValueError("this model folder has no tokenizer: give prompts as token IDs")
+            raise InvalidRequestError("this model folder has no tokenizer: give prompts as "
+                                      "token IDs", "prompt")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         items = list(prompt)
@@ -49,41 +102,99 @@ class InputProcessor:
             text = self.render_chat(items)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
         if not all(is_int(t) for t in items):
-            raise ValueError("prompt must be a string, a list of token IDs or a list of "
-                             "chat messages")
-        bad = [t for t in items if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[:5]}: token IDs must be in "
-                             f"[0, {self.vocab_size})")
+            raise InvalidRequestError("prompt must be a string, a list of token IDs or a list "
+                                      "of chat messages", "prompt")
+        self._check_token_ids("prompt_token_ids", items, "prompt")
         return None, items
-
-    def check_token_fields(self, params: SamplingParams) -> None:
-        """Token ids in logit_bias / allowed_token_ids must exist in this vocabulary."""
-        for name, ids in (("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"SamplingParams.{name} has token ids {bad[:5]}: they must "
-                                 f"be in [0, {self.vocab_size})")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("SamplingParams.bad_words needs a tokenizer, and this model "
-                             "folder has none")
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Validate the prompt length and resolve ``max_tokens``; returns the cap."""
-        self.check_token_fields(params)
         if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
+            raise InvalidRequestError("the prompt is empty: at least one token is needed",
+                                      "prompt")
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens, but max_model_len is "
-                f"{self.max_model_len}: it leaves no room to generate a token")
+                f"{self.max_model_len}: it leaves no room to generate a token", "prompt")
         if params.max_tokens is None:
             return room
         if params.max_tokens > room:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens and max_tokens is "
                 f"{params.max_tokens}: together {num_prompt_tokens + params.max_tokens} "
-                f"exceed max_model_len={self.max_model_len}")
+                f"exceed max_model_len={self.max_model_len}", "max_tokens")
         return params.max_tokens
+
+    # -- the parameters against this model -------------------------------------------
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: it needs the model."""
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            self._check_token_ids(f"SamplingParams.{name}", ids, name)
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.vocab_size:
+                raise InvalidRequestError(f"SamplingParams.{name}={n} is invalid: this model "
+                                          f"has {self.vocab_size} tokens", name)
+        for name in ("bad_words", "structured_outputs"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise InvalidRequestError(f"SamplingParams.{name} needs a tokenizer, and this "
+                                          "model folder has none", name)
+        if params.structured_outputs is not None:
+            # The grammar is compiled here once, without a tokenizer, only to refuse a
+            # bad one now; the worker compiles it against the vocabulary.
+            from minivllm.structured_output.grammar_spec import check_spec
+
+            check_spec(params.structured_outputs)
+
+    def _check_token_ids(self, name: str, ids, param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{name} contains {bad[:5]}: token IDs must be in "
+                                      f"[0, {self.vocab_size})", param)
+
+    def with_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with each bad word as the token sequences it can appear as: as
+        written and after a space (how a word appears mid-sentence)."""
+        if not params.bad_words:
+            return params
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        params = params.clone()  # the caller's object stays as it was given
+        params.bad_words_token_ids = seqs
+        return params
+
+    # -- the request against this engine ---------------------------------------------
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
+        policy = self.config.scheduler.scheduling_policy
+        if not is_int(priority):
+            raise InvalidRequestError(f"priority={priority!r} is invalid: must be an integer",
+                                      "priority")
+        if priority != 0 and policy != "priority":
+            raise InvalidRequestError(
+                f"priority={priority} is invalid with scheduling_policy={policy!r}: start the "
+                "engine with scheduling_policy='priority' (--scheduling-policy priority)",
+                "priority")
+
+    @property
+    def lora_checker(self):
+        """Reads each adapter once (minivllm/lora/checker.py); loaded on first use."""
+        if self._lora_checker is None:
+            from minivllm.lora.checker import LoRARequestChecker
+
+            self._lora_checker = LoRARequestChecker(self.config.lora, self.config.model)
+        return self._lora_checker
+
+    def check_lora(self, lora_request) -> None:
+        if lora_request is not None:
+            self.lora_checker.check(lora_request)
+
+
+__all__ = ["EngineCoreRequest", "InputProcessor", "PromptType"]

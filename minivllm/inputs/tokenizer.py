@@ -38,3 +38,9 @@ def read_eos_token_ids(path: str | Path, tokenizer=None) -> frozenset[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         return frozenset([tokenizer.eos_token_id])
     return frozenset()
+
+
+def load_tokenizer_and_eos(path: str | Path) -> tuple[object, frozenset[int]]:
+    """(tokenizer or None, EOS ids): what a worker's grammar compiler needs of a folder."""
+    tokenizer = load_tokenizer(path)
+    return tokenizer, read_eos_token_ids(path, tokenizer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from minivllm.config import LoRAConfig, ModelConfig
+from minivllm.config import InvalidRequestError, LoRAConfig, ModelConfig
 from minivllm.lora.peft_loader import load_adapter
 from minivllm.lora.request import LoRARequest
 
@@ -24,19 +24,20 @@ class LoRARequestChecker:
         if lora_request is None:
             return
         if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request={lora_request!r} is invalid: must be a "
-                             "minivllm.LoRARequest or None")
+            raise InvalidRequestError(f"lora_request={lora_request!r} is invalid: must be a "
+                                      "minivllm.LoRARequest or None", "lora_request")
         if self.lora_config is None:
-            raise ValueError(f"lora_request={lora_request.lora_name!r} needs an engine "
-                             "started with enable_lora=True (--enable-lora)")
+            raise InvalidRequestError(f"lora_request={lora_request.lora_name!r} needs an "
+                                      "engine started with enable_lora=True (--enable-lora)",
+                                      "lora_request")
         known = self.checked.get(lora_request.lora_int_id)
         if known is not None:
             if (known.lora_name, known.lora_path) != (lora_request.lora_name,
                                                       lora_request.lora_path):
-                raise ValueError(
+                raise InvalidRequestError(
                     f"LoRARequest.lora_int_id={lora_request.lora_int_id} already means "
                     f"adapter {known.lora_name!r} at {known.lora_path!r}: each adapter "
-                    "needs its own lora_int_id")
+                    "needs its own lora_int_id", "lora_request")
             return
         load_adapter(lora_request, self.model_config, self.lora_config.max_lora_rank)
         self.checked[lora_request.lora_int_id] = lora_request

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.config import ModelConfig
+from minivllm.config import InvalidRequestError, ModelConfig
 
 # The Llama family's projections, by the names PEFT's target_modules use.
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -52,8 +52,11 @@ class LoRAModel:
         return sorted({m for _, m in self.weights}, key=SUPPORTED_MODULES.index)
 
 
-class LoRAAdapterError(ValueError):
+class LoRAAdapterError(InvalidRequestError):
     """An adapter that cannot be served (the server answers 400, or 404 if unknown)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "lora_request")
 
 
 def load_adapter(lora_request, model: ModelConfig, max_lora_rank: int,

@@ -3,26 +3,19 @@
     logit_bias          logits[t] += bias                (OpenAI)
     allowed_token_ids   every other token -> -inf        (vLLM)
     bad_words           a word's last token -> -inf, where the output already
-                        ends in the word's other tokens (vLLM; each word is
-                        tokenized as it is and with a leading space, since
-                        that is how it appears mid-sentence)
+                        ends in the word's other tokens (vLLM; the input
+                        processor tokenized each word, as it is and with a
+                        leading space: ``SamplingParams.bad_words_token_ids``)
 
 Rows with none of them are not touched; the common batch pays one check.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 
 class LogitsProcessors:
-    def __init__(self, model_path: str | Path) -> None:
-        self.model_path = model_path
-        self._tokenizer = None
-        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
-
     def apply(self, logits: torch.Tensor, reqs: list) -> None:
         """In place, row i for reqs[i]."""
         for i, req in enumerate(reqs):
@@ -38,45 +31,25 @@ class LogitsProcessors:
                 row = torch.full_like(logits[i], float("-inf"))
                 row[keep] = logits[i, keep]
                 logits[i] = row
-            if p.bad_words:
-                banned = self.banned_next(p.bad_words, req.output_token_ids)
+            if p.bad_words_token_ids:
+                banned = banned_next(p.bad_words_token_ids, req.output_token_ids)
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def banned_next(self, words: list[str], output: list[int]) -> list[int]:
-        """Tokens that would complete one of ``words`` after ``output``."""
-        banned = []
-        for seq in self.tokenized(words):
-            prefix = seq[:-1]
-            if not prefix or list(output[-len(prefix):]) == prefix:
-                banned.append(seq[-1])
-        return banned
 
-    def tokenized(self, words: list[str]) -> list[list[int]]:
-        key = tuple(words)
-        if key not in self._bad_words:
-            tok = self.tokenizer
-            seqs = []
-            for w in words:
-                for variant in (w, " " + w.lstrip()):
-                    ids = tok.encode(variant, add_special_tokens=False)
-                    if ids and ids not in seqs:
-                        seqs.append(ids)
-            self._bad_words[key] = seqs
-        return self._bad_words[key]
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            from minivllm.inputs.tokenizer import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.model_path)
-        return self._tokenizer
+def banned_next(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
+    """Tokens that would complete one of the bad words' token sequences after ``output``."""
+    banned = []
+    for seq in bad_words_token_ids:
+        prefix = seq[:-1]
+        if not prefix or list(output[-len(prefix):]) == prefix:
+            banned.append(seq[-1])
+    return banned
 
 
 def wanted(reqs: list) -> bool:
     return any(r.sampling_params.logit_bias or r.sampling_params.allowed_token_ids
-               or r.sampling_params.bad_words for r in reqs)
+               or r.sampling_params.bad_words_token_ids for r in reqs)
 
 
-__all__ = ["LogitsProcessors", "wanted"]
+__all__ = ["LogitsProcessors", "banned_next", "wanted"]

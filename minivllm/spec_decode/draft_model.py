@@ -25,6 +25,7 @@ applies them again on the target side, which is all correctness needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -69,11 +70,13 @@ class DraftConstraints:
     """
 
     def __init__(self, model_path, vocab_size: int) -> None:
-        from minivllm.structured_output import StructuredOutputManager
+        from minivllm.inputs.tokenizer import load_tokenizer_and_eos
         from minivllm.sample.logits_processors import LogitsProcessors
+        from minivllm.structured_output import StructuredOutputManager
 
-        self.grammars = StructuredOutputManager(model_path, vocab_size)
-        self.logits_processors = LogitsProcessors(model_path)
+        self.grammars = StructuredOutputManager(
+            functools.partial(load_tokenizer_and_eos, model_path), vocab_size)
+        self.logits_processors = LogitsProcessors()
 
     @torch.inference_mode()  # the draft's logits are inference tensors
     def apply(self, req: "Request", logits: torch.Tensor) -> bool:
@@ -83,7 +86,7 @@ class DraftConstraints:
 
         p = req.sampling_params
         masked = False
-        if p.logit_bias or p.allowed_token_ids or p.bad_words:
+        if p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids:
             row = SamplingRow(p, req.prompt_token_ids,
                               list(req.output_token_ids) + req.spec_token_ids)
             self.logits_processors.apply(logits[None], [row])

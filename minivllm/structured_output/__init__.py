@@ -1,7 +1,8 @@
 """Structured outputs: the output constrained to a language, one token mask per step.
 
     StructuredOutputsParams (json | regex | choice | grammar | json_object)
-        │  grammar_spec.py   checked on the API side (a bad spec is a 400 naming the field)
+        │  grammar_spec.py   checked by the input processor, on the API side (a bad
+        │                    spec is a 400 naming the field)
         ▼
     compiler.py      compiled once per spec against the vocabulary (xgrammar), cached
         ▼

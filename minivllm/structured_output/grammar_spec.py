@@ -1,8 +1,9 @@
 """A structured-output spec, checked and put into one canonical form.
 
 Checking parses the spec into an xgrammar ``Grammar`` (no tokenizer needed,
-so the API side can do it and refuse a bad spec with a message naming the
-field). The canonical ``(kind, text)`` key is what the compiler caches on.
+so the input processor does it, on the API side, and refuses a bad spec with
+a message naming the field). The canonical ``(kind, text)`` key is what the
+compiler, in the worker, caches on.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import json
 import re
 from typing import Optional, Protocol, Union
 
+from minivllm.config.checks import InvalidRequestError
+
 
 class GrammarSpec(Protocol):
     """What is checked and keyed: a ``minivllm.sampling_params.StructuredOutputsParams``
-    (named by shape, not imported: sampling_params sits below this package and calls
-    ``check_spec`` from its own validation)."""
+    (named by shape: this package needs nothing else of it)."""
 
     json: Union[None, str, dict]
     regex: Optional[str]
@@ -56,13 +58,15 @@ def clean_error(error: Exception) -> str:
 
 
 def check_spec(p: GrammarSpec) -> None:
-    """Raise ValueError naming ``StructuredOutputsParams.<kind>`` if the spec is bad."""
+    """Raise ``InvalidRequestError`` (param "structured_outputs") naming
+    ``StructuredOutputsParams.<kind>`` if the spec is bad or does not compile."""
     kind = p.kind
     value = getattr(p, kind)
 
-    def bad(why: str) -> ValueError:
+    def bad(why: str) -> InvalidRequestError:
         shown = value if len(repr(value)) < 200 else repr(value)[:200] + "..."
-        return ValueError(f"StructuredOutputsParams.{kind}={shown!r} is invalid: {why}")
+        return InvalidRequestError(f"StructuredOutputsParams.{kind}={shown!r} is invalid: "
+                                   f"{why}", "structured_outputs")
 
     if kind == "json":
         if isinstance(value, str):

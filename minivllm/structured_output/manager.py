@@ -13,14 +13,15 @@ With speculative decoding a request with k drafts has 1 + k rows:
 advances it by exactly the tokens the verifier yields (accepted drafts + one).
 
 The compiler (and xgrammar itself) loads on the first constrained request,
-so an engine that never sees one never imports it.
+so an engine that never sees one never imports it. Of the front end it needs
+only the vocabulary: its owner (the model runner) says how to load the
+tokenizer, so this package imports nothing of ``inputs``.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -28,9 +29,13 @@ from minivllm.structured_output import bitmask as bm
 from minivllm.structured_output.request_grammar import RequestGrammar
 
 
+# () -> (the model's tokenizer or None, its EOS token ids).
+TokenizerLoader = Callable[[], tuple[object, frozenset[int]]]
+
+
 class StructuredOutputManager:
-    def __init__(self, model_path: str | Path, vocab_size: int) -> None:
-        self.model_path = model_path
+    def __init__(self, load_tokenizer: TokenizerLoader, vocab_size: int) -> None:
+        self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self._compiler = None
         self.grammars: dict[str, RequestGrammar] = {}
@@ -43,14 +48,12 @@ class StructuredOutputManager:
     @property
     def compiler(self):
         if self._compiler is None:
-            from minivllm.inputs.tokenizer import load_tokenizer, read_eos_token_ids
             from minivllm.structured_output.compiler import GrammarCompilerCache
 
-            tokenizer = load_tokenizer(self.model_path)
+            tokenizer, eos = self.load_tokenizer()
             if tokenizer is None:
                 raise ValueError("structured_outputs needs the model's tokenizer, and "
-                                 f"{self.model_path} has none")
-            eos = read_eos_token_ids(self.model_path, tokenizer)
+                                 "this model folder has none")
             self._compiler = GrammarCompilerCache(tokenizer, self.vocab_size, eos)
         return self._compiler
 

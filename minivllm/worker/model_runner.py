@@ -24,6 +24,7 @@ The model itself never knows, and the caller's configuration is not changed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -34,6 +35,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.core.outputs import LogprobInfo
 from minivllm.core.sched_output import SchedulerOutput
+from minivllm.inputs.tokenizer import load_tokenizer_and_eos
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
@@ -109,9 +111,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
         self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
-        self.structured_output = StructuredOutputManager(config.model.path,
-                                                         config.model.vocab_size)
-        self.logits_processors = logits_processors.LogitsProcessors(config.model.path)
+        self.structured_output = StructuredOutputManager(
+            functools.partial(load_tokenizer_and_eos, config.model.path), config.model.vocab_size)
+        self.logits_processors = logits_processors.LogitsProcessors()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector = None  # the worker half of kv_transfer_config's connector
 

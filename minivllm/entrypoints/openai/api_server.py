@@ -39,6 +39,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minivllm
+from minivllm.config import InvalidRequestError
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core_client import EngineDeadError
 from minivllm.entrypoints.openai import serving_tokenization
@@ -98,8 +99,8 @@ def add_error_handlers(app: FastAPI) -> None:
         message, field = _describe_validation_error(exc)
         return error_response(400, message, "invalid_request_error", field)
 
-    @app.exception_handler(BadRequestError)
-    async def bad_request(_, exc: BadRequestError):
+    @app.exception_handler(InvalidRequestError)  # the server's BadRequestError too
+    async def bad_request(_, exc: InvalidRequestError):
         return error_response(400, str(exc), "invalid_request_error", exc.param)
 
     @app.exception_handler(ModelNotFoundError)

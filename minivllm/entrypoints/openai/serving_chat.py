@@ -63,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         lora_request = self.check_model(request.model)
         request_id = random_id("chatcmpl")
         streams, firsts = await self.start_requests([self._prompt(request)], params,
-                                                    request_id, "messages", request.priority,
+                                                    request_id, request, request.priority,
                                                     lora_request)
         if request.stream:
             return self.chat_stream(request, request_id, with_first(firsts[0], streams[0]))

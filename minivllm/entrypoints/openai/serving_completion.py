@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Optional
 
+from minivllm.config import InvalidRequestError
 from minivllm.entrypoints.beam_search import run_beam_search_async
 from minivllm.entrypoints.openai.protocol import (BadRequestError, CompletionChoice,
                                                   CompletionLogprobs, CompletionRequest,
@@ -93,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = request.to_sampling_params(kind)
         request_id = random_id("cmpl")
         streams, firsts = await self.start_requests(request.prompts(), params, request_id,
-                                                    "prompt", request.priority, lora_request)
+                                                    request, request.priority, lora_request)
         if request.stream:
             return self.completion_stream(request, request_id,
                                           [with_first(f, s) for f, s in zip(firsts, streams)])
@@ -110,8 +111,8 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             results = await run_beam_search_async(self.engine, request.prompts(), params,
                                                   request_id)
-        except ValueError as e:  # a prompt too long for the model, a bad token ID
-            raise BadRequestError(str(e), "prompt") from None
+        except InvalidRequestError as e:  # a prompt too long for the model, a bad token ID
+            raise BadRequestError(str(e), request.field_of(e.param)) from None
         choices, prompt_tokens, generated = [], 0, 0
         for i, (result, plen) in enumerate(results):
             prompt_tokens += plen

@@ -16,8 +16,7 @@ import time
 import uuid
 from typing import AsyncIterator, Optional, Sequence
 
-from jinja2 import TemplateError
-
+from minivllm.config import InvalidRequestError
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ErrorInfo, ErrorResponse,
                                                   PromptTokensDetails, SamplingRequest,
@@ -69,13 +68,16 @@ class OpenAIServing:
 
     def check_request(self, request: SamplingRequest):
         lora_request = self.check_model(request.model)
-        request.check(self.engine.config.model.vocab_size)
+        request.check()
         return lora_request
 
     async def start_requests(self, prompts: Sequence, params, request_id: str,
-                             prompt_field: str, priority: int = 0, lora_request=None
+                             request: SamplingRequest, priority: int = 0, lora_request=None
                              ) -> tuple[list[Stream], list[RequestOutput]]:
-        """Start one engine request per prompt; returns the streams and first outputs."""
+        """Start one engine request per prompt; returns the streams and first outputs.
+
+        The engine's ``InvalidRequestError`` names its param; ``request.field_of``
+        says which of the request's fields that is (the 400's ``param``)."""
         streams = [self.engine.generate(p, params, request_id if len(prompts) == 1
                                         else f"{request_id}-{i}", priority, lora_request)
                    for i, p in enumerate(prompts)]
@@ -93,10 +95,8 @@ class OpenAIServing:
             for f in firsts:
                 f.cancel()
             await asyncio.gather(*firsts, return_exceptions=True)
-            if isinstance(e, (ValueError, TemplateError)) and not isinstance(
-                    e, BadRequestError):
-                param = "max_tokens" if "max_tokens" in str(e) else prompt_field
-                raise BadRequestError(str(e), param) from None
+            if isinstance(e, InvalidRequestError) and not isinstance(e, BadRequestError):
+                raise BadRequestError(str(e), request.field_of(e.param)) from None
             raise
 
 

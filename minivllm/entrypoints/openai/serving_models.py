@@ -99,7 +99,7 @@ class OpenAIServingModels:
                                   f"it must be {self.model_name!r}", "base_model_name")
         lora = LoRARequest(name, self._next_id, path, base_model_name)
         try:
-            self.engine.request_builder.lora_checker.check(lora)
+            self.engine.input_processor.lora_checker.check(lora)
         except ValueError as e:
             raise BadRequestError(str(e), "lora_path") from None
         # Ids are never reused: an unloaded adapter's id can still name cached blocks.
@@ -111,7 +111,7 @@ class OpenAIServingModels:
         lora = self.lora_requests.pop(name, None)
         if lora is None:
             raise ModelNotFoundError(name, list(self.lora_requests), what="LoRA adapter")
-        self.engine.request_builder.lora_checker.forget(lora.lora_int_id)
+        self.engine.input_processor.lora_checker.forget(lora.lora_int_id)
 
 
 __all__ = ["OpenAIServingModels", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "parse_lora_modules",

@@ -226,7 +226,7 @@ class OpenAIServingResponses:
         response.status = "in_progress"
         try:
             streams, firsts = await chat.start_requests(
-                [chat._prompt(chat_req)], params, response.id, "input", request.priority)
+                [chat._prompt(chat_req)], params, response.id, chat_req, request.priority)
         except BadRequestError as e:
             if request.background:  # nobody waits for a 400: the stored response says it
                 return self._failed(entry, _renamed(e))

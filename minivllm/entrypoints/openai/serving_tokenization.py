@@ -11,8 +11,6 @@ from typing import Optional
 
 from pydantic import Field, StrictBool, StrictInt
 
-from jinja2 import TemplateError
-
 from minivllm.entrypoints.openai.protocol.chat import check_messages
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatMessage, RequestModel,
                                                   ResponseModel)
@@ -57,13 +55,8 @@ def tokenize(engine, body: TokenizeRequest) -> TokenizeResponse:
         raise BadRequestError("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
         check_messages(body.messages)
-        try:
-            text = tok.apply_chat_template([m.to_template_dict() for m in body.messages],
-                                           tokenize=False,
-                                           add_generation_prompt=body.add_generation_prompt)
-        except (TemplateError, ValueError) as e:  # what the template refuses: the input's fault
-            raise BadRequestError(f"messages: the chat template cannot render them: {e}",
-                                  "messages") from None
+        text = engine.input_processor.render_chat(  # as the engine renders a chat prompt
+            [m.to_template_dict() for m in body.messages], body.add_generation_prompt)
         ids = tok.encode(text, add_special_tokens=False)  # the template placed them
     else:
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)

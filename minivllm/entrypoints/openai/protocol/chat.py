@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, StrictBool, model_serializer
 
@@ -131,6 +131,16 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[StrictBool] = None
 
+    PROMPT_FIELD: ClassVar[str] = "messages"
+
+    def field_of(self, param: Optional[str]) -> Optional[str]:
+        forced = self.tools and self.effective_tool_choice not in ("none", "auto")
+        if param == "structured_outputs" and forced:  # a forced call's schema
+            return "tools"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().field_of(param)
+
     @property
     def effective_tool_choice(self) -> Optional[ToolChoice]:
         """OpenAI's default: "auto" when tools are given, else "none"."""
@@ -145,8 +155,8 @@ class ChatCompletionRequest(SamplingRequest):
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def check(self, vocab_size: int) -> None:
-        super().check(vocab_size)
+    def check(self) -> None:
+        super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError("top_logprobs needs logprobs to be true", "top_logprobs")
         if (self.max_tokens is not None and self.max_completion_tokens is not None

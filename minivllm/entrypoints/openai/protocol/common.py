@@ -4,12 +4,12 @@ parameters of a request, usage and error bodies, the model list."""
 from __future__ import annotations
 
 import logging
-import re
 import time
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from minivllm.config import InvalidRequestError
 from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("minivllm.server")
@@ -40,12 +40,12 @@ MAX_STOP = 16
 INT64 = 2 ** 63
 
 
-class BadRequestError(ValueError):
-    """A request the engine cannot run as asked; ``param`` names the field."""
+class BadRequestError(InvalidRequestError):
+    """A request the server refuses (a 400); ``param`` names the field as the request
+    spells it. The engine's own ``InvalidRequestError``s become 400s as they are."""
 
     def __init__(self, message: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 # -- requests ------------------------------------------------------------------------
@@ -155,8 +155,22 @@ class SamplingRequest(RequestModel):
     # the prefill response's kv_transfer_params to a decode server.
     kv_transfer_params: Optional[dict] = None
 
-    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
-        """The one constraint asked for, from whichever field carries it."""
+    # The request's field that carries the prompt.
+    PROMPT_FIELD: ClassVar[str] = "prompt"
+
+    def field_of(self, param: Optional[str]) -> Optional[str]:
+        """The field of this request that an engine error's ``param`` is about (the
+        engine names its own inputs: the prompt, SamplingParams' fields, ...)."""
+        if param in ("prompt", "messages"):
+            return self.PROMPT_FIELD
+        if param == "structured_outputs":
+            return (self._constraint_fields() or [param])[0]
+        if param == "lora_request":  # the adapter is named by the model field
+            return "model"
+        return param
+
+    def _constraint_fields(self) -> list[str]:
+        """The fields that ask for an output constraint, in precedence order."""
         rf = self.response_format
         so = self.structured_outputs
         given = [name for name in _GUIDED if getattr(self, name) is not None]
@@ -164,6 +178,14 @@ class SamplingRequest(RequestModel):
             given.insert(0, "structured_outputs")
         if rf is not None and rf.type != "text":
             given.insert(0, "response_format")
+        return given
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The one constraint asked for, from whichever field carries it (the input
+        processor checks that it compiles)."""
+        rf = self.response_format
+        so = self.structured_outputs
+        given = self._constraint_fields()
         if len(given) > 1:
             raise BadRequestError(f"{' and '.join(given)} are set together: give only one way "
                                   "to constrain the output", given[1])
@@ -205,19 +227,13 @@ class SamplingRequest(RequestModel):
             out[int(key)] = bias
         return out
 
-    def check(self, vocab_size: int) -> None:
-        """Checks that span several fields (pydantic checked each one alone)."""
+    def check(self) -> None:
+        """Checks that span several fields (pydantic checked each one alone; what
+        needs the model, token IDs in its vocabulary, the engine's input processor)."""
         log_no_ops(self)
         if self.stream_options is not None and not self.stream:
             raise BadRequestError("stream_options is only allowed when stream is true",
                                   "stream_options")
-        for name, ids in (("stop_token_ids", self.stop_token_ids or []),
-                          ("allowed_token_ids", self.allowed_token_ids or []),
-                          ("logit_bias", self.token_logit_bias() or {})):
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise BadRequestError(f"{name} contains {bad[:5]}: token IDs must be in "
-                                      f"[0, {vocab_size})", name)
 
     def to_sampling_params(self, output_kind: RequestOutputKind,
                            structured_outputs: Optional[StructuredOutputsParams] = None
@@ -248,11 +264,8 @@ class SamplingRequest(RequestModel):
                 bad_words=self.bad_words,
                 extra_args=(None if self.kv_transfer_params is None
                             else {"kv_transfer_params": self.kv_transfer_params}))
-        except BadRequestError:
-            raise
-        except ValueError as e:  # SamplingParams names the field: pass it on
-            match = re.search(r"SamplingParams\.(\w+)=", str(e))
-            raise BadRequestError(str(e), match.group(1) if match else None) from None
+        except InvalidRequestError as e:  # SamplingParams names the field: pass it on
+            raise BadRequestError(str(e), e.param) from None
 
 
 # -- responses ---------------------------------------------------------------------

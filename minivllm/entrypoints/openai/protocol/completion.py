@@ -44,8 +44,8 @@ class CompletionRequest(SamplingRequest):
     def echo_only(self) -> bool:
         return self.echo and self.max_tokens == 0
 
-    def check(self, vocab_size: int) -> None:
-        super().check(vocab_size)
+    def check(self) -> None:
+        super().check()
         if self.use_beam_search:
             self._check_beam_search()
         if self.suffix:

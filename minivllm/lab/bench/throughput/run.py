@@ -22,13 +22,15 @@ BACKENDS = ("minivllm", "hf", "hf-cb", "vllm", "llama.cpp", "llama.cpp-decode")
 def build_workload(args: argparse.Namespace, model_path: str
                    ) -> tuple[list[list[int]], list[int]]:
     """(prompt token ids, max_tokens) per request, from the chosen dataset."""
-    from minivllm.inputs import InputProcessor, load_tokenizer, read_eos_token_ids
+    from minivllm.inputs import load_tokenizer, read_eos_token_ids
 
     tokenizer = load_tokenizer(model_path)
     if args.dataset == "chat":
         requests: list[BenchRequest] = chat_workload(args.num_prompts, args.max_tokens)
-        processor = InputProcessor(tokenizer, max_model_len=1 << 30, vocab_size=1 << 30)
-        prompts = [processor.tokenize(r.messages)[1] for r in requests]
+        # As the engine's input processor does: template, then no more special tokens.
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+            r.messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+            for r in requests]
     else:
         special = frozenset(tokenizer.all_special_ids) | read_eos_token_ids(model_path,
                                                                             tokenizer)
