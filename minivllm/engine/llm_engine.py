@@ -20,7 +20,7 @@ from minivllm.engine.output_processor import OutputProcessor, child_params
 from minivllm.core.request import Request, RequestStatus
 from minivllm.lora.checker import LoRARequestChecker
 from minivllm.inputs import InputProcessor, PromptType, load_tokenizer, read_eos_token_ids
-from minivllm.model.resolve import create_engine_config
+from minivllm.model.resolve import resolve_engine_config
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -91,7 +91,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(create_engine_config(args))
+        return cls(resolve_engine_config(args))
 
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams,
