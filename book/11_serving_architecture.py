@@ -54,7 +54,7 @@ from openai import OpenAI
 # %%
 from minivllm import SamplingParams
 from minivllm.config import engine_args_from_kwargs
-from minivllm.model.resolve import create_engine_config
+from minivllm.model.resolve import resolve_engine_config
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.detokenizer import REPLACEMENT_CHAR
 from minivllm.entrypoints.launch import ServerProcess, port_is_free, process_gone
@@ -281,7 +281,7 @@ from multiprocessing import Pipe
 from minivllm.core.request import Request
 
 ours, theirs = Pipe()
-config = create_engine_config(engine_args_from_kwargs(None, {"num_kv_blocks": 16}))
+config = resolve_engine_config(engine_args_from_kwargs(None, {"num_kv_blocks": 16}))
 core_thread = threading.Thread(target=run_engine_core,
                                args=(config, theirs, build_engine_core, True))
 core_thread.start()
@@ -554,7 +554,7 @@ n_messages_one_seat, first_done = 4 + 2, "r1"
 ours, theirs = Pipe()
 one_seat = engine_args_from_kwargs(None, {"num_kv_blocks": 16, "max_num_seqs": 1})
 core_thread = threading.Thread(target=run_engine_core,
-                               args=(create_engine_config(one_seat), theirs,
+                               args=(resolve_engine_config(one_seat), theirs,
                                      build_engine_core, True))
 core_thread.start()
 assert isinstance(ours.recv(), EngineCoreReady)

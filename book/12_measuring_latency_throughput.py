@@ -57,7 +57,7 @@ import torch
 # %%
 from minivllm import LLM, SamplingParams
 from minivllm.lab.bench.args import bench_args
-from minivllm.lab.bench.throughput.driver import HFGenerate
+from minivllm.lab.bench.throughput.backend_process import HFGenerate
 from minivllm.lab.bench.workload import chat_workload
 from minivllm.lab.bench.roofline import measure_bandwidth, measure_roofline
 from minivllm.lab.bench.serve import (add_cli_args, benchmark, build_payloads,

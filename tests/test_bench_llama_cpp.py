@@ -1,4 +1,4 @@
-"""The llama.cpp peer of ``bench throughput``, driven through its real driver process.
+"""The llama.cpp peer of ``bench throughput``, driven through its real backend process.
 
 The batched decode loop (several sequences, one ``llama_decode`` a step) must make
 the tokens llama.cpp's own ``generate`` makes for each prompt alone, also when the
@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import chat_ids
 
-# Each test starts llama.cpp's driver twice (about 40 s on a loaded 2-core machine).
+# Each test starts llama.cpp's backend process twice (about 40 s on a loaded 2-core machine).
 pytestmark = pytest.mark.slow
 
 def _llama_python() -> str:
@@ -43,50 +43,51 @@ def prompts(default_tokenizer):
     return [chat_ids(default_tokenizer, q) for q in QUESTIONS]
 
 
-def _driver(backend: str, tmp_path, **setup):
-    from minivllm.lab.bench.throughput.drivers import DriverProcess
+def _backend(backend: str, tmp_path, **setup):
+    from minivllm.lab.bench.throughput.backend_client import BackendClient
     from minivllm.model.resolve import default_gguf_path
 
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONFAULTHANDLER="1")
     tmp_path.mkdir(parents=True, exist_ok=True)
-    driver = DriverProcess(backend, _llama_python(),
-                           {"gguf": str(default_gguf_path()), "threads": 2, **setup},
-                           env, tmp_path)
-    driver.start(timeout=600)
-    return driver
+    backend_proc = BackendClient(backend, _llama_python(),
+                                 {"gguf": str(default_gguf_path()), "threads": 2, **setup},
+                                 env, tmp_path)
+    backend_proc.start(timeout=600)
+    return backend_proc
 
 
-def _run(driver, prompts, max_tokens) -> list[list[int]]:
-    reply = driver.request({"cmd": "run", "prompts": prompts, "max_tokens": max_tokens,
-                            "return_token_ids": True}, timeout=600)
+def _run(backend_proc, prompts, max_tokens) -> list[list[int]]:
+    reply = backend_proc.request({"cmd": "run", "prompts": prompts,
+                                  "max_tokens": max_tokens, "return_token_ids": True},
+                                 timeout=600)
     assert reply["output_tokens"] == max_tokens  # EOS ignored: exactly max_tokens each
     return reply["token_ids"]
 
 
 def test_batched_decode_makes_generates_tokens(prompts, tmp_path):
     # Two slots for three prompts: the third waits for the first slot to free.
-    driver = _driver("llama.cpp", tmp_path, max_num_seqs=2)
+    backend_proc = _backend("llama.cpp", tmp_path, max_num_seqs=2)
     try:
-        assert "batched llama_decode" in driver.info["loop"]
-        assert driver.info["max_parallel_sequences"] == 2
-        alone = [_run(driver, [p], [n])[0] for p, n in zip(prompts, MAX_TOKENS)]
-        together = _run(driver, prompts, MAX_TOKENS)
+        assert "batched llama_decode" in backend_proc.info["loop"]
+        assert backend_proc.info["max_parallel_sequences"] == 2
+        alone = [_run(backend_proc, [p], [n])[0] for p, n in zip(prompts, MAX_TOKENS)]
+        together = _run(backend_proc, prompts, MAX_TOKENS)
         assert together == alone
         assert len({tuple(t) for t in alone}) == 3  # three different answers
         # The slots are emptied between runs: a second batched run is the same.
-        assert _run(driver, prompts[::-1], MAX_TOKENS[::-1]) == alone[::-1]
+        assert _run(backend_proc, prompts[::-1], MAX_TOKENS[::-1]) == alone[::-1]
     finally:
-        driver.close()
+        backend_proc.close()
 
 
 def test_decode_loop_for_one_prompt_equals_generate(prompts, tmp_path):
-    generate = _driver("llama.cpp", tmp_path / "generate")
+    generate = _backend("llama.cpp", tmp_path / "generate")
     try:
         expected = _run(generate, prompts[:1], [24])
     finally:
         generate.close()
     # One slot and 8 tokens a step: the prompt is fed over several steps, too.
-    decode = _driver("llama.cpp-decode", tmp_path / "decode", max_num_seqs=1,
+    decode = _backend("llama.cpp-decode", tmp_path / "decode", max_num_seqs=1,
                      max_num_batched_tokens=8)
     try:
         assert decode.info["loop"] == "batched llama_decode"

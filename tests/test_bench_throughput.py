@@ -313,7 +313,7 @@ def test_report_row_shows_medians_ranges_and_paired_ratios():
 
 
 def test_a_peer_that_crashes_is_reported_as_a_crash_with_its_log(tmp_path):
-    """A driver killed by a signal (as llama.cpp's segfault was) is a crash, said at once
+    """A backend process killed by a signal (as llama.cpp's segfault was) is a crash, said at once
     with the signal and the log's tail, not a timeout."""
     import os
     import stat
@@ -321,11 +321,11 @@ def test_a_peer_that_crashes_is_reported_as_a_crash_with_its_log(tmp_path):
     fake = tmp_path / "python"  # stands in for the peer's interpreter
     fake.write_text("#!/bin/sh\necho 'loading the peer...' >&2\nread line\nkill -SEGV $$\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    from minivllm.lab.bench.throughput.drivers import DriverError, DriverProcess
+    from minivllm.lab.bench.throughput.backend_client import BackendClient, BackendError
 
-    driver = DriverProcess("llama.cpp", str(fake), {}, dict(os.environ), tmp_path)
-    with pytest.raises(DriverError) as err:
-        driver.start(timeout=3600)
+    backend_proc = BackendClient("llama.cpp", str(fake), {}, dict(os.environ), tmp_path)
+    with pytest.raises(BackendError) as err:
+        backend_proc.start(timeout=3600)
     said = str(err.value)
     assert "crashed (SIGSEGV, signal 11)" in said and "gave no answer" not in said
     assert "loading the peer..." in said

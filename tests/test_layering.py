@@ -159,3 +159,49 @@ def test_the_walk_sees_every_kind_of_import():
     assert ("engine", "core") in edges  # top level
     assert any("core_builder.py" in site for site in edges[("engine", "worker")])  # in a function
     assert ("core", "config") in edges  # under TYPE_CHECKING in places, top level in others
+
+
+def private_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """``from minivllm.x import _name`` where ``_name`` is not a module: a private name
+    used outside the module that defines it. Relative imports are resolved first."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.split(".")[:len(package.split(".")) - node.level + 1]
+            origin = ".".join(base + ([node.module] if node.module else []))
+        else:
+            origin = node.module or ""
+        if origin != "minivllm" and not origin.startswith("minivllm."):
+            continue
+        for alias in node.names:
+            name = alias.name
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            as_path = ROOT.parent.joinpath(*f"{origin}.{name}".split("."))
+            if as_path.with_suffix(".py").exists() or (as_path / "__init__.py").exists():
+                continue  # a module (vLLM's ``_custom_ops``): its name is its own
+            found.append(f"{module}:{node.lineno}: from {origin} import {name}")
+    return found
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name shared between modules is public (no leading underscore) where it lives."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        found += private_imports(path.read_text(), _module_name(path),
+                                 path.name == "__init__.py")
+    assert found == []
+
+
+def test_the_private_import_walk_tells_names_from_modules():
+    src = ("from minivllm.cpu.attention import CPUAttentionBackend, _hidden\n"
+           "from minivllm.cpu import _custom_ops\n"
+           "from .ggml_types import _f16\n"
+           "from os import _exit\n")
+    assert private_imports(src, "minivllm.model.layers.quantization.x") == [
+        "minivllm.model.layers.quantization.x:1: from minivllm.cpu.attention import _hidden",
+        "minivllm.model.layers.quantization.x:3: "
+        "from minivllm.model.layers.quantization.ggml_types import _f16"]

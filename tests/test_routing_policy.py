@@ -6,7 +6,6 @@ import pytest
 
 from minivllm.core.kv_cache_manager import hash_request_tokens
 from minivllm.routing import RoutingPolicy, prompt_block_hashes
-from minivllm.lab.sim.router import Router as SimRouter
 
 
 def test_round_robin_skips_replicas_that_are_down():
@@ -34,21 +33,49 @@ def test_cache_aware_policies_follow_the_longest_prefix_within_the_slack():
     assert pa.choose([1, 0, 0], hashes[:1]) == 0 and pa.choose([5, 0, 0], hashes) == 1
 
 
-def test_the_simulators_router_is_the_shared_policy():
-    """Same loads and caches in, same replica out, request by request."""
-    class R:
+def test_the_simulator_and_the_router_route_through_the_shared_policy():
+    """Same loads and caches in, same replica out, request by request: replicas as the
+    simulator shows them and the real router's ``Replica`` objects go through
+    ``RoutingPolicy.route``, which decides as the policy does over plain lists."""
+    from minivllm.config import EngineArgs
+    from minivllm.entrypoints.router.replica import Replica
+    from minivllm.entrypoints.router.router import Router
+    from minivllm.lab.sim import Hardware, Simulator, load_model_config
+    from minivllm.lab.sim.simulator import Replica as SimReplica, SimRun
+
+    class R:  # what the simulator's replicas show the policy
         def __init__(self, load, cache):
-            self.load, self.prefix_cache, self.block_size = load, cache, 4
+            self.load, self.prefix_cache = load, cache
 
     prompts = [[i % 3] * 9 + [i] for i in range(12)]
     for policy in ("round_robin", "least_loaded", "prefix_aware", "kv_aware"):
-        sim, real = SimRouter(policy, 3), RoutingPolicy(policy, 3)
+        sim, lists = RoutingPolicy(policy, 3), RoutingPolicy(policy, 3)
+        # The real router without KV events (kv_aware needs them): its caches are empty.
+        real = (Router([Replica(j, f"http://r{j}:1") for j in range(3)], policy, 4)
+                if policy != "kv_aware" else None)
+        real_lists = RoutingPolicy(policy, 3)
         caches = [set(), set(prompt_block_hashes(prompts[1], 4)), set()]
         for k, p in enumerate(prompts):
             loads = [k % 2, 0, k % 3]
-            replicas = [R(loads[j], caches[j]) for j in range(3)]
-            assert sim.choose(replicas, p) == real.choose(
-                loads, prompt_block_hashes(p, 4), caches), (policy, k)
+            hashes = sim.prompt_hashes(p, 4)
+            assert hashes == (prompt_block_hashes(p, 4) if sim.needs_tokens else [])
+            assert sim.route([R(loads[j], caches[j]) for j in range(3)], hashes) == \
+                lists.choose(loads, hashes, caches), (policy, k)
+            if real is not None:
+                for j, r in enumerate(real.replicas):
+                    r.in_flight = loads[j]
+                assert real.choose(hashes, tried=set()).index == \
+                    real_lists.choose(loads, hashes, [set()] * 3), (policy, k)
+    # A simulation's router is that policy, reading the simulated replicas' caches.
+    sim = Simulator(load_model_config("smollm2-135m", "float32", "cpu"),
+                    Hardware("x", 1e11, 1e10, 1e10, 1e10, dtype="float32", device="cpu"),
+                    EngineArgs(), 2, "kv_aware")
+    replicas = [SimReplica(i, sim.config, sim.cost_model, sim.num_blocks, sim.eos_token_ids)
+                for i in range(2)]
+    run = SimRun(sim, replicas, [], None, False)
+    assert type(run.router) is RoutingPolicy and run.router.policy == "kv_aware"
+    hashes = run.router.prompt_hashes(list(range(40)), replicas[0].block_size)
+    assert len(hashes) == 2 and run.router.route(replicas, hashes) == 0
 
 
 def test_bad_policy_arguments_name_themselves():

@@ -266,6 +266,21 @@ def test_a_streamed_cut_call_is_content_as_in_the_whole_answer(tools_tokenizer, 
     assert all(json.loads(c["arguments"]) for c in calls.values())
 
 
+def test_streamed_arguments_are_the_models_own_json_text(tools_tokenizer):
+    """Growing JSON read piece by piece: the arguments streamed (and answered whole) are the
+    model's text as written (its spacing, ``1.50``, ``\\u00e9``), not a re-serialization
+    of what a partial-JSON parser would make of it."""
+    args = '{ "city":"Paris" ,  "days": 1.50, "note": "caf\\u00e9" }'
+    text = ('<tool_call>{"name": "get_weather", "arguments": ' + args + '}</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": {"zone": "U')
+    parser = Hermes2ProToolParser(_tools(*TOOLS))
+    info = parser.extract_tool_calls(text)
+    assert [c.function.arguments for c in info.tool_calls] == [args]
+    content, calls = _stream(parser, _token_pieces(tools_tokenizer, text))
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", args)]
+    assert content == info.content == '{"name": "get_time", "arguments": {"zone": "U'
+
+
 # -- through the server (a tiny random model) ----------------------------------------------
 @pytest.fixture(scope="module")
 def plain_server(tmp_path_factory, tiny_chat_model):

@@ -50,8 +50,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class CpuPath:
-    """The compute path of a runner with the CPU acceleration: the same fields and
-    methods as ``minivllm.worker.compute_path.ReferencePath``."""
+    """The compute path of a runner with the CPU acceleration: a
+    ``minivllm.worker.compute_path.ComputePath``, as ``ReferencePath`` is (not
+    imported here: cpu/ stays below worker/, tests/test_compute_path.py checks it)."""
 
     attn_backend: AttentionBackend
     dtype: torch.dtype

@@ -117,7 +117,7 @@ class _Shape:
     device: torch.device
 
 
-def _head_major_rows(token_rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def head_major_rows(token_rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Token rows [S, L] of a [tokens, Hkv, D] tensor -> rows of its [-1, D] view,
     ordered [S, Hkv, L]: one gather yields K/V already laid out head by head.
 
@@ -147,7 +147,7 @@ def _plan_decode(meta, seqs, starts, seq_lens, shape: _Shape) -> DecodePlan:
     num_blocks = (max(lens) + shape.block_size - 1) // shape.block_size
     kv_len = num_blocks * shape.block_size
     in_order = len(seqs) == len(seq_lens) and all(starts[i] == i for i in seqs)
-    kv_rows = _head_major_rows(_cache_rows(meta, seqs, num_blocks, shape), shape.num_kv_heads)
+    kv_rows = head_major_rows(_cache_rows(meta, seqs, num_blocks, shape), shape.num_kv_heads)
     key_pos = torch.arange(kv_len, device=shape.device)
     allowed = key_pos[None, :] < torch.tensor(lens, device=shape.device)[:, None]
     if in_order:
@@ -193,7 +193,7 @@ def _plan_prefill(meta, group, seq_lens, from_cache, shape: _Shape) -> PrefillBa
             kv_idx.append([lo + min(j, n - 1) for j in range(kv_len)])
     tensor = lambda x: torch.tensor(x, device=shape.device)  # noqa: E731
     if not from_cache:
-        kv_rows = _head_major_rows(tensor(kv_idx), shape.num_kv_heads)
+        kv_rows = head_major_rows(tensor(kv_idx), shape.num_kv_heads)
         return PrefillBatch(len(group), q_len, kv_len, tensor(q_idx), kv_rows, False,
                             None, tensor(valid), tensor(out_idx))
     num_blocks = (kv_len + shape.block_size - 1) // shape.block_size
@@ -204,7 +204,7 @@ def _plan_prefill(meta, group, seq_lens, from_cache, shape: _Shape) -> PrefillBa
     allowed = ((key_pos[None, None, :] <= tensor(q_pos)[:, :, None])
                & (key_pos[None, None, :] < tensor(kv_valid)[:, None, None]))
     return PrefillBatch(len(group), q_len, num_blocks * shape.block_size, tensor(q_idx),
-                        _head_major_rows(slots, shape.num_kv_heads), True,
+                        head_major_rows(slots, shape.num_kv_heads), True,
                         _additive(allowed, shape.dtype)[:, None], tensor(valid),
                         tensor(out_idx))
 

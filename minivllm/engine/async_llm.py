@@ -30,7 +30,7 @@ from minivllm.engine.output_processor import OutputProcessor
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler_stats import SchedulerStats
 from minivllm.inputs import InputProcessor, InvalidRequestError, PromptType
-from minivllm.model.resolve import create_engine_config
+from minivllm.model.resolve import resolve_engine_config
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -60,7 +60,7 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, in_process: bool = False,
                          stat_logger=None) -> "AsyncLLM":
-        return cls(create_engine_config(args), in_process, stat_logger)
+        return cls(resolve_engine_config(args), in_process, stat_logger)
 
     # -- state -------------------------------------------------------------------
     @property

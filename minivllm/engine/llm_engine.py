@@ -20,7 +20,7 @@ from minivllm.engine.core_builder import build_engine_core
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.core.request import RequestStatus
 from minivllm.inputs import InputProcessor, PromptType
-from minivllm.model.resolve import create_engine_config
+from minivllm.model.resolve import resolve_engine_config
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(create_engine_config(args))
+        return cls(resolve_engine_config(args))
 
     # -- requests ------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams,

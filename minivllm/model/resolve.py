@@ -101,10 +101,11 @@ def resolve_engine_args(args: EngineArgs) -> EngineArgs:
     return args.replace(**changes)
 
 
-def create_engine_config(args: EngineArgs):
-    """``args`` resolved (``resolve_engine_args``), then checked into an ``EngineConfig``."""
+def resolve_engine_config(args: EngineArgs):
+    """``args`` resolved against the model (``resolve_engine_args``), then checked into an
+    ``EngineConfig`` by ``EngineArgs.create_engine_config``."""
     return resolve_engine_args(args).create_engine_config()
 
 
-__all__ = ["resolve_model_path", "resolve_engine_args", "create_engine_config",
+__all__ = ["resolve_model_path", "resolve_engine_args", "resolve_engine_config",
            "default_gguf_path", "ensure_converted", "cache_root", "DEFAULT_MODEL_NAME"]

@@ -23,7 +23,7 @@ recomputes that one.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Container, Optional, Sequence
+from typing import Container, Optional, Protocol, Sequence
 
 from minivllm.core.kv_cache_manager import hash_request_tokens
 
@@ -63,7 +63,22 @@ class _SentPrefixes:
             self._hashes.popitem(last=False)
 
 
+class RoutedReplica(Protocol):
+    """What a policy reads of one replica: the router's ``Replica`` (a real server)
+    and the simulator's replicas both have it."""
+
+    @property
+    def load(self) -> int:
+        """Its unfinished requests (what ``least_loaded`` and the balance slack compare)."""
+
+    @property
+    def prefix_cache(self) -> Container[int]:
+        """The block hashes its prefix cache holds, as far as the router knows (kv_aware)."""
+
+
 class RoutingPolicy:
+    """One policy over a fixed list of replicas: ``route`` picks the replica of a request."""
+
     def __init__(self, policy: str, num_replicas: int, balance_slack: int = 4,
                  max_prefix_blocks: int = 1 << 16) -> None:
         if policy not in POLICIES:
@@ -84,6 +99,21 @@ class RoutingPolicy:
     def needs_tokens(self) -> bool:
         """Whether ``choose`` looks at the prompt (the router then tokenizes it)."""
         return self.policy in ("prefix_aware", "kv_aware")
+
+    def prompt_hashes(self, prompt_token_ids: Optional[Sequence[int]],
+                      block_size: int) -> list[int]:
+        """The prompt's block hashes if this policy looks at the prompt, else none."""
+        if not (self.needs_tokens and prompt_token_ids):
+            return []
+        return prompt_block_hashes(prompt_token_ids, block_size)
+
+    def route(self, replicas: Sequence[RoutedReplica], block_hashes: Sequence[int] = (),
+              available: Optional[Sequence[bool]] = None) -> int:
+        """Index of the replica for a request whose prompt has ``block_hashes``
+        (``prompt_hashes``), from each replica's load and prefix cache. The real
+        router (``minivllm router``) and the simulator both decide here."""
+        return self.choose([r.load for r in replicas], block_hashes,
+                           [r.prefix_cache for r in replicas], available)
 
     def choose(self, loads: Sequence[int], block_hashes: Sequence[int] = (),
                cached: Optional[Sequence[Container[int]]] = None,
@@ -123,4 +153,5 @@ class RoutingPolicy:
         return max(range(self.num_replicas), key=lambda j: (hits[j], -loads[j], -j))
 
 
-__all__ = ["POLICIES", "RoutingPolicy", "prompt_block_hashes", "cached_prefix_blocks"]
+__all__ = ["POLICIES", "RoutingPolicy", "RoutedReplica", "prompt_block_hashes",
+           "cached_prefix_blocks"]

@@ -5,8 +5,9 @@ when the runner starts: the attention backend, the dtype the weights are
 loaded and computed in, what happens to the model once it is loaded (layer
 twins, packed weights), the sampler, and a decode-step replay (a pure decode
 step run as one call, as vLLM's runner replays CUDA graphs).
-``ReferencePath`` is the plain one; ``minivllm/cpu/accelerate.py``'s
-``CpuPath`` has the same fields and methods. The runner asks for the CPU one
+``ComputePath`` says what the runner reads of one; ``ReferencePath`` is the
+plain one and ``minivllm/cpu/accelerate.py``'s ``CpuPath`` the accelerated one,
+both satisfy it (tests/test_compute_path.py). The runner asks for the CPU one
 with one call, and only when the switch is on, so with ``cpu_kernels=False``
 nothing of ``minivllm/cpu`` is imported.
 """
@@ -14,7 +15,7 @@ nothing of ``minivllm/cpu`` is imported.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -25,9 +26,54 @@ from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.attention.selector import get_attention_backend
 from minivllm.sample.sampler import Sampler
 
+if TYPE_CHECKING:
+    from minivllm.lora.model_manager import LoRAMapping
+    from minivllm.model.attention.backend import AttentionMetadata
+
+
+class DecodeReplay(Protocol):
+    """A pure decode step run as one call (the CPU path's ``LlamaFusedDecode``)."""
+
+    def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor, lora: Optional[LoRAMapping] = None) -> bool:
+        """Whether this step can be replayed (else the runner runs the model)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata, lora: Optional[LoRAMapping] = None) -> torch.Tensor:
+        """The logits of every sequence of an accepted step, [num_tokens, vocab_size]."""
+
+
+@runtime_checkable
+class ComputePath(Protocol):
+    """What the model runner reads of its compute path, chosen once when it starts."""
+
+    #: The attention backend the model is built with (reads K/V through block tables).
+    attn_backend: AttentionBackend
+    #: The dtype the weights are loaded and computed in.
+    dtype: torch.dtype
+    #: Turns the sampling rows' logits into tokens (vLLM V1's order).
+    sampler: Sampler
+    #: Why the CPU acceleration is not used, or None when this path is it.
+    problem: Optional[str]
+
+    @property
+    def decode_replay(self) -> Optional[DecodeReplay]:
+        """A pure decode step in one call, or None: every step runs the model."""
+
+    @property
+    def decode_replay_problem(self) -> Optional[str]:
+        """Why there is no decode-step replay, or None."""
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Once, on the loaded model: what this path changes in it (layer twins,
+        packed weights, the replay); the reference changes nothing."""
+
 
 @dataclass
 class ReferencePath:
+    """The plain path: the attention backend the config names, the model as loaded,
+    the reference sampler, no replay."""
+
     attn_backend: AttentionBackend
     dtype: torch.dtype  # what the weights are loaded and computed in
     sampler: Sampler
@@ -67,4 +113,4 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
     return None
 
 
-__all__ = ["ReferencePath", "acceleration_off"]
+__all__ = ["ComputePath", "DecodeReplay", "ReferencePath", "acceleration_off"]

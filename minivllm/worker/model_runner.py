@@ -40,7 +40,7 @@ from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
 from minivllm.structured_output import StructuredOutputManager
-from minivllm.worker.compute_path import ReferencePath
+from minivllm.worker.compute_path import ComputePath, DecodeReplay, ReferencePath
 from minivllm.sample import logits_processors
 from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generator
@@ -89,7 +89,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         # The reference path, or the CPU acceleration's in its place (decided once).
-        self.path = ReferencePath.for_config(config)
+        self.path: ComputePath = ReferencePath.for_config(config)
         if self.path.problem is None:
             from minivllm.cpu.accelerate import cpu_path
 
@@ -107,7 +107,7 @@ class ModelRunner:
         self.sampler = self.path.sampler
         self.rejection_sampler = RejectionSampler()
         # A pure decode step replayed in one call (None: every step runs the model).
-        self.decode_replay = self.path.decode_replay
+        self.decode_replay: Optional[DecodeReplay] = self.path.decode_replay
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
         self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)

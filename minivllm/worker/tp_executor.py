@@ -63,7 +63,10 @@ import torch.distributed as dist
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.model.layers.parallel import check_tensor_parallel_sizes
-from minivllm.worker.tp_worker import (TIMEOUT_ENV, STOP_TIMEOUT, CONFIG_KEY, step_timeout, rank_device, init_process_groups, Command, WorkerError, WorkerFailed, broadcast_command, gather_replies, step_inputs_to, _env_int)
+from minivllm.worker.tp_worker import (CONFIG_KEY, STOP_TIMEOUT, TIMEOUT_ENV, Command,
+                                       WorkerError, WorkerFailed, broadcast_command,
+                                       env_int, gather_replies, init_process_groups,
+                                       rank_device, step_inputs_to, step_timeout)
 
 # ---------------------------------------------------------------------------
 # Engine side: rank 0
@@ -83,7 +86,7 @@ class Rendezvous:
             if env.get(name, str(want)) != str(want):
                 raise ValueError(f"environment variable {name}={env[name]!r} conflicts with "
                                  f"tensor_parallel_size={tp}: the engine is rank 0 of {tp}")
-        local = _env_int("LOCAL_WORLD_SIZE")
+        local = env_int("LOCAL_WORLD_SIZE")
         local = tp if local is None else local
         if not 1 <= local <= tp:
             raise ValueError(f"environment variable LOCAL_WORLD_SIZE={local} is invalid: "
@@ -93,7 +96,7 @@ class Rendezvous:
                              f"on other hosts need MASTER_ADDR and MASTER_PORT set to an "
                              f"address and port of this host that they can reach")
         return Rendezvous(env.get("MASTER_ADDR", "127.0.0.1"),
-                          _env_int("MASTER_PORT") or 0, tp, local)
+                          env_int("MASTER_PORT") or 0, tp, local)
 
 
 def _describe_exit(rank: int, proc: subprocess.Popen) -> str:

@@ -194,7 +194,9 @@ def _exit_with_parent(parent_pid: int) -> None:
 # `python -m minivllm.worker.tp_worker`: one worker rank, here or on another host
 # ---------------------------------------------------------------------------
 
-def _env_int(name: str) -> Optional[int]:
+def env_int(name: str) -> Optional[int]:
+    """An integer from torch.distributed's rendezvous variables (RANK, WORLD_SIZE, ...;
+    not minivllm's own, which envs.py reads): None when unset."""
     value = os.environ.get(name, "").strip()
     try:
         return int(value) if value else None
@@ -209,11 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start one tensor-parallel worker rank. The engine (rank 0) sends "
                     "it the engine configuration; the model path must exist here too. "
                     "Each flag defaults to the environment variable in capitals.")
-    p.add_argument("--rank", type=int, default=_env_int("RANK"))
-    p.add_argument("--world-size", type=int, default=_env_int("WORLD_SIZE"))
+    p.add_argument("--rank", type=int, default=env_int("RANK"))
+    p.add_argument("--world-size", type=int, default=env_int("WORLD_SIZE"))
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"))
-    p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"))
-    p.add_argument("--local-rank", type=int, default=_env_int("LOCAL_RANK"),
+    p.add_argument("--master-port", type=int, default=env_int("MASTER_PORT"))
+    p.add_argument("--local-rank", type=int, default=env_int("LOCAL_RANK"),
                    help="which GPU of this host (default: rank modulo the GPU count)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)

@@ -398,7 +398,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def run_server(ns: argparse.Namespace) -> int:
     from minivllm.config import EngineArgs
-    from minivllm.model.resolve import create_engine_config
+    from minivllm.model.resolve import resolve_engine_config
     from minivllm.model.resolve import DEFAULT_MODEL_NAME
 
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
@@ -408,7 +408,7 @@ def run_server(ns: argparse.Namespace) -> int:
     tool_parser = auto_tool_parser(ns)
     if parse_lora_modules(ns.lora_modules) and not ns.enable_lora:  # before any loading
         raise ValueError("--lora-modules needs --enable-lora")
-    config = create_engine_config(EngineArgs.from_cli_args(ns))
+    config = resolve_engine_config(EngineArgs.from_cli_args(ns))
     model_name = ns.served_model_name or ns.model or DEFAULT_MODEL_NAME
     sock = _bind(ns.host, ns.port)
     # uvicorn handles SIGTERM while serving; this covers the model loading before.

@@ -1,5 +1,8 @@
 """One replica as the router sees it: its URL, health, load and (optionally) its cache.
 
+``load`` and ``prefix_cache`` are what ``minivllm.routing``'s policy reads of a
+replica (``RoutedReplica``), the same as of the simulator's replicas.
+
 A replica is *up* while it answers: a failed connect or a failed ``/health``
 probe takes it down at once, a successful probe brings it back. Every request
 forwarded to a replica watches its ``down`` event, so when a replica that
@@ -39,7 +42,13 @@ class Replica:
             self.subscriber = KVEventSubscriber(kv_events, kv_events_replay).start()
 
     @property
-    def cached_hashes(self) -> set[int]:
+    def load(self) -> int:
+        """Requests forwarded to it and not finished (what the policy balances)."""
+        return self.in_flight
+
+    @property
+    def prefix_cache(self) -> set[int]:
+        """The block hashes its KV events say it caches (empty without --kv-events)."""
         return self.subscriber.index.hashes if self.subscriber is not None else set()
 
     def mark_down(self, reason: str) -> None:
@@ -61,7 +70,7 @@ class Replica:
                 "num_routed": self.num_routed, "num_tokenized": self.num_tokenized,
                 "num_failures": self.num_failures,
                 "last_error": self.last_error,
-                "num_cached_blocks": len(self.cached_hashes)
+                "num_cached_blocks": len(self.prefix_cache)
                 if self.subscriber is not None else None,
                 "kv_event_gaps": self.subscriber.num_gaps
                 if self.subscriber is not None else None}

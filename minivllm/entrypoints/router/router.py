@@ -34,7 +34,7 @@ from contextlib import asynccontextmanager
 from typing import Optional
 
 from minivllm.entrypoints.router.replica import Replica, health_loop
-from minivllm.routing import POLICIES, RoutingPolicy, prompt_block_hashes
+from minivllm.routing import POLICIES, RoutingPolicy, cached_prefix_blocks
 
 # A replica that fails before the client got anything: how many others to try.
 MAX_ATTEMPTS = 3
@@ -107,8 +107,7 @@ class Router:
 
     def choose(self, hashes: list[int], tried: set[int]) -> Replica:
         available = [r.healthy and r.index not in tried for r in self.replicas]
-        i = self.policy.choose([r.in_flight for r in self.replicas], hashes,
-                               [r.cached_hashes for r in self.replicas], available)
+        i = self.policy.route(self.replicas, hashes, available)
         return self.replicas[i]
 
     # -- forwarding -----------------------------------------------------------------
@@ -127,7 +126,7 @@ class Router:
             tokens = await self.prompt_tokens(path, body)
             waited = time.perf_counter() - t0
             self.tokenize_seconds.append(waited)
-        hashes = prompt_block_hashes(tokens, self.block_size) if tokens else []
+        hashes = self.policy.prompt_hashes(tokens, self.block_size)
         number = self.num_requests
         self.num_requests += 1
         tried: set[int] = set()
@@ -140,7 +139,7 @@ class Router:
             tried.add(replica.index)
             if not tried - {replica.index}:
                 self.decisions.append((number, replica.index, len(tokens or ()),
-                                       _hits(hashes, replica.cached_hashes)))
+                                       cached_prefix_blocks(hashes, replica.prefix_cache)))
             try:
                 stream = bool(body.get("stream"))
                 status, resp_headers, chunks = await self._open(replica, path, raw, headers,
@@ -229,12 +228,6 @@ class Router:
                 "replicas": [r.stats() for r in self.replicas],
                 "decisions": list(self.decisions),
                 "tokenize_seconds": list(self.tokenize_seconds)}
-
-
-def _hits(hashes, cache) -> int:
-    from minivllm.routing.policy import cached_prefix_blocks
-
-    return cached_prefix_blocks(hashes, cache)
 
 
 async def _first(it):
@@ -348,7 +341,7 @@ def render_metrics(router: Router) -> str:
              "failed connects, probes and streams", lambda r: r.num_failures),
             ("minivllm_router_replica_cached_blocks", "gauge",
              "blocks in the replica's prefix cache, from its KV events",
-             lambda r: len(r.cached_hashes))]
+             lambda r: len(r.prefix_cache))]
     lines = []
     for name, kind, doc, value in rows:
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
 from minivllm.lab.bench.roofline import measure_bandwidth
-from minivllm.lab.bench.throughput.driver import _model_weight_bytes
+from minivllm.lab.bench.throughput.backend_process import model_weight_bytes
 from minivllm.sampling_params import SamplingParams
 
 PROMPT = "Write a short story about a robot learning to paint."
@@ -97,7 +97,7 @@ def measure(llm, max_tokens: int = 128, probe_seconds: float = 0.5,
         start = time.perf_counter()
         llm.generate([prompt], params, use_tqdm=False)
         seconds = time.perf_counter() - start
-    return DecodeShare(bandwidth, _model_weight_bytes(llm), max_tokens, seconds,
+    return DecodeShare(bandwidth, model_weight_bytes(llm), max_tokens, seconds,
                        list(replay_seconds))
 
 

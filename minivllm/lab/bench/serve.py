@@ -42,10 +42,11 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import AsyncIterator, Optional
+from typing import Optional
 from urllib.parse import urlparse
 
 from minivllm.lab.bench.served_model import decode_prompts, served_model
+from minivllm.lab.bench.sse import aiter_sse_events
 from minivllm.lab.bench.workload import (CHAT_PROMPTS, arrival_times, poisson_delays,
                                           request_delays)
 from minivllm.lab.bench.serve_metrics import (RequestResult, ServeMetrics, benchmark_duration,
@@ -73,17 +74,6 @@ def check_local(base_url: str) -> str:
 # One request
 # --------------------------------------------------------------------------
 
-async def _sse_events(response) -> AsyncIterator[dict]:
-    """The JSON payloads of a server-sent event stream, until ``[DONE]``."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
-
-
 def _chunk_text(event: dict, chat: bool) -> str:
     choices = event.get("choices") or []
     if not choices:
@@ -104,7 +94,7 @@ async def send_request(client, url: str, payload: dict, chat: bool,
                 result.error = f"HTTP {response.status_code}: {body[:200]}"
                 return result
             chunks = 0
-            async for event in _sse_events(response):
+            async for event in aiter_sse_events(response):
                 text = _chunk_text(event, chat)
                 if text:
                     result.chunk_times.append(time.perf_counter())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 
+from minivllm.lab.bench.sse import iter_sse_events
 from minivllm.lab.sim import process_cpu
 
 FRONTEND_TOKENS = 64  # output tokens per request of the long run
@@ -76,16 +77,16 @@ def path_latency(url: str, server_url: str, bodies: list[tuple[str, dict]]) -> f
 
 
 def _stream_ttft(client, url: str, path: str, body: dict) -> float:
-    """Seconds from sending a streamed request to its first data line (read to the end)."""
+    """Seconds from sending a streamed request to its first event (read to the end)."""
     t0 = time.perf_counter()
     ttft = None
     with client.stream("POST", url + path, json=body | {"stream": True}) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+        for _ in iter_sse_events(r):
+            if ttft is None:
                 ttft = time.perf_counter() - t0
     if ttft is None:
-        raise RuntimeError(f"{path}: the stream ended without a data line")
+        raise RuntimeError(f"{path}: the stream ended without an event")
     return ttft
 
 

@@ -56,7 +56,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from minivllm.lab.bench.serve import add_workload_args
     from minivllm.lab.sim.hardware import HARDWARE_NAMES
     from minivllm.lab.sim.models import MODEL_PRESETS
-    from minivllm.lab.sim.router import ROUTERS
+    from minivllm.routing import POLICIES
 
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -69,7 +69,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     f = parser.add_argument_group("fleet")
     f.add_argument("--num-replicas", type=int, default=1,
                    help="data-parallel replicas, each with its own scheduler and KV cache")
-    f.add_argument("--router", choices=ROUTERS, default="round_robin")
+    f.add_argument("--router", choices=POLICIES, default="round_robin")
     f.add_argument("--host-cores", type=int, default=None,
                    help="the replicas share one host with this many cores (a CPU fleet on "
                         "one machine); default: each replica has its own hardware")

@@ -38,11 +38,11 @@ from minivllm.core.engine_core import EngineCore
 from minivllm.core.request import Request
 from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
 from minivllm.distributed.kv_transfer.base import KVCacheSpec, KVConnectorBase
+from minivllm.routing import RoutingPolicy
 from minivllm.sampling_params import SamplingParams
 from minivllm.lab.sim.executor import SimExecutor, SimStepOutput
-from minivllm.lab.sim.router import Router
-from minivllm.lab.sim.simulator import (Replica, SimResult, Simulator, _check_requests, _Run,
-                                    kv_block_bytes)
+from minivllm.lab.sim.simulator import (Replica, SimResult, Simulator, SimRun,
+                                        check_requests, kv_block_bytes)
 from minivllm.lab.bench.workload import SimRequest
 
 GB = 1e9
@@ -230,11 +230,11 @@ class PoolSimulator(Simulator):
             progress: bool = False) -> PoolResult:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} is invalid: must be >= 1")
-        _check_requests(requests, self.config.scheduler.max_model_len)
+        check_requests(requests, self.config.scheduler.max_model_len)
         replicas = [PoolReplica(i, role, self.config, self.cost_model, self.num_blocks,
                                 self.eos_token_ids, self.layout)
                     for i, role in enumerate(self.roles)]
-        run = (_DisaggRun if self.layout.disaggregated else _Run)(
+        run = (_DisaggRun if self.layout.disaggregated else SimRun)(
             self, replicas, requests, max_concurrency, progress)
         res = run.loop()
         return PoolResult(**vars(res), layout=self.layout,
@@ -244,8 +244,8 @@ class PoolSimulator(Simulator):
                           roles=self.roles)
 
 
-class _DisaggRun(_Run):
-    """``_Run`` with two stages: prefill (one token), the link, then decode."""
+class _DisaggRun(SimRun):
+    """``SimRun`` with two stages: prefill (one token), the link, then decode."""
 
     def __init__(self, sim: PoolSimulator, replicas, requests, max_concurrency,
                  progress) -> None:
@@ -253,8 +253,8 @@ class _DisaggRun(_Run):
         lay = sim.layout
         self.prefill = [r for r in replicas if r.role == "prefill"]
         self.decode = [r for r in replicas if r.role == "decode"]
-        self.prefill_router = Router(sim.router_name, len(self.prefill))
-        self.decode_router = Router(sim.router_name, len(self.decode))
+        self.prefill_router = RoutingPolicy(sim.router_name, len(self.prefill))
+        self.decode_router = RoutingPolicy(sim.router_name, len(self.decode))
         self.link_free = [0.0] * len(self.prefill)
         self.bandwidth = lay.kv_link_bandwidth
         self.kv_bytes_per_token = sim.config.model.kv_bytes_per_token
@@ -268,7 +268,8 @@ class _DisaggRun(_Run):
                         else (self.prefill, self.prefill_router))
         if not decode_stage:
             self.sent_at[rid] = sent
-        replica = pool[router.choose(pool, spec.prompt_token_ids)]
+        replica = pool[router.route(pool, router.prompt_hashes(spec.prompt_token_ids,
+                                                               pool[0].block_size))]
         if not replica.busy:
             replica.clock.advance_to(now + self.sim.hardware.wake_cost(now - replica.clock.now()))
         ex = replica.executor

@@ -172,13 +172,13 @@ def prefill_attention_peak(num_heads: int, num_kv_heads: int, head_dim: int,
     """FLOP/s of the CPU backend's prefill attention (``CPUAttentionBackend._prefill``:
     a gather into a padded batch, then PyTorch's causal SDPA) on one fresh prompt of
     ``tokens`` tokens, counted as the cost model counts it (``4 heads d q (q+1) / 2``)."""
-    from minivllm.cpu.attention import CPUAttentionBackend, PrefillBatch, _head_major_rows
+    from minivllm.cpu.attention import CPUAttentionBackend, PrefillBatch, head_major_rows
 
     q = torch.randn(tokens, num_heads, head_dim).to(dtype)
     k = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
     rows = torch.arange(tokens)
-    batch = PrefillBatch(1, tokens, tokens, rows, _head_major_rows(rows[None], num_kv_heads),
+    batch = PrefillBatch(1, tokens, tokens, rows, head_major_rows(rows[None], num_kv_heads),
                          False, None, rows, rows)
     out = torch.empty_like(q)
     seconds = best_time(lambda: CPUAttentionBackend._prefill(

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from minivllm.lab.bench.sse import aiter_sse_events
+
 
 WORDS = ("the", "cache", "model", "token", "block", "agent", "step", "query", "table",
          "answer", "tool", "plan", "file", "test", "value", "list", "order", "river")
@@ -92,10 +94,7 @@ async def one_turn(client, url, t: Turn, replica_urls, output_len: int, t0: floa
         t.replica = replica_urls.index(r.headers["x-minivllm-replica"])
         if "x-minivllm-tokenize-seconds" in r.headers:
             t.tokenize_s = float(r.headers["x-minivllm-tokenize-seconds"])
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in aiter_sse_events(r):
             if "error" in chunk:
                 t.error = chunk["error"]["message"]
                 return

@@ -33,10 +33,10 @@ from minivllm.core.engine_core import EngineCore
 from minivllm.core.request import Request
 from minivllm.sampling_params import SamplingParams
 from minivllm.core.clock import VirtualClock
+from minivllm.routing import RoutingPolicy
 from minivllm.lab.sim.cost_model import CostModel
 from minivllm.lab.sim.executor import SimExecutor
 from minivllm.lab.sim.hardware import Hardware
-from minivllm.lab.sim.router import Router
 from minivllm.lab.bench.workload import SimRequest
 
 # Device memory the KV cache cannot have besides the weights (activations,
@@ -198,7 +198,7 @@ class Simulator:
                                  "seconds >= 0")
         # CPU seconds the processes around the engines (API servers, router, client)
         # spend per streamed token and per request; on a shared host (host_cores)
-        # they take that from the engines' cores (see _Run._contention).
+        # they take that from the engines' cores (see SimRun._contention).
         self.frontend_cpu_s_per_token = float(frontend_cpu_s_per_token)
         self.frontend_cpu_s_per_request = float(frontend_cpu_s_per_request)
         # What the router spends on each request before it can route it (a
@@ -213,27 +213,27 @@ class Simulator:
         self.cost_model = CostModel(model, hardware, self.config.parallel.tensor_parallel_size)
         self.num_blocks = num_kv_blocks(self.config, hardware, gpu_memory_utilization)
         self.num_replicas, self.router_name = num_replicas, router
-        Router(router, num_replicas)  # checks the name now
+        RoutingPolicy(router, num_replicas)  # checks the name now
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else _eos_of(model)
 
     def run(self, requests: Sequence[SimRequest], max_concurrency: Optional[int] = None,
             progress: bool = False) -> SimResult:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} is invalid: must be >= 1")
-        _check_requests(requests, self.config.scheduler.max_model_len)
+        check_requests(requests, self.config.scheduler.max_model_len)
         replicas = [Replica(i, self.config, self.cost_model, self.num_blocks,
                             self.eos_token_ids) for i in range(self.num_replicas)]
-        return _Run(self, replicas, requests, max_concurrency, progress).loop()
+        return SimRun(self, replicas, requests, max_concurrency, progress).loop()
 
 
-class _Run:
+class SimRun:
     """The state of one simulation: what is still to send, in flight, finished."""
 
     def __init__(self, sim: Simulator, replicas: list[Replica],
                  requests: Sequence[SimRequest], max_concurrency: Optional[int],
                  progress: bool) -> None:
         self.sim, self.replicas = sim, replicas
-        self.router = Router(sim.router_name, len(replicas))
+        self.router = RoutingPolicy(sim.router_name, len(replicas))
         self.cap = max_concurrency or math.inf
         self.by_id = {r.request_id: r for r in requests}
         self.followers: dict[str, list[SimRequest]] = {}
@@ -304,7 +304,8 @@ class _Run:
     def _deliver(self, spec: SimRequest, now: float, sent: float) -> None:
         """The engine gets the request (``sent``: when its client sent it)."""
         self.sent_at[spec.request_id] = sent
-        i = self.router.choose(self.replicas, spec.prompt_token_ids)
+        i = self.router.route(self.replicas, self.router.prompt_hashes(
+            spec.prompt_token_ids, self.replicas[0].block_size))
         replica = self.replicas[i]
         if not replica.busy:  # idle since its last step ended (or the start)
             replica.frontend_rate = 0.0  # its last chunks were streamed long ago
@@ -406,7 +407,8 @@ class _Run:
             self.bar.update(1)
 
 
-def _check_requests(requests: Sequence[SimRequest], max_model_len: int) -> None:
+def check_requests(requests: Sequence[SimRequest], max_model_len: int) -> None:
+    """A workload the simulators can run: unique ids, each request within max_model_len."""
     seen = set()
     for r in requests:
         if r.request_id in seen:
@@ -435,5 +437,5 @@ def _eos_of(model: ModelConfig) -> frozenset[int]:
     return frozenset(eos if isinstance(eos, list) else [eos])
 
 
-__all__ = ["Simulator", "SimResult", "RequestRecord", "Replica", "make_engine_config",
-           "num_kv_blocks", "kv_block_bytes"]
+__all__ = ["Simulator", "SimResult", "SimRun", "RequestRecord", "Replica", "make_engine_config",
+           "num_kv_blocks", "kv_block_bytes", "check_requests"]

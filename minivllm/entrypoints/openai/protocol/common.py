@@ -27,13 +27,13 @@ NO_OP_FIELDS = {
     "safety_identifier": "no per-user tracking", "function_call": "use tool_choice",
     "functions": "use tools", "best_of": "one candidate per completion",
 }
-_logged_no_ops: set[str] = set()
+logged_no_ops: set[str] = set()  # fields warned about once (responses.py adds its own)
 
 
 def log_no_ops(request: BaseModel) -> None:
     for name in NO_OP_FIELDS:
-        if getattr(request, name, None) is not None and name not in _logged_no_ops:
-            _logged_no_ops.add(name)
+        if getattr(request, name, None) is not None and name not in logged_no_ops:
+            logged_no_ops.add(name)
             logger.warning("request field %r is accepted and has no effect: %s", name,
                            NO_OP_FIELDS[name])
 MAX_STOP = 16

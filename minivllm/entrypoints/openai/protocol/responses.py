@@ -21,7 +21,7 @@ from pydantic import Field, StrictBool, StrictInt
 from minivllm.entrypoints.openai.protocol.chat import FunctionDefinition
 from minivllm.entrypoints.openai.protocol.common import (INT64, MAX_STOP, RequestModel,
                                                          ResponseModel, StructuredOutputsRequest,
-                                                         _logged_no_ops, logger)
+                                                         logged_no_ops, logger)
 
 # Accepted, named once in the log, no effect.
 RESPONSES_NO_OP_FIELDS = {
@@ -43,8 +43,8 @@ def log_responses_no_ops(request: "ResponsesRequest") -> None:
         fields["verbosity"] = request.text.verbosity
     for name, why in RESPONSES_NO_OP_FIELDS.items():
         key = f"responses.{name}"
-        if fields.get(name) is not None and key not in _logged_no_ops:
-            _logged_no_ops.add(key)
+        if fields.get(name) is not None and key not in logged_no_ops:
+            logged_no_ops.add(key)
             logger.warning("responses field %r is accepted and has no effect: %s", name, why)
 
 

@@ -9,7 +9,8 @@ prompts with lengths drawn from ranges. Every backend gets the same token
 IDs, generates greedily and ignores EOS, so each produces exactly the same
 number of tokens, and only the generation call is timed.
 
-Each backend runs in its own process (``driver.py``), started once
+Each backend runs in its own process (``backend_process.py``; the parent
+side, ``backend_client.py``, starts it and speaks to it), started once
 and kept: the model loads once, a short warm-up run follows, then the
 timed runs alternate between backends, repeat after repeat (the order
 rotates), so that a machine shared with others disturbs all of them alike.

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from minivllm.lab.bench.workload import BenchRequest, chat_workload, random_workload
-from minivllm.lab.bench.throughput.drivers import DriverError, start_drivers
+from minivllm.lab.bench.throughput.backend_client import BackendError, start_backends
 from minivllm.lab.bench.throughput.results import (RunResult, best_roofline, make_report,
                                                     print_report, save_figure,
                                                     throughput_figure)
@@ -150,27 +150,27 @@ def run(args: argparse.Namespace) -> dict:
              if args.tensor_parallel_size > 1 else ""))
 
     log_dir = Path(tempfile.mkdtemp(prefix="minivllm-bench-"))
-    drivers = start_drivers(args, backends, model_path, log_dir)
-    infos = {name: d.info for name, d in drivers.items()}
+    backends_up = start_backends(args, backends, model_path, log_dir)
+    infos = {name: d.info for name, d in backends_up.items()}
     results: list[RunResult] = []
     roofline: Optional[dict] = None
     try:
-        if not drivers:
-            raise DriverError("no backend could be started")
-        if "minivllm" in drivers:
-            roofline = drivers["minivllm"].request({"cmd": "roofline"}, args.run_timeout)
-        names = list(drivers)
+        if not backends_up:
+            raise BackendError("no backend could be started")
+        if "minivllm" in backends_up:
+            roofline = backends_up["minivllm"].request({"cmd": "roofline"}, args.run_timeout)
+        names = list(backends_up)
         for repeat in range(args.repeats):
             order = names[repeat % len(names):] + names[:repeat % len(names)]
             for name in order:
-                if name not in drivers:
+                if name not in backends_up:
                     continue  # failed in an earlier repeat
                 try:
-                    reply = drivers[name].request({"cmd": "run", "prompts": prompts,
+                    reply = backends_up[name].request({"cmd": "run", "prompts": prompts,
                                                    "max_tokens": max_tokens}, args.run_timeout)
-                except DriverError as e:
+                except BackendError as e:
                     print(f"  {name}: failed, dropped: {e}".rstrip(), file=sys.stderr)
-                    drivers.pop(name).close()
+                    backends_up.pop(name).close()
                     continue
                 extra = {k: reply[k] for k in ("num_steps", "breakdown", "collective_bytes")
                          if k in reply}
@@ -179,11 +179,11 @@ def run(args: argparse.Namespace) -> dict:
                 results.append(result)
                 print(f"  repeat {repeat + 1}/{args.repeats} {name:>9}: "
                       f"{result.seconds:7.2f} s, {result.output_tokens_per_s:7.1f} output tok/s")
-        if "minivllm" in drivers:  # again at the end: keep the better of the two
-            roofline = best_roofline(roofline, drivers["minivllm"].request(
+        if "minivllm" in backends_up:  # again at the end: keep the better of the two
+            roofline = best_roofline(roofline, backends_up["minivllm"].request(
                 {"cmd": "roofline"}, args.run_timeout))
     finally:
-        for d in drivers.values():
+        for d in backends_up.values():
             d.close()
     concurrency = min(len(prompts), args.max_num_seqs)
     report = make_report(args, backends, infos, results, roofline, prompts, max_tokens,

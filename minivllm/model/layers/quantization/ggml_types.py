@@ -46,30 +46,30 @@ class BlockType:
         return cols // self.block_size * self.type_size
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
+def read_f16(b: torch.Tensor) -> torch.Tensor:
     """[n, 2k] little-endian bytes -> float32 [n, k] (float16 values widened)."""
     return b.contiguous().view(torch.float16).to(torch.float32)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[n, 16] bytes -> [n, 32] values: the 16 low nibbles, then the 16 high ones."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
 def dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
-    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8
+    d = read_f16(blocks[:, :2])
+    q = unpack_nibbles(blocks[:, 2:]).to(torch.int8) - 8
     return d * q.to(torch.float32)
 
 
 def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    q = _nibbles(blocks[:, 4:]).to(torch.float32)
+    d, m = read_f16(blocks[:, :2]), read_f16(blocks[:, 2:4])
+    q = unpack_nibbles(blocks[:, 4:]).to(torch.float32)
     return d * q + m
 
 
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
+    d = read_f16(blocks[:, :2])
     q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
     return q * d
 
@@ -87,7 +87,7 @@ def _k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    d, dmin = read_f16(blocks[:, :2]), read_f16(blocks[:, 2:4])
     sc, mn = _k_scales_mins(blocks[:, 4:16])
     scale = (d * sc.to(torch.float32)).unsqueeze(-1)  # [n, 8, 1]
     shift = (dmin * mn.to(torch.float32)).unsqueeze(-1)
@@ -101,7 +101,7 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    d = _f16(blocks[:, 208:210])
+    d = read_f16(blocks[:, 208:210])
     scale = (d * scales).reshape(n, 16, 1)
     # Two halves of 128 weights; in each, 64 ql bytes give 2 x 64 low nibbles
     # and 32 qh bytes give 4 x 32 two-bit pairs (bits 0-1, 2-3, 4-5, 6-7).
@@ -118,7 +118,7 @@ def _float32(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _float16(blocks: torch.Tensor) -> torch.Tensor:
-    return _f16(blocks)
+    return read_f16(blocks)
 
 
 # F32 and F16 are "blocks" of one weight: a GGUF may store some matrices unquantized.

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from minivllm.model.layers.quantization.ggml_types import _f16, _nibbles
+from minivllm.model.layers.quantization.ggml_types import read_f16, unpack_nibbles
 
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types with an int8 product; others stay float
 LANES = 16  # the kernel's accumulator: one AVX-512 vector of 16 floats
@@ -51,11 +51,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def weight_integers(blocks: torch.Tensor, qtype: str):
     """[n, type_size] blocks -> (q [n, 32] int, d [n], m [n] or None)."""
     if qtype == "Q8_0":
-        return blocks[:, 2:].contiguous().view(torch.int8).to(torch.int32), _f16(blocks[:, :2])[:, 0], None
-    q = _nibbles(blocks[:, 4 if qtype == "Q4_1" else 2:]).to(torch.int32)
+        q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.int32)
+        return q, read_f16(blocks[:, :2])[:, 0], None
+    q = unpack_nibbles(blocks[:, 4 if qtype == "Q4_1" else 2:]).to(torch.int32)
     if qtype == "Q4_0":
-        return q - 8, _f16(blocks[:, :2])[:, 0], None
-    return q, _f16(blocks[:, :2])[:, 0], _f16(blocks[:, 2:4])[:, 0]
+        return q - 8, read_f16(blocks[:, :2])[:, 0], None
+    return q, read_f16(blocks[:, :2])[:, 0], read_f16(blocks[:, 2:4])[:, 0]
 
 
 def int8_product(x: torch.Tensor, data: torch.Tensor, qtype: str) -> torch.Tensor:

