@@ -20,18 +20,24 @@
 # their summed logprob, and the best `beam_width` survive.
 #
 # For an inference engine the interesting part is memory. Beams are copies of one
-# another with different endings: they share most of their KV cache. minivllm runs each
-# beam's step as a request that *forks* its parent's KV blocks, as vLLM's first engine
-# forked sequences: every block shared by reference count, and a partly filled block
-# copied only when a second beam writes into it (copy on write).
+# another with different endings: they share most of their KV cache. vLLM's first
+# engine *forked* a beam: the child shared its parent's blocks by reference count and
+# copied a partly filled block before writing into it (copy on write), which put beams
+# into the scheduler, the block manager and the worker. vLLM V1, and minivllm, keep the
+# engine core free of beams: each step, each live beam is an ordinary request whose
+# prompt is the beam's tokens so far, with `max_tokens=1`. The *prefix cache*
+# (chapter 8) makes the shared part free: the full blocks of a beam's tokens were
+# computed last step, by its parent's request, and are found in the cache; only the
+# beam's partly filled last block is computed again.
 #
 # **What you will see**
 #
 # - greedy, sampling and beam search on the same prompt, with each answer's logprob;
 # - the engine's beam step, in its own code;
-# - the beam tree, step by step, and the KV blocks the beams of one step hold: full
-#   blocks shared (one physical block, one reference per beam), the partly filled last
-#   block copied for all but one of the beams that continue it;
+# - the beam tree, step by step, and what each step's requests found in the prefix
+#   cache and what they computed;
+# - the KV blocks the beams of one step hold: full blocks shared (one physical block,
+#   one reference per beam), each beam's partly filled last block its own;
 # - how EOS and the length penalty decide between finished and running beams.
 
 # %%
@@ -41,8 +47,9 @@ request_path_figure(["scheduler", "sampler"])  # beams are requests; candidates 
 
 # %%
 from minivllm import LLM, BeamSearchParams, SamplingParams
-from minivllm.entrypoints.beam_search import BeamSearch, beam_score, fork_params
-from minivllm.lab.viz.beam import beam_blocks_figure, beam_tree_figure, beam_tree_nodes
+from minivllm.entrypoints.beam_search import BeamSearch, beam_score
+from minivllm.lab.viz.beam import (beam_blocks_figure, beam_step_tokens_figure, beam_tree_figure,
+                                   beam_tree_nodes)
 from minivllm.lab.viz.source import show_source
 
 llm = LLM()
@@ -108,46 +115,41 @@ show_source(beam_score)
 # %% [markdown]
 # ## The tree, step by step, and its blocks
 #
-# We now run the same search by hand, one step at a time, as `LLM.beam_search` does,
-# and watch the scheduler while it runs: after each `schedule()`, the block table of
-# every running request (one per beam) and the blocks copied before the forward.
-# Watching changes nothing; the patched method calls the real one.
-#
-# Each step's requests finish with `kv_hold_blocks`: the block pool keeps their blocks.
-# A next-step beam names its parent (`kv_fork_of`) and starts from the parent's blocks
-# with its K/V already computed, so it runs one token. The last child of a parent takes
-# its blocks over; a parent nobody continues (a dropped beam) is released.
+# We now run the same search by hand, one step at a time, as `LLM.beam_search` does:
+# each step is one `llm.generate` call with a request per live beam, nothing more. We
+# watch the scheduler while it runs: after each `schedule()`, the block table of every
+# running request (one per beam) and its blocks' reference counts. Watching changes
+# nothing; the patched method calls the real one. The prefix cache is emptied first, so
+# that the first step starts from nothing (the search above filled it).
 
 # %%
 sched = llm.engine_core.scheduler
 kv = sched.kv_cache_manager
+block_size = llm.llm_engine.config.cache.block_size
 real_schedule, tables = sched.schedule, []
 
 
 def watched_schedule():
     out = real_schedule()
-    tables.append(([(r.prompt_token_ids, [b.block_id for b in kv.get_blocks(r.request_id)],
-                     [b.ref_cnt for b in kv.get_blocks(r.request_id)]) for r in sched.running],
-                   out.blocks_to_copy, dict(out.num_scheduled_tokens)))
+    tables.append([(r.prompt_token_ids, [b.block_id for b in kv.get_blocks(r.request_id)],
+                    [b.ref_cnt for b in kv.get_blocks(r.request_id)]) for r in sched.running])
     return out
 
 
 # %%
+assert llm.engine_core.reset_prefix_cache()
 params = BeamSearchParams(beam_width=WIDTH, max_tokens=STEPS)
 search = BeamSearch(prompt, params, set(llm.llm_engine.input_processor.eos_token_ids))
-kept, step_tables, held = [], [], set()
+kept, step_tables, step_outs = [], [], []
 sched.schedule = watched_schedule
 while not search.done:
     tables.clear()
-    llm.engine_core.release_held_blocks(held - set(search.parents))  # dropped beams
     outs = llm.generate([{"prompt_token_ids": b.tokens} for b in search.beams],
-                        fork_params(search.step_params(), search.parents), use_tqdm=False)
-    llm.engine_core.release_held_blocks(held)  # (no-op where a child took them over)
-    held = {o.request_id for o in outs}
-    step_tables.append(max(tables, key=lambda t: len(t[0])))  # the schedule of all beams
+                        search.step_params(), use_tqdm=False)
+    step_tables.append(max(tables, key=len))  # the step's widest schedule: all beams
+    step_outs.append(outs)
     search.advance(outs)
     kept.append([b.tokens for b in search.beams])
-llm.engine_core.release_held_blocks(held)
 sched.schedule = real_schedule
 by_hand = search.result(tok).sequences
 assert [b.tokens for b in by_hand] == [b.tokens for b in beams]  # the same search
@@ -158,25 +160,53 @@ beam_tree_figure(nodes, lambda t: repr(tok.decode([t])), best=beams[0].tokens,
                  title="Beams kept after each step; the best final beam in red")
 
 # %% [markdown]
-# Now the memory. Take the last step in which a block was copied. Each row is one
-# beam's block table (block size 16): the first blocks hold the prompt and the beams'
-# common start, so every beam points at the *same* physical block, whose reference count
-# is the number of beams holding it. The last block is partly filled: the parent's K/V
-# of its first tokens, and this step's new token. Two beams grown from one parent would
-# write into the same block, so before the forward the worker copies it to a fresh block
-# for each of them but the last (outlined: a copy made this step), which writes in place.
+# What did each step cost? Every request reports how many of its prompt tokens the
+# prefix cache had (`RequestOutput.num_cached_tokens`); the model computed the rest.
+# A beam's tokens but the newest are its parent's, whose request computed them last
+# step and left their full blocks in the cache. The cache hands out only full blocks,
+# so a beam of `n` tokens finds `(n - 1) // block_size * block_size` of them and
+# computes the rest: its newest token and the others of its partly filled last block,
+# between 1 and `block_size` tokens. (A fork computed exactly one: the price of no beam
+# state in the core is up to `block_size - 1` recomputed tokens per beam and step, as in
+# vLLM V1.)
 
 # %%
-at = max(i for i, t in enumerate(step_tables) if t[1])
-step, copies, computed = step_tables[at]
-block_size = llm.llm_engine.config.cache.block_size
+cached = [[o.num_cached_tokens for o in outs] for outs in step_outs]
+computed = [[len(o.prompt_token_ids) - o.num_cached_tokens for o in outs] for outs in step_outs]
+for i, outs in enumerate(step_outs):
+    print(f"step {i + 1:2d}: beam tokens {[len(o.prompt_token_ids) for o in outs]}, "
+          f"cached {cached[i]}, computed {computed[i]}")
+beam_step_tokens_figure([sum(c) for c in cached], [sum(c) for c in computed])
+
+# %%
+assert cached[0] == [0] and computed[0] == [len(prompt)]  # the first step: the whole prompt
+for outs in step_outs[1:]:
+    for o in outs:
+        n = len(o.prompt_token_ids)
+        assert o.num_cached_tokens == (n - 1) // block_size * block_size
+        assert 1 <= n - o.num_cached_tokens <= block_size
+print("computed:", sum(map(sum, computed)), "tokens of",
+      sum(len(o.prompt_token_ids) for outs in step_outs for o in outs), "submitted")
+
+# %% [markdown]
+# Now the memory. Take a step where all beams ran together. Each row is one beam's block
+# table (block size 16): the first blocks hold the prompt and the beams' common start,
+# found in the prefix cache, so every beam points at the *same* physical block, whose
+# reference count is the number of beams holding it. The last block is partly filled and
+# differs per beam: each beam's request wrote its tokens into a fresh block of its own
+# (outlined). That is the copy in "copy on write", made by recomputing a few tokens
+# instead of copying memory.
+
+# %%
+at = 3
+step = step_tables[at]
 names = [f"beam {i + 1}" for i in range(len(step))]
-own = [ids[-1] in {dst for _, dst in copies} for _, ids, _ in step]
-print("copied (source, destination):", copies, "| tokens computed:", computed)
+own = [len(tokens) % block_size != 0 for tokens, _, _ in step]
 beam_blocks_figure([ids for _, ids, _ in step], own, names,
                    title=f"Step {at + 1}: each beam's blocks (same number = one shared block)")
 
 # %%
+assert len(step) == WIDTH
 for tokens, ids, refs in step:
     full = len(tokens) // block_size
     for j in range(full):  # full blocks: shared by every beam whose tokens agree so far
@@ -184,11 +214,8 @@ for tokens, ids, refs in step:
         assert all(o[1][j] == ids[j] for o in sharing) and refs[j] == len(sharing)
     if len(tokens) % block_size:  # the partly filled block: this beam's alone
         assert refs[full] == 1 and sum(o[1][full] == ids[full] for o in step) == 1
-# Each copy's source is a partial block one beam kept; nothing was recomputed.
-assert all(any(ids[-1] == src for _, ids, _ in step) for src, _ in copies)
-assert set(computed.values()) == {1}  # every beam ran its one new token only
 print("shared prompt blocks:", step[0][1][:len(prompt) // block_size])
-assert kv.num_free_blocks == kv.num_blocks  # dropped beams gave every block back
+assert kv.num_free_blocks == kv.num_blocks  # every step's requests gave every block back
 
 # %% [markdown]
 # ## Exercises
@@ -258,10 +285,11 @@ assert answer_3 == (len(_refs), sum(_refs.values()))  # each reference counted o
 # - EOS ends a beam only when it ranks among the first `beam_width` candidates (Hugging
 #   Face's rule); finished and running beams are compared by `cum_logprob /
 #   generated_len ** length_penalty`. With `beam_width=1` it is greedy decoding.
-# - Every beam step is a request that forks its parent's KV blocks (held when the parent
-#   finished): full blocks shared (one block, one reference per beam), a shared partly
-#   filled block copied before the first write into it (copy on write, `blocks_to_copy`),
-#   the last child writing in place; a dropped beam's blocks go back to the pool.
+# - Every beam step is an ordinary request per beam (its tokens so far, `max_tokens=1`),
+#   as in vLLM V1: the engine core knows nothing of beams. The prefix cache finds the
+#   full blocks of the beam's tokens (one block, one reference per beam sharing it);
+#   only the partly filled last block is computed again. vLLM's first engine forked
+#   beams with copy-on-write blocks instead: one token a step, beam state in the core.
 # - `LLM.beam_search` returns vLLM's shape: per prompt, `sequences` best first, with
 #   `tokens` (prompt included), `text` and `cum_logprob`; the server takes
 #   `use_beam_search` with `n` beams on `/v1/completions`.

@@ -1,11 +1,10 @@
-"""Beam search: the best beams equal Hugging Face's ``generate(num_beams=...)``, and
-each step's beams fork their parent's KV blocks: full ones shared, a shared partly
-filled one copied on the first write (counted in the block pool while the engine
-runs them; tests/test_kv_fork.py has the scheduler-level cases)."""
+"""Beam search: the best beams equal Hugging Face's ``generate(num_beams=...)``, with
+and without prefix caching; each step's one-token requests find their beam's full
+blocks in the prefix cache (their common full blocks shared, each beam's partly
+filled last block its own), and every block is back in the pool after a search,
+a finished one or an interrupted one (counted in the block pool)."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -60,50 +59,114 @@ def test_best_beams_equal_hugging_face_tiny(tiny_model, length_penalty):
         assert check_same_as_hf(llm, folder, prompts, length_penalty) >= 3
 
 
-def test_beams_fork_blocks_and_copy_a_shared_partial_block_on_write(tiny_model):
-    from tests.test_kv_fork import check_books
+def record_steps(llm) -> list[list[RequestOutput]]:
+    """Every ``llm.generate`` call's outputs from now on (a beam search's steps);
+    the real method runs, the list only watches."""
+    steps, generate = [], llm.generate
 
-    with LLM(tiny_model(), num_kv_blocks=128, block_size=4) as llm:
+    def recorded(*args, **kwargs):
+        outs = generate(*args, **kwargs)
+        steps.append(outs)
+        return outs
+
+    llm.generate = recorded
+    return steps
+
+
+def test_each_step_finds_its_beams_full_blocks_in_the_prefix_cache(tiny_model):
+    BS = 4
+    with LLM(tiny_model(), num_kv_blocks=128, block_size=BS) as llm:
         sched = llm.engine_core.scheduler
         kv = sched.kv_cache_manager
-        schedule, steps = sched.schedule, []
+        schedule, tables = sched.schedule, []
 
-        def observed():  # after each schedule: the running beams' tables and the copies
+        def observed():  # after each schedule: the running requests' tokens and blocks
             so = schedule()
-            check_books(kv)  # ref counts = holders (running beams and held parents)
-            steps.append((so, [(list(r.all_token_ids), r.kv_fork_of, kv.get_blocks(r.request_id))
-                               for r in sched.running]))
+            tables.append([(list(r.prompt_token_ids), kv.get_blocks(r.request_id),
+                            [b.ref_cnt for b in kv.get_blocks(r.request_id)],
+                            so.num_scheduled_tokens.get(r.request_id)) for r in sched.running])
             return so
 
         sched.schedule = observed
+        steps = record_steps(llm)
         prompt = [1, 9, 17, 33, 65, 129]  # a block and a half
         out = llm.beam_search({"prompt_token_ids": prompt},
                               BeamSearchParams(beam_width=WIDTH, max_tokens=8, ignore_eos=True))
         sched.schedule = schedule
-        num_copies = 0
-        for so, beams in steps:
-            forks: dict[str, list] = {}
-            for tokens, parent, blocks in beams:
-                if parent is not None:
-                    forks.setdefault(parent, []).append((tokens, blocks))
-            want = []
-            for children in forks.values():
-                n = len(children[0][0]) - 1  # the parent's tokens
-                for j in range(n // 4):  # its full blocks: shared by all its children
-                    assert all(c[1][j] is children[0][1][j] for c in children)
-                if n % 4:  # its partial block: the last child's, copied for the others
-                    src = children[-1][1][n // 4].block_id
-                    want += [(src, c[1][n // 4].block_id) for c in children[:-1]]
-            assert sorted(so.blocks_to_copy) == sorted(want)
-            num_copies += len(want)
-            if forks:  # a forked beam computes only its new token
-                assert set(so.num_scheduled_tokens.values()) == {1}
-        assert num_copies > 0 and sum(bool(s[1]) for s in steps) == 8
-        # Dropped and finished beams gave every block back (full ones stay cached).
-        assert kv.held == {} and kv.num_free_blocks == kv.num_blocks
+        assert len(steps) == 8 and [len(s) for s in steps] == [1] + [WIDTH] * 7
+        for i, outs in enumerate(steps):
+            for o in outs:
+                # Its beam's tokens but the newest were its parent's, computed last step:
+                # every full block of them is a hit (none for the first, new, prompt).
+                n = len(o.prompt_token_ids)
+                assert o.num_cached_tokens == (0 if i == 0 else (n - 1) // BS * BS)
+        computed = shared = 0
+        for step in tables:
+            for tokens, blocks, refs, scheduled in step:
+                cached = (len(tokens) - 1) // BS * BS if len(tokens) > len(prompt) else 0
+                assert scheduled == len(tokens) - cached  # the rest of it, in one go
+                computed += scheduled
+                for j, block in enumerate(blocks[:len(tokens) // BS]):
+                    # A full block: one physical block for every beam whose tokens agree
+                    # up to its end, its reference count one per such beam.
+                    same = [o for o in step if o[0][:BS * (j + 1)] == tokens[:BS * (j + 1)]]
+                    assert all(o[1][j] is block for o in same) and refs[j] == len(same)
+                    shared += len(same) > 1
+                if len(tokens) % BS:  # the partly filled block: this beam's own
+                    own = blocks[len(tokens) // BS]
+                    assert refs[len(tokens) // BS] == 1
+                    assert sum(any(b is own for b in o[1]) for o in step) == 1
+        assert shared and computed < sum(len(o.prompt_token_ids) for s in steps for o in s)
+        # Every block back in the pool (the full ones stay cached, evictable).
+        assert kv.num_free_blocks == kv.num_blocks
         assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
         assert len(out[0].sequences) == WIDTH
         assert all(len(b.tokens) == len(prompt) + 8 for b in out[0].sequences)
+
+
+def test_the_same_beams_without_prefix_caching(tiny_model):
+    folder = tiny_model()
+    prompts = [{"prompt_token_ids": [1, 5 + i, 40 + 3 * i, 7, 99 - i, 13]} for i in range(3)]
+    params = BeamSearchParams(beam_width=WIDTH, max_tokens=STEPS, ignore_eos=True)
+    got = {}
+    for caching in (True, False):
+        with LLM(folder, num_kv_blocks=256, block_size=4, enable_prefix_caching=caching) as llm:
+            steps = record_steps(llm)
+            got[caching] = llm.beam_search(prompts, params)
+            hits = sum(o.num_cached_tokens for s in steps for o in s)
+            assert (hits > 0) == caching  # without the cache every step recomputes it all
+            kv = llm.engine_core.scheduler.kv_cache_manager
+            assert kv.num_free_blocks == kv.num_blocks
+    for with_cache, without in zip(got[True], got[False]):
+        assert [b.tokens for b in with_cache.sequences] == [b.tokens for b in without.sequences]
+        assert [b.cum_logprob for b in with_cache.sequences] == pytest.approx(
+            [b.cum_logprob for b in without.sequences], abs=1e-4)
+
+
+def test_an_interrupted_search_gives_every_block_back(tiny_model):
+    # Prefill chunks of 2 tokens: a beam's request runs over several engine steps,
+    # holding blocks in between.
+    with LLM(tiny_model(), num_kv_blocks=128, block_size=4,
+             long_prefill_token_threshold=2) as llm:
+        kv = llm.engine_core.scheduler.kv_cache_manager
+        engine, real_step, in_use = llm.llm_engine, llm.llm_engine.step, []
+
+        def step():  # Ctrl-C after an engine step that left beams mid-prefill, step 3 on
+            outs = real_step()
+            in_use.append(kv.num_blocks - kv.num_free_blocks)
+            if len(in_use) > 6 and in_use[-1] and engine.has_unfinished_requests():
+                raise KeyboardInterrupt
+            return outs
+
+        engine.step = step
+        params = BeamSearchParams(beam_width=WIDTH, max_tokens=8, ignore_eos=True)
+        with pytest.raises(KeyboardInterrupt):
+            llm.beam_search({"prompt_token_ids": [1, 9, 17, 33, 65, 129]}, params)
+        engine.step = real_step
+        assert in_use[-1] > 0  # blocks were in use when it stopped ...
+        assert not engine.has_unfinished_requests()  # ... and its requests were aborted,
+        assert kv.num_free_blocks == kv.num_blocks  # their blocks back in the pool
+        assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
 
 
 def _step(ranked: dict[int, float]) -> RequestOutput:
@@ -147,7 +210,9 @@ def test_params_are_checked():
 
 
 def test_server_use_beam_search_returns_the_offline_beams(tmp_path, tiny_chat_model):
-    from tests.helpers import ServerProcess
+    import httpx
+
+    from tests.helpers import ServerProcess, wait_for
 
     prompts = [[1, 5, 40, 7, 99], [1, 8, 300, 12]]
     with LLM(tiny_chat_model, num_kv_blocks=256) as llm:
@@ -168,13 +233,20 @@ def test_server_use_beam_search_returns_the_offline_beams(tmp_path, tiny_chat_mo
                            ({"logprobs": 2}, "logprobs")):
             r = srv.http.post("/v1/completions", json={**body, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        # Every beam's hold released: no block in use once the searches are done (the
-        # core frees the last holds after the answer left: wait for its next stats).
-        deadline = time.monotonic() + 30
-        while (stats := srv.stats())["num_free_blocks"] != stats["num_blocks"]:
-            assert time.monotonic() < deadline, stats
-            time.sleep(0.1)
-        assert stats["num_requests_running"] == 0
+        # No block in use once the searches are done (the stats are the core's last
+        # step's: wait for the one after the last beams finished).
+        all_free = (lambda: (s := srv.stats())["num_free_blocks"] == s["num_blocks"]
+                    and s["num_requests_running"] + s["num_requests_waiting"] == 0)
+        wait_for(all_free, "every block back after the searches")
+        # A client that gives up mid-search: its step's beams are aborted, every
+        # block comes back.
+        aborted = ("minivllm:request_success_total", (("finished_reason", "abort"),))
+        before = srv.metrics().get(aborted, 0)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", timeout=1, json={
+                **body, "max_tokens": 1000, "ignore_eos": True})
+        wait_for(lambda: srv.metrics().get(aborted, 0) > before, "the beams to be aborted")
+        wait_for(all_free, "every block back after the client left")
     finally:
         srv.stop()
 

@@ -1,6 +1,7 @@
 """The beam-search figures, through their data."""
 
-from minivllm.lab.viz.beam import BEST, beam_blocks_figure, beam_tree_figure, beam_tree_nodes
+from minivllm.lab.viz.beam import (BEST, SHARED, beam_blocks_figure, beam_step_tokens_figure,
+                                  beam_tree_figure, beam_tree_nodes)
 
 
 def test_tree_nodes_and_best_path():
@@ -28,3 +29,12 @@ def test_blocks_figure_colours_shared_blocks_and_outlines_own_ones():
     assert cells[(0, 0)].marker.color == cells[(0, -1)].marker.color != "#ffffff"
     assert cells[(1, 0)].marker.color == "#ffffff" and cells[(1, 0)].marker.line.color == BEST
     assert "shared by 2 beams" in cells[(0, 0)].hovertext
+
+
+def test_step_tokens_figure_stacks_hits_on_computed_per_step():
+    fig = beam_step_tokens_figure([0, 48, 48], [45, 3, 6])
+    hits, computed = fig.data
+    assert fig.layout.barmode == "stack"
+    assert list(hits.x) == list(computed.x) == [1, 2, 3]
+    assert list(hits.y) == [0, 48, 48] and list(computed.y) == [45, 3, 6]
+    assert hits.marker.color == SHARED and computed.marker.color == BEST

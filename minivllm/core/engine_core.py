@@ -134,10 +134,6 @@ class EngineCore:
         if events:
             self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
 
-    def release_held_blocks(self, request_ids) -> None:
-        """Free what finished requests kept for their forks (beam search)."""
-        self.scheduler.release_held_blocks(request_ids)
-
     def reset_prefix_cache(self) -> bool:
         done = self.scheduler.reset_prefix_cache()
         self.publish_kv_events()
@@ -164,7 +160,6 @@ class EngineCore:
             finished=[o.request_id for o in outputs if o.finished],
             kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             block_tables={rid: list(b) for rid, b in so.block_ids.items()},
-            blocks_copied=list(so.blocks_to_copy),
             timings=timings,
             spec_decode={o.request_id: (o.num_draft_tokens, o.num_accepted_tokens)
                          for o in outputs if o.num_draft_tokens},

@@ -46,13 +46,6 @@ class FinishRequests:
 
 
 @dataclass
-class ReleaseHeldBlocks:
-    """Free the blocks finished requests kept for forks (beam search's dropped beams)."""
-
-    request_ids: list[str]
-
-
-@dataclass
 class Shutdown:
     pass
 
@@ -109,8 +102,6 @@ class EngineCoreProc:
                     rejected[request.request_id] = e
         elif isinstance(message, FinishRequests):
             self.engine_core.finish_requests(message.request_ids, message.status)
-        elif isinstance(message, ReleaseHeldBlocks):
-            self.engine_core.release_held_blocks(message.request_ids)
         else:
             raise TypeError(f"engine core got an unknown message {message!r}")
 

@@ -19,15 +19,6 @@ token ids as little-endian int64, ``repr`` of the extra keys), kept as a
 process and run (the engine core may live in another process), and a
 collision, which would silently mix two prompts' K/V, is not a practical
 concern.
-
-Beam search forks (vLLM V0's ``fork``): a finished request asked to keep its
-blocks (``hold``) leaves its block table behind; a child request that
-continues its tokens starts from that table (``fork``), every block shared by
-reference count, the partly filled last one included. The child's first token
-goes into that partial block: if another holder still has it, the child gets
-a fresh block and the worker copies the K/V over before the forward
-(``blocks_to_copy``, copy on write); the last child to fork takes the
-parent's references over and writes in place.
 """
 
 from __future__ import annotations
@@ -73,15 +64,6 @@ def hash_request_tokens(token_ids: Sequence[int], block_size: int,
 
 
 @dataclass
-class HeldBlocks:
-    """A finished request's block table, kept for the requests that fork from it."""
-
-    blocks: list[KVCacheBlock]
-    token_ids: list[int]  # the tokens whose K/V the blocks hold
-    lora_int_id: int
-
-
-@dataclass
 class PrefixCacheStats:
     """Prefix cache lookups, counted in tokens (as vLLM reports them).
 
@@ -120,10 +102,6 @@ class KVCacheManager:
         # prefix cache, so each step hashes only what became full since.
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        # request_id -> the blocks a finished request holds for its forks.
-        self.held: dict[str, HeldBlocks] = {}
-        # (source, destination) block ids the worker copies before the next forward.
-        self.blocks_to_copy: list[tuple[int, int]] = []
 
     # -- state -------------------------------------------------------------
     @property
@@ -283,75 +261,6 @@ class KVCacheManager:
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
-
-    # -- forks (beam search) --------------------------------------------------
-    def hold(self, request: "Request") -> None:
-        """Keep a finishing request's blocks for forks instead of freeing them."""
-        n = request.num_computed_tokens
-        if n == 0:
-            return self.free(request)
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        self.free_tail(request, n)  # (slots past its K/V: none after a plain finish)
-        self.req_to_block_ids.pop(request.request_id, None)
-        self.num_cached_block.pop(request.request_id, None)
-        self.req_to_blocks.pop(request.request_id, None)
-        self.held[request.request_id] = HeldBlocks(blocks, request.all_token_ids[:n],
-                                                   request.lora_int_id)
-
-    def release_held(self, request_id: str) -> None:
-        """Drop a hold (a beam nobody continues); unknown ids are ignored."""
-        held = self.held.pop(request_id, None)
-        if held is not None:
-            self.block_pool.free_blocks(reversed(held.blocks))
-
-    def fork_source(self, request: "Request") -> Optional[HeldBlocks]:
-        """The hold ``request`` may fork from, or None (then it runs as any request)."""
-        held = self.held.get(request.kv_fork_of or "")
-        if held is None or request.sampling_params.prompt_logprobs is not None:
-            return None
-        n = len(held.token_ids)
-        if (n >= request.num_tokens or held.lora_int_id != request.lora_int_id
-                or request.all_token_ids[:n] != held.token_ids):
-            return None
-        return held
-
-    def fork(self, request: "Request", held: HeldBlocks, num_new_tokens: int,
-             take_over: bool) -> Optional[list[KVCacheBlock]]:
-        """Admit ``request`` on a hold's blocks plus room for ``num_new_tokens``.
-
-        ``take_over``: the last fork of the hold takes its references (the hold
-        ends); the others add one. Returns the new blocks, or None, having
-        changed nothing, when too few are free.
-        """
-        bs, rid = self.block_size, request.request_id
-        n = len(held.token_ids)
-        partial = held.blocks[-1] if n % bs else None
-        # Shared after this fork: the first write into it must go to a copy.
-        copy = partial is not None and partial.ref_cnt + (0 if take_over else 1) > 1
-        num_new = self.num_blocks_needed(n + num_new_tokens) - len(held.blocks) + copy
-        if num_new > self.block_pool.num_free_blocks:
-            return None
-        blocks = list(held.blocks)
-        if take_over:
-            del self.held[request.kv_fork_of]
-        else:
-            self.block_pool.touch(blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new)
-        rest = new_blocks
-        if copy:
-            blocks[-1], rest = new_blocks[0], new_blocks[1:]
-            self.block_pool.free_blocks([partial])
-            self.blocks_to_copy.append((partial.block_id, blocks[-1].block_id))
-        blocks += rest
-        self.req_to_blocks[rid] = blocks
-        self.req_to_block_ids[rid] = [b.block_id for b in blocks]
-        self.num_cached_block[rid] = n // bs  # offered to the cache by the parent
-        self._cache_full_blocks(request, min(n + num_new_tokens, request.num_tokens))
-        return new_blocks
-
-    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
-        copies, self.blocks_to_copy = self.blocks_to_copy, []
-        return copies
 
     def free_tail(self, request: "Request", num_tokens: int) -> int:
         """Return the blocks past the first ``num_tokens`` tokens (slots of rejected

@@ -120,21 +120,6 @@ class Request:
         return (self.sampling_params.extra_args or {}).get("kv_transfer_params")
 
     @property
-    def kv_fork_of(self) -> Optional[str]:
-        """The finished request whose held blocks this one continues (beam search)."""
-        return (self.sampling_params.extra_args or {}).get("kv_fork_of")
-
-    @property
-    def kv_fork_takes_over(self) -> bool:
-        """The last fork of its parent: takes the held blocks over (no copy needed)."""
-        return bool((self.sampling_params.extra_args or {}).get("kv_fork_takes_over"))
-
-    @property
-    def kv_hold_blocks(self) -> bool:
-        """Keep the blocks after finishing, for forks (released by the caller)."""
-        return bool((self.sampling_params.extra_args or {}).get("kv_hold_blocks"))
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -32,9 +32,6 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # request_id -> its whole block table (physical block ids, logical order).
     block_ids: dict[str, list[int]] = field(default_factory=dict)
-    # (source, destination) block ids whose K/V the worker copies before the
-    # forward: a forked beam's first write into a block it shares (copy on write).
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     # Admitted from the waiting queue this step (new, or back from preemption).
     new_req_ids: list[str] = field(default_factory=list)

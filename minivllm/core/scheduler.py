@@ -139,10 +139,7 @@ class Scheduler:
         request.stop_reason = stop_reason
         request.times.finished = self.clock.now()
         if self.connector is None:
-            if request.kv_hold_blocks and status != RequestStatus.FINISHED_ABORTED:
-                self.kv_cache_manager.hold(request)  # for its forks (beam search)
-            else:
-                self.kv_cache_manager.free(request)
+            self.kv_cache_manager.free(request)
         else:
             if self.connector.request_finished(request):  # being sent: blocks stay
                 self.sending[request.request_id] = request
@@ -181,11 +178,6 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
-    def release_held_blocks(self, request_ids: Iterable[str]) -> None:
-        """Free the blocks finished requests kept for forks (``kv_hold_blocks``)."""
-        for rid in request_ids:
-            self.kv_cache_manager.release_held(rid)
-
     # -- one step: decide ------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         if self._awaiting_output:
@@ -201,7 +193,6 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.connector is not None:  # after every allocation of the step
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
-        out.blocks_to_copy = self.kv_cache_manager.take_blocks_to_copy()
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         self._record_block_activity(out)
         self.step += 1
@@ -243,11 +234,7 @@ class Scheduler:
             if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
                 passed_over.append(self.waiting.popleft())
                 continue
-            held = kv.fork_source(request) if self.connector is None else None
-            if held is not None:  # a beam continuing a held one: its blocks, shared
-                hit_blocks, num_hit_tokens = [], 0
-                num_external, num_computed = 0, len(held.token_ids)
-            elif self.connector is None:
+            if self.connector is None:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
                 num_external, num_computed = 0, num_hit_tokens
             else:  # (prefix hits, then what the connector supplies from outside)
@@ -262,10 +249,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._cap(num_new, budget)
-            if held is not None:
-                if kv.fork(request, held, num_new, request.kv_fork_takes_over) is None:
-                    break
-            elif kv.allocate_slots(request, num_external + num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_external + num_new, hit_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             if self.connector is not None:
                 self.connector.update_state_after_alloc(

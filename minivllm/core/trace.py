@@ -30,8 +30,6 @@ class StepRecord:
     num_free_blocks: int = 0
     # request_id -> physical block ids after this step's allocation
     block_tables: dict[str, list[int]] = field(default_factory=dict)
-    # (source, destination) blocks copied before the forward (copy on write)
-    blocks_copied: list[tuple[int, int]] = field(default_factory=list)
     # seconds per stage: schedule, prepare, forward, sample, update (+ collective)
     timings: dict[str, float] = field(default_factory=dict)
     # Speculative decoding: request_id -> (draft tokens verified, accepted).

@@ -149,15 +149,6 @@ class AsyncLLM:
         except EngineDeadError:
             pass  # nothing left to free
 
-    def release_held_blocks(self, request_ids) -> None:
-        """Free the KV blocks finished requests kept for their forks (beam search)."""
-        ids = list(request_ids)
-        if ids:
-            try:
-                self.engine_core.release_held_blocks(ids)
-            except EngineDeadError:
-                pass  # nothing left to free
-
     def abort_all(self) -> None:
         """Abort every request: each stream ends with a last output ("abort")."""
         for request_id in list(self.queues):

@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Union
 from minivllm.config import EngineConfig
 from minivllm.engine.core_builder import build_engine_core
 from minivllm.core.engine_core_proc import (AddRequests, EngineCoreReady, FinishRequests,
-                                       ReleaseHeldBlocks, Shutdown, run_engine_core)
+                                            Shutdown, run_engine_core)
 from minivllm.core.outputs import EngineCoreOutputs
 from minivllm.core.request import Request, RequestStatus
 
@@ -146,9 +146,6 @@ class EngineCoreClient:
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         self._send(FinishRequests(list(request_ids), status))
-
-    def release_held_blocks(self, request_ids: Iterable[str]) -> None:
-        self._send(ReleaseHeldBlocks(list(request_ids)))
 
     # -- shutting down ---------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:

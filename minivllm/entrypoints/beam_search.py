@@ -4,14 +4,14 @@ Each step every live beam is one engine request: its tokens so far as the
 prompt, ``max_tokens=1``, the top ``2 * beam_width`` logprobs back. The
 candidates (a beam plus one of its tokens, scored by the summed logprob)
 are ranked together, and the best ``beam_width`` that do not end in EOS are
-the next beams. The beams fork KV blocks as vLLM's first engine forked
-sequences: a step's requests keep their blocks when they finish
-(``kv_hold_blocks``), each beam of the next step starts from its parent's
-(``kv_fork_of``), every block shared by reference count, so it computes only
-its one new token; the first write into a shared, partly filled last block is
-a copy (``SchedulerOutput.blocks_to_copy``), except for the parent's last
-child, which takes the blocks over. A dropped beam's hold is released before
-the next step, and every hold when the search ends or the client leaves.
+the next beams. As in vLLM V1, the engine core knows nothing of beams: the
+requests are ordinary ones, and the prefix cache is what makes the beams'
+common prefix free. A step's request finds the full blocks of its beam's
+tokens (all but the new one: its parent's, computed last step) cached, so it
+computes only the tokens of its partly filled last block, at most
+``block_size`` of them. (vLLM's first engine instead forked a beam's blocks
+with copy on write, one token a step, at the price of beam state in the core.)
+Without prefix caching every step recomputes every beam's tokens.
 
 EOS, as in Hugging Face's ``generate(num_beams=...)``: a candidate that
 ends in EOS and ranks among the first ``beam_width`` is a finished beam (a
@@ -62,9 +62,6 @@ class BeamSearch:
         self.prompt_len = len(prompt_token_ids)
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
-        # Per beam: the engine request whose held blocks have its tokens but the
-        # last one (the beam it grew from, last step), or None.
-        self.parents: list[Optional[str]] = [None]
         self.finished: list[BeamSearchSequence] = []
         self.steps = 0
 
@@ -84,11 +81,11 @@ class BeamSearch:
         candidates = []
         for beam, out in zip(self.beams, outputs):
             ranked = out.outputs[0].logprobs[0]
-            candidates += [(beam.cum_logprob + lp.logprob, beam, token, ranked, out.request_id)
+            candidates += [(beam.cum_logprob + lp.logprob, beam, token, ranked)
                            for token, lp in ranked.items()]
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam, then rank order
-        running, self.parents = [], []
-        for rank, (cum, beam, token, ranked, parent) in enumerate(candidates):
+        running = []
+        for rank, (cum, beam, token, ranked) in enumerate(candidates):
             seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [ranked], cum)
             if token in self.eos:
                 if rank < width:
@@ -96,13 +93,12 @@ class BeamSearch:
                     self.finished.append(seq)
                 continue
             running.append(seq)
-            self.parents.append(parent)
             if len(running) == width:
                 break
         self.beams = running
         self.steps += 1
         if self._no_better_to_come():
-            self.beams, self.parents = [], []
+            self.beams = []
 
     def _score(self, seq: BeamSearchSequence) -> float:
         return beam_score(seq.cum_logprob, len(seq.tokens) - self.prompt_len,
@@ -128,53 +124,27 @@ class BeamSearch:
         return BeamSearchOutput(best)
 
 
-def fork_params(base: SamplingParams, parents: list[Optional[str]]) -> list[SamplingParams]:
-    """Per beam: keep its blocks when done, and start from its parent's held ones;
-    the last beam of each parent takes the parent's blocks over (no copy)."""
-    last = {p: i for i, p in enumerate(parents) if p is not None}
-    return [base.clone(extra_args={"kv_hold_blocks": True, "kv_fork_of": p,
-                                   "kv_fork_takes_over": last.get(p) == i})
-            for i, p in enumerate(parents)]
-
-
 def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
     """``LLM.beam_search``: every live beam of every prompt in one batch per step.
 
-    Here (the engine core in this process) the beams fork KV blocks as vLLM V0's
-    beams did: each step's requests keep their blocks when they finish, the next
-    step's beams start from their parent's (full and partly filled blocks
-    shared; the partial one copied on the first write of all but the last
-    child), and a parent nobody continues is released before the step.
+    (``LLM.generate`` aborts a step's requests if the search is interrupted.)
     """
     engine = llm.llm_engine
-    core = engine.engine_core
     searches = [BeamSearch(engine.input_processor.tokenize(p)[1], params,
                            set(engine.input_processor.eos_token_ids)) for p in prompts]
-    held: set[str] = set()  # requests holding blocks now
-    try:
-        while not all(s.done for s in searches):
-            live = [s for s in searches if not s.done]
-            parents = [p for s in live for p in s.parents]
-            core.release_held_blocks(held - set(parents))  # dropped beams
-            beams = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
-            outs = llm.generate(beams, fork_params(live[0].step_params(), parents),
-                                use_tqdm=False)
-            # (Taken over by their last fork, unless that one ran without forking.)
-            core.release_held_blocks(held)
-            held = {o.request_id for o in outs}
-            for s in live:
-                mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
-                s.advance(mine)
-    finally:
-        core.release_held_blocks(held)
+    while not all(s.done for s in searches):
+        live = [s for s in searches if not s.done]
+        beams = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
+        outs = llm.generate(beams, live[0].step_params(), use_tqdm=False)
+        for s in live:
+            mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
+            s.advance(mine)
     return [s.result(engine.tokenizer) for s in searches]
 
 
 async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
                                 request_id: str) -> list[tuple[BeamSearchOutput, int]]:
-    """The same over ``AsyncLLM`` (the server), beams forking KV blocks as offline:
-    (output, prompt length) per prompt. The engine core takes messages in order, so
-    a release sent after a step's requests finished finds their holds."""
+    """The same over ``AsyncLLM`` (the server): (output, prompt length) per prompt."""
     import asyncio
 
     processor = engine.input_processor
@@ -186,31 +156,26 @@ async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
             last = out
         return last
 
-    held: list[str] = []  # requests holding blocks now
-    step_ids: list[str] = []  # this step's requests (they may hold blocks once done)
+    step_ids: list[str] = []
     try:
         step = 0
         while not all(s.done for s in searches):
             live = [s for s in searches if not s.done]
-            parents = [p for s in live for p in s.parents]
-            engine.release_held_blocks(set(held) - set(parents))  # dropped beams
             beams = [b.tokens for s in live for b in s.beams]
             step_ids = [f"{request_id}-{step}-{i}" for i in range(len(beams))]
-            outs = list(await asyncio.gather(*(
-                one(t, sp, rid) for t, sp, rid in
-                zip(beams, fork_params(live[0].step_params(), parents), step_ids))))
-            engine.release_held_blocks(held)  # taken over or copied by now
-            held, step_ids = step_ids, []
+            sp = live[0].step_params()
+            outs = list(await asyncio.gather(*(one(t, sp, rid)
+                                               for t, rid in zip(beams, step_ids))))
+            step_ids = []
             for s in live:
                 mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
                 s.advance(mine)
             step += 1
     finally:
-        # The client left mid-step: stop this step's beams first (an aborted request
-        # keeps nothing), then free every hold, this step's finished beams' too.
+        # The client left (a cancelled gather stops each stream, which aborts its
+        # request) or one beam failed (the others still run): stop them all here.
         for rid in step_ids:
-            engine.abort(rid)
-        engine.release_held_blocks(held + step_ids)
+            engine.abort(rid)  # (a no-op for a finished or unknown one)
     return [(s.result(engine.tokenizer), s.prompt_len) for s in searches]
 
 

@@ -65,8 +65,6 @@ class StepInputs:
     sample_indices: Optional[torch.Tensor] = None
     # Multi-LoRA: each token's adapter slot and the slots to fill (None: base only).
     lora: Optional[object] = None
-    # [C, 2] (source, destination) blocks to copy in every layer first (None: none).
-    blocks_to_copy: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -262,10 +260,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model over the flat batch -> logits of the sampling rows only."""
-        if inputs.blocks_to_copy is not None:  # copy on write, before any write
-            src, dst = inputs.blocks_to_copy.unbind(1)
-            for k, v in self.kv_caches:
-                k[dst], v[dst] = k[src], v[src]
         if self.lora_manager is not None:
             self.lora_manager.apply(inputs.lora)
         # The decode-step replay adds the adapters' deltas itself (inputs.lora).
@@ -291,9 +285,6 @@ class ModelRunner:
             return out
         t0 = time.perf_counter()
         inputs, samplers = self.prepare_inputs(so)
-        if so.blocks_to_copy:
-            inputs.blocks_to_copy = torch.tensor(so.blocks_to_copy, dtype=torch.int64,
-                                                 device=self.device)
         t1 = time.perf_counter()
         collective_stats.reset()
         if self.kv_connector is not None:

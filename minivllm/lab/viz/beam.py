@@ -7,6 +7,8 @@ prefix, placed at its step, linked to the prefix it grew from.
 ``beam_blocks_figure`` draws, for one step, each beam's block table as a row
 of physical block ids: a block shared by several beams has the same id (and
 colour) in each row; a beam's own, partly filled last block is outlined.
+``beam_step_tokens_figure`` draws, per step, the tokens of the step's
+requests that the prefix cache had and those the model computed.
 """
 
 from __future__ import annotations
@@ -95,4 +97,18 @@ def beam_blocks_figure(tables: Sequence[Sequence[int]], own_last: Sequence[bool]
     return fig
 
 
-__all__ = ["TreeNode", "beam_tree_nodes", "beam_tree_figure", "beam_blocks_figure"]
+def beam_step_tokens_figure(cached: Sequence[int], computed: Sequence[int],
+                            title: str = "Each step's tokens: from the prefix cache or computed"
+                            ) -> go.Figure:
+    """Stacked bars, one per step: ``cached[i]`` and ``computed[i]`` tokens (all beams)."""
+    steps = list(range(1, len(cached) + 1))
+    fig = go.Figure([
+        go.Bar(x=steps, y=list(cached), name="prefix-cache hits", marker_color=SHARED),
+        go.Bar(x=steps, y=list(computed), name="computed", marker_color=BEST)])
+    fig.update_layout(title=title, barmode="stack", xaxis_title="beam step",
+                      yaxis_title="tokens", height=320, margin=dict(l=60, r=20, t=50, b=40))
+    return fig
+
+
+__all__ = ["TreeNode", "beam_tree_nodes", "beam_tree_figure", "beam_blocks_figure",
+           "beam_step_tokens_figure"]
