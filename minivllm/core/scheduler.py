@@ -138,13 +138,10 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.times.finished = self.clock.now()
-        if self.connector is None:
+        if self.connector is not None and self.connector.request_finished(request):
+            self.sending[request.request_id] = request  # being sent: its blocks stay
+        elif not receiving:  # (a receiving one's are freed when its KV has arrived)
             self.kv_cache_manager.free(request)
-        else:
-            if self.connector.request_finished(request):  # being sent: blocks stay
-                self.sending[request.request_id] = request
-            elif not receiving:  # (a receiving one's are freed when its KV has arrived)
-                self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
