@@ -145,3 +145,26 @@ def test_every_llm_argument_is_an_engine_argument():
 def test_the_keyword_reader_sees_only_the_calls_own_arguments():
     code = 'LLM("m.gguf", quantization=None, speculative_config={"a": dict(b=1)})'
     assert llm_keywords(code) == {"quantization", "speculative_config"}
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in markdown.splitlines() if line.startswith("|") and "---" not in line]
+
+
+def test_the_results_table_quotes_the_bench_tables():
+    """Each ratio in the README's results table is the one its machine's
+    figures/bench_table*.md gives for that workload (vLLM, HF, llama.cpp, in order)."""
+    section = README.split("## Results\n", 1)[1].split("\n## ", 1)[0]
+    header, *rows = table_rows(section)
+    checked = 0
+    for column, title in enumerate(header[1:], start=1):
+        table = re.search(r"\]\((figures/bench_table\w*\.md)\)", title).group(1)
+        bench_header, *bench_rows = table_rows((ROOT / table).read_text())
+        ratio_columns = [i for i, name in enumerate(bench_header) if name.startswith("minivllm / ")]
+        bench = {r[0]: [r[i] for i in ratio_columns if r[i] != "—"] for r in bench_rows}
+        for row in rows:
+            if row[0] in bench and row[column] != "—":
+                assert re.findall(r"[\d.]+×", row[column]) == bench[row[0]], (table, row[0])
+                checked += 1
+    assert checked >= 12
