@@ -8,7 +8,7 @@ BOOK_SOURCES := $(filter-out book/conftest.py,$(wildcard book/[0-9][0-9]_*.py))
 NOTEBOOKS    := $(BOOK_SOURCES:.py=.ipynb)
 PYTEST_ARGS  ?=
 
-.PHONY: setup book notebooks chat test test-fast test-book serve figures bench bench-peers llama-peer sysdeps clean student grade
+.PHONY: setup book notebooks chat test test-fast test-book serve results figures bench bench-peers llama-peer sysdeps clean student grade
 
 setup: $(STAMP)
 
@@ -78,15 +78,21 @@ grade: setup
 serve: setup
 	$(VENV)/bin/minivllm serve
 
+# figures/RESULTS.md, the one results page, from the bench tables, figures/records/*.md
+# and the JSON files in figures/ (no model, no browser: it always runs first).
+results: setup
+	$(PY) -m minivllm.lab.results
+
 # Every chapter's key figure into figures/; ONLY="01 12" re-runs just those chapters.
-figures: setup sysdeps
+figures: results setup sysdeps
 	$(PY) -m minivllm.lab.viz.export figures $(if $(ONLY),--only $(ONLY))
 
 bench: setup
 	$(VENV)/bin/minivllm bench throughput
 
-# The README's benchmark table: minivllm side by side with its peers, one run
-# per workload (see README "Benchmarks" for building the peers' environments).
+# The benchmark tables (figures/bench_table*.md; the README sums them up, figures/RESULTS.md
+# shows them): minivllm side by side with its peers, one run per workload (see
+# figures/records/benchmarks.md for building the peers' environments).
 # A peer whose interpreter is not given is left out and said so.
 VLLM_PYTHON  ?=
 LLAMA_PYTHON ?=
@@ -164,6 +170,7 @@ bench-peers: setup $(if $(LLAMA),$(LLAMA_PEER))
 	$(GGUF_BENCH) --num-prompts 128 --max-tokens 128 --output $(OUT)_128x128_gguf$(OSFX).json
 	$(PY) -m minivllm.lab.bench.report $(foreach w,1x128 32x128 128x128 32x128_bf16 128x128_bf16 \
 	  1x128_gguf 32x128_gguf 128x128_gguf,$(OUT)_$(w)$(OSFX).json) | tee figures/bench_table$(OSFX).md
+	$(PY) -m minivllm.lab.results
 
 clean:
 	rm -rf $(VENV) book/*.ipynb book/course .pytest_cache

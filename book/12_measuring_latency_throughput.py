@@ -444,8 +444,8 @@ component_bars(side, f"{N_HF} chat requests x {MAX_TOKENS} tokens, same token ID
 # %% [markdown]
 # Both did the same work: one prefill of the `N_HF` prompts and `MAX_TOKENS - 1` decode
 # steps. The difference is what a step costs: minivllm runs a decode step through C++ kernels in
-# one call (see the README's "where minivllm's time goes"), Hugging Face through its
-# PyTorch modules, attending over the padding too. The README's table comes from
+# one call (chapter 15 measures where its time goes), Hugging Face through its
+# PyTorch modules, attending over the padding too. The README's results table comes from
 # `make bench-peers`, measured on a quiet 2-core machine with repeats; its results are
 # in `figures/bench_throughput_*.json`, and they say (the median of each workload's
 # repeats, minivllm / Hugging Face):

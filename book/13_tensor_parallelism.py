@@ -542,6 +542,61 @@ assert reduces_8b == expected_collective_bytes(dataclasses.replace(llama_8b, voc
                                                16, 8)
 
 # %% [markdown]
+# ## In practice: tensor parallelism, on one host and across hosts
+#
+# `tensor_parallel_size=N` splits every weight matrix, the embedding, the LM
+# head and the KV cache over N processes. The tokens are the same as with one
+# process (`tests/test_tensor_parallel.py` checks this token for token).
+#
+# ```python
+# llm = LLM(tensor_parallel_size=3)   # SmolLM2: 9 query heads, 3 KV heads -> 3 per rank, 1 KV head each
+# ```
+# ```bash
+# .venv/bin/minivllm serve --tensor-parallel-size 3
+# .venv/bin/minivllm generate --chat "Hello" --tensor-parallel-size 3
+# ```
+#
+# The engine process is rank 0: it schedules, runs its share of the model and
+# samples. Ranks 1..N-1 are worker processes it starts itself
+# (`python -m minivllm.worker.tp_worker`) and stops with itself. Each step,
+# rank 0 broadcasts the step's inputs, every rank computes its heads and its
+# slice of the MLP, two all-reduces per layer add up the partial results, and
+# the vocabulary slices of the logits are gathered on rank 0. Collectives use
+# gloo on CPU and NCCL on CUDA (one GPU per rank: `cuda:LOCAL_RANK`). On one
+# CPU the ranks share the cores, so expect no speed-up there: it is for
+# learning and for several GPUs.
+
+# %% [markdown]
+# Sizes must divide (`num_attention_heads`, `intermediate_size`; KV heads divide
+# N or are copied), else it fails before a process starts, naming the size. Each
+# rank holds its own KV heads' cache. A dead or stuck worker fails the next step
+# with an error naming its rank (collectives time out after `MINIVLLM_TP_TIMEOUT`
+# seconds); workers exit with the engine, on `shutdown()`, on Ctrl-C and when the
+# engine process dies. Chapter 13 cuts one layer by hand and counts every
+# collective byte; `bench throughput --tensor-parallel-size N` measures it.
+#
+# Across hosts, rendezvous is by environment, as with `torchrun`. Say the
+# engine runs on host A with ranks 0 and 1, and host B runs ranks 2 and 3:
+#
+# ```bash
+# # host A: the engine; LOCAL_WORLD_SIZE says how many ranks run here
+# MASTER_ADDR=host-a MASTER_PORT=29500 LOCAL_WORLD_SIZE=2 \
+#     .venv/bin/minivllm serve /models/my-model --tensor-parallel-size 4 --host 0.0.0.0
+#
+# # host B: one command per rank; LOCAL_RANK picks the GPU
+# export MASTER_ADDR=host-a MASTER_PORT=29500 WORLD_SIZE=4
+# RANK=2 LOCAL_RANK=0 .venv/bin/python -m minivllm.worker.tp_worker &
+# RANK=3 LOCAL_RANK=1 .venv/bin/python -m minivllm.worker.tp_worker &
+# wait
+# ```
+#
+# Start them in any order: the engine waits up to `MINIVLLM_TP_TIMEOUT` seconds
+# for the other ranks. It sends them its whole configuration, so host B needs
+# only the model at the same path (for the default model, the converted
+# folder under `MINIVLLM_CACHE`). Workers started this way run one engine and
+# exit when it stops.
+
+# %% [markdown]
 # ## Summary
 #
 # - Column-parallel layers cut the output features: each rank computes its own slice,
@@ -556,7 +611,7 @@ assert reduces_8b == expected_collective_bytes(dataclasses.replace(llama_8b, voc
 # ## What to try next
 #
 # - Ask for `LLM(tensor_parallel_size=9)`: 9 query heads, but only 3 KV heads; read
-#   the README's rule for copying KV heads and check the KV cache shape of rank 0.
+#   the rule for copying KV heads ("In practice" above) and check the KV cache shape of rank 0.
 # - Add more prompts: how do the all-reduce bytes and the gather bytes of a decode
 #   step grow with the number of sequences?
 # - `minivllm bench throughput --tensor-parallel-size 3` reports the collective bytes

@@ -702,6 +702,34 @@ gain = roof.ceiling_tokens_per_s(32) / roof.ceiling_tokens_per_s(1)
 assert abs(ceiling_gain_32 - gain) < 1e-9 * gain
 
 # %% [markdown]
+# ## In practice: the reference path and the fast path
+#
+# What you read is what runs: `minivllm/model/` (the layers, the Llama family, a
+# one-sequence-at-a-time reference attention), `minivllm/sample/sampler.py` and
+# `minivllm/core/` are plain PyTorch and Python, one path each, with no trace of the
+# kernels — set a breakpoint in `LlamaAttention.forward` and `LLM(cpu_kernels=False)`
+# stops there on every step. On a CPU, `minivllm/cpu/` makes the same model fast from
+# outside, at three seams chosen once when the engine starts: the `cpu` attention
+# backend, accelerated twins of the layers swapped in when the model loads, and the
+# model runner replaying each pure decode step as one C++ call (as vLLM replays CUDA
+# graphs). The tests hold both paths to the same tokens and to Hugging Face's.
+#
+# ```python
+# LLM()                    # the C++ CPU kernels where they build (the default)
+# LLM(cpu_kernels=False)   # the pure reference path: imports nothing of minivllm/cpu
+# ```
+#
+# The kernels are compiled for what the CPU reports (AVX-512, or AVX2 + FMA; checked
+# once, `minivllm/cpu/features.py`): no path is taken that the CPU cannot run.
+# bfloat16 is computed as bfloat16 where oneDNN can pack it (AVX-512 or AVX-NE-CONVERT);
+# on an AVX2-only CPU, where its products would be slower than float32's, `dtype="bfloat16"`
+# loads the weights as float32 and computes in float32, said once in the log
+# (`cpu_kernels=False` keeps bfloat16). Where the kernels cannot be built at all (a CPU
+# that is not x86-64, no C++ compiler, a compiler without OpenMP such as Apple's clang),
+# the engine runs the reference path, with one log line saying why and what would get
+# them. Chapter 15 measures what each acceleration buys, on the ISA it prints.
+
+# %% [markdown]
 # ## Summary
 #
 # - On a CPU, a decode step of a small model is bound by memory (every weight read once

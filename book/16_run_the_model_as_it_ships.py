@@ -333,7 +333,7 @@ token_share_figure(share.roofline_s * 1e3, share.replay_s * 1e3, share.outside_r
 # it, the Python step costs the same fraction of a millisecond whatever the model. For a
 # 135M-weight model whose whole step reads under 100 MB, that fixed part is a large
 # share of a token of a few milliseconds: llama.cpp, whose decode loop has no Python at
-# all, reaches about a quarter of the same ceiling on this file (README, Benchmarks).
+# all, reaches about a quarter of the same ceiling on this file (`figures/RESULTS.md`, benchmarks).
 # On a model whose step reads gigabytes, the fixed part all but vanishes; exercise 16.5
 # puts a number on it.
 
@@ -438,6 +438,49 @@ print(f"{answer_5:.0%} of the 8B model's ceiling, against {share.roofline_s / sh
       f"for this one")
 
 # %% [markdown]
+# ## In practice: running a GGUF file
+#
+# A llama.cpp `.gguf` file is computed on as it ships, vLLM's
+# `quantization="gguf"`, and that is the default (`quantization="auto"`) for a
+# `.gguf` model such as the default one: the linear layers, the embedding and the LM
+# head keep the file's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, and F32/F16 matrices),
+# 98 MB for the default Q4_1 file instead of 538 MB of float32. `quantization=None`
+# (or an explicit `dtype`) dequantizes the file to float32 at load, as every version
+# before this one did. A float checkpoint can be quantized at load to Q8_0 (its
+# linear layers, as vLLM's `fp8`).
+#
+# ```python
+# LLM("model.gguf")                        # the blocks as they ship ("auto" -> "gguf")
+# LLM("model.gguf", quantization=None)     # dequantized to float32 at load
+# LLM("model.gguf", dtype="bfloat16")      # dequantized to bfloat16 at load
+# LLM("/path/to/hf-folder", quantization="q8_0")
+# ```
+# ```bash
+# .venv/bin/minivllm generate "The capital of France is"                      # the blocks
+# .venv/bin/minivllm generate --quantization none "The capital of France is"  # float32
+# ```
+
+# %% [markdown]
+# **int8 activations (opt-in).** `--activation-dtype int8` (`LLM(..., activation_dtype="int8")`,
+# on `serve`, `chat`, `generate` and `bench throughput`; default `auto`, float32 x) quantizes x
+# as llama.cpp does, per 32 values to int8 with a float16 scale, and multiplies the Q4_0, Q4_1
+# and Q8_0 blocks by integer dot products (the K-quants keep float x). It gives other numbers
+# than the float path, which is why it is off by default; it needs quantized weights (`gguf`
+# or `q8_0`, else an error names the field). The reference is
+# `minivllm/model/layers/quantization/int8_activations.py`; the kernel
+# `minivllm/cpu/csrc/gguf_int8.cpp`, bit for bit the reference's results.
+#
+# A tensor type outside that list is refused at load, naming the tensor and its
+# type. Tensor parallelism splits the blocks by output rows, and by input columns
+# only on block boundaries (else an error says where the split would fall).
+# lm-eval unchanged: the server on the blocks (`--quantization gguf`) scores lm-eval's
+# `local-completions` multiple-choice task (`tests/lm_eval_tasks`) with the float32
+# path's accuracy, each choice's loglikelihood within 1e-3 nats of it
+# (`tests/test_openai_surface_clients.py`); `/stats` says which weights a server holds.
+#
+# How the kernels compute on the blocks, and everything they measured (per product, end to end, against llama.cpp): [the GGUF records](../figures/records/gguf-kernels.md), collected in [figures/RESULTS.md](../figures/RESULTS.md).
+
+# %% [markdown]
 # ## Summary
 #
 # - A GGUF matrix is rows of blocks; a Q4_1 block is a float16 scale `d`, a float16
@@ -454,5 +497,5 @@ print(f"{answer_5:.0%} of the 8B model's ceiling, against {share.roofline_s / sh
 #   vanish, and the kernels' stream rate is what is left.
 #
 # **Try next:** `minivllm bench throughput --quantization gguf --backend llama.cpp`
-# against llama.cpp on the same file (README, Benchmarks); Q4_K and Q6_K files from a
+# against llama.cpp on the same file (`figures/RESULTS.md`, benchmarks); Q4_K and Q6_K files from a
 # model hub load the same way, and their blocks dequantize in `ggml_types.py`.

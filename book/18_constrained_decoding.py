@@ -357,6 +357,64 @@ assert batch_mask.numel() * batch_mask.element_size() == mask_bytes_32
 # %%
 llm.shutdown()
 # %% [markdown]
+# ## In practice: structured outputs and tools
+#
+# Constrain an answer to a JSON schema, any JSON object, a regex, a choice or an
+# EBNF grammar (compiled with [xgrammar](https://github.com/mlc-ai/xgrammar); at
+# each step the tokens that would break it are masked):
+#
+# ```python
+# from minivllm import LLM, SamplingParams
+# from minivllm.sampling_params import StructuredOutputsParams
+#
+# schema = {"type": "object", "properties": {"city": {"type": "string"}},
+#           "required": ["city"]}
+# params = SamplingParams(temperature=0, max_tokens=60,
+#                         structured_outputs=StructuredOutputsParams(json=schema))
+# print(LLM().chat([{"role": "user", "content": "Capital of France, as JSON?"}],
+#                  params)[0].outputs[0].text)
+# ```
+
+# %% [markdown]
+# The server takes OpenAI's `response_format` (`json_object`, `json_schema`),
+# vLLM's `structured_outputs` body field (and its older `guided_json`,
+# `guided_regex`, `guided_choice`, `guided_grammar`), and `tools` with
+# `tool_choice` (see "Tool calls" below). `structured_outputs: {"disable_any_whitespace": true}` stops a model
+# from padding JSON with whitespace. Also: `logit_bias`, `allowed_token_ids`,
+# `bad_words`, `prompt_logprobs` (offline `SamplingParams(prompt_logprobs=N)`),
+# completions `echo` with `logprobs` (`lm-eval --model local-completions` works),
+# `/tokenize` and `/detokenize`. OpenAI fields with no meaning here (`store`,
+# `metadata`, `service_tier`, ...) are accepted and named once in the server log;
+# unknown fields are a 400. `minivllm bench structured` measures the mask's cost
+# per step, free and constrained side by side.
+#
+# ### Tool calls
+#
+# `tools` with `tool_choice`:
+# - a named function: the answer is constrained to its parameter schema;
+# - `"required"`: a JSON list of calls, each one of the tools with its own
+#   schema (one call only with `parallel_tool_calls: false`);
+# - `"auto"` (OpenAI's default when `tools` are given): the model answers freely
+#   and a tool parser reads its calls. As in vLLM this needs
+#   `minivllm serve --enable-auto-tool-choice --tool-call-parser hermes`; without
+#   it "auto" is a 400 naming `tool_choice`. The `hermes` parser reads
+#   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (text before the
+#   first tag is the content). A template that ignores tools (SmolLM2's) is told
+#   of them and of that format in a system message; SmolLM2-135M seldom calls.
+# - `"none"`: plain text.
+
+# %% [markdown]
+# Calls come back as `message.tool_calls` with `finish_reason: "tool_calls"`.
+# Streamed as OpenAI streams them: per call a first delta with `id`, `type`,
+# `function.name` and `arguments: ""`, then `function.arguments`, sent once the call
+# is complete (its JSON whole), so the streamed answer equals the non-streamed one
+# (the arguments are the model's own JSON text). `role: "tool"` messages go back
+# into the history. A call cut short by `max_tokens` is never returned or streamed
+# as a call: the complete calls before it are calls, and its text (from the cut call
+# on) is the `content`, with `finish_reason: "length"`, streamed or not; a free
+# (`"auto"`) answer with no complete call is all content.
+
+# %% [markdown]
 # ## Summary
 #
 # - Constrained decoding is a mask on the logits: before sampling, every token that

@@ -263,6 +263,74 @@ hits = tuple(llm.generate([prompt], greedy, use_tqdm=False, lora_request=lo)[0]
 assert answer_3 == hits
 
 # %% [markdown]
+# ## In practice: serving many adapters
+#
+# One copy of the base weights serves many PEFT LoRA fine-tunes, and one step
+# mixes requests for different adapters and for the base model (the Punica /
+# S-LoRA idea, with vLLM's interface). Greedy tokens equal PEFT's `PeftModel`
+# token for token (`tests/test_lora*.py`).
+#
+# ```python
+# from minivllm import LLM, LoRARequest, SamplingParams
+# llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=8)
+# sql = LoRARequest("sql", 1, "/path/to/peft/sql-adapter")      # adapter_config.json +
+# poem = LoRARequest("poem", 2, "/path/to/peft/poem-adapter")   # adapter_model.safetensors
+# outs = llm.generate(["...", "...", "..."], SamplingParams(temperature=0),
+#                     lora_request=[sql, poem, None])           # None: the base model
+# ```
+# ```bash
+# .venv/bin/minivllm serve --enable-lora --max-loras 4 --lora-modules sql=/path/sql \
+#     '{"name": "poem", "path": "/path/poem", "base_model_name": "SmolLM2-135M-Instruct"}'
+# # a request picks one with "model": "sql"; /v1/models lists them with their "parent";
+# # an unknown name is a 404. With MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1:
+# curl -X POST localhost:8000/v1/load_lora_adapter -d '{"lora_name": "x", "lora_path": "/p"}' \
+#      -H 'Content-Type: application/json'      # and /v1/unload_lora_adapter {"lora_name": "x"}
+# .venv/bin/minivllm bench throughput --lora-modules random:4 --num-prompts 32   # vs the base
+# ```
+
+# %% [markdown]
+# - **Adapters** (`minivllm/lora/peft_loader.py`): PEFT's folder format, any subset of
+#   `q/k/v/o/gate/up/down_proj`, rank up to `max_lora_rank`, `lora_alpha / r` scaling
+#   (`lora_alpha / sqrt(r)` with `use_rslora`), folded into B once. Refused before the
+#   request is registered, with the field, the value and what is allowed: a rank over
+#   `max_lora_rank`, a module the model does not have, tensors shaped for another base
+#   model, a missing or corrupt file, DoRA / `modules_to_save` / per-module ranks, one
+#   `lora_int_id` used for two adapters (400 in the server).
+# - **One step, many adapters** (`punica.py`, `layers.py`): every token carries its
+#   adapter's slot (-1: base); each wrapped layer holds all slots' factors stacked and
+#   adds `expand(shrink(x))` to its output through a forward hook (the base layer, its
+#   weights and its CPU twin stay as they are). The fused qkv and gate_up layers stack
+#   their modules' A along the rank and place B block-diagonally, so one shrink and one
+#   expand serve q, k and v.
+# - **Slots and caches** (`model_manager.py`): `max_loras` slots filled from an LRU cache
+#   of `max_cpu_loras` loaded adapters; the scheduler never admits a request for an
+#   adapter beyond `max_loras` running ones (it waits, passed over by others, and no
+#   adapter in use is evicted). Prefix-cache block hashes carry the adapter id as an
+#   extra key, so no prompt reuses another adapter's KV.
+# - **Tensor parallelism**: the factors are split like the weight they wrap, with the base
+#   layer's own `shard_rows` / `shard_cols`: B by output rows for qkv / gate_up, A by input
+#   columns for o / down, whose `[T, R]` shrink result is all-reduced before the expand.
+# - **With speculative decoding and quantized weights**: the verification pass applies each
+#   request's adapter to its draft tokens too (the draft model, as in vLLM, proposes without
+#   adapters), and a quantized base (`quantization="gguf"` / `"q8_0"`) takes adapters on
+#   top of its blocks; greedy tokens stay PEFT's in both (`tests/test_lora_engine.py`).
+# - **The CPU path** (`minivllm/cpu/lora.py`, `minivllm/cpu/csrc/lora.cpp`): each wrapped
+#   layer's shrink and expand are one call each for all the step's adapters, Punica-style
+#   BGMV kernels (AVX-512 or AVX2) that take every token's slot, group the tokens by slot
+#   themselves and read each adapter's factors once; a fused layer's block-diagonal B
+#   (q/k/v, gate/up) is read only where it is not zero. The decode-step replay (one C++
+#   call per decode step) **includes the delta**: after each of the 120 products it calls
+#   the same kernels on the same factors, so LoRA decode steps stay one call, bit for bit
+#   the layers' results (`tests/test_lora_kernels.py`). Prefill and mixed steps run the
+#   layers, whose LoRA hook calls the kernels; `cpu_kernels=False` keeps `punica.py`.
+# - **Metrics**: `minivllm:lora_requests_info` on `/metrics` (vLLM's: labels
+#   `running_lora_adapters`, `waiting_lora_adapters`, `max_lora`), the same counts in
+#   `/stats`, and the adapter of each request in the step trace (`StepRecord.loras`).
+
+# %% [markdown]
+# What 4 adapters cost a batch of 32, measured: [the record](../figures/records/lora.md), in [figures/RESULTS.md](../figures/RESULTS.md).
+
+# %% [markdown]
 # ## Summary
 #
 # - A LoRA fine-tune is a pair of thin matrices per wrapped layer; many of them share one

@@ -349,6 +349,96 @@ assert abs(answer_3 - (t.end - t.start)) < 1e-9
 print(f"{t.num_bytes / 1e6:.0f} MB in {1e3 * answer_3:.2f} ms")
 
 # %% [markdown]
+# ## In practice: connectors, prefill and decode apart, an offload tier
+#
+# A KV *connector* moves a prompt's KV blocks into or out of an engine, so that
+# the engine computes only the rest. vLLM's V1 design and names
+# (`minivllm/distributed/kv_transfer/`, the seam): a scheduler half
+# (`get_num_new_matched_tokens`, `update_state_after_alloc`,
+# `build_connector_meta`, `request_finished`) beside the scheduler, which counts
+# the tokens a connector supplies as computed; a worker half (`start_load_kv`,
+# `wait_for_layer_load`, `save_kv_layer`, `wait_for_save`, `get_finished`) around
+# the model runner's forward. vLLM's `kv_transfer_config`:
+#
+# ```python
+# # a producer saves each prompt's full blocks, named by their prefix-cache hashes
+# LLM(kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer",
+#                         "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}})
+# # a consumer (another process, a later run) loads them instead of computing them
+# llm = LLM(kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer",
+#                               "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}})
+# llm.generate(prompt)[0].num_cached_tokens    # prompt tokens that came from the store
+# # blocks the primary pool evicts go to 2 GiB of host memory (LRU), and come back on a hit
+# LLM(kv_offloading_size=2, kv_offloading_backend="native")
+# ```
+
+# %% [markdown]
+# Disaggregated prefill and decode (`P2pConnector`, over ZeroMQ): the prefill
+# server computes the prompt and one token, keeps the blocks and answers with
+# `kv_transfer_params` (its address, the request and block ids); the decode
+# server gets those and pulls the blocks while its other requests keep stepping
+# (the request waits aside, `WAITING_FOR_REMOTE_KVS`). The proxy does the two
+# calls and streams the decode server's answer:
+#
+# ```bash
+# .venv/bin/minivllm serve --port 8100 --kv-transfer-config '{"kv_connector": "P2pConnector", "kv_role": "kv_producer"}'
+# .venv/bin/minivllm serve --port 8200 --kv-transfer-config '{"kv_connector": "P2pConnector", "kv_role": "kv_consumer"}'
+# .venv/bin/minivllm disagg-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+# ```
+#
+# The decode server's `usage.prompt_tokens_details.cached_tokens` counts the
+# prompt tokens it did not compute. What is guaranteed, and tested
+# (`tests/test_kv_transfer.py`, `tests/test_disagg_proxy.py`): greedy tokens equal
+# a single engine's for every connector, offline and through the proxy (chat and
+# completions, streamed or not), with chunked prefill and under preemption on
+# the consumer; a missing stored block ends the match, a corrupt one fails its
+# SHA-256 when loaded and the request is recomputed; the prefill side frees its
+# blocks once they are pulled, or after `timeout_s` (default 10 s) if nobody
+# comes; a pull that gets no answer within `timeout_s` (the prefill server died)
+# makes the decode side compute the prompt itself, and a proxy whose prefill
+# server is down sends the request to the decode server alone. Limits: one
+# rank (`tensor_parallel_size=1`), prefix caching on (blocks are named by its
+# hashes), no speculative decoding with a connector; on a CPU each layer's load
+# is awaited before the forward and its save done after it (no copy engine to
+# overlap with).
+
+# %% [markdown]
+# The disaggregated pair and the offload tier measured on a 2-core machine: [the record](../figures/records/kv-transfer.md), in [figures/RESULTS.md](../figures/RESULTS.md).
+#
+# ### Simulated: prefill and decode pools, an offload tier
+#
+# `minivllm simulate` (chapter 23) runs the same flow at scale:
+# each request is prefilled on one of `--num-prefill-replicas` with one output
+# token, its prompt's full blocks cross that replica's KV link
+# (`--kv-link-bandwidth` GB/s, transfers queued one after another), and one of
+# `--num-decode-replicas` computes the prompt's tail and generates, the real
+# scheduler counting the transferred tokens as computed (the P2P consumer's
+# flow). `--kv-offloading-size GiB` gives every replica that prefills the real
+# `OffloadingConnector`'s scheduler half; its loads are priced at
+# `--kv-offloading-bandwidth` GB/s. The assumptions are printed beside the
+# numbers (and written to `--output` under `pools`):
+#
+# ```bash
+# # two H100s either way: colocated replicas, or one prefill + one decode
+# .venv/bin/minivllm simulate --model llama-3-8b --hardware h100-sxm --num-replicas 2 \
+#     --random-input-len 1024 --random-output-len 128 --request-rate 32 --goodput ttft:300 tpot:15
+# .venv/bin/minivllm simulate --model llama-3-8b --hardware h100-sxm \
+#     --num-prefill-replicas 1 --num-decode-replicas 1 --kv-link-bandwidth 50 \
+#     --random-input-len 1024 --random-output-len 128 --request-rate 32 --goodput ttft:300 tpot:15
+# ```
+
+# %% [markdown]
+# `minivllm.lab.sim.disagg.goodput_sweep` runs layouts over request rates (chapter
+# 20 draws it). Tested (`tests/test_sim_disagg.py`) against the colocated
+# simulator: with an instant link one request's tokens are the same and every
+# token is later by exactly the price of the decode side's tail step; many
+# requests keep their tokens and the decode pool computes only what was not
+# transferred; transfer time is bytes / bandwidth with the bytes from the
+# model's config; the offload tier raises the prefix hit rate of a multi-turn
+# workload whose history exceeds the pool, and its loads cost blocks x block
+# bytes / host bandwidth.
+
+# %% [markdown]
 # ## Summary
 #
 # - A KV connector has two halves. The scheduler half says how many of a prompt's
@@ -369,6 +459,6 @@ print(f"{t.num_bytes / 1e6:.0f} MB in {1e3 * answer_3:.2f} ms")
 # - `minivllm simulate --num-prefill-replicas 2 --num-decode-replicas 1
 #   --kv-link-bandwidth 10` and other ratios: where does the prefill queue, where the link?
 # - `minivllm disagg-proxy` in front of two `minivllm serve` processes with the
-#   `P2pConnector` (README, "KV transfer").
+#   `P2pConnector` ("In practice" above).
 # - `minivllm simulate --dataset-name multiturn --num-kv-blocks 2000
 #   --kv-offloading-size 64`: the offload tier's hit rate at scale.

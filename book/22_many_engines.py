@@ -301,7 +301,8 @@ assert fleet["kv_aware"] >= 2 * fleet["round_robin"] and fleet["kv_aware"] >= 0.
 # %% [markdown]
 # With real servers behind `minivllm router`, concurrent sessions and real timing,
 # `minivllm simulate validate --fleet` compares the two fleets per policy. Its recorded
-# run (on a shared 2-core machine: see the README for what that does to TTFT):
+# run (on a shared 2-core machine: see the fleet's records in `figures/RESULTS.md` for
+# what that does to TTFT):
 
 # %%
 record = Path("../figures/fleet_validation.json")
@@ -400,6 +401,124 @@ for llm in engines:
     llm.shutdown()
 
 # %% [markdown]
+# ## In practice: a fleet behind `minivllm router`
+#
+# When one engine is not enough, run several replicas (each a full `minivllm serve`,
+# its own engine and KV cache) behind `minivllm router`, which speaks the same OpenAI
+# API (chat and completions, streaming, `/v1/models`) and picks a replica per request:
+#
+# ```bash
+# for i in 1 2 3; do
+#   minivllm serve --port 800$i --kv-events-config \
+#     "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:557$i\"}" &
+# done
+# minivllm router --port 8000 --policy kv_aware \
+#     --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 --replica http://127.0.0.1:8003 \
+#     --kv-events tcp://127.0.0.1:5571 --kv-events tcp://127.0.0.1:5572 --kv-events tcp://127.0.0.1:5573
+# ```
+#
+# Replicas are URLs, so a fleet across hosts is the same command with other
+# hosts' addresses: each host runs `minivllm serve --host 0.0.0.0` and binds its KV
+# events on `tcp://*:PORT`; the router connects to `http://hostB:8001` and
+# `tcp://hostB:5571`. Nothing is shared between replicas but the router.
+
+# %% [markdown]
+# **Policies** (`minivllm/routing/policy.py`, the same code the simulator's
+# `--router` runs): `round_robin` (in turn), `least_loaded` (fewest requests in
+# flight), `prefix_aware` (the replica the router itself sent the longest start of
+# this prompt to: a guess from history, blind to evictions), `kv_aware` (the replica
+# whose prefix cache *holds* the longest start of the prompt, from its KV events).
+# The cache-aware two only consider replicas with at most `--balance-slack` (4) more
+# requests in flight than the least loaded, and break ties by load. They match the
+# prompt on the engines' own block-hash chain, with the tokens a replica's
+# `/tokenize` gives (its tokenizer and chat template); `--block-size` must be the
+# replicas'.
+#
+# **Faults**: a failed connect, a 5xx, or a failed `/health` probe (every
+# `--health-interval` s, `--health-timeout` s each) takes a replica out of rotation at
+# once; a request that had not sent the client a byte goes to another replica
+# (`X-Minivllm-Replica` says which one answered); a stream that already sent tokens
+# ends with an error event naming the replica, then `data: [DONE]`; a replica that
+# stops answering without dying (SIGSTOP, a hung host) is caught by the probe, and
+# the requests waiting on it end or move then. A replica that answers its probe
+# again is back in rotation. The router keeps no request state a restart loses
+# silently: clients in flight see their connection drop, the KV index is rebuilt from
+# the events (replayed from the replica's replay socket when given), and only
+# `prefix_aware`'s history starts empty. `/metrics` has, per replica,
+# `minivllm_router_replica_up`, `_in_flight`, `minivllm_router_requests_routed_total`,
+# `minivllm_router_replica_failures_total` and `minivllm_router_replica_cached_blocks`;
+# `/stats` the same as JSON plus each routing decision.
+
+# %% [markdown]
+# **KV events** (`--kv-events-config` on `serve`, `kv_events_config={...}` on `LLM`;
+# vLLM's dict: `enable_kv_cache_events`, `publisher` (`"zmq"`, or `"null"`), `endpoint`
+# (a ZeroMQ PUB address: bound if it has `*` or is `ipc://`, else connected to),
+# `replay_endpoint` (optional ROUTER address), `buffer_steps` (batches kept for
+# replay), `hwm`, `topic`). The block pool records every change of the prefix cache;
+# the engine core publishes each step's changes as one batch, a three-frame message
+# `[topic, seq, payload]`:
+#
+# | field | meaning |
+# |---|---|
+# | `seq` | 8-byte big-endian batch number from 0; a jump means lost batches, a step back an engine restarted (empty cache) |
+# | payload | msgpack `[ts, [event, ...]]`: publication time (Unix seconds), events in the order they happened |
+# | `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]` | full blocks entered the prefix cache: their hashes in chain order; the hash of the block before the first (nil at a sequence start); the tokens of all of them (`block_size` each); the adapter id / name whose K/V they hold (nil: the base model); `medium` nil |
+# | `["BlockRemoved", block_hashes, medium]` | blocks left the cache (evicted for new contents) |
+# | `["AllBlocksCleared"]` | the prefix cache was reset |
+#
+# A block hash is the 32-byte SHA-256 digest that names the block inside the engine
+# (`hash_block_tokens`: parent hash, the tokens as little-endian int64, the extra
+# keys), sent whole as bytes, so `hash_block_tokens(parent, token_ids)` recomputes
+# each one and a subscriber's set equals the engine's exactly
+# (`tests/test_kv_events.py` checks both, through evictions, a reset and a
+# subscriber that joined late). To resynchronise, send `[b"", seq]` from a DEALER
+# socket to the replay endpoint: the kept batches from `seq` on come back as
+# `[b"", seq, payload]`, then `[b"", -1, b""]`. `minivllm.distributed.kv_events.KVEventSubscriber`
+# does all of this (the router uses it).
+
+# %% [markdown]
+# **Sizing a fleet with the simulator** (Llama-3-8B on H100, the uncalibrated preset):
+# how many replicas does an agent workload need for p90 TTFT under 60 ms? 200
+# sessions of 4 turns (1,024-token shared system prompt, 512-token user turns,
+# 256-token answers, 5 s think time), 8 new sessions per second:
+#
+# ```bash
+# for n in 1 2 3 4 6; do for r in round_robin kv_aware; do
+#   minivllm simulate --model llama-3-8b --hardware h100-sxm --dataset-name multiturn \
+#     --num-prompts 800 --multiturn-num-turns 4 --multiturn-system-len 1024 \
+#     --multiturn-user-len 512 --multiturn-output-len 256 --multiturn-think-time 5 \
+#     --request-rate 8 --max-num-batched-tokens 8192 --max-model-len 8192 \
+#     --num-replicas $n --router $r
+# done; done
+# ```
+#
+# | replicas | round_robin p90 / median TTFT, hit rate | kv_aware p90 / median TTFT, hit rate |
+# |---|---|---|
+# | 1 | 2664 / 85 ms, 80 % | 2664 / 85 ms, 80 % |
+# | 2 | 79 / 41 ms, 65 % | 59 / 37 ms, 78 % |
+# | 3 | 71 / 38 ms, 58 % | 41 / 27 ms, 78 % |
+# | 4 | 80 / 39 ms, 53 % | (not run) |
+# | 6 | 82 / 39 ms, 49 % | (not run) |
+#
+# One replica cannot keep up; with cache-aware routing two meet the 60 ms target,
+# while round robin meets it with none of these counts: each added replica dilutes
+# the cache (hit rate 65 % down to 49 %) and the recomputed history keeps the p90
+# above 70 ms. Across hosts nothing changes but the URLs: the simulator's replicas are
+# the router's.
+
+# %% [markdown]
+# **Data parallelism**: `--data-parallel-size` is accepted only as 1. vLLM's internal
+# data parallelism runs N engine cores behind one API server; here the replicas are
+# separate servers behind `minivllm router` instead, on purpose: the same routing
+# code then works across hosts, a dead replica is one process the router routes
+# around (not an API server with a hole in it), and the simulator's fleet is the
+# same shape. One API process in front of N cores would also funnel every token of
+# every replica through one Python process's detokenizer, which on a CPU is the
+# first thing to saturate.
+#
+# The router's fleet measured against the simulator's, set by set: [the fleet's records](../figures/records/fleet.md), in [figures/RESULTS.md](../figures/RESULTS.md).
+
+# %% [markdown]
 # ## Summary
 #
 # - Replicas do not share a KV cache, so *where* a request goes decides what it
@@ -418,7 +537,7 @@ for llm in engines:
 # ## What to try next
 #
 # - Start three `minivllm serve` replicas with `--kv-events-config` and
-#   `minivllm router --policy kv_aware` (README, "A fleet"), run `bench serve
+#   `minivllm router --policy kv_aware` ("In practice" above), run `bench serve
 #   --dataset-name multiturn` through it, and kill a replica mid-run.
 # - Give the replicas `num_kv_blocks=24`: when does `BlockRemoved` start to appear,
 #   and what does `prefix_aware` (which never hears of evictions) get wrong?

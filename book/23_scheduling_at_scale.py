@@ -410,6 +410,63 @@ steps = alone.run([long_req]).traces[0]
 assert prefill_steps == sum(r.scheduled.get("long", (0, ""))[1] == "prefill" for r in steps)
 
 # %% [markdown]
+# ## In practice: `minivllm simulate`
+#
+# `minivllm simulate` runs the engine's own `Scheduler`, `KVCacheManager` and
+# `BlockPool`, unchanged, over a simulated executor: each step's duration comes from a
+# cost model, time is virtual, and the model is only its `config.json` (no weights).
+# The same command line as `bench serve` describes the workload (the random dataset
+# draws the same prompt and output lengths, send times and priorities in both), and
+# `--output` writes the same JSON keys plus the step trace:
+#
+# ```bash
+# minivllm simulate --model llama-3-8b --hardware h100-sxm \
+#     --dataset-name random --random-input-len 1024 --random-output-len 128 \
+#     --num-prompts 10000 --request-rate 50 --max-num-batched-tokens 8192 --output sim.json
+# minivllm simulate --dataset-name multiturn --num-replicas 4 --router prefix_aware ...
+# minivllm simulate calibrate --output cpu.json   # fit the cost model to this machine
+# minivllm simulate --model smollm2-135m --hardware cpu.json ...
+# ```
+
+# %% [markdown]
+# - Models: `llama-3-8b`, `llama-3-70b`, `qwen3-8b`, `smollm2-135m` (their published
+#   configs), a model folder or a `config.json`. Hardware: `h100-sxm`, `h200`,
+#   `a100-80g`, `l4` (data-sheet peaks), `cpu` (this machine as `bench roofline`
+#   measures it) or a calibration file.
+# - Cost model (`minivllm/lab/sim/cost_model.py`): per step, per operator group (the
+#   layers' matrix products at the step's token rows; the LM head at its sampling
+#   rows, so a lone prefill's head streams the vocabulary's weights beside layers that
+#   wait on FLOP/s; attention over each sequence's context; tensor-parallel
+#   all-reduces) `max(FLOPs / (peak x efficiency),
+#   bytes / (bandwidth x efficiency))` (for a calibrated CPU, the matrix products'
+#   peak for the step's token rows and decode attention's own K/V bandwidth, both
+#   measured on the engine's kernels), plus fixed per-step, per-sequence and per-token
+#   overheads; the weights are priced in the bytes the engine keeps them in (a GGUF
+#   model's blocks: 0.72 bytes a weight for the default file, its Q4_1 matrices and
+#   Q8_0 head). Assumed: no overlap between groups, full overlap inside one; the GPU
+#   presets' efficiencies (0.6 of peak FLOP/s, 0.8 of bandwidth, 0.5 for attention,
+#   1 ms per step) are guesses that `calibrate` replaces on a machine you can measure.
+#
+# ### Calibrating the cost model
+#
+# ```bash
+# minivllm simulate calibrate --output cpu.json [--steps steps.npz] [--no-serve] [--no-corun]
+# minivllm simulate calibrate --from-steps steps.npz --output cpu.json   # refit, no engine
+# minivllm simulate validate --calibration cpu.json --rates 1.5 3 6 --num-prompts 40 \
+#     --input-len 96 --output-len 48 [--real-repeats 3]   # a workload the calibration never saw
+# ```
+
+# %% [markdown]
+# Every engine and server these commands start runs `--quantization` (default `none`:
+# float32 weights, what the simulator's model spec prices), passed to `LLM` and to
+# `serve` and recorded in the output (the calibration's `source`, validate's
+# `quantization`: requested and resolved), so a calibration and a validation describe
+# the same engine whatever the library's `quantization="auto"` resolves to; `gguf`
+# runs the .gguf model's own blocks, and the simulator then prices their bytes.
+#
+# What `calibrate` measures and fits, the validation against real runs and vLLM's published numbers: [the simulator's records](../figures/records/simulator.md), in [figures/RESULTS.md](../figures/RESULTS.md); the API: `minivllm/lab/sim/__init__.py`.
+
+# %% [markdown]
 # ## Summary
 #
 # - The simulator is the engine with one part swapped: the executor prices each step

@@ -128,7 +128,7 @@ def test_router_arguments_name_themselves():
 
 
 def test_kv_aware_keeps_twice_round_robins_cache_on_multi_tenant_sessions():
-    """The fleet workload of chapter 22 and the README: tenants with system prompts of
+    """The fleet workload of chapter 22 and the fleet's records: tenants with system prompts of
     their own and histories that outgrow them, as multi-tenant traffic has, on
     replicas whose pools hold each session once but not once per replica. kv_aware
     keeps each history on one replica: at least 2x round robin's cached tokens and
@@ -157,7 +157,7 @@ def test_the_fleet_validation_s_default_workload_keeps_kv_aware_s_lead_over_arri
     (``--plan``): over several session schedules and timing jitters (the order in
     which concurrent turns reach the router, which real timing decides), kv_aware
     keeps about twice round robin's cached tokens in the median (1.9x here, 2.06x over
-    60 draws with set 16's calibration: README "A fleet"), never falls near round
+    60 draws with set 16's calibration: figures/records/fleet.md), never falls near round
     robin's, and finds nearly all that one big replica finds. The prompts
     are the replicas' own tokenization (the chat template) of the sessions."""
     import argparse

@@ -125,7 +125,7 @@ def test_bad_priority_classes_name_the_flag(bad, capsys):
 
 def test_the_gpu_presets_against_vllms_published_latency(tmp_path, capsys):
     """Validation (3): each preset within 30 % of vLLM's own nightly measurement
-    (the table in the README is this command's output)."""
+    (figures/records/simulator.md quotes this command's output)."""
     from minivllm.lab.sim.published import PUBLISHED
 
     out = tmp_path / "published.json"

@@ -258,7 +258,7 @@ def test_a_terminated_validation_stops_the_servers_it_started(tmp_path):
 
 
 def test_calibration_warns_when_the_machine_speed_moved(capsys):
-    """Set 12 (README "A fleet"): part 2 measured a lone served prefill at 1.26x part 1's
+    """Set 12 (figures/records/fleet.md): part 2 measured a lone served prefill at 1.26x part 1's
     price, and the real single replica came out 1.26x the prediction; such a
     calibration must say so, and one within SPEED_MOVED of its price must not."""
     from minivllm.lab.sim.calibrate_serving import SPEED_MOVED, warn_speed_moved

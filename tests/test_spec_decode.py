@@ -60,7 +60,7 @@ def test_lookup_bounds_fill_each_other_as_in_vllm():
     only_min = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_min": 3})
     assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (3, 3)
-    # Neither: the 2..5 that README.md documents (vLLM's is 5..5, see SpeculativeConfig).
+    # Neither: the 2..5 that chapter 17 documents (vLLM's is 5..5, see SpeculativeConfig).
     neither = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
     assert (neither.prompt_lookup_min, neither.prompt_lookup_max) == (2, 5)
     from minivllm.config import DEFAULT_DISABLE_BY_BATCH_SIZE

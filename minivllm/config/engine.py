@@ -196,7 +196,7 @@ class EngineArgs:
         KVEventsConfig.from_dict(self.kv_events_config)
         check_int("data_parallel_size", self.data_parallel_size, 1, 1,
                   allowed="must be 1: run N `minivllm serve` replicas behind `minivllm "
-                  "router --replica URL ...` instead (README, 'A fleet')")
+                  "router --replica URL ...` instead (chapter 22, 'In practice')")
         check_quantization(self.quantization)
         check_activation_dtype(self.activation_dtype)
 

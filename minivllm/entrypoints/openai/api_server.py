@@ -18,6 +18,16 @@ Routes:
 Every error has OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``. With ``--api-key`` the ``/v1`` routes need ``Authorization:
 Bearer <key>``. A client that disconnects aborts its request in the engine.
+
+Usage (every engine argument is a flag; ``minivllm serve --help`` lists them)::
+
+    minivllm serve [MODEL] --port 8000            # 127.0.0.1 unless --host 0.0.0.0
+    minivllm serve --api-key secret --max-num-seqs 32
+    minivllm serve --inprocess                    # the engine core in this process (a debugger)
+    minivllm serve --enable-auto-tool-choice --tool-call-parser hermes   # tool_choice "auto"
+
+Chapter 11 teaches the two processes and has the server's guide ("In practice"), the
+Responses API included; chapter 18 structured outputs and tools.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The README's benchmark table, from the JSON files ``bench throughput`` wrote.
+"""A benchmark table from the JSON files ``bench throughput`` wrote (figures/bench_table*.md,
+shown in figures/RESULTS.md).
 
     python -m minivllm.lab.bench.report figures/bench_throughput_*.json
 

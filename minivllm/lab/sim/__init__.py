@@ -4,7 +4,28 @@
     sim = Simulator(load_model_config("llama-3-8b"), load_hardware("h100-sxm"))
     result = sim.run(random_requests(1000, 512, 128, 128256, request_rate=20))
 
-``minivllm simulate`` is the same from the command line.
+``minivllm simulate`` is the same from the command line: the engine's own ``Scheduler``,
+``KVCacheManager`` and ``BlockPool``, unchanged, over a simulated executor whose step
+durations come from a cost model (``cost_model.py``), in virtual time, the model only its
+``config.json``. The workload flags are ``bench serve``'s, and ``--output`` writes its JSON
+keys plus the step trace::
+
+    minivllm simulate --model llama-3-8b --hardware h100-sxm \
+        --dataset-name random --random-input-len 1024 --random-output-len 128 \
+        --num-prompts 10000 --request-rate 50 --max-num-batched-tokens 8192 --output sim.json
+    minivllm simulate --dataset-name multiturn --num-replicas 4 --router prefix_aware ...
+    minivllm simulate calibrate --output cpu.json   # fit the cost model to this machine
+    minivllm simulate --model smollm2-135m --hardware cpu.json ...
+    minivllm simulate validate --calibration cpu.json   # against a real serve + bench serve
+    minivllm simulate validate --fleet                  # a real fleet behind the router
+    minivllm simulate published                         # against vLLM's published latency
+
+Models: ``llama-3-8b``, ``llama-3-70b``, ``qwen3-8b``, ``smollm2-135m``, a model folder or
+a ``config.json``. Hardware: ``h100-sxm``, ``h200``, ``a100-80g``, ``l4`` (data-sheet
+peaks, efficiencies guessed), ``cpu`` (this machine as ``bench roofline`` measures it) or a
+calibration file. Chapter 23 teaches it (its "In practice" cell has the details);
+figures/records/simulator.md and figures/records/fleet.md (collected in
+figures/RESULTS.md) record the calibration's method and every validation run.
 """
 
 from minivllm.core.clock import VirtualClock

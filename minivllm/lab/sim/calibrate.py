@@ -331,7 +331,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="calibrate_model", default=None,
                         help="model folder for the real engine (default: the default model)")
     # 4: on a quiet machine the steps are short, and the scale-1 workload left
-    # per_seq_overhead_s unidentified (refused); 4x the decode steps pin it (README).
+    # per_seq_overhead_s unidentified (refused); 4x the decode steps pin it
+    # (figures/records/simulator.md).
     parser.add_argument("--scale", type=float, default=4.0,
                         help="output lengths of the calibration workload times this "
                         "(default 4; smaller: quicker, and may leave a constant unidentified)")

@@ -28,7 +28,7 @@ model:
   FLOP/s. It is compute-bound and far below the matrix products' peak, so
   pricing it at the products' peak made lone prefills of a few hundred tokens
   faster in the simulator than in the engine (the peaks are printed by
-  ``simulate calibrate``; the README has one machine's).
+  ``simulate calibrate``; figures/records/simulator.md has one machine's).
 
 Where the kernels are off (the reference path), ``engine_peaks`` returns
 None and the probes stand.

@@ -19,6 +19,14 @@ Import from the module that owns the concept::
     from minivllm.lab.viz.parallel import weight_split_figure  # tensor parallelism: shards, bytes
     from minivllm.lab.viz.export import save_key_figure        # `make figures`
 
+The plumbing a chapter needs stays out of its cells too, in tested helpers:
+``minivllm.lab.viz.source.show_source`` / ``show_csrc`` (short slices of the engine's
+Python and C++ taken at run time, never a pasted copy), ``minivllm.lab.viz.notes.timing_note``
+(the one boxed note on what measured times are worth), ``minivllm.lab.bench.args.bench_args``
+(a benchmark's command-line defaults plus overrides) and
+``minivllm.entrypoints.launch.process_gone`` / ``port_is_free`` (a stopped server left no
+process and no listener behind).
+
 plotly is an optional dependency (``pip install minivllm[book]``): importing
 this package needs nothing, importing a builder module needs plotly.
 """

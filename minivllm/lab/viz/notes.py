@@ -19,8 +19,8 @@ TIMING_RULES = (
     "The asserts check only what holds on any machine: counts, definitions and relations "
     "(a paced run cannot beat its schedule, a step of 16 sequences does more work than "
     "a step of 1).",
-    "A comparison is measured side by side in one run, and read as a ratio; the README's "
-    "numbers come from repeated runs of the benchmarks on a quiet machine.",
+    "A comparison is measured side by side in one run, and read as a ratio; the published "
+    "numbers (figures/RESULTS.md) come from repeated runs of the benchmarks on a quiet machine.",
 )
 
 

@@ -78,7 +78,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     # "default" leaves OMP_WAIT_POLICY unset, so each library runs as its users
     # run it: "passive" slows llama.cpp (its many short OpenMP regions a token
     # then sleep between ops), "active" slows minivllm (spinning threads starve
-    # its other process on a small machine); README "llama.cpp, on its own file".
+    # its other process on a small machine); figures/records/benchmarks.md,
+    # "llama.cpp, on its own file".
     parser.add_argument("--omp-wait-policy", default="default",
                         choices=["passive", "active", "default"],
                         help="OMP_WAIT_POLICY for every backend (default: left unset)")
