@@ -26,20 +26,19 @@ request that carries draft tokens (``Request.spec_token_ids``) asks for
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from minivllm.config import SchedulerConfig, is_int
 from minivllm.core.clock import MONOTONIC, Clock
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.kv_connector_hooks import (apply_kv_connector_output,
-                                               find_computed_with_connector,
-                                               release_with_connector)
 from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
-from minivllm.core.spec_decode_stats import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
 # What the model runner returns per request that reached the end of its
@@ -165,6 +164,8 @@ class Scheduler:
             else:
                 self.kv_cache_manager.free(request)
         else:
+            from minivllm.core.kv_connector_hooks import release_with_connector
+
             release_with_connector(self, request, receiving)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -270,6 +271,8 @@ class Scheduler:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
                 num_external, num_computed = 0, num_hit_tokens
             else:  # (prefix hits, then what the connector supplies from outside)
+                from minivllm.core.kv_connector_hooks import find_computed_with_connector
+
                 found = find_computed_with_connector(self, request)
                 if found is None:  # parked while its KV arrives, or no room to
                     if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -395,6 +398,8 @@ class Scheduler:
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
         if kv_connector_output is not None and not kv_connector_output.is_empty:
+            from minivllm.core.kv_connector_hooks import apply_kv_connector_output
+
             live = apply_kv_connector_output(self, scheduler_output, live, kv_connector_output)
         outputs = []
         for request in live:
@@ -455,6 +460,8 @@ class Scheduler:
         request.num_computed_tokens += so.num_scheduled_tokens[request.request_id] - k
         request.spec_token_ids, request.spec_token_probs = [], None
         if self.spec_decoding_stats is None:
+            from minivllm.core.spec_decode_stats import SpecDecodingStats
+
             self.spec_decoding_stats = SpecDecodingStats()
         self.spec_decoding_stats.observe(k, num_accepted)
         new_ids, new_logprobs, finished = [], [], False
