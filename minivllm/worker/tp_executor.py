@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.model.layers.parallel import check_tensor_parallel_sizes
+from minivllm.model.layers.tp_plan import check_tensor_parallel_sizes
 from minivllm.worker.tp_worker import (TIMEOUT_ENV, STOP_TIMEOUT, CONFIG_KEY, step_timeout, rank_device, init_process_groups, Command, WorkerError, WorkerFailed, broadcast_command, gather_replies, step_inputs_to, _env_int)
 
 # ---------------------------------------------------------------------------

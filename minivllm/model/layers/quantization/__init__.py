@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, quantize_q8_0
-from minivllm.model.layers.quantization.int8_activations import INT8_TYPES, int8_linear
 from minivllm.model.layers.quantization.tensor import QuantizedTensor, QuantizedWeight
 
 QUANTIZATION_METHODS = ("gguf", "q8_0")
@@ -62,7 +61,9 @@ class QuantizedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.config.activation_dtype == "int8":
+        if self.config.activation_dtype == "int8":  # asked for: loaded then
+            from minivllm.model.layers.quantization.int8_activations import int8_linear
+
             return int8_linear(x, layer.qweight.segments, bias)
         return F.linear(x, layer.qweight.dequantize().to(x.dtype), bias)
 
@@ -96,6 +97,6 @@ def get_quantization_config(method: Optional[str],
     return QuantizationConfig(method, activation_dtype)
 
 
-__all__ = ["BLOCK_TYPES", "INT8_TYPES", "bytes_per_weight", "QUANTIZATION_METHODS", "QuantizationConfig",
+__all__ = ["BLOCK_TYPES", "bytes_per_weight", "QUANTIZATION_METHODS", "QuantizationConfig",
            "QuantizedLinearMethod", "QuantizedTensor", "QuantizedWeight",
            "get_quantization_config"]
