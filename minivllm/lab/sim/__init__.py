@@ -7,7 +7,7 @@
 ``minivllm simulate`` is the same from the command line.
 """
 
-from minivllm.core.clock import VirtualClock
+from minivllm.lab.sim.clock import VirtualClock
 from minivllm.lab.sim.cost_model import CostModel, StepFeatures
 from minivllm.lab.sim.executor import SimExecutor
 from minivllm.lab.sim.hardware import HARDWARE_PRESETS, Hardware, load_hardware
