@@ -47,8 +47,8 @@ from minivllm.model.attention import AttentionMetadata
 from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.sampling import count_bars, filter_figure
 from minivllm.lab.viz.widgets import show_in
-from minivllm.sample.sampler import (Sampler, SamplingMetadata, SamplingRow, apply_min_p,
-                                     apply_penalties, apply_top_k_top_p)
+from minivllm.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p
+from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow
 
 llm = LLM(num_kv_blocks=64)
 model = llm.engine_core.executor.runner.model
@@ -416,19 +416,19 @@ p0_uniform = 5 / 6
 ### END SOLUTION
 
 # %% tags=["check"]
-from minivllm.sample import sampler as sampler_module
+from minivllm.sample import ops as sampler_ops
 
 two = torch.tensor([0.75, 0.25]).log().expand(20_000, 2).contiguous()
 two_md = SamplingMetadata.from_rows([SamplingRow(SamplingParams(temperature=1.0), [], [])]
                                     * 20_000, 2)
-race = sampler_module.exponential_race
-sampler_module.exponential_race = lambda probs, gens, argmax: argmax(
+race = sampler_ops.exponential_race
+sampler_ops.exponential_race = lambda probs, gens, argmax: argmax(
     probs / torch.rand_like(probs))  # the engine change: uniform noise
 try:
     torch.manual_seed(0)
     won = (Sampler()(two, two_md).sampled_token_ids == 0).float().mean().item()
 finally:
-    sampler_module.exponential_race = race
+    sampler_ops.exponential_race = race
 print(f"token 0 won {won:.4f} of the draws")
 assert abs(won - p0_uniform) < 5 * (p0_uniform * (1 - p0_uniform) / 20_000) ** 0.5
 

@@ -57,8 +57,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.linear import RowParallelLinear
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
-from minivllm.model.layers.parallel import (check_tensor_parallel_sizes, collective_stats,
-                                            expected_collective_bytes)
+from minivllm.model.layers.parallel import collective_stats
+from minivllm.model.layers.tp_plan import check_tensor_parallel_sizes, expected_collective_bytes
 from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.parallel import collective_bytes_figure, weight_shards, weight_split_figure
 

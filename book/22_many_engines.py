@@ -88,12 +88,13 @@ print(f"{N} replicas, each {engines[0].engine_core.num_blocks} blocks of {BS} to
 # ## KV events: an engine tells what it caches
 #
 # A router cannot look into a replica's memory. Each replica's block pool therefore
-# records every change of its prefix cache as plain data; when a block becomes full
+# records every change of its prefix cache as plain data (a `KVEventRecorder`, which it
+# holds only when events are on); when a block becomes full
 # and enters the cache it records a `BlockStored` with the block's hash, its parent's
 # hash and its tokens:
 
 # %%
-show_source("minivllm.core.block_pool.BlockPool._record_stored", start="runs:")
+show_source("minivllm.distributed.kv_events.KVEventRecorder.stored", start="runs:")
 
 # %% [markdown]
 # Each step, the engine core hands what the pool recorded to the publisher as one

@@ -228,7 +228,7 @@ def test_tensor_parallel_run_reports_its_collectives(tiny_chat_model, tmp_path, 
 
     import psutil
 
-    from minivllm.model.layers.parallel import expected_collective_bytes
+    from minivllm.model.layers.tp_plan import expected_collective_bytes
     from tests.helpers import WORKER_MARK
 
     tag = uuid.uuid4().hex  # marks the processes this run starts (environment)

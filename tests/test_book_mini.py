@@ -35,7 +35,7 @@ from minivllm.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from minivllm.model.attention.torch_attn import TorchAttentionBackend  # noqa: E402
 from minivllm.model.loader import load_model  # noqa: E402
 from minivllm.sampling_params import RequestOutputKind  # noqa: E402
-from minivllm.sample.sampler import apply_min_p, apply_top_k_top_p  # noqa: E402
+from minivllm.sample.ops import apply_min_p, apply_top_k_top_p  # noqa: E402
 
 
 def test_block_pool_follows_the_engine_pool():

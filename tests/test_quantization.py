@@ -101,7 +101,7 @@ def test_tensor_parallel_refuses_a_split_inside_a_block(monkeypatch):
 
 
 def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tmp_path):
-    from minivllm.model.gguf_convert import iterate_gguf
+    from minivllm.model.gguf_tensors import iterate_gguf
 
     path = tmp_path / "odd.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

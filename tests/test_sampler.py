@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.sample.sampler import (
-    Sampler, SamplingMetadata, SamplingRow, apply_min_p, apply_penalties,
-    apply_top_k_top_p, make_generator)
+from minivllm.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p
+from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
 
 def run(logits: torch.Tensor, rows: list[SamplingRow]):

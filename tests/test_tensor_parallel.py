@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.model.layers.parallel import expected_collective_bytes
+from minivllm.model.layers.tp_plan import expected_collective_bytes
 from tests.conftest import CHAT_PROMPTS, chat_ids
 from tests.helpers import (REPO, WORKER_MARK, ServerProcess, alive, free_port, wait_for,
                            worker_processes)

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from minivllm.lab.viz.sampling import (BEFORE_COLOR, KEPT_COLOR, count_bars,  # noqa: E402
                                    filter_figure)
-from minivllm.sample.sampler import apply_top_k_top_p, exponential_race  # noqa: E402
+from minivllm.sample.ops import apply_top_k_top_p, exponential_race  # noqa: E402
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # known numbers: top-p 0.7 keeps the first two
 

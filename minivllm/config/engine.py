@@ -13,24 +13,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import typing
 from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from minivllm.config.cache import CacheConfig
-from minivllm.config.kv_events import KVEventsConfig
 from minivllm.config.checks import bad, check_bool, check_choice, check_int
-from minivllm.config.kv_transfer import KVTransferConfig
 from minivllm.config.model import ModelConfig, resolve_dtype
 from minivllm.config.parallel import ParallelConfig
 from minivllm.config.quantization import (check_activation_dtype, check_quantization,
                                           quantized_model_config)
 from minivllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
-from minivllm.config.lora import LoRAConfig
-from minivllm.config.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:  # the feature sections load only when their feature is asked for
+    from minivllm.config.kv_events import KVEventsConfig
+    from minivllm.config.kv_transfer import KVTransferConfig
+    from minivllm.config.lora import LoRAConfig
+    from minivllm.config.speculative import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 
@@ -104,27 +104,13 @@ class EngineArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    # -- the command line ----------------------------------------------------
+    # -- the command line (config/cli.py) ---------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
         """One ``--kebab-case`` flag per field, typed from its annotation."""
-        group = parser.add_argument_group("engine arguments")
-        hints = typing.get_type_hints(EngineArgs)
-        for f in fields(EngineArgs):
-            if f.name == "model" and not with_model:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = hints[f.name]
-            base = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
-            if base[0] is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                   default=f.default)
-            elif base[0] is dict or typing.get_origin(base[0]) is dict:
-                group.add_argument(flag, type=json_dict(f.name), default=f.default,
-                                   metavar="JSON", help=_DICT_HELP.get(f.name))
-            else:
-                group.add_argument(flag, type=base[0], default=f.default,
-                                   metavar=f.name.upper())
+        from minivllm.config.cli import add_engine_args
+
+        add_engine_args(parser, with_model)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -135,9 +121,8 @@ class EngineArgs:
         """The checked tree; ``self.model`` must be a Hugging Face folder by now."""
         self.validate()
         lora = self._lora_config()
-        speculative = (None if self.speculative_config is None
-                       else SpeculativeConfig.from_dict(self.speculative_config))
-        kv_transfer = KVTransferConfig.from_engine_args(self)
+        speculative = self._speculative_config()
+        kv_transfer = self._kv_transfer_config()
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,11 +147,38 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             speculative=speculative, lora=lora, kv_transfer=kv_transfer,
-            kv_events=KVEventsConfig.from_dict(self.kv_events_config))
+            kv_events=self._kv_events_config())
 
+    # A feature's section is imported only when the feature is asked for.
     def _lora_config(self) -> Optional[LoRAConfig]:
+        if self.enable_lora is False:
+            return None
+        from minivllm.config.lora import LoRAConfig
+
         return LoRAConfig.from_args(self.enable_lora, self.max_loras, self.max_lora_rank,
                                     self.max_cpu_loras)
+
+    def _speculative_config(self) -> Optional[SpeculativeConfig]:
+        if self.speculative_config is None:
+            return None
+        from minivllm.config.speculative import SpeculativeConfig
+
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def _kv_transfer_config(self) -> Optional[KVTransferConfig]:
+        if (self.kv_transfer_config, self.kv_offloading_size,
+                self.kv_offloading_backend) == (None, None, None):
+            return None
+        from minivllm.config.kv_transfer import KVTransferConfig
+
+        return KVTransferConfig.from_engine_args(self)
+
+    def _kv_events_config(self) -> Optional[KVEventsConfig]:
+        if self.kv_events_config is None:
+            return None
+        from minivllm.config.kv_events import KVEventsConfig
+
+        return KVEventsConfig.from_dict(self.kv_events_config)
 
     def validate(self) -> None:
         """Every check that needs no model, so a bad argument fails before any loading."""
@@ -192,8 +204,8 @@ class EngineArgs:
         resolve_dtype(self.dtype)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         self._lora_config()
-        KVTransferConfig.from_engine_args(self)
-        KVEventsConfig.from_dict(self.kv_events_config)
+        self._kv_transfer_config()
+        self._kv_events_config()
         check_int("data_parallel_size", self.data_parallel_size, 1, 1,
                   allowed="must be 1: run N `minivllm serve` replicas behind `minivllm "
                   "router --replica URL ...` instead (chapter 22, 'In practice')")
@@ -207,34 +219,6 @@ class EngineArgs:
         return dataclasses.replace(self, **changes)
 
 
-_DICT_HELP = {
-    "kv_events_config": "publish the prefix cache's changes (vLLM's dict as JSON), e.g. "
-                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
-                        '"endpoint": "tcp://*:5557"}\'',
-    "speculative_config": "speculative decoding, vLLM's dict as JSON, e.g. "
-                          '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
-                          '\'{"method": "draft_model", "model": PATH, '
-                          '"num_speculative_tokens": 3}\'',
-    "kv_transfer_config": "a KV connector, vLLM's dict as JSON, e.g. "
-                          '\'{"kv_connector": "P2pConnector", "kv_role": "kv_producer"}\'',
-}
-
-
-def json_dict(name: str):
-    """An argparse type: a JSON object, or an error naming the flag."""
-    def parse(text: str) -> dict:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r} is not "
-                                             f"valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise argparse.ArgumentTypeError(f"--{name.replace('_', '-')}={text!r} is "
-                                             "invalid: must be a JSON object")
-        return value
-    return parse
-
-
 def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
     """``LLM(model, **kwargs)``: unknown keyword arguments name themselves."""
     allowed = set(EngineArgs.field_names())
@@ -245,4 +229,4 @@ def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
     return EngineArgs(model=model, **kwargs)
 
 
-__all__ = ["EngineConfig", "EngineArgs", "engine_args_from_kwargs", "json_dict", "ATTENTION_BACKENDS"]
+__all__ = ["EngineConfig", "EngineArgs", "engine_args_from_kwargs", "ATTENTION_BACKENDS"]

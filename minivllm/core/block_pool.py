@@ -22,11 +22,12 @@ themselves: removal is O(1) with no search.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
 from minivllm.config import check_int
-from minivllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                            KVCacheEvent)
+
+if TYPE_CHECKING:
+    from minivllm.distributed.kv_events import KVCacheEvent, KVEventRecorder
 
 
 @dataclass(eq=False)
@@ -124,8 +125,11 @@ class BlockPool:
         self.on_evict: Optional[Callable[[int, int], None]] = None
         # Changes of the prefix cache as plain records, for routers that follow
         # this cache (KV events); the engine core drains them every step.
-        self.kv_event_queue: Optional[list[KVCacheEvent]] = (
-            [] if enable_kv_cache_events and enable_caching else None)
+        self.kv_events: Optional[KVEventRecorder] = None  # None: events are off
+        if enable_kv_cache_events and enable_caching:
+            from minivllm.distributed.kv_events import KVEventRecorder
+
+            self.kv_events = KVEventRecorder()
 
     # -- state -------------------------------------------------------------
     @property
@@ -168,8 +172,8 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
-            if self.kv_event_queue is not None:
-                self.kv_event_queue.append(BlockRemoved([block.block_hash]))
+            if self.kv_events is not None:
+                self.kv_events.removed(block.block_hash)
         block.block_hash = None
         self.num_evicted += 1
 
@@ -221,34 +225,14 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
             added.append(i)
-        if added and self.kv_event_queue is not None:
-            self._record_stored(added, list(block_hashes), parent_block_hash, token_ids,
-                                block_size)
+        if added and self.kv_events is not None:
+            self.kv_events.stored(added, list(block_hashes), parent_block_hash, token_ids,
+                                  block_size)
         return len(added)
-
-    def _record_stored(self, added: list[int], hashes: list[int], parent: Optional[int],
-                       token_ids: Sequence[int], block_size: int) -> None:
-        """One BlockStored per run of consecutive new blocks (its parent is the one before)."""
-        runs: list[list[int]] = []
-        for i in added:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        for run in runs:
-            first, last = run[0], run[-1]
-            self.kv_event_queue.append(BlockStored(
-                block_hashes=[hashes[i] for i in run],
-                parent_block_hash=parent if first == 0 else hashes[first - 1],
-                token_ids=list(token_ids[first * block_size:(last + 1) * block_size]),
-                block_size=block_size))
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call (none when events are off)."""
-        if not self.kv_event_queue:
-            return []
-        events, self.kv_event_queue = self.kv_event_queue, []
-        return events
+        return self.kv_events.take() if self.kv_events is not None else []
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take blocks out of the prefix cache: their contents are not to be trusted."""
@@ -262,8 +246,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
-        if self.kv_event_queue is not None:
-            self.kv_event_queue.append(AllBlocksCleared())
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
 
 

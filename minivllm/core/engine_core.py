@@ -10,7 +10,7 @@ side (``LLMEngine`` / the server), which talks to the core either directly
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from minivllm.config import EngineConfig
 from minivllm.core.clock import MONOTONIC, Clock
@@ -18,8 +18,9 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
-from minivllm.core.trace import StepRecord, StepTrace
-from minivllm.distributed.kv_events import KVEventBatch
+
+if TYPE_CHECKING:  # the step trace and KV events load only when switched on
+    from minivllm.core.trace import StepRecord, StepTrace
 
 
 class EngineCore:
@@ -56,7 +57,11 @@ class EngineCore:
             max_loras=0 if config.lora is None else config.lora.max_loras,
             connector_scheduling=connector_scheduling)
         self.speculator = speculator  # proposes draft tokens (speculative_config)
-        self.trace: Optional[StepTrace] = StepTrace() if config.trace else None
+        self.trace: Optional[StepTrace] = None
+        if config.trace:
+            from minivllm.core.trace import StepTrace
+
+            self.trace = StepTrace()
         self.step_count = 0
         # Set when a step failed inside the model: the KV cache and the
         # scheduler may be half-updated, so no further step is trustworthy.
@@ -130,6 +135,8 @@ class EngineCore:
         """Hand the block pool's recorded cache changes to the publisher as one batch."""
         if self.kv_event_publisher is None:
             return
+        from minivllm.distributed.kv_events import KVEventBatch
+
         events = self.kv_cache_manager.block_pool.take_events()
         if events:
             self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
@@ -140,6 +147,8 @@ class EngineCore:
         return done
 
     def _record(self, so, start, duration, timings, outputs) -> StepRecord:
+        from minivllm.core.trace import StepRecord
+
         scheduled = {}
         for req in so.scheduled_requests:
             rid = req.request_id

@@ -39,11 +39,11 @@ from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
-from minivllm.core.spec_decode_stats import SpecDecodingStats
 from minivllm.core.stop_conditions import check_stop
 
 if TYPE_CHECKING:  # (built by the engine core, only with a KV connector)
     from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
+    from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
 # What the model runner returns per request that reached the end of its
@@ -454,6 +454,8 @@ class Scheduler:
         request.num_computed_tokens += so.num_scheduled_tokens[request.request_id] - k
         request.spec_token_ids, request.spec_token_probs = [], None
         if self.spec_decoding_stats is None:
+            from minivllm.core.spec_decode_stats import SpecDecodingStats
+
             self.spec_decoding_stats = SpecDecodingStats()
         self.spec_decoding_stats.observe(k, num_accepted)
         new_ids, new_logprobs, finished = [], [], False

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from minivllm.core.spec_decode_stats import SpecDecodingStats
+if TYPE_CHECKING:  # loaded with speculative decoding only
+    from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
 @dataclass

@@ -47,7 +47,8 @@ from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.cpu.quantized import CpuQuantizedLinearMethod
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.layers.parallel import tp_size
-from minivllm.model.layers.quantization import BLOCK_TYPES, INT8_TYPES
+from minivllm.model.layers.quantization import BLOCK_TYPES
+from minivllm.model.layers.quantization.int8_activations import INT8_TYPES
 
 if TYPE_CHECKING:
     from minivllm.lora.model_manager import LoRAMapping

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from minivllm.cpu import _custom_ops as ops
-from minivllm.model.layers.quantization import BLOCK_TYPES, INT8_TYPES, QuantizedLinearMethod
+from minivllm.model.layers.quantization import BLOCK_TYPES, QuantizedLinearMethod
+from minivllm.model.layers.quantization.int8_activations import INT8_TYPES
 
 
 class CpuQuantizedLinearMethod(QuantizedLinearMethod):

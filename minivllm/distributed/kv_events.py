@@ -41,7 +41,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 HASH_BYTES = 32
 END_OF_REPLAY = -1
@@ -76,6 +76,44 @@ KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 class KVEventBatch:
     ts: float
     events: list[KVCacheEvent] = field(default_factory=list)
+
+
+# -- recording (the block pool's side) ---------------------------------------------
+class KVEventRecorder:
+    """The block pool's record of its prefix-cache changes, drained by the engine
+    core every step. The pool holds one only when events are enabled."""
+
+    def __init__(self) -> None:
+        self.events: list[KVCacheEvent] = []
+
+    def removed(self, block_hash: int) -> None:
+        self.events.append(BlockRemoved([block_hash]))
+
+    def cleared(self) -> None:
+        self.events.append(AllBlocksCleared())
+
+    def stored(self, added: list[int], hashes: list[int], parent: Optional[int],
+               token_ids: Sequence[int], block_size: int) -> None:
+        """One BlockStored per run of consecutive new blocks (``added``: their indexes
+        in ``hashes``); a run's parent is the block before it."""
+        runs: list[list[int]] = []
+        for i in added:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.events.append(BlockStored(
+                block_hashes=[hashes[i] for i in run],
+                parent_block_hash=parent if first == 0 else hashes[first - 1],
+                token_ids=list(token_ids[first * block_size:(last + 1) * block_size]),
+                block_size=block_size))
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call."""
+        events, self.events = self.events, []
+        return events
 
 
 # -- encoding -----------------------------------------------------------------------
@@ -358,6 +396,6 @@ class KVEventSubscriber:
         self._ctx.term()
 
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch",
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch", "KVEventRecorder",
            "KVCacheEvent", "KVCacheIndex", "KVEventSubscriber", "ZmqEventPublisher",
            "NullEventPublisher", "make_kv_event_publisher", "encode_batch", "decode_batch"]

@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from minivllm.config import InvalidRequestError
-from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request
-from minivllm.engine.stop_checker import StopStringChecker
+from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.metrics.request_metrics import RequestMetrics
 from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from minivllm.inputs import EngineCoreRequest
+    from minivllm.engine.stop_checker import StopStringChecker  # (loaded by the first
+    from minivllm.inputs import EngineCoreRequest              # request with stop strings)
 
 
 @dataclass
@@ -118,9 +118,7 @@ class OutputProcessor:
                                          request.priority, request.lora_request))
             detok = (IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
                      if p.detokenize and self.tokenizer is not None else None)
-            children.append(ChildState(cid, i, p, detok,
-                                       StopStringChecker(p.stop, p.include_stop_str_in_output)
-                                       if p.stop else None,
+            children.append(ChildState(cid, i, p, detok, _stop_checker(p),
                                        logprobs=[] if p.logprobs is not None else None,
                                        cumulative_logprob=0.0 if p.logprobs is not None
                                        else None))
@@ -177,8 +175,10 @@ class OutputProcessor:
             if o.kv_transfer_params is not None:
                 state.kv_transfer_params = o.kv_transfer_params
             if o.prompt_logprobs is not None:
-                state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids,
-                                                              o.prompt_logprobs)
+                from minivllm.engine.logprobs import prompt_logprobs
+
+                state.prompt_logprobs = prompt_logprobs(state.prompt_token_ids,
+                                                        o.prompt_logprobs, self._token_text)
         # Each child reports its own running total of preemptions.
         m.num_preemptions += o.num_preemptions - child.num_preemptions
         child.num_preemptions = o.num_preemptions
@@ -189,8 +189,10 @@ class OutputProcessor:
         m.record_tokens(len(o.new_token_ids), o.timestamp, child.index)
         child.token_ids.extend(o.new_token_ids)
         if o.new_logprobs is not None and child.logprobs is not None:
+            from minivllm.engine.logprobs import sample_logprobs
+
             for token_id, (chosen, top) in zip(o.new_token_ids, o.new_logprobs):
-                child.logprobs.append(self._logprob_dict(token_id, chosen, top))
+                child.logprobs.append(sample_logprobs(token_id, chosen, top, self._token_text))
                 child.cumulative_logprob += chosen
         matched = False
         if child.detokenizer is not None:
@@ -228,30 +230,6 @@ class OutputProcessor:
                 return matched
         return False
 
-    def _logprob_dict(self, token_id: int, chosen: float, top: dict[int, float]
-                      ) -> dict[int, Logprob]:
-        ranked = sorted(top.items(), key=lambda kv: -kv[1])
-        out = {tid: Logprob(lp, rank=i + 1, decoded_token=self._token_text(tid))
-               for i, (tid, lp) in enumerate(ranked)}
-        if token_id not in out:
-            rank = 1 + sum(1 for lp in top.values() if lp > chosen) if top else None
-            out[token_id] = Logprob(chosen, rank=rank, decoded_token=self._token_text(token_id))
-        return out
-
-    def _prompt_logprobs(self, prompt_token_ids: list[int], entries: list
-                         ) -> PromptLogprobs:
-        """vLLM's shape: None for the first token, then {id: Logprob} with the
-        prompt token itself and the top-n."""
-        out: PromptLogprobs = [None]
-        for token_id, (chosen, rank, top) in zip(prompt_token_ids[1:], entries):
-            ranked = sorted(top.items(), key=lambda kv: -kv[1])
-            d = {tid: Logprob(lp, rank=i + 1, decoded_token=self._token_text(tid))
-                 for i, (tid, lp) in enumerate(ranked)}
-            d.setdefault(token_id, Logprob(chosen, rank=rank,
-                                           decoded_token=self._token_text(token_id)))
-            out.append(d)
-        return out
-
     def _token_text(self, token_id: int) -> Optional[str]:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -288,3 +266,12 @@ class OutputProcessor:
         self.requests.pop(state.request_id, None)
         for c in state.children:
             self.child_to_parent.pop(c.request_id, None)
+
+
+def _stop_checker(params: SamplingParams) -> Optional[StopStringChecker]:
+    """A checker for the request's stop strings (None: it has none)."""
+    if not params.stop:
+        return None
+    from minivllm.engine.stop_checker import StopStringChecker
+
+    return StopStringChecker(params.stop, params.include_stop_str_in_output)

@@ -8,11 +8,13 @@ prefix-cache hashes are keyed by it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from minivllm.config import InvalidRequestError, LoRAConfig, ModelConfig
-from minivllm.lora.peft_loader import load_adapter
+from minivllm.config import InvalidRequestError
 from minivllm.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from minivllm.config import LoRAConfig, ModelConfig
 
 
 class LoRARequestChecker:
@@ -39,6 +41,8 @@ class LoRARequestChecker:
                     f"adapter {known.lora_name!r} at {known.lora_path!r}: each adapter "
                     "needs its own lora_int_id", "lora_request")
             return
+        from minivllm.lora.peft_loader import load_adapter  # torch, safetensors: on first use
+
         load_adapter(lora_request, self.model_config, self.lora_config.max_lora_rank)
         self.checked[lora_request.lora_int_id] = lora_request
 

@@ -16,9 +16,10 @@ the decode time of each completion over its own tokens after the first.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from minivllm.core.spec_decode_stats import SpecDecodingStats
+if TYPE_CHECKING:  # loaded with speculative decoding only
+    from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
 @dataclass
@@ -39,6 +40,8 @@ class RequestMetrics:
 
     def record_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if self.spec_decoding is None:
+            from minivllm.core.spec_decode_stats import SpecDecodingStats
+
             self.spec_decoding = SpecDecodingStats()
         self.spec_decoding.observe(num_draft_tokens, num_accepted_tokens)
 

@@ -111,7 +111,7 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
     with torch.device(device):
         model = cls(config, backend)
     if config.quantization == "gguf":  # the file's blocks as they ship
-        from minivllm.model.gguf_convert import iterate_gguf
+        from minivllm.model.gguf_tensors import iterate_gguf
 
         weights = iterate_gguf(Path(config.gguf_file), config.num_attention_heads,
                                config.num_key_value_heads)

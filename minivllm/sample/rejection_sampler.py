@@ -27,7 +27,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, exponential_race
+from minivllm.sample.ops import exponential_race
+from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow
 
 # (token id, logprob info or None) for each token a verification yields.
 Verified = list[tuple[int, Optional[tuple[float, dict[int, float]]]]]

@@ -29,6 +29,10 @@ from Exponential(1) picks token ``i`` with probability ``probs_i`` exactly,
 and the noise of each row can come from that row's own ``torch.Generator``.
 That is how a request with a ``seed`` gets the same tokens whatever else is in
 the batch and whatever its row index: nothing it draws depends on other rows.
+
+The steps themselves (penalties, top-k / top-p, min-p, the race) are plain
+functions of tensors in ``ops.py``, loaded by the first batch that needs one:
+an all-greedy batch without penalties is one argmax.
 """
 
 from __future__ import annotations
@@ -201,81 +205,6 @@ def _pad(lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
     return ids.masked_fill(~real, vocab_size)
 
 
-# -- the steps, each a plain function of tensors (tested one by one) ----------
-
-def token_counts(padded_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[B, V]`` number of times each token occurs in each row."""
-    counts = torch.zeros(padded_ids.shape[0], vocab_size + 1, dtype=torch.int64,
-                         device=padded_ids.device)
-    counts.scatter_add_(1, padded_ids, torch.ones_like(padded_ids))
-    return counts[:, :vocab_size]  # drop the padding column
-
-
-def apply_penalties(logits: torch.Tensor, prompt_token_ids: Optional[torch.Tensor],
-                    output_token_ids: torch.Tensor, repetition: torch.Tensor,
-                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    vocab_size = logits.shape[1]
-    output_counts = token_counts(output_token_ids, vocab_size)
-    seen = output_counts > 0
-    if prompt_token_ids is not None:
-        seen |= token_counts(prompt_token_ids, vocab_size) > 0
-    r = repetition[:, None]
-    penalized = torch.where(logits > 0, logits / r, logits * r)
-    logits = torch.where(seen, penalized, logits)
-    return (logits - frequency[:, None] * output_counts
-            - presence[:, None] * (output_counts > 0))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
-                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
-    """Set every token outside the top-k / top-p nucleus to ``-inf``.
-
-    Works in sorted order so that top-k keeps exactly k tokens even when
-    logits tie, and top-p keeps the smallest prefix whose mass reaches p.
-    """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[1], device=logits.device)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        drop |= rank[None, :] >= top_k[:, None]
-    if top_p is not None:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # A token is kept while the mass ranked above it is still short of p;
-        # the top token always stays (mass before it is 0 < p). Rows with
-        # p = 1 are skipped: rounding can push a cumsum to 1.0 early.
-        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    drop_unsorted = torch.empty_like(drop).scatter_(1, order, drop)
-    return logits.masked_fill(drop_unsorted, float("-inf"))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below ``min_p`` times the top one's."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                     argmax=torch.argmax) -> torch.Tensor:
-    """Sample one token per row: ``argmax(probs / E)``, ``E ~ Exponential(1)``.
-
-    ``E_i / probs_i`` is exponential with rate ``probs_i``, and the smallest
-    of independent exponentials is token ``i`` with probability
-    ``probs_i / sum(probs)``. Seeded rows draw their noise from their own
-    generator; all other rows share one draw from torch's global generator.
-    """
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
-    for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    # A zero draw would turn a zero-probability token into 0/0 = nan, which
-    # argmax ranks first; the smallest normal float keeps every ratio finite.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return argmax(probs / noise, dim=-1)
-
-
 class TopLogprobs(NamedTuple):
     token_ids: torch.Tensor  # [B, k] int64, most probable first
     logprobs: torch.Tensor  # [B, k] float32
@@ -317,6 +246,8 @@ class Sampler:
         """Penalties and min_tokens: they change what greedy rows pick too. (The
         rejection sampler calls this too: its target is what this sampler samples.)"""
         if not md.no_penalties:
+            from minivllm.sample.ops import apply_penalties
+
             logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
                                      md.repetition_penalties, md.presence_penalties,
                                      md.frequency_penalties)
@@ -333,6 +264,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
             return self.argmax(logits)
+        from minivllm.sample.ops import exponential_race  # (random rows: the ops load)
+
         greedy = None if md.all_random else self.argmax(logits)
         sampled = exponential_race(self.sampling_probs(logits, md), md.generators, self.argmax)
         if md.all_random:
@@ -343,6 +276,8 @@ class Sampler:
     def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """The distribution a random row is drawn from: temperature, then top-k and
         top-p, then min-p, then softmax (the rejection sampler's target, too)."""
+        from minivllm.sample.ops import apply_min_p, apply_top_k_top_p
+
         logits = logits / md.temperature[:, None]
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
@@ -363,8 +298,5 @@ class Sampler:
         return chosen, TopLogprobs(ids, values)
 
 
-__all__ = [
-    "Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "TopLogprobs",
-    "apply_min_p", "apply_penalties", "apply_top_k_top_p", "exponential_race",
-    "make_generator", "token_counts",
-]
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "TopLogprobs",
+           "make_generator"]

@@ -27,24 +27,27 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from functools import cached_property
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
-from minivllm.core.outputs import LogprobInfo
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.inputs.tokenizer import load_tokenizer_and_eos
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
-from minivllm.structured_output import StructuredOutputManager
-from minivllm.worker.compute_path import ComputePath, DecodeReplay, ReferencePath
-from minivllm.sample import logits_processors
-from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generator
-from minivllm.sample.rejection_sampler import RejectionSampler, verify_step
+from minivllm.worker.compute_path import ComputePath, DecodeReplay, ReferencePath
+
+if TYPE_CHECKING:  # the per-request features below load on the first request using them
+    from minivllm.core.outputs import LogprobInfo
+    from minivllm.sample.logits_processors import LogitsProcessors
+    from minivllm.sample.rejection_sampler import RejectionSampler
+    from minivllm.structured_output import StructuredOutputManager
+    from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 
 # On CPU the KV cache gets this much memory unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -103,17 +106,43 @@ class ModelRunner:
                 self.model, config.lora, dataclasses.replace(config.model, dtype=self.dtype))
         self.path.prepare_model(self.model)
         self.sampler = self.path.sampler
-        self.rejection_sampler = RejectionSampler()
         # A pure decode step replayed in one call (None: every step runs the model).
         self.decode_replay: Optional[DecodeReplay] = self.path.decode_replay
         self.generators: dict[str, torch.Generator] = {}
-        self.prompt_logprobs = PromptLogprobsCollector()
         self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
-        self.structured_output = StructuredOutputManager(
-            functools.partial(load_tokenizer_and_eos, config.model.path), config.model.vocab_size)
-        self.logits_processors = logits_processors.LogitsProcessors()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector = None  # the worker half of kv_transfer_config's connector
+
+    # -- what some requests ask for, built when the first one does ----------------
+    @cached_property
+    def prompt_logprobs(self) -> PromptLogprobsCollector:
+        from minivllm.worker.prompt_logprobs import PromptLogprobsCollector
+
+        return PromptLogprobsCollector()
+
+    @cached_property
+    def logits_processors(self) -> LogitsProcessors:  # logit_bias, allowed_token_ids, bad_words
+        from minivllm.sample.logits_processors import LogitsProcessors
+
+        return LogitsProcessors()
+
+    @cached_property
+    def structured_output(self) -> StructuredOutputManager:  # the grammars' masks
+        from minivllm.structured_output import StructuredOutputManager
+
+        return StructuredOutputManager(
+            functools.partial(load_tokenizer_and_eos, self.config.model.path),
+            self.config.model.vocab_size)
+
+    @cached_property
+    def rejection_sampler(self) -> RejectionSampler:  # verifies speculative drafts
+        from minivllm.sample.rejection_sampler import RejectionSampler
+
+        return RejectionSampler()
+
+    def _built(self, name: str):
+        """The helper ``name`` above if a request has built it, else None."""
+        return self.__dict__.get(name)
 
     @property
     def acceleration_problem(self) -> Optional[str]:
@@ -160,13 +189,10 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = k, v
             self.kv_caches.append((k, v))
         if self.config.kv_transfer is not None:
-            from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
-            from minivllm.distributed.kv_transfer.base import KVCacheSpec
+            from minivllm.distributed.kv_transfer.worker_half import make_worker_connector
 
-            spec = KVCacheSpec(self.block_size, len(self.kv_caches), self.kv_block_bytes())
-            self.kv_connector = create_connector(self.config.kv_transfer,
-                                                 KVConnectorRole.WORKER, spec)
-            self.kv_connector.register_kv_caches(self.kv_caches)
+            self.kv_connector = make_worker_connector(
+                self.config.kv_transfer, self.block_size, self.kv_block_bytes(), self.kv_caches)
 
     # -- one step ----------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list]:
@@ -188,7 +214,8 @@ class ModelRunner:
             # Draft tokens (speculative decoding) follow the known ones.
             drafts = so.scheduled_spec_decode_tokens.get(rid, ())
             tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
-            if (rows := self.prompt_logprobs.plan(req, start, end, len(input_ids))):
+            if req.sampling_params.prompt_logprobs is not None and (
+                    rows := self.prompt_logprobs.plan(req, start, end, len(input_ids))):
                 prompt_rows.append(rows)
             input_ids += tokens[start:end]
             if drafts:
@@ -237,25 +264,11 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev))
         if self.lora_manager is not None:
             inputs.lora = self.lora_manager.plan(lora_requests, lora_tokens, dev)
-        if prompt_rows:
-            self._add_prompt_rows(inputs, logits_rows, prompt_rows)
+        if prompt_rows:  # their logits too (the model computes only the rows asked for)
+            from minivllm.worker.prompt_logprobs import add_prompt_rows
+
+            add_prompt_rows(inputs, logits_rows, prompt_rows)
         return inputs, samplers
-
-    def _add_prompt_rows(self, inputs: StepInputs, sample_rows: list[int],
-                         prompt_rows: list) -> None:
-        """Also compute the logits of the prompt positions scored this step.
-
-        The rows stay sorted, as the model expects; each plan is told where
-        its rows landed.
-        """
-        rows = sorted(set(sample_rows).union(*(p.flat_rows for p in prompt_rows)))
-        where = {r: i for i, r in enumerate(rows)}
-        dev = self.device
-        inputs.logits_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
-        inputs.sample_indices = torch.tensor([where[r] for r in sample_rows],
-                                             dtype=torch.int64, device=dev)
-        for p in prompt_rows:
-            p.flat_rows = [where[r] for r in p.flat_rows]
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -272,23 +285,19 @@ class ModelRunner:
 
     def execute_model(self, so: SchedulerOutput, forward_fn=None) -> ModelRunnerOutput:
         """Prepare, run (``forward_fn`` lets a TP executor fan the inputs out), sample."""
-        for rid in so.finished_req_ids:
-            self.generators.pop(rid, None)
-            self.prompt_logprobs.forget(rid)
-            self.structured_output.release(rid)
-        for rid in so.preempted_req_ids:  # rebuilt from its tokens when it samples again
-            self.structured_output.release(rid)
+        self._release(so)
         out = ModelRunnerOutput()
         if so.is_empty:
             if self.kv_connector is not None:  # transfers finish between busy steps too
-                self._forward_with_connector(so, None, None, out)
+                _, out.kv_connector_output = self._forward_with_connector(so, None, None)
             return out
         t0 = time.perf_counter()
         inputs, samplers = self.prepare_inputs(so)
         t1 = time.perf_counter()
         collective_stats.reset()
         if self.kv_connector is not None:
-            logits = self._forward_with_connector(so, inputs, forward_fn or self.forward, out)
+            logits, out.kv_connector_output = self._forward_with_connector(
+                so, inputs, forward_fn or self.forward)
         else:
             logits = (forward_fn or self.forward)(inputs)
         self._sync()
@@ -298,15 +307,19 @@ class ModelRunner:
                 self.prompt_logprobs.add(plan, logits[plan.flat_rows])
             logits = logits[inputs.sample_indices]
         if samplers and so.scheduled_spec_decode_tokens:
+            from minivllm.sample.rejection_sampler import verify_step
+
             out.sampled, out.verified = verify_step(
                 logits, samplers, so.scheduled_spec_decode_tokens, self._sample,
                 self._sampling_row, self.rejection_sampler, self._constrain_verified)
-            self.structured_output.accept_verified(samplers, out.verified)
+            if _edits_logits(samplers):
+                self.structured_output.accept_verified(samplers, out.verified)
         elif samplers:
             out.sampled = self._sample(logits, samplers)
-        for req in samplers:
-            if (entries := self.prompt_logprobs.take_finished(req)) is not None:
-                out.prompt_logprobs[req.request_id] = entries
+        if (collector := self._built("prompt_logprobs")) is not None:
+            for req in samplers:
+                if (entries := collector.take_finished(req)) is not None:
+                    out.prompt_logprobs[req.request_id] = entries
         t3 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
                        "collective": collective_stats.seconds,
@@ -314,31 +327,26 @@ class ModelRunner:
                        "tp_size": float(tp_size())}
         return out
 
-    def _forward_with_connector(self, so: SchedulerOutput, inputs: StepInputs, forward,
-                                out: ModelRunnerOutput) -> torch.Tensor:
-        """The connector's worker half around the forward: external blocks land
-        first, then the step's K/V are saved. (On a CPU there is no copy engine to
-        overlap with, so every layer's load is awaited up front and every layer is
-        saved once the pass is done, in vLLM's per-layer calls.)"""
-        from minivllm.distributed.kv_transfer import KVConnectorOutput
+    def _release(self, so: SchedulerOutput) -> None:
+        """Forget finished requests (and preempted ones' grammars: rebuilt from their
+        tokens when they sample again)."""
+        for rid in so.finished_req_ids:
+            self.generators.pop(rid, None)
+        if (collector := self._built("prompt_logprobs")) is not None:
+            for rid in so.finished_req_ids:
+                collector.forget(rid)
+        if (grammars := self._built("structured_output")) is not None:
+            for rid in (*so.finished_req_ids, *so.preempted_req_ids):
+                grammars.release(rid)
 
-        c, logits = self.kv_connector, None
-        c.bind_connector_metadata(so.kv_connector_metadata)
-        try:
-            c.start_load_kv()
-            if forward is not None:
-                for layer in range(len(self.kv_caches)):
-                    c.wait_for_layer_load(layer)
-                logits = forward(inputs)
-                for layer, (k, v) in enumerate(self.kv_caches):
-                    c.save_kv_layer(layer, k, v)
-                c.wait_for_save()
-            sent, received = c.get_finished(so.finished_req_ids)
-            out.kv_connector_output = KVConnectorOutput(
-                sent, received, c.get_block_ids_with_load_errors())
-        finally:
-            c.clear_connector_metadata()
-        return logits
+    def _forward_with_connector(self, so: SchedulerOutput, inputs: Optional[StepInputs],
+                                forward) -> tuple[Optional[torch.Tensor], object]:
+        """The forward (None: none this step) inside the connector's worker half."""
+        from minivllm.distributed.kv_transfer.worker_half import forward_with_connector
+
+        return forward_with_connector(self.kv_connector, so.kv_connector_metadata,
+                                      so.finished_req_ids, self.kv_caches,
+                                      None if forward is None else lambda: forward(inputs))
 
     def _sampling_row(self, req) -> SamplingRow:
         return SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
@@ -347,8 +355,9 @@ class ModelRunner:
     def _constrain_verified(self, logits: torch.Tensor, reqs: list, drafts: list) -> None:
         """The token knobs and grammar masks at each of the 1 + k verified positions:
         position j sees the output as if the first j drafts had been sampled."""
-        if logits_processors.wanted(reqs):
-            self.logits_processors.apply(logits, [
+        if not _edits_logits(reqs):
+            return
+        self.logits_processors.apply(logits, [
                 SamplingRow(r.sampling_params, r.prompt_token_ids,
                             list(r.output_token_ids) + list(d[:j]))
                 for r, d in zip(reqs, drafts) for j in range(len(d) + 1)])
@@ -358,13 +367,12 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
         rows = [self._sampling_row(req) for req in reqs]
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
-        processed = logits_processors.wanted(reqs)  # logit_bias, allowed_token_ids, bad_words
-        if processed or self.structured_output.constrained_rows(reqs):
+        constrained = None
+        if _edits_logits(reqs):
             logits = logits.float()  # what the processors and grammar masks write into
-        if processed:
-            self.logits_processors.apply(logits, reqs)
-        # Structured outputs: tokens that would break a request's grammar get -inf.
-        constrained = self.structured_output.mask_logits(logits, reqs)
+            self.logits_processors.apply(logits, reqs)  # (rows without knobs untouched)
+            # Structured outputs: tokens that would break a request's grammar get -inf.
+            constrained = self.structured_output.mask_logits(logits, reqs)
         result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.tolist()
         if constrained:
@@ -396,3 +404,11 @@ class ModelRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _edits_logits(reqs: list) -> bool:
+    """Whether a request's logits are edited before sampling: logit_bias,
+    allowed_token_ids, bad_words (sample/logits_processors.py) or a grammar
+    (structured_output/). Checked once per step; the common batch has none."""
+    return any(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids or p.structured_outputs
+               for p in (r.sampling_params for r in reqs))

@@ -79,6 +79,24 @@ class PromptLogprobsCollector:
         return entries
 
 
+def add_prompt_rows(inputs, sample_rows: list[int], prompt_rows: list[PromptRows]) -> None:
+    """Make the model runner's ``StepInputs`` also compute the logits of the prompt
+    positions scored this step.
+
+    The rows stay sorted, as the model expects; ``inputs.sample_indices`` says
+    where the sampled rows are among them, and each plan is told where its rows
+    landed.
+    """
+    rows = sorted(set(sample_rows).union(*(p.flat_rows for p in prompt_rows)))
+    where = {r: i for i, r in enumerate(rows)}
+    dev = inputs.logits_indices.device
+    inputs.logits_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
+    inputs.sample_indices = torch.tensor([where[r] for r in sample_rows],
+                                         dtype=torch.int64, device=dev)
+    for p in prompt_rows:
+        p.flat_rows = [where[r] for r in p.flat_rows]
+
+
 def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int
                  ) -> list[PromptLogprobEntry]:
     """Per row: the target's logprob and rank, and the row's top-n logprobs."""
@@ -99,4 +117,5 @@ def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int
     return out
 
 
-__all__ = ["PromptLogprobEntry", "PromptLogprobsCollector", "PromptRows", "score_tokens"]
+__all__ = ["PromptLogprobEntry", "PromptLogprobsCollector", "PromptRows", "add_prompt_rows",
+           "score_tokens"]

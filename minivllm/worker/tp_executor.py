@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.model.layers.parallel import check_tensor_parallel_sizes
+from minivllm.model.layers.tp_plan import check_tensor_parallel_sizes
 from minivllm.worker.tp_worker import (CONFIG_KEY, STOP_TIMEOUT, TIMEOUT_ENV, Command,
                                        WorkerError, WorkerFailed, broadcast_command,
                                        env_int, gather_replies, init_process_groups,

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> dict:
     xs = {c: torch.randn(1, c) for _, _, c in matrices}
     step_bytes = sum(b.numel() for _, b, _ in matrices)
 
-    from minivllm.model.layers.quantization import BLOCK_TYPES, INT8_TYPES
+    from minivllm.model.layers.quantization import BLOCK_TYPES
+    from minivllm.model.layers.quantization.int8_activations import INT8_TYPES
 
     int8_ids = {BLOCK_TYPES[n].type_id for n in INT8_TYPES}
 

@@ -29,7 +29,7 @@ DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from minivllm.config.engine import json_dict
+    from minivllm.config.cli import json_dict
 
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--speculative-config", type=json_dict("speculative_config"),

@@ -28,7 +28,7 @@ figures/records/simulator.md and figures/records/fleet.md (collected in
 figures/RESULTS.md) record the calibration's method and every validation run.
 """
 
-from minivllm.core.clock import VirtualClock
+from minivllm.lab.sim.clock import VirtualClock
 from minivllm.lab.sim.cost_model import CostModel, StepFeatures
 from minivllm.lab.sim.executor import SimExecutor
 from minivllm.lab.sim.hardware import HARDWARE_PRESETS, Hardware, load_hardware

@@ -201,9 +201,21 @@ def times_of(rows: np.ndarray, hw: Hardware, tp: int = 1) -> np.ndarray:
 
 
 def _weight_bytes_per_param(m: ModelConfig) -> float:
-    from minivllm.model.layers.quantization import bytes_per_weight
+    """Bytes a decode step reads per weight of the matrices: the dtype's size for
+    float weights, the block size for Q8_0, and for a GGUF file the average over
+    its matrices (a file mixes types: the default one is Q4_1 with a Q8_0 head)."""
+    import torch
 
-    return bytes_per_weight(m.quantization, m.dtype, m.gguf_file)
+    if m.quantization is None:
+        return torch.tensor([], dtype=m.dtype).element_size()
+    if m.quantization == "q8_0":
+        from minivllm.model.layers.quantization import BLOCK_TYPES
+
+        return BLOCK_TYPES["Q8_0"].type_size / BLOCK_TYPES["Q8_0"].block_size
+    import gguf
+
+    matrices = [t for t in gguf.GGUFReader(str(m.gguf_file)).tensors if len(t.shape) > 1]
+    return sum(int(t.n_bytes) for t in matrices) / sum(int(t.n_elements) for t in matrices)
 
 
 def _element_size(m: ModelConfig) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from minivllm.config import KVTransferConfig
-from minivllm.core.clock import VirtualClock
+from minivllm.lab.sim.clock import VirtualClock
 from minivllm.core.engine_core import EngineCore
 from minivllm.core.request import Request
 from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector

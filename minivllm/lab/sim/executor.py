@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.core.clock import VirtualClock
+from minivllm.lab.sim.clock import VirtualClock
 from minivllm.lab.sim.cost_model import CostModel, StepFeatures
 
 

@@ -32,7 +32,7 @@ from minivllm.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig,
 from minivllm.core.engine_core import EngineCore
 from minivllm.core.request import Request
 from minivllm.sampling_params import SamplingParams
-from minivllm.core.clock import VirtualClock
+from minivllm.lab.sim.clock import VirtualClock
 from minivllm.routing import RoutingPolicy
 from minivllm.lab.sim.cost_model import CostModel
 from minivllm.lab.sim.executor import SimExecutor

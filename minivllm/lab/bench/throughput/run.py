@@ -89,7 +89,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="minivllm and vLLM: ranks on this host, sharing --threads "
                              "(hf, hf-cb and llama.cpp run as one process)")
-    from minivllm.config.engine import json_dict
+    from minivllm.config.cli import json_dict
 
     parser.add_argument("--speculative-config", type=json_dict("speculative_config"),
                         default=None, metavar="JSON",

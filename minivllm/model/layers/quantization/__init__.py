@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, quantize_q8_0
-from minivllm.model.layers.quantization.int8_activations import INT8_TYPES, int8_linear
 from minivllm.model.layers.quantization.tensor import QuantizedTensor, QuantizedWeight
 
 QUANTIZATION_METHODS = ("gguf", "q8_0")
@@ -62,25 +61,11 @@ class QuantizedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.config.activation_dtype == "int8":
+        if self.config.activation_dtype == "int8":  # asked for: loaded then
+            from minivllm.model.layers.quantization.int8_activations import int8_linear
+
             return int8_linear(x, layer.qweight.segments, bias)
         return F.linear(x, layer.qweight.dequantize().to(x.dtype), bias)
-
-
-def bytes_per_weight(method: Optional[str], dtype: torch.dtype,
-                     gguf_file: Optional[str] = None) -> float:
-    """Bytes a decode step reads per weight of the matrices: the dtype's size for
-    float weights, the block size for Q8_0, and for a GGUF file the average over
-    its matrices (a file mixes types: the default one is Q4_1 with a Q8_0 head)."""
-    if method is None:
-        return torch.tensor([], dtype=dtype).element_size()
-    if method == "q8_0":
-        q8 = BLOCK_TYPES["Q8_0"]
-        return q8.type_size / q8.block_size
-    import gguf
-
-    matrices = [t for t in gguf.GGUFReader(str(gguf_file)).tensors if len(t.shape) > 1]
-    return sum(int(t.n_bytes) for t in matrices) / sum(int(t.n_elements) for t in matrices)
 
 
 def get_quantization_config(method: Optional[str],
@@ -96,6 +81,6 @@ def get_quantization_config(method: Optional[str],
     return QuantizationConfig(method, activation_dtype)
 
 
-__all__ = ["BLOCK_TYPES", "INT8_TYPES", "bytes_per_weight", "QUANTIZATION_METHODS", "QuantizationConfig",
+__all__ = ["BLOCK_TYPES", "QUANTIZATION_METHODS", "QuantizationConfig",
            "QuantizedLinearMethod", "QuantizedTensor", "QuantizedWeight",
            "get_quantization_config"]

@@ -1,0 +1,149 @@
+"""One request reads short: what one offline greedy request loads of minivllm.
+
+``LLM(cpu_kernels=False)`` generates for one prompt with the default model in a
+fresh interpreter; the lines (docstrings and comments included) of the minivllm
+``.py`` files then in ``sys.modules`` stay within ``MAX_LINES``, no optional
+feature is among them (each loads only when switched on), and they are the
+modules of ``READING_PATH``, the README's reading path, in the order a request
+meets them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Issue #50 asks for at most 5,000 lines; the path is still ~6,450 (the core
+# modules themselves), so this is a ratchet: lower it as the path shrinks.
+MAX_LINES = 6500
+
+# The modules the request passes through, in order (the README lists them).
+READING_PATH = [
+    "minivllm/__init__.py",
+    "minivllm/entrypoints/llm.py",
+    "minivllm/engine/llm_engine.py",
+    "minivllm/inputs/processor.py",
+    "minivllm/inputs/tokenizer.py",
+    "minivllm/sampling_params.py",
+    "minivllm/lora/request.py",
+    "minivllm/lora/checker.py",
+    "minivllm/engine/core_builder.py",
+    "minivllm/core/engine_core.py",
+    "minivllm/core/request.py",
+    "minivllm/core/scheduler.py",
+    "minivllm/core/request_queue.py",
+    "minivllm/core/kv_cache_manager.py",
+    "minivllm/core/block_pool.py",
+    "minivllm/core/sched_output.py",
+    "minivllm/worker/executor.py",
+    "minivllm/worker/model_runner.py",
+    "minivllm/worker/compute_path.py",
+    "minivllm/model/loader.py",
+    "minivllm/model/gguf_tensors.py",
+    "minivllm/model/models/llama.py",
+    "minivllm/model/layers/vocab_embedding.py",
+    "minivllm/model/layers/layernorm.py",
+    "minivllm/model/layers/linear.py",
+    "minivllm/model/layers/parallel.py",
+    "minivllm/model/layers/quantization/__init__.py",
+    "minivllm/model/layers/quantization/tensor.py",
+    "minivllm/model/layers/quantization/ggml_types.py",
+    "minivllm/model/layers/rotary_embedding.py",
+    "minivllm/model/layers/activation.py",
+    "minivllm/model/attention/selector.py",
+    "minivllm/model/attention/layer.py",
+    "minivllm/model/attention/backend.py",
+    "minivllm/model/attention/torch_attn.py",
+    "minivllm/sample/sampler.py",
+    "minivllm/core/outputs.py",
+    "minivllm/core/scheduler_stats.py",
+    "minivllm/engine/output_processor.py",
+    "minivllm/engine/detokenizer.py",
+    "minivllm/outputs.py",
+    "minivllm/metrics/request_metrics.py",
+    "minivllm/config/__init__.py",
+    "minivllm/config/engine.py",
+    "minivllm/config/model.py",
+    "minivllm/config/quantization.py",
+    "minivllm/config/cache.py",
+    "minivllm/config/scheduler.py",
+    "minivllm/config/parallel.py",
+    "minivllm/config/checks.py",
+    "minivllm/model/resolve.py",
+    "minivllm/envs.py",
+    "minivllm/core/clock.py",
+]
+
+# Optional features: none loads for a plain request (a name ending in "." is a package).
+OPTIONAL = [
+    "minivllm.distributed.kv_events", "minivllm.distributed.kv_transfer.",
+    "minivllm.config.kv_events", "minivllm.config.kv_transfer", "minivllm.config.lora",
+    "minivllm.config.speculative", "minivllm.config.cli",
+    "minivllm.lora.peft_loader", "minivllm.lora.model_manager", "minivllm.lora.layers",
+    "minivllm.lora.punica", "minivllm.spec_decode.", "minivllm.structured_output.",
+    "minivllm.sample.rejection_sampler", "minivllm.sample.logits_processors",
+    "minivllm.cpu.", "minivllm.entrypoints.beam_search", "minivllm.entrypoints.openai.",
+    "minivllm.lab.", "minivllm.core.trace", "minivllm.core.kv_connector_scheduling",
+    "minivllm.core.spec_decode_stats", "minivllm.core.priority_queue",
+    "minivllm.worker.prompt_logprobs", "minivllm.worker.tp_executor",
+    "minivllm.engine.stop_checker", "minivllm.engine.logprobs", "minivllm.model.gguf_convert",
+    "minivllm.model.layers.quantization.int8_activations", "minivllm.model.layers.tp_plan",
+]
+
+# Run in a fresh interpreter: what this test process imported must not count.
+SCRIPT = """
+import json, sys
+from minivllm import LLM, SamplingParams
+llm = LLM(cpu_kernels=False)
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+assert out[0].outputs[0].token_ids, out
+files = {name: m.__file__ for name, m in list(sys.modules.items())
+         if name.split(".")[0] == "minivllm" and (getattr(m, "__file__", None) or "").endswith(".py")}
+print(json.dumps(files))
+"""
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, Path]:
+    """module name -> file of every minivllm module one greedy request loads."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: Path(f) for name, f in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def _lines(path: Path) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.slow
+def test_one_request_loads_at_most_max_lines(loaded):
+    sizes = sorted(((_lines(f), name) for name, f in loaded.items()), reverse=True)
+    total = sum(n for n, _ in sizes)
+    assert total <= MAX_LINES, (f"{total} lines in {len(sizes)} modules; the biggest: "
+                                f"{sizes[:12]}")
+
+
+@pytest.mark.slow
+def test_no_optional_feature_loads(loaded):
+    found = [name for name in loaded for opt in OPTIONAL
+             if name == opt or (opt.endswith(".") and name.startswith(opt))]
+    assert found == [], f"loaded although switched off: {found}"
+
+
+@pytest.mark.slow
+def test_the_reading_path_is_what_loads(loaded):
+    """Every module of READING_PATH exists and loads; every loaded module with code
+    in it (more than an __init__'s few lines) is on READING_PATH."""
+    missing = [p for p in READING_PATH if not (ROOT / p).is_file()]
+    assert missing == [], f"READING_PATH names files that do not exist: {missing}"
+    files = {f.resolve().relative_to(ROOT).as_posix() for f in loaded.values()}
+    assert [p for p in READING_PATH if p not in files] == [], "on READING_PATH, not loaded"
+    unlisted = sorted(p for p in files if p not in READING_PATH and _lines(ROOT / p) > 30)
+    assert unlisted == [], f"loaded by one request but not on READING_PATH: {unlisted}"
