@@ -581,6 +581,18 @@ follow_paged_batch([8, 8], [8, 0], block_size=8)
 
 
 # %% [markdown]
+# **In vLLM.** (The release named in chapter 1.) The pool is `BlockPool` in
+# `vllm/v1/core/block_pool.py` (`get_new_blocks`, `free_blocks`, `touch`); its free queue,
+# `FreeKVCacheBlockQueue` in `vllm/v1/core/kv_cache_utils.py`, is a doubly linked list of
+# blocks, so that a block can leave the middle of the queue at once when a prefix-cache hit
+# takes it back; your deque's `remove` scans. The scheduler asks
+# `KVCacheManager.allocate_slots` (`vllm/v1/core/kv_cache_manager.py`), which keeps one
+# table per request and per KV-cache group, so models that mix full and sliding-window
+# attention keep their groups apart; minivllm has one group. The slot mapping is computed
+# on the worker, from the block tables it mirrors: `BlockTable.compute_slot_mapping` in
+# `vllm/v1/worker/block_table.py`.
+
+# %% [markdown]
 # ## How much memory is wasted?
 #
 # At every step we compare three layouts holding the same requests:

@@ -576,6 +576,18 @@ for b, kernel_out in ((batch, out), (mixed, mixed_out)):
     assert torch.allclose(yours, kernel_out, atol=1e-4)
 
 # %% [markdown]
+# **In vLLM.** vLLM V1 picks an attention backend per platform: on NVIDIA GPUs usually
+# FlashAttention (`vllm/v1/attention/backends/flash_attn.py`, varlen attention that reads
+# K/V through the block table), and a Triton backend (`vllm/v1/attention/backends/
+# triton_attn.py`) whose kernel, `unified_attention` in
+# `vllm/attention/ops/triton_unified_attention.py`, also serves prefill chunks and decodes
+# in one launch with an online softmax, as this chapter's kernel does. The step's new K/V
+# are written into the cache by a separate op (`reshape_and_cache_flash`) at their slots,
+# before attention reads them. minivllm's kernel is smaller on purpose (no sliding windows,
+# no ALiBi, no FP8 cache); your `PagedAttention` loops over blocks in Python, where a
+# kernel runs the blocks of every sequence in parallel.
+
+# %% [markdown]
 # ## The whole model on this kernel
 #
 # The engine picks the kernel with `attention_backend="triton"`. Run SmolLM2 on it, in

@@ -95,7 +95,8 @@ from mini.detokenizer import Detokenizer  # chapter 10
 NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS = 24, 16, 64, 8
 llm = LLM(num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
           max_num_seqs=MAX_SEQS, enable_prefix_caching=False)
-builder = llm.llm_engine.request_builder
+builder, runner = llm.llm_engine.request_builder, llm.engine_core.executor.runner
+eos = builder.eos_token_ids
 schedule = " ".join(f"Week {w}: the lab covers topic {w}; hand in lab{w}.py by Friday."
                     for w in range(1, 7))
 questions = ["What is the capital of France?", "Name three primary colours.",
@@ -249,16 +250,16 @@ def prepare_inputs(out, block_size: int) -> FlatBatch:
     ### END SOLUTION
 
 # %% tags=["check"]
-runner, eos = llm.engine_core.executor.runner, builder.eos_token_ids
 
 
-def follow_runner(prompts, budget, num_blocks, max_steps):
-    """The engine schedules; its model runner and your prepare_inputs flatten each step."""
+def follow_runner(prompts, budget, num_blocks, max_steps):  # the engine schedules
     kv = EngineKVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=False)
     engine = EngineScheduler(budget, MAX_SEQS, 1024, kv)
     for rid, ids in prompts.items():
         engine.add_request(Request(rid, ids, params, params.max_tokens, eos))
     for step in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
         out = engine.schedule()
         (want, samplers), got = runner.prepare_inputs(out), prepare_inputs(out, BLOCK_SIZE)
         for name in ("input_ids", "positions", "logits_indices", "meta.query_start_loc",
