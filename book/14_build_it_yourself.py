@@ -176,7 +176,7 @@ show_source(Scheduler.schedule, max_lines=30)
 show_source(Scheduler.update_from_output)
 
 # %% [markdown]
-# ## 4. The flat batch
+# ## 3. The flat batch
 #
 # The model takes no batch dimension: the scheduled tokens of all requests are laid end
 # to end. For each new token we need its position in its own sequence and its **slot**,
@@ -290,7 +290,7 @@ print("slot_mapping[:20]", first.meta.slot_mapping[:20].tolist())
 assert first.input_ids.numel() == BUDGET  # the budget is spent to the last token
 
 # %% [markdown]
-# ## 5. Paged attention over your cache (chapter 6)
+# ## 4. Paged attention over your cache (chapter 6)
 #
 # Chapter 6 folded the keys into the softmax one tile at a time, keeping a running
 # maximum `m`, a running sum `l` and a running weighted sum of values. One function does
@@ -311,7 +311,7 @@ show_source(softmax_tile)
 show_source(PagedAttention.sequence, max_lines=30)
 
 # %% [markdown]
-# ## 6. The sampler (chapter 9) and the detokenizer (chapter 10)
+# ## 5. The sampler (chapter 9) and the detokenizer (chapter 10)
 #
 # Greedy picks the largest logit. Otherwise the filters of chapter 9 keep part of the
 # distribution and the exponential race draws from it.
@@ -323,7 +323,7 @@ show_source(sample)
 show_source(Detokenizer.update)
 
 # %% [markdown]
-# ## 7. The loop
+# ## 6. The loop
 #
 # The engine holds the pieces: a scheduler with its block tables, the KV tensors (one K
 # and one V tensor per layer, `[num_blocks, block_size, kv_heads, head_dim]`, which the
