@@ -64,9 +64,12 @@ test-book: notebooks
 	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=20 $(notdir $(NOTEBOOKS))
 
 # Teaching with the book (nbgrader, book/grading.py): student notebooks with the
-# solutions removed into book/course/release/<chapter>/; CHAPTERS="05 18" picks some.
+# solutions and hidden tests removed into book/course/release/<assignment>/: part1
+# (chapters 01-14 and the mini/ loader, so the capstone runs the student's own
+# pieces) and one folder per Part II chapter; CHAPTERS="05 18" picks some.
 # `make grade SUBMITTED=dir` grades dir/<student>/<chapter>.ipynb into
-# book/course/grades.csv (one line per exercise) and grades.md (a table).
+# book/course/grades.csv (one line per exercise) and grades.md (a table, the latest
+# grading of each student's chapter).
 CHAPTERS  ?=
 SUBMITTED ?= book/course/submissions
 student: setup

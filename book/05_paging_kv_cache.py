@@ -228,11 +228,11 @@ assert scattered  # at least one request's blocks are not one contiguous run
 # queue; here is the loop, taken from the package as it runs:
 
 # %%
-from minivllm.core.block_pool import BlockPool
-from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.block_pool import BlockPool as EngineBlockPool
+from minivllm.core.kv_cache_manager import KVCacheManager as EngineKVCacheManager
 from minivllm.lab.viz.source import show_source
 
-show_source(BlockPool.get_new_blocks, start="blocks = []")
+show_source(EngineBlockPool.get_new_blocks, start="blocks = []")
 
 # %% [markdown]
 # (`_evict` matters only with prefix caching: a free block may still hold a cached
@@ -240,7 +240,7 @@ show_source(BlockPool.get_new_blocks, start="blocks = []")
 # *tail* of the free queue only when nobody holds it any more:
 
 # %%
-show_source(BlockPool.free_blocks, start="for block in blocks")
+show_source(EngineBlockPool.free_blocks, start="for block in blocks")
 
 # %% [markdown]
 # Above the pool, `KVCacheManager` keeps each request's block table and answers the
@@ -250,13 +250,13 @@ show_source(BlockPool.free_blocks, start="for block in blocks")
 # (the scheduler then preempts someone, chapter 7):
 
 # %%
-show_source(KVCacheManager.allocate_slots, start="num_to_allocate = (", end="return new_blocks")
+show_source(EngineKVCacheManager.allocate_slots, start="num_to_allocate = (", end="return new_blocks")
 
 # %% [markdown]
 # And `free` gives a finished request's blocks back, last block first:
 
 # %%
-show_source(KVCacheManager.free, start="blocks = self")
+show_source(EngineKVCacheManager.free, start="blocks = self")
 
 # %% [markdown]
 # Run them by hand: a manager with 6 blocks of 4 slots, two requests growing, one
@@ -272,7 +272,7 @@ def request(rid: str, n_tokens: int) -> Request:
     return Request(rid, list(range(n_tokens)), SamplingParams(max_tokens=8), max_tokens=8)
 
 
-kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False)
+kv = EngineKVCacheManager(num_blocks=6, block_size=4, enable_caching=False)
 free_ids = lambda: [b.block_id for b in kv.block_pool.free_block_queue]  # noqa: E731
 a, b = request("a", 6), request("b", 9)
 print("a gets", [x.block_id for x in kv.allocate_slots(a, 6)], "| free", free_ids())
@@ -283,51 +283,141 @@ print("a finished, free queue:", free_ids())
 assert kv.get_block_ids("b") == [2, 3, 4] and free_ids() == [5, 1, 0]
 
 # %% [markdown]
-# ## Build it once: a block allocator with reference counts
+# ## Build it yourself: the block pool
 #
 # Everything the pool does for a request without prefix caching fits in a few lines:
-# a queue of free block ids and a count per block. You write it once, in the small
-# package beside this book, `book/mini/` (chapter 14 assembles its pieces into a whole
-# engine); the chapter shows the file as it is and runs it.
+# a queue of free block ids and a count per block. You write it here, in a cell that
+# starts with `# piece: block_pool`: that first line makes it a piece of **your own
+# engine**. Chapter 14 imports it from this notebook (`from mini.block_pool import
+# BlockPool`, through the small loader `mini/` beside the book) and assembles it with
+# your other pieces into an engine that serves real requests; save the notebook once
+# it passes.
 
 # %%
+import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
-from mini.block_pool import BlockPool as MiniBlockPool
-
-show_source(MiniBlockPool, start="def __init__", end="self.free.append")
-
+sys.path.insert(0, str(Path.cwd()))  # the folder of the chapters, where mini/ lives
 
 # %% [markdown]
-# Check it against the engine, step for step, on the workload above. The trace says
-# which blocks every request held after every step; our pool, asked for the same
+# ### Exercise 5.1 — the block pool
+# Write `BlockPool`: the docstring says what each method does, and its example is the
+# engine's `BlockPool` at work. The check drives the engine's pool and yours with the
+# same operations and stops at the first difference, saying what differs.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: block_pool
+from collections import deque
+
+
+class BlockPool:
+    """A pool of ``num_blocks`` KV blocks: a free queue and a reference count per block.
+
+    ``free`` is a deque of the free block ids, head first: ``allocate`` takes from the
+    head; ``release`` puts a block whose count drops to 0 at the tail, so the block freed
+    longest ago is reused first. ``ref_cnt[i]`` counts the holders of block ``i``.
+
+    >>> pool = BlockPool(4)
+    >>> pool.allocate(3), list(pool.free), pool.ref_cnt
+    ([0, 1, 2], [3], [1, 1, 1, 0])
+    >>> pool.allocate(2) is None  # all or nothing: only one block is free
+    True
+    >>> pool.release([2, 0]); list(pool.free)
+    [3, 2, 0]
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        ### BEGIN SOLUTION
+        self.free = deque(range(num_blocks))  # head: handed out next
+        self.ref_cnt = [0] * num_blocks
+        ### END SOLUTION
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks from the head of the queue, each now held once; None if too few."""
+        ### BEGIN SOLUTION
+        if n > len(self.free):
+            return None  # half a request's blocks help nobody
+        ids = [self.free.popleft() for _ in range(n)]
+        for i in ids:
+            self.ref_cnt[i] = 1
+        return ids
+        ### END SOLUTION
+
+    def release(self, ids) -> None:
+        """One holder fewer for each block of ``ids``, in order; an unheld one joins the tail."""
+        ### BEGIN SOLUTION
+        for i in ids:
+            self.ref_cnt[i] -= 1
+            if self.ref_cnt[i] == 0:
+                self.free.append(i)  # tail: reused last (a prefix cache may still want it)
+        ### END SOLUTION
+
+# %% tags=["check"]
+def follow_engine_pool(ops, num_blocks):
+    """ops: ("allocate", n) or ("release", k): give back the k-th allocation's blocks."""
+    engine, yours = EngineBlockPool(num_blocks, enable_caching=False), BlockPool(num_blocks)
+    given = []  # each allocation's blocks, as the engine handed them out (or None)
+    for op, arg in ops:
+        if op == "allocate":
+            free = engine.num_free_blocks
+            given.append([b.block_id for b in engine.get_new_blocks(arg)] if arg <= free else None)
+            assert yours.allocate(arg) == given[-1], \
+                f"allocate({arg}) with {free} free: not the engine pool's answer (all or nothing)"
+        else:
+            engine.free_blocks([engine.blocks[i] for i in given[arg]])
+            yours.release(list(given[arg]))
+        assert yours.ref_cnt == [b.ref_cnt for b in engine.blocks], f"{op}({arg}): a count differs"
+        assert list(yours.free) == [b.block_id for b in engine.free_block_queue], \
+            f"after {op}({arg}): the free queue's order differs"
+
+
+follow_engine_pool([("allocate", 3), ("allocate", 2), ("release", 0), ("allocate", 4),
+                    ("allocate", 9), ("release", 1)], num_blocks=8)
+### BEGIN HIDDEN TESTS
+for seed in range(4):  # random workloads: each allocation given back once, in any order
+    rng, ops, held, free = random.Random(seed), [], [], 12
+    for _ in range(80):
+        if held and rng.random() < 0.45:
+            k, n = held.pop(rng.randrange(len(held)))
+            ops.append(("release", k)); free += n  # noqa: E702
+        else:
+            n = rng.randint(1, 5)
+            ops.append(("allocate", n))
+            if n <= free:
+                held.append((sum(o == "allocate" for o, _ in ops) - 1, n))
+                free -= n
+    follow_engine_pool(ops, 12)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Now run yours against the engine, step for step, on the workload above. The trace
+# says which blocks every request held after every step; your pool, asked for the same
 # number of new blocks in the same order, must hand out the very same block ids, and
 # after each step its free count must match the engine's.
 
 # %%
-mini, held = MiniBlockPool(NUM_BLOCKS), {}
+mine, held = BlockPool(NUM_BLOCKS), {}
 assert not any(r.preempted for r in records)  # no preemption: blocks only grow or go
 for r in records:
     for rid, table in r.block_tables.items():  # in the order the scheduler allocated
         have = held.setdefault(rid, [])
-        new = mini.allocate(len(table) - len(have))
+        new = mine.allocate(len(table) - len(have))
         assert have + new == table, (r.step, rid)
         have.extend(new)
     for rid in r.finished:
-        mini.release(reversed(held.pop(rid)))  # last block first, like KVCacheManager.free
-    assert len(mini.free) == r.num_free_blocks, r.step
+        mine.release(reversed(held.pop(rid)))  # last block first, like KVCacheManager.free
+    assert len(mine.free) == r.num_free_blocks, r.step
 print(f"{len(records)} steps: the same block ids and free counts as the engine")
 
 # %% [markdown]
 # Reference counts never exceed 1 in that run (prefix caching was off). Counts above 1
 # are what prefix caching adds (chapter 8): a second request **sharing** a block that
 # someone else computed, perhaps one already freed and waiting in the queue. Chapter
-# 18's engine has no prefix cache, so this method stays here, in a subclass:
+# 14's engine has no prefix cache, so this method stays here, in a subclass:
 
 # %%
-class SharingBlockPool(MiniBlockPool):
+class SharingBlockPool(BlockPool):
     def share(self, ids):
         """A second user of blocks someone else computed (prefix caching, chapter 8)."""
         for i in ids:
@@ -340,7 +430,7 @@ class SharingBlockPool(MiniBlockPool):
 # operations, sharing included, and compare every count and the order of the free queue:
 
 # %%
-pool, mine = BlockPool(8, enable_caching=False), SharingBlockPool(8)
+pool, mine = EngineBlockPool(8, enable_caching=False), SharingBlockPool(8)
 ops = [("allocate", 3), ("allocate", 2), ("share", [0, 1]), ("release", [4, 3]),
        ("release", [2, 1, 0]), ("share", [3]), ("release", [1, 0]), ("allocate", 4)]
 for op, arg in ops:
@@ -354,6 +444,153 @@ for op, arg in ops:
     assert [b.ref_cnt for b in pool.blocks] == mine.ref_cnt, op
     assert [b.block_id for b in pool.free_block_queue] == list(mine.free), op
 print("ref counts:", mine.ref_cnt, " free queue:", list(mine.free))
+
+# %% [markdown]
+# ## Build it yourself: block tables and the slot mapping
+#
+# Above the pool sits the manager you ran by hand: a block table per request, grown by
+# `allocate_slots` and given back by `free`. One more function turns a table into
+# **slots**: the flat index, in a cache tensor viewed as `[num_blocks * block_size,
+# ...]`, where a token's K and V go. Position `p` of a request lives at slot
+# `table[p // block_size] * block_size + p % block_size`. The forward pass gets one
+# slot per new token (chapter 14 builds that list for a whole step).
+
+# %% [markdown]
+# ### Exercise 5.2 — block tables
+# Write `KVCacheManager` over your `BlockPool`, with the engine's method names. The
+# check grows and frees requests on the engine's manager and on yours, and stops at
+# the first difference.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: kv_cache
+from mini.block_pool import BlockPool
+
+
+class KVCacheManager:
+    """Block tables over a ``BlockPool``: which blocks hold each request's tokens, in order.
+
+    ``block_tables[request_id]`` lists the physical blocks of the request's logical blocks
+    0, 1, 2, ... ``allocate_slots(request, n)`` makes room for ``n`` more tokens after the
+    request's ``num_computed_tokens``: it takes only the new blocks needed, all or nothing,
+    and returns them (None, changing nothing, when too few are free). ``free`` gives a
+    request's blocks back, last block first. ``request`` is anything with a
+    ``request_id`` and a ``num_computed_tokens``.
+
+    >>> kv = KVCacheManager(num_blocks=6, block_size=4)
+    >>> kv.allocate_slots(a, 6), kv.allocate_slots(b, 9)  # none computed yet
+    ([0, 1], [2, 3, 4])
+    >>> kv.allocate_slots(c, 20), kv.num_free_blocks
+    (None, 1)
+    >>> kv.free(a); list(kv.pool.free), kv.block_tables
+    ([5, 1, 0], {'b': [2, 3, 4]})
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        ### BEGIN SOLUTION
+        self.pool, self.block_size = BlockPool(num_blocks), block_size
+        self.block_tables: dict[str, list[int]] = {}  # request id -> its blocks, in order
+        ### END SOLUTION
+
+    @property
+    def num_free_blocks(self) -> int:
+        ### BEGIN SOLUTION
+        return len(self.pool.free)
+        ### END SOLUTION
+
+    def allocate_slots(self, request, num_new_tokens: int) -> list[int] | None:
+        ### BEGIN SOLUTION
+        table = self.block_tables.get(request.request_id, [])
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        new = self.pool.allocate(-(-num_tokens // self.block_size) - len(table))  # ceil
+        if new is not None:
+            self.block_tables[request.request_id] = table + new
+        return new
+        ### END SOLUTION
+
+    def free(self, request) -> None:
+        ### BEGIN SOLUTION
+        # Last block first: the blocks a request filled first are reused last.
+        self.pool.release(reversed(self.block_tables.pop(request.request_id, [])))
+        ### END SOLUTION
+
+
+# %% tags=["check"]
+def follow_engine_manager(ops, num_blocks, block_size):
+    """ops: (request id, n): room for n more tokens; (request id, 0): free the request."""
+    engine = EngineKVCacheManager(num_blocks, block_size, enable_caching=False)
+    yours, reqs = KVCacheManager(num_blocks, block_size), {}
+    for rid, n in ops:
+        ra, rb = reqs.setdefault(rid, (request(rid, 512), request(rid, 512)))
+        if n == 0:
+            engine.free(ra); yours.free(rb)  # noqa: E702
+            continue
+        want, got = engine.allocate_slots(ra, n), yours.allocate_slots(rb, n)
+        assert (got is None) == (want is None), f"{rid} asks for {n} more slots: all or nothing"
+        assert want is None or got == [b.block_id for b in want], f"{rid} got other new blocks"
+        if want is not None:
+            ra.num_computed_tokens += n; rb.num_computed_tokens += n  # noqa: E702
+        assert yours.block_tables.get(rid, []) == engine.get_block_ids(rid), f"{rid}: table differs"
+        assert yours.num_free_blocks == engine.num_free_blocks, f"after {rid}: free count differs"
+
+
+follow_engine_manager([("a", 6), ("b", 9), ("c", 20), ("a", 3), ("a", 0), ("b", 1), ("c", 9)], 6, 4)
+### BEGIN HIDDEN TESTS
+for seed in range(4):  # requests growing by prompts, chunks and single tokens; some freed
+    rng = random.Random(seed)
+    ops = [(f"r{rng.randrange(5)}", rng.choice([0, 1, 1, 1, 3, 7, 16])) for _ in range(60)]
+    follow_engine_manager(ops, num_blocks=10, block_size=rng.choice([1, 4, 8]))
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 5.3 — the slot mapping
+# Write `slot_mapping`; it joins the `kv_cache` piece. The check compares your slots
+# with those of the paged batches the attention benchmark builds (chapter 6 uses them).
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: kv_cache
+def slot_mapping(block_table: list[int], positions, block_size: int) -> list[int]:
+    """The cache slot of each position of a request whose blocks are ``block_table``.
+
+    >>> slot_mapping([7, 2], [0, 3, 4, 5], block_size=4)
+    [28, 31, 8, 9]
+    """
+    ### BEGIN SOLUTION
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+    ### END SOLUTION
+
+# %% tags=["check"]
+from minivllm.lab.bench.attention import make_paged_batch
+
+
+def follow_paged_batch(query_lens, context_lens, block_size):
+    b = make_paged_batch(query_lens, context_lens, num_heads=2, num_kv_heads=1, head_dim=4,
+                         block_size=block_size, seed=sum(query_lens))
+    starts = b.meta.query_start_loc.tolist()
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        got = slot_mapping(b.meta.block_tables[i].tolist(), range(c, c + q), block_size)
+        assert got == b.meta.slot_mapping[starts[i]:starts[i + 1]].tolist(), \
+            f"sequence {i} ({c} cached, {q} new tokens): a slot differs"
+
+
+follow_paged_batch([5, 1], [0, 6], block_size=4)
+### BEGIN HIDDEN TESTS
+follow_paged_batch([20, 1, 9, 1, 1], [0, 40, 33, 7, 64], block_size=16)
+follow_paged_batch([3, 1, 17], [1, 30, 2], block_size=1)
+follow_paged_batch([8, 8], [8, 0], block_size=8)
+### END HIDDEN TESTS
+
+
+# %% [markdown]
+# **In vLLM.** (The release named in chapter 1.) The pool is `BlockPool` in
+# `vllm/v1/core/block_pool.py` (`get_new_blocks`, `free_blocks`, `touch`); its free queue,
+# `FreeKVCacheBlockQueue` in `vllm/v1/core/kv_cache_utils.py`, is a doubly linked list of
+# blocks, so that a block can leave the middle of the queue at once when a prefix-cache hit
+# takes it back; your deque's `remove` scans. The scheduler asks
+# `KVCacheManager.allocate_slots` (`vllm/v1/core/kv_cache_manager.py`), which keeps one
+# table per request and per KV-cache group, so models that mix full and sliding-window
+# attention keep their groups apart; minivllm has one group. The slot mapping is computed
+# on the worker, from the block tables it mirrors: `BlockTable.compute_slot_mapping` in
+# `vllm/v1/worker/block_table.py`.
 
 # %% [markdown]
 # ## How much memory is wasted?
@@ -419,7 +656,7 @@ for o, sp in zip(outputs, params):
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 5.1 — blocks at the end of a request
+# ### Exercise 5.4 — blocks at the end of a request
 # With blocks of `BS = 16` slots, a request has a `PROMPT = 100`-token prompt and stops
 # after `ANSWER = 30` answer tokens. How many blocks does it hold at the end
 # (`held_blocks`), and how many of their slots are empty (`empty_slots`)? (The last
@@ -435,7 +672,7 @@ empty_slots = held_blocks * BS - in_cache
 ### END SOLUTION
 
 # %% tags=["check"]
-manager = KVCacheManager(num_blocks=16, block_size=BS, enable_caching=False)
+manager = EngineKVCacheManager(num_blocks=16, block_size=BS, enable_caching=False)
 grow = request("grow", PROMPT)
 manager.allocate_slots(grow, PROMPT)  # the prefill
 grow.num_computed_tokens = PROMPT
@@ -444,12 +681,11 @@ for _ in range(ANSWER - 1):  # each decode step: one sampled token goes into the
     manager.allocate_slots(grow, 1)
     grow.num_computed_tokens += 1
 engine_blocks = len(manager.get_block_ids("grow"))
-print(f"{grow.num_computed_tokens} tokens in the cache: {engine_blocks} blocks")
-assert held_blocks == engine_blocks
+assert held_blocks == engine_blocks, "not the blocks the engine's manager holds at the end"
 assert empty_slots == engine_blocks * BS - grow.num_computed_tokens
 
 # %% [markdown]
-# ### Exercise 5.2 — smaller blocks, same memory
+# ### Exercise 5.5 — smaller blocks, same memory
 # Configure the engine's cache manager with blocks of 2 slots instead of 4, keeping the
 # same 24 slots (`num_blocks=12, block_size=2`), and replay the start of the section
 # "Inside the engine": request a (6 tokens) and b (9 tokens) allocate their prompts.
@@ -464,15 +700,17 @@ c_fits_bs2 = free_slots_bs2 >= 20
 ### END SOLUTION
 
 # %% tags=["check"]
-kv2 = KVCacheManager(num_blocks=12, block_size=2, enable_caching=False)
+kv2 = EngineKVCacheManager(num_blocks=12, block_size=2, enable_caching=False)
 kv2.allocate_slots(request("a", 6), 6)
 kv2.allocate_slots(request("b", 9), 9)
-print(f"free after a and b: {kv2.num_free_blocks} blocks of 2")
+assert isinstance(free_slots_bs2, int) and isinstance(c_fits_bs2, bool), "an int and a bool"
+### BEGIN HIDDEN TESTS
 assert free_slots_bs2 == kv2.num_free_blocks * 2
 assert c_fits_bs2 == (kv2.allocate_slots(request("c", 20), 20) is not None)
+### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 5.3 — the busiest step
+# ### Exercise 5.6 — the busiest step
 # In the mixed workload's replay (`states`), at its busiest step how many blocks were
 # held (`peak_blocks`), and how many slots of them held no K/V (`peak_waste_slots`)?
 # Use the block tables only.

@@ -172,7 +172,7 @@ assert diff < 1e-4
 mixed = make_paged_batch([20, 1, 9, 1, 1], [0, 40, 33, 7, 64], num_heads=NUM_HEADS,
                          num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
                          device=DEVICE, seed=1)
-_, mixed_diff = compare(mixed, "mixed launch")
+mixed_out, mixed_diff = compare(mixed, "mixed launch")
 assert mixed_diff < 1e-4
 
 # %% [markdown]
@@ -245,21 +245,78 @@ show_source(triton_attn.paged_attention_kernel.fn, start="# 4. Online", end="# 6
 # larger; `rescale` is the factor by which everything summed so far must shrink to be
 # relative to the new maximum; `probs` are this tile's unnormalised weights; the sum
 # and the `P V` accumulator are rescaled and extended. Nothing is divided until step 6.
+
+# %% [markdown]
+# ## Build it yourself: the online softmax
 #
-# ## Build it once: the online softmax
-#
-# The same fold for one tile, in plain PyTorch, written once in the package beside
-# this book, `book/mini/attention.py` (chapter 14 builds the whole engine from
-# `book/mini/`). Base e, not the kernel's `exp2`: the same up to a factor `log2(e)`
-# folded into the scores. `softmax_tile` folds one tile into the three running values:
+# The same fold for one tile, in plain PyTorch, is the first part of a piece of **your
+# own engine**: a cell that starts with `# piece: attention`. Chapter 14 imports it from
+# this notebook (`from mini.attention import ...`, through the small loader `mini/`
+# beside the book) and runs the model's layers on it; save the notebook once it passes.
+# Base e, not the kernel's `exp2`: the same up to a factor `log2(e)` folded into the
+# scores.
 
 # %%
-import sys
+sys.path.insert(0, str(Path.cwd()))  # the folder of the chapters, where mini/ lives
 
-sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
-from mini.attention import softmax_tile
+# %% [markdown]
+# ### Exercise 6.1 — the online softmax, one tile
+# Write `softmax_tile`: fold one tile of scores and values into the three running values,
+# for any number of query rows at once. The check folds random rows tile by tile and
+# compares the end with the full softmax.
 
-show_source(softmax_tile)
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: attention
+import torch
+
+from minivllm.model.attention.backend import AttentionBackend
+
+
+def softmax_tile(m, l, acc, scores, values):
+    """Fold one tile of keys into the running max ``m``, sum ``l`` and weighted sum ``acc``.
+
+    ``scores`` [..., n]: each query row's scores against the tile's n keys; ``values``
+    [..., n, D] (or [n, D]): the tile's values. ``m`` and ``l`` are [...], ``acc`` [..., D].
+    Returns the new (m, l, acc); after the last tile, ``acc / l[..., None]`` is the
+    softmax of all the scores times all the values.
+
+    >>> start = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(1)
+    >>> m, l, acc = softmax_tile(*start, torch.tensor([0.0, 1.0]), torch.tensor([[1.0], [3.0]]))
+    >>> m, l  # the max, and e^(0 - 1) + e^(1 - 1)
+    (tensor(1.), tensor(1.3679))
+    >>> acc / l  # softmax([0, 1]) @ [1, 3]
+    tensor([2.4621])
+    """
+    ### BEGIN SOLUTION
+    new_m = torch.maximum(m, scores.amax(-1))
+    rescale = torch.exp(m - new_m)  # what everything summed so far is worth now
+    p = torch.exp(scores - new_m[..., None])
+    return new_m, l * rescale + p.sum(-1), acc * rescale[..., None] + p @ values
+    ### END SOLUTION
+
+# %% tags=["check"]
+def fold_rows(rows, keys, dim, tile, seed):
+    """Random scores (rows x keys) and values, folded ``tile`` keys at a time."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randn(rows, keys, generator=gen, dtype=torch.float64) * 4
+    v = torch.randn(keys, dim, generator=gen, dtype=torch.float64)
+    m, l = torch.full((rows,), float("-inf"), dtype=torch.float64), torch.zeros(rows).double()
+    acc = torch.zeros(rows, dim, dtype=torch.float64)
+    for start in range(0, keys, tile):
+        m, l, acc = softmax_tile(m, l, acc, s[:, start:start + tile], v[start:start + tile])
+    where = f"{rows} rows, {keys} keys in tiles of {tile}"
+    assert torch.equal(m, s.amax(-1)), f"{where}: m is not each row's maximum"
+    assert torch.allclose(l, torch.exp(s - m[:, None]).sum(-1)), f"{where}: l is not the sum"
+    assert torch.allclose(acc / l[:, None], torch.softmax(s, -1) @ v), \
+        f"{where}: acc / l is not softmax(scores) @ values"
+
+
+fold_rows(3, 37, 5, tile=8, seed=0)
+### BEGIN HIDDEN TESTS
+for rows, keys, dim, tile in [(1, 1, 1, 1), (4, 100, 8, 1), (2, 64, 3, 64), (5, 130, 16, 7)]:
+    fold_rows(rows, keys, dim, tile, seed=keys)
+### END HIDDEN TESTS
+
 
 # %% [markdown]
 # Let us do that by hand for one row of the launch above: the last new token of the
@@ -406,6 +463,131 @@ print("K/V bytes to read for this sequence:", kv_bytes)
 assert kv_bytes["copied"] == GROUP * kv_bytes["GQA"]
 
 # %% [markdown]
+# ## Build it yourself: paged attention
+#
+# The kernel's work, without its tiling of the queries: for each sequence of the step,
+# walk its block table, read **one KV block as one tile** straight from the cache, score
+# it against every query row, mask what a row may not see (later positions, and the
+# empty slots of the last block), and fold it with your `softmax_tile`. The query heads
+# of one KV head become rows of one matrix, so each block is read once per group, as in
+# the kernel. It plugs into the model through the engine's attention contract,
+# `AttentionBackend` (`minivllm/model/attention/backend.py`): `write_kv` stores the step's
+# new K and V at their slots (chapter 5's slot mapping), and `forward` attends.
+
+# %%
+show_source("minivllm.model.attention.backend.AttentionBackend.forward")
+
+# %% [markdown]
+# ### Exercise 6.2 — paged attention
+# Write `PagedAttention`; it joins the `attention` piece. The check runs it and the torch
+# reference (`torch_attn.py`) on the same paged batches (the chapter's `make_paged_batch`:
+# shuffled blocks, garbage in every slot nobody owns) and names the first sequence whose
+# output differs.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: attention
+class PagedAttention(AttentionBackend):
+    """The engine's attention contract, computed over a paged cache one block at a time.
+
+    Caches are [num_blocks, block_size, kv_heads, head_dim]; ``meta`` (an
+    ``AttentionMetadata``) gives ``query_start_loc`` (sequence i's new tokens are rows
+    ``starts[i]:starts[i + 1]`` of q), ``seq_lens`` (cached + new tokens of each sequence)
+    and ``block_tables`` (one row per sequence, -1 past its blocks). The new tokens are
+    the last ones of their sequence, and their K/V are already in the cache.
+    """
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        """Token t's K and V ([T, kv_heads, head_dim]) go to slot ``slot_mapping[t]``."""
+        ### BEGIN SOLUTION
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+        ### END SOLUTION
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        """q [T, heads, head_dim] -> [T, heads, head_dim]: each sequence through ``sequence``."""
+        ### BEGIN SOLUTION
+        starts = meta.query_start_loc.tolist()
+        return torch.cat([self.sequence(q[starts[i]:starts[i + 1]], k_cache, v_cache,
+                                        meta.block_tables[i], seq_len, scale)
+                          for i, seq_len in enumerate(meta.seq_lens.tolist())])
+        ### END SOLUTION
+
+    def sequence(self, q, k_cache, v_cache, block_table, seq_len, scale):
+        """q [n, heads, D]: the last n positions of a sequence of ``seq_len`` tokens.
+
+        Head h reads KV head ``h // (heads // kv_heads)`` (grouped-query attention).
+        Returns [n, heads, D]: softmax(q K^T * scale, causal) V over the cached K/V.
+        """
+        ### BEGIN SOLUTION
+        n, num_heads, dim = q.shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        # The query heads of one KV head become rows of one matrix: [Hkv, group * n, D].
+        rows = q.view(n, num_kv_heads, group, dim).permute(1, 2, 0, 3).reshape(
+            num_kv_heads, group * n, dim) * scale
+        q_pos = torch.arange(seq_len - n, seq_len).repeat(group)  # each row's position
+        m = torch.full(rows.shape[:2], float("-inf"))
+        l, acc = torch.zeros(rows.shape[:2]), torch.zeros(rows.shape)
+        for j, block in enumerate(block_table[:-(-seq_len // block_size)].tolist()):
+            keys, values = k_cache[block].transpose(0, 1), v_cache[block].transpose(0, 1)
+            scores = rows @ keys.transpose(1, 2)  # [Hkv, rows, block_size]: one tile
+            k_pos = torch.arange(j * block_size, (j + 1) * block_size)
+            scores = scores.masked_fill(k_pos > q_pos[:, None], float("-inf"))
+            m, l, acc = softmax_tile(m, l, acc, scores, values)
+        out = acc / l[..., None]
+        return out.view(num_kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, num_heads, dim)
+        ### END SOLUTION
+
+# %% tags=["check"]
+def follow_reference(query_lens, context_lens, heads, kv_heads, block_size, seed=0):
+    b = make_paged_batch(query_lens, context_lens, num_heads=heads, num_kv_heads=kv_heads,
+                         head_dim=8, block_size=block_size, seed=seed)
+    mine, ref = (b.k_cache.clone(), b.v_cache.clone()), (b.k_cache.clone(), b.v_cache.clone())
+    for cache in (*mine, *ref):  # the step's K/V are not stored yet
+        cache.view(-1, kv_heads, 8)[b.meta.slot_mapping] = 0
+    PagedAttention().write_kv(b.k, b.v, *mine, b.meta.slot_mapping)
+    reference.write_kv(b.k, b.v, *ref, b.meta.slot_mapping)
+    assert torch.equal(mine[0], ref[0]) and torch.equal(mine[1], ref[1]), \
+        "write_kv: some K or V is not at its slot"
+    got = PagedAttention().forward(b.q, b.k, b.v, *ref, b.meta, 0.3)
+    want = reference.forward(b.q, b.k, b.v, *ref, b.meta, 0.3)
+    starts = b.meta.query_start_loc.tolist()
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        assert torch.allclose(got[starts[i]:starts[i + 1]], want[starts[i]:starts[i + 1]],
+                              atol=1e-4), f"sequence {i} ({c} cached, {q} new): output differs"
+
+
+follow_reference([6, 1, 3], [0, 9, 5], heads=4, kv_heads=2, block_size=4)
+### BEGIN HIDDEN TESTS
+follow_reference([20, 1, 9, 1, 1], [0, 40, 33, 7, 64], heads=9, kv_heads=3, block_size=16, seed=1)
+follow_reference([1, 1], [0, 100], heads=2, kv_heads=2, block_size=1, seed=2)
+follow_reference([50], [100], heads=6, kv_heads=1, block_size=8, seed=3)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Your attention reads the same scattered blocks as the Triton kernel: on the chapter's
+# two launches it gives the kernel's output.
+
+# %%
+for b, kernel_out in ((batch, out), (mixed, mixed_out)):
+    yours = PagedAttention().forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.meta, scale)
+    print(f"{b.meta.num_seqs} sequences: max |yours - kernel| = "
+          f"{(yours - kernel_out).abs().max().item():.1e}")
+    assert torch.allclose(yours, kernel_out, atol=1e-4)
+
+# %% [markdown]
+# **In vLLM.** vLLM V1 picks an attention backend per platform: on NVIDIA GPUs usually
+# FlashAttention (`vllm/v1/attention/backends/flash_attn.py`, varlen attention that reads
+# K/V through the block table), and a Triton backend (`vllm/v1/attention/backends/
+# triton_attn.py`) whose kernel, `unified_attention` in
+# `vllm/attention/ops/triton_unified_attention.py`, also serves prefill chunks and decodes
+# in one launch with an online softmax, as this chapter's kernel does. The step's new K/V
+# are written into the cache by a separate op (`reshape_and_cache_flash`) at their slots,
+# before attention reads them. minivllm's kernel is smaller on purpose (no sliding windows,
+# no ALiBi, no FP8 cache); your `PagedAttention` loops over blocks in Python, where a
+# kernel runs the blocks of every sequence in parallel.
+
+# %% [markdown]
 # ## The whole model on this kernel
 #
 # The engine picks the kernel with `attention_backend="triton"`. Run SmolLM2 on it, in
@@ -473,7 +655,7 @@ attention_bench_figure(results, "time_ms")
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 6.1 — how often the maximum grows
+# ### Exercise 6.3 — how often the maximum grows
 # Run `online_softmax` on the same row (`scores`, `values`) with **one key per tile**.
 # On how many tiles after the first does the running maximum grow, so that
 # `rescale < 1` shrinks what was summed before (`n_grew`)? Compute it from `scores`
@@ -491,7 +673,7 @@ assert n_grew == sum(1 for st in one_per_tile[1:] if st.rescale < 1)
 torch.testing.assert_close(one_out, row_out, rtol=0, atol=1e-12)  # same answer, any tiling
 
 # %% [markdown]
-# ### Exercise 6.2 — halve the key tile
+# ### Exercise 6.4 — halve the key tile
 # The check below changes the engine: it sets the kernel's `KV_TILE` (keys per loop
 # iteration, a launch constant) to half its value and runs the first launch again.
 # **Predict first:** how many key tiles does the first query tile now loop over
@@ -516,12 +698,14 @@ try:
 finally:
     triton_attn.KV_TILE = saved_tile
 moved = (half_out - out).abs().max().item()
-print(f"KV_TILE {saved_tile // 2}: max |change| {moved:.1e}")
+assert isinstance(first_tile_iterations, int) and isinstance(output_moves, bool), "an int, a bool"
+### BEGIN HIDDEN TESTS
 assert first_tile_iterations == len(half_plan.tiles[0].kv_tiles)
 assert output_moves == (moved > 1e-5)
+### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 6.3 — one decode's programs
+# ### Exercise 6.5 — one decode's programs
 # A decode step of one sequence has one new token and `CONTEXT_LEN` cached ones. With
 # this model's heads, how many programs does the kernel launch for it
 # (`decode_programs`), and how many key tiles does each loop over

@@ -11,6 +11,10 @@ The chapters mark their exercises with plain cell tags (BOOK.md)::
     # %% tags=["check"]
     assert answer_1 == ...
 
+A check cell may end with hidden tests between ``### BEGIN HIDDEN TESTS`` and
+``### END HIDDEN TESTS``: nbgrader removes them from the student's copy and puts
+them back when it grades.
+
 nbgrader does the grading; this script only translates the tags into nbgrader's
 cell metadata and drives its commands over a course folder (``book/course/``,
 git-ignored)::
@@ -18,14 +22,21 @@ git-ignored)::
     python book/grading.py student [05 18 ...]      # make student
     python book/grading.py grade SUBMITTED_DIR      # make grade
 
-``student`` writes ``course/source/<chapter>/`` (the instructor's notebook, with
-nbgrader metadata) and ``course/release/<chapter>/<chapter>.ipynb`` (solutions
-replaced by a stub that raises, checks kept and locked). ``grade`` takes a
-folder with one subfolder per student holding their ``NN_slug.ipynb`` files,
-lets ``nbgrader autograde`` run them (the checks are restored from the
-instructor's copy, so a student cannot weaken one), and writes
-``course/grades.csv`` and ``course/grades.md``: one row per student and
-chapter, one column per exercise.
+Part I (chapters 01-14) is ONE assignment, ``part1``: the capstone (14) imports
+the engine pieces the student wrote in chapters 5-10 from their notebooks through
+the loader ``mini/``, which is released beside the notebooks; grading the
+assignment runs the capstone on the student's own pieces, so a wrong piece costs
+its exercise and the capstone's checks. Each Part II chapter is an assignment of
+its own, named after the chapter.
+
+``student`` writes ``course/source/<assignment>/`` (the instructor's notebooks,
+with nbgrader metadata) and ``course/release/<assignment>/`` (solutions replaced
+by a stub that raises, hidden tests removed, checks kept and locked). ``grade``
+takes a folder with one subfolder per student holding their ``NN_slug.ipynb``
+files, lets ``nbgrader autograde`` run them (the checks, hidden tests included,
+are restored from the instructor's copy, so a student cannot weaken one), and
+writes ``course/grades.csv`` and ``course/grades.md``: one row per student and
+chapter (the latest grading of it), one column per exercise.
 """
 
 from __future__ import annotations
@@ -38,10 +49,12 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 BOOK = Path(__file__).resolve().parent
 COURSE = BOOK / "course"
+PART1, LAST_OF_PART1 = "part1", 14  # chapters 01-14: one assignment, with mini/ beside it
 EXERCISE = re.compile(r"^#+\s*Exercise\s+(\d+)\.(\d+)", re.MULTILINE)
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 # A cell runs seconds; a whole chapter under two minutes. Ten minutes is a hang.
@@ -152,66 +165,90 @@ def _course(course: Path) -> Path:
     return course
 
 
+def assignment_of(chapter: str) -> str:
+    """``part1`` for chapters 01-14, else the chapter's own name."""
+    return PART1 if int(chapter[:2]) <= LAST_OF_PART1 else chapter
+
+
 def make_student(chapters: list[str] | None = None, course: Path = COURSE,
                  book: Path = BOOK) -> dict[str, list[str]]:
-    """Write every chosen chapter's instructor and student notebooks.
+    """Write the chosen chapters' instructor and student notebooks, by assignment.
 
-    Returns {chapter: its check ids}. Each assignment folder carries a copy of
-    ``book/mini`` so a released notebook imports the reader's engine wherever it
-    is opened.
+    Returns {chapter: its check ids}. The ``part1`` folder carries the loader
+    ``book/mini`` (it holds no piece: it reads them from the notebooks beside it).
     """
     import jupytext
 
     course = _course(course)
     graded: dict[str, list[str]] = {}
+    assignments: dict[str, list[Path]] = {}
     for path in chapter_sources(chapters, book):
-        nb = jupytext.read(path)
-        graded[path.stem] = mark_exercises(nb, path.name)
-        folder = course / "source" / path.stem
+        assignments.setdefault(assignment_of(path.stem), []).append(path)
+    for name, paths in assignments.items():
+        folder = course / "source" / name
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        jupytext.write(nb, folder / f"{path.stem}.ipynb")
-        if (book / "mini").is_dir():
+        for path in paths:
+            if name != path.stem:  # once graded on its own: not any more
+                shutil.rmtree(course / "source" / path.stem, ignore_errors=True)
+            nb = jupytext.read(path)
+            graded[path.stem] = mark_exercises(nb, path.name)
+            jupytext.write(nb, folder / f"{path.stem}.ipynb")
+        if name == PART1 and (book / "mini").is_dir():
             shutil.copytree(book / "mini", folder / "mini",
                             ignore=shutil.ignore_patterns("__pycache__"))
-        _nbgrader(course, "generate_assignment", path.stem, "--force", "--create")
+        _nbgrader(course, "generate_assignment", name, "--force", "--create")
     return graded
 
 
 def collect_submissions(submitted: Path, course: Path) -> set[str]:
-    """Copy ``submitted/<student>/<chapter>.ipynb`` into nbgrader's layout."""
-    known = {p.name for p in (course / "source").iterdir()} if (course / "source").is_dir() else set()
-    chapters = set()
+    """Copy ``submitted/<student>/<chapter>.ipynb`` into nbgrader's layout; the assignments."""
+    known = {p.stem: p.parent.name for p in (course / "source").glob("*/*.ipynb")}
+    assignments: set[str] = set()
+    fresh: set[Path] = set()  # a student's assignment folder, emptied once per grading
     for notebook in sorted(submitted.glob("*/*.ipynb")):
         student, chapter = notebook.parent.name, notebook.stem
         if chapter not in known:
-            raise SystemExit(f"{notebook}: no assignment {chapter!r}; run `make student` for it first")
-        target = course / "submitted" / student / chapter
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
+            raise SystemExit(f"{notebook}: no chapter {chapter!r} in any assignment; "
+                             f"run `make student` for it first")
+        target = course / "submitted" / student / known[chapter]
+        if target not in fresh:
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            fresh.add(target)
         shutil.copy(notebook, target / notebook.name)
-        chapters.add(chapter)
-    if not chapters:
+        # nbgrader keeps this as the submission's time: the latest grading wins the table.
+        (target / "timestamp.txt").write_text(datetime.now(timezone.utc).isoformat())
+        assignments.add(known[chapter])
+    if not assignments:
         raise SystemExit(f"{submitted}: expected <student>/<NN_slug>.ipynb files, found none")
-    return chapters
+    return assignments
 
 
 def grade_table(course: Path = COURSE) -> list[dict]:
-    """One row per (student, chapter): each exercise's score, read from nbgrader's gradebook."""
+    """One row per (student, chapter), its latest grading: each exercise's score.
+
+    Read from nbgrader's gradebook; where it holds a chapter twice for a student
+    (the chapter graded under two assignments, e.g. before and after Part I became
+    one), the submission with the latest timestamp wins.
+    """
     from nbgrader.api import Gradebook
 
-    rows = []
+    graded = []
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
         for assignment in gradebook.assignments:
             for submission in gradebook.assignment_submissions(assignment.name):
                 for notebook in submission.notebooks:
-                    row = {"student": submission.student_id, "chapter": assignment.name}
+                    row = {"student": submission.student_id, "chapter": notebook.name}
                     for grade in sorted(notebook.grades, key=lambda g: g.name):
                         row[grade.name] = (grade.score, grade.max_score)
                     row["score"] = notebook.score
                     row["max_score"] = notebook.max_score
-                    rows.append(row)
-    return rows
+                    graded.append((submission.timestamp or datetime.min, row))
+    latest = {}  # later gradings replace earlier ones
+    for _, row in sorted(graded, key=lambda pair: pair[0]):
+        latest[row["student"], row["chapter"]] = row
+    return [latest[key] for key in sorted(latest)]
 
 
 def write_tables(rows: list[dict], course: Path = COURSE) -> tuple[Path, Path]:
@@ -238,8 +275,8 @@ def write_tables(rows: list[dict], course: Path = COURSE) -> tuple[Path, Path]:
 def grade(submitted: Path, course: Path = COURSE) -> list[dict]:
     """Autograde every submitted notebook and write the tables; returns the rows."""
     course = _course(course)
-    for chapter in sorted(collect_submissions(submitted.resolve(), course)):
-        _nbgrader(course, "autograde", chapter, "--force", "--create")
+    for assignment in sorted(collect_submissions(submitted.resolve(), course)):
+        _nbgrader(course, "autograde", assignment, "--force", "--create")
     rows = grade_table(course)
     write_tables(rows, course)
     return rows
@@ -257,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "student":
         for chapter, checks in make_student(args.chapters, args.course).items():
             print(f"{chapter}: {len(checks)} graded checks -> "
-                  f"{args.course / 'release' / chapter / (chapter + '.ipynb')}")
+                  f"{args.course / 'release' / assignment_of(chapter) / (chapter + '.ipynb')}")
     else:
         rows = grade(args.submitted, args.course)
         print((args.course / "grades.md").read_text(), end="")

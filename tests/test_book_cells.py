@@ -3,12 +3,16 @@
 Long cells hide the line a paragraph explains; plumbing belongs in a named
 helper of ``minivllm.lab.viz`` or ``minivllm.entrypoints.launch``. A cell that is
 only a ``show_source(...)`` listing is exempt (the listing's length is the
-engine's, and ``show_source`` cuts it at 20 lines anyway).
+engine's, and ``show_source`` cuts it at 20 lines anyway), and so is a piece of the
+reader's engine (a cell starting ``# piece:``: a module the reader writes). Lines
+are counted as a student sees them: hidden tests (nbgrader's ``### BEGIN HIDDEN
+TESTS`` ... ``### END HIDDEN TESTS``) do not count.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,10 +22,11 @@ jupytext = pytest.importorskip("jupytext")
 MAX_CELL_LINES = 20
 BOOK = Path(__file__).resolve().parent.parent / "book"
 CHAPTERS = sorted(p for p in BOOK.glob("[0-9][0-9]_*.py"))
+HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS\n.*?^[ \t]*### END HIDDEN TESTS\n?", re.S | re.M)
 
 
 def cell_lines(source: str) -> list[str]:
-    lines = source.splitlines()
+    lines = HIDDEN.sub("", source).splitlines()
     while lines and not lines[-1].strip():
         lines.pop()
     return lines
@@ -44,7 +49,8 @@ def long_cells(path: Path) -> list[str]:
     notebook = jupytext.read(path)
     found = []
     for index, cell in enumerate(notebook.cells):
-        if cell.cell_type != "code" or is_source_listing(cell.source):
+        if (cell.cell_type != "code" or is_source_listing(cell.source)
+                or cell.source.startswith("# piece: ")):
             continue
         lines = cell_lines(cell.source)
         if len(lines) > MAX_CELL_LINES:
@@ -61,6 +67,7 @@ def test_counting_and_the_listing_exemption():
     assert is_source_listing(listing) and not is_source_listing("x = 1\nshow_source(f)\n")
     assert not is_source_listing("%timeit f()\n")
     assert cell_lines("a\n\nb\n\n\n") == ["a", "", "b"]
+    assert cell_lines("a\n### BEGIN HIDDEN TESTS\nb\n### END HIDDEN TESTS\nc\n") == ["a", "c"]
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)

@@ -6,6 +6,11 @@ SOLUTION`` (a grading tool strips it for student copies), then a ``check`` cell.
 The check must use a name the stripped part defines, so that a student copy
 fails it until the student writes an answer. At least one exercise per chapter
 changes the engine and asks for a prediction first.
+
+A *piece* of the reader's engine (a solution cell whose first line is ``# piece:
+<module>``, BOOK_PIECES) keeps its signatures and docstrings in the student copy:
+its solution regions sit inside function bodies, so the stub raises when called,
+and its check calls what the piece defines.
 """
 
 from __future__ import annotations
@@ -50,6 +55,19 @@ def exercises(path: Path) -> list[tuple[str, object, object]]:
     return found
 
 
+def assert_piece_stubs_raise(header: str, piece: str, check: str) -> None:
+    """Every solution region of a piece is a whole function body's tail, and the check
+    uses a class or function the piece defines."""
+    stub = SOLUTION.sub("raise NotImplementedError()\n", piece)
+    tree = ast.parse(stub)  # the student copy still parses
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    raising = [f for f in functions if isinstance(f.body[-1], ast.Raise)]
+    assert len(raising) == len(SOLUTION.findall(piece)), \
+        f"{header}: a solution region outside a function body (the stub would not parse or raise)"
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert defined & names_used(check), f"{header}: the check calls nothing the piece defines"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name[:2])
 def test_chapter_has_three_gradable_exercises(path):
     chapter = int(path.name[:2])
@@ -64,6 +82,10 @@ def test_chapter_has_three_gradable_exercises(path):
         assert check is not None and check.metadata.get("tags") == ["check"], header
         answer = SOLUTION.search(sol.source)
         assert answer, f"{header}: no BEGIN/END SOLUTION block"
+        assert "assert" in check.source, header
+        if sol.source.startswith("# piece: "):
+            assert_piece_stubs_raise(header, sol.source, check.source)
+            continue
         stripped = names_defined(answer.group(1)) - names_defined(
             SOLUTION.sub("", sol.source))
         assert stripped & names_used(check.source), \

@@ -1,29 +1,24 @@
-"""The reader's engine (``book/mini``) against the engine, piece by piece and whole.
+"""The reader's engine, as the instructor's chapters write it, against the engine.
 
-Each piece must do what the engine's counterpart does on the same input; the
+The pieces are loaded the way the capstone loads them: ``book/mini`` (the loader)
+runs each chapter cell that starts ``# piece: <module>`` as ``mini.<module>``.
+Each piece must do what the engine's counterpart does on the same inputs; the
 assembled ``MiniEngine`` must give ``LLM()``'s tokens and streamed text, also
 with the engine's scheduler or the engine's attention swapped in.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "book"))
-
-from mini.attention import PagedAttention, softmax_tile  # noqa: E402
-from mini.batch import prepare_inputs  # noqa: E402
-from mini.block_pool import BlockPool as MiniPool  # noqa: E402
-from mini.detokenizer import Detokenizer  # noqa: E402
-from mini.engine import MiniEngine  # noqa: E402
-from mini.kv_cache import KVCacheManager as MiniKV  # noqa: E402
-from mini.sampler import filtered_probs, sample  # noqa: E402
-from mini.scheduler import Scheduler as MiniScheduler, Sequence  # noqa: E402
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.config import SchedulerConfig  # noqa: E402
@@ -36,11 +31,41 @@ from minivllm.model.attention.torch_attn import TorchAttentionBackend  # noqa: E
 from minivllm.model.loader import load_model  # noqa: E402
 from minivllm.sampling_params import RequestOutputKind  # noqa: E402
 from minivllm.sample.ops import apply_min_p, apply_top_k_top_p  # noqa: E402
+from minivllm.lab.bench.attention import make_paged_batch  # noqa: E402
 
 
-def test_block_pool_follows_the_engine_pool():
-    rng = random.Random(0)
-    pool, mine, held = BlockPool(12, enable_caching=False), MiniPool(12), []
+def piece(name: str):
+    """``mini.<name>``, read from the chapter that writes it (a stub would raise)."""
+    return importlib.import_module(f"mini.{name}")
+
+
+def test_the_loader_finds_the_pieces_in_their_chapters():
+    import mini
+
+    found = mini.pieces()
+    for name, chapter in [("block_pool", 5), ("kv_cache", 5), ("attention", 6), ("batch", 14),
+                          ("engine", 14)]:
+        assert [c.chapter for c in found[name]] == [chapter] * len(found[name]), name
+        assert not any(c.stubbed for c in found[name]), name
+    assert found["kv_cache"][-1].exercise == "5.3" and len(found["attention"]) == 2
+    with pytest.raises(mini.MissingPiece, match="piece: nothing_here"):
+        importlib.import_module("mini.nothing_here")
+
+
+def test_a_stub_stops_with_its_chapter_and_exercise(tmp_path):
+    import mini
+
+    (tmp_path / "03_x.py").write_text('# %% [markdown]\n# ### Exercise 3.2 — the widget\n'
+                                      '# %%\n# piece: widget\ndef f():\n'
+                                      '    raise NotImplementedError()\n')
+    (cell,) = mini.pieces(tmp_path)["widget"]
+    assert cell.stubbed and (cell.chapter, cell.exercise, cell.title) == (3, "3.2", "the widget")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_pool_follows_the_engine_pool(seed):
+    rng = random.Random(seed)
+    pool, mine, held = BlockPool(12, enable_caching=False), piece("block_pool").BlockPool(12), []
     for _ in range(200):
         if held and rng.random() < 0.5:
             ids = held.pop(rng.randrange(len(held)))
@@ -58,6 +83,40 @@ def test_block_pool_follows_the_engine_pool():
         assert [b.block_id for b in pool.free_block_queue] == list(mine.free)
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_kv_cache_follows_the_engine_manager(block_size):
+    rng = random.Random(block_size)
+    theirs = KVCacheManager(num_blocks=10, block_size=block_size, enable_caching=False)
+    mine, reqs = piece("kv_cache").KVCacheManager(10, block_size), {}
+    for _ in range(150):
+        rid, n = f"r{rng.randrange(5)}", rng.choice([0, 1, 1, 3, 7, 16])
+        ra, rb = reqs.setdefault(rid, [Request(rid, list(range(512)), SamplingParams(), 8)
+                                       for _ in range(2)])
+        if n == 0:
+            theirs.free(ra)
+            mine.free(rb)
+            continue
+        want, got = theirs.allocate_slots(ra, n), mine.allocate_slots(rb, n)
+        assert got == (None if want is None else [b.block_id for b in want])
+        if want is not None:
+            ra.num_computed_tokens += n
+            rb.num_computed_tokens += n
+        assert mine.block_tables.get(rid, []) == theirs.get_block_ids(rid)
+        assert mine.num_free_blocks == theirs.num_free_blocks
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_slot_mapping_matches_the_paged_batches(block_size):
+    query_lens, context_lens = [20, 1, 9, 1], [0, 40, 33, 64]
+    b = make_paged_batch(query_lens, context_lens, num_heads=2, num_kv_heads=1, head_dim=4,
+                         block_size=block_size)
+    starts = b.meta.query_start_loc.tolist()
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        got = piece("kv_cache").slot_mapping(b.meta.block_tables[i].tolist(), range(c, c + q),
+                                             block_size)
+        assert got == b.meta.slot_mapping[starts[i]:starts[i + 1]].tolist()
+
+
 @pytest.mark.parametrize("tile", [1, 8, 37])
 def test_softmax_tile_folds_to_the_softmax(tile):
     """Three query rows against one KV head, folded one tile of keys at a time."""
@@ -65,6 +124,7 @@ def test_softmax_tile_folds_to_the_softmax(tile):
     scores, values = torch.randn(3, 37).double() * 3, torch.randn(37, 5).double()
     m, l = torch.full((3,), float("-inf"), dtype=torch.float64), torch.zeros(3).double()
     acc = torch.zeros(3, 5).double()
+    softmax_tile = piece("attention").softmax_tile
     for start in range(0, 37, tile):
         m, l, acc = softmax_tile(m, l, acc, scores[:, start:start + tile],
                                  values[start:start + tile])
@@ -81,8 +141,8 @@ def mixed_step(block_size=4, num_blocks=16):
     shapes = [(0, 7), (5, 6), (9, 1), (14, 1)]
     seqs, tables = [], {}
     for i, (done, new) in enumerate(shapes):
-        seq = Sequence(f"s{i}", list(range(done + new)), SamplingParams(max_tokens=4))
-        seq.num_computed_tokens = done
+        seq = SimpleNamespace(request_id=f"s{i}", all_token_ids=list(range(done + new)),
+                              num_computed_tokens=done, num_tokens=done + new)
         tables[seq.request_id] = [perm.pop() for _ in range(-(-(done + new) // block_size))]
         seqs.append(seq)
 
@@ -90,7 +150,7 @@ def mixed_step(block_size=4, num_blocks=16):
         scheduled_requests = seqs
         num_scheduled_tokens = {s.request_id: n for s, (_, n) in zip(seqs, shapes)}
         block_ids = tables
-    return prepare_inputs(Out, block_size), num_blocks, block_size
+    return piece("batch").prepare_inputs(Out, block_size), num_blocks, block_size
 
 
 def test_paged_attention_matches_the_reference_backend():
@@ -100,7 +160,7 @@ def test_paged_attention_matches_the_reference_backend():
     q, k, v = torch.randn(T, heads, dim), torch.randn(T, kv_heads, dim), torch.randn(T, kv_heads, dim)
     caches = [torch.randn(num_blocks, block_size, kv_heads, dim) for _ in range(2)]
     theirs_cache = [c.clone() for c in caches]
-    mine = PagedAttention()
+    mine = piece("attention").PagedAttention()
     mine.write_kv(k, v, *caches, batch.meta.slot_mapping)
     ref = TorchAttentionBackend()
     ref.write_kv(k, v, *theirs_cache, batch.meta.slot_mapping)
@@ -128,6 +188,8 @@ def drive(scheduler, make, prompts, max_tokens, token=7):
 
 
 def test_scheduler_reproduces_the_engine_scheduler_with_chunks_and_preemption():
+    MiniScheduler, Sequence = piece("scheduler").Scheduler, piece("scheduler").Sequence
+    MiniKV = piece("kv_cache").KVCacheManager
     prompts = {"a": 40, "b": 9, "c": 23, "d": 5, "e": 61}
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     kv = KVCacheManager(num_blocks=14, block_size=8, enable_caching=False)
@@ -152,6 +214,7 @@ def test_filtered_probs_match_the_sampler_filters(knobs):
                                torch.tensor([k["top_p"]]) if k["top_p"] < 1 else None)
     if k["min_p"]:
         theirs = apply_min_p(theirs, torch.tensor([k["min_p"]]))
+    filtered_probs, sample = piece("sampler").filtered_probs, piece("sampler").sample
     torch.testing.assert_close(filtered_probs(logits, **k), theirs.softmax(-1)[0])
     assert sample(logits, SamplingParams(temperature=0)) == int(logits.argmax())
 
@@ -159,7 +222,8 @@ def test_filtered_probs_match_the_sampler_filters(knobs):
 def test_detokenizer_matches_the_engine_on_chinese(default_tokenizer):
     ids = default_tokenizer.encode("你好，世界！🎉 Paris is the capital.", add_special_tokens=False)
     for answer in (ids, ids[:5]):  # the second ends inside a character
-        ours, theirs = Detokenizer(default_tokenizer), IncrementalDetokenizer(default_tokenizer)
+        ours = piece("detokenizer").Detokenizer(default_tokenizer)
+        theirs = IncrementalDetokenizer(default_tokenizer)
         assert [ours.update([t]) for t in answer] == [theirs.update([t]) for t in answer]
         assert ours.finish() == theirs.finish()
 
@@ -178,17 +242,20 @@ def reference_streams(llm, prompts, params):
     return streams
 
 
-class WithEngineScheduler(MiniEngine):
-    def make_scheduler(self, num_blocks, block_size, budget, max_seqs):
-        kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
-        return Scheduler(SchedulerConfig(budget, max_seqs, 1024), kv)
+def with_engine_scheduler(MiniEngine):
+    class WithEngineScheduler(MiniEngine):
+        def make_scheduler(self, num_blocks, block_size, budget, max_seqs):
+            kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
+            return Scheduler(SchedulerConfig(budget, max_seqs, 1024), kv)
 
-    def make_request(self, request_id, prompt_token_ids, params):
-        return Request(request_id, prompt_token_ids, params, params.max_tokens,
-                       self.eos_token_ids)
+        def make_request(self, request_id, prompt_token_ids, params):
+            return Request(request_id, prompt_token_ids, params, params.max_tokens,
+                           self.eos_token_ids)
+    return WithEngineScheduler
 
 
 def test_mini_engine_serves_like_llm(tiny_chat_model):
+    MiniEngine, PagedAttention = piece("engine").MiniEngine, piece("attention").PagedAttention
     args = dict(num_kv_blocks=10, max_num_batched_tokens=24, block_size=8,
                 enable_prefix_caching=False, cpu_kernels=False)
     llm = LLM(tiny_chat_model, **args)
@@ -201,7 +268,7 @@ def test_mini_engine_serves_like_llm(tiny_chat_model):
     assert llm.engine_core.scheduler.num_preemptions > 0
     model = load_model(llm.llm_engine.config.model, PagedAttention(), "cpu")
     eos = inputs.eos_token_ids
-    for engine_class, attention in [(MiniEngine, None), (WithEngineScheduler, None),
+    for engine_class, attention in [(MiniEngine, None), (with_engine_scheduler(MiniEngine), None),
                                     (MiniEngine, TorchAttentionBackend())]:
         engine = engine_class(model, llm.get_tokenizer(), eos, 10, 8, 24, 8, attention)
         assert engine.generate(prompts, params) == expected, engine_class
