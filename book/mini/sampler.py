@@ -6,19 +6,20 @@ import torch
 
 
 def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
-    """The kept-and-renormalised distribution: temperature, top-k, top-p, min-p, in order."""
+    """The kept-and-renormalised distribution: temperature, min-p, top-k, top-p, in
+    vLLM V1's order."""
     l = logits / temperature
     keep = torch.ones_like(l, dtype=torch.bool)
-    order = l.argsort(descending=True)
+    if min_p > 0.0:
+        p = l.softmax(-1)
+        keep &= p >= min_p * p.max()
+    order = l.masked_fill(~keep, float("-inf")).argsort(descending=True)
     if top_k:
         keep[order[top_k:]] = False
     if top_p < 1.0:
         p = l.masked_fill(~keep, float("-inf")).softmax(-1)[order]
         mass_before = p.cumsum(0) - p  # probability of the tokens ranked above
         keep[order[mass_before >= top_p]] = False
-    if min_p > 0.0:
-        p = l.masked_fill(~keep, float("-inf")).softmax(-1)
-        keep &= p >= min_p * p.max()
     return l.masked_fill(~keep, float("-inf")).softmax(-1)
 
 
