@@ -334,7 +334,7 @@ assert list(kept.values()) == [2, 2, 3]
 
 # %% [markdown]
 # Turn the knobs. Grey bars: the distribution after temperature, what the filters see.
-# Blue bars: what is left after top-k, top-p and min-p, renormalised: what a sample is
+# Blue bars: what is left after min-p, top-k and top-p, renormalised: what a sample is
 # drawn from. The 15 most likely tokens are shown; the count of survivors is in the
 # title.
 
