@@ -433,31 +433,232 @@ assert x.num_output_tokens == y.num_output_tokens == 3
 # %% [markdown]
 # ## Build it once: a token-budget scheduler
 #
-# The rules fit in a few lines, and you write them once, in the package beside this
-# book, `book/mini/scheduler.py` (chapter 14 assembles `book/mini/` into a whole engine
-# that serves real requests). A step hands out the budget: running requests first, in
-# admission order, each cut to what is left (a long prompt gets a chunk); then waiting
-# requests are admitted, first come first served. If a running request needs a block
-# the pool cannot give, the newest running request is preempted (the next section
-# shows why and what it costs).
+# The rules fit in a few dozen lines, and you write them once, as the scheduler piece
+# of your own engine (chapter 14 assembles your pieces into an engine that serves real
+# requests). A step hands out the budget: running requests first, in admission order,
+# each cut to what is left (a long prompt gets a chunk); then waiting requests are
+# admitted, first come first served. If a running request needs a block the pool
+# cannot give, the newest running request is preempted (the next sections show why
+# and what it costs).
 
-# %%
+# %% [markdown]
+# ### Exercise 7.1 — your scheduler
+# Write `Scheduler.schedule` (with its helpers `_add` and `_preempt`) and
+# `Scheduler.update_from_output`. Your scheduler asks your KV cache manager of
+# chapter 5 for blocks (`allocate_slots(seq, n)` gives the new blocks or `None`,
+# `free(seq)` gives them all back, `block_tables[request_id]` is a request's table).
+# The check drives it and the engine's `Scheduler` through the same workload, with a
+# fake model that always samples the same token, and compares every step: the tokens
+# each request gets, the preemptions and the block tables. Hidden tests try other
+# budgets, sequence limits and cache sizes.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: scheduler
+"""One token budget per step: running requests first, then waiting ones (chapter 7)."""
+from collections import namedtuple
+from dataclasses import dataclass, field
+
+
+class Sequence:
+    """One request as the scheduler sees it: its tokens and how many are in the cache."""
+
+    def __init__(self, request_id: str, prompt_token_ids, sampling_params, eos_token_ids=()):
+        self.request_id, self.sampling_params = request_id, sampling_params
+        self.all_token_ids = list(prompt_token_ids)  # prompt + answer so far
+        self.num_prompt_tokens, self.eos_token_ids = len(self.all_token_ids), eos_token_ids
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_requests: list = field(default_factory=list)  # batch order
+    num_scheduled_tokens: dict = field(default_factory=dict)  # id -> tokens this step
+    block_ids: dict = field(default_factory=dict)  # id -> its block table
+    total_num_scheduled_tokens: int = 0  # of the budget
+    preempted_req_ids: list = field(default_factory=list)
+
+
+# What one step gives back for one request that got a token.
+TokenOutput = namedtuple("TokenOutput", "request_id new_token_ids finish_reason")
+
+
+class Scheduler:
+    """Token budget, chunked prefill, preemption by recompute; the engine's names, so
+    the engine's ``Scheduler`` can take this one's place.
+
+    ``schedule()``, one step, with ``B = max_num_batched_tokens``:
+
+    1. running requests, oldest first, while budget is left: each gets
+       ``min(num_tokens - num_computed_tokens, budget left)`` tokens. If the KV
+       cache has no room for them, preempt the NEWEST running request (free its
+       blocks, ``num_computed_tokens = 0``, back to the FRONT of ``waiting``) and
+       try again; if the request itself was the newest, it is the one preempted.
+    2. then, only if nobody was preempted this step, waiting requests in order,
+       while budget is left and fewer than ``max_num_seqs`` run; the first that
+       does not fit in the cache stops admission (nobody overtakes it).
+
+    Budget 16, blocks of 4, a 40-token prompt X, then a 3-token prompt Y: the steps
+    give {X: 16}, {X: 16}, {X: 8, Y: 3}, {X: 1, Y: 1}, ...
+
+    ``update_from_output(out, sampled)``: every scheduled request's
+    ``num_computed_tokens`` grows by its tokens; one that reached its
+    ``num_tokens`` gets ``sampled[request_id][0]`` appended and a ``TokenOutput``;
+    it finishes with "stop" on an EOS (unless ``ignore_eos``) or "length" at
+    ``max_tokens`` answer tokens, leaving ``running`` and freeing its blocks.
+    """
+
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, kv_cache_manager):
+        self.budget, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting, self.running = [], []  # first come first served; admission order
+
+    def add_request(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """One step's batch: which requests, how many tokens each, their blocks."""
+        ### BEGIN SOLUTION
+        out = SchedulerOutput()
+        for seq in list(self.running):  # 1. running requests, oldest first
+            if self.budget == out.total_num_scheduled_tokens or seq not in self.running:
+                break  # budget spent, or seq (so everyone newer) just preempted
+            while seq in self.running and not self._add(out, seq):  # no free block:
+                self._preempt(self.running[-1], out)  # the newest has least work to lose
+        while (self.waiting and self.budget > out.total_num_scheduled_tokens
+               and len(self.running) < self.max_num_seqs
+               and not out.preempted_req_ids):  # 2. admit, unless the cache just ran short
+            if not self._add(out, self.waiting[0]):
+                break  # nobody overtakes the head of the queue
+            self.running.append(self.waiting.pop(0))
+        return out
+        ### END SOLUTION
+
+    def _add(self, out: SchedulerOutput, seq: Sequence) -> bool:
+        """Schedule what the budget leaves of ``seq``'s uncomputed tokens, if blocks
+        allow: record it in ``out`` and say True; else change nothing, say False."""
+        ### BEGIN SOLUTION
+        rid, left = seq.request_id, self.budget - out.total_num_scheduled_tokens
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, left)  # maybe a chunk
+        if self.kv_cache_manager.allocate_slots(seq, num_new) is None:
+            return False
+        out.scheduled_requests.append(seq)
+        out.num_scheduled_tokens[rid] = num_new
+        out.total_num_scheduled_tokens += num_new
+        out.block_ids[rid] = self.kv_cache_manager.block_tables[rid]
+        return True
+        ### END SOLUTION
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take ``seq``'s blocks; it starts over later, recomputed from scratch."""
+        ### BEGIN SOLUTION
+        self.running.remove(seq)
+        self.kv_cache_manager.free(seq)
+        seq.num_computed_tokens = 0  # recomputed from scratch: prompt + answer so far
+        self.waiting.insert(0, seq)  # it was admitted before anyone still waiting
+        out.preempted_req_ids.append(seq.request_id)
+        ### END SOLUTION
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict) -> list[TokenOutput]:
+        """``sampled``: request id -> (token, logprob info) for rows that reached the end."""
+        ### BEGIN SOLUTION
+        outputs = []
+        for seq in out.scheduled_requests:
+            seq.num_computed_tokens += out.num_scheduled_tokens[seq.request_id]
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a middle chunk of a prompt: no token yet
+            token = sampled[seq.request_id][0]
+            seq.all_token_ids.append(token)
+            stop = token in seq.eos_token_ids and not seq.sampling_params.ignore_eos
+            length = seq.num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+            reason = "stop" if stop else "length" if length else None
+            if reason:
+                self.running.remove(seq)
+                self.kv_cache_manager.free(seq)
+            outputs.append(TokenOutput(seq.request_id, [token], reason))
+        return outputs
+        ### END SOLUTION
+
+
+# %% tags=["check"]
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
-from mini.kv_cache import KVCacheManager as MiniKVCacheManager
-from mini.scheduler import Scheduler as MiniScheduler, Sequence
+sys.path.insert(0, str(Path.cwd()))  # book/: mini, the package of your pieces
+from minivllm.core.kv_cache_manager import KVCacheManager as EngineKV
+from minivllm.core.request import Request as EngineRequest
+from minivllm.core.scheduler import Scheduler as EngineScheduler
+from mini.kv_cache import KVCacheManager as MiniKVCacheManager  # yours, chapter 5
 
-show_source(MiniScheduler.schedule, max_lines=30)
+
+def scheduler_trace(scheduler, make, prompts, token=7):
+    """Drive a scheduler with a fake model that always samples ``token``."""
+    for rid, n in prompts.items():
+        scheduler.add_request(make(rid, n))
+    trace = []
+    while scheduler.has_unfinished_requests() and len(trace) < 500:
+        out = scheduler.schedule()
+        order = [r.request_id for r in out.scheduled_requests]
+        trace.append((order, {r: out.num_scheduled_tokens[r] for r in order},
+                      list(out.preempted_req_ids), {r: list(out.block_ids[r]) for r in order}))
+        sampled = {r.request_id: (token, None) for r in out.scheduled_requests
+                   if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
+                   == r.num_tokens}
+        scheduler.update_from_output(out, sampled)
+    return trace
+
+
+def check_scheduler(prompts, budget, max_seqs, num_blocks, block_size, max_tokens):
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    theirs = scheduler_trace(
+        EngineScheduler(budget, max_seqs, 4096, EngineKV(num_blocks, block_size,
+                                                          enable_caching=False)),
+        lambda rid, n: EngineRequest(rid, list(range(n)), sp, max_tokens), prompts)
+    mine = scheduler_trace(Scheduler(budget, max_seqs, MiniKVCacheManager(num_blocks, block_size)),
+                           lambda rid, n: Sequence(rid, list(range(n)), sp), prompts)
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        assert len(a[0]) == len(set(a[0])), f"step {i}: a request is scheduled twice"
+        assert sum(a[1].values()) <= budget, f"step {i}: more tokens than the budget"
+        assert a[2] == b[2], f"step {i}: you preempt other requests than the engine"
+        assert a[0] == b[0], f"step {i}: you schedule other requests than the engine"
+        assert a[1] == b[1], f"step {i}: a request gets another number of tokens"
+        assert a[3] == b[3], f"step {i}: a block table differs from the engine's"
+    assert len(mine) == len(theirs), "your requests finish after another number of steps"
+
+
+# budget 32, 4 sequences, 14 blocks of 8: chunks and preemptions
+check_scheduler({"a": 40, "b": 9, "c": 23, "d": 5, "e": 61}, 32, 4, 14, 8, 12)
+### BEGIN HIDDEN TESTS
+import random
+
+check_scheduler({"x": 40, "y": 3}, 16, 8, 32, 4, 3)
+check_scheduler({f"r{i}": n for i, n in enumerate([5, 5, 5, 5, 5])}, 64, 2, 64, 4, 6)
+check_scheduler({"big": 200, "small": 2}, 48, 4, 80, 4, 5)
+check_scheduler({"p": 8, "q": 8}, 16, 8, 5, 4, 8)  # chapter's tight cache
+rng = random.Random(7)
+for trial in range(6):
+    lengths = [rng.randint(1, 70) for _ in range(rng.randint(2, 7))]
+    bs, answer = rng.choice([2, 4, 8]), rng.randint(1, 16)
+    fits = -(-(max(lengths) + answer) // bs)  # blocks for the longest alone
+    check_scheduler({f"t{i}": n for i, n in enumerate(lengths)}, rng.choice([8, 16, 33]),
+                    rng.randint(1, 5), fits + rng.randint(0, 12), bs, answer)
+### END HIDDEN TESTS
 
 # %% [markdown]
-# After the step ran, `update_from_output` moves each request on by what it computed;
-# a request that reached the end of its known tokens gets the sampled token, and leaves
-# when its answer is long enough:
+# From here on "your scheduler" is the class you wrote (`MiniScheduler`); the name
+# `Scheduler` goes back to the engine's, which the rest of the chapter runs by hand.
+# Your `schedule` is the engine's `schedule` above, `_schedule_running` and
+# `_schedule_waiting` folded into one loop each.
 
 # %%
-show_source(MiniScheduler.update_from_output, start="outputs = []")
+MiniScheduler = Scheduler  # yours
+from minivllm.core.scheduler import Scheduler  # the engine's again
 
 # %% [markdown]
 # Replay the three students through it. The model is not needed to check the schedule:
@@ -469,7 +670,8 @@ show_source(MiniScheduler.update_from_output, start="outputs = []")
 # %%
 def replay(prompts, answers, budget, max_seqs, num_blocks, block_size):
     """Your scheduler on the students' workload: {request id: tokens} per step."""
-    sched, steps = MiniScheduler(budget, max_seqs, MiniKVCacheManager(num_blocks, block_size)), []
+    sched = MiniScheduler(budget, max_seqs, MiniKVCacheManager(num_blocks, block_size))
+    steps = []
     while len(steps) <= max(arrivals.values()) or sched.has_unfinished_requests():
         for rid in [r for r, a in arrivals.items() if a == len(steps)]:
             sp = params[rid].clone(max_tokens=len(answers[rid]))  # it stops where it did
@@ -721,16 +923,30 @@ assert tight.kv_cache_manager.num_free_blocks == 5  # every block back
 # at once, a prefill of prompt plus answer, after which it decodes on as before.
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) `Scheduler.schedule` in `vllm/v1/core/sched/scheduler.py`
+# has the same two loops: running requests first, each given
+# `num_tokens_with_spec - num_computed_tokens` tokens cut to the budget
+# (`max_num_scheduled_tokens`); when `kv_cache_manager.allocate_slots` returns
+# `None`, the last running request is popped and preempted (its blocks freed,
+# `num_computed_tokens` set to 0, put back at the front of the waiting queue); and
+# waiting requests are only scheduled when nobody was preempted. `update_from_output`
+# applies the sampled tokens. vLLM adds what minivllm leaves out or keeps simpler:
+# a priority policy, `long_prefill_token_threshold`, structured-output, encoder and
+# KV-transfer bookkeeping, and asynchronous scheduling, where the next step is
+# planned before the last one's tokens are back.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 7.1 — shortest prompt first
+# ### Exercise 7.2 — shortest prompt first
 # Change the engine's admission rule to **shortest prompt first**: write `ShortestFirst`,
 # a subclass of the engine's `Scheduler` that sorts the waiting queue before admitting.
 # A 60-token prompt L and a 4-token prompt S arrive together (L first), budget 16, two
 # answer tokens each. **Predict first:** at which step (counting from 0) does each get
-# its first token, under both rules? Fill in `predicted`. (The same subclass can be put
-# into the real engine: `llm.engine_core.scheduler.__class__ = ShortestFirst`.)
+# its first token, under both rules? Fill in `predicted` before you run the check: it
+# runs both rules and grades your prediction. (The same subclass can be put into the
+# real engine: `llm.engine_core.scheduler.__class__ = ShortestFirst`.)
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 from collections import deque
@@ -764,11 +980,17 @@ def first_token_steps(scheduler_class) -> dict[str, int]:
 
 
 measured = {"fcfs": first_token_steps(Scheduler), "shortest": first_token_steps(ShortestFirst)}
-print(measured)
+assert set(predicted) == {"fcfs", "shortest"} and all(
+    set(v) == {"L", "S"} for v in predicted.values()), \
+    'predicted = {"fcfs": {"L": step, "S": step}, "shortest": {...}}'
+assert measured["shortest"]["S"] < measured["fcfs"]["S"], \
+    "ShortestFirst does not put S first: sort the waiting queue by prompt length"
+### BEGIN HIDDEN TESTS
 assert predicted == measured
+### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 7.2 — how many chunks
+# ### Exercise 7.3 — how many chunks
 # In the continuous run above, B's 1,000-token prompt was computed in chunks, and A was
 # decoding in every one of those steps (C had finished). How many steps did B's prompt
 # take (`n_chunks`)? Derive it from `BUDGET` and `len(B_PROMPT)`.
@@ -783,7 +1005,7 @@ n_chunks = -(-len(B_PROMPT) // (BUDGET - 1))
 assert n_chunks == len(chunks)
 
 # %% [markdown]
-# ### Exercise 7.3 — enough blocks to avoid preemption
+# ### Exercise 7.4 — enough blocks to avoid preemption
 # Give the tight scheduler of "One request's life" (blocks of 4 tokens, P and Q with 8
 # prompt and 8 answer tokens each) more KV blocks. **Predict first:** what is the
 # smallest number of blocks with which Q is never preempted (`min_blocks`)?
@@ -818,7 +1040,7 @@ assert preempted_with(min_blocks - 1) and not preempted_with(min_blocks)
 # - When KV blocks run out, the newest request is preempted and recomputed later:
 #   it costs compute, never correctness.
 # - All of it turns on one number per request, `num_computed_tokens`; the rules are
-#   few enough to rewrite in forty lines, and our rewrite reproduced the engine's
+#   few enough to rewrite in forty lines, and your rewrite reproduced the engine's
 #   steps exactly.
 #
 # ## Things to try

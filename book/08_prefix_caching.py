@@ -52,6 +52,8 @@ from openai.types import CompletionUsage
 
 from minivllm import LLM, SamplingParams
 from minivllm.core.kv_cache_manager import hash_block_tokens, hash_request_tokens
+from minivllm.core.kv_cache_manager import hash_block_tokens as engine_hash_block_tokens
+from minivllm.core.kv_cache_manager import hash_request_tokens as engine_hash_request_tokens
 from minivllm.entrypoints.openai.serving_engine import UsageCounter
 from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.prefix import (STATUS_COLORS, chain_rows, hash_chain_figure, short_hash,
@@ -208,6 +210,133 @@ for name, ids in (("A", A), ("B", B)):
     hits, n = own.get_computed_blocks(lookup_request(name, ids))
     print(f"{name}: {n} tokens cached, blocks {[b.block_id for b in hits]} of A's {a_blocks}")
     assert n == cached["A again" if name == "A" else name]  # what the engine reported
+
+# %% [markdown]
+# ### Exercise 8.1 — your prefix cache
+# Write the prefix-cache piece of your engine: `hash_block_tokens` (one link of the
+# chain, byte for byte the engine's, so that your names are the engine's names),
+# `hash_request_tokens` (the chain over a sequence's full blocks) and
+# `find_cached_prefix` (the lookup: how many of a new sequence's tokens are cached).
+# `cached` is anything that answers `h in cached`; the check wraps the engine's block
+# pool that way, so your lookup runs over the engine's own cache. Hidden tests try
+# other sequences, block sizes, extra keys and caches.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: prefix_cache
+"""The prefix cache: a hash chain names every full block, and a lookup finds the
+longest cached prefix of a new sequence (chapter 8)."""
+import hashlib
+import struct
+
+
+def hash_block_tokens(parent_block_hash, block_token_ids, extra_keys=None) -> int:
+    """The hash of one full block, chained to its parent's.
+
+    SHA-256 fed, in this order: the parent's hash as 32 little-endian bytes (32 zero
+    bytes when ``parent_block_hash`` is None: the first block), each token id as a
+    little-endian 8-byte integer (``struct`` format ``"<q"``), and
+    ``repr(extra_keys)`` encoded as UTF-8 (what else changes the K/V, e.g.
+    ``("lora", 1)``; None for the base model). The digest read as a little-endian
+    ``int`` is the hash.
+
+    >>> h0 = hash_block_tokens(None, [1, 2, 3, 4])
+    >>> hash_block_tokens(h0, [5, 6, 7, 8]) == hash_block_tokens(None, [5, 6, 7, 8])
+    False
+    """
+    ### BEGIN SOLUTION
+    digest = hashlib.sha256()
+    digest.update(bytes(32) if parent_block_hash is None
+                  else parent_block_hash.to_bytes(32, "little"))
+    digest.update(struct.pack(f"<{len(block_token_ids)}q", *block_token_ids))
+    digest.update(repr(extra_keys).encode())
+    return int.from_bytes(digest.digest(), "little")
+    ### END SOLUTION
+
+
+def hash_request_tokens(token_ids, block_size: int, extra_keys=None) -> list[int]:
+    """The chain over every full block of ``token_ids``; a partial last block has no
+    hash yet. 35 tokens in blocks of 16: two hashes, the second chained to the first."""
+    ### BEGIN SOLUTION
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+    ### END SOLUTION
+
+
+def find_cached_prefix(token_ids, block_size: int, cached, extra_keys=None) -> int:
+    """How many of ``token_ids`` are cached (the engine's ``num_cached_tokens``): the
+    leading run of full blocks whose hash is ``in cached``, in tokens. The block
+    that holds the last token never counts (its logits must be computed), so at
+    most ``(len(token_ids) - 1) // block_size`` blocks.
+
+    Blocks of 4, ``token_ids`` of 12 tokens, hashes h0, h1, h2: with h0 and h1 in
+    ``cached`` the answer is 8; with h0, h1 and h2 also 8 (the last-token rule);
+    with only h1, 0 (a chain without its first link is no prefix).
+    """
+    ### BEGIN SOLUTION
+    max_blocks = (len(token_ids) - 1) // block_size
+    hit = 0
+    for block_hash in hash_request_tokens(token_ids, block_size, extra_keys)[:max_blocks]:
+        if block_hash not in cached:
+            break
+        hit += 1
+    return hit * block_size
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+class EngineCache:
+    """A KV cache manager's block pool, asked `h in cache`."""
+
+    def __init__(self, manager: KVCacheManager):
+        self.pool = manager.block_pool
+
+    def __contains__(self, block_hash) -> bool:
+        return self.pool.get_cached_block(block_hash) is not None
+
+
+mine_0 = hash_block_tokens(None, A[:BS])
+assert isinstance(mine_0, int), "a hash is an int (the digest read as little-endian)"
+assert mine_0 == engine_hash_block_tokens(None, A[:BS]), \
+    "the first block's hash is not the engine's: check its bytes, in order"
+mine_chain = hash_request_tokens(A, BS)
+for i, h in enumerate(engine_hash_request_tokens(A, BS)):
+    assert i < len(mine_chain) and mine_chain[i] == h, \
+        f"block {i} of A: your chain's hash is not the engine's"
+assert len(mine_chain) == len(A) // BS, "one hash per full block, none for a partial one"
+for name, ids in (("A", A), ("B", B), ("C", C)):
+    want = own.get_computed_blocks(lookup_request(name + "?", ids))[1]
+    assert find_cached_prefix(ids, BS, EngineCache(own)) == want, \
+        f"{name}: your lookup finds another number of cached tokens than the engine"
+### BEGIN HIDDEN TESTS
+import random
+
+rng = random.Random(8)
+for extra in (None, ("lora", 1), ("lora", 2)):
+    ids = [rng.randrange(50_000) for _ in range(37)]
+    for bs in (1, 4, 16):
+        assert hash_request_tokens(ids, bs, extra) == engine_hash_request_tokens(ids, bs, extra)
+assert hash_block_tokens(5, [0], ("x",)) == engine_hash_block_tokens(5, [0], ("x",))
+for bs in (2, 4, 16):
+    m = KVCacheManager(num_blocks=40, block_size=bs)
+    base = [rng.randrange(1000) for _ in range(6 * bs)]
+    for k in range(3):  # sequences sharing prefixes of different lengths, run and freed
+        seq = base[:rng.randint(bs, 6 * bs)] + [rng.randrange(1000) for _ in range(rng.randint(0, 2 * bs))]
+        r = lookup_request(f"s{bs}-{k}", seq)
+        m.allocate_slots(r, len(seq))
+        m.free(r)
+    for k in range(12):
+        probe = base[:rng.randint(0, 6 * bs)] + [rng.randrange(1000) for _ in range(rng.randint(1, 3 * bs))]
+        want = m.get_computed_blocks(lookup_request(f"p{bs}-{k}", probe))[1]
+        assert find_cached_prefix(probe, bs, EngineCache(m)) == want, (bs, k)
+# the cache holds h1 only: no prefix
+hs = engine_hash_request_tokens(A, BS)
+assert find_cached_prefix(A, BS, {hs[1]}) == 0
+assert find_cached_prefix(A + [1], BS, set(hs)) == 3 * BS
+assert find_cached_prefix(A, BS, set(hs)) == 2 * BS
+### END HIDDEN TESTS
 
 # %% [markdown]
 # The requests have finished, so nobody holds these blocks: they sit in the free
@@ -493,17 +622,31 @@ for at_top in (True, False):
 # 可变内容的合理组织".
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The chain is `hash_block_tokens` in
+# `vllm/v1/core/kv_cache_utils.py` (parent hash, the block's token ids, extra keys: LoRA
+# adapter, multimodal inputs, cache salt), computed per request as blocks fill by the
+# block hasher of `get_request_block_hasher`, into `request.block_hashes`. The lookup is
+# `KVCacheManager.get_computed_blocks` in `vllm/v1/core/kv_cache_manager.py`: it asks
+# for the longest cache hit over at most `num_tokens - 1` tokens (the last-token rule)
+# and returns the blocks and `num_new_computed_tokens`. The map from hash to block,
+# `get_cached_block`, `cache_full_blocks` and eviction through the free queue live in
+# `BlockPool` (`vllm/v1/core/block_pool.py`). vLLM lets the hash function be chosen
+# (`prefix_caching_hash_algo`) and hashes a Python object; minivllm fixes SHA-256 over
+# an explicit byte encoding, so a hash is the same in every process without setup.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 8.1 — change the eviction order
+# ### Exercise 8.2 — change the eviction order
 # `KVCacheManager.free` hands a finished request's blocks back **last block first**, so
 # the end of a sequence sits at the head of the free queue and is evicted first. Change
 # that rule: write `FirstBlockFirst`, a manager that frees **first block first**. On a
 # cache of 4 blocks of `BS` tokens, request A with a 3-block prompt plus one token runs
 # and finishes; an unrelated request X takes 2 blocks; A is sent again.
 # **Predict first:** how many of A's tokens does the prefix cache still hold under the engine's
-# rule (`hit_engine_rule`) and under yours (`hit_first_first`)?
+# rule (`hit_engine_rule`) and under yours (`hit_first_first`)? Write both down before
+# you run the check: it runs both managers and grades your prediction.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
@@ -530,11 +673,17 @@ def hits_after_eviction(manager_class) -> int:
     return m.get_computed_blocks(lookup_request("a again", prompt))[1]
 
 
+assert all(isinstance(h, int) and h % BS == 0 for h in (hit_engine_rule, hit_first_first)), \
+    "a hit is a whole number of blocks, in tokens"
+assert hits_after_eviction(FirstBlockFirst) != hits_after_eviction(KVCacheManager), \
+    "FirstBlockFirst evicts like the engine: free block 0 first"
+### BEGIN HIDDEN TESTS
 assert hit_engine_rule == hits_after_eviction(KVCacheManager)
 assert hit_first_first == hits_after_eviction(FirstBlockFirst)
+### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 8.2 — one token more
+# ### Exercise 8.3 — one token more
 # `A` fills exactly three blocks and is cached. How many tokens hit when `A` itself is
 # sent again (`hit_a`), and when `A` plus one more token is sent (`hit_a_plus_one`)?
 
@@ -555,7 +704,7 @@ assert hit_a == probe.get_computed_blocks(lookup_request("a2", A))[1]
 assert hit_a_plus_one == probe.get_computed_blocks(lookup_request("a3", A + [A[0]]))[1]
 
 # %% [markdown]
-# ### Exercise 8.3 — the bill with a cheaper hit
+# ### Exercise 8.4 — the bill with a cheaper hit
 # With the example price sheet, a cache hit costs a tenth of a miss. If a provider made
 # hits **free**, how much would the whole conversation with the cache cost, per million
 # conversations (`free_hit_total`, in dollars)? Use `usage_on` and `PRICES`.

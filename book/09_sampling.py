@@ -23,9 +23,9 @@
 #
 # - a real next-token distribution from the default model, checked against the
 #   engine's own logprobs;
-# - temperature, top-k, top-p and min-p computed by hand, each compared with the
-#   engine's sampler (`minivllm/sample/sampler.py`), and sliders that redraw the
-#   distribution after each filter;
+# - temperature, min-p, top-k and top-p written by you, as the sampler piece of your
+#   engine, and checked against the engine's sampler (`minivllm/sample/sampler.py`);
+#   sliders that redraw the distribution after each filter;
 # - sampling itself: draws from the sampler match the probabilities;
 # - repetition, frequency and presence penalties, by hand and on a real generation;
 # - seeds: the same seed gives the same text, different seeds differ, and temperature
@@ -47,8 +47,8 @@ from minivllm.model.attention import AttentionMetadata
 from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.sampling import count_bars, filter_figure
 from minivllm.lab.viz.widgets import show_in
-from minivllm.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p
-from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow
+from minivllm.sample.ops import apply_penalties
+from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
 llm = LLM(num_kv_blocks=64)
 model = llm.engine_core.executor.runner.model
@@ -97,41 +97,167 @@ print({lp.decoded_token: round(lp.logprob, 3) for lp in engine_top.values()})
 #
 # - **temperature** `T`: softmax of `l / T`. Below 1 it sharpens the distribution,
 #   above 1 it flattens it; as `T → 0` all mass goes to the argmax.
+# - **min-p**: keep tokens whose probability is at least `min_p` times the top one's.
 # - **top-k**: keep the `k` most likely tokens.
 # - **top-p** (nucleus): sort by probability, keep the smallest set of most likely
 #   tokens whose probabilities add up to at least `p`.
-# - **min-p**: keep tokens whose probability is at least `min_p` times the top one's.
 #
 # Dropped tokens get logit `-inf` (probability 0) and the rest are renormalised. The
-# engine applies them in this order: temperature, top-k, top-p, min-p. You write them
-# once, in the package beside this book, `book/mini/sampler.py` (chapter 14 assembles
-# `book/mini/` into a whole engine):
-
-# %%
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
-from mini.sampler import filtered_probs as by_hand
-from minivllm.lab.viz.source import show_source
-
-show_source(by_hand)
+# engine applies them in vLLM's order: temperature, min-p, top-k, top-p (the next
+# section shows where the order changes the result). Then one token is drawn with the
+# *exponential race* (`argmax p_i / E_i` with each `E_i` an independent Exponential(1)
+# draw; "Why the race draws from p" below proves that it picks token *i* with
+# probability *pᵢ*). A request with a `seed` draws its `E_i` from its own
+# `torch.Generator`, so it gets the same tokens wherever it sits in a batch.
 
 # %% [markdown]
-# The engine's sampler does the same with batched tensors (one row per request). For
-# a few settings, the set of tokens that survive by hand equals the set the sampler's
-# own filter functions keep, and the probabilities agree:
+# ### Exercise 9.1 — your sampler
+# Write the sampler piece of your engine (chapter 14 serves requests with it):
+# `filtered_probs`, the kept-and-renormalised distribution for one row of logits, and
+# `sample`, one token from it. Keep the order above; with a `generator`, draw the
+# race's noise from it (`torch.empty_like(p).exponential_(generator=generator)`, the
+# way the engine draws a seeded row) so that your seeded draws are the engine's,
+# token for token. The check runs your code against the engine's `Sampler` on this
+# chapter's logits; hidden tests try more knobs, seeds and distributions.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: sampler
+"""From one row of logits to one token (chapter 9)."""
+import torch
+
+
+def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """The distribution one token is drawn from: the ``[V]`` logits divided by
+    ``temperature``, then min-p, top-k and top-p (vLLM V1's order), the dropped
+    tokens at probability 0 and the kept ones renormalised.
+
+    ``top_k=0``, ``top_p=1.0`` and ``min_p=0.0`` mean "off". min-p keeps tokens
+    with probability >= ``min_p`` x the top one's; top-k the ``k`` most likely of
+    what min-p kept; top-p, on what is left renormalised, keeps a token while the
+    mass ranked above it is still below ``top_p`` (so the top token always stays).
+
+    >>> l = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    >>> filtered_probs(l, top_k=2)
+    tensor([0.5714, 0.4286, 0.0000, 0.0000])
+    >>> filtered_probs(l, top_p=0.75)       # .4 + .3 < .75: three stay
+    tensor([0.4444, 0.3333, 0.2222, 0.0000])
+    >>> filtered_probs(l, min_p=0.3)        # .1 < .3 x .4: dropped
+    tensor([0.4444, 0.3333, 0.2222, 0.0000])
+    """
+    ### BEGIN SOLUTION
+    l = logits / temperature
+    keep = torch.ones_like(l, dtype=torch.bool)
+    if min_p > 0.0:
+        p = l.softmax(-1)
+        keep &= p >= min_p * p.max()
+    order = l.masked_fill(~keep, float("-inf")).argsort(descending=True)
+    if top_k:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        p = l.masked_fill(~keep, float("-inf")).softmax(-1)[order]
+        mass_before = p.cumsum(0) - p  # probability of the tokens ranked above
+        keep[order[mass_before >= top_p]] = False
+    return l.masked_fill(~keep, float("-inf")).softmax(-1)
+    ### END SOLUTION
+
+
+def sample(logits, params, generator=None) -> int:
+    """One token for one row of logits with the request's ``SamplingParams``.
+
+    Temperature 0 is greedy: the argmax. Otherwise the exponential race over
+    ``filtered_probs``: ``argmax(p / E)`` with ``E`` a ``[V]`` tensor of
+    Exponential(1) draws, from ``generator`` when given (the request's own
+    stream, made once by ``make_generator(seed)`` and passed every step), else
+    from torch's global generator. Clamp ``E`` to at least
+    ``torch.finfo(E.dtype).tiny``, as the engine does, so that a zero draw cannot
+    make a dropped token (p = 0) win with 0 / 0.
+
+    >>> sample(torch.tensor([0.0, 2.0, 1.0]), SamplingParams(temperature=0))
+    1
+    """
+    ### BEGIN SOLUTION
+    if params.temperature == 0:
+        return int(logits.argmax())
+    p = filtered_probs(logits.float(), params.temperature, params.top_k, params.top_p,
+                       params.min_p)
+    race = torch.empty_like(p).exponential_(generator=generator)  # E_i ~ Exponential(1)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return int((p / race).argmax())
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def engine_filtered(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The engine's distribution for one row: the Sampler's own sampling_probs."""
+    knobs = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    md = SamplingMetadata.from_rows([SamplingRow(knobs, [], [])], logits.shape[-1])
+    return Sampler.sampling_probs(logits.float()[None], md)[0]
+
+
+def engine_sample(logits, params, seed):
+    """The engine's token for one seeded row of logits."""
+    row = SamplingRow(params, [], [], make_generator(seed))
+    md = SamplingMetadata.from_rows([row], logits.shape[-1])
+    return int(Sampler()(logits.float()[None], md).sampled_token_ids[0])
+
+
+def check_filters(l, knobs):
+    mine, theirs = filtered_probs(l, **knobs), engine_filtered(l, **knobs)
+    assert mine.shape == theirs.shape, f"{knobs}: a [V] tensor of probabilities, please"
+    kept, want = mine > 0, theirs > 0
+    assert not (kept & ~want).any(), f"{knobs}: you keep tokens that the engine drops"
+    assert not (want & ~kept).any(), f"{knobs}: you drop tokens that the engine keeps"
+    assert torch.allclose(mine, theirs, atol=1e-6), \
+        f"{knobs}: the right tokens, but not renormalised to the engine's probabilities"
+
+
+check_filters(logits, dict(temperature=0.8, top_p=0.9))
+assert sample(logits, SamplingParams(temperature=0)) == int(logits.argmax()), \
+    "temperature 0 must take the argmax"
+seeded_params = SamplingParams(temperature=1.0, top_p=0.95)
+assert sample(logits, seeded_params, make_generator(7)) == engine_sample(
+    logits, seeded_params, 7), "with seed 7 the engine draws another token"
+### BEGIN HIDDEN TESTS
+for knobs in [dict(top_k=5), dict(min_p=0.1), dict(temperature=1.5, top_k=40, top_p=0.8,
+              min_p=0.05), dict(temperature=0.5, top_p=0.5), dict(top_k=1)]:
+    check_filters(logits, knobs)
+four = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+check_filters(four, dict(min_p=0.3, top_p=0.75))  # the order matters here: 2 tokens
+check_filters(four, dict(min_p=0.25, top_k=3, top_p=0.9))
+gen_logits = torch.Generator().manual_seed(9)
+for trial in range(10):
+    l = torch.randn(300, generator=gen_logits) * 3
+    check_filters(l, dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.02))
+for seed in range(5):
+    for p in (SamplingParams(temperature=0.9, top_k=20), SamplingParams(min_p=0.05, top_p=0.8)):
+        assert sample(logits, p, make_generator(seed)) == engine_sample(logits, p, seed)
+stream = make_generator(3)  # a request's stream, kept across its steps
+engine_row = SamplingRow(seeded_params, [], [], make_generator(3))
+for step in range(4):
+    md = SamplingMetadata.from_rows([engine_row], V)
+    assert sample(logits, seeded_params, stream) == int(
+        Sampler()(logits[None], md).sampled_token_ids[0])
+### END HIDDEN TESTS
+
+# %% [markdown]
+# From here on the chapter uses your piece: `by_hand` is your `filtered_probs`.
+# Here are the engine's filter functions for comparison, each a batched version of
+# one of your steps (one row per request):
 
 # %%
-def engine_filtered(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
-    l = (logits / temperature)[None]
-    l = apply_top_k_top_p(l, torch.tensor([top_k or V]) if top_k else None,
-                          torch.tensor([top_p]) if top_p < 1.0 else None)
-    if min_p > 0.0:
-        l = apply_min_p(l, torch.tensor([min_p]))
-    return l.softmax(-1)[0]
+from minivllm.lab.viz.source import show_source
 
+by_hand = filtered_probs
+show_source("minivllm.sample.ops.apply_min_p")
 
+# %%
+show_source("minivllm.sample.ops.apply_top_k_top_p", start="sorted_logits, order")
+
+# %% [markdown]
+# For a few settings, the set of tokens that survive your filters equals the set the
+# engine's sampler keeps, and the probabilities agree:
+
+# %%
 settings = [dict(top_p=0.9), dict(temperature=0.7, top_p=0.5), dict(top_k=5),
             dict(min_p=0.1), dict(temperature=1.5, top_k=40, top_p=0.8, min_p=0.05)]
 for s in settings:
@@ -148,8 +274,6 @@ for s in settings:
 # per row. Its `forward`, taken from the package as it runs:
 
 # %%
-from minivllm.lab.viz.source import show_source
-
 show_source(Sampler.forward, start="logits = logits.float()")
 
 # %% [markdown]
@@ -167,7 +291,7 @@ show_source(Sampler.sampling_probs, start="logits = logits /")
 
 # %% [markdown]
 # Greedy rows skip everything after penalties: temperature 0 means argmax. For the
-# others the order is temperature, then top-k and top-p, then min-p, then one draw
+# others the order is temperature, then min-p, then top-k and top-p, then one draw
 # from the softmax. The order matters: top-p after temperature keeps a different set
 # of tokens than top-p before it. Both by hand, and the engine's draws:
 
@@ -186,8 +310,31 @@ assert set(draws_15) <= allowed
 print(f"500 engine draws, {len(set(draws_15))} different tokens, all among the {n_t}")
 
 # %% [markdown]
+# min-p and top-p do not commute either. vLLM V1 runs min-p first: it is a *logits
+# processor* that cannot change the argmax, applied before its top-k/top-p sampler;
+# minivllm follows vLLM. Hugging Face's `generate` runs its warpers in another order,
+# top-k, top-p, then min-p. Take p = (.4, .3, .2, .1) with `min_p=0.3` and
+# `top_p=0.75`. vLLM's order: min-p drops .1 (below .3 × .4 = .12), the rest
+# renormalise to (.44, .33, .22), and .44 + .33 already reaches .75: **2 tokens**.
+# Hugging Face's order: top-p first, .4 + .3 = .7 is short of .75, so .2 stays too;
+# min-p then drops nothing: **3 tokens**. So with both knobs set, minivllm (like vLLM)
+# samples from a different distribution than `generate` does; with only one of them,
+# or min-p with top-k (both keep a prefix of the sorted tokens), the two agree.
+
+# %%
+from transformers.generation.logits_process import MinPLogitsWarper, TopPLogitsWarper
+
+four = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+hf = MinPLogitsWarper(0.3)(None, TopPLogitsWarper(0.75)(None, four.clone()))
+kept = {"vLLM's order (the engine)": int((engine_filtered(four[0], min_p=0.3, top_p=0.75) > 0).sum()),
+        "your filtered_probs": int((by_hand(four[0], min_p=0.3, top_p=0.75) > 0).sum()),
+        "Hugging Face's warpers": int(torch.isfinite(hf).sum())}
+print(kept)
+assert list(kept.values()) == [2, 2, 3]
+
+# %% [markdown]
 # Turn the knobs. Grey bars: the distribution after temperature, what the filters see.
-# Blue bars: what is left after top-k, top-p and min-p, renormalised: what a sample is
+# Blue bars: what is left after min-p, top-k and top-p, renormalised: what a sample is
 # drawn from. The 15 most likely tokens are shown; the count of survivors is in the
 # title.
 
@@ -374,10 +521,24 @@ print(repr(PROMPT + g1.text))
 assert g1.token_ids == g2.token_ids and g1.token_ids[0] == int(logits.argmax())
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0, the release this book follows.) `Sampler` in
+# `vllm/v1/sample/sampler.py`: `forward` computes the raw logprobs first, applies
+# penalties and the logits processors that can change the argmax, and `sample` takes
+# the greedy argmax, divides by temperature (`apply_temperature`), then runs the
+# *argmax-invariant* logits processors, among them `MinPLogitsProcessor`
+# (`vllm/v1/sample/logits_processor/builtin.py`), and only then `TopKTopPSampler`
+# (`vllm/v1/sample/ops/topk_topp_sampler.py`), whose `apply_top_k_top_p` masks the
+# logits and whose `random_sample` is the exponential race: `probs.div_(q).argmax()`
+# with `q` drawn by `exponential_()`, from each seeded request's own generator.
+# minivllm keeps that order and that race in `minivllm/sample/sampler.py`, with one
+# plain torch path; vLLM has faster ones (FlashInfer's sampling kernels, and on
+# some platforms other top-k/top-p code), which minivllm does not need on a CPU.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 9.1 — a penalty on a greedy row
+# ### Exercise 9.2 — a penalty on a greedy row
 # A greedy request (`temperature=0`) with `repetition_penalty=1.3` whose prompt contains
 # today's most likely token (`best_id` below). Does greedy ignore the penalty, as it
 # ignores top-p? Look at where `process_logits` sits in `forward`, then compute by hand which
@@ -398,15 +559,17 @@ greedy_rows = [SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.3)
                            [best_id], [])]
 picked = Sampler()(logits[None].contiguous(),
                    SamplingMetadata.from_rows(greedy_rows, V)).sampled_token_ids.tolist()
-print(f"with the penalty: {tokenizer.decode([picked[0]])!r}")
-assert greedy_pick_with_penalty == picked[0]
+assert isinstance(greedy_pick_with_penalty, int), "a token id (an int), please"
+assert greedy_pick_with_penalty == picked[0], \
+    "the engine picks another token: does the penalty reach the greedy row?"
 
 # %% [markdown]
-# ### Exercise 9.2 — a race with the wrong noise
+# ### Exercise 9.3 — a race with the wrong noise
 # The check below patches the engine's sampler so that its race divides by
 # **Uniform(0, 1)** noise instead of Exponential(1), and draws 20,000 times from two
 # tokens with p = (0.75, 0.25). **Predict first:** how often does token 0 win now
-# (`p0_uniform`)? Derive it the way the race was derived above.
+# (`p0_uniform`)? Derive it the way the race was derived above, and write it down
+# before you run the check: the check runs the patched engine and grades your number.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
@@ -429,11 +592,13 @@ try:
     won = (Sampler()(two, two_md).sampled_token_ids == 0).float().mean().item()
 finally:
     sampler_ops.exponential_race = race
-print(f"token 0 won {won:.4f} of the draws")
+assert isinstance(p0_uniform, float) and 0 < p0_uniform < 1, "p0_uniform is a probability"
+### BEGIN HIDDEN TESTS
 assert abs(won - p0_uniform) < 5 * (p0_uniform * (1 - p0_uniform) / 20_000) ** 0.5
+### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 9.3 — top-k and min-p together
+# ### Exercise 9.4 — top-k and min-p together
 # At temperature 1, with `top_k=5` and `min_p=0.1`, how many tokens survive for our
 # prompt (`n_survive`)? Compute it from `probs` (the model's distribution) alone.
 
@@ -453,9 +618,11 @@ assert n_survive == int((engine_filtered(logits, top_k=5, min_p=0.1) > 0).sum())
 # ## Summary
 #
 # - The model gives logits; the sampler turns them into one token with the request's
-#   knobs: penalties first, then temperature, top-k, top-p, min-p, then a draw.
-# - Each filter only removes tokens and renormalises the rest; what survives is easy to
-#   compute by hand, and the engine's sampler agrees token for token.
+#   knobs: penalties first, then temperature, min-p, top-k, top-p (vLLM V1's order;
+#   Hugging Face's `generate` applies min-p last), then a draw.
+# - Each filter only removes tokens and renormalises the rest; your sampler piece
+#   computes what survives, and the engine's sampler agrees token for token, seeded
+#   draws included.
 # - A `seed` makes a sampled request reproducible on its own, independent of the batch
 #   it runs in; temperature 0 is the argmax.
 #

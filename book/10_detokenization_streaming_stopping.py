@@ -198,42 +198,6 @@ from minivllm.lab.viz.source import show_source
 show_source(IncrementalDetokenizer.update, start="self.token_ids.extend")
 
 # %% [markdown]
-# ## Build it once: an incremental detokenizer
-#
-# Without the two special cases, the idea is a dozen lines: two offsets, two decodes,
-# a subtraction, and a refusal when the window ends in `�`. You write it once, in the
-# package beside this book, `book/mini/detokenizer.py` (chapter 14 assembles
-# `book/mini/` into a whole engine):
-
-# %%
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path.cwd()))  # book/: the reader's engine package, mini/
-from mini.detokenizer import Detokenizer as MiniDetokenizer
-
-show_source(MiniDetokenizer, max_lines=30)
-
-
-# %% [markdown]
-# Fed the Chinese answer's tokens one per step, it must send exactly what the engine's
-# stream sent at every step (there is no stop string there, so every delta is the
-# detokenizer's), and the engine's own class must agree with it on the other answers
-# of this chapter as well:
-
-# %%
-mini = MiniDetokenizer(tok)
-mine = [mini.update([t]) for t in ids]
-assert mine == [s.text for s in rec.steps] and mini.finish() == ""
-for answer in (tok.encode("你好，世界！🎉 Paris is the capital.", add_special_tokens=False),
-               ids[:7]):  # the second one ends inside a character
-    ours, theirs = MiniDetokenizer(tok), IncrementalDetokenizer(tok)
-    assert [ours.update([t]) for t in answer] == [theirs.update([t]) for t in answer]
-    assert ours.finish() == theirs.finish()
-print(f"{len(mine)} steps: the same deltas as the engine;",
-      f"{sum(1 for d in mine if not d)} of them sent nothing")
-
-# %% [markdown]
 # ## Stop strings and the hold-back
 #
 # A stop string ends generation when it appears in the *text*. The engine core only
@@ -317,6 +281,185 @@ assert len(carried_tokens(paris.steps)[release.step]) == 2
 assert paris.text == tok.decode(paris.token_ids, skip_special_tokens=True)
 assert (paris.finish_reason, paris.stop_reason) == ("stop", None)  # ended by its EOS token
 stream_figure(paris.steps, title='stop=[" is Lyon"]: " is" held one step, then sent with " Paris"')
+
+# %% [markdown]
+# ## Build it once: your detokenizer
+#
+# Without the special cases of the engine's class, the idea is a dozen lines: two
+# offsets, two decodes, a subtraction, and a refusal when the window ends in `�`. Add
+# the stop strings' hold-back on top and you have the whole output path of one request.
+
+# %% [markdown]
+# ### Exercise 10.1 — your detokenizer
+# Write the detokenizer piece of your engine (chapter 14 streams its text): the
+# incremental decoding of `IncrementalDetokenizer` (never half a character) and the
+# hold-back of `StopStringChecker` (never the start of a stop string too early), in
+# one class. The check feeds it this chapter's two streams token by token and
+# compares every step with what the engine sent; hidden tests try more texts, stop
+# strings and answers cut inside a character.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: detokenizer
+"""Token IDs to text, a few tokens at a time (chapter 10): never half a character,
+never the start of a stop string before it is known not to be one."""
+
+
+class Detokenizer:
+    """The streamed text of one request's answer.
+
+    ``update(new_ids)`` takes the tokens of one step and returns the text to send
+    now; ``finish()``, once no more tokens will come, returns what is still held.
+    Two rules decide what is sent:
+
+    1. Whole characters only. Decode (``skip_special_tokens=True``) a window of
+       recent tokens, ``ids[prefix:]``, and the part already sent,
+       ``ids[prefix:read]``; the new text is the window minus that context. If the
+       window is not longer, or ends in U+FFFD (a character still waits for its
+       bytes), send nothing and keep the offsets; otherwise move them on:
+       ``prefix, read = read, len(ids)``. Both start at 0.
+    2. Stop strings (``stop``, a list). Rule 1's text goes after the held text. If
+       a stop string occurs in it, send what comes before it (never the stop string
+       itself), set ``stop_reason`` to that stop string, and send nothing after; of
+       several, the match that ends first wins, the longest on a tie. Otherwise
+       hold back the longest end of the text that begins some stop string, and
+       send the rest.
+
+    Worked example, ``stop=["\nQ:"]``, three steps whose tokens decode to
+    " Rome", "\n" and "Q:": the first sends " Rome"; the second sends "" and holds
+    "\n" (it might begin "\nQ:"); the third completes "\nQ:": it sends "" and
+    ``stop_reason`` becomes "\nQ:". Had "Paris" come instead of "Q:", the third
+    step would have sent "\nParis".
+    """
+
+    def __init__(self, tokenizer, stop=()):
+        self.tok, self.stop = tokenizer, list(stop)
+        ### BEGIN SOLUTION
+        self.ids, self.prefix, self.read = [], 0, 0
+        self.held, self.stop_reason = "", None
+        ### END SOLUTION
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tok.decode(self.ids[start:end], skip_special_tokens=True)
+
+    def update(self, new_ids) -> str:
+        """The text to send for this step's tokens (rule 1, then rule 2)."""
+        ### BEGIN SOLUTION
+        if self.stop_reason is not None:
+            return ""  # the request has stopped: nothing more is sent
+        self.ids += list(new_ids)
+        context = self._decode(self.prefix, self.read)
+        window = self._decode(self.prefix, len(self.ids))
+        if len(window) <= len(context) or window.endswith("\ufffd"):
+            return ""  # nothing new, or a character still waits for its bytes
+        self.prefix, self.read = self.read, len(self.ids)
+        return self._hold_back(window[len(context):])
+        ### END SOLUTION
+
+    def finish(self) -> str:
+        """What was held back, once no more tokens will come (a cut character
+        comes out as U+FFFD, as decoding all the tokens at once gives it)."""
+        ### BEGIN SOLUTION
+        if self.stop_reason is not None:
+            return ""
+        rest = self._decode(self.prefix, len(self.ids))[len(self._decode(self.prefix,
+                                                                         self.read)):]
+        self.read = len(self.ids)
+        text = self._hold_back(rest)
+        if self.stop_reason is None:
+            text, self.held = text + self.held, ""
+        return text
+        ### END SOLUTION
+
+    def _hold_back(self, text: str) -> str:
+        """Rule 2 on the next piece of text: what may be sent now."""
+        ### BEGIN SOLUTION
+        text = self.held + text
+        matches = [(text.find(s) + len(s), -len(s), s) for s in self.stop if s in text]
+        if matches:
+            end, _, stop = min(matches)
+            self.held, self.stop_reason = "", stop
+            return text[:end - len(stop)]
+        keep = 0
+        for n in range(min(len(text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(len(s) > n and s.startswith(text[-n:]) for s in self.stop):
+                keep = n
+                break
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+        ### END SOLUTION
+
+
+# %% tags=["check"]
+def engine_stream(token_ids, stop=(), step=1):
+    """What the engine's output path sends per step, and its stop_reason: the
+    detokenizer, then the stop checker, flushed when the answer ends."""
+    detok = IncrementalDetokenizer(tok)
+    checker = StopStringChecker(stop) if stop else None
+    sent, reason = [], None
+    for i in range(0, len(token_ids), step):
+        last = i + step >= len(token_ids)
+        text = detok.update(token_ids[i:i + step]) + (detok.finish() if last else "")
+        if checker is not None:
+            text, reason = checker.process(text)
+            text += checker.finish() if last and reason is None else ""
+        sent.append(text)
+        if reason is not None:
+            break
+    return sent, reason
+
+
+def my_stream(token_ids, stop=(), step=1):
+    mine, sent = Detokenizer(tok, stop), []
+    for i in range(0, len(token_ids), step):
+        last = i + step >= len(token_ids)
+        sent.append(mine.update(token_ids[i:i + step]) + (mine.finish() if last else ""))
+        if mine.stop_reason is not None:
+            break
+    return sent, mine.stop_reason
+
+
+def check_stream(token_ids, stop=(), step=1, what="this answer"):
+    mine, reason = my_stream(token_ids, stop, step)
+    theirs, their_reason = engine_stream(token_ids, stop, step)
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        assert a == b, f"{what}, step {i}: you send other text than the engine does"
+    assert len(mine) == len(theirs), f"{what}: you stop at another step than the engine"
+    assert reason == their_reason, f"{what}: your stop_reason is not the engine's"
+
+
+mine, _ = my_stream(ids)
+assert not any(text.endswith("\ufffd") for text in mine[:-1]), \
+    "you send half a character: a step's text ends in U+FFFD"
+check_stream(ids, what="the Chinese answer")
+check_stream(qa.token_ids, [STOP], what="the few-shot answer with stop=['\\nQ:']")
+### BEGIN HIDDEN TESTS
+texts = ["你好，世界！🎉 Paris is the capital. ###", "ab#c##d### end", "Q: Rome\nQ: Paris",
+         "naïve café — ok? 🚀🚀 done"]
+for text in texts:
+    t_ids = tok.encode(text, add_special_tokens=False)
+    for stop in ((), ["###"], ["#", "##"], ["Paris", "is"], ["🚀"], ["end", "d###"]):
+        for step in (1, 2, 3):
+            check_stream(t_ids, stop, step, what=f"{text!r} with stop={stop}")
+check_stream(ids[:7], what="an answer cut inside a character")
+check_stream(paris.token_ids, [" is Lyon"], what="the Paris answer")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# From here on the chapter uses your piece. The engine does the same in two classes on
+# the output path, `IncrementalDetokenizer` and `StopStringChecker`, called one after
+# the other by `OutputProcessor` (`minivllm/engine/output_processor.py`) for every
+# request in every step:
+
+# %%
+show_source("minivllm.engine.output_processor.OutputProcessor._apply",
+            start="if child.detokenizer is not None", end="child.text += text")
+
+# %%
+yours = Detokenizer(tok)
+deltas_yours = [yours.update([t]) for t in ids]
+print(f"{len(deltas_yours)} steps: the same deltas as the engine;",
+      f"{sum(1 for d in deltas_yours if not d)} of them sent nothing")
+assert deltas_yours == [s.text for s in rec.steps] and yours.finish() == ""
 
 # %% [markdown]
 # ## Events are not tokens
@@ -406,10 +549,24 @@ assert joined == ids and tok.decode(joined, skip_special_tokens=True) == rec.tex
 assert REPLACEMENT_CHAR in out.text + more.text
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) Detokenizing and stop strings run in the front-end process,
+# in `vllm/v1/engine/output_processor.py`: `OutputProcessor.process_outputs` hands each
+# request's new token ids to its `IncrementalDetokenizer`
+# (`vllm/v1/engine/detokenizer.py`). For fast tokenizers that is
+# `FastIncrementalDetokenizer`, built on the `DecodeStream` of Hugging Face's
+# `tokenizers` library; `SlowIncrementalDetokenizer` keeps prefix and read offsets as
+# here. Stop strings are checked in the same class (`BaseIncrementalDetokenizer.update`
+# with `check_stop_strings`), and `get_next_output_text` holds back a fixed
+# `stop_buffer_length`, the longest stop string's length minus one, while minivllm's
+# `StopStringChecker` holds back only an end of the text that can still begin a stop
+# string: it sends text earlier, and both send the same text in the end. A request
+# stopped by a stop string is then aborted in the engine core, as in minivllm.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
-# ### Exercise 10.1 — a stop string split over two deltas
+# ### Exercise 10.2 — a stop string split over two deltas
 # A request has `stop=["Paris"]`, and the detokenizer hands the stop checker two deltas,
 # `"The capital is Pa"` and `"ris, of course."`. What does the stream send after each
 # delta (`sent_1`, `sent_2`), and what is the request's `stop_reason` (`reason`)?
@@ -428,11 +585,12 @@ assert (sent_2, reason) == exercise.process("ris, of course.")
 assert exercise.stop_reason == reason
 
 # %% [markdown]
-# ### Exercise 10.2 — no hold-back
+# ### Exercise 10.3 — no hold-back
 # Change the engine's stop checker: a subclass whose `_partial_stop_length` always
 # returns 0, so nothing is ever held back. Feed it the same two deltas.
 # **Predict first:** what is sent after the first delta (`leaked`), and does the request still
-# stop on "Paris" (`still_stops`)?
+# stop on "Paris" (`still_stops`)? Write both down before you run the check: it runs the
+# changed checker and grades your prediction.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
@@ -450,10 +608,14 @@ class NoHoldBack(StopStringChecker):
 eager = NoHoldBack(["Paris"])
 first_sent, _ = eager.process("The capital is Pa")
 _, matched = eager.process("ris, of course.")
+assert isinstance(leaked, str) and isinstance(still_stops, bool), \
+    "leaked is a string, still_stops True or False"
+### BEGIN HIDDEN TESTS
 assert leaked == first_sent and still_stops == (matched is not None)
+### END HIDDEN TESTS
 
 # %% [markdown]
-# ### Exercise 10.3 — silent steps
+# ### Exercise 10.4 — silent steps
 # In the first Chinese stream (`rec`, token IDs `ids`), how many steps sent no text at
 # all (`n_silent`)? Compute it from the token IDs with `tok.decode` only: a step is
 # silent when the text decoded so far has not grown or ends inside a character (except
@@ -482,7 +644,8 @@ assert n_silent == sum(1 for s in rec.steps if not s.text)
 #   breaks every character that a token boundary cuts.
 # - The incremental detokenizer decodes a small window of recent tokens and sends only
 #   text that ends on a whole character; the pieces it sends add up to decoding every
-#   token at once. Our own version of it, a dozen lines, sent the same deltas.
+#   token at once. Your own version of it, a few dozen lines with the stop strings,
+#   sent the same deltas as the engine.
 # - Stop strings are checked on text, on the API side; text that could start a stop
 #   string is held back until it either matches (the request stops, without the stop
 #   string in the text) or cannot match any more (it is sent).
@@ -496,5 +659,5 @@ assert n_silent == sum(1 for s in rec.steps if not s.text)
 # - Set the few-shot stop string to `"\n"`: which step stops it, and what is held?
 # - Add `include_stop_str_in_output=True` to the few-shot request and compare `qa.text`.
 # - Stream `"🎉🚀"` (4 bytes each): ask the model to repeat them and look at the tokens.
-# - Remove the `window.endswith("\ufffd")` test from `MiniDetokenizer.update` and run
-#   the Chinese answer through it: which steps now send a `�`?
+# - Remove the `window.endswith("\ufffd")` test from your `Detokenizer.update` and
+#   run the Chinese answer through it: which steps now send a `�`?

@@ -209,11 +209,11 @@ def test_filtered_probs_match_the_sampler_filters(knobs):
     torch.manual_seed(2)
     logits = torch.randn(100) * 2
     k = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | knobs
-    theirs = apply_top_k_top_p((logits / k["temperature"])[None],
-                               torch.tensor([k["top_k"]]) if k["top_k"] else None,
-                               torch.tensor([k["top_p"]]) if k["top_p"] < 1 else None)
-    if k["min_p"]:
+    theirs = (logits / k["temperature"])[None]
+    if k["min_p"]:  # vLLM V1's order: min-p first, then top-k and top-p
         theirs = apply_min_p(theirs, torch.tensor([k["min_p"]]))
+    theirs = apply_top_k_top_p(theirs, torch.tensor([k["top_k"]]) if k["top_k"] else None,
+                               torch.tensor([k["top_p"]]) if k["top_p"] < 1 else None)
     filtered_probs, sample = piece("sampler").filtered_probs, piece("sampler").sample
     torch.testing.assert_close(filtered_probs(logits, **k), theirs.softmax(-1)[0])
     assert sample(logits, SamplingParams(temperature=0)) == int(logits.argmax())

@@ -176,6 +176,17 @@ def test_min_p_threshold_is_relative_to_the_top_probability():
         assert allowed(masked[0]) == expect, trial
 
 
+def _vllm_order_kept(x: np.ndarray, min_p: float, top_k: int, top_p: float) -> set[int]:
+    """vLLM V1's order in numpy: min-p on the tempered distribution, then top-k,
+    then the top-p nucleus of what min-p and top-k left, renormalised."""
+    probs = np_softmax(x)
+    restricted = np.where(probs >= min_p * probs.max(), x, -np.inf)
+    top = np.argsort(-restricted, kind="stable")[:top_k]
+    kept = np.full_like(x, -np.inf)
+    kept[top] = restricted[top]
+    return {t for t in _nucleus(np_softmax(kept), top_p) if np.isfinite(kept[t])}
+
+
 def test_sampled_tokens_stay_inside_the_filters_and_cover_them():
     """End to end: 4000 rows of the same logits; every sample is allowed, and
     every allowed token (each >= 5% likely) shows up."""
@@ -184,13 +195,65 @@ def test_sampled_tokens_stay_inside_the_filters_and_cover_them():
     rows = [row(temperature=0.9, top_k=5, top_p=0.9, min_p=0.5)] * 4000
     out = run(logits.expand(4000, -1).contiguous(), rows)
     x = (logits / 0.9).numpy().astype(np.float64)
+    expect = _vllm_order_kept(x, 0.5, 5, 0.9)
+    assert set(out.sampled_token_ids.tolist()) == expect
+    # Here Hugging Face's order (top-k, top-p, then min-p) keeps the same tokens:
+    # min-p drops nothing that top-k did not (see the by-hand cases below).
     top5 = np.argsort(-x)[:5]
     restricted = np.full(10, -np.inf)
     restricted[top5] = x[top5]
-    nucleus = _nucleus(np_softmax(restricted), 0.9)
     probs = np_softmax(x)
-    expect = {t for t in nucleus if probs[t] >= 0.5 * probs.max()}
-    assert set(out.sampled_token_ids.tolist()) == expect
+    hf = {t for t in _nucleus(np_softmax(restricted), 0.9) if probs[t] >= 0.5 * probs.max()}
+    assert hf == expect and len(expect) == 5
+
+
+def kept_by_sampler(probs: list[float], **knobs) -> set[int]:
+    """The tokens the engine's sampler can draw for one row of these probabilities."""
+    logits = torch.tensor(probs, dtype=torch.float64).log().float()[None]
+    md = SamplingMetadata.from_rows([row(temperature=1.0, **knobs)], len(probs))
+    return allowed(Sampler.sampling_probs(logits, md)[0].log())
+
+
+def test_min_p_comes_before_top_p_as_in_vllm():
+    """p = (.4, .3, .2, .1), min_p = .3, top_p = .75, by hand.
+
+    vLLM V1: min-p first drops .1 (below .3 x .4 = .12); the rest renormalise to
+    (.44, .33, .22) and the nucleus stops at the second token (.44 + .33 >= .75):
+    2 tokens. Hugging Face: top-p first keeps .4 + .3 + .2 (.4 + .3 = .7 < .75),
+    then min-p keeps all three: 3 tokens. The engine keeps vLLM's 2."""
+    assert kept_by_sampler([0.4, 0.3, 0.2, 0.1], min_p=0.3, top_p=0.75) == {0, 1}
+
+
+def test_where_the_order_does_not_matter():
+    """min_p = .25 with top_k = 3: both keep a prefix of the sorted tokens, so the
+    result is their intersection in any order. min-p's threshold is .25 x .4 = .1,
+    kept: .4, .3, .2, .1; top-k 3: .4, .3, .2. And top_p = .5 with min_p = .3: top-p
+    alone keeps .4, .3 (.4 < .5), min-p alone .4, .3, .2; either order: .4, .3."""
+    p = [0.4, 0.3, 0.2, 0.1]
+    assert kept_by_sampler(p, min_p=0.25, top_k=3) == {0, 1, 2}
+    assert kept_by_sampler(p, min_p=0.3, top_p=0.5) == {0, 1}
+    assert kept_by_sampler(p, top_p=0.5) == {0, 1}
+    assert kept_by_sampler(p, min_p=0.3) == {0, 1, 2}
+
+
+def test_random_knobs_follow_the_vllm_order_by_hand():
+    rng = np.random.default_rng(7)
+    for trial in range(30):
+        x = (rng.normal(size=40) * rng.uniform(0.5, 3.0)).astype(np.float32)
+        min_p, top_k = float(rng.uniform(0.01, 0.3)), int(rng.integers(2, 40))
+        logits = torch.from_numpy(x)[None]
+        probs = np_softmax(x.astype(np.float64))
+        if np.abs(probs / probs.max() - min_p).min() < 1e-4:
+            continue  # float32 vs float64 could disagree at the threshold
+        restricted = np.where(probs >= min_p * probs.max(), x.astype(np.float64), -np.inf)
+        top = np.argsort(-restricted, kind="stable")[:top_k]
+        kept = np.full(40, -np.inf)
+        kept[top] = restricted[top]
+        top_p = _p_away_from_boundaries(rng, np.cumsum(np.sort(np_softmax(kept))[::-1]))
+        md = SamplingMetadata.from_rows([row(temperature=1.0, min_p=min_p, top_k=top_k,
+                                             top_p=top_p)], 40)
+        got = allowed(Sampler.sampling_probs(logits, md)[0].log())
+        assert got == _vllm_order_kept(x.astype(np.float64), min_p, top_k, top_p), trial
 
 
 # -- temperature: empirical frequencies --------------------------------------------

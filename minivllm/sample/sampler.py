@@ -19,10 +19,15 @@ The order of operations matters, since each order gives different numbers:
 4. **min_tokens**: while a row has produced fewer than ``min_tokens``
    tokens, its stop token IDs and EOS get ``-inf``.
 5. **greedy** rows take the argmax of these logits.
-6. **random** rows: divide by temperature, keep the top-k, keep the top-p
-   nucleus, drop tokens below ``min_p * max_prob`` (Hugging Face's warper
-   order; vLLM applies min-p before top-k/top-p, which differs only when
-   min-p and top-p are both set), then sample.
+6. **random** rows: divide by temperature, drop tokens below ``min_p *
+   max_prob``, keep the top-k, keep the top-p nucleus of what is left, then
+   sample. This is vLLM V1's order (min-p is a logits processor that runs
+   before its top-k/top-p sampler). Hugging Face's ``generate`` applies
+   min-p last, after top-p; the two differ when min-p and top-p are both
+   set: with p = (.4, .3, .2, .1), min_p = .3 and top_p = .75 this order
+   keeps 2 tokens (min-p drops .1, and .4 + .3 of the remaining .9 reach
+   .75), Hugging Face's keeps 3. Top-k and min-p commute: both keep a
+   prefix of the tokens sorted by probability.
 
 Sampling uses the *exponential race*: ``argmax(probs / E)`` with ``E_i`` drawn
 from Exponential(1) picks token ``i`` with probability ``probs_i`` exactly,
@@ -274,15 +279,16 @@ class Sampler:
 
     @staticmethod
     def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """The distribution a random row is drawn from: temperature, then top-k and
-        top-p, then min-p, then softmax (the rejection sampler's target, too)."""
+        """The distribution a random row is drawn from: temperature, then min-p, then
+        top-k and top-p, then softmax, in vLLM V1's order (the rejection sampler's
+        target, too)."""
         from minivllm.sample.ops import apply_min_p, apply_top_k_top_p
 
         logits = logits / md.temperature[:, None]
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         return logits.softmax(dim=-1)
 
     @staticmethod
