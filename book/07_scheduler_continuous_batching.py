@@ -442,6 +442,62 @@ assert x.num_output_tokens == y.num_output_tokens == 3
 # and what it costs).
 
 # %% [markdown]
+# The check for the exercise below drives your scheduler and the engine's with the same
+# fake model (it always samples token 7) and compares them step by step.
+
+# %%
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd()))  # book/: mini, the package of your pieces
+from minivllm.core.kv_cache_manager import KVCacheManager as EngineKV
+from minivllm.core.request import Request as EngineRequest
+from minivllm.config import SchedulerConfig
+from minivllm.core.scheduler import Scheduler as EngineScheduler
+from mini.kv_cache import KVCacheManager as MiniKVCacheManager  # yours, chapter 5
+
+
+# %%
+def scheduler_trace(scheduler, make, prompts, token=7):
+    """Drive a scheduler with a fake model that always samples ``token``."""
+    for rid, n in prompts.items():
+        scheduler.add_request(make(rid, n))
+    trace = []
+    while scheduler.has_unfinished_requests() and len(trace) < 500:
+        out = scheduler.schedule()
+        order = [r.request_id for r in out.scheduled_requests]
+        trace.append((order, {r: out.num_scheduled_tokens[r] for r in order},
+                      list(out.preempted_req_ids), {r: list(out.block_ids[r]) for r in order}))
+        sampled = {r.request_id: (token, None) for r in out.scheduled_requests
+                   if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
+                   == r.num_tokens}
+        scheduler.update_from_output(out, sampled)
+    return trace
+
+
+# %%
+def check_scheduler(Scheduler, Sequence, prompts, budget, max_seqs, num_blocks, block_size,
+                    max_tokens):
+    """Your Scheduler and Sequence against the engine's, step by step."""
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    theirs = scheduler_trace(
+        EngineScheduler(SchedulerConfig(budget, max_seqs, 4096),
+                        EngineKV(num_blocks, block_size, enable_caching=False)),
+        lambda rid, n: EngineRequest(rid, list(range(n)), sp, max_tokens), prompts)
+    mine = scheduler_trace(Scheduler(budget, max_seqs, MiniKVCacheManager(num_blocks, block_size)),
+                           lambda rid, n: Sequence(rid, list(range(n)), sp), prompts)
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        assert len(a[0]) == len(set(a[0])), f"step {i}: a request is scheduled twice"
+        assert sum(a[1].values()) <= budget, f"step {i}: more tokens than the budget"
+        assert a[2] == b[2], f"step {i}: you preempt other requests than the engine"
+        assert a[0] == b[0], f"step {i}: you schedule other requests than the engine"
+        assert a[1] == b[1], f"step {i}: a request gets another number of tokens"
+        assert a[3] == b[3], f"step {i}: a block table differs from the engine's"
+    assert len(mine) == len(theirs), "your requests finish after another number of steps"
+    return True
+
+
+# %% [markdown]
 # ### Exercise 7.1 — your scheduler
 # Write `Scheduler.schedule` (with its helpers `_add` and `_preempt`) and
 # `Scheduler.update_from_output`. Your scheduler asks your KV cache manager of
@@ -587,66 +643,21 @@ class Scheduler:
 
 
 # %% tags=["check"]
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path.cwd()))  # book/: mini, the package of your pieces
-from minivllm.core.kv_cache_manager import KVCacheManager as EngineKV
-from minivllm.core.request import Request as EngineRequest
-from minivllm.core.scheduler import Scheduler as EngineScheduler
-from mini.kv_cache import KVCacheManager as MiniKVCacheManager  # yours, chapter 5
-
-
-def scheduler_trace(scheduler, make, prompts, token=7):
-    """Drive a scheduler with a fake model that always samples ``token``."""
-    for rid, n in prompts.items():
-        scheduler.add_request(make(rid, n))
-    trace = []
-    while scheduler.has_unfinished_requests() and len(trace) < 500:
-        out = scheduler.schedule()
-        order = [r.request_id for r in out.scheduled_requests]
-        trace.append((order, {r: out.num_scheduled_tokens[r] for r in order},
-                      list(out.preempted_req_ids), {r: list(out.block_ids[r]) for r in order}))
-        sampled = {r.request_id: (token, None) for r in out.scheduled_requests
-                   if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
-                   == r.num_tokens}
-        scheduler.update_from_output(out, sampled)
-    return trace
-
-
-def check_scheduler(prompts, budget, max_seqs, num_blocks, block_size, max_tokens):
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    theirs = scheduler_trace(
-        EngineScheduler(budget, max_seqs, 4096, EngineKV(num_blocks, block_size,
-                                                          enable_caching=False)),
-        lambda rid, n: EngineRequest(rid, list(range(n)), sp, max_tokens), prompts)
-    mine = scheduler_trace(Scheduler(budget, max_seqs, MiniKVCacheManager(num_blocks, block_size)),
-                           lambda rid, n: Sequence(rid, list(range(n)), sp), prompts)
-    for i, (a, b) in enumerate(zip(mine, theirs)):
-        assert len(a[0]) == len(set(a[0])), f"step {i}: a request is scheduled twice"
-        assert sum(a[1].values()) <= budget, f"step {i}: more tokens than the budget"
-        assert a[2] == b[2], f"step {i}: you preempt other requests than the engine"
-        assert a[0] == b[0], f"step {i}: you schedule other requests than the engine"
-        assert a[1] == b[1], f"step {i}: a request gets another number of tokens"
-        assert a[3] == b[3], f"step {i}: a block table differs from the engine's"
-    assert len(mine) == len(theirs), "your requests finish after another number of steps"
-
-
 # budget 32, 4 sequences, 14 blocks of 8: chunks and preemptions
-check_scheduler({"a": 40, "b": 9, "c": 23, "d": 5, "e": 61}, 32, 4, 14, 8, 12)
+assert check_scheduler(Scheduler, Sequence, {"a": 40, "b": 9, "c": 23, "d": 5, "e": 61}, 32, 4, 14, 8, 12)
 ### BEGIN HIDDEN TESTS
 import random
 
-check_scheduler({"x": 40, "y": 3}, 16, 8, 32, 4, 3)
-check_scheduler({f"r{i}": n for i, n in enumerate([5, 5, 5, 5, 5])}, 64, 2, 64, 4, 6)
-check_scheduler({"big": 200, "small": 2}, 48, 4, 80, 4, 5)
-check_scheduler({"p": 8, "q": 8}, 16, 8, 5, 4, 8)  # chapter's tight cache
+check_scheduler(Scheduler, Sequence, {"x": 40, "y": 3}, 16, 8, 32, 4, 3)
+check_scheduler(Scheduler, Sequence, {f"r{i}": n for i, n in enumerate([5, 5, 5, 5, 5])}, 64, 2, 64, 4, 6)
+check_scheduler(Scheduler, Sequence, {"big": 200, "small": 2}, 48, 4, 80, 4, 5)
+check_scheduler(Scheduler, Sequence, {"p": 8, "q": 8}, 16, 8, 5, 4, 8)  # chapter's tight cache
 rng = random.Random(7)
 for trial in range(6):
     lengths = [rng.randint(1, 70) for _ in range(rng.randint(2, 7))]
     bs, answer = rng.choice([2, 4, 8]), rng.randint(1, 16)
     fits = -(-(max(lengths) + answer) // bs)  # blocks for the longest alone
-    check_scheduler({f"t{i}": n for i, n in enumerate(lengths)}, rng.choice([8, 16, 33]),
+    check_scheduler(Scheduler, Sequence, {f"t{i}": n for i, n in enumerate(lengths)}, rng.choice([8, 16, 33]),
                     rng.randint(1, 5), fits + rng.randint(0, 12), bs, answer)
 ### END HIDDEN TESTS
 

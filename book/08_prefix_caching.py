@@ -212,6 +212,20 @@ for name, ids in (("A", A), ("B", B)):
     assert n == cached["A again" if name == "A" else name]  # what the engine reported
 
 # %% [markdown]
+# The helpers the exercise's check uses: the engine's side of the comparison.
+
+# %%
+class EngineCache:
+    """A KV cache manager's block pool, asked `h in cache`."""
+
+    def __init__(self, manager: KVCacheManager):
+        self.pool = manager.block_pool
+
+    def __contains__(self, block_hash) -> bool:
+        return self.pool.get_cached_block(block_hash) is not None
+
+
+# %% [markdown]
 # ### Exercise 8.1 — your prefix cache
 # Write the prefix-cache piece of your engine: `hash_block_tokens` (one link of the
 # chain, byte for byte the engine's, so that your names are the engine's names),
@@ -287,16 +301,6 @@ def find_cached_prefix(token_ids, block_size: int, cached, extra_keys=None) -> i
 
 
 # %% tags=["check"]
-class EngineCache:
-    """A KV cache manager's block pool, asked `h in cache`."""
-
-    def __init__(self, manager: KVCacheManager):
-        self.pool = manager.block_pool
-
-    def __contains__(self, block_hash) -> bool:
-        return self.pool.get_cached_block(block_hash) is not None
-
-
 mine_0 = hash_block_tokens(None, A[:BS])
 assert isinstance(mine_0, int), "a hash is an int (the digest read as little-endian)"
 assert mine_0 == engine_hash_block_tokens(None, A[:BS]), \

@@ -111,6 +111,36 @@ print({lp.decoded_token: round(lp.logprob, 3) for lp in engine_top.values()})
 # `torch.Generator`, so it gets the same tokens wherever it sits in a batch.
 
 # %% [markdown]
+# The helpers the exercise's check uses: the engine's side of the comparison.
+
+# %%
+def engine_filtered(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The engine's distribution for one row: the Sampler's own sampling_probs."""
+    knobs = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    md = SamplingMetadata.from_rows([SamplingRow(knobs, [], [])], logits.shape[-1])
+    return Sampler.sampling_probs(logits.float()[None], md)[0]
+
+
+# %%
+def engine_sample(logits, params, seed):
+    """The engine's token for one seeded row of logits."""
+    row = SamplingRow(params, [], [], make_generator(seed))
+    md = SamplingMetadata.from_rows([row], logits.shape[-1])
+    return int(Sampler()(logits.float()[None], md).sampled_token_ids[0])
+
+
+# %%
+def check_filters(l, knobs):
+    mine, theirs = filtered_probs(l, **knobs), engine_filtered(l, **knobs)
+    assert mine.shape == theirs.shape, f"{knobs}: a [V] tensor of probabilities, please"
+    kept, want = mine > 0, theirs > 0
+    assert not (kept & ~want).any(), f"{knobs}: you keep tokens that the engine drops"
+    assert not (want & ~kept).any(), f"{knobs}: you drop tokens that the engine keeps"
+    assert torch.allclose(mine, theirs, atol=1e-6), \
+        f"{knobs}: the right tokens, but not renormalised to the engine's probabilities"
+
+
+# %% [markdown]
 # ### Exercise 9.1 — your sampler
 # Write the sampler piece of your engine (chapter 14 serves requests with it):
 # `filtered_probs`, the kept-and-renormalised distribution for one row of logits, and
@@ -187,30 +217,6 @@ def sample(logits, params, generator=None) -> int:
 
 
 # %% tags=["check"]
-def engine_filtered(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
-    """The engine's distribution for one row: the Sampler's own sampling_probs."""
-    knobs = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    md = SamplingMetadata.from_rows([SamplingRow(knobs, [], [])], logits.shape[-1])
-    return Sampler.sampling_probs(logits.float()[None], md)[0]
-
-
-def engine_sample(logits, params, seed):
-    """The engine's token for one seeded row of logits."""
-    row = SamplingRow(params, [], [], make_generator(seed))
-    md = SamplingMetadata.from_rows([row], logits.shape[-1])
-    return int(Sampler()(logits.float()[None], md).sampled_token_ids[0])
-
-
-def check_filters(l, knobs):
-    mine, theirs = filtered_probs(l, **knobs), engine_filtered(l, **knobs)
-    assert mine.shape == theirs.shape, f"{knobs}: a [V] tensor of probabilities, please"
-    kept, want = mine > 0, theirs > 0
-    assert not (kept & ~want).any(), f"{knobs}: you keep tokens that the engine drops"
-    assert not (want & ~kept).any(), f"{knobs}: you drop tokens that the engine keeps"
-    assert torch.allclose(mine, theirs, atol=1e-6), \
-        f"{knobs}: the right tokens, but not renormalised to the engine's probabilities"
-
-
 check_filters(logits, dict(temperature=0.8, top_p=0.9))
 assert sample(logits, SamplingParams(temperature=0)) == int(logits.argmax()), \
     "temperature 0 must take the argmax"

@@ -290,6 +290,38 @@ stream_figure(paris.steps, title='stop=[" is Lyon"]: " is" held one step, then s
 # the stop strings' hold-back on top and you have the whole output path of one request.
 
 # %% [markdown]
+# The helpers the exercise's check uses: the engine's side of the comparison.
+
+# %%
+def engine_stream(token_ids, stop=(), step=1):
+    """What the engine's output path sends per step, and its stop_reason: the
+    detokenizer, then the stop checker, flushed when the answer ends."""
+    detok = IncrementalDetokenizer(tok)
+    checker = StopStringChecker(stop) if stop else None
+    sent, reason = [], None
+    for i in range(0, len(token_ids), step):
+        last = i + step >= len(token_ids)
+        text = detok.update(token_ids[i:i + step]) + (detok.finish() if last else "")
+        if checker is not None:
+            text, reason = checker.process(text)
+            text += checker.finish() if last and reason is None else ""
+        sent.append(text)
+        if reason is not None:
+            break
+    return sent, reason
+
+
+# %%
+def check_stream(token_ids, stop=(), step=1, what="this answer"):
+    mine, reason = my_stream(token_ids, stop, step)
+    theirs, their_reason = engine_stream(token_ids, stop, step)
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        assert a == b, f"{what}, step {i}: you send other text than the engine does"
+    assert len(mine) == len(theirs), f"{what}: you stop at another step than the engine"
+    assert reason == their_reason, f"{what}: your stop_reason is not the engine's"
+
+
+# %% [markdown]
 # ### Exercise 10.1 — your detokenizer
 # Write the detokenizer piece of your engine (chapter 14 streams its text): the
 # incremental decoding of `IncrementalDetokenizer` (never half a character) and the
@@ -390,24 +422,6 @@ class Detokenizer:
 
 
 # %% tags=["check"]
-def engine_stream(token_ids, stop=(), step=1):
-    """What the engine's output path sends per step, and its stop_reason: the
-    detokenizer, then the stop checker, flushed when the answer ends."""
-    detok = IncrementalDetokenizer(tok)
-    checker = StopStringChecker(stop) if stop else None
-    sent, reason = [], None
-    for i in range(0, len(token_ids), step):
-        last = i + step >= len(token_ids)
-        text = detok.update(token_ids[i:i + step]) + (detok.finish() if last else "")
-        if checker is not None:
-            text, reason = checker.process(text)
-            text += checker.finish() if last and reason is None else ""
-        sent.append(text)
-        if reason is not None:
-            break
-    return sent, reason
-
-
 def my_stream(token_ids, stop=(), step=1):
     mine, sent = Detokenizer(tok, stop), []
     for i in range(0, len(token_ids), step):
@@ -416,15 +430,6 @@ def my_stream(token_ids, stop=(), step=1):
         if mine.stop_reason is not None:
             break
     return sent, mine.stop_reason
-
-
-def check_stream(token_ids, stop=(), step=1, what="this answer"):
-    mine, reason = my_stream(token_ids, stop, step)
-    theirs, their_reason = engine_stream(token_ids, stop, step)
-    for i, (a, b) in enumerate(zip(mine, theirs)):
-        assert a == b, f"{what}, step {i}: you send other text than the engine does"
-    assert len(mine) == len(theirs), f"{what}: you stop at another step than the engine"
-    assert reason == their_reason, f"{what}: your stop_reason is not the engine's"
 
 
 mine, _ = my_stream(ids)
