@@ -486,8 +486,11 @@ assert activations < free_after_weights - budget_8b  # the headroom covers them
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
-# The prefill attends over its own new K/V, passed in directly, not read from the cache:
-# its token survives. Every decode step reads the cache, finds zeros, and goes wrong.
+# In minivllm, the prefill attends over its own new K/V, passed in directly, not read
+# from the cache: its token survives. Every decode step reads the cache, finds zeros, and
+# goes wrong. (This holds for minivllm only: vLLM V1's attention writes the step's new
+# K/V into the cache first and reads every token from it, so there the first token
+# would be wrong too.)
 first_token_right, whole_answer_right = True, False
 ### END SOLUTION
 

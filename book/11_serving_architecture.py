@@ -104,6 +104,16 @@ os.kill(core_pid, 0)  # raises if there is no such process
 # (`EngineCoreProc.run_busy_loop`) takes every waiting message, runs one step, sends
 # one `EngineCoreOutputs`, and sleeps on the pipe when there is no work.
 #
+# vLLM's two sides talk differently: over ZeroMQ sockets, with messages encoded as
+# msgpack (`MsgpackEncoder`/`MsgpackDecoder` in `vllm/v1/serial_utils.py`, tensors sent
+# as extra frames without a copy). The API side's end is `AsyncMPClient` in
+# `vllm/v1/engine/core_client.py`; the core's end, `EngineCoreProc`, moves bytes on
+# two background threads so that decoding and encoding overlap the GPU's step. minivllm
+# keeps a pipe and pickle on purpose: both processes are one program on one machine,
+# and a pipe of dataclasses is the shortest thing to read. Pickle is fine between
+# trusted processes of one program; msgpack is language-neutral, faster, and safe to
+# decode from a socket, and ZeroMQ lets the core sit behind a network address.
+#
 # `attach_message_log` wraps the notebook's end of the pipe and notes the time of
 # every message. `time.monotonic()` reads one clock for all processes of a machine, so
 # the core's own timestamps (when a step made its outputs) line up with ours. One

@@ -164,8 +164,10 @@ show_source(QuantizedLinearMethod.apply)
 # Bits per weight follow from a block's layout: its bytes times 8 over its weights. For
 # Q4_1 that is (2 + 2 + 16) · 8 / 32 = 5 bits — the 4-bit integers plus the scale and the
 # minimum shared by 32 weights. Q4_0 drops the minimum (`w = d · (q − 8)`); Q8_0 keeps
-# one scale and 32 int8; the "K" formats share one float16 scale over 256 weights and give
-# each group of 16 or 32 a small integer scale of its own.
+# one scale and 32 int8. The "K" formats group 256 weights into a super-block: Q6_K keeps
+# one float16 scale `d` and gives each group of 16 an 8-bit scale of its own; Q4_K keeps
+# two float16 values, a scale `d` and a minimum `dmin`, and gives each of its 8 groups of
+# 32 a 6-bit scale and a 6-bit minimum (`w = d · sc · q − dmin · m`).
 
 # %%
 FORMATS = ("F32", "BF16", "Q8_0", "Q6_K", "Q4_1", "Q4_0", "Q4_K")

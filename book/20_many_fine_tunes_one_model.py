@@ -19,7 +19,12 @@
 # pairs of matrices — and one batch can serve requests for many of them at once, if each
 # token adds *its own* adapter's `x Aᵀ Bᵀ`. That is how vLLM serves LoRA (the Punica and
 # S-LoRA papers): a per-token adapter index, then a batched *shrink* (`x Aᵀ`, down to r
-# columns) and *expand* (`· Bᵀ`, back up).
+# columns) and *expand* (`· Bᵀ`, back up). What vLLM keeps of those papers is the batched
+# kernels and a two-level store: the adapters of a step sit in `max_loras` GPU slots, with
+# an LRU cache of up to `max_cpu_loras` adapters in host memory behind them. S-LoRA's
+# unified paging, adapters and KV cache in one pool of pages, is not in vLLM: the
+# adapters' slots are set aside apart from the KV cache. minivllm does the same (its
+# slots live in host memory, like everything else on a CPU).
 #
 # **What you will see**
 #

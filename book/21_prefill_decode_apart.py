@@ -13,8 +13,8 @@
 # %% [markdown]
 # # 21. Prefill and decode apart
 #
-# Chapter 7 put prefill chunks and decode tokens into the same step; chapter 12
-# measured what that costs a decoding request: while a long prompt is being
+# Chapter 7 put prefill chunks and decode tokens into the same step, and measured what
+# that costs a decoding request: while a long prompt is being
 # prefilled, every running request's next token waits for that step. *Disaggregated*
 # serving (DistServe, Mooncake, vLLM's NIXL and P2P connectors) runs prefill and
 # decode on different engines: a prefill engine computes the prompt's KV, the KV
@@ -284,11 +284,14 @@ assert best[names[1]] > best[names[0]] and peak[names[0]] > peak[names[1]]
 
 # %% [markdown]
 # That is the shape of DistServe's result. Under an SLO tight on the time per output
-# token, the disaggregated pair serves more requests *within the SLO*. But it does
-# not raise raw throughput, it lowers it: the colocated replicas both prefill and
+# token, the disaggregated pair serves more requests *within the SLO*. But here it
+# did not raise raw throughput, it lowered it: the colocated replicas both prefill and
 # both decode, while in the pair the prefill replica alone takes every prompt (its
 # queue sets the TTFT) and the decode replica's compute is mostly idle (decode is
-# memory-bound). Disaggregation buys a latency *guarantee* by using the hardware less
+# memory-bound). That held for this one simulated pair on this workload (1024-token
+# prompts, one prefill replica to one decode replica); with another ratio of replicas
+# or another mix of prompt and output lengths the peak can come out even or the other
+# way. Here disaggregation bought a latency *guarantee* by using the hardware less
 # evenly; the ratio of prefill to decode replicas is then the knob (exercise 21.2 turns
 # another one).
 
