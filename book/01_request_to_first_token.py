@@ -371,6 +371,19 @@ print(f"this request alone decoded {decode_rate:.1f} tokens/s; a busy server's t
 assert abs(decode_rate - 1 / m.tpot) < 1e-6 * decode_rate  # TPOT is its inverse
 
 # %% [markdown]
+# **In vLLM.** Every "In vLLM" box in this book refers to vLLM **v0.11.0** (its V1 engine).
+# There the HTTP request reaches `vllm/entrypoints/openai/api_server.py`, whose chat route
+# calls `OpenAIServingChat` (`serving_chat.py`), which calls `AsyncLLM.generate`
+# (`vllm/v1/engine/async_llm.py`); `Processor.process_inputs` (`vllm/v1/engine/processor.py`)
+# makes the `EngineCoreRequest`. In the engine-core process, `EngineCore.step`
+# (`vllm/v1/engine/core.py`) is this chapter's loop: `Scheduler.schedule`, the executor's
+# `execute_model` (`GPUModelRunner` in `vllm/v1/worker/gpu_model_runner.py`), then
+# `Scheduler.update_from_output`. The offline `LLM` drives `LLMEngine.step`
+# (`vllm/v1/engine/llm_engine.py`), which by default also talks to a core in another
+# process; minivllm's `LLMEngine` calls its `EngineCore` in the same process, to be read
+# and stepped from a notebook, and keeps the other process for `AsyncLLM` (chapter 11).
+
+# %% [markdown]
 # ## Exercises
 #
 # Each exercise has a solution cell (collapsed: write your own answer there first) and a

@@ -248,6 +248,17 @@ on_change()
 display(box, shown)
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The server renders the chat in the OpenAI layer, before the
+# engine: `OpenAIServing._preprocess_chat` (`vllm/entrypoints/openai/serving_engine.py`)
+# parses the messages with `parse_chat_messages` and renders them with
+# `apply_hf_chat_template` (both in `vllm/entrypoints/chat_utils.py`), then tokenizes; the
+# offline `LLM.chat` (`vllm/entrypoints/llm.py`) does the same. The tokenizer comes from
+# `get_tokenizer` in `vllm/transformers_utils/tokenizer.py`. `Processor.process_inputs`
+# (`vllm/v1/engine/processor.py`) then checks the token IDs against the model. minivllm
+# puts rendering and tokenizing in one `InputProcessor`, for Hugging Face tokenizers
+# only (vLLM also takes Mistral's tokenizer and multimodal inputs).
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

@@ -467,6 +467,17 @@ print(f"MLP {mlp / total:.0%}, embedding {counts['embedding = output head (tied)
 assert mlp > total / 2 and counts["embedding = output head (tied)"] > attention and nkv < nq
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The same model is `LlamaForCausalLM` in
+# `vllm/model_executor/models/llama.py`, built of `LlamaModel`, `LlamaDecoderLayer`,
+# `LlamaAttention` and `LlamaMLP` with the same fused projections: `QKVParallelLinear`
+# and `MergedColumnParallelLinear` (`vllm/model_executor/layers/linear.py`), `RMSNorm`
+# with its fused residual add (`vllm/model_executor/layers/layernorm.py`), rotary
+# embeddings from `get_rope` (`vllm/model_executor/layers/rotary_embedding`), and the
+# `Attention` layer of `vllm/attention/layer.py`. vLLM adds custom CUDA ops, torch.compile
+# and CUDA graphs around the same arithmetic; minivllm keeps plain PyTorch so that each
+# tensor can be printed and compared with Hugging Face, as this chapter did.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

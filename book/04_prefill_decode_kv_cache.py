@@ -475,6 +475,17 @@ print(f"{blocks_8b:,} blocks of 16 = {blocks_8b * 16:,} tokens: "
 assert activations < free_after_weights - budget_8b  # the headroom covers them
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The cache's size is measured, not configured: the worker
+# (`Worker.determine_available_memory` in `vllm/v1/worker/gpu_worker.py`) runs a dummy
+# forward pass at the largest batch, takes `gpu_memory_utilization` of the GPU minus the
+# weights and the activations' peak, and `vllm/v1/core/kv_cache_utils.py` turns those
+# bytes into a number of blocks; `GPUModelRunner.initialize_kv_cache` allocates one cache
+# tensor per layer. Each attention layer writes the step's new K/V at their slots
+# (`reshape_and_cache_flash`) and then attends by reading every token, new ones included,
+# from the cache. minivllm takes a byte budget from its config (a CPU has no device memory
+# to profile), and its reference backend attends a prefill over the new K/V directly.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

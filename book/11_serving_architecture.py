@@ -524,6 +524,17 @@ assert exit_code is not None and process_gone(server_core)
 assert port_is_free(server.port)  # nothing listens there any more
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) `vllm serve` starts `vllm/entrypoints/openai/api_server.py`
+# (FastAPI); `OpenAIServingChat.create_chat_completion` (`serving_chat.py`) streams or
+# collects what `AsyncLLM.generate` (`vllm/v1/engine/async_llm.py`) yields, and an
+# `output_handler` task feeds each request's queue from the core's outputs. The core
+# process runs `EngineCoreProc.run_busy_loop` (`vllm/v1/engine/core.py`), started by
+# `AsyncMPClient` (`vllm/v1/engine/core_client.py`); a client that disconnects makes
+# `AsyncLLM.abort` send the core an abort. minivllm keeps that split and those names, with a
+# pipe and pickle in place of ZeroMQ and msgpack (see above), and one API-server process
+# where vLLM can run several (`--api-server-count`).
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

@@ -474,6 +474,17 @@ assert readme_ratios and all(r > 1 for r in readme_ratios.values())
 # ```
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) `vllm bench serve` is `vllm/benchmarks/serve.py`: it sends the
+# requests at a Poisson rate (or a burst), stamps each streamed chunk on the client, and
+# `calculate_metrics` reduces the stamps to TTFT, TPOT (excluding the first token), ITL
+# and end-to-end latency with their means, medians and percentiles; `vllm bench
+# throughput` and `vllm bench latency` are `throughput.py` and `latency.py` beside it. The
+# server keeps its own per-request stamps (`vllm/v1/metrics/stats.py`) and exports them as
+# Prometheus histograms (`vllm/v1/metrics/loggers.py`, e.g.
+# `vllm:time_to_first_token_seconds`). The roofline and the Hugging Face baseline are
+# minivllm's own additions, for a machine where no GPU sets the ceiling.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

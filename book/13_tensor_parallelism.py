@@ -469,6 +469,18 @@ assert left == []
 assert not torch.distributed.is_initialized()
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The layers are `ColumnParallelLinear`, `QKVParallelLinear`,
+# `MergedColumnParallelLinear` and `RowParallelLinear` in
+# `vllm/model_executor/layers/linear.py` (each `weight_loader` cuts its rank's shard at load;
+# `RowParallelLinear.forward` ends in `tensor_model_parallel_all_reduce`) and
+# `VocabParallelEmbedding`/`ParallelLMHead` in `vocab_parallel_embedding.py`. The groups
+# live in `vllm/distributed/parallel_state.py` (`get_tp_group`), over NCCL or vLLM's custom
+# all-reduce. `MultiprocExecutor` (`vllm/v1/executor/multiproc_executor.py`) starts one
+# worker process per rank, apart from the engine core's process, and broadcasts each step
+# to them through a shared-memory queue; minivllm's engine process is rank 0 itself, and
+# its ranks are CPU processes over gloo.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

@@ -554,6 +554,16 @@ assert with_theirs.generate(prompts, params) == expected
 print(f"attention {theirs.name!r}: the same tokens and text")
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The flat batch is built by `GPUModelRunner._prepare_inputs`
+# (`vllm/v1/worker/gpu_model_runner.py`): token ids, positions, `query_start_loc`,
+# `seq_lens`, the slot mapping and the rows whose logits are sampled. The batch's rows
+# persist from step to step in `InputBatch` (`vllm/v1/worker/gpu_input_batch.py`), and
+# `_update_states` applies only what the `SchedulerOutput` changed (new, resumed,
+# finished requests); your engine rebuilds the batch every step, which is simpler and
+# costs more. The loop is `EngineCore.step` (`vllm/v1/engine/core.py`), the same schedule,
+# execute, update as yours; detokenizing happens in the front end, not in the loop.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
