@@ -632,7 +632,20 @@ for n in e2e:
 # run (it is only as good as the best moment it saw); `minivllm bench roofline`
 # measures longer, and `minivllm bench throughput` reports each run's share against a
 # roofline measured in the same run.
-#
+
+# %% [markdown]
+# **In vLLM.** (v0.11.0.) The twins are vLLM's `CustomOp` (`vllm/model_executor/custom_op.py`):
+# a layer such as `RMSNorm` has `forward_native` in PyTorch and `forward_cuda`,
+# `forward_cpu` and others, and the platform picks one. On a CPU, `CPUModelRunner`
+# (`vllm/v1/worker/cpu_model_runner.py`) runs the model with C++ kernels from `csrc/cpu/`
+# and `TorchSDPABackend` (`vllm/v1/attention/backends/cpu_attn.py`). On a GPU the one
+# call per decode step is a CUDA graph, captured at startup by
+# `GPUModelRunner.capture_model` and replayed for the batch sizes captured, and the model
+# is compiled with torch.compile (`vllm/compilation/`). minivllm keeps the reference layers
+# free of kernel code and swaps the twins in from outside, so the plain path stays
+# readable and testable against the fast one.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

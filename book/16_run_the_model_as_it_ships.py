@@ -340,6 +340,16 @@ token_share_figure(share.roofline_s * 1e3, share.replay_s * 1e3, share.outside_r
 # puts a number on it.
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) `quantization="gguf"` is `GGUFConfig` in
+# `vllm/model_executor/layers/quantization/gguf.py`: `GGUFLinearMethod` keeps each layer's
+# blocks as loaded and, per call, either multiplies on the blocks with llama.cpp-derived
+# CUDA kernels (a matrix-vector kernel for few rows, a matrix-matrix one for more) or
+# dequantizes and calls a dense GEMM; `GGUFEmbeddingMethod` does the embedding. The file is
+# read by `GGUFModelLoader` (`vllm/model_executor/model_loader/gguf_loader.py`) through the
+# `gguf` package. minivllm's blocks are multiplied by its own C++ CPU kernels, and its
+# `q8_0` quantizes a float checkpoint at load, which vLLM does with other formats (`fp8`).
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

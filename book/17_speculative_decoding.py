@@ -418,6 +418,17 @@ show_source("minivllm.core.scheduler.Scheduler", start="spec_decoding_stats.obse
             end="free_tail(request")
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The proposer is `NgramProposer`
+# (`vllm/v1/spec_decode/ngram_proposer.py`, `prompt_lookup_min`/`prompt_lookup_max`), or
+# EAGLE heads (`vllm/v1/spec_decode/eagle.py`) and others; `GPUModelRunner` proposes the
+# next drafts after each step, and the scheduler gives a request
+# `num_tokens_with_spec - num_computed_tokens` tokens, the drafts included. Verification
+# is `RejectionSampler` (`vllm/v1/sample/rejection_sampler.py`), with Triton kernels for
+# the greedy and the random case; an n-gram draft has no distribution, so its `q` is a
+# one-hot. Acceptance counts go to `SpecDecodingStats` (`vllm/v1/spec_decode/metrics.py`).
+# minivllm verifies in plain PyTorch, and adds a small draft model beside the n-grams.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

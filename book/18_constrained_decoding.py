@@ -287,6 +287,17 @@ print(call.function.name, call.function.arguments)
 jsonschema.validate(json.loads(call.function.arguments), weather.function.parameters)
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) Grammars are compiled by a backend: `XgrammarBackend`
+# (`vllm/v1/structured_output/backend_xgrammar.py`, the default), `GuidanceBackend`
+# (`backend_guidance.py`), outlines or lm-format-enforcer. `StructuredOutputManager`
+# (`vllm/v1/structured_output/__init__.py`) compiles them on a thread pool so that the
+# scheduler never waits, and fills each step's bitmask (`grammar_bitmask`) in the engine
+# core; `GPUModelRunner` applies it to the logits before sampling, and the scheduler
+# advances each grammar by the sampled tokens. Tool calls are read back by the parsers in
+# `vllm/entrypoints/openai/tool_parsers/`. minivllm compiles its own regex and JSON-schema
+# grammars (no external backend) and masks the logits in its model runner.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]

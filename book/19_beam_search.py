@@ -218,6 +218,15 @@ print("shared prompt blocks:", step[0][1][:len(prompt) // block_size])
 assert kv.num_free_blocks == kv.num_blocks  # every step's requests gave every block back
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) `LLM.beam_search` in `vllm/entrypoints/llm.py` runs each step as
+# one `generate` call with a request of `max_tokens=1` per beam, asking for `2 * beam_width`
+# logprobs, and ranks the candidates with `get_beam_search_score` (`vllm/beam_search.py`,
+# where `BeamSearchSequence` and `BeamSearchOutput` are too); prefix caching saves each
+# beam's shared prompt. The OpenAI server has its own copy for `use_beam_search`. minivllm
+# follows that design on purpose (no beam state in the engine core), but ends a beam on
+# EOS by Hugging Face's rule, where vLLM's loop finishes every EOS candidate it is shown.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
