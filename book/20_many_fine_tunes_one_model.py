@@ -211,6 +211,18 @@ print({k: f"{v:.0f} tok/s" for k, v in rates.items()},
 assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The slots and the LRU are `LRUCacheLoRAModelManager` (a
+# `LoRAModelManager`, `vllm/lora/models.py`) behind `LRUCacheWorkerLoRAManager`
+# (`vllm/lora/worker_manager.py`); the model runner uses them through
+# `LoRAModelRunnerMixin` (`vllm/v1/worker/lora_model_runner_mixin.py`). Each wrapped layer
+# (`ColumnParallelLinearWithLoRA` and its kin) calls a `PunicaWrapper`
+# (`vllm/lora/punica_wrapper/`, `PunicaWrapperGPU` on CUDA) whose `add_shrink` and
+# `add_expand` run Triton kernels over the per-token slot index. The scheduler admits at
+# most `max_loras` adapters per step, and the adapter's id is an extra key of the
+# prefix-cache hash. minivllm adds the delta through forward hooks, so the base layers stay
+# as they are, and runs the shrink and expand as C++ CPU kernels.
+
+# %% [markdown]
 # ### Exercise 20.1 — one slot
 # Start an engine with `max_loras=1` and send the three requests of this chapter again.
 # **Predict first:** how many distinct adapters will the busiest step hold, and will

@@ -296,6 +296,18 @@ assert best[names[1]] > best[names[0]] and peak[names[0]] > peak[names[1]]
 # another one).
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) A connector is a `KVConnectorBase_V1`
+# (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`) with the same two halves: the
+# scheduler's (`get_num_new_matched_tokens`, `update_state_after_alloc`,
+# `build_connector_meta`, `request_finished`) and the worker's (`start_load_kv`,
+# `wait_for_layer_load`, `save_kv_layer`, `wait_for_save`). Beside it in `v1/` are
+# `SharedStorageConnector`, `NixlConnector`, `P2pNcclConnector`, `LMCacheConnectorV1` and
+# `OffloadingConnector`, chosen with `--kv-transfer-config` and a `kv_role`; the proxy that
+# sends a request to a prefill and then a decode instance is an example, not part of the
+# engine. minivllm's connectors move blocks between CPU processes, and its prefill and
+# decode pools at scale are simulated, not run.
+
+# %% [markdown]
 # ### Exercise 21.1 — what the consumer computes
 # A prompt of 50 tokens, blocks of `BS` tokens, every full block in the store. How
 # many prompt tokens does the consumer compute in its first step? Write it as a

@@ -316,6 +316,18 @@ for name, r in rows.items():
     assert abs(r["err_cached"] - (sim_c / real_c - 1)) < 1e-9
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) The events are `BlockStored`, `BlockRemoved` and
+# `AllBlocksCleared`, sent in a `KVEventBatch` by `ZmqEventPublisher`
+# (`vllm/distributed/kv_events.py`) when `kv_events_config` enables them; `BlockPool`
+# (`vllm/v1/core/block_pool.py`) records them as it caches and evicts blocks. vLLM itself
+# has no prefix-aware router: routers that read these events live outside its tree (the
+# vLLM project's production-stack router, llm-d). Inside it, data parallelism balances
+# requests over engine cores by queue length (`DPLBAsyncMPClient` in
+# `vllm/v1/engine/core_client.py`, `DPCoordinator` in `vllm/v1/engine/coordinator.py`).
+# minivllm ships its router (`minivllm/routing/`) so that the routing decision can be read
+# and simulated.
+
+# %% [markdown]
 # ## Exercises
 #
 # ### Exercise 22.1 — predict a hit from the events alone

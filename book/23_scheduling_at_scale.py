@@ -349,6 +349,17 @@ paired_bars(list(routing), {"prefix cache hit rate": [v[0] for v in routing.valu
             "share of prompt tokens")
 
 # %% [markdown]
+# **In vLLM.** (v0.11.0.) There is no simulator in vLLM's tree: the knobs this chapter turns
+# are measured on GPUs with `vllm bench serve` (`vllm/benchmarks/serve.py`). They are the
+# scheduler's: `max_num_batched_tokens` and `long_prefill_token_threshold` bound a step's
+# prefill chunks, `max_num_seqs` its seats, `gpu_memory_utilization` the KV cache, and
+# `--scheduling-policy priority` swaps the FCFS queue for a priority one
+# (`vllm/v1/core/sched/request_queue.py`), read by `Scheduler.schedule`
+# (`vllm/v1/core/sched/scheduler.py`). minivllm's simulator runs minivllm's own scheduler,
+# unchanged, with an executor that only prices each step, so that a plan can be tried
+# before the GPUs exist.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
