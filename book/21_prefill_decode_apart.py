@@ -29,8 +29,9 @@
 # - vLLM's **KV connector in two halves**: the scheduler side (how many tokens can
 #   come from outside) and the worker side (load before the forward, save after it);
 # - the **offload tier** turning evicted history into prefix hits;
-# - the **simulated** fleet: disaggregation removes the inter-token-latency tail but
-#   does not raise throughput; goodput under a TTFT + TPOT SLO.
+# - the **simulated** fleet: disaggregation removes the inter-token-latency tail but,
+#   for the simulated pair and workload here, does not raise throughput; goodput under
+#   a TTFT + TPOT SLO.
 
 # %%
 from minivllm.lab.viz.path import request_path_figure
@@ -466,8 +467,8 @@ print(f"{t.num_bytes / 1e6:.0f} MB in {1e3 * answer_3:.2f} ms")
 # - The same interface gives a second KV tier: evicted blocks go to host memory and
 #   come back on a prefix hit, same tokens, more hits.
 # - Simulated at scale, disaggregation removes the inter-token-latency tail that
-#   prefill chunks cause and wins goodput under a tight TPOT SLO, while raw
-#   throughput stays with colocated replicas.
+#   prefill chunks cause and wins goodput under a tight TPOT SLO; for the one simulated
+#   pair and workload here, raw throughput stayed with the colocated replicas.
 #
 # ## What to try next
 #
