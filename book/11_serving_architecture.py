@@ -701,7 +701,8 @@ assert (stop_kind, stop_sender) == (finishes["B"].kind, finishes["B"].sender)
 #   engine core (scheduler, KV cache, model) are separate processes. The model's
 #   forward pass never blocks the event loop that serves HTTP.
 # - They exchange three kinds of messages: `AddRequests` and `FinishRequests` one
-#   way, one `EngineCoreOutputs` per engine step the other way, token IDs only.
+#   way, one `EngineCoreOutputs` per engine step the other way, token IDs only;
+#   minivllm pickles them down a pipe, vLLM encodes them as msgpack over ZeroMQ.
 # - Stop strings are text, so the API side detects them and tells the core to finish
 #   the request; the core only knows EOS, stop token IDs and `max_tokens` itself.
 # - A client that disconnects cancels its stream; the API side aborts the request in
