@@ -28,7 +28,7 @@
 # - the flat batch with its slot mapping, checked step by step against the engine's
 #   model runner, and the loop that turns one scheduler decision into one forward pass
 #   and one token per request;
-# - your engine serving 8 requests at once, one long enough to be cut into chunks, in a
+# - your engine serving 4 requests at once, one long enough to be cut into chunks, in a
 #   KV cache small enough that a request is preempted and recomputed; its greedy tokens
 #   and its streamed text equal `LLM()`'s;
 # - then the engine's own scheduler, and then the engine's own attention, put in place
@@ -83,9 +83,9 @@ from mini.detokenizer import Detokenizer  # chapter 10
 # %% [markdown]
 # ## The workload and the reference
 #
-# Eight students ask at once. Seven questions are short; the eighth pastes the week's
-# schedule and asks for a summary, a prompt several times the **token budget** of one
-# step, so it must be prefilled in chunks (chapter 7). The KV cache gets only
+# Four students ask at once. Three questions are short; the fourth pastes the
+# fortnight's schedule and asks for a summary, a prompt more than twice the **token
+# budget** of one step, so it must be prefilled in chunks (chapter 7). The KV cache gets only
 # `NUM_BLOCKS` blocks, fewer than all answers need at full length, so one request will
 # have to give its blocks back and be recomputed.
 #
@@ -93,22 +93,20 @@ from mini.detokenizer import Detokenizer  # chapter 10
 # each request's token IDs and the pieces of text the stream delivered.
 
 # %%
-NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS = 24, 16, 64, 8
+NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS = 10, 16, 32, 8
 llm = LLM(num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
           max_num_seqs=MAX_SEQS, enable_prefix_caching=False)
 inputs, runner = llm.llm_engine.input_processor, llm.engine_core.executor.runner
 eos = inputs.eos_token_ids
 schedule = " ".join(f"Week {w}: the lab covers topic {w}; hand in lab{w}.py by Friday."
-                    for w in range(1, 7))
+                    for w in range(1, 3))
 questions = ["What is the capital of France?", "Name three primary colours.",
-             "What is 12 times 12?", "Write a haiku about the sea.", "Why is the sky blue?",
-             "What is a prime number?", "Say 'good morning' in French.",
-             f"Summarise this schedule: {schedule}"]
+             "What is 12 times 12?", f"Summarise this schedule: {schedule}"]
 prompts = {f"r{i}": inputs.tokenize([{"role": "user", "content": q}])[1]
            for i, q in enumerate(questions)}
-params = SamplingParams(temperature=0, max_tokens=12)
+params = SamplingParams(temperature=0, max_tokens=8)
 print({rid: len(ids) for rid, ids in prompts.items()}, "prompt tokens; budget", BUDGET)
-assert len(prompts["r7"]) > 2 * BUDGET
+assert len(prompts["r3"]) > 2 * BUDGET
 
 # %%
 from minivllm.sampling_params import RequestOutputKind
@@ -273,7 +271,7 @@ def follow_runner(prompts, budget, num_blocks, max_steps):  # the engine schedul
 follow_runner(prompts, BUDGET, NUM_BLOCKS, max_steps=6)
 ### BEGIN HIDDEN TESTS
 follow_runner(prompts, budget=16, num_blocks=NUM_BLOCKS, max_steps=40)
-follow_runner({rid: prompts[rid] for rid in ("r7", "r0", "r3")}, 200, 12, max_steps=30)
+follow_runner({rid: prompts[rid] for rid in ("r3", "r0", "r2")}, 100, 8, max_steps=30)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -445,9 +443,9 @@ def follow_llm(rids, num_blocks, budget, max_seqs):
     assert engine.scheduler.kv_cache_manager.num_free_blocks == num_blocks, "blocks leaked"
 
 
-follow_llm(["r0", "r4"], NUM_BLOCKS, BUDGET, MAX_SEQS)
+follow_llm(["r0", "r2"], NUM_BLOCKS, BUDGET, MAX_SEQS)
 ### BEGIN HIDDEN TESTS
-follow_llm(["r1", "r2", "r7"], num_blocks=16, budget=24, max_seqs=2)  # chunks, preemption
+follow_llm(["r3", "r1", "r2"], num_blocks=8, budget=16, max_seqs=2)  # chunks, two seats
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -481,10 +479,10 @@ print(sizes, "total", sum(sizes.values()))
 assert sum(sizes.values()) <= 300  # the whole engine, on a few screens
 
 # %% [markdown]
-# ## Your engine serves the eight requests
+# ## Your engine serves the four requests
 #
 # The model's layers (loaded in the check above, with your `PagedAttention` as their
-# attention) and your engine serve the same eight prompts:
+# attention) and your engine serve the same four prompts:
 
 # %%
 mine = MiniEngine(model, tokenizer, eos, NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS)
@@ -506,9 +504,9 @@ print("the same tokens and the same stream for all", len(prompts), "requests")
 # every block was back in the pool.
 
 # %%
-chunks = [step["r7"] for step in mine.steps if step.get("r7", 0) > 1]
-print("r7's prompt chunks:", chunks, "| preemptions:", mine.num_preemptions)
-assert len(chunks) >= 3 and max(chunks) < len(prompts["r7"])  # never the whole prompt at once
+chunks = [step["r3"] for step in mine.steps if step.get("r3", 0) > 1]
+print("r3's prompt chunks:", chunks, "| preemptions:", mine.num_preemptions)
+assert len(chunks) >= 3 and max(chunks) < len(prompts["r3"])  # never the whole prompt at once
 assert mine.num_preemptions > 0
 assert mine.scheduler.kv_cache_manager.num_free_blocks == NUM_BLOCKS
 
@@ -569,18 +567,18 @@ print(f"attention {theirs.name!r}: the same tokens and text")
 # %% [markdown]
 # ### Exercise 14.3 — count the chunks
 # With a budget of `BUDGET` tokens per step, in how many steps did the engine's own
-# scheduler (the `swapped` run above) compute part of request `r7`'s prompt? Count
+# scheduler (the `swapped` run above) compute part of request `r3`'s prompt? Count
 # them from `swapped.steps` (a list of `{request_id: tokens}` per step); a step that
-# computes more than one token of `r7` is a prefill chunk. Put the count in `answer_1`.
+# computes more than one token of `r3` is a prefill chunk. Put the count in `answer_1`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
-answer_1 = sum(1 for step in swapped.steps if step.get("r7", 0) > 1)
+answer_1 = sum(1 for step in swapped.steps if step.get("r3", 0) > 1)
 ### END SOLUTION
 
 # %% tags=["check"]
-assert answer_1 == len(chunks), "not the number of steps that computed a chunk of r7"
-assert answer_1 * BUDGET >= len(prompts["r7"])
+assert answer_1 == len(chunks), "not the number of steps that computed a chunk of r3"
+assert answer_1 * BUDGET >= len(prompts["r3"])
 
 # %% [markdown]
 # ### Exercise 14.4 — one request at a time
@@ -616,7 +614,7 @@ assert streams_2 == {rid: expected[rid] for rid in streams_2} and len(streams_2)
 ### BEGIN SOLUTION
 engine_3 = MiniEngine(model, tokenizer, eos, NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS)
 streams_3 = engine_3.generate({"r0": prompts["r0"]},
-                              SamplingParams(temperature=1.0, top_k=1, max_tokens=12))
+                              SamplingParams(temperature=1.0, top_k=1, max_tokens=8))
 answer_3 = streams_3["r0"][0]  # (token IDs, text pieces)
 ### END SOLUTION
 
@@ -631,7 +629,7 @@ assert answer_3 == expected["r0"][0]
 #   scheduled tokens end to end, with positions and cache slots), **forward** (the
 #   model once, attention reading K/V through block tables), **sample** (only the rows
 #   that end a request's known tokens) and **stream** (incremental detokenizing).
-# - Yours fits in about 250 lines of code (counted above), and on 8 mixed requests
+# - Yours fits in about 250 lines of code (counted above), and on 4 mixed requests
 #   with chunking and preemption it gives `LLM()`'s tokens and text.
 # - The engine's scheduler and the engine's attention drop into its place without
 #   changing a token: the pieces are defined by what they take and give, not by who

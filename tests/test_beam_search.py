@@ -6,6 +6,8 @@ a finished one or an interrupted one (counted in the block pool)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -15,11 +17,17 @@ from minivllm.entrypoints.beam_search import BeamSearch
 WIDTH, STEPS = 3, 6
 
 
-def hf_beams(folder: str, prompt: list[int], width: int, steps: int, length_penalty: float):
-    """HF's beams (generated tokens, score), best first; None when one ended early."""
+@functools.lru_cache(maxsize=1)
+def hf_model(folder: str):
+    """The Hugging Face model of ``folder``, loaded once for all its prompts."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_beams(folder: str, prompt: list[int], width: int, steps: int, length_penalty: float):
+    """HF's beams (generated tokens, score), best first; None when one ended early."""
+    hf = hf_model(str(folder))
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
                           max_new_tokens=steps, do_sample=False, length_penalty=length_penalty,

@@ -93,8 +93,11 @@ def test_tiny_model_tp_matches_tp1(tiny_model, family, overrides, tp, engine_arg
     vocab = overrides.get("vocab_size", 256)
     prompts = random_prompts(vocab, [5, 23, 1, 40, 9])
     args = dict(num_kv_blocks=64, **engine_args)
-    ref_greedy = tokens_with(folder, 1, prompts, GREEDY, **args)
-    ref_seeded = tokens_with(folder, 1, prompts, SEEDED, **args)
+    one = LLM(folder, **args)  # one TP=1 engine for both references
+    try:
+        ref_greedy, ref_seeded = run(one, prompts, GREEDY), run(one, prompts, SEEDED)
+    finally:
+        one.shutdown()
     llm = LLM(folder, tensor_parallel_size=tp, **args)
     try:
         assert run(llm, prompts, GREEDY) == ref_greedy
