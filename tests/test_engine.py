@@ -37,6 +37,15 @@ def hf_greedy(default_model_path, prompts):
     return refs
 
 
+@pytest.fixture(scope="module")
+def default_llm():
+    """One default engine shared by the tests that use it as it is: each one ends by
+    checking that every block is back, so the next one starts from a clean pool."""
+    llm = LLM()
+    yield llm
+    llm.shutdown()
+
+
 def engine_tokens(llm: LLM, prompts) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
@@ -126,14 +135,15 @@ def test_chunked_prefill_gives_same_tokens(prompts, hf_greedy):
     assert_all_blocks_free(llm)
 
 
-def test_shared_system_prompt_hits_prefix_cache(default_tokenizer, default_model_path):
+def test_shared_system_prompt_hits_prefix_cache(default_tokenizer, default_model_path,
+                                               default_llm):
     from transformers import AutoModelForCausalLM
 
     system = ("You are a patient teaching assistant for an introductory course on "
               "operating systems. Answer in at most two sentences and be precise. ") * 2
     convs = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
              for q in ("What is a process?", "What is a thread?", "What is paging?")]
-    llm = LLM()
+    llm = default_llm
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     first = llm.chat(convs[0], params, use_tqdm=False)[0]
     later = llm.chat(convs[1:], params, use_tqdm=False)
@@ -154,8 +164,8 @@ def test_shared_system_prompt_hits_prefix_cache(default_tokenizer, default_model
     assert_all_blocks_free(llm)
 
 
-def test_seeded_sampling_same_alone_and_in_batch(prompts):
-    llm = LLM()
+def test_seeded_sampling_same_alone_and_in_batch(prompts, default_llm):
+    llm = default_llm
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)
     alone = llm.generate({"prompt_token_ids": prompts[0]}, seeded, use_tqdm=False)[0]
     others = [SamplingParams(temperature=1.0, max_tokens=16)] * 5
@@ -177,8 +187,8 @@ def test_n_completions_share_prompt_blocks(prompts):
     assert_all_blocks_free(llm)
 
 
-def test_max_tokens_and_finish_reason(prompts):
-    llm = LLM()
+def test_max_tokens_and_finish_reason(prompts, default_llm):
+    llm = default_llm
     out = llm.generate({"prompt_token_ids": prompts[1]},
                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
@@ -189,8 +199,8 @@ def test_max_tokens_and_finish_reason(prompts):
     assert_all_blocks_free(llm)
 
 
-def test_stop_string_truncates_text_and_frees_blocks(default_tokenizer):
-    llm = LLM()
+def test_stop_string_truncates_text_and_frees_blocks(default_tokenizer, default_llm):
+    llm = default_llm
     conv = [{"role": "user", "content": "What is the capital of France?"}]
     full = llm.chat(conv, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
     text = full.outputs[0].text
@@ -206,8 +216,8 @@ def test_stop_string_truncates_text_and_frees_blocks(default_tokenizer):
     assert_all_blocks_free(llm)
 
 
-def test_abort_mid_generation_frees_blocks(prompts):
-    llm = LLM()
+def test_abort_mid_generation_frees_blocks(prompts, default_llm):
+    llm = default_llm
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     stream = llm.stream({"prompt_token_ids": prompts[3]}, params)
     got = [next(stream) for _ in range(3)]
@@ -220,8 +230,8 @@ def test_abort_mid_generation_frees_blocks(prompts):
     assert_all_blocks_free(llm)
 
 
-def test_chinese_streaming_never_breaks_characters(default_tokenizer):
-    llm = LLM()
+def test_chinese_streaming_never_breaks_characters(default_tokenizer, default_llm):
+    llm = default_llm
     conv = [{"role": "user", "content": "用一句话介绍一下北京。"}]
     params = SamplingParams(temperature=0, max_tokens=64)
     deltas, token_ids = [], []
