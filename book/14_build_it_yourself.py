@@ -35,8 +35,9 @@
 #   of yours, one at a time: the tokens do not move.
 #
 # The model's layers are the engine's (chapter 3 took them apart): embedding, norms,
-# projections, MLP and their weights. The KV cache, the scheduling, the batching, the
-# attention over pages, the sampling and the detokenizing are yours.
+# projections, MLP and their weights (their products on the file's quantized blocks run
+# on the engine's CPU kernels, as in `LLM()`). The KV cache, the scheduling, the
+# batching, the attention over pages, the sampling and the detokenizing are yours.
 
 # %%
 from minivllm.lab.viz.path import request_path_figure
@@ -85,9 +86,9 @@ from mini.detokenizer import Detokenizer  # chapter 10
 #
 # Four students ask at once. Three questions are short; the fourth pastes the
 # fortnight's schedule and asks for a summary, a prompt more than twice the **token
-# budget** of one step, so it must be prefilled in chunks (chapter 7). The KV cache gets only
-# `NUM_BLOCKS` blocks, fewer than all answers need at full length, so one request will
-# have to give its blocks back and be recomputed.
+# budget** of one step, so it must be prefilled in chunks (chapter 7). The KV cache
+# gets only `NUM_BLOCKS` blocks, fewer than all answers need at full length, so one
+# request will have to give its blocks back and be recomputed.
 #
 # First the reference: `LLM()` with the same budget and cache size, streaming. We keep
 # each request's token IDs and the pieces of text the stream delivered.
@@ -431,6 +432,12 @@ class MiniEngine:
 from minivllm.model.loader import load_model
 
 model = load_model(llm.llm_engine.config.model, PagedAttention(), "cpu")
+if runner.acceleration_problem is None:
+    # LLM()'s products on the file's quantized blocks, with the engine's CPU kernels (the
+    # reference method would dequantize every matrix at every step).
+    from minivllm.cpu.quantized import swap_in_quantized
+
+    swap_in_quantized(model)
 tokenizer = llm.get_tokenizer()
 
 
