@@ -106,6 +106,7 @@ def test_fused_moe_equals_a_token_by_token_loop():
 
 # -- the engine: greedy tokens equal generate's ----------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("cpu_kernels", [False, None])  # the reference path, the CPU path
 def test_engine_greedy_matches_transformers(tiny_model, family, cpu_kernels):
@@ -119,6 +120,7 @@ def test_engine_greedy_matches_transformers(tiny_model, family, cpu_kernels):
     assert runner.decode_replay is None  # the C++ decode loop has no experts: bypassed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
 def test_chunked_and_preempted_give_the_same_tokens(tiny_model, family):
     folder = tiny_model(family)
@@ -184,3 +186,34 @@ def test_gguf_of_experts_is_refused_naming_what_is_missing(tmp_path, arch, extra
     writer.close()
     with pytest.raises(ValueError, match="mixture of experts.*ffn_gate_exps.*Hugging Face"):
         LLM(str(path), num_kv_blocks=16)
+
+
+# -- tensor parallelism: every expert's intermediate dimension split --------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
+def test_tensor_parallel_matches_one_rank(tiny_model, family, monkeypatch):
+    from minivllm.model.layers.tp_plan import expected_collective_bytes
+
+    monkeypatch.setenv("MINIVLLM_TP_TIMEOUT", "120")
+    folder = tiny_model(family)
+    prompts = random_prompts([5, 23, 1, 40], seed=9)
+    ref = hf_greedy(folder, prompts)
+    llm = LLM(folder, tensor_parallel_size=2, num_kv_blocks=64, trace=True)
+    try:
+        assert engine_tokens(llm, prompts) == ref
+        experts = llm.llm_engine.engine_core.executor.runner.model.expert_layers()[0].experts
+        assert experts.w13_weight.shape[1] == 2 * experts.intermediate_size  # rank 0's half
+        config = llm.llm_engine.config
+        assert experts.intermediate_size * 2 == config.model.moe.intermediate_size
+        decode = [r for r in llm.trace if r.num_batched_tokens == len(r.scheduled)]
+        assert decode and all(r.timings["collective_bytes"] == expected_collective_bytes(
+            config, r.num_batched_tokens, 2) for r in decode)
+    finally:
+        llm.shutdown()
+
+
+def test_indivisible_expert_size_is_refused(tiny_model):
+    folder = tiny_model("qwen2-moe", moe_intermediate_size=30)
+    with pytest.raises(ValueError, match="moe_intermediate_size=30 .* tensor_parallel_size=4"):
+        LLM(folder, tensor_parallel_size=4, num_kv_blocks=16)
