@@ -217,3 +217,15 @@ def test_indivisible_expert_size_is_refused(tiny_model):
     folder = tiny_model("qwen2-moe", moe_intermediate_size=30)
     with pytest.raises(ValueError, match="moe_intermediate_size=30 .* tensor_parallel_size=4"):
         LLM(folder, tensor_parallel_size=4, num_kv_blocks=16)
+
+
+def test_benchmark_model_builds_with_its_preset(tmp_path):
+    from minivllm.lab.bench.moe_model import PRESETS, build_moe_model
+
+    folder = build_moe_model(tmp_path / "moe", "tiny")
+    config = ModelConfig.from_pretrained(folder)
+    preset = PRESETS["tiny"]
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.intermediate_size) == (
+        preset["num_experts"], preset["num_experts_per_tok"], preset["moe_intermediate_size"])
+    assert config.moe.renormalize and config.moe.sparse_layers == (0, 1)
+    assert (folder / "tokenizer.json").is_file()  # bench throughput's chat prompts tokenize

@@ -51,8 +51,12 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-    """[T, H] tokens -> [T, H]: the weighted sum of each token's top-k experts' MLPs."""
+              router_logits: torch.Tensor, top_k: int, renormalize: bool,
+              expert_mlp=None) -> torch.Tensor:
+    """[T, H] tokens -> [T, H]: the weighted sum of each token's top-k experts' MLPs.
+
+    ``expert_mlp(expert, rows)``, if given, computes one expert's product (the CPU
+    path's packed one); by default it is ``swiglu`` on the expert's weights."""
     weights, ids = route(router_logits, top_k, renormalize)
     order, counts = group_by_expert(ids, w13.shape[0])
     tokens, pair_weights = order // top_k, weights.flatten()[order]
@@ -62,11 +66,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if n == 0:
             continue
         rows = tokens[start:start + n]
-        gate, up = F.linear(hidden[rows], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        y = (expert_mlp(expert, hidden[rows]) if expert_mlp is not None
+             else swiglu(hidden[rows], w13[expert], w2[expert]))
         out.index_add_(0, rows, y * pair_weights[start:start + n, None].to(y.dtype))
         start += n
     return out
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert on its rows: SiLU(x W1) * (x W3), then W2."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
 
 
 class FusedMoE(nn.Module):
@@ -86,9 +96,11 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
 
+    expert_mlp = None  # the CPU twin's packed products (minivllm/cpu/fused_moe.py)
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         out = fused_moe(hidden, self.w13_weight, self.w2_weight, router_logits,
-                        self.top_k, self.renormalize)
+                        self.top_k, self.renormalize, self.expert_mlp)
         return all_reduce(out) if self.tp_size > 1 else out
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
@@ -107,4 +119,4 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
 
-__all__ = ["FusedMoE", "fused_moe", "route", "group_by_expert"]
+__all__ = ["FusedMoE", "fused_moe", "route", "group_by_expert", "swiglu"]
