@@ -16,6 +16,13 @@ The checkpoint holds one tensor per expert and projection
 ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``); ``map_expert_name`` sends each
 into its expert's slot of the stacked ``w13_weight`` / ``w2_weight``.
 Float weights only: ``quantization`` must be None.
+
+With ``tensor_parallel_size=N`` attention splits as in ``llama.py`` and every
+expert keeps its place on every rank with 1/N of its intermediate dimension
+(``FusedMoE``); the router is replicated. Expert parallelism
+(``enable_expert_parallel``) is not implemented yet. On the CPU path the experts'
+products use packed weights (``minivllm/cpu/fused_moe.py``), and the decode-step
+replay stands aside (its C++ loop has no experts).
 """
 
 from __future__ import annotations
