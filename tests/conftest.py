@@ -49,6 +49,17 @@ TINY_FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    # Mixtures of experts (tests/test_moe.py): dense and sparse layers mixed.
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [0]}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 3,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": False, "decoder_sparse_step": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+        "tie_word_embeddings": False}),
 }
 
 

@@ -92,6 +92,7 @@ OPTIONAL = [
     "minivllm.worker.prompt_logprobs", "minivllm.worker.tp_executor",
     "minivllm.engine.stop_checker", "minivllm.engine.logprobs", "minivllm.model.gguf_convert",
     "minivllm.model.layers.quantization.int8_activations", "minivllm.model.layers.tp_plan",
+    "minivllm.config.moe", "minivllm.model.models.moe", "minivllm.model.layers.fused_moe",
 ]
 
 # Run in a fresh interpreter: what this test process imported must not count.

@@ -14,8 +14,10 @@ import torch
 
 from minivllm.config.checks import bad
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mixtures of experts: config/moe.py reads their extra fields, models/moe.py runs them.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM") + MOE_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -46,6 +48,7 @@ class ModelConfig:
     gguf_file: Optional[str] = None
     # x in the quantized products: "auto" (float32) or "int8" (config/quantization.py).
     activation_dtype: str = "auto"
+    moe: Optional["MoEConfig"] = None  # noqa: F821 (config/moe.py; None: a dense model)
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",
@@ -70,7 +73,7 @@ class ModelConfig:
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default")
                                               != "default" else None)
-        return ModelConfig(
+        config = ModelConfig(
             path=str(path), architecture=arch,
             vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -86,6 +89,11 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             dtype=resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), device),
         )
+        if arch not in MOE_ARCHITECTURES:
+            return config
+        from minivllm.config.moe import moe_model_config  # a dense model never loads it
+
+        return moe_model_config(config, raw)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -110,4 +118,5 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Optional[str] = No
     return DTYPES[dtype]
 
 
-__all__ = ["ModelConfig", "resolve_dtype", "DTYPES", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelConfig", "resolve_dtype", "DTYPES", "SUPPORTED_ARCHITECTURES",
+           "MOE_ARCHITECTURES"]

@@ -5,7 +5,8 @@ It returns the compute path the runner uses instead of the reference
 (``attention.py``), the dtype to compute in, a sampler with a C++ argmax,
 and ``prepare_model``, which swaps in the layers' twins (``layers.py``; the
 LoRA delta's, ``lora.py``, where adapters are enabled), packs
-the GEMM weights (``prepack.py``) and builds the decode-step replay
+the GEMM weights (``prepack.py``; a mixture of experts' too, ``fused_moe.py``) and
+builds the decode-step replay
 (``fused_decode.py``) where it applies. The finer switches, for benchmarks
 and chapter 15's one-at-a-time measurements, are environment variables
 (``minivllm/envs.py``):
@@ -67,6 +68,10 @@ class CpuPath:
         """Twins, packed weights and the decode-step replay, once, on the loaded model."""
         self.num_twins = swap_in_twins(model) + swap_in_quantized(model) + swap_in_lora(model)
         self.num_packed = prepack_model(model) if prepack_enabled() else 0
+        if hasattr(model, "expert_layers"):  # a mixture of experts: its experts' twin
+            from minivllm.cpu.fused_moe import swap_in_moe
+
+            self.num_twins += swap_in_moe(model, prepack_enabled())
         self.decode_replay_problem = (fused_decode_problem(model) if hasattr(model, "model")
                                       else f"{type(model).__name__} has no decode-step replay")
         if self.decode_replay_problem is None:

@@ -119,6 +119,8 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
     if not fused_decode_enabled():
         return f"turned off by {ENV_SWITCH}=0"
     model = causal_lm.model
+    if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+        return "mixture-of-experts layers are not in the C++ loop (cpu/fused_moe.py)"
     first = model.layers[0]
     linears = _linears(model) + [causal_lm.lm_head]
     for lin in filter(_quantized, linears):

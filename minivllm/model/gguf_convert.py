@@ -30,6 +30,14 @@ def _field(reader, key: str, default=None):
 
 def _config(reader, has_output: bool) -> dict:
     arch = _field(reader, "general.architecture")
+    experts = sorted({t.name.split(".", 2)[-1] for t in reader.tensors if "_exps." in t.name})
+    if experts or _field(reader, f"{arch}.expert_count"):
+        names = ", ".join(experts) or "ffn_*_exps"
+        raise ValueError(
+            f"GGUF architecture {arch!r} is a mixture of experts, which this converter does "
+            f"not map: it has no names for the experts' tensors ({names}) nor the router's "
+            f"(ffn_gate_inp). Load the model as a Hugging Face folder (config.json + "
+            f"*.safetensors) instead")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: 'llama'")
     g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731

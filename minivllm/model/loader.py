@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig, SUPPORTED_ARCHITECTURES
+from minivllm.config.model import MOE_ARCHITECTURES
 from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.layers.quantization import QuantizedTensor
 
@@ -45,6 +46,10 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 
 def map_checkpoint_name(model: nn.Module, name: str) -> tuple[str, Optional[object]]:
     """A checkpoint tensor's name -> (our parameter's name, its shard in a fused one)."""
+    if hasattr(model, "map_expert_name"):  # a mixture of experts (models/moe.py)
+        name, shard = model.map_expert_name(name)
+        if shard is not None:
+            return name, shard
     for fused, part, shard in getattr(model, "stacked_params", STACKED_PARAMS):
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
@@ -95,6 +100,9 @@ def load_weights(model: nn.Module, config: ModelConfig,
 
 
 def get_model_class(architecture: str):
+    if architecture in MOE_ARCHITECTURES:  # a dense model never imports the experts
+        from minivllm.model.models.moe import MoEForCausalLM
+        return MoEForCausalLM
     from minivllm.model.models.llama import LlamaForCausalLM
 
     registry = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}

@@ -5,7 +5,9 @@ What one forward pass sends, with T tokens in the batch and S rows of logits
 ``parallel.py``'s ``collective_stats``):
 
     embedding           1 all-reduce of T x hidden        (each rank owns some vocab rows)
-    each decoder layer  2 all-reduces of T x hidden       (after o_proj and down_proj)
+    each decoder layer  2 all-reduces of T x hidden       (after o_proj and down_proj, or
+                                                           the experts' sum; a shared
+                                                           expert adds a third)
     LM head             1 gather to rank 0 of S x vocab   (each rank scores its vocab rows)
 
 Bytes are counted as *payload*: for an all-reduce, the size of the tensor
@@ -38,6 +40,13 @@ def check_tensor_parallel_sizes(model, tp: int) -> None:
         if value % tp:
             raise ValueError(f"{name}={value} of the model is not divisible by "
                              f"tensor_parallel_size={tp}: choose a size that divides it")
+    moe = getattr(model, "moe", None)  # every expert's intermediate slice is split too
+    for name, value in ((("moe_intermediate_size", moe.intermediate_size),
+                         ("shared_expert_intermediate_size",
+                          moe.shared_expert_intermediate_size)) if moe else ()):
+        if value % tp:
+            raise ValueError(f"{name}={value} of the model is not divisible by "
+                             f"tensor_parallel_size={tp}: choose a size that divides it")
     kv = model.num_key_value_heads
     if kv >= tp and kv % tp:
         raise ValueError(f"num_key_value_heads={kv} of the model is not divisible by "
@@ -66,7 +75,11 @@ def expected_collective_bytes(config, num_tokens: int, tp: int,
         return 0
     rows = num_tokens if num_logits_rows is None else num_logits_rows
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    reduces = (2 * model.num_hidden_layers + 1) * num_tokens * model.hidden_size * itemsize
+    # A Qwen2-MoE sparse layer all-reduces its shared expert apart from the experts.
+    moe = getattr(model, "moe", None)
+    shared = len(moe.sparse_layers) if moe and moe.shared_expert_intermediate_size else 0
+    reduces = ((2 * model.num_hidden_layers + 1 + shared) * num_tokens * model.hidden_size
+               * itemsize)
     vocab_rows_per_rank = -(-model.vocab_size // tp)
     gather = (tp - 1) * rows * vocab_rows_per_rank * itemsize
     return reduces + gather

@@ -74,13 +74,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None) -> None:
         super().__init__()
-        qc = linear_quant_config(cfg)
+        qc, size = linear_quant_config(cfg), intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, dtype=cfg.dtype, quant_config=qc)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
-                                           dtype=cfg.dtype, quant_config=qc)
+            cfg.hidden_size, [size] * 2, dtype=cfg.dtype, quant_config=qc)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, dtype=cfg.dtype,
+                                           quant_config=qc)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,12 +89,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 rotary_emb: Optional[RotaryEmbedding] = None) -> None:
+                 rotary_emb: Optional[RotaryEmbedding] = None,
+                 mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.self_attn = LlamaAttention(cfg, backend, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp or LlamaMLP(cfg)  # (a mixture of experts passes its own)
 
     def forward(self, positions, hidden, residual, meta):
         # Pre-norm residual blocks; the residual add is fused into the next norm.
@@ -109,15 +110,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, make_mlp=None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype,
                                                    embedding_quant_config(cfg))
         # One RoPE table for all layers: they rotate at the same positions, so
         # the step's cos/sin are looked up once, not once per layer.
         rotary_emb = make_rotary_embedding(cfg)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, rotary_emb)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, rotary_emb, make_mlp and make_mlp(i))
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(self, input_ids, positions, meta):
@@ -133,10 +135,12 @@ class LlamaForCausalLM(nn.Module):
     """Hugging Face checkpoint names map onto these modules' names, with q/k/v and
     gate/up fused (``minivllm/model/loader.py`` does the loading)."""
 
+    make_mlp = None  # layer index -> its MLP (None: LlamaMLP); models/moe.py sets it
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
+        self.model = LlamaModel(cfg, backend, self.make_mlp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype,
                                       embedding_quant_config(cfg))
         if cfg.tie_word_embeddings and self.lm_head.quant_method is not None:

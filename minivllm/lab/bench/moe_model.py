@@ -1,0 +1,114 @@
+"""A random mixture of experts to benchmark, built locally (no hub access needed).
+
+Issue 54's benchmark model: a Qwen3-MoE of hidden 1024, 16 layers, 64 experts of
+intermediate 256, top-8, 16 query and 4 KV heads — about 0.9B parameters (0.85B of
+them experts), 0.15B active per token — with the default model's tokenizer and chat
+template, so ``bench throughput``'s chat prompts tokenize. Build it, then measure::
+
+    python -m minivllm.lab.bench.moe_model /tmp/moe-0.8b
+    minivllm bench throughput --model /tmp/moe-0.8b --backend minivllm --backend hf
+
+``--ab-experts`` times one layer's experts instead, the reference against the CPU
+path's twin (``minivllm/cpu/fused_moe.py``), alternated in one run.
+
+Random weights: the tokens mean nothing, but every product is the real size, which
+is what a throughput measurement needs (``--ignore-eos`` lengths come from the workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+PRESETS = {
+    "0.8b": dict(hidden_size=1024, num_hidden_layers=16, num_experts=64,
+                 moe_intermediate_size=256, num_experts_per_tok=8, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=64, intermediate_size=2048),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32,
+                 num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128),
+}
+
+
+def build_moe_model(out: str | Path, preset: str = "0.8b", seed: int = 0) -> Path:
+    """Save a random Qwen3-MoE of ``preset`` with the default model's tokenizer in ``out``."""
+    import torch
+    import transformers
+
+    from minivllm.model.resolve import resolve_model_path
+
+    tokenizer_dir = resolve_model_path(None)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), norm_topk_prob=True, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, **PRESETS[preset])
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "special_tokens_map.json", "generation_config.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def experts_ab(tokens=(1, 32, 256), repeats: int = 7, preset: str = "0.8b") -> list[dict]:
+    """One layer's experts of ``preset``, the reference ``FusedMoE`` against the CPU
+    twin (packed weights), alternated in one run: median seconds each, per batch size.
+    The two outputs are checked equal (float tolerance) first."""
+    import time
+
+    import torch
+
+    from minivllm.cpu.fused_moe import CpuFusedMoE
+    from minivllm.model.layers.fused_moe import FusedMoE
+
+    p = PRESETS[preset]
+    shape = (p["num_experts"], p["num_experts_per_tok"], p["hidden_size"],
+             p["moe_intermediate_size"], True, torch.float32)
+    ref, twin = FusedMoE(*shape), FusedMoE(*shape)
+    torch.manual_seed(0)
+    for w in (ref.w13_weight, ref.w2_weight):
+        w.data.normal_(0, 0.03)
+    twin.load_state_dict(ref.state_dict())
+    twin.__class__ = CpuFusedMoE
+    twin.pack_experts()
+    rows = []
+    with torch.inference_mode():
+        for t in tokens:
+            x, logits = torch.randn(t, p["hidden_size"]), torch.randn(t, p["num_experts"])
+            torch.testing.assert_close(twin(x, logits), ref(x, logits), atol=1e-4, rtol=1e-4)
+            seconds = {"reference": [], "cpu": []}
+            for _ in range(repeats):
+                for name, layer in (("reference", ref), ("cpu", twin)):
+                    start = time.perf_counter()
+                    layer(x, logits)
+                    seconds[name].append(time.perf_counter() - start)
+            med = {k: sorted(v)[len(v) // 2] for k, v in seconds.items()}
+            rows.append({"tokens": t, **med, "speedup": med["reference"] / med["cpu"]})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", help="the folder to write")
+    parser.add_argument("--ab-experts", action="store_true",
+                        help="instead: time one layer's experts, reference vs CPU twin")
+    parser.add_argument("--preset", default="0.8b", choices=sorted(PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.ab_experts:
+        for row in experts_ab(preset=args.preset):
+            print(f"{row['tokens']:4d} tokens: reference {row['reference'] * 1e3:8.2f} ms, "
+                  f"cpu {row['cpu'] * 1e3:8.2f} ms, {row['speedup']:.2f}x")
+        return
+    if args.out is None:
+        parser.error("give the folder to write (or --ab-experts)")
+    print(build_moe_model(args.out, args.preset, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""A mixture of experts' MLP: the router picks each token's top-k experts, each
+expert multiplies the rows sent to it, and the results come back weighted.
+
+``fused_moe`` is the whole computation in plain PyTorch (vLLM's name; its kernels
+fuse the same steps):
+
+1. router softmax over all experts, in float32 whatever the weights' dtype;
+2. the top-k experts of each token, their probabilities renormalised to sum
+   to 1 where the model says so (``norm_topk_prob``; Mixtral always);
+3. the (token, expert) pairs grouped by expert with one stable sort;
+4. one product per expert over all the rows it received: SiLU(x W1) * (x W3), then W2;
+5. the weighted sum back into each token's row.
+
+It is dropless: every pair is computed, however many land on one expert (no
+capacity factor, nothing is cut). ``FusedMoE`` holds the experts' weights stacked,
+``w13_weight`` [E, 2 I, H] (gate over up, as vLLM stores them) and ``w2_weight``
+[E, H, I], and loads them from the checkpoint's one tensor per expert and projection.
+
+With tensor parallelism (no expert parallelism) every rank holds every expert, but
+only its 1/tp slice of the intermediate dimension I: the gate/up rows and the
+down-projection's columns of that slice. Each rank's output is then a partial sum
+over its slice, and one all-reduce adds them, as in a row-parallel linear layer.
+The CPU path (``minivllm/cpu/fused_moe.py``) replaces step 4's products by packed
+ones and keeps steps 1-3 and 5 (``route`` and ``group_by_expert``) as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+def route(router_logits: torch.Tensor, top_k: int,
+          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] router scores -> each token's top-k (weights [T, k] float32, expert ids [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The flat (token, slot) pairs sorted by expert, and how many each expert got."""
+    order = ids.flatten().argsort(stable=True)
+    counts = torch.bincount(ids.flatten(), minlength=num_experts).tolist()
+    return order, counts
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              router_logits: torch.Tensor, top_k: int, renormalize: bool,
+              expert_mlp=None) -> torch.Tensor:
+    """[T, H] tokens -> [T, H]: the weighted sum of each token's top-k experts' MLPs.
+
+    ``expert_mlp(expert, rows)``, if given, computes one expert's product (the CPU
+    path's packed one); by default it is ``swiglu`` on the expert's weights."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    order, counts = group_by_expert(ids, w13.shape[0])
+    tokens, pair_weights = order // top_k, weights.flatten()[order]
+    out = torch.zeros_like(hidden)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start:start + n]
+        y = (expert_mlp(expert, hidden[rows]) if expert_mlp is not None
+             else swiglu(hidden[rows], w13[expert], w2[expert]))
+        out.index_add_(0, rows, y * pair_weights[start:start + n, None].to(y.dtype))
+        start += n
+    return out
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert on its rows: SiLU(x W1) * (x W3), then W2."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+class FusedMoE(nn.Module):
+    """The experts of one layer: ``forward(hidden, router_logits)`` -> [T, H]."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int,
+                 intermediate_size: int, renormalize: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_size = divide(intermediate_size, self.tp_size,
+                                        "moe_intermediate_size")  # this rank's slice
+        i = self.intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size,
+                                                   dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype),
+                                      requires_grad=False)
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+
+    expert_mlp = None  # the CPU twin's packed products (minivllm/cpu/fused_moe.py)
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        out = fused_moe(hidden, self.w13_weight, self.w2_weight, router_logits,
+                        self.top_k, self.renormalize, self.expert_mlp)
+        return all_reduce(out) if self.tp_size > 1 else out
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int, str]) -> None:
+        """One checkpoint tensor: ``shard_id`` = (expert, "w1" gate | "w3" up | "w2" down)."""
+        expert, which = shard_id
+        i, start = self.intermediate_size, self.tp_rank * self.intermediate_size
+        if which == "w2":  # [H, I]: this rank's columns
+            dst, src = param.data[expert], loaded[:, start:start + i]
+        else:  # [I, H]: this rank's rows, gate in the first half, up in the second
+            half = 0 if which == "w1" else i
+            dst, src = param.data[expert, half:half + i], loaded[start:start + i]
+        if dst.shape != src.shape:
+            raise ValueError(f"expert {expert} {which}: checkpoint slice {tuple(src.shape)}, "
+                             f"model expects {tuple(dst.shape)}")
+        dst.copy_(src)
+
+
+__all__ = ["FusedMoE", "fused_moe", "route", "group_by_expert", "swiglu"]
