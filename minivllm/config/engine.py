@@ -51,6 +51,7 @@ class EngineConfig:
     lora: Optional[LoRAConfig] = None  # None: enable_lora=False
     kv_transfer: Optional[KVTransferConfig] = None  # a KV connector (distributed/kv_transfer)
     kv_events: Optional[KVEventsConfig] = None
+    enable_sleep_mode: bool = False  # LLM.sleep / wake_up (core/rollout.py)
 
 
 @dataclass
@@ -99,6 +100,8 @@ class EngineArgs:
     # x in the quantized layers' products: "auto" (float32, the float path's numbers)
     # or "int8" (llama.cpp's: integer dot products; other numbers): config/quantization.py.
     activation_dtype: str = "auto"
+    # LLM.sleep(level) frees the KV cache (1) or it and the weights (2): core/rollout.py.
+    enable_sleep_mode: bool = False
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -147,7 +150,7 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             speculative=speculative, lora=lora, kv_transfer=kv_transfer,
-            kv_events=self._kv_events_config())
+            kv_events=self._kv_events_config(), enable_sleep_mode=self.enable_sleep_mode)
 
     # A feature's section is imported only when the feature is asked for.
     def _lora_config(self) -> Optional[LoRAConfig]:
@@ -189,7 +192,7 @@ class EngineArgs:
                 allowed="must be a positive integer")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
                     self.enable_prefix_caching)
-        for name in ("enable_chunked_prefill", "trace"):
+        for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode"):
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,
                   allowed="must be an integer >= 0 (0: off)")

@@ -126,6 +126,40 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
+    # -- RL rollouts: vLLM's names, documented in minivllm/core/rollout.py ----------
+    @property
+    def _rollout(self):
+        from minivllm.core.rollout import RolloutControl
+
+        return RolloutControl.of(self.engine_core)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: Optional[dict] = None) -> list:
+        return self._rollout.collective_rpc(method, args, kwargs)
+
+    def load_weights(self, named_tensors) -> list[str]:
+        return self._rollout.load_weights(named_tensors)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._rollout.reset_prefix_cache()
+
+    def pause_generation(self) -> None:
+        self._rollout.pause_generation()
+
+    def resume_generation(self) -> None:
+        self._rollout.resume_generation()
+
+    def is_paused(self) -> bool:
+        return self._rollout.is_paused()
+
+    def sleep(self, level: int = 1) -> int:
+        return self._rollout.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        self._rollout.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self._rollout.is_sleeping()
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 

@@ -68,6 +68,10 @@ class ComputePath(Protocol):
         """Once, on the loaded model: what this path changes in it (layer twins,
         packed weights, the replay); the reference changes nothing."""
 
+    def refresh_weights(self, model: nn.Module) -> None:
+        """After the weights changed in place (``LLM.load_weights``): rebuild what
+        ``prepare_model`` derived from them."""
+
 
 @dataclass
 class ReferencePath:
@@ -87,6 +91,9 @@ class ReferencePath:
 
     def prepare_model(self, model: nn.Module) -> None:
         """The reference uses the model as loaded."""
+
+    def refresh_weights(self, model: nn.Module) -> None:
+        """Nothing derived: the reference reads the parameters themselves."""
 
     @staticmethod
     def for_config(config: EngineConfig) -> "ReferencePath":

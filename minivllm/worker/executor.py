@@ -1,7 +1,8 @@
 """Executors: who runs the model runner. One process, or a tensor-parallel group.
 
-The engine core talks to an executor only through four calls, so whether
-the model is one process or N ranks is invisible to the scheduler.
+The engine core talks to an executor through four calls (and the RL API's
+``collective_rpc``, ``rollout_worker.py``), so whether the model is one
+process or N ranks is invisible to the scheduler.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         return self.runner.execute_model(scheduler_output)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs=None) -> list:
+        from minivllm.worker.rollout_worker import run_method  # the RL API's, when used
+
+        return [run_method(self.runner, method, args, kwargs)]
 
     def shutdown(self) -> None:
         if self.runner.kv_connector is not None:  # its transfer threads and sockets
