@@ -73,7 +73,8 @@ def _num_params(runner) -> int:  # a collective_rpc callable (module level: it i
     return sum(p.numel() for p in runner.model.parameters())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("family", [  # qwen2: q/k/v biases, the bias on rank 0 only
+    "llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_tp2_update_equals_hugging_face_and_rpc_reaches_every_rank(tiny_model, family,
                                                                    monkeypatch):
     monkeypatch.setenv("MINIVLLM_TP_TIMEOUT", "300")
@@ -83,8 +84,8 @@ def test_tp2_update_equals_hugging_face_and_rpc_reaches_every_rank(tiny_model, f
     with LLM(folder, tensor_parallel_size=2, num_kv_blocks=64) as llm:
         whole = _num_params(llm.engine_core.executor.runner)
         sizes = llm.collective_rpc(_num_params)
-        assert len(sizes) == 2 and sizes[0] == whole
-        assert sizes[1] < whole  # each rank holds its shards
+        assert sizes == [whole, whole]  # each rank answers, from its own shards
+        assert whole < sum(p.numel() for p in trained.parameters())
         block_bytes = llm.engine_core.executor.runner.kv_block_bytes()
         assert llm.collective_rpc("kv_block_bytes") == [block_bytes] * 2
         run(llm, items)

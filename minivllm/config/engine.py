@@ -71,6 +71,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # or "ray": ranks as Ray actors
     attention_backend: Optional[str] = None
     # None: the CPU acceleration where it builds (MINIVLLM_CPU_KERNELS=0 turns it
     # off); False: the pure reference path; True: require it.
@@ -146,7 +147,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       max_len, self.long_prefill_token_threshold,
                                       self.enable_chunked_prefill, self.scheduling_policy),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size,
+                                    self.distributed_executor_backend),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             speculative=speculative, lora=lora, kv_transfer=kv_transfer,
@@ -192,6 +194,7 @@ class EngineArgs:
                 allowed="must be a positive integer")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
                     self.enable_prefix_caching)
+        ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode"):
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,

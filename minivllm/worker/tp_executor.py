@@ -240,7 +240,10 @@ class TPExecutor:
                              f"on this host, found {torch.cuda.device_count()}")
         self.config = config
         self.broadcast_seconds = 0.0
-        self.workers = WorkerGroup(config, rdzv)
+        group = WorkerGroup
+        if config.parallel.distributed_executor_backend == "ray":
+            from minivllm.worker.ray_executor import RayWorkerGroup as group
+        self.workers = group(config, rdzv)
         # Stop the workers when this object is collected or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.workers.close)
         with self._collective("while loading the model"):
