@@ -635,6 +635,12 @@ assert reduces_8b == expected_collective_bytes(dataclasses.replace(llama_8b, voc
 # clear error, never an answer. `minivllm/core/rollout.py` documents the
 # calls; `tests/test_rollout_weights.py` checks the tokens against Hugging
 # Face's with the new weights, at TP=1 and TP=2.
+#
+# `distributed_executor_backend="ray"` (also `serve --distributed-executor-backend
+# ray`) starts ranks 1..N-1 as Ray actors in one placement group instead of
+# processes, on the cluster `RAY_ADDRESS` names or a local one; each actor runs
+# the same worker loop, so the tokens are the process backend's
+# (`minivllm/worker/ray_executor.py`).
 
 # %% [markdown]
 # ## Summary

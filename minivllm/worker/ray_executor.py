@@ -92,7 +92,8 @@ class RayWorkerGroup(WorkerGroup):
         bundle = {"CPU": WORKER_CPUS, **({"GPU": 1} if gpus else {})}
         self.placement_group = placement_group([bundle] * n, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=120)
-        actor_cls = ray.remote(num_cpus=WORKER_CPUS, num_gpus=gpus)(RankActor)
+        # Two threads: run() holds one for the engine's lifetime; pid() and the like the other.
+        actor_cls = ray.remote(num_cpus=WORKER_CPUS, num_gpus=gpus, max_concurrency=2)(RankActor)
         threads = max(1, min((os.cpu_count() or 1) // self.rdzv.world_size,
                              torch.get_num_threads()))
         for rank in range(1, n + 1):
