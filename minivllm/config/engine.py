@@ -52,6 +52,7 @@ class EngineConfig:
     kv_transfer: Optional[KVTransferConfig] = None  # a KV connector (distributed/kv_transfer)
     kv_events: Optional[KVEventsConfig] = None
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up (core/rollout.py)
+    batch_invariant: bool = False  # worker/batch_invariant.py
 
 
 @dataclass
@@ -103,6 +104,8 @@ class EngineArgs:
     activation_dtype: str = "auto"
     # LLM.sleep(level) frees the KV cache (1) or it and the weights (2): core/rollout.py.
     enable_sleep_mode: bool = False
+    # A request's logprobs the same alone or beside others: worker/batch_invariant.py.
+    batch_invariant: bool = False
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -152,7 +155,8 @@ class EngineArgs:
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             speculative=speculative, lora=lora, kv_transfer=kv_transfer,
-            kv_events=self._kv_events_config(), enable_sleep_mode=self.enable_sleep_mode)
+            kv_events=self._kv_events_config(), enable_sleep_mode=self.enable_sleep_mode,
+            batch_invariant=self.batch_invariant)
 
     # A feature's section is imported only when the feature is asked for.
     def _lora_config(self) -> Optional[LoRAConfig]:
@@ -195,7 +199,7 @@ class EngineArgs:
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
                     self.enable_prefix_caching)
         ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
-        for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode"):
+        for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode", "batch_invariant"):
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,
                   allowed="must be an integer >= 0 (0: off)")

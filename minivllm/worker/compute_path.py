@@ -110,6 +110,11 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
     cannot build, ``minivllm/cpu/accelerate.py``); ``False`` never imports it."""
     if config.cpu_kernels is False:
         return "cpu_kernels=False"
+    if config.batch_invariant:  # the kernels batch the sequences (worker/batch_invariant.py)
+        if config.cpu_kernels:
+            raise RuntimeError("cpu_kernels=True cannot be batch_invariant: the kernels "
+                               "compute the sequences of a step together; drop one of them")
+        return "batch_invariant=True"
     if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
         return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
     if torch.device(config.device).type != "cpu":
