@@ -640,7 +640,10 @@ assert reduces_8b == expected_collective_bytes(dataclasses.replace(llama_8b, voc
 # ray`) starts ranks 1..N-1 as Ray actors in one placement group instead of
 # processes, on the cluster `RAY_ADDRESS` names or a local one; each actor runs
 # the same worker loop, so the tokens are the process backend's
-# (`minivllm/worker/ray_executor.py`).
+# (`minivllm/worker/ray_executor.py`). `LLM(batch_invariant=True)` makes a
+# request's logprobs bitwise the same alone or beside others, so that a
+# trainer's comparison is not noise from the rest of the batch
+# (`minivllm/worker/batch_invariant.py` says how, and what it costs).
 
 # %% [markdown]
 # ## Summary
