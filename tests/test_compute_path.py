@@ -34,13 +34,11 @@ def test_both_compute_paths_have_what_the_runner_reads():
 
     members = _members(ComputePath)
     assert set(members) == {"attn_backend", "dtype", "sampler", "problem", "decode_replay",
-                            "decode_replay_problem", "prepare_model",
-                            "refresh_weights"}
+                            "decode_replay_problem", "prepare_model"}
     for cls in (ReferencePath, CpuPath):
         missing = [n for n in members if not _has_static(cls, n)]
         assert missing == [], (cls.__name__, missing)
-        for method in ("prepare_model", "refresh_weights"):
-            assert _same_signature(ComputePath, cls, method), (cls.__name__, method)
+        assert _same_signature(ComputePath, cls, "prepare_model"), cls.__name__
 
 
 def test_instances_of_both_paths_are_compute_paths():

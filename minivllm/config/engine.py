@@ -102,10 +102,8 @@ class EngineArgs:
     # x in the quantized layers' products: "auto" (float32, the float path's numbers)
     # or "int8" (llama.cpp's: integer dot products; other numbers): config/quantization.py.
     activation_dtype: str = "auto"
-    # LLM.sleep(level) frees the KV cache (1) or it and the weights (2): core/rollout.py.
-    enable_sleep_mode: bool = False
-    # A request's logprobs the same alone or beside others: worker/batch_invariant.py.
-    batch_invariant: bool = False
+    enable_sleep_mode: bool = False  # LLM.sleep(level) / wake_up(tags): core/rollout.py
+    batch_invariant: bool = False  # logprobs alone == beside others: worker/batch_invariant.py
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -3,7 +3,9 @@
 An RL trainer (verl, OpenRLHF, TRL) keeps an engine alive across training
 steps. Each step it generates rollouts, trains on them, then pushes the new
 weights into the engine instead of starting a new one. ``LLM`` exposes that
-with vLLM's names; each call lands here, on the engine core, between steps:
+with vLLM's names (``LLM_API``; ``LLM`` forwards them here when first used, so
+none of this loads for a plain request); each runs on the engine core, between
+steps:
 
     llm.sleep(level=1)                      # free the KV cache while training
     ...                                     # the trainer's step
@@ -43,6 +45,18 @@ PAUSED = ("generation is paused (pause_generation()): call resume_generation() b
           "generating")
 ASLEEP = "the engine is asleep (sleep(level={})): call wake_up() before generating"
 SLEEP_TAGS = ("weights", "kv_cache")
+
+
+# The calls ``LLM`` forwards here (``LLM.__getattr__``), with vLLM's names.
+LLM_API = ("collective_rpc", "load_weights", "reset_prefix_cache", "pause_generation",
+           "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping")
+
+
+def rollout_method(llm_engine, name: str):
+    """``LLM.<name>`` for a name of ``LLM_API``: the engine core's control's method."""
+    if llm_engine is None or name not in LLM_API:
+        raise AttributeError(f"'LLM' object has no attribute {name!r}")
+    return getattr(RolloutControl.of(llm_engine.engine_core), name)
 
 
 class RolloutControl:
@@ -156,4 +170,4 @@ class RolloutControl:
         return f"{n} requests are unfinished" if n else None
 
 
-__all__ = ["ASLEEP", "PAUSED", "SLEEP_TAGS", "RolloutControl"]
+__all__ = ["ASLEEP", "LLM_API", "PAUSED", "SLEEP_TAGS", "RolloutControl", "rollout_method"]

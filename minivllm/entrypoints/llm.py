@@ -126,39 +126,12 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
-    # -- RL rollouts: vLLM's names, documented in minivllm/core/rollout.py ----------
-    @property
-    def _rollout(self):
-        from minivllm.core.rollout import RolloutControl
+    def __getattr__(self, name: str):
+        # vLLM's RL API (collective_rpc, load_weights, reset_prefix_cache, sleep,
+        # wake_up, pause_generation, ...) loads when first used: core/rollout.py.
+        from minivllm.core.rollout import rollout_method
 
-        return RolloutControl.of(self.engine_core)
-
-    def collective_rpc(self, method, args: tuple = (), kwargs: Optional[dict] = None) -> list:
-        return self._rollout.collective_rpc(method, args, kwargs)
-
-    def load_weights(self, named_tensors) -> list[str]:
-        return self._rollout.load_weights(named_tensors)
-
-    def reset_prefix_cache(self) -> bool:
-        return self._rollout.reset_prefix_cache()
-
-    def pause_generation(self) -> None:
-        self._rollout.pause_generation()
-
-    def resume_generation(self) -> None:
-        self._rollout.resume_generation()
-
-    def is_paused(self) -> bool:
-        return self._rollout.is_paused()
-
-    def sleep(self, level: int = 1) -> int:
-        return self._rollout.sleep(level)
-
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        self._rollout.wake_up(tags)
-
-    def is_sleeping(self) -> bool:
-        return self._rollout.is_sleeping()
+        return rollout_method(self.__dict__.get("llm_engine"), name)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -68,10 +68,6 @@ class ComputePath(Protocol):
         """Once, on the loaded model: what this path changes in it (layer twins,
         packed weights, the replay); the reference changes nothing."""
 
-    def refresh_weights(self, model: nn.Module) -> None:
-        """After the weights changed in place (``LLM.load_weights``): rebuild what
-        ``prepare_model`` derived from them."""
-
 
 @dataclass
 class ReferencePath:
@@ -92,9 +88,6 @@ class ReferencePath:
     def prepare_model(self, model: nn.Module) -> None:
         """The reference uses the model as loaded."""
 
-    def refresh_weights(self, model: nn.Module) -> None:
-        """Nothing derived: the reference reads the parameters themselves."""
-
     @staticmethod
     def for_config(config: EngineConfig) -> "ReferencePath":
         device = torch.device(config.device)
@@ -110,15 +103,12 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
     cannot build, ``minivllm/cpu/accelerate.py``); ``False`` never imports it."""
     if config.cpu_kernels is False:
         return "cpu_kernels=False"
-    if config.batch_invariant:  # the kernels batch the sequences (worker/batch_invariant.py)
-        if config.cpu_kernels:
-            raise RuntimeError("cpu_kernels=True cannot be batch_invariant: the kernels "
-                               "compute the sequences of a step together; drop one of them")
-        return "batch_invariant=True"
     if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
         return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
-    if torch.device(config.device).type != "cpu":
-        problem = f"device {config.device!r} is not the CPU"
+    # batch_invariant: the kernels compute a step's sequences together (batch_invariant.py).
+    if config.batch_invariant or torch.device(config.device).type != "cpu":
+        problem = ("batch_invariant=True" if config.batch_invariant
+                   else f"device {config.device!r} is not the CPU")
         if config.cpu_kernels:
             raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
         return problem

@@ -1,8 +1,7 @@
 """Executors: who runs the model runner. One process, or a tensor-parallel group.
 
-The engine core talks to an executor through four calls (and the RL API's
-``collective_rpc``, ``rollout_worker.py``), so whether the model is one
-process or N ranks is invisible to the scheduler.
+The engine core talks to an executor only through four calls, so whether
+the model is one process or N ranks is invisible to the scheduler.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ class UniProcExecutor:
         return self.runner.execute_model(scheduler_output)
 
     def collective_rpc(self, method, args: tuple = (), kwargs=None) -> list:
-        from minivllm.worker.rollout_worker import run_method  # the RL API's, when used
+        from minivllm.worker.rollout_worker import run_method  # the RL API (core/rollout.py)
 
         return [run_method(self.runner, method, args, kwargs)]
 

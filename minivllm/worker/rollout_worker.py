@@ -35,8 +35,7 @@ def load_weights(runner, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> l
 
     shapes = _checkpoint_shapes(runner.config.model.path)
     updated = update_weights(runner.model, runner.config.model, named_tensors, shapes)
-    runner.path.refresh_weights(runner.model)
-    runner.decode_replay = runner.path.decode_replay
+    _refresh(runner)
     return updated
 
 
@@ -109,9 +108,18 @@ def wake_up(runner, tags: list[str]) -> None:
         runner.initialize_kv_cache(state.num_blocks)
         state.num_blocks = None
     if state.weights is None and state.num_blocks is None:  # awake: rebuild the replay
-        runner.path.refresh_weights(runner.model)
-        runner.decode_replay = runner.path.decode_replay
+        _refresh(runner)
         _SLEEPING.pop(runner, None)
+
+
+def _refresh(runner) -> None:
+    """What the compute path derived from the weights, made again from the new ones:
+    the CPU path's packed copies and its decode-step replay (``cpu/accelerate.py``);
+    the reference path derives nothing."""
+    refresh = getattr(runner.path, "refresh_weights", None)
+    if refresh is not None:
+        refresh(runner.model)
+    runner.decode_replay = runner.path.decode_replay
 
 
 def _drop_packed(runner) -> None:
