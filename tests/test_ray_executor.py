@@ -24,11 +24,11 @@ def test_ray_ranks_equal_the_process_backend_and_a_dead_actor_fails_clearly(
     monkeypatch.setenv("MINIVLLM_TP_TIMEOUT", "300")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     folder, items = tiny_model("llama"), prompts(2)
-    with LLM(folder, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+    with LLM(folder, tensor_parallel_size=2, num_kv_blocks=64, cpu_kernels=False) as llm:
         want = tokens(run(llm, items))
     trained = perturbed(folder, seed=7)
     new = [greedy(trained, p, MAX_TOKENS) for p in items]
-    llm = LLM(folder, tensor_parallel_size=2, num_kv_blocks=64,
+    llm = LLM(folder, tensor_parallel_size=2, num_kv_blocks=64, cpu_kernels=False,
               distributed_executor_backend="ray")
     try:
         group = llm.engine_core.executor.workers

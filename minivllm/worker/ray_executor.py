@@ -21,6 +21,11 @@ actors. A dead actor (killed, its node lost) is seen as its call ending
 with an error: the next step fails naming the rank, as a dead process does.
 Actors are owned by the engine process: Ray stops them with it. With one
 rank (TP=1) there is nothing to place: the model runs in the engine process.
+
+Ray's own start can fail on an overloaded machine ("The current node timed
+out during startup"): its raylet gives its agents a fixed 15 s to start
+(ray-project/ray#65983). Start the cluster first (`ray start --head`, then
+``RAY_ADDRESS``), or retry when the machine is quieter.
 """
 
 from __future__ import annotations
