@@ -609,6 +609,43 @@ assert reduces_8b == expected_collective_bytes(dataclasses.replace(llama_8b, voc
 # exit when it stops.
 
 # %% [markdown]
+# ## In practice: a rollout engine for RL
+#
+# An RL trainer (verl, OpenRLHF, TRL) keeps its engines alive across training
+# steps and reaches every rank through them, with vLLM's names:
+#
+# ```python
+# llm = LLM(model_dir, quantization=None, tensor_parallel_size=2, enable_sleep_mode=True)
+# outs = llm.generate(prompts, SamplingParams(n=8, logprobs=0))   # grouped rollouts
+# llm.sleep(level=1)                 # free the KV cache while the trainer trains
+# ...                                # the trainer's step on its own copy
+# llm.wake_up()                      # tags=["weights", "kv_cache"]; level 2 frees both
+# llm.load_weights(policy.named_parameters())   # (Hugging Face name, tensor) pairs
+# llm.collective_rpc("kv_block_bytes")          # any runner method, on every rank
+# ```
+#
+# `load_weights` goes through the loader's name mapping, so each rank keeps
+# its own shard of the full tensors it is sent, as at load time; the CPU
+# path's packed weights are packed again. It is all or nothing: an unknown
+# name, a wrong shape or quantized (GGUF) blocks are refused, naming the
+# weight, the engine unchanged. Then the prefix cache, the offload tier and
+# KV-event subscribers (`AllBlocksCleared`) forget every cached block: their
+# K/V came from the old weights. `pause_generation()` / `resume_generation()`
+# hold the steps meanwhile; a request to a paused or sleeping engine gets a
+# clear error, never an answer. `minivllm/core/rollout.py` documents the
+# calls; `tests/test_rollout_weights.py` checks the tokens against Hugging
+# Face's with the new weights, at TP=1 and TP=2.
+#
+# `distributed_executor_backend="ray"` (also `serve --distributed-executor-backend
+# ray`) starts ranks 1..N-1 as Ray actors in one placement group instead of
+# processes, on the cluster `RAY_ADDRESS` names or a local one; each actor runs
+# the same worker loop, so the tokens are the process backend's
+# (`minivllm/worker/ray_executor.py`). `LLM(batch_invariant=True)` makes a
+# request's logprobs bitwise the same alone or beside others, so that a
+# trainer's comparison is not noise from the rest of the batch
+# (`minivllm/worker/batch_invariant.py` says how, and what it costs).
+
+# %% [markdown]
 # ## Summary
 #
 # - Column-parallel layers cut the output features: each rank computes its own slice,

@@ -51,6 +51,8 @@ class EngineConfig:
     lora: Optional[LoRAConfig] = None  # None: enable_lora=False
     kv_transfer: Optional[KVTransferConfig] = None  # a KV connector (distributed/kv_transfer)
     kv_events: Optional[KVEventsConfig] = None
+    enable_sleep_mode: bool = False  # LLM.sleep / wake_up (core/rollout.py)
+    batch_invariant: bool = False  # worker/batch_invariant.py
 
 
 @dataclass
@@ -70,6 +72,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # or "ray": ranks as Ray actors
     attention_backend: Optional[str] = None
     # None: the CPU acceleration where it builds (MINIVLLM_CPU_KERNELS=0 turns it
     # off); False: the pure reference path; True: require it.
@@ -99,6 +102,8 @@ class EngineArgs:
     # x in the quantized layers' products: "auto" (float32, the float path's numbers)
     # or "int8" (llama.cpp's: integer dot products; other numbers): config/quantization.py.
     activation_dtype: str = "auto"
+    enable_sleep_mode: bool = False  # LLM.sleep(level) / wake_up(tags): core/rollout.py
+    batch_invariant: bool = False  # logprobs alone == beside others: worker/batch_invariant.py
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -143,11 +148,13 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       max_len, self.long_prefill_token_threshold,
                                       self.enable_chunked_prefill, self.scheduling_policy),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size,
+                                    self.distributed_executor_backend),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             speculative=speculative, lora=lora, kv_transfer=kv_transfer,
-            kv_events=self._kv_events_config())
+            kv_events=self._kv_events_config(), enable_sleep_mode=self.enable_sleep_mode,
+            batch_invariant=self.batch_invariant)
 
     # A feature's section is imported only when the feature is asked for.
     def _lora_config(self) -> Optional[LoRAConfig]:
@@ -189,7 +196,8 @@ class EngineArgs:
                 allowed="must be a positive integer")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
                     self.enable_prefix_caching)
-        for name in ("enable_chunked_prefill", "trace"):
+        ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode", "batch_invariant"):
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,
                   allowed="must be an integer >= 0 (0: off)")

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minivllm.config.checks import check_int
+from minivllm.config.checks import check_choice, check_int
 
 
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # Who runs ranks 1..N-1: "mp", processes; "ray", Ray actors (worker/ray_executor.py).
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1,
                   allowed="must be a positive integer")
+        check_choice("distributed_executor_backend", self.distributed_executor_backend,
+                     ("mp", "ray"))
 
 
 __all__ = ["ParallelConfig"]

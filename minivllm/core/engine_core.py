@@ -66,6 +66,8 @@ class EngineCore:
         # Set when a step failed inside the model: the KV cache and the
         # scheduler may be half-updated, so no further step is trustworthy.
         self.dead_error: Optional[BaseException] = None
+        # Why steps may not run now (paused, asleep: core/rollout.py), or None.
+        self.hold: Optional[str] = None
 
     @staticmethod
     def _make_kv_connector(config: EngineConfig):
@@ -101,6 +103,8 @@ class EngineCore:
         if self.dead_error is not None:
             raise RuntimeError(f"the engine core is dead since an earlier step failed "
                                f"({self.dead_error!r}); create a new engine") from self.dead_error
+        if self.hold is not None:
+            raise RuntimeError(self.hold)
         t0 = time.perf_counter()
         start = self.clock.now()
         so = self.scheduler.schedule()

@@ -77,6 +77,14 @@ class CpuPath:
         if self.decode_replay_problem is None:
             self.decode_replay = LlamaFusedDecode(model)
 
+    def refresh_weights(self, model: nn.Module) -> None:
+        """The weights changed in place: pack them again (the packed copies are a
+        snapshot) and rebuild the replay, which captured the old packed copies."""
+        if self.num_packed:
+            self.num_packed = prepack_model(model)
+        if self.decode_replay is not None:
+            self.decode_replay = LlamaFusedDecode(model)
+
 
 def cpu_path(config: "EngineConfig", reference):
     """The runner's one call: the CPU path for ``config``, or ``reference`` (with the

@@ -126,6 +126,13 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
+    def __getattr__(self, name: str):
+        # vLLM's RL API (collective_rpc, load_weights, reset_prefix_cache, sleep,
+        # wake_up, pause_generation, ...) loads when first used: core/rollout.py.
+        from minivllm.core.rollout import rollout_method
+
+        return rollout_method(self.__dict__.get("llm_engine"), name)
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 

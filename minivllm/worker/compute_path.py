@@ -105,8 +105,10 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
         return "cpu_kernels=False"
     if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
         return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
-    if torch.device(config.device).type != "cpu":
-        problem = f"device {config.device!r} is not the CPU"
+    # batch_invariant: the kernels compute a step's sequences together (batch_invariant.py).
+    if config.batch_invariant or torch.device(config.device).type != "cpu":
+        problem = ("batch_invariant=True" if config.batch_invariant
+                   else f"device {config.device!r} is not the CPU")
         if config.cpu_kernels:
             raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
         return problem

@@ -27,6 +27,11 @@ class UniProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput):
         return self.runner.execute_model(scheduler_output)
 
+    def collective_rpc(self, method, args: tuple = (), kwargs=None) -> list:
+        from minivllm.worker.rollout_worker import run_method  # the RL API (core/rollout.py)
+
+        return [run_method(self.runner, method, args, kwargs)]
+
     def shutdown(self) -> None:
         if self.runner.kv_connector is not None:  # its transfer threads and sockets
             self.runner.kv_connector.shutdown()

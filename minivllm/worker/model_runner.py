@@ -280,6 +280,10 @@ class ModelRunner:
         if replay is not None and replay.accepts(inputs.input_ids, inputs.meta,
                                                  inputs.logits_indices, inputs.lora):
             return replay(inputs.input_ids, inputs.positions, inputs.meta, inputs.lora)
+        if self.config.batch_invariant:  # each sequence as if alone
+            from minivllm.worker.batch_invariant import forward_each_sequence
+
+            return forward_each_sequence(self.model, inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 

@@ -240,7 +240,10 @@ class TPExecutor:
                              f"on this host, found {torch.cuda.device_count()}")
         self.config = config
         self.broadcast_seconds = 0.0
-        self.workers = WorkerGroup(config, rdzv)
+        group = WorkerGroup
+        if config.parallel.distributed_executor_backend == "ray":
+            from minivllm.worker.ray_executor import RayWorkerGroup as group
+        self.workers = group(config, rdzv)
         # Stop the workers when this object is collected or at interpreter exit.
         self._finalizer = weakref.finalize(self, self.workers.close)
         with self._collective("while loading the model"):
@@ -277,6 +280,27 @@ class TPExecutor:
         if out.timings:
             out.timings["broadcast"] = self.broadcast_seconds
         return out
+
+    def collective_rpc(self, method, args: tuple = (), kwargs=None) -> list:
+        """``method`` on every rank (``rollout_worker.py``); the results in rank order.
+
+        Every rank runs it even when rank 0's call raises, so the ranks stay in
+        step; an error raised alike on every rank (a refused weight update) then
+        leaves the group alive."""
+        from minivllm.worker.rollout_worker import run_method
+
+        mine: list = [None, None]  # rank 0's (result, exception)
+        with self._collective(f"during collective_rpc({getattr(method, '__name__', method)!r})"):
+            self.workers.send(Command("rpc", (method, tuple(args), kwargs)))
+            try:
+                mine[0] = run_method(self.runner, method, args, kwargs)
+            except Exception as exc:
+                mine[1] = exc
+            replies = gather_replies(None)
+        if mine[1] is not None:
+            raise mine[1]
+        self._check_replies(replies)
+        return [mine[0]] + replies[1:]
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -64,7 +64,7 @@ def init_process_groups(store: dist.Store, rank: int, world_size: int,
 
 @dataclass
 class Command:
-    name: str  # "determine_num_blocks" | "initialize_kv_cache" | "forward" | "stop"
+    name: str  # "determine_num_blocks" | "initialize_kv_cache" | "forward" | "rpc" | "stop"
     payload: Any = None
 
 
@@ -167,6 +167,10 @@ def _serve_commands(rank: int, runner, control: dist.ProcessGroup) -> None:
             _reply(rank, runner.determine_num_blocks)
         elif command.name == "initialize_kv_cache":
             _reply(rank, lambda: runner.initialize_kv_cache(command.payload))
+        elif command.name == "rpc":  # LLM.collective_rpc (rollout_worker.py)
+            from minivllm.worker.rollout_worker import run_method
+
+            _reply(rank, lambda: run_method(runner, *command.payload))
         else:
             raise RuntimeError(f"rank {rank}: unknown command {command.name!r}")
 

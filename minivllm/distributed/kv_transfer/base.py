@@ -101,6 +101,9 @@ class KVConnectorBase:
         sent, ``kv_transfer_params`` for the response)."""
         return False, None
 
+    def reset_cache(self) -> None:
+        """The prefix cache was reset (new weights): forget any blocks of its own."""
+
     def request_load_failed(self, request) -> None:
         """The worker could not load this request's blocks: never offer them again."""
 

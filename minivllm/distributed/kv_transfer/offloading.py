@@ -77,6 +77,13 @@ class OffloadingConnector(KVConnectorBase):
         self._meta_next.stores.append((block_id, slot))
         self._count("stored_blocks")
 
+    def reset_cache(self) -> None:
+        """Forget every offloaded block (its K/V may be stale: new weights)."""
+        self.tier.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._pinned, self._matched = set(), {}
+        self._meta_next = OffloadingMetadata()
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         if request.sampling_params.prompt_logprobs is not None:

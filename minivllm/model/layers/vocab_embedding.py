@@ -36,9 +36,9 @@ class VocabParallelEmbedding(nn.Module):
             self.quant_method.create_weights(self, hidden_size, self.rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"embedding has {loaded.shape[0]} rows, config vocab_size "
-                             f"is {self.vocab_size}")
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"embedding has shape {tuple(loaded.shape)}, config vocab_size "
+                             f"is {self.vocab_size} x {tuple(param.shape[1:])}")
         shard = loaded[self.start:self.start + self.rows]
         param.data[:shard.shape[0]].copy_(shard)
 
