@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +15,8 @@ import torch
 from minivllm.config.checks import bad
 
 SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -46,6 +47,12 @@ class ModelConfig:
     gguf_file: Optional[str] = None
     # x in the quantized products: "auto" (float32) or "int8" (config/quantization.py).
     activation_dtype: str = "auto"
+    # Each layer's attention kind ("full_attention" | "sliding_attention"), or None:
+    # all full. A sliding layer sees only the last ``sliding_window`` tokens.
+    layer_types: Optional[tuple[str, ...]] = None
+    sliding_window: Optional[int] = None
+    # The whole config.json, for what only one family reads (Gemma 3's scalars).
+    hf_config: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",
@@ -85,6 +92,7 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
             qk_norm=arch == "Qwen3ForCausalLM",
             dtype=resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), device),
+            **_attention_kinds(arch, raw), hf_config=raw,
         )
 
     @property
@@ -92,6 +100,21 @@ class ModelConfig:
         """K and V of one token over all layers: what the KV cache pays per token."""
         size = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * size
+
+
+def _attention_kinds(arch: str, raw: dict) -> dict:
+    """``layer_types`` and ``sliding_window`` as the layers will use them: a window
+    no shorter than the model's positions changes nothing, so those stay full."""
+    window = raw.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window"):
+        window = None  # Qwen2 configs carry a window they do not use
+    if not window or window >= raw.get("max_position_embeddings", 4096):
+        return {}
+    n = raw["num_hidden_layers"]
+    types = raw.get("layer_types") or ["sliding_attention"] * n
+    if "sliding_attention" not in types:
+        return {}
+    return {"layer_types": tuple(types), "sliding_window": int(window)}
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Optional[str] = None,
