@@ -17,6 +17,8 @@ from minivllm.config.checks import bad
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Gemma3ForCausalLM")
+# The layer kinds the KV cache has a spec for (minivllm/core/kv_cache_interface.py).
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -112,6 +114,11 @@ def _attention_kinds(arch: str, raw: dict) -> dict:
         return {}
     n = raw["num_hidden_layers"]
     types = raw.get("layer_types") or ["sliding_attention"] * n
+    for i, kind in enumerate(types):
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"layer {i} has attention kind {kind!r} (config.json "
+                             f"layer_types), which minivllm cannot run; known kinds: "
+                             f"{', '.join(ATTENTION_KINDS)}")
     if "sliding_attention" not in types:
         return {}
     return {"layer_types": tuple(types), "sliding_window": int(window)}
