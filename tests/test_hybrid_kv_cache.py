@@ -301,3 +301,20 @@ def test_unknown_layer_kind_refused(tmp_path, gemma3):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="layer 2 .*'chunked_attention'"):
         LLM(str(folder), cpu_kernels=False)
+
+
+@pytest.mark.slow
+def test_beam_search_works_on_hybrid_models(gemma3):
+    """Beam search is ordinary requests over the prefix cache: its beams on Gemma 3
+    with prefix hits (window groups included) equal those recomputed from scratch."""
+    from minivllm import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(3, 30))}]
+    runs = []
+    for caching in (True, False):
+        llm = LLM(gemma3, block_size=BLOCK, enable_prefix_caching=caching, cpu_kernels=False)
+        out = llm.beam_search(prompt, params)[0]
+        runs.append([(s.tokens, round(s.cum_logprob, 4)) for s in out.sequences])
+        assert_all_blocks_free(llm)
+    assert runs[0] == runs[1]

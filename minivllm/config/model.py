@@ -17,8 +17,6 @@ from minivllm.config.checks import bad
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Gemma3ForCausalLM")
-# The layer kinds the KV cache has a spec for (minivllm/core/kv_cache_interface.py).
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -105,23 +103,11 @@ class ModelConfig:
 
 
 def _attention_kinds(arch: str, raw: dict) -> dict:
-    """``layer_types`` and ``sliding_window`` as the layers will use them: a window
-    no shorter than the model's positions changes nothing, so those stay full."""
-    window = raw.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window"):
-        window = None  # Qwen2 configs carry a window they do not use
-    if not window or window >= raw.get("max_position_embeddings", 4096):
-        return {}
-    n = raw["num_hidden_layers"]
-    types = raw.get("layer_types") or ["sliding_attention"] * n
-    for i, kind in enumerate(types):
-        if kind not in ATTENTION_KINDS:
-            raise ValueError(f"layer {i} has attention kind {kind!r} (config.json "
-                             f"layer_types), which minivllm cannot run; known kinds: "
-                             f"{', '.join(ATTENTION_KINDS)}")
-    if "sliding_attention" not in types:
-        return {}
-    return {"layer_types": tuple(types), "sliding_window": int(window)}
+    if not (raw.get("sliding_window") or raw.get("layer_types")):
+        return {}  # every layer full: the dense path
+    from minivllm.config.attention_kinds import attention_kinds
+
+    return attention_kinds(arch, raw)
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Optional[str] = None,

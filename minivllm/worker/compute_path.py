@@ -109,12 +109,9 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
     if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
         return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
     if config.model.layer_types is not None:  # the C++ attention has no window mask
-        from minivllm.logger import info_once
+        from minivllm.worker.kv_cache_groups import cpu_kernels_problem
 
-        problem = (f"{config.model.architecture} has sliding_attention layers, which only "
-                   "the reference attention masks")
-        info_once(f"running the reference path (the same tokens, slower): {problem}")
-        return problem
+        return cpu_kernels_problem(config)
     if torch.device(config.device).type != "cpu":
         problem = f"device {config.device!r} is not the CPU"
         if config.cpu_kernels:

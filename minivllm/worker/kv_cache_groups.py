@@ -71,4 +71,14 @@ class KVCacheGroups:
         return out
 
 
-__all__ = ["KVCacheGroups"]
+def cpu_kernels_problem(config: EngineConfig) -> str:
+    """Why such a model runs without the CPU kernels, said once in the log."""
+    from minivllm.logger import info_once
+
+    problem = (f"{config.model.architecture} has sliding_attention layers, which only "
+               "the reference attention masks")
+    info_once(f"running the reference path (the same tokens, slower): {problem}")
+    return problem
+
+
+__all__ = ["KVCacheGroups", "cpu_kernels_problem"]
