@@ -96,6 +96,7 @@ def test_groups_share_one_pool():
     assert slide.window_blocks == 4  # 63 positions before a block boundary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu_kernels", [None, False])
 def test_gemma3_matches_transformers(gemma3, gemma3_ref, cpu_kernels):
     llm = LLM(gemma3, block_size=BLOCK, cpu_kernels=cpu_kernels)
@@ -107,6 +108,7 @@ def test_gemma3_matches_transformers(gemma3, gemma3_ref, cpu_kernels):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_window_changes_the_tokens(tmp_path, gemma3_ref):
     """The same weights with every layer global give other tokens: the window matters."""
     full = build_gemma3(tmp_path, layer_types=("full_attention",) * 4)
@@ -116,6 +118,7 @@ def test_window_changes_the_tokens(tmp_path, gemma3_ref):
     assert tokens(llm, PROMPTS) == hf_greedy(full, PROMPTS)
 
 
+@pytest.mark.slow
 def test_chunked_and_preempted(gemma3, gemma3_ref):
     chunked = LLM(gemma3, block_size=BLOCK, max_num_batched_tokens=8,
                   long_prefill_token_threshold=6, cpu_kernels=False)
@@ -128,6 +131,7 @@ def test_chunked_and_preempted(gemma3, gemma3_ref):
     assert_all_blocks_free(tight)
 
 
+@pytest.mark.slow
 def test_window_blocks_freed_while_running(gemma3):
     """During decode a sliding group's table holds at most the window's blocks plus
     the one being filled; the global group's holds every block."""
@@ -148,6 +152,7 @@ def test_window_blocks_freed_while_running(gemma3):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_mistral_sliding_window(tiny_model):
     """A Llama-style config that sets ``sliding_window``: every layer slides."""
     folder = tiny_model("mistral", sliding_window=WINDOW)
@@ -184,6 +189,7 @@ def test_sliding_hit_needs_only_the_window():
     assert [b.block_hash for b in hits[1]] == [(1, h) for h in hashes[:7]]
 
 
+@pytest.mark.slow
 def test_prefix_hits_give_the_cold_tokens(gemma3):
     """A two-turn chat (the second prompt carries the first answer) and a prompt that
     shares only part of the system prompt: each hit gives the cold run's tokens."""
@@ -204,6 +210,7 @@ def test_prefix_hits_give_the_cold_tokens(gemma3):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_hit_after_window_blocks_were_freed(gemma3):
     """A request's early sliding blocks went back to the pool while it ran; a second
     request with the same prefix still hits them (they stay cached until evicted),
