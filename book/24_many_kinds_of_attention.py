@@ -57,7 +57,7 @@ import transformers
 WINDOW, BLOCK = 8, 4
 KINDS = ["sliding_attention", "full_attention"] * 2
 
-
+# %%
 def build_gemma3(folder, window=WINDOW, kinds=KINDS):
     cfg = transformers.Gemma3TextConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
