@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +17,7 @@ from minivllm.config.checks import bad
 # Mixtures of experts: config/moe.py reads their extra fields, models/moe.py runs them.
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM") + MOE_ARCHITECTURES
+                           "Qwen3ForCausalLM", "Gemma3ForCausalLM") + MOE_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -49,6 +49,12 @@ class ModelConfig:
     # x in the quantized products: "auto" (float32) or "int8" (config/quantization.py).
     activation_dtype: str = "auto"
     moe: Optional["MoEConfig"] = None  # noqa: F821 (config/moe.py; None: a dense model)
+    # Each layer's attention kind ("full_attention" | "sliding_attention"), or None:
+    # all full. A sliding layer sees only the last ``sliding_window`` tokens.
+    layer_types: Optional[tuple[str, ...]] = None
+    sliding_window: Optional[int] = None
+    # The whole config.json, for what only one family reads (Gemma 3's scalars).
+    hf_config: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",
@@ -88,6 +94,7 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
             qk_norm=arch == "Qwen3ForCausalLM",
             dtype=resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), device),
+            **_attention_kinds(arch, raw), hf_config=raw,
         )
         if arch not in MOE_ARCHITECTURES:
             return config
@@ -100,6 +107,14 @@ class ModelConfig:
         """K and V of one token over all layers: what the KV cache pays per token."""
         size = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * size
+
+
+def _attention_kinds(arch: str, raw: dict) -> dict:
+    if not (raw.get("sliding_window") or raw.get("layer_types")):
+        return {}  # every layer full: the dense path
+    from minivllm.config.attention_kinds import attention_kinds
+
+    return attention_kinds(arch, raw)
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Optional[str] = None,

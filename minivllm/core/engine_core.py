@@ -35,9 +35,14 @@ class EngineCore:
         self.executor = executor
         self.num_blocks = executor.determine_num_blocks()
         executor.initialize_kv_cache(self.num_blocks)
-        self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            enable_kv_cache_events=config.kv_events is not None)
+        if config.model.layer_types is None:
+            self.kv_cache_manager = KVCacheManager(
+                self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                enable_kv_cache_events=config.kv_events is not None)
+        else:  # several kinds of attention: one pool, a manager per KV cache group
+            from minivllm.core.kv_cache_coordinator import make_hybrid_manager
+
+            self.kv_cache_manager = make_hybrid_manager(config, self.num_blocks)
         # Where the block pool's cache changes go (KV events, for routers);
         # injected (core_builder.py), None when no one listens.
         self.kv_event_publisher = kv_event_publisher

@@ -16,6 +16,10 @@ from minivllm.core.engine_core import EngineCore
 def build_engine_core(config: EngineConfig) -> EngineCore:
     from minivllm.worker.executor import make_executor
 
+    if config.model.layer_types is not None:  # several kinds of attention: what they refuse
+        from minivllm.core.kv_cache_coordinator import refuse_unsupported
+
+        refuse_unsupported(config)
     speculator = None
     if config.speculative is not None:
         from minivllm.spec_decode.proposer import Speculator

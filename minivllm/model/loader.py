@@ -106,6 +106,10 @@ def get_model_class(architecture: str):
     from minivllm.model.models.llama import LlamaForCausalLM
 
     registry = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+    if architecture == "Gemma3ForCausalLM":  # its own file, loaded only for it
+        from minivllm.model.models.gemma3 import Gemma3ForCausalLM
+
+        registry[architecture] = Gemma3ForCausalLM
     if architecture not in registry:
         raise ValueError(f"architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -91,7 +91,10 @@ class ReferencePath:
     @staticmethod
     def for_config(config: EngineConfig) -> "ReferencePath":
         device = torch.device(config.device)
-        return ReferencePath(get_attention_backend(config.attention_backend, device),
+        # Only the torch reference masks sliding windows: it is their default too.
+        default = "torch" if config.model.layer_types is not None else None
+        return ReferencePath(get_attention_backend(config.attention_backend, device,
+                                                   default=default),
                              config.model.dtype, Sampler(), acceleration_off(config))
 
 
@@ -105,6 +108,10 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
         return "cpu_kernels=False"
     if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
         return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
+    if config.model.layer_types is not None:  # the C++ attention has no window mask
+        from minivllm.worker.kv_cache_groups import cpu_kernels_problem
+
+        return cpu_kernels_problem(config)
     # batch_invariant: the kernels compute a step's sequences together (batch_invariant.py).
     if config.batch_invariant or torch.device(config.device).type != "cpu":
         problem = ("batch_invariant=True" if config.batch_invariant

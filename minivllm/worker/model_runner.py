@@ -112,6 +112,11 @@ class ModelRunner:
         self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector = None  # the worker half of kv_transfer_config's connector
+        self.kv_groups = None  # several kinds of attention: one table per KV cache group
+        if config.model.layer_types is not None:
+            from minivllm.worker.kv_cache_groups import KVCacheGroups
+
+            self.kv_groups = KVCacheGroups(config, self.dtype, self.attn_backend.name)
 
     # -- what some requests ask for, built when the first one does ----------------
     @cached_property
@@ -157,6 +162,8 @@ class ModelRunner:
     # -- KV cache ----------------------------------------------------------
     def kv_block_bytes(self) -> int:
         """Bytes one block takes on this rank, over all layers, K and V."""
+        if self.kv_groups is not None:
+            return self.kv_groups.block_bytes()
         layer = self.model.attention_layers()[0]
         elem = torch.tensor([], dtype=self.dtype).element_size()
         per_token = 2 * layer.num_kv_heads * layer.head_dim * elem
@@ -182,12 +189,16 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One K and one V tensor per layer: [num_blocks, block_size, kv_heads, head_dim]."""
         self.kv_caches = []
-        for layer in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros_like(k)
-            layer.k_cache, layer.v_cache = k, v
-            self.kv_caches.append((k, v))
+        if self.kv_groups is not None:  # tensors shared across the groups
+            self.kv_caches = self.kv_groups.bind(self.model.attention_layers(), num_blocks,
+                                                 self.dtype, self.device)
+        else:
+            for layer in self.model.attention_layers():
+                shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+                k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                v = torch.zeros_like(k)
+                layer.k_cache, layer.v_cache = k, v
+                self.kv_caches.append((k, v))
         if self.config.kv_transfer is not None:
             from minivllm.distributed.kv_transfer.worker_half import make_worker_connector
 
@@ -237,6 +248,9 @@ class ModelRunner:
                 # With k drafts: k + 1 rows, the last known token's and each draft's.
                 logits_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 samplers.append(req)
+        group_tables = None
+        if self.kv_groups is not None:  # a table per group: group 0's stand in below
+            group_tables, tables = tables, [t[0] for t in tables]
         num_seqs = len(seq_lens)
         query_lens = np.subtract(seq_lens, computed)
         starts = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -257,6 +271,8 @@ class ModelRunner:
             block_tables=torch.from_numpy(table).to(dev),
             max_query_len=int(query_lens.max()), max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts_list, seq_lens_cpu=seq_lens)
+        if group_tables is not None:
+            meta = self.kv_groups.metadata(meta, group_tables, seq, pos)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(pos).to(dev),

@@ -36,6 +36,8 @@ class AttentionMetadata:
     # Python copies of the small vectors, so CPU loops need no .tolist() per layer.
     query_start_loc_cpu: Optional[list[int]] = None
     seq_lens_cpu: Optional[list[int]] = None
+    # A sliding-window layer's: a query at position p sees keys p - window + 1 .. p.
+    sliding_window: Optional[int] = None
 
     @property
     def num_seqs(self) -> int:

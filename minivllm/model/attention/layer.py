@@ -25,10 +25,15 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
+        # Set when the model has several KV cache groups: the step then brings one
+        # metadata per group, and this layer reads its own group's.
+        self.kv_cache_group: Optional[int] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
+        if self.kv_cache_group is not None:
+            meta = meta[self.kv_cache_group]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

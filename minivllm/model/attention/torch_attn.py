@@ -31,8 +31,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-    """One sequence: q [n, H, D] its last n positions; k, v [L, Hkv, D] all L of them."""
+                       scale: float, window: Optional[int] = None) -> torch.Tensor:
+    """One sequence: q [n, H, D] its last n positions; k, v [L, Hkv, D] all L of them;
+    with a sliding ``window``, keys ``window`` or more positions back are masked too."""
     n, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads  # query heads per KV head
@@ -41,6 +42,8 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [H, n, L]
     positions = torch.arange(seq_len - n, seq_len, device=q.device)  # the queries'
     future = torch.arange(seq_len, device=q.device)[None, :] > positions[:, None]
+    if window is not None:
+        future |= torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None] - window
     scores = scores.masked_fill(future, float("-inf"))
     out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
     return out.to(q.dtype)
@@ -71,5 +74,5 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 keys = gather_kv(k_cache, meta.block_tables[i], seq_len)
                 values = gather_kv(v_cache, meta.block_tables[i], seq_len)
-            out[lo:hi] = sequence_attention(q[lo:hi], keys, values, scale)
+            out[lo:hi] = sequence_attention(q[lo:hi], keys, values, scale, meta.sliding_window)
         return out

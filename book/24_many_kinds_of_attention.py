@@ -1,0 +1,353 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 24. Many kinds of attention, one cache
+#
+# Every model so far kept, in every layer, the keys and values of every token: the KV
+# cache grew by the same bytes per token in each layer (chapter 4). Many models of
+# 2025 do not. Gemma 3 interleaves *sliding-window* layers, where a token sees only the
+# last `sliding_window` positions, with a few *global* layers that see everything (five
+# local to one global). A local layer never reads a key older than its window again, so
+# its blocks can go back to the pool while the request is still running.
+#
+# vLLM V1 serves such models from one block pool through its *hybrid KV cache
+# manager*: a **spec** per kind of layer, the layers grouped into **KV cache groups**,
+# one block table per group, one manager per group, and a coordinator over them.
+# minivllm does the same, in `minivllm/core/kv_cache_interface.py`,
+# `single_type_kv_cache_manager.py` and `kv_cache_coordinator.py`, loaded only for a
+# model that has such layers.
+#
+# **What you will see**
+#
+# - a tiny random Gemma 3 whose tokens equal Hugging Face's, window included;
+# - its layers grouped by spec, and how one pool serves every group;
+# - one request's block tables over its steps: the window's blocks freed behind it;
+# - how many more requests fit in the same memory;
+# - a prefix hit that needs only the window's blocks, and its tokens.
+
+# %%
+from minivllm.lab.viz.path import request_path_figure
+
+request_path_figure(["scheduler", "model_runner"])  # the KV cache manager, the runner's tables
+
+# %% [markdown]
+# ## A small Gemma 3
+#
+# No Gemma 3 ships with minivllm, so we build one with `transformers`: random weights,
+# hidden size 64, four layers alternating local (window 8) and global, two query heads
+# sharing one KV head. Random, but a real Gemma 3: scaled embeddings, four RMSNorms
+# per layer with `(1 + weight)`, q/k norms, a RoPE base per kind of layer.
+
+# %%
+import tempfile
+
+import torch
+import transformers
+
+WINDOW, BLOCK = 8, 4
+KINDS = ["sliding_attention", "full_attention"] * 2
+
+# %%
+def build_gemma3(folder, window=WINDOW, kinds=KINDS):
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=window,
+        layer_types=kinds, max_position_embeddings=512, query_pre_attn_scalar=24,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # big enough weights that the tokens vary
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.02 if "embed" in name else 0.15 if p.dim() > 1 else 0.3)
+    model.save_pretrained(folder)
+    return model
+
+
+folder = tempfile.mkdtemp()
+hf = build_gemma3(folder)
+
+# %% [markdown]
+# A prompt of 40 tokens is five windows long. minivllm's greedy tokens against
+# Hugging Face's `generate` on the same weights:
+
+# %%
+from minivllm import LLM, SamplingParams
+
+prompt = list(range(3, 43))
+greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+llm = LLM(folder, block_size=BLOCK, trace=True, cpu_kernels=False)
+ours = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0].token_ids
+with torch.inference_mode():
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+print(ours)
+assert ours == theirs
+
+# %% [markdown]
+# The reference attention (chapter 3's `sequence_attention`) masks the window with one
+# more comparison: a key at position `j` is hidden from the query at `p` when it is in
+# the future *or* `j <= p - window`.
+
+# %%
+from minivllm.lab.viz.source import show_source
+from minivllm.model.attention.torch_attn import sequence_attention
+
+show_source(sequence_attention, start="positions =", end="out =")
+
+# %% [markdown]
+# ## Specs and KV cache groups
+#
+# Each layer gets a spec: what it keeps per token and which tokens it still needs.
+# Both kinds keep the same page (one KV head of 32 floats, K and V, 4 tokens a
+# block), so one pool can serve both. The layers are grouped by spec, in groups as
+# large as the smallest kind: here two groups of two layers.
+
+# %%
+from minivllm.core.kv_cache_interface import kv_cache_groups, layer_specs
+
+config = llm.llm_engine.engine_core.config
+specs = layer_specs(config.model, BLOCK)
+groups = kv_cache_groups(specs)
+for g, group in enumerate(groups):
+    print(f"group {g}: layers {group.layer_indices}, {type(group.spec).__name__}, "
+          f"{group.spec.page_size_bytes} bytes a page")
+assert [g.layer_indices for g in groups] == [(0, 2), (1, 3)]
+
+# %% [markdown]
+# Group `g`'s block id `b` means row `b` of its `j`-th layer's tensor, and the `j`-th
+# layers of all groups share one tensor. Two tensors serve four layers: a block id
+# belongs to one group at a time, so two layers never write the same row. One pool
+# block therefore costs two layers' pages, whichever group holds it.
+
+# %%
+show_source(kv_cache_groups, start="by_spec:")
+
+# %% [markdown]
+# ## The window's blocks, freed as the request runs
+#
+# The step trace recorded the request's block tables at every step: one table per
+# group. A sliding group's table starts to show `-1` where a block left the window:
+# it went back to the pool (keeping its hash, so a later prefix can still hit it until
+# it is reused). The rule lives in `SlidingWindowManager.remove_skipped_blocks`, run
+# before each allocation:
+
+# %%
+from minivllm.core.single_type_kv_cache_manager import SlidingWindowManager
+
+show_source(SlidingWindowManager.remove_skipped_blocks)
+
+# %%
+from minivllm.lab.viz.hybrid import group_block_map_figure, held_blocks
+
+records = list(llm.trace)
+tables = [next(iter(r.block_tables.values())) for r in records]
+group_block_map_figure(tables, ["group 0: sliding (layers 0, 2)", "group 1: global (layers 1, 3)"],
+                       steps=[r.step for r in records],
+                       title="One Gemma 3 request: blocks held (blue) and freed (red)")
+
+# %% [markdown]
+# The first step is the whole prompt (ten blocks in each group: every query of the
+# prefill still needs its window). From the second step on, the sliding group holds
+# only the blocks its next token can read, two or three, while the global group grows.
+
+# %%
+window_blocks = groups[0].spec.window_blocks  # blocks before a boundary the window reaches
+for table in tables[1:]:
+    sliding, full = table
+    assert sum(b >= 0 for b in sliding) <= window_blocks + 1
+    assert all(b >= 0 for b in full)
+print("blocks held per step:", held_blocks(tables))
+assert llm.llm_engine.engine_core.kv_cache_manager.num_free_blocks == \
+    llm.llm_engine.engine_core.num_blocks  # all back once it finished
+
+# %% [markdown]
+# ## How many more requests fit
+#
+# The same weights with every layer global form one group of four layers: a pool block
+# costs four pages. We count the pages a request of 40 + 16 tokens holds at its
+# peak while decoding, in each model, and divide one memory budget by them.
+
+# %%
+def peak_pages(path, pages_per_block):
+    engine = LLM(path, block_size=BLOCK, trace=True, cpu_kernels=False)
+    engine.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)
+    n = engine.llm_engine.engine_core.num_blocks
+    return pages_per_block * max(n - r.num_free_blocks for r in list(engine.trace)[1:])
+
+
+full_folder = tempfile.mkdtemp()
+build_gemma3(full_folder, kinds=["full_attention"] * 4)
+pages_hybrid, pages_full = peak_pages(folder, 2), peak_pages(full_folder, 4)
+budget = 1000  # pages
+print(f"pages per request: {pages_hybrid} (windows) vs {pages_full} (all global); "
+      f"{budget} pages fit {budget // pages_hybrid} vs {budget // pages_full} requests")
+assert pages_hybrid == 2 * 14 + 2 * (window_blocks + 1) and pages_full == 4 * 14
+
+# %% [markdown]
+# Half the layers hold at most three blocks instead of fourteen. At Gemma 3 27B's shape
+# (62 layers, every sixth global, window 1,024) and 32k tokens of context, the same
+# count gives about five times as many requests (tests/test_hybrid_kv_cache.py prints it).
+#
+# ## A prefix hit needs only the window
+#
+# A global group's hit is the longest run of cached blocks from the start. A sliding
+# group's hit can end at block `L` when the `window_blocks` blocks before `L` are cached,
+# whatever came earlier: nothing after `L` will read further back. The coordinator asks
+# every group and keeps the longest length all of them accept.
+
+# %%
+show_source(SlidingWindowManager.find_longest_cache_hit, start="need =")
+
+# %% [markdown]
+# The request above ran to the end, so its early sliding blocks went back to the pool,
+# still cached. A follow-up that extends its prompt hits them, and its tokens are a
+# cold run's (prefix caching off):
+
+# %%
+follow_up = prompt + ours + [7, 8, 9]
+hit = llm.generate({"prompt_token_ids": follow_up}, greedy, use_tqdm=False)[0]
+cold_llm = LLM(folder, block_size=BLOCK, enable_prefix_caching=False, cpu_kernels=False)
+cold = cold_llm.generate({"prompt_token_ids": follow_up}, greedy, use_tqdm=False)[0]
+print(hit.num_cached_tokens, "tokens cached of", len(follow_up))
+assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
+assert hit.num_cached_tokens == (len(prompt) + 15) // BLOCK * BLOCK  # vLLM's rule
+
+# %% [markdown]
+# `num_cached_tokens` follows vLLM's rule: whole blocks that every group has, and
+# never the prompt's last token. The last answer token's K/V was never computed (it
+# was sampled, not fed back), so the hit stops at the block before it.
+#
+# **In vLLM.** (v0.11.0.) The specs are `FullAttentionSpec` and `SlidingWindowSpec` in
+# `vllm/v1/kv_cache_interface.py`; `get_kv_cache_config` in
+# `vllm/v1/core/kv_cache_utils.py` groups the layers; `HybridKVCacheCoordinator` in
+# `vllm/v1/core/kv_cache_coordinator.py` runs one manager per group
+# (`FullAttentionManager`, `SlidingWindowManager` in `single_type_kv_cache_manager.py`,
+# with `remove_skipped_blocks` and `find_longest_cache_hit`), and the block pool keys
+# cached blocks by block hash and group id. Where minivllm differs: vLLM reserves one
+# pool block as the `null_block` that stands in freed table entries; minivllm writes
+# `-1`, which its attention never reads (it starts at the window). Only the torch
+# reference masks windows here, so the CPU kernels and Triton step aside for such models.
+
+# %% [markdown]
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 24.1 — the window's freeing rule
+# Write `num_skipped_blocks(num_computed_tokens, sliding_window, block_size)`: how many
+# leading blocks of a request no token from position `num_computed_tokens` on will read
+# in a sliding layer (a token at `p` reads `p - sliding_window + 1 .. p`). Example:
+# window 8, blocks of 4, 20 tokens computed: the next token (position 20) reads from 13
+# on, so blocks 0, 1 and 2 (positions 0-11) can go: 3.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+def num_skipped_blocks(num_computed_tokens: int, sliding_window: int, block_size: int) -> int:
+    first_needed = num_computed_tokens - sliding_window + 1  # the next token's oldest key
+    return max(first_needed, 0) // block_size  # blocks wholly before it
+### END SOLUTION
+
+# %% tags=["check"]
+from minivllm.core.block_pool import BlockPool
+from minivllm.core.kv_cache_interface import SlidingWindowSpec
+from minivllm.core.single_type_kv_cache_manager import NULL_BLOCK
+
+
+def engine_skips(n, window, bs):
+    manager = SlidingWindowManager(SlidingWindowSpec(bs, 1, 8, torch.float32, window),
+                                   BlockPool(128), 0)
+    manager.allocate_new_blocks("r", n + 1)
+    manager.remove_skipped_blocks("r", n)
+    return sum(b is NULL_BLOCK for b in manager.req_to_blocks["r"])
+
+
+assert num_skipped_blocks(20, 8, 4) == 3, "the worked example: 3 blocks"
+assert num_skipped_blocks(3, 8, 4) == 0, "early on, nothing is outside the window"
+assert num_skipped_blocks(16, 8, 4) == engine_skips(16, 8, 4), \
+    "at a block boundary: count only blocks no key of the window is in"
+### BEGIN HIDDEN TESTS
+for _window in (1, 2, 5, 8, 16):
+    for _bs in (1, 4, 16):
+        for _n in range(0, 70, 3):
+            assert num_skipped_blocks(_n, _window, _bs) == engine_skips(_n, _window, _bs)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 24.2 — a wider window
+# **Predict first:** rebuild the model with `sliding_window=16` (the same weights) and
+# run the same request. How many blocks does the sliding group hold at the request's
+# last step (the trace's last record)? Put your prediction in `prediction_2` before
+# running the check.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# The last step feeds the 15th answer token (position 54: 55 tokens, 14 blocks) to
+# sample the 16th; it reads positions 39..54, blocks 9-13.
+prediction_2 = -(-(len(prompt) + 15) // BLOCK) - num_skipped_blocks(len(prompt) + 14, 16, BLOCK)
+### END SOLUTION
+
+# %% tags=["check"]
+wide = tempfile.mkdtemp()
+build_gemma3(wide, window=16)
+wide_llm = LLM(wide, block_size=BLOCK, trace=True, cpu_kernels=False)
+wide_llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)
+last_sliding = next(iter(list(wide_llm.trace)[-1].block_tables.values()))[0]
+assert isinstance(prediction_2, int), "a number of blocks"
+### BEGIN HIDDEN TESTS
+assert prediction_2 == sum(b >= 0 for b in last_sliding)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 24.3 — an intersected hit
+# In a fresh pool, the global group has blocks 0-9 of a prompt cached, the sliding
+# group (window 8, blocks of 4) only blocks 3, 4, 6 and 7. How many *tokens* does a
+# request whose prompt covers those ten blocks and more hit? Set `answer_3`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# The sliding group needs the 2 blocks before the end: ends 10 (8, 9) and 9 (7, 8) fail,
+# end 8 (6, 7) holds; the global group has all of 0-7. 8 blocks of 4 tokens.
+answer_3 = 8 * BLOCK
+### END SOLUTION
+
+# %% tags=["check"]
+from minivllm.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+_pool = BlockPool(32)
+_coord = HybridKVCacheCoordinator(groups, _pool)
+_hashes = list(range(100, 112))
+for _g, _present in ((0, [3, 4, 6, 7]), (1, range(10))):
+    _blocks = _pool.get_new_blocks(len(_present))
+    _pool.cache_full_blocks(_blocks, [(_g, _hashes[i]) for i in _present])
+    _pool.free_blocks(_blocks)
+assert answer_3 % BLOCK == 0, "a hit is whole blocks, counted in tokens"
+### BEGIN HIDDEN TESTS
+assert answer_3 == _coord.find_longest_cache_hit(_hashes, 11)[1] * BLOCK
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Summary
+#
+# - A spec per kind of layer (full attention, sliding window) says what a layer keeps;
+#   layers are grouped by spec, and the `j`-th layers of all groups share a tensor, so
+#   one pool of block ids serves every group as long as the pages are one size.
+# - Each group has its own block table and manager. A sliding group frees the blocks
+#   wholly before its next token's window before every allocation; they stay cached
+#   until reused.
+# - A prefix hit must hold in every group: the global groups need the whole prefix,
+#   a sliding group only the window before the hit's end. `cached_tokens` counts the
+#   longest length every group accepts.
+# - Gemma 3's local layers keep a few blocks where global ones keep them all: in the
+#   same memory, many more long requests run at once.
+#
+# **Try next:** six layers with five local to one global (`KINDS`), and watch the
+# groups and the pages per request; a window smaller than a block.
