@@ -19,8 +19,8 @@ from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
 
-if TYPE_CHECKING:  # the step trace and KV events load only when switched on
-    from minivllm.core.trace import StepRecord, StepTrace
+if TYPE_CHECKING:  # the step trace loads only when switched on
+    from minivllm.core.trace import StepTrace
 
 
 class EngineCore:
@@ -38,12 +38,10 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             enable_kv_cache_events=config.kv_events is not None)
-        # Where the block pool's cache changes go (KV events, for routers);
-        # injected (core_builder.py), None when no one listens.
+        # Where the block pool's cache changes go (KV events, for routers), or None.
         self.kv_event_publisher = kv_event_publisher
         self.kv_connector = self._make_kv_connector(config)
-        # Chosen once, here: what the scheduler asks a KV connector, or None (it
-        # then never asks, and none of that code is loaded).
+        # Chosen once: what the scheduler asks a KV connector, or None (it never asks).
         connector_scheduling = None
         if self.kv_connector is not None:
             from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
@@ -72,13 +70,9 @@ class EngineCore:
         """The scheduler half of ``kv_transfer_config``'s connector, or None."""
         if config.kv_transfer is None:
             return None
-        from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
-        from minivllm.distributed.kv_transfer.base import KVCacheSpec
+        from minivllm.core.kv_connector_scheduling import make_scheduler_connector
 
-        # After the executor is built: the runner may have chosen the compute dtype.
-        m, bs = config.model, config.cache.block_size
-        spec = KVCacheSpec(bs, m.num_hidden_layers, m.kv_bytes_per_token * bs)
-        return create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, spec)
+        return make_scheduler_connector(config)
 
     # -- requests ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -128,7 +122,9 @@ class EngineCore:
         self.publish_kv_events()
         if self.trace is not None and not so.is_empty:
             timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
-            self.trace.append(self._record(so, start, now - start, timings, outputs))
+            from minivllm.core.trace import record_step
+
+            self.trace.append(record_step(self, so, start, now - start, timings, outputs))
         return outputs
 
     def publish_kv_events(self) -> None:
@@ -145,35 +141,6 @@ class EngineCore:
         done = self.scheduler.reset_prefix_cache()
         self.publish_kv_events()
         return done
-
-    def _record(self, so, start, duration, timings, outputs) -> StepRecord:
-        from minivllm.core.trace import StepRecord
-
-        scheduled = {}
-        for req in so.scheduled_requests:
-            rid = req.request_id
-            n = so.num_scheduled_tokens[rid]
-            # A decode that verifies k drafts computes 1 + k tokens.
-            k = len(so.scheduled_spec_decode_tokens.get(rid, ()))
-            is_prefill = so.num_computed_tokens[rid] + n <= req.num_prompt_tokens or n - k > 1
-            scheduled[rid] = (n, "prefill" if is_prefill else "decode")
-        kv = self.kv_cache_manager
-        return StepRecord(
-            step=so.step, start=start, duration=duration, scheduled=scheduled,
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_batched_tokens=so.total_num_scheduled_tokens,
-            blocks_allocated=so.num_blocks_allocated, blocks_freed=so.num_blocks_freed,
-            blocks_evicted=so.num_blocks_evicted,
-            prefix_cache_hit_tokens=so.num_prefix_cache_hit_tokens,
-            preempted=list(so.preempted_req_ids),
-            finished=[o.request_id for o in outputs if o.finished],
-            kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
-            block_tables={rid: list(b) for rid, b in so.block_ids.items()},
-            timings=timings,
-            spec_decode={o.request_id: (o.num_draft_tokens, o.num_accepted_tokens)
-                         for o in outputs if o.num_draft_tokens},
-            loras={r.request_id: r.lora_request.lora_name for r in so.scheduled_requests
-                   if r.lora_request is not None})
 
     def shutdown(self) -> None:
         if self.kv_event_publisher is not None:

@@ -8,17 +8,20 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # optional features: loaded when used
+    from minivllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
+    from minivllm.lora.request import LoRARequest
 
 Prompt = Union[str, Sequence[int], dict]
 ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
-LoRAArg = Union[None, LoRARequest, Sequence[Optional[LoRARequest]]]
+LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]
 
 
 class LLM:
@@ -81,12 +84,12 @@ class LLM:
                              lora_request=lora_request)
 
     def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]],
-                    params: BeamSearchParams) -> list["BeamSearchOutput"]:
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's beam search: one ``BeamSearchOutput`` per prompt, its ``sequences``
         the beams best first (``tokens`` with the prompt's, ``text``, ``cum_logprob``).
         Beams share their common prefix's KV blocks through the prefix cache
         (minivllm/entrypoints/beam_search.py)."""
-        from minivllm.entrypoints.beam_search import run_beam_search
+        from minivllm.entrypoints.beam_search import BeamSearchParams, run_beam_search
 
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r} is invalid: give a BeamSearchParams")
@@ -170,7 +173,11 @@ def _as_params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
 
 
 def _as_lora_list(lora: LoRAArg, n: int) -> list[Optional[LoRARequest]]:
-    if lora is None or isinstance(lora, LoRARequest):
+    if lora is None:
+        return [None] * n
+    from minivllm.lora.request import LoRARequest
+
+    if isinstance(lora, LoRARequest):
         return [lora] * n
     lora = list(lora)
     if len(lora) != n:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, quantize_q8_0
+from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES
 from minivllm.model.layers.quantization.tensor import QuantizedTensor, QuantizedWeight
 
 QUANTIZATION_METHODS = ("gguf", "q8_0")
@@ -57,6 +57,8 @@ class QuantizedLinearMethod:
         if loaded.shape[1] % 32:
             raise ValueError(f"tensor {name!r} has {loaded.shape[1]} columns: "
                              f"quantization='q8_0' needs a multiple of 32 (its block)")
+        from minivllm.model.layers.quantization.q8_0 import quantize_q8_0
+
         return QuantizedTensor(quantize_q8_0(loaded), "Q8_0", loaded.shape[1])
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
