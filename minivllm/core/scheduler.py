@@ -38,11 +38,11 @@ from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
 from minivllm.core.stop_conditions import check_stop
 
-if TYPE_CHECKING:  # (built by the engine core, only with a KV connector)
+if TYPE_CHECKING:  # each loaded when its feature is used (stats: when asked for)
     from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
+    from minivllm.core.scheduler_stats import SchedulerStats
     from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
@@ -161,6 +161,8 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0
 
     def make_stats(self) -> SchedulerStats:
+        from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
+
         pc = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
@@ -475,4 +477,4 @@ class Scheduler:
             num_draft_tokens=k, num_accepted_tokens=num_accepted)
 
 
-__all__ = ["Scheduler", "SchedulerStats", "SchedulerOutput", "SampledTokens"]
+__all__ = ["Scheduler", "SchedulerOutput", "SampledTokens"]

@@ -108,7 +108,7 @@ class LLM:
                         if out.finished:
                             return
         finally:  # the caller stopped early: free the request's blocks
-            if rid in self.llm_engine.output_processor.requests:
+            if self.llm_engine.output_processor.child_ids(rid):
                 self.llm_engine.abort_request(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
