@@ -1,16 +1,12 @@
 """Quantized weights: GGUF files computed on as they ship, and Q8_0 at load.
 
 vLLM's names: ``quantization="gguf"`` keeps a GGUF file's quantized tensors;
-``quantization="q8_0"`` quantizes a float checkpoint's linear layers at load
-(as vLLM's ``fp8`` does). A layer built with a ``QuantizationConfig`` holds a
-``QuantizedWeight`` (``tensor.py``) instead of a float ``weight``, and its
-``quant_method`` (below) turns the blocks into a product: the reference
-dequantizes the whole matrix to float32 (``ggml_types.py``) and multiplies —
-slow, plain and the numbers of the float path. The CPU kernels
-(``minivllm/cpu/quantized.py``) do the same product on the packed blocks.
-With ``activation_dtype="int8"`` x is quantized too and the Q4_0 / Q4_1 /
-Q8_0 blocks take integer dot products, llama.cpp's numbers
-(``int8_activations.py``; the kernels give the same bits).
+``"q8_0"`` quantizes a float checkpoint's linear layers at load (as vLLM's ``fp8``).
+Such a layer holds a ``QuantizedWeight`` (``tensor.py``) instead of ``weight``; the
+reference dequantizes it to float32 (``ggml_types.py``) and multiplies: plain, and
+the float path's numbers. The CPU kernels (``minivllm/cpu/quantized.py``) compute
+on the packed blocks; ``activation_dtype="int8"`` gives llama.cpp's integer dot
+products (``int8_activations.py``).
 """
 
 from __future__ import annotations
