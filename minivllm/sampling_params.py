@@ -1,11 +1,9 @@
-"""How one request should be sampled and when it should stop.
+"""How one request should be sampled and when it should stop (vLLM's names and defaults).
 
-Field names and defaults follow vLLM's ``SamplingParams`` so that code moves
-between the two projects unchanged. Every field is validated on its own on
-construction: a bad value raises ``InvalidRequestError`` (a ``ValueError``)
-naming the field, the value and what is allowed. Nothing is silently clipped.
-What needs the model (token ids in its vocabulary, a grammar that compiles,
-bad words as token ids) is checked by the input processor (minivllm/inputs).
+Every field is checked on construction: a bad value raises ``InvalidRequestError``
+naming the field, the value and what is allowed; nothing is silently clipped. What
+needs the model (token ids in its vocabulary, a grammar that compiles, bad words as
+token ids) the input processor checks (minivllm/inputs).
 """
 
 from __future__ import annotations
@@ -34,23 +32,17 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class StructuredOutputsParams:
-    """Constrain the output to a language (vLLM's names); give exactly one.
-
-    ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON
-    object; ``regex``: a regular expression; ``choice``: one of these strings;
-    ``grammar``: an EBNF grammar (GBNF style, start rule ``root``). The input
-    processor checks that it compiles; the engine compiles it with xgrammar
-    and masks, at every step, the tokens that cannot continue a valid output
-    (``minivllm.structured_output``).
-    """
+    """Constrain the output to a language (vLLM's names); give exactly one: a JSON
+    schema (dict or text), any JSON object, a regex, one of some strings, or an EBNF
+    grammar (start rule ``root``). The engine masks, at every step, the tokens that
+    cannot continue a valid output (``minivllm.structured_output``, xgrammar)."""
 
     json: Union[None, str, dict] = None
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
-    # JSON only: no free whitespace between tokens (vLLM's field); a model
-    # that likes newlines then cannot pad its answer indefinitely.
+    # JSON only: no free whitespace (a model that likes newlines cannot pad forever).
     disable_any_whitespace: bool = False
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -84,31 +76,25 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     logprobs: Optional[int] = None
-    # Top-n logprobs at every prompt position (the prompt token itself always
-    # included); the first position has none. Such a request computes its whole
-    # prompt: it takes no prefix-cache hits.
+    # Top-n logprobs at every prompt position but the first (with the prompt token);
+    # such a request computes its whole prompt (no prefix-cache hits).
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
-    # vLLM's field, accepted for compatibility: it only ever changed the output
-    # of slow (Python) tokenizers, and minivllm detokenizes with fast ones.
+    # Accepted for vLLM compatibility: it only affects slow tokenizers (none here).
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
-    # Token-level knobs (minivllm/sample/logits_processors.py), applied to the
-    # logits before sampling: OpenAI's logit_bias ({token id: bias in [-100, 100]},
-    # added), vLLM's allowed_token_ids (every other token masked) and bad_words
-    # (a word's last token masked where the output already ends in its other tokens).
+    # Token-level knobs on the logits (sample/logits_processors.py): OpenAI's logit_bias
+    # ({token id: bias}), vLLM's allowed_token_ids (all others masked) and bad_words.
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
-    # Set by the input processor: each bad word as the token-id sequences it
-    # can appear as (the worker bans their last tokens, it never tokenizes).
+    # Set by the input processor: each bad word as the token sequences it can be.
     bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False,
                                                            repr=False)
-    # vLLM's free-form per-request arguments; "kv_transfer_params" (disaggregated
-    # prefill, minivllm/distributed/kv_transfer) travels here.
+    # vLLM's free-form arguments ("kv_transfer_params" of disaggregated prefill).
     extra_args: Optional[dict] = None
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)

@@ -2,9 +2,8 @@
 
     step() = schedule  ->  execute the model  ->  update requests
 
-It knows token IDs only. Text, stop strings and streaming live on the API
-side (``LLMEngine`` / the server), which talks to the core either directly
-(in-process) or by messages (``EngineCoreProc`` in its own process).
+It knows token IDs only; text, stop strings and streaming live on the API side,
+which talks to it directly (in-process) or by messages (``EngineCoreProc``).
 """
 
 from __future__ import annotations
@@ -28,11 +27,8 @@ class EngineCore:
                  clock: Optional[Clock] = None, speculator=None,
                  kv_event_publisher=None) -> None:
         self.config = config
-        # Timestamps (request times, step starts) come from here; the
-        # simulator passes a virtual clock that its executor advances.
-        self.clock = clock or MONOTONIC
-        # Both injected (minivllm/engine/core_builder.py): the core imports neither.
-        self.executor = executor
+        self.clock = clock or MONOTONIC  # timestamps (the simulator's is virtual)
+        self.executor = executor  # injected (engine/core_builder.py), as the speculator
         self.num_blocks = executor.determine_num_blocks()
         executor.initialize_kv_cache(self.num_blocks)
         self.kv_cache_manager = KVCacheManager(
@@ -61,8 +57,7 @@ class EngineCore:
 
             self.trace = StepTrace()
         self.step_count = 0
-        # Set when a step failed inside the model: the KV cache and the
-        # scheduler may be half-updated, so no further step is trustworthy.
+        # Set when a step failed inside the model: no further step is trustworthy.
         self.dead_error: Optional[BaseException] = None
 
     @staticmethod

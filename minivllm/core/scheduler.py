@@ -13,18 +13,12 @@ scheduler hands out a budget of ``max_num_batched_tokens`` tokens:
    start of the prompt; the rest is cut to the remaining budget (chunked
    prefill), so a long prompt shares steps with other requests' decodes.
 
-``schedule`` only decides; ``update_from_output`` applies the step's result:
-it advances ``num_computed_tokens``, appends sampled tokens and checks the
-token-level stop conditions. Stop *strings* need text, so the output
-processor checks them and calls ``finish_requests``.
-
-Speculative decoding (minivllm/spec_decode/) adds one thing: a decoding
-request that carries draft tokens (``Request.spec_token_ids``) asks for
-1 + k slots, and ``update_from_output`` applies the verified run of tokens
-(``_apply_verified``) instead of one.
-
-A KV connector adds ``waiting_for_remote`` (KV arriving) and ``sending`` (finished,
-blocks being sent): ``self.connector`` answers questions, only this class moves requests.
+``schedule`` only decides; ``update_from_output`` applies the step's result
+(``num_computed_tokens``, sampled tokens, the token-level stop conditions).
+With speculative decoding a request with draft tokens asks for 1 + k slots and
+gets a verified run of tokens (``_apply_verified``). A KV connector adds
+``waiting_for_remote`` (KV arriving) and ``sending`` (blocks being sent):
+``self.connector`` answers questions, only this class moves requests.
 """
 
 from __future__ import annotations

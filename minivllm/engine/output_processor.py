@@ -48,10 +48,11 @@ class RequestState:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
-    sent_tokens: int = 0  # for DELTA outputs: what the caller has already seen
+    # DELTA outputs: what the caller has already seen (prompt logprobs: once).
+    sent_tokens: int = 0
     sent_chars: int = 0
     sent_logprobs: int = 0
-    sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
+    sent_prompt_logprobs: bool = False
     num_preemptions: int = 0  # as last reported by the core
     num_cached_tokens: int = 0
     kv_transfer_params: Optional[dict] = None

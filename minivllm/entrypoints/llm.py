@@ -50,12 +50,9 @@ class LLM:
                  lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of the prompts.
 
-        ``lora_request``: one ``LoRARequest`` for all prompts, or one (or None,
-        the base model) per prompt; needs ``LLM(enable_lora=True)``.
-
         ``priority``: one integer per prompt, lower first (needs
-        ``LLM(..., scheduling_policy="priority")``, as in vLLM).
-        """
+        ``scheduling_policy="priority"``); ``lora_request``: one ``LoRARequest``, or
+        one (or None) per prompt (needs ``enable_lora=True``)."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
         priority = [0] * len(items) if priority is None else list(priority)
@@ -85,10 +82,8 @@ class LLM:
 
     def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """vLLM's beam search: one ``BeamSearchOutput`` per prompt, its ``sequences``
-        the beams best first (``tokens`` with the prompt's, ``text``, ``cum_logprob``).
-        Beams share their common prefix's KV blocks through the prefix cache
-        (minivllm/entrypoints/beam_search.py)."""
+        """vLLM's beam search (entrypoints/beam_search.py): one ``BeamSearchOutput`` per
+        prompt, its ``sequences`` the beams best first."""
         from minivllm.entrypoints.beam_search import BeamSearchParams, run_beam_search
 
         if not isinstance(params, BeamSearchParams):
