@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Issue #50 asks for at most 5,000 lines; the path is still ~6,450 (the core
-# modules themselves), so this is a ratchet: lower it as the path shrinks.
-MAX_LINES = 6500
+# Issue #50 asks for at most 5,000 lines; the path is still ~5,970 (the scheduler,
+# KV cache manager, block pool and model runner alone are ~1,430), so this is a
+# ratchet: lower it as the path shrinks.
+MAX_LINES = 6075
 
 # The modules the request passes through, in order (the README lists them).
 READING_PATH = [
@@ -29,7 +30,6 @@ READING_PATH = [
     "minivllm/inputs/processor.py",
     "minivllm/inputs/tokenizer.py",
     "minivllm/sampling_params.py",
-    "minivllm/lora/request.py",
     "minivllm/engine/core_builder.py",
     "minivllm/core/engine_core.py",
     "minivllm/core/request.py",
@@ -60,7 +60,6 @@ READING_PATH = [
     "minivllm/model/attention/torch_attn.py",
     "minivllm/sample/sampler.py",
     "minivllm/core/outputs.py",
-    "minivllm/core/scheduler_stats.py",
     "minivllm/engine/output_processor.py",
     "minivllm/engine/detokenizer.py",
     "minivllm/outputs.py",
@@ -82,13 +81,15 @@ READING_PATH = [
 OPTIONAL = [
     "minivllm.distributed.kv_events", "minivllm.distributed.kv_transfer.",
     "minivllm.config.kv_events", "minivllm.config.kv_transfer", "minivllm.config.lora",
-    "minivllm.config.speculative", "minivllm.config.cli",
-    "minivllm.lora.peft_loader", "minivllm.lora.model_manager", "minivllm.lora.layers",
-    "minivllm.lora.punica", "minivllm.spec_decode.", "minivllm.structured_output.",
+    "minivllm.config.speculative", "minivllm.config.cli", "minivllm.config.dict_args",
+    "minivllm.lora", "minivllm.lora.", "minivllm.spec_decode.", "minivllm.structured_output.",
     "minivllm.sample.rejection_sampler", "minivllm.sample.logits_processors",
     "minivllm.cpu.", "minivllm.entrypoints.beam_search", "minivllm.entrypoints.openai.",
     "minivllm.lab.", "minivllm.core.trace", "minivllm.core.kv_connector_scheduling",
     "minivllm.core.spec_decode_stats", "minivllm.core.priority_queue",
+    "minivllm.core.scheduler_stats", "minivllm.engine.parallel_sampling",
+    "minivllm.engine.cleanup_stream", "minivllm.model.attention.triton_check",
+    "minivllm.model.layers.quantization.k_quants", "minivllm.model.layers.quantization.q8_0",
     "minivllm.worker.prompt_logprobs", "minivllm.worker.tp_executor",
     "minivllm.engine.stop_checker", "minivllm.engine.logprobs", "minivllm.model.gguf_convert",
     "minivllm.model.layers.quantization.int8_activations", "minivllm.model.layers.tp_plan",
