@@ -457,7 +457,7 @@ check_stream(paris.token_ids, [" is Lyon"], what="the Paris answer")
 
 # %%
 show_source("minivllm.engine.output_processor.OutputProcessor._apply",
-            start="if child.detokenizer is not None", end="child.text += text")
+            start="if state.detokenizer is not None", end="state.text += text")
 
 # %%
 yours = Detokenizer(tok)

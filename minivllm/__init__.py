@@ -1,19 +1,27 @@
 """minivllm: a compact, tested re-implementation of a vLLM V1-style inference engine."""
 
 from minivllm.config import EngineArgs
-from minivllm.lora.request import LoRARequest
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # LLM pulls in torch and the model code; import it only when asked for.
+    # LLM pulls in torch and the model code, the others optional features: each is
+    # imported when first asked for.
     if name == "LLM":
         from minivllm.entrypoints.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from minivllm.lora.request import LoRARequest
+
+        return LoRARequest
+    if name == "BeamSearchParams":
+        from minivllm.entrypoints.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
 
 

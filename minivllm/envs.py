@@ -1,11 +1,9 @@
 """Every ``MINIVLLM_*`` environment variable: name, type, default and meaning, here only.
 
-Nothing else in minivllm reads these variables from ``os.environ``; code
-writes ``envs.MINIVLLM_CPU_KERNELS`` and gets the parsed value, read at that
-moment (so a test's ``monkeypatch.setenv`` takes effect). A bad value is an
-error naming the variable, the value and what is allowed.
-``python -m minivllm.envs`` prints the README's Environment section, and
-``tests/test_envs.py`` checks that the README says the same.
+Code writes ``envs.MINIVLLM_CPU_KERNELS`` and gets the parsed value, read at that
+moment (so ``monkeypatch.setenv`` takes effect); a bad value is an error naming the
+variable, the value and what is allowed. ``python -m minivllm.envs`` prints the
+README's Environment section (``tests/test_envs.py`` checks they agree).
 """
 
 from __future__ import annotations
@@ -64,22 +62,17 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "where converted GGUF weights are cached (default `~/.cache/minivllm`)."),
     EnvVar("MINIVLLM_ATTENTION_BACKEND", _text, None,  # checked by the selector
            "`cpu`, `torch` or `triton`, overrides the default backend (`triton` on CUDA; "
-           "on CPU `cpu`, the batched backend of `minivllm/cpu/` whose cache writes and "
-           "decode rows go through C++ kernels; `torch`, the one-sequence-at-a-time "
-           "reference, where the CPU acceleration is off or cannot be built)."),
+           "on CPU `cpu`, the C++ one of `minivllm/cpu/`, else the `torch` reference)."),
     EnvVar("MINIVLLM_CPU_KERNELS", _switch, True,
-           "`0` is the environment form of `cpu_kernels=False` (`--no-cpu-kernels`): the "
-           "engine runs the pure reference path and imports nothing of `minivllm/cpu/`. "
-           "The kernels are compiled by `make setup` (`python -m minivllm.cpu._custom_ops`, "
-           "needs a C++ compiler with OpenMP and `ninja`) into `~/.cache/torch_extensions`; "
-           "without a compiler minivllm runs the reference path and says why, once."),
+           "`0` is `cpu_kernels=False` (`--no-cpu-kernels`): the pure reference path, nothing "
+           "of `minivllm/cpu/` imported. `make setup` compiles the kernels (a C++ compiler "
+           "with OpenMP and `ninja`); without them minivllm runs the reference path and "
+           "says why, once."),
     EnvVar("MINIVLLM_CPU_ISA", _choice("native", "avx2"), "native",
-           "`avx2`: build and use the kernels as on a CPU without AVX-512 "
-           "(`-march=x86-64-v3`), and treat AVX-512, AMX and AVX-NE-CONVERT as absent; for "
-           "testing the AVX2 code on an AVX-512 machine. To measure it, cap the libraries "
-           "too: `env $(python -m minivllm.cpu.features --env avx2) CMD` also caps PyTorch, "
-           "oneDNN and MKL at AVX2 (`make bench-peers ISA=avx2` does this). The default, "
-           "`native`, builds for what the CPU has (checked once, `minivllm/cpu/features.py`)."),
+           "`avx2`: build and use the kernels as on a CPU without AVX-512 (`-march=x86-64-v3`; "
+           "AVX-512, AMX and AVX-NE-CONVERT treated as absent), to test the AVX2 code; "
+           "`env $(python -m minivllm.cpu.features --env avx2) CMD` caps PyTorch, oneDNN and "
+           "MKL too. The default, `native`, builds for what the CPU has."),
     EnvVar("MINIVLLM_CPU_PREPACK", _switch, True,
            "`0`: no packed GEMM weights (and so no decode-step replay); a finer switch of "
            "the CPU acceleration, for A/B runs."),

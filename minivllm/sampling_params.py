@@ -1,17 +1,14 @@
-"""How one request should be sampled and when it should stop.
+"""How one request should be sampled and when it should stop (vLLM's names and defaults).
 
-Field names and defaults follow vLLM's ``SamplingParams`` so that code moves
-between the two projects unchanged. Every field is validated on its own on
-construction: a bad value raises ``InvalidRequestError`` (a ``ValueError``)
-naming the field, the value and what is allowed. Nothing is silently clipped.
-What needs the model (token ids in its vocabulary, a grammar that compiles,
-bad words as token ids) is checked by the input processor (minivllm/inputs).
+Every field is checked on construction: a bad value raises ``InvalidRequestError``
+naming the field, the value and what is allowed; nothing is silently clipped. What
+needs the model (token ids in its vocabulary, a grammar that compiles, bad words as
+token ids) the input processor checks (minivllm/inputs).
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
@@ -35,23 +32,17 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class StructuredOutputsParams:
-    """Constrain the output to a language (vLLM's names); give exactly one.
-
-    ``json``: a JSON schema (dict or JSON text); ``json_object``: any JSON
-    object; ``regex``: a regular expression; ``choice``: one of these strings;
-    ``grammar``: an EBNF grammar (GBNF style, start rule ``root``). The input
-    processor checks that it compiles; the engine compiles it with xgrammar
-    and masks, at every step, the tokens that cannot continue a valid output
-    (``minivllm.structured_output``).
-    """
+    """Constrain the output to a language (vLLM's names); give exactly one: a JSON
+    schema (dict or text), any JSON object, a regex, one of some strings, or an EBNF
+    grammar (start rule ``root``). The engine masks, at every step, the tokens that
+    cannot continue a valid output (``minivllm.structured_output``, xgrammar)."""
 
     json: Union[None, str, dict] = None
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
-    # JSON only: no free whitespace between tokens (vLLM's field); a model
-    # that likes newlines then cannot pad its answer indefinitely.
+    # JSON only: no free whitespace (a model that likes newlines cannot pad forever).
     disable_any_whitespace: bool = False
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -85,31 +76,25 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     logprobs: Optional[int] = None
-    # Top-n logprobs at every prompt position (the prompt token itself always
-    # included); the first position has none. Such a request computes its whole
-    # prompt: it takes no prefix-cache hits.
+    # Top-n logprobs at every prompt position but the first (with the prompt token);
+    # such a request computes its whole prompt (no prefix-cache hits).
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
-    # vLLM's field, accepted for compatibility: it only ever changed the output
-    # of slow (Python) tokenizers, and minivllm detokenizes with fast ones.
+    # Accepted for vLLM compatibility: it only affects slow tokenizers (none here).
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
-    # Token-level knobs (minivllm/sample/logits_processors.py), applied to the
-    # logits before sampling: OpenAI's logit_bias ({token id: bias in [-100, 100]},
-    # added), vLLM's allowed_token_ids (every other token masked) and bad_words
-    # (a word's last token masked where the output already ends in its other tokens).
+    # Token-level knobs on the logits (sample/logits_processors.py): OpenAI's logit_bias
+    # ({token id: bias}), vLLM's allowed_token_ids (all others masked) and bad_words.
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
-    # Set by the input processor: each bad word as the token-id sequences it
-    # can appear as (the worker bans their last tokens, it never tokenizes).
+    # Set by the input processor: each bad word as the token sequences it can be.
     bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False,
                                                            repr=False)
-    # vLLM's free-form per-request arguments; "kv_transfer_params" (disaggregated
-    # prefill, minivllm/distributed/kv_transfer) travels here.
+    # vLLM's free-form arguments ("kv_transfer_params" of disaggregated prefill).
     extra_args: Optional[dict] = None
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -195,42 +180,4 @@ class SamplingParams:
         return new
 
 
-@dataclass
-class BeamSearchParams:
-    """``LLM.beam_search``'s parameters (vLLM's names; minivllm/entrypoints/beam_search.py).
-
-    ``beam_width`` beams are kept each step, for ``max_tokens`` steps; a beam
-    that ends in EOS is finished (unless ``ignore_eos``). Finished beams rank
-    by ``cum_logprob / generated_len ** length_penalty`` (Hugging Face's
-    score; > 0 favours longer answers). ``temperature`` 0 scores the top
-    ``2 * beam_width`` tokens of each beam; above 0 the token the sampler
-    draws joins them.
-    """
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        def _bad_beam(name, value, allowed):
-            return ValueError(f"BeamSearchParams.{name}={value!r} is invalid: {allowed}")
-
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        # 2 * beam_width candidates per beam: within the engine's 20 logprobs.
-        if not (is_int(self.beam_width) and 1 <= self.beam_width <= 10):
-            raise _bad_beam("beam_width", self.beam_width, "must be an integer in [1, 10]")
-        if not (is_int(self.max_tokens) and self.max_tokens >= 1):
-            raise _bad_beam("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 2):
-            raise _bad_beam("temperature", self.temperature, "must be in [0, 2]")
-        if not (isinstance(self.length_penalty, (int, float)) and
-                math.isfinite(self.length_penalty)):
-            raise _bad_beam("length_penalty", self.length_penalty, "must be a finite number")
-
-
-__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams"]
+__all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams"]

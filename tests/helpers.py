@@ -110,7 +110,8 @@ def dequantized_copy(folder, out):
     every linear weight quantized to Q8_0 and back."""
     from safetensors.torch import load_file, save_file
 
-    from minivllm.model.layers.quantization.ggml_types import dequantize, quantize_q8_0
+    from minivllm.model.layers.quantization.ggml_types import dequantize
+    from minivllm.model.layers.quantization.q8_0 import quantize_q8_0
 
     out.mkdir()
     tensors = load_file(str(folder / "model.safetensors"))

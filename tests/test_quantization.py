@@ -14,7 +14,8 @@ from minivllm.lab.bench.gguf_gemm import random_blocks
 from minivllm.model.layers import linear as linear_mod
 from minivllm.model.layers.quantization import (BLOCK_TYPES, QuantizationConfig,
                                                 QuantizedTensor)
-from minivllm.model.layers.quantization.ggml_types import dequantize, quantize_q8_0
+from minivllm.model.layers.quantization.ggml_types import dequantize
+from minivllm.model.layers.quantization.q8_0 import quantize_q8_0
 from tests.helpers import dequantized_copy
 
 GGUF = QuantizationConfig("gguf")

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Issue #50 asks for at most 5,000 lines; the path is still ~6,450 (the core
-# modules themselves), so this is a ratchet: lower it as the path shrinks.
-# Issue #52's KV cache groups add ~80 lines of branch points to it (the rest of
-# the hybrid cache loads only for models with sliding windows).
-MAX_LINES = 6520
+# Issue #50 asks for at most 5,000 lines; the path is still ~6,050 (the scheduler,
+# KV cache manager, block pool and model runner alone are ~1,450), so this is a
+# ratchet: lower it as the path shrinks. Issue #52's KV cache groups add ~80 lines
+# of branch points (the rest of the hybrid cache loads only for hybrid models).
+MAX_LINES = 6150
 
 # The modules the request passes through, in order (the README lists them).
 READING_PATH = [
@@ -31,7 +31,6 @@ READING_PATH = [
     "minivllm/inputs/processor.py",
     "minivllm/inputs/tokenizer.py",
     "minivllm/sampling_params.py",
-    "minivllm/lora/request.py",
     "minivllm/engine/core_builder.py",
     "minivllm/core/engine_core.py",
     "minivllm/core/request.py",
@@ -62,7 +61,6 @@ READING_PATH = [
     "minivllm/model/attention/torch_attn.py",
     "minivllm/sample/sampler.py",
     "minivllm/core/outputs.py",
-    "minivllm/core/scheduler_stats.py",
     "minivllm/engine/output_processor.py",
     "minivllm/engine/detokenizer.py",
     "minivllm/outputs.py",
@@ -84,13 +82,15 @@ READING_PATH = [
 OPTIONAL = [
     "minivllm.distributed.kv_events", "minivllm.distributed.kv_transfer.",
     "minivllm.config.kv_events", "minivllm.config.kv_transfer", "minivllm.config.lora",
-    "minivllm.config.speculative", "minivllm.config.cli",
-    "minivllm.lora.peft_loader", "minivllm.lora.model_manager", "minivllm.lora.layers",
-    "minivllm.lora.punica", "minivllm.spec_decode.", "minivllm.structured_output.",
+    "minivllm.config.speculative", "minivllm.config.cli", "minivllm.config.dict_args",
+    "minivllm.lora", "minivllm.lora.", "minivllm.spec_decode.", "minivllm.structured_output.",
     "minivllm.sample.rejection_sampler", "minivllm.sample.logits_processors",
     "minivllm.cpu.", "minivllm.entrypoints.beam_search", "minivllm.entrypoints.openai.",
     "minivllm.lab.", "minivllm.core.trace", "minivllm.core.kv_connector_scheduling",
     "minivllm.core.spec_decode_stats", "minivllm.core.priority_queue",
+    "minivllm.core.scheduler_stats", "minivllm.engine.parallel_sampling",
+    "minivllm.engine.cleanup_stream", "minivllm.model.attention.triton_check",
+    "minivllm.model.layers.quantization.k_quants", "minivllm.model.layers.quantization.q8_0",
     "minivllm.worker.prompt_logprobs", "minivllm.worker.tp_executor",
     "minivllm.engine.stop_checker", "minivllm.engine.logprobs", "minivllm.model.gguf_convert",
     "minivllm.model.layers.quantization.int8_activations", "minivllm.model.layers.tp_plan",

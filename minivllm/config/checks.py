@@ -3,8 +3,6 @@ the value and what is allowed (the server turns it into a 400)."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, is_dataclass
 from typing import Any, Iterable, Optional
 
 
@@ -46,16 +44,11 @@ def check_int(name: str, value: Any, low: Optional[int] = None, high: Optional[i
     if is_int(value) and (low is None or value >= low) and (high is None or value <= high):
         return value
     if allowed is None:
-        if low is not None and high is not None:
-            allowed = f"must be an integer in [{low}, {high}]"
-        elif low is not None:
-            allowed = f"must be an integer >= {low}"
-        elif high is not None:
-            allowed = f"must be an integer <= {high}"
-        else:
-            allowed = "must be an integer"
-        if optional:
-            allowed += ", or None"
+        allowed = {(True, True): f"must be an integer in [{low}, {high}]",
+                   (True, False): f"must be an integer >= {low}",
+                   (False, True): f"must be an integer <= {high}",
+                   (False, False): "must be an integer"}[low is not None, high is not None]
+        allowed += ", or None" if optional else ""
     raise bad(name, value, allowed)
 
 
@@ -73,22 +66,3 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
 
 
 __all__ = ["InvalidRequestError", "bad", "is_int", "is_number", "check_int", "check_bool", "check_choice"]
-
-
-def config_dict(name: str, raw: Any, allowed_keys: Iterable[str], example: str) -> dict:
-    """A dict-valued engine argument (vLLM's ``speculative_config``, ``kv_transfer_config``,
-    ...) as a dict: JSON text parsed, a config object taken apart, unknown keys refused."""
-    if isinstance(raw, str):  # JSON, as on the command line
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise bad(name, raw, f"is not valid JSON ({e})") from None
-    if is_dataclass(raw) and not isinstance(raw, type):
-        raw = asdict(raw)
-    if not isinstance(raw, dict):
-        raise bad(name, raw, f"must be a dict such as {example}")
-    allowed = list(allowed_keys)
-    unknown = sorted(set(raw) - set(allowed))
-    if unknown:
-        raise ValueError(f"{name} has unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
-    return dict(raw)

@@ -1,19 +1,15 @@
-"""The whole tree and the flat, user-facing arguments it is built from.
+"""The whole tree (``EngineConfig``) and the flat, user-facing arguments it is built from.
 
-``EngineArgs`` is the flat list of knobs (the same names as the
-``minivllm serve --kebab-case`` flags and vLLM's engine arguments;
-``add_cli_args`` / ``from_cli_args`` as vLLM names them).
-``EngineArgs.create_engine_config()`` checks them and resolves the defaults that
-depend on the model (``max_model_len``) into an ``EngineConfig``. It reads a
-Hugging Face folder; ``minivllm.model.resolve.resolve_engine_args`` first turns
-``model=None`` (the embedded default) or a ``.gguf`` file into one.
+``EngineArgs`` holds the knobs under vLLM's names (the ``minivllm serve
+--kebab-case`` flags); ``create_engine_config()`` checks them against a Hugging
+Face folder (``model.resolve`` first turns ``None`` or a ``.gguf`` file into one).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -43,8 +39,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: str = "cpu"
     attention_backend: Optional[str] = None
-    # The C++ CPU acceleration (minivllm/cpu): None = on where it builds.
-    cpu_kernels: Optional[bool] = None
+    cpu_kernels: Optional[bool] = None  # the C++ CPU acceleration; None: where it builds
     seed: int = 0
     trace: bool = False
     speculative: Optional[SpeculativeConfig] = None
@@ -74,40 +69,30 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # or "ray": ranks as Ray actors
     attention_backend: Optional[str] = None
-    # None: the CPU acceleration where it builds (MINIVLLM_CPU_KERNELS=0 turns it
-    # off); False: the pure reference path; True: require it.
+    # None: the CPU acceleration where it builds; False: the reference path; True: required.
     cpu_kernels: Optional[bool] = None
     seed: int = 0
     trace: bool = False
     # vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
     speculative_config: Optional[dict] = None
     scheduling_policy: str = "fcfs"
-    # Multi-LoRA serving (config/lora.py, minivllm/lora/): vLLM's names.
-    enable_lora: bool = False
+    enable_lora: bool = False  # multi-LoRA serving (minivllm/lora/)
     max_loras: int = 1  # adapters one step may mix
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None  # adapters kept loaded; None: max_loras
     # vLLM's dict: {"kv_connector": NAME, "kv_role": ROLE, "kv_connector_extra_config": {...}}.
     kv_transfer_config: Optional[dict] = None
-    # GiB of host memory for a second KV tier (vLLM's shorthand for the OffloadingConnector).
-    kv_offloading_size: Optional[float] = None
+    kv_offloading_size: Optional[float] = None  # GiB of host memory: a second KV tier
     kv_offloading_backend: Optional[str] = None
     # vLLM's dict, e.g. {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}.
     kv_events_config: Optional[dict] = None
     # Only 1: replicas are separate `minivllm serve` processes behind `minivllm router`.
     data_parallel_size: int = 1
-    # "auto", None / "none" (float weights), "gguf" (a .gguf model's blocks as they
-    # ship) or "q8_0" (quantized at load): config/quantization.py.
+    # "auto", None / "none", "gguf" or "q8_0"; "auto" or "int8" (config/quantization.py).
     quantization: Optional[str] = "auto"
-    # x in the quantized layers' products: "auto" (float32, the float path's numbers)
-    # or "int8" (llama.cpp's: integer dot products; other numbers): config/quantization.py.
     activation_dtype: str = "auto"
     enable_sleep_mode: bool = False  # LLM.sleep(level) / wake_up(tags): core/rollout.py
     batch_invariant: bool = False  # logprobs alone == beside others: worker/batch_invariant.py
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
     # -- the command line (config/cli.py) ---------------------------------------
     @staticmethod
@@ -220,16 +205,13 @@ class EngineArgs:
         check_quantization(self.quantization)
         check_activation_dtype(self.activation_dtype)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
 
 
 def engine_args_from_kwargs(model: Optional[str], kwargs: dict) -> EngineArgs:
     """``LLM(model, **kwargs)``: unknown keyword arguments name themselves."""
-    allowed = set(EngineArgs.field_names())
+    allowed = {f.name for f in fields(EngineArgs)}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise TypeError(f"unknown engine argument(s) {unknown}; allowed: "

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from minivllm.config.checks import bad, check_int, config_dict, is_number
+from minivllm.config.checks import bad, check_int, is_number
+from minivllm.config.dict_args import config_dict
 
 KV_CONNECTORS = ("SharedStorageConnector", "OffloadingConnector", "P2pConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -1,21 +1,12 @@
 """Quantized weights: ``EngineArgs.quantization`` resolved into the model section.
 
-- ``"auto"`` (the default): a model converted from a ``.gguf`` file keeps its
-  quantized blocks (``"gguf"``) when the dtype is left ``"auto"``, as vLLM and
-  llama.cpp compute on such a file; anything else is float.
-- ``None`` / ``"none"``: float weights (a GGUF dequantized at load).
-- ``"gguf"``: the GGUF file's blocks as they ship (``minivllm/model/layers/quantization``).
-- ``"q8_0"``: a float checkpoint's linear layers quantized to Q8_0 at load.
+- ``"auto"`` (default): a model converted from a ``.gguf`` file keeps its blocks
+  (``"gguf"``) when the dtype is ``"auto"``, as vLLM and llama.cpp do; else float.
+- ``None`` / ``"none"``: float weights; ``"q8_0"``: quantized at load.
 
-``EngineArgs.activation_dtype`` says what x is in the quantized layers'
-products: ``"auto"`` (the default) float32, the float path's numbers;
-``"int8"`` quantized per 32 values as llama.cpp does, for integer dot
-products with the Q4_0, Q4_1 and Q8_0 blocks
-(``model/layers/quantization/int8_activations.py``). It changes the numbers,
-so it is asked for, and it needs quantized weights.
-
-A folder converted from a GGUF file (``minivllm.model.resolve``) names the
-file in its ``SOURCE``: that is where ``"gguf"`` reads the blocks.
+``activation_dtype="int8"`` quantizes x too, for llama.cpp's integer dot products
+(other numbers, so asked for; it needs quantized weights). A converted folder names
+its source file in ``SOURCE``: that is where ``"gguf"`` reads the blocks.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from minivllm.config.checks import bad, check_int, config_dict
+from minivllm.config.checks import bad, check_int
+from minivllm.config.dict_args import config_dict
 from minivllm.config.model import ModelConfig
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -1,11 +1,6 @@
-"""The clock the engine core reads timestamps from.
-
-The real engine reads ``time.monotonic()``. The simulator (``minivllm.lab.sim``)
-passes a ``VirtualClock`` (``lab/sim/clock.py``) instead, one that moves only when told, so the same
-scheduler and engine core run in simulated time without sleeping and without
-patching ``time``. Any object
-with a ``now() -> float`` method (seconds) serves.
-"""
+"""The clock the engine core reads timestamps from: ``time.monotonic()``, or the
+simulator's ``VirtualClock`` (``lab/sim/clock.py``), which moves only when told, so
+the same scheduler runs in simulated time. Anything with ``now() -> float`` serves."""
 
 from __future__ import annotations
 

@@ -2,9 +2,8 @@
 
     step() = schedule  ->  execute the model  ->  update requests
 
-It knows token IDs only. Text, stop strings and streaming live on the API
-side (``LLMEngine`` / the server), which talks to the core either directly
-(in-process) or by messages (``EngineCoreProc`` in its own process).
+It knows token IDs only; text, stop strings and streaming live on the API side,
+which talks to it directly (in-process) or by messages (``EngineCoreProc``).
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
 
-if TYPE_CHECKING:  # the step trace and KV events load only when switched on
-    from minivllm.core.trace import StepRecord, StepTrace
+if TYPE_CHECKING:  # the step trace loads only when switched on
+    from minivllm.core.trace import StepTrace
 
 
 class EngineCore:
@@ -28,11 +27,8 @@ class EngineCore:
                  clock: Optional[Clock] = None, speculator=None,
                  kv_event_publisher=None) -> None:
         self.config = config
-        # Timestamps (request times, step starts) come from here; the
-        # simulator passes a virtual clock that its executor advances.
-        self.clock = clock or MONOTONIC
-        # Both injected (minivllm/engine/core_builder.py): the core imports neither.
-        self.executor = executor
+        self.clock = clock or MONOTONIC  # timestamps (the simulator's is virtual)
+        self.executor = executor  # injected (engine/core_builder.py), as the speculator
         self.num_blocks = executor.determine_num_blocks()
         executor.initialize_kv_cache(self.num_blocks)
         if config.model.layer_types is None:
@@ -43,12 +39,10 @@ class EngineCore:
             from minivllm.core.kv_cache_coordinator import make_hybrid_manager
 
             self.kv_cache_manager = make_hybrid_manager(config, self.num_blocks)
-        # Where the block pool's cache changes go (KV events, for routers);
-        # injected (core_builder.py), None when no one listens.
+        # Where the block pool's cache changes go (KV events, for routers), or None.
         self.kv_event_publisher = kv_event_publisher
         self.kv_connector = self._make_kv_connector(config)
-        # Chosen once, here: what the scheduler asks a KV connector, or None (it
-        # then never asks, and none of that code is loaded).
+        # Chosen once: what the scheduler asks a KV connector, or None (it never asks).
         connector_scheduling = None
         if self.kv_connector is not None:
             from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
@@ -68,8 +62,7 @@ class EngineCore:
 
             self.trace = StepTrace()
         self.step_count = 0
-        # Set when a step failed inside the model: the KV cache and the
-        # scheduler may be half-updated, so no further step is trustworthy.
+        # Set when a step failed inside the model: no further step is trustworthy.
         self.dead_error: Optional[BaseException] = None
         # Why steps may not run now (paused, asleep: core/rollout.py), or None.
         self.hold: Optional[str] = None
@@ -79,13 +72,9 @@ class EngineCore:
         """The scheduler half of ``kv_transfer_config``'s connector, or None."""
         if config.kv_transfer is None:
             return None
-        from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
-        from minivllm.distributed.kv_transfer.base import KVCacheSpec
+        from minivllm.core.kv_connector_scheduling import make_scheduler_connector
 
-        # After the executor is built: the runner may have chosen the compute dtype.
-        m, bs = config.model, config.cache.block_size
-        spec = KVCacheSpec(bs, m.num_hidden_layers, m.kv_bytes_per_token * bs)
-        return create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, spec)
+        return make_scheduler_connector(config)
 
     # -- requests ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -137,7 +126,9 @@ class EngineCore:
         self.publish_kv_events()
         if self.trace is not None and not so.is_empty:
             timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
-            self.trace.append(self._record(so, start, now - start, timings, outputs))
+            from minivllm.core.trace import record_step
+
+            self.trace.append(record_step(self, so, start, now - start, timings, outputs))
         return outputs
 
     def publish_kv_events(self) -> None:
@@ -154,35 +145,6 @@ class EngineCore:
         done = self.scheduler.reset_prefix_cache()
         self.publish_kv_events()
         return done
-
-    def _record(self, so, start, duration, timings, outputs) -> StepRecord:
-        from minivllm.core.trace import StepRecord
-
-        scheduled = {}
-        for req in so.scheduled_requests:
-            rid = req.request_id
-            n = so.num_scheduled_tokens[rid]
-            # A decode that verifies k drafts computes 1 + k tokens.
-            k = len(so.scheduled_spec_decode_tokens.get(rid, ()))
-            is_prefill = so.num_computed_tokens[rid] + n <= req.num_prompt_tokens or n - k > 1
-            scheduled[rid] = (n, "prefill" if is_prefill else "decode")
-        kv = self.kv_cache_manager
-        return StepRecord(
-            step=so.step, start=start, duration=duration, scheduled=scheduled,
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_batched_tokens=so.total_num_scheduled_tokens,
-            blocks_allocated=so.num_blocks_allocated, blocks_freed=so.num_blocks_freed,
-            blocks_evicted=so.num_blocks_evicted,
-            prefix_cache_hit_tokens=so.num_prefix_cache_hit_tokens,
-            preempted=list(so.preempted_req_ids),
-            finished=[o.request_id for o in outputs if o.finished],
-            kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
-            block_tables={rid: list(b) for rid, b in so.block_ids.items()},
-            timings=timings,
-            spec_decode={o.request_id: (o.num_draft_tokens, o.num_accepted_tokens)
-                         for o in outputs if o.num_draft_tokens},
-            loras={r.request_id: r.lora_request.lora_name for r in so.scheduled_requests
-                   if r.lora_request is not None})
 
     def shutdown(self) -> None:
         if self.kv_event_publisher is not None:

@@ -38,6 +38,17 @@ class ComputedTokens(NamedTuple):
     load_async: bool = False
 
 
+def make_scheduler_connector(config):
+    """The scheduler half of ``config.kv_transfer``'s connector."""
+    from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
+    from minivllm.distributed.kv_transfer.base import KVCacheSpec
+
+    # After the executor is built: the runner may have chosen the compute dtype.
+    m, bs = config.model, config.cache.block_size
+    spec = KVCacheSpec(bs, m.num_hidden_layers, m.kv_bytes_per_token * bs)
+    return create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, spec)
+
+
 class KVConnectorScheduling:
     def __init__(self, connector, kv_cache_manager: "KVCacheManager") -> None:
         self.connector = connector  # the scheduler half (KVConnectorRole.SCHEDULER)

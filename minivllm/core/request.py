@@ -1,8 +1,7 @@
 """One generation request as the engine core sees it.
 
-A request is only token IDs plus bookkeeping: the scheduler moves it between
-states, the KV cache manager gives it blocks, and the model runner advances
-``num_computed_tokens``. Text lives in the API layer (detokenizer), not here.
+Token IDs plus bookkeeping: the scheduler moves it between states, the KV cache
+manager gives it blocks, the model runner advances ``num_computed_tokens``.
 
     WAITING ──schedule──▶ RUNNING ──finish──▶ FINISHED_{STOPPED,LENGTH_CAPPED,ABORTED}
      ▲  │                  │
@@ -60,54 +59,38 @@ class RequestTimes:
 
 
 class Request:
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        max_tokens: int,
-        eos_token_ids: frozenset[int] = frozenset(),
-        arrival_time: Optional[float] = None,
-        priority: int = 0,
-        lora_request=None,
-    ) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, max_tokens: int,
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 arrival_time: Optional[float] = None, priority: int = 0,
+                 lora_request=None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        # Resolved cap on generated tokens (None in SamplingParams means
-        # "up to max_model_len"; the input processor resolves it).
-        self.max_tokens = max_tokens
+        self.max_tokens = max_tokens  # resolved by the input processor (never None)
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
-        # Lower runs first under scheduling_policy="priority" (vLLM's convention).
-        self.priority = priority
-        # Set by the scheduler when it receives the request: its rank among all.
-        self.queue_order = 0
+        self.priority = priority  # lower first, with scheduling_policy="priority"
+        self.queue_order = 0  # its rank among all, set by the scheduler
         self.stop_reason: Optional[int | str] = None
-        # The adapter it runs with (minivllm.lora.LoRARequest), None: the base model.
-        self.lora_request = lora_request
+        self.lora_request = lora_request  # a LoRARequest; None: the base model
 
         self.output_token_ids: list[int] = []
-        # prompt + output; the scheduler and KV cache work on this list.
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         # Tokens whose K/V are in the cache (or are being computed this step).
         self.num_computed_tokens = 0
-        # Prompt tokens found in the prefix cache at first admission.
-        self.num_cached_tokens = -1
+        self.num_cached_tokens = -1  # prefix-cache hits at first admission
         self.num_preemptions = 0
         # Hashes of the request's full blocks, in order (prefix caching).
         self.block_hashes: list[int] = []
         # Per output token: (chosen logprob, {token_id: logprob} top-n) or None.
         self.logprobs: list[tuple[float, dict[int, float]]] = []
         self.cumulative_logprob = 0.0
-        # Speculative decoding: tokens a proposer guessed to follow the known
-        # ones (minivllm/spec_decode/), verified in the next step; only valid
-        # while the request is one token short of computed. ``spec_token_probs``:
-        # the draft model's [k, vocab] probabilities of them (None: one-hot).
+        # Speculative decoding: draft tokens to verify next step (valid while one
+        # token short of computed) and the draft model's [k, vocab] probabilities.
         self.spec_token_ids: list[int] = []
         self.spec_token_probs = None
-        # What a KV connector returned when the request finished (vLLM's
-        # kv_transfer_params: where another engine can pull its KV from).
+        # From a KV connector at the finish: where another engine can pull its KV.
         self.kv_transfer_params: Optional[dict] = None
         # (``is None``: a virtual clock may start at 0.0.)
         self.times = RequestTimes(

@@ -1,16 +1,10 @@
 """Scheduling policies: the order of the waiting queue and who is preempted.
 
-- ``fcfs``: waiting requests in arrival order (a preempted request goes back
-  to the front: it was admitted before anyone still waiting); when blocks
-  run out, the most recently admitted running request is preempted.
-- ``priority`` (vLLM's semantics; ``priority_queue.py``, loaded for it only): every request has an integer
-  ``priority``, lower runs first; the waiting queue is ordered by
-  ``(priority, arrival time)``, and the running request preempted first is
-  the one with the largest ``(priority, arrival time)``: the least
-  important, the later arrival among equals.
-
-Both queues answer the few deque calls the scheduler makes (``append``,
-``appendleft``, ``popleft``, ``remove``, ``[0]``, ``len``, iteration).
+- ``fcfs``: arrival order (a preempted request goes back to the front); when
+  blocks run out, the most recently admitted running request is preempted.
+- ``priority`` (vLLM's; ``priority_queue.py``, loaded for it only): lower
+  ``priority`` first, then arrival; the least important, latest running
+  request is preempted first.
 """
 
 from __future__ import annotations

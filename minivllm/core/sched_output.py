@@ -1,9 +1,5 @@
-"""The scheduler's answer for one step: who runs, how many tokens, where.
-
-It is everything the model runner needs to build the flat batch
-(``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``) and
-everything the step trace wants to plot.
-"""
+"""The scheduler's answer for one step: who runs, how many tokens, where (what the
+model runner needs to build the flat batch, and what the step trace plots)."""
 
 from __future__ import annotations
 
@@ -20,15 +16,13 @@ class SchedulerOutput:
     # Scheduled requests in batch order: running ones first, then new ones.
     scheduled_requests: list["Request"] = field(default_factory=list)
     # request_id -> tokens to compute this step (1 for a decode, a chunk of
-    # the prompt for a prefill). Their ids are
-    # request.all_token_ids[num_computed : num_computed + num_scheduled].
+    # the prompt for a prefill).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # request_id -> tokens whose K/V were already in the cache *before* this
     # step (prefix-cache hits included); the new tokens start at this position.
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
-    # request_id -> draft tokens verified this step (speculative decoding):
-    # they follow the request's known tokens, and are counted in its
-    # num_scheduled_tokens. Absent: no drafts.
+    # request_id -> draft tokens verified this step (speculative decoding),
+    # counted in its num_scheduled_tokens.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # request_id -> its whole block table (physical block ids, logical order).
     block_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -39,15 +33,13 @@ class SchedulerOutput:
     # Finished or aborted since the previous step: per-request state the
     # model runner keeps for them can go.
     finished_req_ids: set[str] = field(default_factory=set)
-    # For the step trace: blocks handed out / returned since the previous
-    # schedule() (so frees of requests that finished last step count here),
-    # and prompt tokens this step's admissions found in the prefix cache.
+    # For the step trace: blocks handed out / returned / evicted since the
+    # previous schedule(), and prefix-cache hits of this step's admissions.
     num_blocks_allocated: int = 0
     num_blocks_freed: int = 0
     num_blocks_evicted: int = 0
     num_prefix_cache_hit_tokens: int = 0
-    # Prompt tokens admissions got from a KV connector (minivllm/distributed/kv_transfer),
-    # and the connector's instructions for the worker this step (None: no connector).
+    # With a KV connector: prompt tokens it supplied, its instructions to the worker.
     num_external_computed_tokens: int = 0
     kv_connector_metadata: Optional[object] = None
 

@@ -13,18 +13,12 @@ scheduler hands out a budget of ``max_num_batched_tokens`` tokens:
    start of the prompt; the rest is cut to the remaining budget (chunked
    prefill), so a long prompt shares steps with other requests' decodes.
 
-``schedule`` only decides; ``update_from_output`` applies the step's result:
-it advances ``num_computed_tokens``, appends sampled tokens and checks the
-token-level stop conditions. Stop *strings* need text, so the output
-processor checks them and calls ``finish_requests``.
-
-Speculative decoding (minivllm/spec_decode/) adds one thing: a decoding
-request that carries draft tokens (``Request.spec_token_ids``) asks for
-1 + k slots, and ``update_from_output`` applies the verified run of tokens
-(``_apply_verified``) instead of one.
-
-A KV connector adds ``waiting_for_remote`` (KV arriving) and ``sending`` (finished,
-blocks being sent): ``self.connector`` answers questions, only this class moves requests.
+``schedule`` only decides; ``update_from_output`` applies the step's result
+(``num_computed_tokens``, sampled tokens, the token-level stop conditions).
+With speculative decoding a request with draft tokens asks for 1 + k slots and
+gets a verified run of tokens (``_apply_verified``). A KV connector adds
+``waiting_for_remote`` (KV arriving) and ``sending`` (blocks being sent):
+``self.connector`` answers questions, only this class moves requests.
 """
 
 from __future__ import annotations
@@ -38,11 +32,11 @@ from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
 from minivllm.core.stop_conditions import check_stop
 
-if TYPE_CHECKING:  # (built by the engine core, only with a KV connector)
+if TYPE_CHECKING:  # each loaded when its feature is used (stats: when asked for)
     from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
+    from minivllm.core.scheduler_stats import SchedulerStats
     from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
@@ -161,6 +155,8 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0
 
     def make_stats(self) -> SchedulerStats:
+        from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
+
         pc = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
@@ -475,4 +471,4 @@ class Scheduler:
             num_draft_tokens=k, num_accepted_tokens=num_accepted)
 
 
-__all__ = ["Scheduler", "SchedulerStats", "SchedulerOutput", "SampledTokens"]
+__all__ = ["Scheduler", "SchedulerOutput", "SampledTokens"]

@@ -1,9 +1,5 @@
 """The token-level stop conditions, checked by the scheduler after each new token.
-
-Stop *strings* need text: the output processor checks those
-(minivllm/engine/stop_checker.py) and ends the request through the scheduler's
-``finish_requests``. (vLLM keeps its ``check_stop`` beside the scheduler too.)
-"""
+Stop *strings* need text: the output processor checks those (engine/stop_checker.py)."""
 
 from __future__ import annotations
 

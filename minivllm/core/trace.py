@@ -38,6 +38,36 @@ class StepRecord:
     loras: dict[str, str] = field(default_factory=dict)
 
 
+def record_step(core, so, start: float, duration: float, timings: dict,
+                outputs) -> StepRecord:
+    """The record of one step of ``core`` (an ``EngineCore``) that scheduled ``so``."""
+    scheduled = {}
+    for req in so.scheduled_requests:
+        rid = req.request_id
+        n = so.num_scheduled_tokens[rid]
+        # A decode that verifies k drafts computes 1 + k tokens.
+        k = len(so.scheduled_spec_decode_tokens.get(rid, ()))
+        is_prefill = so.num_computed_tokens[rid] + n <= req.num_prompt_tokens or n - k > 1
+        scheduled[rid] = (n, "prefill" if is_prefill else "decode")
+    kv = core.kv_cache_manager
+    return StepRecord(
+        step=so.step, start=start, duration=duration, scheduled=scheduled,
+        num_running=core.scheduler.num_running, num_waiting=core.scheduler.num_waiting,
+        num_batched_tokens=so.total_num_scheduled_tokens,
+        blocks_allocated=so.num_blocks_allocated, blocks_freed=so.num_blocks_freed,
+        blocks_evicted=so.num_blocks_evicted,
+        prefix_cache_hit_tokens=so.num_prefix_cache_hit_tokens,
+        preempted=list(so.preempted_req_ids),
+        finished=[o.request_id for o in outputs if o.finished],
+        kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+        block_tables={rid: list(b) for rid, b in so.block_ids.items()},
+        timings=timings,
+        spec_decode={o.request_id: (o.num_draft_tokens, o.num_accepted_tokens)
+                     for o in outputs if o.num_draft_tokens},
+        loras={r.request_id: r.lora_request.lora_name for r in so.scheduled_requests
+               if r.lora_request is not None})
+
+
 class StepTrace:
     def __init__(self) -> None:
         self.records: list[StepRecord] = []

@@ -189,7 +189,7 @@ class AsyncLLM:
                 queue.put_nowait(out)
 
     def _reject(self, child_id: str, error: ValueError) -> None:
-        parent_id = self.output_processor.child_to_parent.get(child_id)
+        parent_id = self.output_processor.parent_id(child_id)
         if parent_id is None:
             return
         siblings = [c for c in self.output_processor.child_ids(parent_id) if c != child_id]

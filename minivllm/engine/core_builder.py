@@ -1,11 +1,7 @@
-"""Build the engine core with what it runs on: the executor (``worker/``), with
-``speculative_config`` the speculator (``spec_decode/``), and with
-``kv_events_config`` the KV-event publisher (``distributed/kv_events.py``).
-
-The core itself imports neither (it sits below them); it gets both from here.
-``build_engine_core`` is a module-level function, so the API process can name
-it as the engine-core process's target (``core_client.py``).
-"""
+"""Build the engine core with what it runs on: the executor (``worker/``), and when
+configured the speculator (``spec_decode/``) and the KV-event publisher
+(``distributed/kv_events.py``); the core imports none of them. A module-level
+function, so the API process can name it as the engine-core process's target."""
 
 from __future__ import annotations
 

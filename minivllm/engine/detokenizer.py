@@ -1,37 +1,26 @@
 """Token IDs → text, one step at a time, never emitting half a character.
 
-A byte-level BPE token is a few *bytes*, not a few characters: "你" is three
-bytes and may arrive as two tokens. Decoding the first token alone gives
-"\\ufffd" (the replacement character). A streaming server must not send that,
-so the detokenizer holds text back until the bytes form whole characters.
-
-Decoding all tokens every step would be exact but costs O(length) per step.
-Instead two offsets into the token list keep a small window:
+A byte-level BPE token is a few *bytes*: "你" is three bytes and may arrive as
+two tokens, and decoding the first alone gives "\\ufffd". A streaming server
+must not send that, so the detokenizer holds text back until the bytes form
+whole characters. Instead of decoding all tokens every step (O(length)), two
+offsets keep a small window:
 
     token_ids:  t0 t1 t2 t3 t4 t5 t6 t7
                       ^prefix   ^read
     decode(token_ids[prefix:read]) = text already emitted (the context)
     decode(token_ids[prefix:])     = the same text + what is new
 
-The new text is the second string minus the first. The context tokens matter
-because some decoders treat the first token of a decode call specially (a
-SentencePiece "▁word" loses its space at the very start): both strings start
-with the same token, so such effects cancel. When the window ends in
-"\\ufffd" nothing is emitted and the offsets stay, so the next step retries
-with more bytes. When text is emitted, ``read`` moves to the end and
-``prefix`` to the old ``read``: a boundary where the previous window ended on
-a whole character.
+The new text is the second minus the first; both start with the same token, so
+decoders that treat a first token specially (SentencePiece's "▁word") cancel
+out. A window ending in "\\ufffd" emits nothing and retries next step with more
+bytes; otherwise ``read`` moves to the end and ``prefix`` to the old ``read``.
+SentencePiece byte fallback (Llama 2, Mistral) turns a run of "<0xE4>" tokens
+into text only as a whole run, so for such tokenizers text is held while the
+last token is a byte token.
 
-One decoder needs more care: SentencePiece byte fallback (Llama 2, Mistral)
-turns a run of "<0xE4>"-style byte tokens into text only as a whole run, and
-an invalid run becomes one "\\ufffd" per byte, even bytes that looked like a
-valid character before the run went bad. So for such tokenizers text is held
-while the last token is a byte token, until the run is closed.
-
-``finish()`` emits whatever was held back (a sequence can end in a broken
-character for good). The concatenation of every delta then equals
-``tokenizer.decode(all_token_ids)`` exactly; the tests check that over many
-random token sequences.
+``finish()`` emits what was held back: the concatenation of every delta then
+equals ``tokenizer.decode(all_token_ids)`` (the tests check random sequences).
 """
 
 from __future__ import annotations
@@ -39,13 +28,9 @@ from __future__ import annotations
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
-
-# Hugging Face's clean_up_tokenization rewrites these (" ." → "."); each
-# pattern starts with a space and is at most 4 characters long.
-_CLEANUP_SPAN = 4
 
 
 class IncrementalDetokenizer:
@@ -61,8 +46,11 @@ class IncrementalDetokenizer:
         self.read_offset = 0
         self.finished = False
         self._facts = _tokenizer_facts(tokenizer)
-        self._cleanup = (_CleanupStream(tokenizer.clean_up_tokenization)
-                         if self._facts.cleans_up_spaces else None)
+        self._cleanup = None
+        if self._facts.cleans_up_spaces:  # (a few tokenizers: Hugging Face's " ." -> ".")
+            from minivllm.engine.cleanup_stream import CleanupStream
+
+            self._cleanup = CleanupStream(tokenizer.clean_up_tokenization)
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Add the step's new tokens; return only the text that is now final."""
@@ -90,12 +78,9 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        # The Rust tokenizer directly: what a fast tokenizer's decode() ends in,
-        # without its per-call argument handling, which is paid twice per
-        # sequence per step (`minivllm bench throughput` shows the detokenize
-        # share of a step, chapter 10 the window). No space clean-up here: the
-        # window's edges are arbitrary, so it is done on the stream instead
-        # (_clean), where it can see across them.
+        # The Rust tokenizer directly: decode() without its per-call overhead, paid
+        # twice per sequence per step. No space clean-up: the window's edges are
+        # arbitrary, so it is done on the stream (_clean), which sees across them.
         return self._backend.decode(self.token_ids[start:end],
                                     skip_special_tokens=self.skip_special_tokens)
 
@@ -119,9 +104,8 @@ class _TokenizerFacts:
     special_ids: frozenset[int]
 
 
-# One entry per live tokenizer: a detokenizer is made per request, and
-# scanning a 100k vocabulary each time would cost more than the decoding.
-# (So a tokenizer's settings are read when it is first used.)
+# One entry per live tokenizer, read when it is first used: a detokenizer is made
+# per request, and scanning a 100k vocabulary each time would cost more than decoding.
 _FACTS: "weakref.WeakKeyDictionary[object, _TokenizerFacts]" = weakref.WeakKeyDictionary()
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -139,11 +123,8 @@ def _tokenizer_facts(tokenizer) -> _TokenizerFacts:
 
 
 def _cleans_up_spaces(tokenizer) -> bool:
-    """Whether ``tokenizer.decode`` applies clean_up_tokenization on its own.
-
-    Asked of the tokenizer itself, because transformers decides it from
-    several settings (and skips it for BPE models unless forced).
-    """
+    """Whether ``tokenizer.decode`` cleans up spaces on its own (asked of the tokenizer:
+    transformers decides it from several settings)."""
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
     probe = tokenizer.encode("a .", add_special_tokens=False)
@@ -156,32 +137,6 @@ def _byte_fallback_ids(tokenizer) -> frozenset[int]:
     if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
         return frozenset()
     return frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
-
-
-class _CleanupStream:
-    """``tokenizer.clean_up_tokenization`` applied to text that arrives in pieces.
-
-    Every rewrite removes the space that starts a pattern of at most 4
-    characters (" .", " n't", ...). Cutting the text where none of the last
-    3 characters is a space means no pattern can straddle the cut, so
-    cleaning the pieces separately gives the same text as cleaning the whole.
-    """
-
-    def __init__(self, clean_up: Callable[[str], str]) -> None:
-        self._clean_up = clean_up
-        self._pending = ""
-
-    def push(self, text: str) -> str:
-        text = self._pending + text
-        cut = len(text)
-        while cut > 0 and " " in text[max(0, cut - (_CLEANUP_SPAN - 1)):cut]:
-            cut -= 1
-        self._pending = text[cut:]
-        return self._clean_up(text[:cut])
-
-    def flush(self) -> str:
-        text, self._pending = self._pending, ""
-        return self._clean_up(text)
 
 
 __all__ = ["IncrementalDetokenizer", "REPLACEMENT_CHAR"]

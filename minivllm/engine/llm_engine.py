@@ -1,12 +1,11 @@
 """The synchronous engine: input processing + engine core + output processing.
 
     prompt ──InputProcessor──▶ token IDs ──EngineCore.step()──▶ new token IDs
-             (every check)
-                                                   │
-            RequestOutput ◀──OutputProcessor───────┘  (text, stop strings, metrics)
+             (every check)                                         │
+            RequestOutput ◀──OutputProcessor───────────────────────┘  (text, stop strings)
 
-``LLM`` (offline) drives it in a loop; the server uses the same processors
-around an engine core that lives in another process.
+``LLM`` drives it in a loop; the server uses the same processors around an
+engine core in another process.
 """
 
 from __future__ import annotations

@@ -25,13 +25,52 @@ one scores better than the worst of them now.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from minivllm.outputs import Logprob, RequestOutput
-from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_CANDIDATES = 20  # the engine's most logprobs per token
+
+
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search``'s parameters (vLLM's names).
+
+    ``beam_width`` beams are kept each step, for ``max_tokens`` steps; a beam
+    that ends in EOS is finished (unless ``ignore_eos``). Finished beams rank
+    by ``cum_logprob / generated_len ** length_penalty`` (Hugging Face's
+    score; > 0 favours longer answers). ``temperature`` 0 scores the top
+    ``2 * beam_width`` tokens of each beam; above 0 the token the sampler
+    draws joins them.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def _bad_beam(name, value, allowed):
+            return ValueError(f"BeamSearchParams.{name}={value!r} is invalid: {allowed}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        # 2 * beam_width candidates per beam: within the engine's 20 logprobs.
+        if not (is_int(self.beam_width) and 1 <= self.beam_width <= 10):
+            raise _bad_beam("beam_width", self.beam_width, "must be an integer in [1, 10]")
+        if not (is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise _bad_beam("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 2):
+            raise _bad_beam("temperature", self.temperature, "must be in [0, 2]")
+        if not (isinstance(self.length_penalty, (int, float)) and
+                math.isfinite(self.length_penalty)):
+            raise _bad_beam("length_penalty", self.length_penalty, "must be a finite number")
 
 
 @dataclass
@@ -179,5 +218,5 @@ async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
     return [(s.result(engine.tokenizer), s.prompt_len) for s in searches]
 
 
-__all__ = ["run_beam_search_async", "BeamSearch", "BeamSearchSequence", "BeamSearchOutput", "beam_score",
-           "run_beam_search"]
+__all__ = ["BeamSearchParams", "BeamSearch", "BeamSearchSequence", "BeamSearchOutput",
+           "beam_score", "run_beam_search", "run_beam_search_async"]

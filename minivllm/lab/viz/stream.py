@@ -93,13 +93,12 @@ def record_stream(engine, prompt, params, request_id: Optional[str] = None) -> S
     asks for. Other requests already in the engine keep running; only this
     one's outputs are recorded.
     """
-    params = params.clone(output_kind=RequestOutputKind.DELTA)
-    rid = engine.add_request(prompt, params, request_id=request_id)
-    state = engine.output_processor.requests[rid]
-    if len(state.children) != 1:
+    if params.n != 1:
         raise ValueError(f"params.n={params.n} is invalid here: record_stream follows one "
                          "completion (n=1)")
-    child = state.children[0]
+    params = params.clone(output_kind=RequestOutputKind.DELTA)
+    rid = engine.add_request(prompt, params, request_id=request_id)
+    child = state = engine.output_processor.requests[rid]
     if child.detokenizer is None:
         raise ValueError("params.detokenize=False is invalid here: there would be no text "
                          "to record")

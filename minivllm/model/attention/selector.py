@@ -5,14 +5,12 @@ environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the default
 ("triton" on CUDA, "torch" elsewhere). A backend that lives outside
 ``model/`` comes in through ``extra_backends``: the CPU acceleration passes
 its "cpu" backend (``minivllm/cpu/attention.py``) and makes it the default, so
-this module imports nothing of ``minivllm/cpu``. Triton is imported only when
-its backend is wanted, so ``import minivllm`` works without it.
+this module imports nothing of ``minivllm/cpu``. Triton is probed and imported
+only when its backend is wanted (``triton_check.py``).
 """
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -64,37 +62,6 @@ def get_attention_backend(name: Optional[str] = None, device: torch.device | str
     if name != "triton":
         raise RuntimeError(f"{source}={name!r} needs the CPU acceleration, which this "
                            f"engine runs without (cpu_kernels); use 'torch'")
-    problem = triton_problem(device)
-    if problem is None:
-        from minivllm.model.attention.triton_attn import TritonAttentionBackend
-        return TritonAttentionBackend()
-    if source == "default":
-        # Nobody asked for Triton: a CUDA machine without it still works.
-        warnings.warn(f"attention backend 'triton' (the default on {device.type}) cannot run: "
-                      f"{problem}; using 'torch' instead", RuntimeWarning, stacklevel=2)
-        return TorchAttentionBackend()
-    raise RuntimeError(f"{source}='triton' cannot run on device {str(device)!r}: {problem}")
+    from minivllm.model.attention.triton_check import triton_backend
 
-
-def triton_problem(device: torch.device) -> Optional[str]:
-    """Why the Triton backend cannot run on ``device`` (and what to do), or None if it can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return (f"the 'triton' package cannot be imported ({exc}). Install it "
-                "(`pip install triton`, Linux x86-64) or use attention_backend='torch'")
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu":
-        from minivllm.model.attention.triton_attn import interpreter_active
-        if interpreter_active():
-            return None
-        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-            return ("TRITON_INTERPRET is set, but Triton was imported before it was, so Triton "
-                    "compiles for a GPU. Set it in the environment before starting Python, or "
-                    "use attention_backend='torch'")
-        return ("Triton kernels run on CPU tensors only under Triton's interpreter. Set "
-                "TRITON_INTERPRET=1 in the environment before starting Python (slow; meant "
-                "for tests), or use attention_backend='torch'")
-    return (f"Triton supports CUDA/ROCm GPUs (device type 'cuda'), not {device.type!r}; "
-            "use attention_backend='torch'")
+    return triton_backend(device, source)

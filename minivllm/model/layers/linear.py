@@ -1,18 +1,12 @@
-"""Linear layers that know how to split themselves across tensor-parallel ranks.
+"""Linear layers that split themselves across tensor-parallel ranks.
 
-- ``ColumnParallelLinear`` splits the output features: each rank computes a
-  slice of the output, no communication.
-- ``RowParallelLinear`` splits the input features: each rank holds a partial
-  sum, and one all-reduce adds them up.
-- ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` are column-parallel
-  layers built from several checkpoint tensors (q, k, v / gate, up) fused into
-  one matrix so one GEMM does the work of three (or two).
-
-Every parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that
-takes the full checkpoint tensor and copies in this rank's slice. Built with a
-``quant_config`` (``quantization/``), a layer holds a ``qweight`` of quantized
-blocks instead of ``weight``, filled by ``load_quantized`` with the same
-slices (``shard_rows``), and its ``quant_method`` computes the product.
+``ColumnParallelLinear`` splits the output features (no communication);
+``RowParallelLinear`` the input features (partial sums, one all-reduce);
+``QKVParallelLinear`` / ``MergedColumnParallelLinear`` fuse q, k, v / gate, up
+into one matrix, so one GEMM does the work of three (or two). Each parameter's
+``weight_loader`` copies this rank's slice of the full checkpoint tensor; with a
+``quant_config`` a layer holds a ``qweight`` of blocks instead, filled with the
+same slices (``shard_rows``), and its ``quant_method`` computes the product.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Tensor-parallel rank, size and collectives as the layers see them.
 
-The tensor-parallel group is torch.distributed's default group (the TP
-executor, ``minivllm.worker.tp_executor``, sets it up). When none is
-initialised (one process, the common case) rank is 0 and size is 1.
-
-A layer reads rank and size once, when it is built, and decides from its own
-``tp_size`` whether to communicate: its weights were cut for that size, so
-that, not whatever group happens to exist later, says what it must do.
-
-The step trace counts the collectives' payload bytes and rank 0's seconds in
-them (``collective_stats``); ``tp_plan.py`` says which sizes a model can be
-split into and what one forward pass should send.
+The group is torch.distributed's default one (``worker/tp_executor.py``); with
+none (one process) rank is 0 and size 1. A layer reads both once, when built: its
+weights were cut for that size, so its own ``tp_size`` says whether to communicate.
+``collective_stats`` counts the collectives' bytes and seconds for the step trace.
 """
 
 from __future__ import annotations

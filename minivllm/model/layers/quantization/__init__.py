@@ -1,16 +1,12 @@
 """Quantized weights: GGUF files computed on as they ship, and Q8_0 at load.
 
 vLLM's names: ``quantization="gguf"`` keeps a GGUF file's quantized tensors;
-``quantization="q8_0"`` quantizes a float checkpoint's linear layers at load
-(as vLLM's ``fp8`` does). A layer built with a ``QuantizationConfig`` holds a
-``QuantizedWeight`` (``tensor.py``) instead of a float ``weight``, and its
-``quant_method`` (below) turns the blocks into a product: the reference
-dequantizes the whole matrix to float32 (``ggml_types.py``) and multiplies —
-slow, plain and the numbers of the float path. The CPU kernels
-(``minivllm/cpu/quantized.py``) do the same product on the packed blocks.
-With ``activation_dtype="int8"`` x is quantized too and the Q4_0 / Q4_1 /
-Q8_0 blocks take integer dot products, llama.cpp's numbers
-(``int8_activations.py``; the kernels give the same bits).
+``"q8_0"`` quantizes a float checkpoint's linear layers at load (as vLLM's ``fp8``).
+Such a layer holds a ``QuantizedWeight`` (``tensor.py``) instead of ``weight``; the
+reference dequantizes it to float32 (``ggml_types.py``) and multiplies: plain, and
+the float path's numbers. The CPU kernels (``minivllm/cpu/quantized.py``) compute
+on the packed blocks; ``activation_dtype="int8"`` gives llama.cpp's integer dot
+products (``int8_activations.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES, quantize_q8_0
+from minivllm.model.layers.quantization.ggml_types import BLOCK_TYPES
 from minivllm.model.layers.quantization.tensor import QuantizedTensor, QuantizedWeight
 
 QUANTIZATION_METHODS = ("gguf", "q8_0")
@@ -57,6 +53,8 @@ class QuantizedLinearMethod:
         if loaded.shape[1] % 32:
             raise ValueError(f"tensor {name!r} has {loaded.shape[1]} columns: "
                              f"quantization='q8_0' needs a multiple of 32 (its block)")
+        from minivllm.model.layers.quantization.q8_0 import quantize_q8_0
+
         return QuantizedTensor(quantize_q8_0(loaded), "Q8_0", loaded.shape[1])
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
@@ -70,15 +68,8 @@ class QuantizedLinearMethod:
 
 def get_quantization_config(method: Optional[str],
                             activation_dtype: str = "auto") -> Optional[QuantizationConfig]:
-    if method is None:
-        return None
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization={method!r} is invalid: must be None or one of "
-                         f"{', '.join(QUANTIZATION_METHODS)}")
-    if activation_dtype not in ("auto", "int8"):
-        raise ValueError(f"activation_dtype={activation_dtype!r} is invalid: must be one of "
-                         f"auto, int8")
-    return QuantizationConfig(method, activation_dtype)
+    """The layers' quantization (``ModelConfig``'s, checked by config/quantization.py)."""
+    return None if method is None else QuantizationConfig(method, activation_dtype)
 
 
 __all__ = ["BLOCK_TYPES", "QUANTIZATION_METHODS", "QuantizationConfig",

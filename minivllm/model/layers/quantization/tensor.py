@@ -1,15 +1,10 @@
 """Quantized weights as they ship, and the layers' view of them.
 
-``QuantizedTensor`` is one GGUF tensor: [rows, row_bytes] bytes of one block
-type (``ggml_types.py``). Its rows are independent (blocks run along a row),
-so the loaders slice it by rows exactly as they slice a float matrix — the
-q/k/v and gate/up fusions, the column-parallel split. Slicing columns (the
-row-parallel split) must fall on block boundaries.
-
-``QuantizedWeight`` is what a layer holds: its output rows in segments, each
-of one type. A fused q/k/v weight whose parts ship in different types (common
-in llama.cpp's mixed files: ``attn_v`` in Q6_K, the others in Q4_K) keeps
-one segment per type; adjacent segments of one type are joined after loading.
+``QuantizedTensor`` is one GGUF tensor: [rows, row_bytes] bytes of one block type
+(``ggml_types.py``). Blocks run along a row, so loaders slice rows as they slice a
+float matrix; a column slice (the row-parallel split) must fall on block boundaries.
+``QuantizedWeight`` is a layer's weight: its rows in segments, one per block type
+(llama.cpp's mixed files ship ``attn_v`` in Q6_K, q and k in Q4_K).
 """
 
 from __future__ import annotations

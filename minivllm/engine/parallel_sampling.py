@@ -1,0 +1,33 @@
+"""``n > 1``: one request, ``n`` completions (vLLM's parallel sampling).
+
+The request fans out into ``n`` core requests (its children), which the engine
+core schedules like any others; they share the prompt's KV blocks through the
+prefix cache. The output processor gathers their completions into one
+``RequestOutput`` (``index`` 0 .. n-1). Loaded by the first request with n > 1.
+"""
+
+from __future__ import annotations
+
+from minivllm.sampling_params import SamplingParams
+
+
+class ParentRequest:
+    """A caller's request with n > 1 completions, each a core request of its own."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.children: list = []  # their output processor's RequestStates, by index
+
+    def fan_out(self, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+        """Each child's request id and parameters: n=1, and its own seed (seed + index)
+        so that seeded completions differ."""
+        return [(f"{i}_{self.request_id}",
+                 params.clone(n=1, seed=None if params.seed is None else params.seed + i))
+                for i in range(params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+__all__ = ["ParentRequest"]
