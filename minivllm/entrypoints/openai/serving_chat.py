@@ -7,7 +7,10 @@ choices carries the token counts. ``data: [DONE]`` ends the stream.
 
 A tool call (forced by ``tool_choice`` "required" or a named function, or
 found by the tool parser under "auto") answers with ``message.tool_calls``
-and ``finish_reason: "tool_calls"``. Streamed as OpenAI streams it: per
+and ``finish_reason: "tool_calls"``; ``parallel_tool_calls=false`` makes it one
+call by construction (tools.one_call_stop). A call cut by ``max_tokens`` is
+dropped: the calls whole before it are returned, ``finish_reason: "length"``.
+Streamed as OpenAI streams it: per
 call a first delta with its id, type, name and ``arguments: ""``, then the
 arguments in pieces as they are generated (tool_parsers.ToolCallStreamer).
 """
@@ -76,7 +79,11 @@ class OpenAIServingChat(OpenAIServing):
         tool_calls.check_tools(request.tools, request.tool_choice)
         tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        return request.to_sampling_params(kind, tool_calls.structured_outputs(request))
+        params = request.to_sampling_params(kind, tool_calls.structured_outputs(request))
+        end = tool_calls.one_call_stop(request, self._parser(request))
+        if end is not None:  # generation ends with the first call: never a second one
+            params.stop = params.stop + [end]
+        return params
 
     def _parser(self, request: ChatCompletionRequest) -> Optional[ToolParser]:
         return tool_calls.parser_for(request.tools, request.effective_tool_choice,
