@@ -110,7 +110,7 @@ class OpenAIServingChat(OpenAIServing):
             info = parser.extract_tool_calls(c.text)
             if info.tools_called:
                 return (ChatResponseMessage(content=info.content, tool_calls=info.tool_calls),
-                        _finish_reason(c, True, info.whole))
+                        tool_finish_reason(c, True, info.whole))
             if parser.forced:  # cut before its first call was whole: the text, not a call
                 return ChatResponseMessage(content=info.content), c.finish_reason
         return ChatResponseMessage(content=c.text), c.finish_reason
@@ -180,7 +180,7 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
-def _finish_reason(c: CompletionOutput, called: bool, whole: bool) -> Optional[str]:
+def tool_finish_reason(c: CompletionOutput, called: bool, whole: bool) -> Optional[str]:
     """"tool_calls" for calls that ended as the model meant; a cut call stays "length"."""
     return "tool_calls" if called and whole and c.finish_reason == "stop" else c.finish_reason
 
@@ -193,7 +193,7 @@ def _tool_call_chunks(streamer: ToolCallStreamer, c: CompletionOutput,
     reason = None
     if done:
         whole = streamer.parser.extract_tool_calls(streamer.text).whole
-        reason = _finish_reason(c, streamer.called, whole)
+        reason = tool_finish_reason(c, streamer.called, whole)
     if not deltas and (done or logprobs is not None):
         deltas = [DeltaMessage()]  # the finish reason (or logprobs) with nothing new
     for i, d in enumerate(deltas):
