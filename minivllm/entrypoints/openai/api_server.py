@@ -27,6 +27,7 @@ Usage (every engine argument is a flag; ``minivllm serve --help`` lists them)::
     minivllm serve --api-key secret --max-num-seqs 32
     minivllm serve --inprocess                    # the engine core in this process (a debugger)
     minivllm serve --enable-auto-tool-choice --tool-call-parser hermes   # tool_choice "auto"
+    minivllm serve MODEL --reasoning-parser deepseek_r1   # message.reasoning apart
 
 Chapter 11 teaches the two processes and has the server's guide ("In practice"), the
 Responses API included; chapter 18 structured outputs and tools.
@@ -229,7 +230,8 @@ def _respond(result) -> Response:
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
               stat_logger: Optional[PrometheusStatLogger] = None,
               tool_parser: Optional[str] = None,
-              lora_modules: Optional[list[str]] = None) -> FastAPI:
+              lora_modules: Optional[list[str]] = None,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
@@ -241,7 +243,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     models = OpenAIServingModels(engine, model_name, lora_modules)
-    chat = OpenAIServingChat(engine, model_name, tool_parser, models)
+    chat = OpenAIServingChat(engine, model_name, tool_parser, models, reasoning_parser)
     completion = OpenAIServingCompletion(engine, model_name, models)
     responses = OpenAIServingResponses(chat)
     messages = AnthropicServingMessages(chat)
@@ -389,6 +391,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "in; hermes: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>")
 
 
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a reasoning model's <think>...</think> from its answer: "
+                   "the chat message's `reasoning` (reasoning_parsers.py)")
+
+
 def auto_tool_parser(ns: argparse.Namespace) -> Optional[str]:
     """The parser "auto" uses, or None when "auto" is refused."""
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
@@ -464,7 +471,7 @@ def run_server(ns: argparse.Namespace) -> int:
         stat_logger = PrometheusStatLogger(model_name)
         engine = AsyncLLM(config, in_process=ns.inprocess, stat_logger=stat_logger)
         app = build_app(engine, model_name, ns.api_key, stat_logger, tool_parser,
-                        ns.lora_modules)
+                        ns.lora_modules, ns.reasoning_parser)
         print(f"minivllm: serving {model_name} on http://{ns.host}:{ns.port} "
               f"(engine core {'in process' if ns.inprocess else f'pid {engine.engine_core.pid}'})",
               flush=True)

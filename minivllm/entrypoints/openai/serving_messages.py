@@ -28,8 +28,9 @@ prompt tokens served from the prefix cache apart, as
 "error", "error": {"type", "message"}}``, their message naming the field.
 ``output_config.format`` (a JSON schema) is the chat's ``response_format``;
 ``metadata`` and ``cache_control`` are accepted (the prefix cache works
-without being asked); ``thinking`` is accepted and needs a reasoning model
-to give thinking blocks. The ``anthropic`` SDK no longer takes
+without being asked); ``thinking`` is accepted, and with
+``--reasoning-parser`` the model's reasoning comes first as a ``thinking``
+block (streamed as ``thinking_delta``; its ``signature`` is empty). The ``anthropic`` SDK no longer takes
 ``temperature``, ``top_p`` or ``top_k`` as arguments: send them in
 ``extra_body``, as vLLM takes them.
 """
@@ -37,6 +38,7 @@ to give thinking blocks. The ``anthropic`` SDK no longer takes
 from __future__ import annotations
 
 import json
+import uuid
 from typing import AsyncIterator, Optional
 
 from pydantic import ValidationError
@@ -48,7 +50,7 @@ from minivllm.entrypoints.openai.protocol.messages import (AnthropicUsage, Count
                                                            MessagesRequest, MessagesResponse,
                                                            anthropic_error)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat, tool_finish_reason
-from minivllm.entrypoints.openai.serving_engine import random_id, with_first
+from minivllm.entrypoints.openai.serving_engine import with_first
 from minivllm.entrypoints.openai.tool_parsers import ToolCallStreamer
 from minivllm.outputs import CompletionOutput, RequestOutput
 
@@ -147,6 +149,8 @@ def block_id(call_id: str) -> str:
 
 def content_blocks(message: ChatResponseMessage) -> list[dict]:
     blocks: list[dict] = []
+    if message.reasoning:  # (with --reasoning-parser)
+        blocks.append({"type": "thinking", "thinking": message.reasoning, "signature": ""})
     if message.content:
         blocks.append({"type": "text", "text": message.content})
     for call in message.tool_calls:
@@ -202,6 +206,11 @@ class BlockWriter:
 
     def add(self, d: DeltaMessage) -> list[str]:
         events: list[str] = []
+        if d.reasoning:
+            if self.kind != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(event("content_block_delta", {"index": self.index, "delta": {
+                "type": "thinking_delta", "thinking": d.reasoning}}))
         if d.content:
             if self.kind != "text":
                 events += self._start({"type": "text", "text": ""})
@@ -235,7 +244,7 @@ class AnthropicServingMessages:
         chat_req = chat_request(request, request.stream)
         try:
             params = chat.sampling_params(chat_req)
-            msg_id = random_id("msg")
+            msg_id = f"msg_{uuid.uuid4().hex}"
             streams, firsts = await chat.start_requests([chat._prompt(chat_req)], params,
                                                         msg_id, chat_req, 0, lora_request)
         except BadRequestError as e:
@@ -255,6 +264,10 @@ class AnthropicServingMessages:
                       msg_id: str, first: RequestOutput, stream) -> AsyncIterator[str]:
         parser = self.chat._parser(chat_req)
         streamer = ToolCallStreamer(parser) if parser is not None else None
+        reasoner = self.chat.reasoner()
+        if reasoner is not None:
+            from minivllm.entrypoints.openai.reasoning_parsers import ReasoningStreamer
+            thinking = ReasoningStreamer(reasoner)
         blocks = BlockWriter()
         generated, reason, sequence = 0, "end_turn", None
         yield event("message_start", {"message": MessagesResponse(
@@ -266,10 +279,14 @@ class AnthropicServingMessages:
                 c = out.outputs[0]
                 generated += len(c.token_ids)
                 done = c.finish_reason is not None
+                text, deltas = c.text, []
+                if reasoner is not None:
+                    said, text = thinking.feed(c.text, done)
+                    deltas = [DeltaMessage(reasoning=said)] if said else []
                 if streamer is not None:
-                    deltas = streamer.feed(c.text, final=done)
-                else:
-                    deltas = [DeltaMessage(content=c.text)] if c.text else []
+                    deltas += streamer.feed(text, final=done)
+                elif text:
+                    deltas.append(DeltaMessage(content=text))
                 for d in deltas:
                     for e in blocks.add(d):
                         yield e

@@ -109,7 +109,7 @@ def read_calls(text: str, args_keys: tuple[str, ...]) -> list[CallSoFar]:
     return calls
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -230,7 +230,7 @@ class Hermes2ProToolParser(ToolParser):
     def read(self, text: str, final: bool) -> tuple[str, list[CallSoFar]]:
         start = text.find(self.START)
         if start < 0:
-            held = 0 if final else _partial_tag(text, self.START)
+            held = 0 if final else partial_tag(text, self.START)
             return text[:len(text) - held], []
         calls: list[CallSoFar] = []
         while start >= 0:
@@ -238,7 +238,7 @@ class Hermes2ProToolParser(ToolParser):
             end = text.find(self.END, body_start)
             body = text[body_start:] if end < 0 else text[body_start:end]
             if end < 0 and not final:
-                body = body[:len(body) - _partial_tag(body, self.END)]
+                body = body[:len(body) - partial_tag(body, self.END)]
             for call in read_calls(body, ("arguments", "parameters")):
                 call.start += body_start  # (where it begins in the whole text)
                 calls.append(call)
