@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from minivllm.entrypoints.openai.tool_parsers import partial_tag
+from minivllm.entrypoints.openai.tool_parsers import partial_tag, registered
 
 
 class ReasoningParser:
@@ -64,10 +64,7 @@ class ReasoningParserManager:  # vLLM's name: the registry of --reasoning-parser
 
     @classmethod
     def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
-        if name not in cls.reasoning_parsers:
-            raise ValueError(f"--reasoning-parser {name!r} is unknown; the parsers are "
-                             f"{sorted(cls.reasoning_parsers)}")
-        return cls.reasoning_parsers[name]
+        return registered(cls.reasoning_parsers, name, "--reasoning-parser")
 
 
 class ReasoningStreamer:

@@ -262,15 +262,19 @@ class Hermes2ProToolParser(ToolParser):
         return "".join(f"{self.START}{json.dumps(c)}{self.END}" for c in calls)
 
 
+def registered(registry: dict, name: str, flag: str):
+    """``registry[name]``, or an error naming the flag and its choices."""
+    if name not in registry:
+        raise ValueError(f"{flag} {name!r} is unknown; the parsers are {sorted(registry)}")
+    return registry[name]
+
+
 class ToolParserManager:  # vLLM's name: the registry of --tool-call-parser choices
     tool_parsers: dict[str, type[ToolParser]] = {"hermes": Hermes2ProToolParser}
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        if name not in cls.tool_parsers:
-            raise ValueError(f"--tool-call-parser {name!r} is unknown; the parsers are "
-                             f"{sorted(cls.tool_parsers)}")
-        return cls.tool_parsers[name]
+        return registered(cls.tool_parsers, name, "--tool-call-parser")
 
 
 # -- streaming -------------------------------------------------------------------------
