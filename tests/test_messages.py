@@ -47,10 +47,10 @@ def _chat(server, messages, **body) -> dict:
 
 
 def test_plain_and_streamed_equal_the_chat_answer(server, client):
+    chat = _chat(server, [{"role": "system", "content": SYSTEM}] + ASK, max_tokens=16)
     msg = client.messages.create(model="tiny", max_tokens=16, system=SYSTEM, messages=ASK,
                                  extra_body={"temperature": 0, "top_k": 5},
                                  metadata={"user_id": "u1"})
-    chat = _chat(server, [{"role": "system", "content": SYSTEM}] + ASK, max_tokens=16)
     assert [b.type for b in msg.content] == ["text"]
     assert msg.content[0].text == chat["choices"][0]["message"]["content"]
     assert msg.stop_reason == "max_tokens" and chat["choices"][0]["finish_reason"] == "length"
@@ -98,16 +98,16 @@ def test_stop_sequence(server, client):
 
 def test_tool_use_and_its_result_equal_the_chat_answer(server, client):
     forced = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
-    msg = client.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=[TOOL],
+    msg = client.messages.create(model="tiny", max_tokens=200, messages=ASK, tools=[TOOL],
                                  tool_choice=forced, extra_body=T0)
-    chat = _chat(server, ASK, max_tokens=60, tools=[WEATHER], tool_choice={
+    chat = _chat(server, ASK, max_tokens=200, tools=[WEATHER], tool_choice={
         "type": "function", "function": {"name": "get_weather"}})["choices"][0]
     assert msg.stop_reason == "tool_use" and chat["finish_reason"] == "tool_calls"
     (use,) = msg.content
     (call,) = chat["message"]["tool_calls"]
     assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
     assert use.input == json.loads(call["function"]["arguments"])
-    with client.messages.stream(model="tiny", max_tokens=60, messages=ASK, tools=[TOOL],
+    with client.messages.stream(model="tiny", max_tokens=200, messages=ASK, tools=[TOOL],
                                 tool_choice=forced, extra_body=T0) as stream:
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use"

@@ -33,6 +33,8 @@ class ToolUseBlock(RequestModel):
     name: str = Field(min_length=1)
     input: dict
     cache_control: Optional[dict] = None
+    caller: Optional[dict] = None  # (the SDK echoes these back; no meaning here)
+    toolset_name: Optional[str] = None
 
 
 class ToolResultBlock(RequestModel):
@@ -43,6 +45,7 @@ class ToolResultBlock(RequestModel):
     content: Union[str, list[TextBlock], None] = None
     is_error: Optional[StrictBool] = None
     cache_control: Optional[dict] = None
+    toolset_name: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -79,6 +82,12 @@ class AnthropicTool(RequestModel):
     input_schema: dict
     type: Optional[Literal["custom"]] = None
     cache_control: Optional[dict] = None
+    strict: Optional[StrictBool] = None
+    # Anthropic's newer tool fields, accepted with no effect here.
+    allowed_callers: Optional[list] = None
+    defer_loading: Optional[StrictBool] = None
+    eager_input_streaming: Optional[StrictBool] = None
+    input_examples: Optional[list] = None
 
 
 class AnthropicToolChoice(RequestModel):
