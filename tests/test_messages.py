@@ -102,17 +102,22 @@ def test_tool_use_and_its_result_equal_the_chat_answer(server, client):
                                  tool_choice=forced, extra_body=T0)
     chat = _chat(server, ASK, max_tokens=200, tools=[WEATHER], tool_choice={
         "type": "function", "function": {"name": "get_weather"}})["choices"][0]
-    assert msg.stop_reason == "tool_use" and chat["finish_reason"] == "tool_calls"
-    (use,) = msg.content
-    (call,) = chat["message"]["tool_calls"]
-    assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
-    assert use.input == json.loads(call["function"]["arguments"])
+    calls = chat["message"]["tool_calls"]
+    assert [(b.type, b.name, b.input) for b in msg.content] == [
+        ("tool_use", c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in calls]
+    # A random model may pad its JSON until max_tokens: then the cut call is dropped.
+    assert (msg.stop_reason, chat["finish_reason"]) in (("tool_use", "tool_calls"),
+                                                        ("max_tokens", "length"))
+    assert all(b.id.startswith("toolu_") for b in msg.content)
     with client.messages.stream(model="tiny", max_tokens=200, messages=ASK, tools=[TOOL],
                                 tool_choice=forced, extra_body=T0) as stream:
         streamed = stream.get_final_message()
-    assert streamed.stop_reason == "tool_use"
+    assert streamed.stop_reason == msg.stop_reason
     assert [(b.type, b.name, b.input) for b in streamed.content] == [
-        ("tool_use", "get_weather", use.input)]
+        (b.type, b.name, b.input) for b in msg.content]
+    use = msg.content[0] if msg.content else anthropic.types.ToolUseBlock(
+        type="tool_use", id="toolu_1", name="get_weather", input={"city": "Paris", "unit": "C"})
     # The tool's result sent back: the answer is the chat's on the same history.
     history = ASK + [{"role": "assistant", "content": [use.model_dump()]},
                      {"role": "user", "content": [{"type": "tool_result",
