@@ -420,10 +420,10 @@ llm.shutdown()
 # `function.name` and `arguments: ""`, then `function.arguments`, sent once the call
 # is complete (its JSON whole), so the streamed answer equals the non-streamed one
 # (the arguments are the model's own JSON text). `role: "tool"` messages go back
-# into the history. A call cut short by `max_tokens` is never returned or streamed
-# as a call: the complete calls before it are calls, and its text (from the cut call
-# on) is the `content`, with `finish_reason: "length"`, streamed or not; a free
-# (`"auto"`) answer with no complete call is all content.
+# into the history. A call cut short by `max_tokens` is never returned or streamed,
+# neither as a call nor as `content`: the complete calls before it are calls, with
+# `finish_reason: "length"` (Responses: `incomplete`), streamed or not; a free
+# (`"auto"`) answer whose call is whole but malformed is all content.
 
 # %% [markdown]
 # ## Summary
@@ -440,3 +440,56 @@ llm.shutdown()
 # - A forced tool call is the same mechanism with the function's parameters as the
 #   schema.
 
+# %% [markdown]
+# ## In practice: the server agents point at
+#
+# Agents loop: the model calls a tool, the client runs it and sends the result back,
+# the model goes on. What they need from the server, and what minivllm does:
+#
+# - **One call when asked for one.** `parallel_tool_calls: false` is a property of the
+#   generation, not a filter applied after it: under `"required"` the grammar's list
+#   has `maxItems: 1`; under `"auto"` the parser's end tag (`</tool_call>`) is a stop
+#   string, so generation ends where the first call closes and no second call is ever
+#   generated. The OpenAI Agents SDK with a function tool, `tool_choice="required"` and
+#   `parallel_tool_calls=False` runs to its final output on SmolLM2-135M.
+# - **A cut is a cut.** When `max_tokens` ends the answer inside a call, the calls
+#   whole before it are returned and the answer says so (`finish_reason: "length"`,
+#   `status: "incomplete"`); the cut call's JSON is never a call nor answer text. (The
+#   Agents SDK stops on an incomplete response, as it does against OpenAI: give the
+#   agent tokens enough for its calls.)
+# - **Anthropic's Messages API.** Coding agents speak `POST /v1/messages`
+#   ([`serving_messages.py`](../minivllm/entrypoints/openai/serving_messages.py)).
+#   It is a translation, not a second engine path: `system`, content blocks
+#   (`text`, `tool_use`, `tool_result`), tools' `input_schema`, `tool_choice`
+#   auto/any/tool/none (the chat's auto/required/named/none),
+#   `disable_parallel_tool_use`, `stop_sequences` become the chat request that says
+#   the same, so the answer is the chat endpoint's token for token, returned as
+#   content blocks with Anthropic's `stop_reason` (`end_turn`, `max_tokens`,
+#   `stop_sequence`, `tool_use`), usage with `cache_read_input_tokens` (the prompt
+#   tokens the prefix cache served), and streamed as Anthropic's events
+#   (`message_start`, `ping`, `content_block_start`/`delta`/`stop`, `message_delta`,
+#   `message_stop`). `POST /v1/messages/count_tokens` counts a prompt; errors there
+#   have Anthropic's shape. With the `anthropic` SDK:
+#
+# - **Reasoning apart.** `minivllm serve MODEL --reasoning-parser deepseek_r1` (or
+#   `qwen3`, vLLM's names) splits a reasoning model's `<think>…</think>` from its
+#   answer: the chat message's `reasoning` (also sent as `reasoning_content`, the older
+#   name; both are accepted back in the history), streamed as `delta.reasoning`, and a
+#   `thinking` block in the Messages API. `deepseek_r1` reads an answer that opens
+#   inside the thinking (R1's template writes `<think>` into the prompt) and counts an
+#   answer cut before `</think>` as all reasoning; `qwen3` reasons only when the answer
+#   opens with `<think>`. The parser holds back a partial tag while streaming, so the
+#   streamed pieces add up to the whole answer's split.
+#
+# ```python
+# import anthropic
+# client = anthropic.Anthropic(base_url="http://127.0.0.1:8000", api_key="none")
+# msg = client.messages.create(
+#     model="HuggingFaceTB/SmolLM2-135M-Instruct", max_tokens=64,
+#     messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+#     tools=[{"name": "get_weather", "input_schema": {"type": "object", "properties": {
+#         "city": {"type": "string"}}, "required": ["city"]}}],
+#     tool_choice={"type": "tool", "name": "get_weather"},
+#     extra_body={"temperature": 0})  # (the SDK dropped its sampling arguments)
+# msg.content[0].input, msg.stop_reason   # ({'city': ...}, 'tool_use')
+# ```

@@ -4,6 +4,8 @@ the OpenAI Agents SDK (Responses API, a function tool, to a final answer) and
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import BaseModel, Field
 
@@ -48,7 +50,35 @@ def test_agents_sdk_runs_a_function_tool_to_a_final_answer(server):
     assert result.final_output == f"It is sunny and 21 degrees in {asked[0]}."
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item"]
-    assert result.raw_responses[0].output[0].type == "function_call"
+    assert [o.type for o in result.raw_responses[0].output] == ["function_call"]
+    assert len(asked) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_output_tokens_is_dropped(server, stream):
+    """The issue's run: parallel calls allowed (the SDK's default), 48 tokens. SmolLM2
+    repeats its call until cut; the whole call is a function_call, the cut one is
+    neither a call nor message text, and the response says incomplete (on which the
+    Agents SDK stops, as it does against OpenAI)."""
+    from openai import OpenAI
+
+    tool = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"], "additionalProperties": False}}
+    with OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+        kwargs = dict(model=SERVED, input="What is the weather in Paris?", tools=[tool],
+                      tool_choice="required", temperature=0, max_output_tokens=48)
+        if stream:
+            events = list(client.responses.create(stream=True, **kwargs))
+            assert events[-1].type == "response.incomplete"
+            r = events[-1].response
+        else:
+            r = client.responses.create(**kwargs)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in r.output] == ["function_call"]  # no message with the cut JSON
+    assert r.output[0].name == "get_weather"
+    assert isinstance(json.loads(r.output[0].arguments)["city"], str)
 
 
 class City(BaseModel):

@@ -221,28 +221,32 @@ def _parses(text: str) -> bool:
 
 def test_a_call_cut_short_is_not_a_call():
     """SmolLM2 at temperature 0 repeats its "required" call until max_tokens; the call
-    cut there is the content, never a call with broken JSON arguments."""
+    cut there is dropped: never a call with broken JSON arguments, never answer text."""
     whole = {"name": "get_weather", "parameters": {"city": "Paris"}}
     cut = '{"name": "get_weather", "parameters": {"city": "Paris",'
     text = "[" + json.dumps(whole) + ", " + cut
     info = RequiredCallsReader(_tools(*TOOLS)).extract_tool_calls(text)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls] == [
         (whole["name"], whole["parameters"])]
-    assert info.content == cut and not info.whole
-    # Cut before any call is whole: no calls, the text is the content.
+    assert info.content is None and not info.whole
+    # Cut before any call is whole: no calls and no content.
     info = RequiredCallsReader(_tools(*TOOLS)).extract_tool_calls("[" + cut)
-    assert info.tool_calls == [] and not info.tools_called and info.content == cut
+    assert info.tool_calls == [] and not info.tools_called and info.content is None
     named = NamedCallReader(_tools(*TOOLS), "get_weather").extract_tool_calls('{"city": "Pa')
-    assert not named.tools_called and named.content == '{"city": "Pa'
-    # A free (hermes) answer: the complete call is a call, the cut one the content.
+    assert not named.tools_called and named.content is None and not named.whole
+    # A free (hermes) answer: the complete call is a call, the cut one dropped.
     free = Hermes2ProToolParser(_tools(*TOOLS))
     text = "<tool_call>" + json.dumps({"name": "get_time", "arguments": {"zone": "UTC"}})
     info = free.extract_tool_calls(text + "</tool_call><tool_call>" + cut)
     assert [c.function.name for c in info.tool_calls] == ["get_time"]
-    assert info.content == cut and not info.whole
-    # Cut before its first call is whole: all content.
+    assert info.content is None and not info.whole
+    # Cut before its first call is whole: the words before it are the content.
     info = free.extract_tool_calls("Sure. <tool_call>" + cut)
-    assert not info.tools_called and info.content == "Sure. <tool_call>" + cut
+    assert not info.tools_called and info.content == "Sure. " and not info.whole
+    # A whole call that is no call (its arguments not an object): all of it is content.
+    bad = 'Sure. <tool_call>{"name": "get_time", "arguments": 3}</tool_call>'
+    info = free.extract_tool_calls(bad)
+    assert not info.tools_called and info.content == bad
 
 
 @pytest.mark.parametrize("reader, text", [
@@ -251,16 +255,16 @@ def test_a_call_cut_short_is_not_a_call():
     (Hermes2ProToolParser, 'Let me see.<tool_call>{"name": "get_time", "arguments": '
                            '{"zone": "UTC"}}</tool_call><tool_call>{"name": "get_weather", '
                            '"arguments": {"city": "Pa')])
-def test_a_streamed_cut_call_is_content_as_in_the_whole_answer(tools_tokenizer, reader, text):
-    """Token by token, a call goes out only once complete: the cut one's text arrives
-    as content at the end, so the stream adds up to the non-streamed answer."""
+def test_a_streamed_cut_call_is_dropped_as_in_the_whole_answer(tools_tokenizer, reader, text):
+    """Token by token, a call goes out only once complete: the cut one never goes out,
+    so the stream adds up to the non-streamed answer."""
     parser = reader(_tools(*TOOLS))
     info = parser.extract_tool_calls(text)
     content, calls = _stream(parser, _token_pieces(tools_tokenizer, text))
     before = text[:text.find("<tool_call>")] if "<tool_call>" in text else ""
     assert info.tools_called and not info.whole
-    assert info.content == before + text[text.index('{"name": "get_weather"'):]
-    assert content == info.content
+    assert (info.content or "") == before
+    assert content == before
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in info.tool_calls]
     assert all(json.loads(c["arguments"]) for c in calls.values())
@@ -278,7 +282,7 @@ def test_streamed_arguments_are_the_models_own_json_text(tools_tokenizer):
     assert [c.function.arguments for c in info.tool_calls] == [args]
     content, calls = _stream(parser, _token_pieces(tools_tokenizer, text))
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", args)]
-    assert content == info.content == '{"name": "get_time", "arguments": {"zone": "U'
+    assert content == "" and info.content is None
 
 
 # -- through the server (a tiny random model) ----------------------------------------------
@@ -381,7 +385,7 @@ def test_required_chooses_among_several_tools(plain_server):
                                 SCHEMAS[c["function"]["name"]])
         if choice["finish_reason"] != "tool_calls":
             assert choice["finish_reason"] == "length"  # a random model calls many tools
-            assert message["content"] and not _parses(message["content"])  # the cut call
+            assert message["content"] is None  # the cut call: neither a call nor text
             continue
         assert message["tool_calls"] and message["content"] is None
         whole += 1
@@ -421,6 +425,28 @@ def test_auto_reads_a_call_in_the_template_format(auto_server):
     assert content == "Let me see. " and reasons[-1] == "tool_calls"
     _assert_same_calls(whole["message"], calls)
     assert [c["name"] for c in calls.values()] == ["get_time"]
+
+
+TWO_CALLS = (CALL_REGEX + r'<tool_call>\{"name": "get_weather", "arguments": '
+             r'\{"city": "[A-Z][a-z]{2,6}"\}\}</tool_call>')
+
+
+def test_auto_parallel_false_generates_one_call(auto_server):
+    """Asked (by a regex) for two calls: parallel_tool_calls=false stops generation where
+    the first call closes, so the second is never generated (nor cut afterwards)."""
+    body = {"tools": [WEATHER, TIME], "seed": 3, "max_tokens": 300,
+            "structured_outputs": {"regex": TWO_CALLS}}
+    both = _chat(auto_server, **body)
+    assert [c["function"]["name"] for c in both["message"]["tool_calls"]] == [
+        "get_time", "get_weather"]
+    one = _chat(auto_server, parallel_tool_calls=False, **body)
+    # Ended by the stop string (not max_tokens: the regex alone would go on).
+    assert one["finish_reason"] == "tool_calls" and one["message"]["content"] == "Let me see. "
+    assert one["message"]["tool_calls"][0]["function"] == both["message"]["tool_calls"][0][
+        "function"] and len(one["message"]["tool_calls"]) == 1
+    content, calls, reasons = _chat_streamed(auto_server, parallel_tool_calls=False, **body)
+    assert content == "Let me see. " and reasons[-1] == "tool_calls"
+    _assert_same_calls(one["message"], calls)
 
 
 def test_auto_answer_in_words_is_content(auto_server):

@@ -6,6 +6,7 @@
 Routes:
     POST /v1/chat/completions, /v1/completions   streaming (SSE) or not
     POST /v1/responses                           OpenAI's Responses API (serving_responses.py)
+    POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API (serving_messages.py)
     GET, DELETE /v1/responses/{id}, POST .../cancel   stored responses
     GET  /v1/models                              the served model and its LoRA adapters
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter
@@ -16,8 +17,9 @@ Routes:
     GET  /                                       the demo page
 
 Every error has OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``. With ``--api-key`` the ``/v1`` routes need ``Authorization:
-Bearer <key>``. A client that disconnects aborts its request in the engine.
+"code"}}`` (under ``/v1/messages`` Anthropic's, ``{"type": "error", "error":
+{"type", "message"}}``). With ``--api-key`` the ``/v1`` routes need
+``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``). A client that disconnects aborts its request in the engine.
 
 Usage (every engine argument is a flag; ``minivllm serve --help`` lists them)::
 
@@ -25,6 +27,7 @@ Usage (every engine argument is a flag; ``minivllm serve --help`` lists them)::
     minivllm serve --api-key secret --max-num-seqs 32
     minivllm serve --inprocess                    # the engine core in this process (a debugger)
     minivllm serve --enable-auto-tool-choice --tool-call-parser hermes   # tool_choice "auto"
+    minivllm serve MODEL --reasoning-parser deepseek_r1   # message.reasoning apart
 
 Chapter 11 teaches the two processes and has the server's guide ("In practice"), the
 Responses API included; chapter 18 structured outputs and tools.
@@ -64,6 +67,9 @@ from minivllm.entrypoints.openai.protocol.responses import ResponseDeleted, Resp
 from minivllm.entrypoints.openai.serving_responses import (OpenAIServingResponses,
                                                            ResponseNotFoundError)
 from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
+from minivllm.entrypoints.openai.protocol.messages import (MessagesCountTokensRequest,
+                                                           MessagesRequest, anthropic_error)
+from minivllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from minivllm.entrypoints.openai.serving_models import (LoadLoRAAdapterRequest,
                                                         OpenAIServingModels,
                                                         UnloadLoRAAdapterRequest,
@@ -79,8 +85,19 @@ GRACEFUL_SHUTDOWN_S = 5
 
 # -- errors in OpenAI's shape ---------------------------------------------------------
 def error_response(status: int, message: str, err_type: str, param: Optional[str] = None,
-                   code: Optional[str | int] = None) -> JSONResponse:
+                   code: Optional[str | int] = None, path: str = "") -> JSONResponse:
+    """The error in OpenAI's shape, or in Anthropic's on the Messages API's routes."""
+    if path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error(ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                            message), status_code=status)
     return JSONResponse(error_body(message, err_type, param, code), status_code=status)
+
+
+# Anthropic's error types by status.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
 
 
 def _describe_validation_error(exc: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -105,37 +122,43 @@ def _describe_validation_error(exc: RequestValidationError) -> tuple[str, Option
 
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, exc: RequestValidationError):
+    async def validation_error(req: Request, exc: RequestValidationError):
         message, field = _describe_validation_error(exc)
-        return error_response(400, message, "invalid_request_error", field)
+        return error_response(400, message, "invalid_request_error", field,
+                              path=req.url.path)
 
     @app.exception_handler(InvalidRequestError)  # the server's BadRequestError too
-    async def bad_request(_, exc: InvalidRequestError):
-        return error_response(400, str(exc), "invalid_request_error", exc.param)
+    async def bad_request(req: Request, exc: InvalidRequestError):
+        message = str(exc)
+        if req.url.path.startswith("/v1/messages") and exc.param and exc.param not in message:
+            message = f"{exc.param}: {message}"  # (Anthropic's shape has no param field)
+        return error_response(400, message, "invalid_request_error", exc.param,
+                              path=req.url.path)
 
     @app.exception_handler(ModelNotFoundError)
-    async def model_not_found(_, exc: ModelNotFoundError):
+    async def model_not_found(req: Request, exc: ModelNotFoundError):
         return error_response(404, str(exc), "invalid_request_error", "model",
-                              "model_not_found")
+                              "model_not_found", path=req.url.path)
 
     @app.exception_handler(ResponseNotFoundError)
     async def response_not_found(_, exc: ResponseNotFoundError):
         return error_response(404, str(exc), "invalid_request_error", exc.param, "not_found")
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_, exc: EngineDeadError):
-        return error_response(503, str(exc), "service_unavailable_error", code=503)
+    async def engine_dead(req: Request, exc: EngineDeadError):
+        return error_response(503, str(exc), "service_unavailable_error", code=503,
+                              path=req.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, exc: StarletteHTTPException):
+    async def http_error(req: Request, exc: StarletteHTTPException):
         err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(exc.status_code, str(exc.detail), err_type,
-                              code=exc.status_code)
+                              code=exc.status_code, path=req.url.path)
 
     @app.exception_handler(Exception)
-    async def server_error(_, exc: Exception):
+    async def server_error(req: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
-                              "server_error", code=500)
+                              "server_error", code=500, path=req.url.path)
 
 
 # -- the API key -----------------------------------------------------------------------
@@ -145,15 +168,20 @@ class APIKeyMiddleware:
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
             # compare_digest: the time taken does not reveal how much matched.
-            if not hmac.compare_digest(given, self.expected):
+            # Anthropic's clients send the key as x-api-key.
+            if not (hmac.compare_digest(given, self.expected)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 response = error_response(401, "missing or wrong API key: send "
-                                          "'Authorization: Bearer <key>'",
-                                          "invalid_request_error", code="invalid_api_key")
+                                          "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                                          "invalid_request_error", code="invalid_api_key",
+                                          path=scope["path"])
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -202,7 +230,8 @@ def _respond(result) -> Response:
 def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
               stat_logger: Optional[PrometheusStatLogger] = None,
               tool_parser: Optional[str] = None,
-              lora_modules: Optional[list[str]] = None) -> FastAPI:
+              lora_modules: Optional[list[str]] = None,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
@@ -214,9 +243,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     models = OpenAIServingModels(engine, model_name, lora_modules)
-    chat = OpenAIServingChat(engine, model_name, tool_parser, models)
+    chat = OpenAIServingChat(engine, model_name, tool_parser, models, reasoning_parser)
     completion = OpenAIServingCompletion(engine, model_name, models)
     responses = OpenAIServingResponses(chat)
+    messages = AnthropicServingMessages(chat)
     serve_completed_schema(app, lambda: [c.id for c in models.cards()],
                            engine.config.model.vocab_size, engine.max_model_len)
 
@@ -234,6 +264,14 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     async def create_response(body: ResponsesRequest, request: Request):
         return _respond(await run_until_disconnected(
             request, responses.create_response(body)))
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request):
+        return _respond(await run_until_disconnected(request, messages.create_message(body)))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: MessagesCountTokensRequest):
+        return _respond(messages.count_tokens(body))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
@@ -353,6 +391,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "in; hermes: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>")
 
 
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a reasoning model's <think>...</think> from its answer: "
+                   "the chat message's `reasoning` (reasoning_parsers.py)")
+
+
 def auto_tool_parser(ns: argparse.Namespace) -> Optional[str]:
     """The parser "auto" uses, or None when "auto" is refused."""
     if ns.enable_auto_tool_choice and not ns.tool_call_parser:
@@ -428,7 +471,7 @@ def run_server(ns: argparse.Namespace) -> int:
         stat_logger = PrometheusStatLogger(model_name)
         engine = AsyncLLM(config, in_process=ns.inprocess, stat_logger=stat_logger)
         app = build_app(engine, model_name, ns.api_key, stat_logger, tool_parser,
-                        ns.lora_modules)
+                        ns.lora_modules, ns.reasoning_parser)
         print(f"minivllm: serving {model_name} on http://{ns.host}:{ns.port} "
               f"(engine core {'in process' if ns.inprocess else f'pid {engine.engine_core.pid}'})",
               flush=True)

@@ -7,7 +7,10 @@ choices carries the token counts. ``data: [DONE]`` ends the stream.
 
 A tool call (forced by ``tool_choice`` "required" or a named function, or
 found by the tool parser under "auto") answers with ``message.tool_calls``
-and ``finish_reason: "tool_calls"``. Streamed as OpenAI streams it: per
+and ``finish_reason: "tool_calls"``; ``parallel_tool_calls=false`` makes it one
+call by construction (tools.one_call_stop). A call cut by ``max_tokens`` is
+dropped: the calls whole before it are returned, ``finish_reason: "length"``.
+Streamed as OpenAI streams it: per
 call a first delta with its id, type, name and ``arguments: ""``, then the
 arguments in pieces as they are generated (tool_parsers.ToolCallStreamer).
 """
@@ -52,10 +55,20 @@ def chat_logprobs(c: CompletionOutput, top_n: int) -> Optional[ChatChoiceLogprob
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine, model_name: str, tool_parser: Optional[str] = None,
-                 models=None) -> None:
+                 models=None, reasoning_parser: Optional[str] = None) -> None:
         super().__init__(engine, model_name, models)
         # Set by --enable-auto-tool-choice --tool-call-parser NAME: reads "auto" answers.
         self.tool_parser = tool_parser
+        # Set by --reasoning-parser NAME: the <think> part is the message's reasoning.
+        self.reasoning_parser = reasoning_parser
+
+    def reasoner(self):
+        """The reasoning parser (reasoning_parsers.py), None without --reasoning-parser."""
+        if self.reasoning_parser is None:
+            return None
+        from minivllm.entrypoints.openai.reasoning_parsers import ReasoningParserManager
+
+        return ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)()
 
     async def create_chat_completion(self, request: ChatCompletionRequest):
         """A ``ChatCompletionResponse``, or an async iterator of SSE strings."""
@@ -76,7 +89,11 @@ class OpenAIServingChat(OpenAIServing):
         tool_calls.check_tools(request.tools, request.tool_choice)
         tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        return request.to_sampling_params(kind, tool_calls.structured_outputs(request))
+        params = request.to_sampling_params(kind, tool_calls.structured_outputs(request))
+        end = tool_calls.one_call_stop(request, self._parser(request))
+        if end is not None:  # generation ends with the first call: never a second one
+            params.stop = params.stop + [end]
+        return params
 
     def _parser(self, request: ChatCompletionRequest) -> Optional[ToolParser]:
         return tool_calls.parser_for(request.tools, request.effective_tool_choice,
@@ -98,15 +115,27 @@ class OpenAIServingChat(OpenAIServing):
         return tokenizer.encode(text, add_special_tokens=False)
 
     def _message(self, parser: Optional[ToolParser], c: CompletionOutput):
-        """(message, finish_reason) of one finished choice."""
+        """(message, finish_reason) of one finished choice; its reasoning apart."""
+        reasoner, text = self.reasoner(), c.text
+        reasoning = None
+        if reasoner is not None:
+            reasoning, text = reasoner.extract_reasoning(c.text)
+        message, finish_reason = self._answer(parser, c, text or "")
+        if reasoner is not None:
+            message.reasoning = message.reasoning_content = reasoning
+            message.content = message.content or None  # all of it was reasoning
+        return message, finish_reason
+
+    def _answer(self, parser: Optional[ToolParser], c: CompletionOutput, text: str):
+        """(message, finish_reason) of the answer's text (the reasoning left out)."""
         if parser is not None:
-            info = parser.extract_tool_calls(c.text)
+            info = parser.extract_tool_calls(text)
             if info.tools_called:
                 return (ChatResponseMessage(content=info.content, tool_calls=info.tool_calls),
-                        _finish_reason(c, True, info.whole))
+                        tool_finish_reason(c, True, info.whole))
             if parser.forced:  # cut before its first call was whole: the text, not a call
                 return ChatResponseMessage(content=info.content), c.finish_reason
-        return ChatResponseMessage(content=c.text), c.finish_reason
+        return ChatResponseMessage(content=text), c.finish_reason
 
     def chat_full_response(self, request: ChatCompletionRequest, request_id: str,
                            final: RequestOutput) -> ChatCompletionResponse:
@@ -135,6 +164,8 @@ class OpenAIServingChat(OpenAIServing):
         finished: set[int] = set()
         parser = self._parser(request)
         streamers: dict[int, ToolCallStreamer] = {}  # per choice, with a tool parser
+        reasoner = self.reasoner()
+        thinking: dict = {}  # per choice, with a reasoning parser: its ReasoningStreamer
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
@@ -154,13 +185,26 @@ class OpenAIServingChat(OpenAIServing):
                         continue  # bytes of a character held back: nothing to send yet
                     if c.finish_reason is not None:
                         finished.add(c.index)
+                    text = c.text
+                    if reasoner is not None:
+                        if c.index not in thinking:
+                            from minivllm.entrypoints.openai.reasoning_parsers import \
+                                ReasoningStreamer
+                            thinking[c.index] = ReasoningStreamer(reasoner)
+                        said, text = thinking[c.index].feed(c.text, c.finish_reason is not None)
+                        if said:
+                            yield chunk([ChatCompletionStreamChoice(index=c.index, delta=(
+                                DeltaMessage(reasoning=said, reasoning_content=said)))])
+                        if not text and c.finish_reason is None and not c.logprobs:
+                            continue
                     if parser is not None:
                         streamer = streamers.setdefault(c.index, ToolCallStreamer(parser))
-                        for piece in _tool_call_chunks(streamer, c, chat_logprobs(c, top_n)):
+                        for piece in _tool_call_chunks(streamer, c, chat_logprobs(c, top_n),
+                                                       text):
                             yield chunk([piece])
                         continue
                     yield chunk([ChatCompletionStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text),
+                        index=c.index, delta=DeltaMessage(content=text),
                         logprobs=chat_logprobs(c, top_n), finish_reason=c.finish_reason)])
             if include_usage:
                 yield sse(ChatCompletionChunk(id=request_id, created=created,
@@ -173,20 +217,21 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
-def _finish_reason(c: CompletionOutput, called: bool, whole: bool) -> Optional[str]:
+def tool_finish_reason(c: CompletionOutput, called: bool, whole: bool) -> Optional[str]:
     """"tool_calls" for calls that ended as the model meant; a cut call stays "length"."""
     return "tool_calls" if called and whole and c.finish_reason == "stop" else c.finish_reason
 
 
 def _tool_call_chunks(streamer: ToolCallStreamer, c: CompletionOutput,
-                      logprobs: Optional[ChatChoiceLogprobs]):
-    """The stream choices of one step of a choice read by a tool parser."""
+                      logprobs: Optional[ChatChoiceLogprobs], text: str):
+    """The stream choices of one step of a choice read by a tool parser (``text``: the
+    step's answer text, its reasoning left out)."""
     done = c.finish_reason is not None
-    deltas = streamer.feed(c.text, final=done)
+    deltas = streamer.feed(text, final=done)
     reason = None
     if done:
         whole = streamer.parser.extract_tool_calls(streamer.text).whole
-        reason = _finish_reason(c, streamer.called, whole)
+        reason = tool_finish_reason(c, streamer.called, whole)
     if not deltas and (done or logprobs is not None):
         deltas = [DeltaMessage()]  # the finish reason (or logprobs) with nothing new
     for i, d in enumerate(deltas):

@@ -12,8 +12,8 @@ Every parser ``read``s the text *so far* into the content and the calls seen
 so far (a name once its string is whole, the arguments as raw JSON text).
 Streaming sends what a read has that the reads before did not, a call only
 once it is complete (its object whole, its arguments parsable): a call cut
-by ``max_tokens`` is never streamed as a call, its text ends the content, as
-in the non-streamed answer, which is one read of the whole text. So the
+by ``max_tokens`` is never streamed, neither as a call nor as content, as in
+the non-streamed answer, which is one read of the whole text. So the
 streamed pieces add up to the non-streamed answer, and the arguments are the
 model's own JSON text.
 """
@@ -109,7 +109,7 @@ def read_calls(text: str, args_keys: tuple[str, ...]) -> list[CallSoFar]:
     return calls
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -157,18 +157,31 @@ class ToolParser(ABC):
         return next((i for i, c in enumerate(calls) if not self.complete(c)), len(calls))
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCallInformation:
-        """The complete calls. A call cut short (by ``max_tokens``) is never returned as a
-        call: the complete ones before it are, and its text (from the cut call on) ends
-        the content (``whole`` False). A free answer with no complete call is content."""
+        """The complete calls. A call cut short (by ``max_tokens``: its object never
+        closed) is neither a call nor content: the complete calls before it are
+        returned, its text is dropped and ``whole`` is False (the answer ends
+        "length"/incomplete). A free answer whose first call is whole but malformed
+        was no call after all: all of it is content."""
         content, calls = self.read(text, final=True)
         n = self.complete_calls(calls)
-        if not self.forced and n == 0:
+        cut = n < len(calls) and self.cut(text, calls[n])
+        if not self.forced and n == 0 and not cut:
             return ExtractedToolCallInformation(False, content=text)  # not a call after all
         out = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
                for c in calls[:n]]
-        content += text[calls[n].start:] if n < len(calls) else ""
+        if n < len(calls) and not cut:  # a whole call that is no call: its text stays
+            content += text[calls[n].start:]
         return ExtractedToolCallInformation(bool(out), out, content if content.strip() else None,
                                             whole=n == len(calls))
+
+    def cut(self, text: str, call: CallSoFar) -> bool:
+        """The call was cut short (its text ran out before its object closed)."""
+        return not call.done
+
+    def end_of_call(self) -> Optional[str]:
+        """The text that closes one call of a free answer: the stop string that makes
+        ``parallel_tool_calls=false`` at most one call (None: not a free format)."""
+        return None
 
 
 def _is_object(text: str) -> bool:
@@ -217,7 +230,7 @@ class Hermes2ProToolParser(ToolParser):
     def read(self, text: str, final: bool) -> tuple[str, list[CallSoFar]]:
         start = text.find(self.START)
         if start < 0:
-            held = 0 if final else _partial_tag(text, self.START)
+            held = 0 if final else partial_tag(text, self.START)
             return text[:len(text) - held], []
         calls: list[CallSoFar] = []
         while start >= 0:
@@ -225,7 +238,7 @@ class Hermes2ProToolParser(ToolParser):
             end = text.find(self.END, body_start)
             body = text[body_start:] if end < 0 else text[body_start:end]
             if end < 0 and not final:
-                body = body[:len(body) - _partial_tag(body, self.END)]
+                body = body[:len(body) - partial_tag(body, self.END)]
             for call in read_calls(body, ("arguments", "parameters")):
                 call.start += body_start  # (where it begins in the whole text)
                 calls.append(call)
@@ -233,6 +246,12 @@ class Hermes2ProToolParser(ToolParser):
                 break
             start = text.find(self.START, end + len(self.END))
         return text[:text.find(self.START)], calls
+
+    def cut(self, text: str, call: CallSoFar) -> bool:  # (not: closed on broken JSON)
+        return not call.done and self.END not in text[call.start:]
+
+    def end_of_call(self) -> Optional[str]:
+        return self.END
 
     def instructions(self) -> str:
         return ("To call a function, answer with <tool_call>{\"name\": <its name>, "
@@ -243,15 +262,19 @@ class Hermes2ProToolParser(ToolParser):
         return "".join(f"{self.START}{json.dumps(c)}{self.END}" for c in calls)
 
 
+def registered(registry: dict, name: str, flag: str):
+    """``registry[name]``, or an error naming the flag and its choices."""
+    if name not in registry:
+        raise ValueError(f"{flag} {name!r} is unknown; the parsers are {sorted(registry)}")
+    return registry[name]
+
+
 class ToolParserManager:  # vLLM's name: the registry of --tool-call-parser choices
     tool_parsers: dict[str, type[ToolParser]] = {"hermes": Hermes2ProToolParser}
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        if name not in cls.tool_parsers:
-            raise ValueError(f"--tool-call-parser {name!r} is unknown; the parsers are "
-                             f"{sorted(cls.tool_parsers)}")
-        return cls.tool_parsers[name]
+        return registered(cls.tool_parsers, name, "--tool-call-parser")
 
 
 # -- streaming -------------------------------------------------------------------------
@@ -292,8 +315,8 @@ class ToolCallStreamer:
             out.append(DeltaMessage(tool_calls=[ToolCallDelta(
                 index=i, function=FunctionCallDelta(arguments=call.arguments))]))
         if final:
-            # What is left as content: a cut call's text, or text that looked like
-            # the start of a call but never became one.
+            # What is left as content: text that looked like the start of a call
+            # but never became one (a cut call's text is dropped, as in the whole answer).
             whole = self.parser.extract_tool_calls(self.text).content or ""
             if len(whole) > len(self.content) and whole.startswith(self.content):
                 out.append(DeltaMessage(content=whole[len(self.content):]))

@@ -8,7 +8,9 @@ of the tools (vLLM's shape; the list holds one call when
 ``parallel_tool_calls`` is false). ``"auto"`` lets the model answer freely
 and a tool parser (tool_parsers.py, ``--tool-call-parser``) finds the calls
 in its text; as in vLLM, without one the server refuses "auto", which is
-also the default when tools are given. ``"none"`` forces nothing.
+also the default when tools are given; with ``parallel_tool_calls=false``
+generation stops where the first call closes (the parser's end tag as a
+stop string). ``"none"`` forces nothing.
 
 The tools go through the chat template (``apply_chat_template(tools=...)``).
 A template that never mentions tools (SmolLM2's) would drop them, so they are
@@ -102,6 +104,16 @@ def parser_for(tools: list[ChatTool], choice: Optional[ToolChoice],
     if choice == "required":
         return RequiredCallsReader(tools)
     return ToolParserManager.get_tool_parser(auto_parser)(tools) if auto_parser else None
+
+
+def one_call_stop(request: ChatCompletionRequest,
+                  parser: Optional[ToolParser]) -> Optional[str]:
+    """``parallel_tool_calls=false`` under "auto": the stop string that ends generation
+    where the first call closes (the forced choices get one call from their grammar).
+    The model never generates a second call, so none is ever cut off afterwards."""
+    if request.parallel_tool_calls is not False or parser is None or parser.forced:
+        return None
+    return parser.end_of_call()
 
 
 def check_auto(tools: Optional[list[ChatTool]], choice: Optional[ToolChoice],

@@ -81,6 +81,9 @@ class ChatMessage(RequestModel):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message: which call it answers
+    # An assistant's earlier reasoning (vLLM's name, and its older alias).
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
     # The schema says what ChatCompletionRequest.check enforces (its 400 names the
     # message): a content, or an assistant message's tool calls.
@@ -100,6 +103,9 @@ class ChatMessage(RequestModel):
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # (the name reasoning templates read)
+            out["reasoning_content"] = reasoning
         return out
 
 
@@ -188,6 +194,9 @@ class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # With --reasoning-parser: the model's thinking (``reasoning_content``: its alias).
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -213,6 +222,8 @@ class DeltaMessage(ResponseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
     tool_calls: Optional[list[ToolCallDelta]] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None  # (the alias, as vLLM still sends it)
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -1,0 +1,147 @@
+"""Reasoning parsers (``--reasoning-parser``): the ``<think>`` family on scripted streams.
+
+Every text is fed as a model's tokens would arrive (token by token with SmolLM2's
+tokenizer, and character by character: partial tags everywhere); the streamed
+reasoning and content add up to the finished answer's split.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.entrypoints.openai.reasoning_parsers import (ReasoningParserManager,
+                                                           ReasoningStreamer)
+
+TEXTS = {  # text -> {parser: (reasoning, content)}
+    "<think>The user wants 2+2.</think>\n\nIt is 4.": {
+        "deepseek_r1": ("The user wants 2+2.", "\n\nIt is 4."),
+        "qwen3": ("The user wants 2+2.", "\n\nIt is 4.")},
+    # R1's template wrote <think> into the prompt: the answer begins inside it.
+    "2+2 is 4, since <th is no tag.</think>It is 4.": {
+        "deepseek_r1": ("2+2 is 4, since <th is no tag.", "It is 4."),
+        "qwen3": ("", "2+2 is 4, since <th is no tag.</think>It is 4.")},
+    # Cut by max_tokens while thinking.
+    "<think>Let me think about </thi": {
+        "deepseek_r1": ("Let me think about </thi", ""),
+        "qwen3": ("Let me think about </thi", "")},
+    "It is 4.": {"deepseek_r1": ("It is 4.", ""), "qwen3": ("", "It is 4.")},
+    "<thin": {"deepseek_r1": ("<thin", ""), "qwen3": ("", "<thin")},
+}
+
+
+def _pieces(tokenizer, text: str) -> list[str]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prefixes = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+    return [b[len(a):] for a, b in zip(prefixes, prefixes[1:])]
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("text", list(TEXTS))
+def test_streamed_split_equals_the_whole_answers(default_tokenizer, name, text):
+    parser = ReasoningParserManager.get_reasoning_parser(name)()
+    assert parser.read(text, final=True) == TEXTS[text][name]
+    for pieces in (_pieces(default_tokenizer, text), list(text)):
+        streamer = ReasoningStreamer(parser)
+        reasoning = content = ""
+        for i, piece in enumerate(pieces):
+            r, c = streamer.feed(piece, final=i == len(pieces) - 1)
+            reasoning += r
+            content += c
+            # Never a partial tag sent: what went out stays a prefix of the answer's split.
+            whole_r, whole_c = TEXTS[text][name]
+            assert whole_r.startswith(reasoning) and whole_c.startswith(content)
+        assert (reasoning, content) == TEXTS[text][name]
+
+
+def test_unknown_parser_is_named():
+    with pytest.raises(ValueError, match="deepseek_r1"):
+        ReasoningParserManager.get_reasoning_parser("nope")
+
+
+# -- through the server: a tiny random checkpoint whose template opens the thinking -------
+THINK_TEMPLATE = """\
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+<think>
+{% endif %}"""
+ASK = [{"role": "user", "content": "What is 2+2?"}]
+# The random model is made to close its thinking (the regex covers the whole output).
+SPLIT = r"[a-z]{2,8}( [a-z]{2,8}){1,4}</think>[a-z]{2,8}( [a-z]{2,8}){1,3}"
+
+
+@pytest.fixture(scope="module")
+def think_server(tmp_path_factory, tiny_chat_model):
+    import shutil
+
+    from tests.helpers import ServerProcess
+
+    folder = tmp_path_factory.mktemp("think-model") / "m"
+    shutil.copytree(tiny_chat_model, folder)
+    (folder / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    srv = ServerProcess(tmp_path_factory.mktemp("think"), str(folder), "--inprocess",
+                        "--num-kv-blocks", "256", "--served-model-name", "tiny",
+                        "--reasoning-parser", "deepseek_r1")
+    yield srv
+    srv.stop()
+
+
+def _streamed(server, body) -> tuple[str, str, str]:
+    import json
+
+    import httpx
+
+    reasoning = content = reason = ""
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                assert c["delta"].get("reasoning") == c["delta"].get("reasoning_content")
+                reasoning += c["delta"].get("reasoning") or ""
+                content += c["delta"].get("content") or ""
+                reason = c["finish_reason"] or reason
+    return reasoning, content, reason
+
+
+@pytest.mark.parametrize("regex", [SPLIT, None])
+def test_chat_reasoning_streamed_and_not(think_server, regex):
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 40, "temperature": 1.0, "seed": 5}
+    if regex:
+        body["structured_outputs"] = {"regex": regex}
+    r = think_server.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    m = r.json()["choices"][0]["message"]
+    assert m["reasoning"] and m["reasoning"] == m["reasoning_content"]
+    assert "</think>" not in m["reasoning"] and "</think>" not in (m["content"] or "")
+    if regex:
+        assert m["content"] and r.json()["choices"][0]["finish_reason"] == "stop"
+    else:  # never closed: all of it is reasoning
+        assert m["content"] is None
+    reasoning, content, reason = _streamed(think_server, body)
+    assert reasoning == m["reasoning"] and content == (m["content"] or "")
+    assert reason == r.json()["choices"][0]["finish_reason"]
+    # The reasoning sent back (either name) is accepted.
+    for name in ("reasoning", "reasoning_content"):
+        again = think_server.http.post("/v1/chat/completions", json={**body, "messages": ASK + [
+            {"role": "assistant", "content": m["content"] or "", name: m["reasoning"]},
+            {"role": "user", "content": "And 3+3?"}]})
+        assert again.status_code == 200, again.text
+
+
+def test_messages_thinking_blocks(think_server):
+    anthropic = pytest.importorskip("anthropic")
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 12, "temperature": 0}
+    chat = think_server.http.post("/v1/chat/completions", json=body).json()
+    m = chat["choices"][0]["message"]
+    with anthropic.Anthropic(base_url=think_server.url, api_key="none", max_retries=0) as c:
+        msg = c.messages.create(model="tiny", max_tokens=12, messages=ASK,
+                                thinking={"type": "enabled", "budget_tokens": 1024},
+                                extra_body={"temperature": 0})
+        with c.messages.stream(model="tiny", max_tokens=12, messages=ASK,
+                               extra_body={"temperature": 0}) as stream:
+            streamed = stream.get_final_message()
+    assert [b.type for b in msg.content] == ["thinking"]  # (never closed its thinking)
+    assert msg.content[0].thinking == m["reasoning"] and msg.stop_reason == "max_tokens"
+    assert [(b.type, b.thinking) for b in streamed.content] == [("thinking", m["reasoning"])]
