@@ -323,8 +323,9 @@ more_per_char = "zh"
 zh_text, en_text = "巴黎是法国的首都。", "Paris is the capital of France."
 per_char = {k: len(split_tokens(tokenizer, t)) / len(t)
             for k, t in (("zh", zh_text), ("en", en_text))}
-print({k: round(v, 2) for k, v in per_char.items()})
-assert more_per_char == max(per_char, key=per_char.get)
+assert more_per_char in per_char, 'more_per_char: "zh" or "en"'
+assert more_per_char == max(per_char, key=per_char.get), \
+    "count the tokens of each sentence and divide by its characters"
 
 # %% [markdown]
 # ## Summary

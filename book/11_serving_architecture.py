@@ -552,9 +552,10 @@ n_core_messages, tokens_per_message = 4, [1, 1, 1, 1]
 ### END SOLUTION
 
 # %% tags=["check"]
-assert n_core_messages == len(core_messages)
+assert n_core_messages == len(core_messages), \
+    "not the number of messages the loop sent: one per pass of the loop that had output"
 assert tokens_per_message == [sum(len(o.new_token_ids) for o in m.outputs)
-                              for m in core_messages]
+                              for m in core_messages], "not the tokens each message carried"
 
 # %% [markdown]
 # ### Exercise 11.2 — one seat in the core
@@ -588,7 +589,11 @@ while len(finished_order) < 2:
     finished_order += [o.request_id for o in seat_messages[-1].outputs if o.finished]
 ours.send(Shutdown())
 core_thread.join(timeout=60)
+assert isinstance(n_messages_one_seat, int) and first_done in ("r1", "r2"), \
+    'a number of messages (an int) and "r1" or "r2", written before the run'
+### BEGIN HIDDEN TESTS
 assert n_messages_one_seat == len(seat_messages) and first_done == finished_order[0]
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 11.3 — who stops B
