@@ -377,7 +377,9 @@ assert answer_1 == _ts * 8 / _bs
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
-q8_same_tokens = QQQ
+# 256 levels per 32 weights move each logit far less than the gap between the top
+# two tokens at these 24 steps (perplexity moved well under 1 % above).
+q8_same_tokens = True
 q8_ids = llm_q8.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
 answer_2 = next((i for i, (a, b) in enumerate(zip(q8_ids, float_ids)) if a != b),
                 len(float_ids))
