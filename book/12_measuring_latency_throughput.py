@@ -553,6 +553,29 @@ assert roof.ceiling_tokens_per_s(bend_batch) == roof.compute_tokens_per_s
 assert bend_batch == 1 or roof.ceiling_tokens_per_s(bend_batch - 1) < roof.compute_tokens_per_s
 
 # %% [markdown]
+# The next exercise's check holds your report against `compute_metrics`, statistic by
+# statistic, with this helper (it names the number that differs, never its value):
+
+# %%
+from minivllm.lab.bench.serve_metrics import RequestResult
+
+
+def check_report(results, duration, slos=None):
+    mine, want = serve_report(results, duration, slos), compute_metrics(results, duration, slos)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        for stat in ("mean", "median", "p99"):
+            assert math.isclose(mine[key][stat], getattr(want, key)[stat], rel_tol=1e-9,
+                                abs_tol=1e-9), f"{key} {stat} is not what bench serve reports"
+    assert math.isclose(mine["output_throughput"], want.output_throughput, rel_tol=1e-12), \
+        "output_throughput: the successful requests' output tokens over the duration"
+    if slos is None:
+        assert mine["request_goodput"] is None, "no SLOs given: no goodput (None)"
+    else:
+        assert math.isclose(mine["request_goodput"], want.request_goodput, rel_tol=1e-12), \
+            f"goodput with SLOs {slos} is not bench serve's"
+
+
+# %% [markdown]
 # ### Exercise 12.4 — the report `bench serve` prints
 # Write the client's summary yourself: from the per-request results of a run (each a
 # `RequestResult`, with its send time, the times its text chunks arrived, its end and its
@@ -625,25 +648,10 @@ def serve_report(results, duration: float, slos: dict | None = None) -> dict:
 
 
 # %% tags=["check"]
-from minivllm.lab.bench.serve_metrics import RequestResult
-
-
-def check_report(results, duration, slos=None):
-    mine, want = serve_report(results, duration, slos), compute_metrics(results, duration, slos)
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-        for stat in ("mean", "median", "p99"):
-            assert math.isclose(mine[key][stat], getattr(want, key)[stat], rel_tol=1e-9,
-                                abs_tol=1e-9), f"{key} {stat} is not what bench serve reports"
-    assert math.isclose(mine["output_throughput"], want.output_throughput, rel_tol=1e-12), \
-        "output_throughput: the successful requests' output tokens over the duration"
-    if slos is None:
-        assert mine["request_goodput"] is None, "no SLOs given: no goodput (None)"
-    else:
-        assert math.isclose(mine["request_goodput"], want.request_goodput, rel_tol=1e-12), \
-            f"goodput with SLOs {slos} is not bench serve's"
-
-
 burst_results, burst = sweep["all at once"]
+assert set(serve_report(burst_results, burst.duration)) == {
+    "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "output_throughput", "request_goodput"}, \
+    "the report's keys are the docstring's"
 check_report(burst_results, burst.duration)
 check_report(burst_results, burst.duration, {"ttft": burst.ttft_ms["median"]})
 ### BEGIN HIDDEN TESTS

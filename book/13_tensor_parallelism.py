@@ -558,6 +558,45 @@ assert reduces_8b == expected_collective_bytes(dataclasses.replace(llama_8b, voc
                                                16, 8)
 
 # %% [markdown]
+# The next exercise's check builds the engine's own parallel layers as rank r of tp
+# (patching `tp_rank` and `tp_size`, as in exercise 13.2) and loads layer 0's weights
+# through them, with these helpers:
+
+# %%
+from minivllm.model.layers.linear import MergedColumnParallelLinear
+
+
+def engine_mlp_shards(mlp_module, r: int, tp: int):
+    """What the engine's loaders keep as rank r of tp: (gate/up rows, down columns)."""
+    saved = linear_module.tp_rank, linear_module.tp_size
+    linear_module.tp_rank, linear_module.tp_size = (lambda: r), (lambda: tp)
+    try:
+        gu = MergedColumnParallelLinear(H, [I, I], dtype=cfg.dtype)
+        down = RowParallelLinear(I, H, dtype=cfg.dtype)
+    finally:
+        linear_module.tp_rank, linear_module.tp_size = saved
+    full = mlp_module.gate_up_proj.weight
+    gu.weight.weight_loader(gu.weight, full[:I], "0")  # the checkpoint's gate, then up
+    gu.weight.weight_loader(gu.weight, full[I:], "1")
+    down.weight.weight_loader(down.weight, mlp_module.down_proj.weight)
+    return gu.weight.data, down.weight.data
+
+
+# %%
+def check_tp_mlp(mlp_module, x, tp):
+    mine = TensorParallelMLP(mlp_module.gate_up_proj.weight, mlp_module.down_proj.weight, tp)
+    for r in range(tp):
+        want_gu, want_down = engine_mlp_shards(mlp_module, r, tp)
+        assert torch.equal(mine.gate_up[r], want_gu), \
+            f"tp={tp}: rank {r}'s gate/up shard is not what the engine loads"
+        assert torch.equal(mine.down[r], want_down), \
+            f"tp={tp}: rank {r}'s down_proj shard is not what the engine loads"
+    with torch.inference_mode():
+        got, want = mine.forward(x), mlp_module(x)
+    assert close(got, want), f"tp={tp}: the summed partials are not the layer's MLP output"
+
+
+# %% [markdown]
 # ### Exercise 13.4 — your tensor-parallel MLP
 # Above, the shards came ready-made from `weight_shards`. Now cut them yourself, from
 # the one-process model's weights, as the engine's loaders would on each rank, and run
@@ -621,38 +660,6 @@ class TensorParallelMLP:
 
 
 # %% tags=["check"]
-from minivllm.model.layers.linear import MergedColumnParallelLinear
-
-
-def engine_mlp_shards(mlp_module, r: int, tp: int):
-    """What the engine's loaders keep as rank r of tp: (gate/up rows, down columns)."""
-    saved = linear_module.tp_rank, linear_module.tp_size
-    linear_module.tp_rank, linear_module.tp_size = (lambda: r), (lambda: tp)
-    try:
-        gu = MergedColumnParallelLinear(H, [I, I], dtype=cfg.dtype)
-        down = RowParallelLinear(I, H, dtype=cfg.dtype)
-    finally:
-        linear_module.tp_rank, linear_module.tp_size = saved
-    full = mlp_module.gate_up_proj.weight
-    gu.weight.weight_loader(gu.weight, full[:I], "0")  # the checkpoint's gate, then up
-    gu.weight.weight_loader(gu.weight, full[I:], "1")
-    down.weight.weight_loader(down.weight, mlp_module.down_proj.weight)
-    return gu.weight.data, down.weight.data
-
-
-def check_tp_mlp(mlp_module, x, tp):
-    mine = TensorParallelMLP(mlp_module.gate_up_proj.weight, mlp_module.down_proj.weight, tp)
-    for r in range(tp):
-        want_gu, want_down = engine_mlp_shards(mlp_module, r, tp)
-        assert torch.equal(mine.gate_up[r], want_gu), \
-            f"tp={tp}: rank {r}'s gate/up shard is not what the engine loads"
-        assert torch.equal(mine.down[r], want_down), \
-            f"tp={tp}: rank {r}'s down_proj shard is not what the engine loads"
-    with torch.inference_mode():
-        got, want = mine.forward(x), mlp_module(x)
-    assert close(got, want), f"tp={tp}: the summed partials are not the layer's MLP output"
-
-
 check_tp_mlp(layer.mlp, seen["gate_up_proj"][0], TP)
 ### BEGIN HIDDEN TESTS
 for _tp in (1, 2, 4, 6):

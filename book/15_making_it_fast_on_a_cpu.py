@@ -724,6 +724,44 @@ gain = roof.ceiling_tokens_per_s(32) / roof.ceiling_tokens_per_s(1)
 assert abs(ceiling_gain_32 - gain) < 1e-9 * gain
 
 # %% [markdown]
+# The next exercise's check runs a layer's front twice, through the engine's kernels
+# and through your function, on the same random batch, with these helpers:
+
+# %%
+def engine_front(layer, hidden, residual, positions):
+    """The same front through the engine's kernels (the twins): residual updated in place."""
+    attn = layer.self_attn
+    x, _ = layer.input_layernorm(hidden, residual)
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.reshape(-1, attn.num_heads, attn.head_dim).contiguous()
+    k = k.reshape(-1, attn.num_kv_heads, attn.head_dim).contiguous()
+    return (*attn.rotary_emb(positions, q, k), v)
+
+
+# %%
+def mine_front(layer, hidden, residual, positions):
+    a, n = layer.self_attn, layer.input_layernorm
+    return attention_inputs(hidden, residual, n.weight, n.eps, a.qkv_proj.weight, positions,
+                            a.rotary_emb.cos_cache, a.rotary_emb.sin_cache, a.num_heads,
+                            a.num_kv_heads)
+
+
+def compare_front(layer, rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden, residual = torch.randn(rows, H, generator=gen), torch.randn(rows, H, generator=gen)
+    positions = torch.randint(0, 2000, (rows,), generator=gen)
+    res_mine, res_engine = residual.clone(), residual.clone()
+    with torch.inference_mode():
+        mine, want = (mine_front(layer, hidden, res_mine, positions),
+                      engine_front(layer, hidden, res_engine, positions))
+    assert torch.allclose(res_mine, res_engine, atol=1e-6), \
+        "the residual afterwards is not the engine's: the sum stays in it, in place"
+    for name, a, b in zip("qkv", mine, want):
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, the engine's has another"
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), f"{name} differs from the engine's"
+
+
+# %% [markdown]
 # ### Exercise 15.4 — the front of a layer, in plain torch
 # Every layer's decode step begins the same way, and the fused step of Acceleration 4
 # does it in one pass of C++: add the residual and normalise (the twin's
@@ -778,39 +816,11 @@ def attention_inputs(hidden, residual, norm_weight, eps, qkv_weight, positions,
 
 
 # %% tags=["check"]
-def engine_front(layer, hidden, residual, positions):
-    """The same front through the engine's kernels (the twins): residual updated in place."""
-    attn = layer.self_attn
-    x, _ = layer.input_layernorm(hidden, residual)
-    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = q.reshape(-1, attn.num_heads, attn.head_dim).contiguous()
-    k = k.reshape(-1, attn.num_kv_heads, attn.head_dim).contiguous()
-    return (*attn.rotary_emb(positions, q, k), v)
-
-
-def mine_front(layer, hidden, residual, positions):
-    attn = layer.self_attn
-    return attention_inputs(hidden, residual, layer.input_layernorm.weight,
-                            layer.input_layernorm.eps, attn.qkv_proj.weight, positions,
-                            attn.rotary_emb.cos_cache, attn.rotary_emb.sin_cache,
-                            attn.num_heads, attn.num_kv_heads)
-
-
-def compare_front(layer, rows, seed):
-    gen = torch.Generator().manual_seed(seed)
-    hidden, residual = torch.randn(rows, H, generator=gen), torch.randn(rows, H, generator=gen)
-    positions = torch.randint(0, 2000, (rows,), generator=gen)
-    res_mine, res_engine = residual.clone(), residual.clone()
-    with torch.inference_mode():
-        mine = mine_front(layer, hidden, res_mine, positions)
-        want = engine_front(layer, hidden, res_engine, positions)
-    assert torch.allclose(res_mine, res_engine, atol=1e-6), \
-        "the residual afterwards is not the engine's: the sum stays in it, in place"
-    for name, a, b in zip("qkv", mine, want):
-        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, the engine's has another"
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), f"{name} differs from the engine's"
-
-
+sum_kept = torch.zeros(2, H)
+attention_inputs(torch.ones(2, H), sum_kept, norm.weight, norm.eps, layer0.self_attn.qkv_proj.weight,
+                 torch.tensor([0, 1]), rope.cos_cache, rope.sin_cache, nq, nkv)
+assert torch.equal(sum_kept, torch.ones(2, H)), \
+    "the residual must hold hidden + residual afterwards, in place (the kernel's contract)"
 compare_front(layer0, ROWS, seed=15)
 ### BEGIN HIDDEN TESTS
 for _layer, _rows, _seed in ((layer0, 1, 1), (runner.model.model.layers[7], 5, 2),

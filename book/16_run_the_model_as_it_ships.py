@@ -457,6 +457,26 @@ assert abs(answer_5 - _ceiling_s / _token_s) < 1e-9 * answer_5, \
 assert share.outside_replay_s / _token_s < 0.01 < share.outside_replay_s / share.token_s
 
 # %% [markdown]
+# The next exercise's check draws random Q4_K blocks (finite float16 scales, every
+# other byte random) and names the first sub-block that comes out wrong:
+
+# %%
+def random_q4_k(n: int, seed: int) -> np.ndarray:
+    """n Q4_K blocks of random bytes, with finite float16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 0.05, size=(n, 2)).astype(np.float16)
+    b[:, 0:4] = scales.view(np.uint8)
+    return b
+
+
+def first_wrong_sub_block(mine: np.ndarray, want: np.ndarray) -> str:
+    bad = np.argwhere((mine.view(np.uint32) != want.view(np.uint32)).reshape(-1, 8, 32)
+                      .any(axis=2))
+    return "none" if not len(bad) else f"block {bad[0][0]}, sub-block {bad[0][1]}"
+
+
+# %% [markdown]
 # ### Exercise 16.6 — your Q4_K dequantizer
 # The file's matrices are Q4_1, whose eight lines you read above. A model hub's Q4_K
 # files are what most people download, and their block is harder: 256 weights in 144
@@ -511,21 +531,6 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
 
 
 # %% tags=["check"]
-def random_q4_k(n: int, seed: int) -> np.ndarray:
-    """n Q4_K blocks of random bytes, with finite float16 d and dmin."""
-    rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
-    scales = rng.uniform(1e-4, 0.05, size=(n, 2)).astype(np.float16)
-    b[:, 0:4] = scales.view(np.uint8)
-    return b
-
-
-def first_wrong_sub_block(mine: np.ndarray, want: np.ndarray) -> str:
-    bad = np.argwhere((mine.view(np.uint32) != want.view(np.uint32)).reshape(-1, 8, 32)
-                      .any(axis=2))
-    return "none" if not len(bad) else f"block {bad[0][0]}, sub-block {bad[0][1]}"
-
-
 _blocks = random_q4_k(6, seed=16)
 _want = gguf.quants.dequantize(_blocks, gguf.GGMLQuantizationType.Q4_K)
 _mine = dequantize_q4_k(_blocks)
