@@ -660,6 +660,8 @@ class TensorParallelMLP:
 
 
 # %% tags=["check"]
+mlp_tp = TensorParallelMLP(layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, TP)
+assert len(mlp_tp.gate_up) == len(mlp_tp.down) == TP, "one gate/up and one down shard per rank"
 check_tp_mlp(layer.mlp, seen["gate_up_proj"][0], TP)
 ### BEGIN HIDDEN TESTS
 for _tp in (1, 2, 4, 6):
