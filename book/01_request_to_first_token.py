@@ -452,8 +452,10 @@ try:
         steps_taken += 1
 finally:
     sched.config.max_num_batched_tokens = saved_budget
-print(f"{len(prompt_ids)} prompt tokens, budget {BUDGET}: first token after {steps_taken} steps")
+assert isinstance(steps_to_first_token, int), "a number of steps (an int), written before the run"
+### BEGIN HIDDEN TESTS
 assert steps_to_first_token == steps_taken
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## Summary

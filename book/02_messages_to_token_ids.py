@@ -285,9 +285,13 @@ try:
     shorter = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
 finally:
     del inputs.render_chat  # back to the class's method
-assert len(prompt_ids) - len(shorter.prompt_token_ids) == n_opening_tokens
+assert isinstance(n_opening_tokens, int) and isinstance(opening_text, str), \
+    "a number of tokens (an int) and their text (a str), written before the run"
 assert prompt_ids[:len(shorter.prompt_token_ids)] == shorter.prompt_token_ids
+### BEGIN HIDDEN TESTS
+assert len(prompt_ids) - len(shorter.prompt_token_ids) == n_opening_tokens
 assert tokenizer.decode(prompt_ids[-n_opening_tokens:]) == opening_text
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 2.2 — count a plain prompt's tokens
@@ -323,8 +327,9 @@ more_per_char = "zh"
 zh_text, en_text = "巴黎是法国的首都。", "Paris is the capital of France."
 per_char = {k: len(split_tokens(tokenizer, t)) / len(t)
             for k, t in (("zh", zh_text), ("en", en_text))}
-print({k: round(v, 2) for k, v in per_char.items()})
-assert more_per_char == max(per_char, key=per_char.get)
+assert more_per_char in per_char, 'more_per_char: "zh" or "en"'
+assert more_per_char == max(per_char, key=per_char.get), \
+    "count the tokens of each sentence and divide by its characters"
 
 # %% [markdown]
 # ## Summary

@@ -522,8 +522,10 @@ try:
 finally:
     del rotary.forward  # back to the class's method
 diff = (shifted[-1] - logits[-1]).abs().max().item()
-print(f"largest change of a last-row logit: {diff:.2e}")
+assert isinstance(logits_change, bool), "logits_change: True or False, written before the run"
+### BEGIN HIDDEN TESTS
 assert logits_change == (diff > 1e-2)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 3.3 — an untied output head
@@ -541,7 +543,6 @@ untied_share = untied_extra / total
 assert untied_extra == model.model.embed_tokens.weight.numel()
 assert untied_extra == counts["embedding = output head (tied)"]
 assert abs(untied_share - counts["embedding = output head (tied)"] / total) < 1e-12
-print(f"an untied head would add {untied_extra:,} parameters, {untied_share:.0%} more")
 
 # %% [markdown]
 # ## Summary

@@ -518,9 +518,12 @@ try:
 finally:
     del backend.write_kv  # back to the class's method
     llm.engine_core.scheduler.reset_prefix_cache()  # forget the blocks of the broken run
-print("first token right:", broken[0] == answer[0], "| same answer:", broken == answer)
+assert isinstance(first_token_right, bool) and isinstance(whole_answer_right, bool), \
+    "two predictions, True or False, written before the run"
+### BEGIN HIDDEN TESTS
 assert first_token_right == (broken[0] == answer[0])
 assert whole_answer_right == (broken == answer)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 4.2 — how many long prompts fit
@@ -536,8 +539,8 @@ fit_1k = default_budget // (blocks_per_request * block_size * cfg.kv_bytes_per_t
 
 # %% tags=["check"]
 engine_blocks = engine_num_blocks(default_budget)  # the engine's own rule
-print(f"{engine_blocks:,} blocks -> {fit_1k} requests of 1,000 tokens")
-assert fit_1k == engine_blocks // -(-1000 // block_size)
+assert fit_1k == engine_blocks // -(-1000 // block_size), \
+    "not the engine's count: how many whole blocks does one 1,000-token request hold?"
 
 # %% [markdown]
 # ### Exercise 4.3 — half the bytes

@@ -552,9 +552,10 @@ n_core_messages, tokens_per_message = 4, [1, 1, 1, 1]
 ### END SOLUTION
 
 # %% tags=["check"]
-assert n_core_messages == len(core_messages)
+assert n_core_messages == len(core_messages), \
+    "not the number of messages the loop sent: one per pass of the loop that had output"
 assert tokens_per_message == [sum(len(o.new_token_ids) for o in m.outputs)
-                              for m in core_messages]
+                              for m in core_messages], "not the tokens each message carried"
 
 # %% [markdown]
 # ### Exercise 11.2 — one seat in the core
@@ -588,7 +589,11 @@ while len(finished_order) < 2:
     finished_order += [o.request_id for o in seat_messages[-1].outputs if o.finished]
 ours.send(Shutdown())
 core_thread.join(timeout=60)
+assert isinstance(n_messages_one_seat, int) and first_done in ("r1", "r2"), \
+    'a number of messages (an int) and "r1" or "r2", written before the run'
+### BEGIN HIDDEN TESTS
 assert n_messages_one_seat == len(seat_messages) and first_done == finished_order[0]
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 11.3 — who stops B
@@ -605,6 +610,125 @@ stop_kind, stop_sender = "FinishRequests", "API side"
 
 # %% tags=["check"]
 assert (stop_kind, stop_sender) == (finishes["B"].kind, finishes["B"].sender)
+
+# %% [markdown]
+# The next exercise plays the API side against a core running in a thread, as above.
+# These helpers start such a core, make fresh requests of fixed prompts (greedy,
+# ignoring EOS, so that each runs to its `max_tokens`), and ask the core how many
+# requests it still holds (it answers in the stats of every `EngineCoreOutputs`):
+
+# %%
+PIPE_PROMPTS = {"r1": list(range(100, 120)), "r2": list(range(300, 312)),
+                "r3": list(range(500, 530))}
+
+
+def start_core():
+    ours, theirs = Pipe()
+    config = resolve_engine_config(engine_args_from_kwargs(None, {"num_kv_blocks": 32}))
+    thread = threading.Thread(target=run_engine_core,
+                              args=(config, theirs, build_engine_core, True))
+    thread.start()
+    assert isinstance(ours.recv(), EngineCoreReady)
+    return ours, thread
+
+
+# %%
+def pipe_requests(max_tokens: dict[str, int], tag: str = "") -> list[Request]:
+    return [Request(rid + tag, PIPE_PROMPTS[rid], SamplingParams(
+        temperature=0, max_tokens=n, ignore_eos=True), max_tokens=n)
+        for rid, n in max_tokens.items()]
+
+
+def still_running(conn) -> int:
+    """Run one probe request to its end; the core's running and waiting count after it."""
+    conn.send(AddRequests(pipe_requests({"r3": 2}, tag="-probe")))
+    while True:
+        message = conn.recv()
+        if any(o.request_id == "r3-probe" and o.finished for o in message.outputs):
+            stats = message.scheduler_stats
+            return stats.num_running_reqs + stats.num_waiting_reqs
+
+# %% [markdown]
+# ### Exercise 11.4 — the API side of the pipe
+# Write the API side's half of the conversation: send the requests in one `AddRequests`,
+# read `EngineCoreOutputs` and gather each request's tokens until every request is done.
+# A request is done when the core says it finished, or when the client goes away:
+# `cancel_after[rid] = n` means the client disconnects once it has `n` tokens, and the API
+# side must then tell the core (a `FinishRequests` with `RequestStatus.FINISHED_ABORTED`),
+# or the core would go on computing tokens nobody reads. Careful: the core does not wait
+# for you. By the time your `FinishRequests` arrives it may already have run another
+# step for that request, and its tokens are still in the pipe. The check runs your
+# function twice on a live core, with and without a disconnect, and then asks the core
+# what it is still running; hidden tests try other disconnects.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: api_side
+"""The API side of the pipe to the engine core, with client disconnects (chapter 11)."""
+from minivllm.core.engine_core_proc import AddRequests, FinishRequests
+from minivllm.core.request import RequestStatus
+
+
+def run_over_pipe(conn, requests, cancel_after=None) -> dict[str, list[int]]:
+    """Send ``requests`` (a list of ``Request``) over ``conn`` in one ``AddRequests``;
+    return each request's output token ids, by request id.
+
+    Every ``EngineCoreOutputs`` from the core carries, in ``.outputs``, one
+    ``EngineCoreOutput`` per request its step advanced (``.request_id``,
+    ``.new_token_ids``, ``.finished``). ``cancel_after``: ``{request_id: n}``, the
+    clients that disconnect once they hold ``n`` tokens; such a request keeps exactly
+    its first ``n`` tokens (or fewer, if it finished first), and the core is told to
+    abort it at once. Return when no request is left open; send nothing else (the
+    caller shuts the core down).
+
+    >>> out = run_over_pipe(ours, pipe_requests({"r1": 4, "r2": 4}), {"r2": 1})
+    >>> len(out["r1"]), len(out["r2"])
+    (4, 1)
+    """
+    ### BEGIN SOLUTION
+    cancel_after = cancel_after or {}
+    conn.send(AddRequests(list(requests)))
+    tokens = {r.request_id: [] for r in requests}
+    open_ids = set(tokens)
+    while open_ids:
+        for out in conn.recv().outputs:
+            if out.request_id not in open_ids:
+                continue  # a step already in flight when the abort was sent: drop it
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                open_ids.discard(out.request_id)
+            elif len(tokens[out.request_id]) >= cancel_after.get(out.request_id, float("inf")):
+                conn.send(FinishRequests([out.request_id], RequestStatus.FINISHED_ABORTED))
+                open_ids.discard(out.request_id)
+    return tokens
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+ours, core_thread = start_core()
+try:
+    full = run_over_pipe(ours, pipe_requests({"r1": 6, "r2": 6}))
+    cut = run_over_pipe(ours, pipe_requests({"r1": 6, "r2": 200}, tag="b"), {"r2b": 2})
+    left = still_running(ours)
+    ### BEGIN HIDDEN TESTS
+    both = run_over_pipe(ours, pipe_requests({"r1": 6, "r2": 300, "r3": 300}, tag="c"),
+                         {"r2c": 1, "r3c": 4})
+    late = run_over_pipe(ours, pipe_requests({"r1": 3, "r2": 5}, tag="d"), {"r1d": 10})
+    left_hidden = still_running(ours)
+    alone = run_over_pipe(ours, pipe_requests({"r3": 4}, tag="e"))
+    ### END HIDDEN TESTS
+finally:
+    ours.send(Shutdown())
+    core_thread.join(timeout=60)
+assert set(full) == {"r1", "r2"} and all(len(t) == 6 for t in full.values()), \
+    "without a disconnect every request runs to its max_tokens (6 tokens each)"
+assert cut["r1b"] == full["r1"], "the request that stayed did not get its own tokens"
+assert cut["r2b"] == full["r2"][:2], "a client gone after 2 tokens keeps exactly those 2"
+assert left == 0, "the core still runs the cancelled request: was it told?"
+### BEGIN HIDDEN TESTS
+assert both == {"r1c": full["r1"], "r2c": full["r2"][:1], "r3c": alone["r3e"][:4]}
+assert late == {"r1d": full["r1"][:3], "r2d": full["r2"][:5]}  # finished before the cancel
+assert left_hidden == 0
+### END HIDDEN TESTS
 
 
 # %% [markdown]

@@ -500,13 +500,16 @@ predicted_e2e = m.ttft + (n - 1) * m.tpot
 ### END SOLUTION
 
 # %% tags=["check"]
-assert abs(predicted_e2e - m.e2e_latency) < 1e-9
+assert abs(predicted_e2e - m.e2e_latency) < 1e-9, \
+    "not the request's E2E: how many TPOT gaps come after the first token?"
 
 # %% [markdown]
 # ### Exercise 12.2 — two seats
 # Configure the live engine with `max_num_seqs = 2` and run four of the short prompts,
 # `MAX_TOKENS` tokens each, ignoring EOS. **Predict first:** how many engine steps
-# (forward passes) does it take (`steps_two_seats`)? And how many with 4 seats?
+# (forward passes) does it take (`steps_two_seats`)? And how many with 4 seats
+# (`steps_four_seats`)? Write both before the check runs the engine: a hidden test
+# grades them.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
@@ -526,7 +529,12 @@ def steps_with(seats: int) -> int:
     return len(llm.trace.records)
 
 
-assert (steps_two_seats, steps_four_seats) == (steps_with(2), steps_with(4))
+assert isinstance(steps_two_seats, int) and isinstance(steps_four_seats, int), \
+    "two step counts (ints), written before the run"
+measured_steps = steps_with(2), steps_with(4)
+### BEGIN HIDDEN TESTS
+assert (steps_two_seats, steps_four_seats) == measured_steps
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 12.3 — where the roofline bends
@@ -543,6 +551,123 @@ bend_batch = math.ceil(roof.compute_tokens_per_s / roof.bandwidth_steps_per_s)
 # %% tags=["check"]
 assert roof.ceiling_tokens_per_s(bend_batch) == roof.compute_tokens_per_s
 assert bend_batch == 1 or roof.ceiling_tokens_per_s(bend_batch - 1) < roof.compute_tokens_per_s
+
+# %% [markdown]
+# The next exercise's check holds your report against `compute_metrics`, statistic by
+# statistic, with this helper (it names the number that differs, never its value):
+
+# %%
+from minivllm.lab.bench.serve_metrics import RequestResult
+
+
+def check_report(results, duration, slos=None):
+    mine, want = serve_report(results, duration, slos), compute_metrics(results, duration, slos)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        for stat in ("mean", "median", "p99"):
+            assert math.isclose(mine[key][stat], getattr(want, key)[stat], rel_tol=1e-9,
+                                abs_tol=1e-9), f"{key} {stat} is not what bench serve reports"
+    assert math.isclose(mine["output_throughput"], want.output_throughput, rel_tol=1e-12), \
+        "output_throughput: the successful requests' output tokens over the duration"
+    if slos is None:
+        assert mine["request_goodput"] is None, "no SLOs given: no goodput (None)"
+    else:
+        assert math.isclose(mine["request_goodput"], want.request_goodput, rel_tol=1e-12), \
+            f"goodput with SLOs {slos} is not bench serve's"
+
+
+# %% [markdown]
+# ### Exercise 12.4 — the report `bench serve` prints
+# Write the client's summary yourself: from the per-request results of a run (each a
+# `RequestResult`, with its send time, the times its text chunks arrived, its end and its
+# token counts) to the numbers `bench serve` prints — the mean, median and p99 of TTFT,
+# TPOT, ITL and end-to-end latency in milliseconds, the output throughput, and the
+# **goodput**: requests per second that met every service-level objective (SLO) given,
+# e.g. "first token within 500 ms and at most 50 ms per output token". Goodput is what
+# an operator sells: throughput that nobody waited too long for. The p99 of a few
+# samples falls *between* two of them (linear interpolation, numpy's default), so write
+# the percentile too. The check compares your report with `compute_metrics` on the
+# burst of the load sweep; hidden tests use the other rates, failed requests, one-token
+# answers and other SLOs.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: serve_report
+"""A benchmark run's per-request stamps -> the summary bench serve prints (chapter 12)."""
+import math
+
+
+def serve_report(results, duration: float, slos: dict | None = None) -> dict:
+    """``{"ttft_ms" | "tpot_ms" | "itl_ms" | "e2el_ms": {"mean", "median", "p99"},
+    "output_throughput": tokens/s, "request_goodput": requests/s}``.
+
+    Only successful requests count. Per request (``RequestResult`` has each as a
+    property): TTFT ``r.ttft``, TPOT ``r.tpot`` (None below 2 tokens: left out), the
+    gaps between its chunks ``r.itl`` (all requests' gaps pooled), E2E ``r.latency``; in
+    milliseconds in the report, 0.0 for every statistic of a metric with no samples.
+    The q-th percentile of n sorted samples sits at rank ``(n - 1) * q / 100``,
+    interpolated linearly between the two samples around it. ``output_throughput``:
+    output tokens over ``duration``. ``slos`` (milliseconds, keys among "ttft", "tpot",
+    "e2el"): ``request_goodput`` counts the requests within every one of them (a
+    missing TPOT meets its SLO) per second of ``duration``; None without ``slos``.
+
+    >>> one = RequestResult(True, output_tokens=3, start=0.0, chunk_times=[0.1, 0.3, 0.4],
+    ...                     end=0.4)
+    >>> r = serve_report([one], 2.0, {"ttft": 200})
+    >>> r["ttft_ms"]["median"], r["itl_ms"]["mean"], r["output_throughput"]
+    (100.0, 150.0, 1.5)
+    >>> r["request_goodput"]          # its TTFT, 100 ms, is within 200 ms: 1 request in 2 s
+    0.5
+    """
+    ### BEGIN SOLUTION
+    def percentile(data, q):
+        rank = (len(data) - 1) * q / 100
+        lo = math.floor(rank)
+        hi = min(lo + 1, len(data) - 1)
+        return data[lo] + (data[hi] - data[lo]) * (rank - lo)
+
+    def stats(seconds):
+        ms = sorted(v * 1000 for v in seconds)
+        if not ms:
+            return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+        return {"mean": sum(ms) / len(ms), "median": percentile(ms, 50),
+                "p99": percentile(ms, 99)}
+
+    ok = [r for r in results if r.success]
+    report = {"ttft_ms": stats(r.ttft for r in ok if r.ttft is not None),
+              "tpot_ms": stats(r.tpot for r in ok if r.tpot is not None),
+              "itl_ms": stats(gap for r in ok for gap in r.itl),
+              "e2el_ms": stats(r.latency for r in ok),
+              "output_throughput": sum(r.output_tokens for r in ok) / duration,
+              "request_goodput": None}
+    if slos is not None:
+        def met(r):
+            values = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}
+            return all(values[k] is None or values[k] * 1000 <= ms for k, ms in slos.items())
+        report["request_goodput"] = sum(met(r) for r in ok) / duration
+    return report
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+burst_results, burst = sweep["all at once"]
+keys = {"ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "output_throughput", "request_goodput"}
+assert set(serve_report(burst_results, burst.duration)) == keys, "the docstring's keys, please"
+check_report(burst_results, burst.duration)
+check_report(burst_results, burst.duration, {"ttft": burst.ttft_ms["median"]})
+### BEGIN HIDDEN TESTS
+for _label in RATES:
+    _results, _sm = sweep[_label]
+    check_report(_results, _sm.duration, {"ttft": _sm.ttft_ms["p99"] * 0.9,
+                                          "tpot": _sm.tpot_ms["median"]})
+    check_report(_results, _sm.duration, {"e2el": _sm.e2el_ms["mean"]})
+_made = [RequestResult(True, 5, 4, 0.0, [0.2, 0.3, 0.5, 0.55], 0.6),
+         RequestResult(True, 5, 1, 0.1, [0.4], 0.4),  # one token: no TPOT, no gap
+         RequestResult(False, 5, 0, 0.2, [], 1.0, error="boom"),  # failed: left out
+         RequestResult(True, 5, 3, 0.3, [0.35, 1.3, 1.35], 1.4)]
+for _slos in (None, {"ttft": 100}, {"tpot": 100}, {"ttft": 500, "e2el": 700}):
+    check_report(_made, 2.0, _slos)
+check_report(_made[1:2], 1.0, {"tpot": 1})  # a missing TPOT meets its SLO
+check_report(_made[2:3], 1.0)  # no successful request: every statistic 0
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## Summary

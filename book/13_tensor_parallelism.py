@@ -528,8 +528,12 @@ try:
     shard.weight.weight_loader(shard.weight, full)
 finally:
     linear_module.tp_rank, linear_module.tp_size = saved_tp
-assert tuple(shard.weight.shape) == rank1_shape
+assert len(rank1_shape) == 2 and len(rank1_inputs) == 2, \
+    "rank1_shape: (rows, columns); rank1_inputs: (first, last + 1)"
+### BEGIN HIDDEN TESTS
+assert tuple(shard.weight.shape) == tuple(rank1_shape)
 assert torch.equal(shard.weight, full[:, rank1_inputs[0]:rank1_inputs[1]])
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 13.3 — an 8B model on 8 ranks
@@ -552,6 +556,123 @@ llama_8b = dataclasses.replace(cfg, hidden_size=4096, num_hidden_layers=32,
 assert reduces_8b + gather_8b == expected_collective_bytes(llama_8b, 16, 8)
 assert reduces_8b == expected_collective_bytes(dataclasses.replace(llama_8b, vocab_size=0),
                                                16, 8)
+
+# %% [markdown]
+# The next exercise's check builds the engine's own parallel layers as rank r of tp
+# (patching `tp_rank` and `tp_size`, as in exercise 13.2) and loads layer 0's weights
+# through them, with these helpers:
+
+# %%
+from minivllm.model.layers.linear import MergedColumnParallelLinear
+
+
+def engine_mlp_shards(mlp_module, r: int, tp: int):
+    """What the engine's loaders keep as rank r of tp: (gate/up rows, down columns)."""
+    saved = linear_module.tp_rank, linear_module.tp_size
+    linear_module.tp_rank, linear_module.tp_size = (lambda: r), (lambda: tp)
+    try:
+        gu = MergedColumnParallelLinear(H, [I, I], dtype=cfg.dtype)
+        down = RowParallelLinear(I, H, dtype=cfg.dtype)
+    finally:
+        linear_module.tp_rank, linear_module.tp_size = saved
+    full = mlp_module.gate_up_proj.weight
+    gu.weight.weight_loader(gu.weight, full[:I], "0")  # the checkpoint's gate, then up
+    gu.weight.weight_loader(gu.weight, full[I:], "1")
+    down.weight.weight_loader(down.weight, mlp_module.down_proj.weight)
+    return gu.weight.data, down.weight.data
+
+
+# %%
+def check_tp_mlp(mlp_module, x, tp):
+    mine = TensorParallelMLP(mlp_module.gate_up_proj.weight, mlp_module.down_proj.weight, tp)
+    for r in range(tp):
+        want_gu, want_down = engine_mlp_shards(mlp_module, r, tp)
+        assert torch.equal(mine.gate_up[r], want_gu), \
+            f"tp={tp}: rank {r}'s gate/up shard is not what the engine loads"
+        assert torch.equal(mine.down[r], want_down), \
+            f"tp={tp}: rank {r}'s down_proj shard is not what the engine loads"
+    with torch.inference_mode():
+        got, want = mine.forward(x), mlp_module(x)
+    assert close(got, want), f"tp={tp}: the summed partials are not the layer's MLP output"
+
+
+# %% [markdown]
+# ### Exercise 13.4 — your tensor-parallel MLP
+# Above, the shards came ready-made from `weight_shards`. Now cut them yourself, from
+# the one-process model's weights, as the engine's loaders would on each rank, and run
+# the MLP as `tp` ranks do: the gate/up projection column-parallel, SiLU(gate) × up on
+# each rank's own features, down_proj row-parallel, and the all-reduce at the end. The
+# trap is in the first cut: the model stores gate and up stacked in one `[2I, H]`
+# matrix, and a rank needs *matching* gate and up features. The check compares your
+# MLP with layer 0's on the recorded input and says which rank's shard is not the
+# engine's; hidden tests try other numbers of ranks and layers, and hold each of your
+# shards against what `MergedColumnParallelLinear` and `RowParallelLinear` load as that
+# rank.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: tensor_parallel
+"""A Llama MLP cut for tp ranks: column-parallel gate/up, row-parallel down (chapter 13)."""
+import torch
+import torch.nn.functional as F
+
+
+class TensorParallelMLP:
+    """The MLP ``down(silu(gate(x)) * up(x))`` split over ``tp`` ranks.
+
+    ``gate_up_weight``: ``[2I, H]``, gate's ``I`` rows then up's (torch's output ×
+    input); ``down_weight``: ``[H, I]``. Rank ``r`` keeps ``gate_up[r]``: the ``r``-th
+    ``I/tp`` rows of gate followed by the same rows of up (``[2I/tp, H]``), and
+    ``down[r]``: the matching ``I/tp`` input columns of down (``[H, I/tp]``).
+    ``rank_forward(x, r)`` is rank r's partial output, with no communication;
+    ``forward(x)`` adds the partials, as the all-reduce does.
+
+    >>> mlp = TensorParallelMLP(torch.eye(4, 2), torch.ones(2, 2), tp=2)   # I = 2, H = 2
+    >>> mlp.gate_up[1]                       # gate's row 1, then up's row 1
+    tensor([[0., 1.],
+            [0., 0.]])
+    >>> mlp.down[0]                          # all outputs, input column 0
+    tensor([[1.],
+            [1.]])
+    """
+
+    def __init__(self, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, tp: int):
+        ### BEGIN SOLUTION
+        inter = down_weight.shape[1]
+        per = inter // tp
+        gate, up = gate_up_weight[:inter], gate_up_weight[inter:]
+        self.gate_up, self.down = [], []
+        for r in range(tp):
+            mine = slice(r * per, (r + 1) * per)  # this rank's intermediate features
+            self.gate_up.append(torch.cat([gate[mine], up[mine]]))  # column-parallel
+            self.down.append(down_weight[:, mine])  # row-parallel: the same features
+        ### END SOLUTION
+
+    def rank_forward(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        ### BEGIN SOLUTION
+        gate, up = (x @ self.gate_up[r].T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down[r].T  # a partial sum, full-sized
+        ### END SOLUTION
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ### BEGIN SOLUTION
+        return torch.stack([self.rank_forward(x, r) for r in range(len(self.down))]).sum(0)
+        ### END SOLUTION
+
+
+# %% tags=["check"]
+mlp_tp = TensorParallelMLP(layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, TP)
+assert len(mlp_tp.gate_up) == len(mlp_tp.down) == TP, "one gate/up and one down shard per rank"
+check_tp_mlp(layer.mlp, seen["gate_up_proj"][0], TP)
+### BEGIN HIDDEN TESTS
+for _tp in (1, 2, 4, 6):
+    check_tp_mlp(layer.mlp, seen["gate_up_proj"][0], _tp)
+_x = torch.randn(5, H, generator=torch.Generator().manual_seed(13))
+check_tp_mlp(model.model.layers[L - 1].mlp, _x, 3)
+_m = TensorParallelMLP(layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight, 2)
+with torch.inference_mode():
+    assert not close(_m.rank_forward(_x, 0), layer.mlp(_x))  # one rank is only a part
+    assert close(_m.rank_forward(_x, 0) + _m.rank_forward(_x, 1), layer.mlp(_x))
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## In practice: tensor parallelism, on one host and across hosts

@@ -669,7 +669,12 @@ predicted_ops_32 = two + (32 - 2) * (three - two)  # the same operators per sequ
 ### END SOLUTION
 
 # %% tags=["check"]
-assert predicted_ops_32 == step_ops(32)
+assert isinstance(predicted_ops_32, int) and predicted_ops_32 > 0, \
+    "predicted_ops_32: a number of operators (an int), written before the run"
+measured_ops_32 = step_ops(32)
+### BEGIN HIDDEN TESTS
+assert predicted_ops_32 == measured_ops_32
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 15.2 — swap a twin back, with the replay on
@@ -696,7 +701,11 @@ try:
 finally:
     for m in norms:
         m.__class__ = CpuRMSNorm
-assert norms and logits_move == (not torch.equal(before, after))
+assert norms, "the model has CpuRMSNorm twins to swap back"
+assert isinstance(logits_move, bool), "logits_move: True or False, written before the run"
+### BEGIN HIDDEN TESTS
+assert logits_move == (not torch.equal(before, after))
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 15.3 — what a batch buys
@@ -713,6 +722,130 @@ ceiling_gain_32 = min(32, crossover) if crossover >= 1 else 1.0
 # %% tags=["check"]
 gain = roof.ceiling_tokens_per_s(32) / roof.ceiling_tokens_per_s(1)
 assert abs(ceiling_gain_32 - gain) < 1e-9 * gain
+
+# %% [markdown]
+# The next exercise's check runs a layer's front twice, through the engine's kernels
+# and through your function, on the same random batch, with these helpers:
+
+# %%
+def engine_front(layer, hidden, residual, positions):
+    """The same front through the engine's kernels (the twins): residual updated in place."""
+    attn = layer.self_attn
+    x, _ = layer.input_layernorm(hidden, residual)
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.reshape(-1, attn.num_heads, attn.head_dim).contiguous()
+    k = k.reshape(-1, attn.num_kv_heads, attn.head_dim).contiguous()
+    return (*attn.rotary_emb(positions, q, k), v)
+
+
+# %%
+def mine_front(layer, hidden, residual, positions):
+    a, n = layer.self_attn, layer.input_layernorm
+    return attention_inputs(hidden, residual, n.weight, n.eps, a.qkv_proj.weight, positions,
+                            a.rotary_emb.cos_cache, a.rotary_emb.sin_cache, a.num_heads,
+                            a.num_kv_heads)
+
+
+def compare_front(layer, rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden, residual = torch.randn(rows, H, generator=gen), torch.randn(rows, H, generator=gen)
+    positions = torch.randint(0, 2000, (rows,), generator=gen)
+    res_mine, res_engine = residual.clone(), residual.clone()
+    with torch.inference_mode():
+        mine, want = (mine_front(layer, hidden, res_mine, positions),
+                      engine_front(layer, hidden, res_engine, positions))
+    assert torch.allclose(res_mine, res_engine, atol=1e-6), \
+        "the residual afterwards is not the engine's: the sum stays in it, in place"
+    for name, a, b in zip("qkv", mine, want):
+        assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)}, the engine's has another"
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), f"{name} differs from the engine's"
+
+
+# %% [markdown]
+# ### Exercise 15.4 — the front of a layer, in plain torch
+# Every layer's decode step begins the same way, and the fused step of Acceleration 4
+# does it in one pass of C++: add the residual and normalise (the twin's
+# `fused_add_rms_norm`, which leaves the sum in `residual`, in place), multiply by the
+# q/k/v weight, cut the product into heads, and rotate q and k (the twin's
+# `rotary_embedding`, with the full-width tables whose `sin` already carries the sign of
+# rotate-half). Write that front in plain torch, with the kernels' contracts: the same
+# `residual` afterwards, the same q, k and v. The check runs it next to the engine's
+# kernels on layer 0 and a decode batch; hidden tests try other layers, batch sizes and
+# positions, and the reference layers too.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: decode_front
+"""The front of a decoder layer's decode step: norm, q/k/v, RoPE (chapter 15)."""
+import torch
+
+
+def attention_inputs(hidden, residual, norm_weight, eps, qkv_weight, positions,
+                     cos_cache, sin_cache, num_heads, num_kv_heads):
+    """``hidden``, ``residual``: ``[T, H]``; returns ``q [T, num_heads, D]``, ``k [T,
+    num_kv_heads, D]`` (both rotated) and ``v [T, num_kv_heads * D]``.
+
+    First ``residual += hidden`` **in place** (the next block adds to this sum); the
+    norm is ``residual / sqrt(mean(residual²) + eps) * norm_weight`` per row. Then
+    ``x @ qkv_weight.T`` gives q, k and v side by side, in that order. RoPE, with ``D``
+    the tables' width: ``x' = x * cos + swap(x) * sin``, where ``cos = cos_cache[pos]``,
+    ``sin = sin_cache[pos]`` and ``swap`` exchanges the two halves of the head
+    (``[x2, x1]``); every head of a token turns by the same angles.
+
+    >>> T, H, D = 1, 4, 2                      # one token, one head of 2 for q, k, v
+    >>> res = torch.zeros(T, H)
+    >>> q, k, v = attention_inputs(torch.ones(T, H), res, torch.ones(H), 0.0,
+    ...     torch.eye(6, H), torch.tensor([0]), torch.ones(1, D), torch.zeros(1, D), 1, 1)
+    >>> res                                    # the sum, kept for the next block
+    tensor([[1., 1., 1., 1.]])
+    >>> q, v                                   # position 0: no rotation
+    (tensor([[[1., 1.]]]), tensor([[0., 0.]]))
+    """
+    ### BEGIN SOLUTION
+    residual += hidden  # the fused add: the caller keeps the sum
+    x = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
+    D = cos_cache.shape[-1]
+    q, k, v = (x @ qkv_weight.T).split(
+        [num_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    cos, sin = cos_cache[positions][:, None], sin_cache[positions][:, None]  # [T, 1, D]
+    rotated = []
+    for t, heads in ((q, num_heads), (k, num_kv_heads)):
+        t = t.reshape(-1, heads, D)
+        rotated.append(t * cos + torch.cat((t[..., D // 2:], t[..., :D // 2]), -1) * sin)
+    return rotated[0], rotated[1], v
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+sum_kept = torch.zeros(2, H)
+attention_inputs(torch.ones(2, H), sum_kept, norm.weight, norm.eps, layer0.self_attn.qkv_proj.weight,
+                 torch.tensor([0, 1]), rope.cos_cache, rope.sin_cache, nq, nkv)
+assert torch.equal(sum_kept, torch.ones(2, H)), \
+    "the residual must hold hidden + residual afterwards, in place (the kernel's contract)"
+compare_front(layer0, ROWS, seed=15)
+### BEGIN HIDDEN TESTS
+for _layer, _rows, _seed in ((layer0, 1, 1), (runner.model.model.layers[7], 5, 2),
+                             (runner.model.model.layers[-1], 64, 3)):
+    compare_front(_layer, _rows, _seed)
+# the reference layers (chapter 3's) agree too
+_gen = torch.Generator().manual_seed(4)
+_h, _r = torch.randn(3, H, generator=_gen), torch.randn(3, H, generator=_gen)
+_pos = torch.tensor([0, 17, 1999])
+with torch.inference_mode():
+    _q, _k, _v = mine_front(layer0, _h, _r.clone(), _pos)
+    _x, _ = RMSNorm.forward(layer0.input_layernorm, _h, _r.clone())
+    _attn = layer0.self_attn
+    _rq, _rk, _rv = F.linear(_x, _attn.qkv_proj.weight).split(
+        [_attn.q_size, _attn.kv_size, _attn.kv_size], dim=-1)
+    _rq, _rk = RotaryEmbedding.forward(_attn.rotary_emb, _pos,
+                                       _rq.reshape(3, _attn.num_heads, -1),
+                                       _rk.reshape(3, _attn.num_kv_heads, -1))
+torch.testing.assert_close((_q, _k, _v), (_rq, _rk, _rv), rtol=1e-4, atol=1e-4)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Ten lines of torch make several passes over the batch and allocate a tensor at each
+# step; the kernels' version reads each row once per kernel, and the fused step does all
+# of it inside one C++ call, which is where Acceleration 4's operator count went.
 
 # %% [markdown]
 # ## In practice: the reference path and the fast path

@@ -371,11 +371,15 @@ assert answer_1 == _ts * 8 / _bs
 # ### Exercise 16.2 — Q8_0 at load, token by token
 # **Predict first:** `llm_q8` rounds the float32 weights to Q8_0 (one scale per 32
 # weights, 256 levels). Will its 24 greedy tokens on `prompt` be the float path's
-# (`float_ids`)? Then count how many of the first tokens agree before the first
+# (`float_ids`)? Write `q8_same_tokens` (True or False) before anything runs; a hidden
+# test grades it. Then count how many of the first tokens agree before the first
 # difference (24 if none): `answer_2`.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 ### BEGIN SOLUTION
+# 256 levels per 32 weights move each logit far less than the gap between the top
+# two tokens at these 24 steps (perplexity moved well under 1 % above).
+q8_same_tokens = True
 q8_ids = llm_q8.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
 answer_2 = next((i for i, (a, b) in enumerate(zip(q8_ids, float_ids)) if a != b),
                 len(float_ids))
@@ -383,8 +387,12 @@ answer_2 = next((i for i, (a, b) in enumerate(zip(q8_ids, float_ids)) if a != b)
 
 # %% tags=["check"]
 _q8 = llm_q8.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
-assert answer_2 == min([i for i in range(24) if _q8[i] != float_ids[i]] + [24])
-print("agree for", answer_2, "tokens")
+assert isinstance(q8_same_tokens, bool), "q8_same_tokens: True or False, written before the run"
+assert answer_2 == min([i for i in range(24) if _q8[i] != float_ids[i]] + [24]), \
+    "count the tokens that agree before the first difference (24 if none differs)"
+### BEGIN HIDDEN TESTS
+assert q8_same_tokens == (_q8 == float_ids)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 16.3 — write a Q4_0 quantizer
@@ -424,8 +432,8 @@ answer_4 = bw.best / (8.03e9 * bits["Q4_K"] / 8)
 
 # %% tags=["check"]
 _k = BLOCK_TYPES["Q4_K"]
-assert abs(answer_4 - bw.best * _k.block_size / (8.03e9 * _k.type_size)) < 1e-6 * answer_4
-print(f"at most {answer_4:.1f} tokens/s")
+assert abs(answer_4 - bw.best * _k.block_size / (8.03e9 * _k.type_size)) < 1e-6 * answer_4, \
+    "one stream reads every weight once per token: bandwidth over the bytes of 8.03e9 Q4_K weights"
 
 # %% [markdown]
 # ### Exercise 16.5 — the same engine on an 8B model
@@ -443,11 +451,105 @@ answer_5 = weights_s / (weights_s * share.replay_s / share.roofline_s + share.ou
 # %% tags=["check"]
 _ceiling_s = 1 / answer_4
 _token_s = _ceiling_s * share.replay_s / share.roofline_s + share.outside_replay_s
-assert abs(answer_5 - _ceiling_s / _token_s) < 1e-9 * answer_5
+assert abs(answer_5 - _ceiling_s / _token_s) < 1e-9 * answer_5, \
+    "a token's time is the replay (scaled from the weights' time) plus the Python step"
 # the Python step, a large share of a 135M-weight token, is next to nothing here
 assert share.outside_replay_s / _token_s < 0.01 < share.outside_replay_s / share.token_s
-print(f"{answer_5:.0%} of the 8B model's ceiling, against {share.roofline_s / share.token_s:.0%} "
-      f"for this one")
+
+# %% [markdown]
+# The next exercise's check draws random Q4_K blocks (finite float16 scales, every
+# other byte random) and names the first sub-block that comes out wrong:
+
+# %%
+def random_q4_k(n: int, seed: int) -> np.ndarray:
+    """n Q4_K blocks of random bytes, with finite float16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 0.05, size=(n, 2)).astype(np.float16)
+    b[:, 0:4] = scales.view(np.uint8)
+    return b
+
+
+def first_wrong_sub_block(mine: np.ndarray, want: np.ndarray) -> str:
+    bad = np.argwhere((mine.view(np.uint32) != want.view(np.uint32)).reshape(-1, 8, 32)
+                      .any(axis=2))
+    return "none" if not len(bad) else f"block {bad[0][0]}, sub-block {bad[0][1]}"
+
+
+# %% [markdown]
+# ### Exercise 16.6 — your Q4_K dequantizer
+# The file's matrices are Q4_1, whose eight lines you read above. A model hub's Q4_K
+# files are what most people download, and their block is harder: 256 weights in 144
+# bytes, in eight sub-blocks of 32 that each have a 6-bit scale and a 6-bit minimum of
+# their own, packed into 12 bytes. Write `dequantize_q4_k` from the layout in its
+# docstring, in numpy, in float32 and in ggml's order of operations, so that it gives
+# the `gguf` package's weights bit for bit. The check runs it on a few random blocks and
+# names the first sub-block that comes out wrong; hidden tests compare more blocks with
+# the engine's `dequantize_q4_k` (`ggml_types.py`, which the CPU kernels match) and the
+# `gguf` package's.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: gguf_q4_k
+"""A GGUF Q4_K block -> its 256 float32 weights (chapter 16)."""
+import numpy as np
+
+
+def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    """``[n, 144]`` uint8 Q4_K blocks -> ``[n, 256]`` float32 weights.
+
+    A block: bytes 0-1 ``d`` and 2-3 ``dmin`` (float16, little-endian); bytes 4-15 the
+    8 sub-blocks' 6-bit scales ``sc_j`` and mins ``m_j``; bytes 16-143 the 256 nibbles.
+    In the 12 bytes ``s``: for j < 4, ``sc_j`` is the low 6 bits of ``s[j]`` and ``m_j``
+    the low 6 bits of ``s[j + 4]``; for j >= 4, ``sc_j`` is the low nibble of
+    ``s[j + 4]`` with the top 2 bits of ``s[j - 4]`` above it (as bits 4-5), and
+    ``m_j`` the high nibble of ``s[j + 4]`` with the top 2 bits of ``s[j]`` above it.
+    The nibbles come in 4 chunks of 32 bytes: chunk c holds sub-block 2c in its low
+    nibbles and sub-block 2c + 1 in its high ones. Weight i of sub-block j is
+    ``(d * sc_j) * q_i - (dmin * m_j)``, each product in float32 (that order: ggml's).
+
+    >>> b = np.zeros((1, 144), np.uint8)
+    >>> b[0, 0:4] = [0x00, 0x3C, 0x00, 0x3C]  # d = 1.0, dmin = 1.0
+    >>> b[0, 4], b[0, 8] = 2, 3               # sub-block 0: scale 2, min 3
+    >>> b[0, 16] = 0x51                        # weight 0: q = 1; weight 32: q = 5
+    >>> dequantize_q4_k(b)[0, [0, 1, 32]]      # 1*2*1 - 1*3, 1*2*0 - 1*3, scale 0: 0
+    array([-1., -3.,  0.], dtype=float32)
+    """
+    ### BEGIN SOLUTION
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint8)
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    s = blocks[:, 4:16]
+    sc = np.concatenate([s[:, 0:4] & 0x3F, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], 1)
+    mn = np.concatenate([s[:, 4:8] & 0x3F, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], 1)
+    scale = (d * sc.astype(np.float32))[:, :, None]  # [n, 8, 1]
+    shift = (dmin * mn.astype(np.float32))[:, :, None]
+    chunks = blocks[:, 16:].reshape(n, 4, 1, 32)  # chunk c: sub-blocks 2c and 2c + 1
+    q = np.concatenate([chunks & 0x0F, chunks >> 4], axis=2).reshape(n, 8, 32)
+    return (scale * q.astype(np.float32) - shift).reshape(n, 256)
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+_blocks = random_q4_k(6, seed=16)
+_want = gguf.quants.dequantize(_blocks, gguf.GGMLQuantizationType.Q4_K)
+_mine = dequantize_q4_k(_blocks)
+assert isinstance(_mine, np.ndarray) and _mine.shape == (6, 256) and _mine.dtype == np.float32, \
+    "256 float32 weights per block, one row per block"
+assert np.array_equal(_mine.view(np.uint32), _want.view(np.uint32)), \
+    f"not gguf's weights, first at {first_wrong_sub_block(_mine, _want)}"
+### BEGIN HIDDEN TESTS
+for _seed in range(5):
+    _blocks = random_q4_k(32, seed=100 + _seed)
+    _mine = dequantize_q4_k(_blocks)
+    _engine = BLOCK_TYPES["Q4_K"].dequantize(torch.from_numpy(_blocks)).numpy()
+    assert np.array_equal(_mine.view(np.uint32), _engine.view(np.uint32))
+    assert np.array_equal(
+        _mine.view(np.uint32),
+        gguf.quants.dequantize(_blocks, gguf.GGMLQuantizationType.Q4_K).view(np.uint32))
+_z = np.zeros((2, 144), np.uint8)
+assert not dequantize_q4_k(_z).any()
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## In practice: running a GGUF file

@@ -448,8 +448,10 @@ gen = torch.Generator().manual_seed(0)
 runs = [verify_sampled(drafts, p, one_hot, torch.rand(K, generator=gen))[0]
         for _ in range(2000)]
 measured = sum(n == K for n in runs) / len(runs)
-print(f"predicted {p_all_k:.1%}, measured {measured:.1%}")
-assert abs(measured - p_all_k) < 5 * (p_all_k * (1 - p_all_k) / len(runs)) ** 0.5 + 0.005
+assert 0 < p_all_k < 1, "p_all_k is a probability"
+assert abs(measured - p_all_k) < 5 * (p_all_k * (1 - p_all_k) / len(runs)) ** 0.5 + 0.005, \
+    "2,000 verifications accept all k drafts at another rate: one factor per draft, each " \
+    "from its own row of p"
 
 # %% [markdown]
 # ### Exercise 17.2 — forget to subtract q
@@ -474,8 +476,11 @@ for seed in range(1000):
     row = SamplingRow(SamplingParams(temperature=1.0), ids, [],
                       torch.Generator().manual_seed(seed))
     hits += broken(logits[:2], [row], [drafts[:1]], [None])[0][0][0] == drafts[0]
-print(f"a = {a:.3f}; first token = d0 in {hits / 1000:.3f} of seeds")
+assert isinstance(p_first_is_d0, float) and 0 < p_first_is_d0 < 1, \
+    "p_first_is_d0 is a probability (a float)"
+### BEGIN HIDDEN TESTS
 assert abs(hits / 1000 - p_first_is_d0) < 5 * (p_first_is_d0 * (1 - p_first_is_d0) / 1000) ** 0.5
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 17.3 — the mean accepted length
@@ -492,6 +497,111 @@ mean_accepted = float(torch.cumprod(accept_p, 0).sum())  # sum over j of P(first
 # %% tags=["check"]
 spread = (sum((n - mean_accepted) ** 2 for n in runs) / len(runs)) ** 0.5
 assert abs(sum(runs) / len(runs) - mean_accepted) < 5 * spread / len(runs) ** 0.5 + 0.01
+
+# %% [markdown]
+# ### Exercise 17.4 — your rejection sampler
+# Write the sampled verification whole, the way the engine runs it: the accept rule
+# min(1, p/q), the residual max(0, p − q) at the first rejection, and the bonus token
+# from the last row when every draft is accepted. Two things make it the engine's and
+# not only *a* correct one. A proposer with a distribution (a draft model) hands in its
+# `q`; an n-gram proposer hands in `None`, and you build its one-hot yourself. And a
+# seeded request draws from its own generator in a fixed order (all k uniforms first,
+# then the last token by chapter 9's exponential race over the unnormalised weights),
+# so the same seed gives the engine's tokens, one for one. The check runs your function
+# next to `RejectionSampler` on this chapter's drafts; hidden tests try draft-model `q`s,
+# other k and many seeds, and count what your function outputs over many draws against
+# the target's p: the derivation of section 2, now for your code.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: rejection_sampler
+"""Sampled verification of k drafts (chapter 17)."""
+import torch
+
+
+def verify_drafts(drafts, p, q=None, generator=None) -> list[int]:
+    """The tokens one sampled verification yields: the accepted drafts, then one more.
+
+    ``drafts``: the k draft ids; ``p``: the target's ``[k + 1, V]`` distributions (row
+    j: the token after the first j drafts); ``q``: the proposer's ``[k, V]``, or None
+    for a proposer that names one token (a one-hot on each draft). Draft j is accepted
+    when ``u_j < p_j(d_j) / q_j(d_j)``; at the first rejection the last token is drawn
+    from ``max(p_j - q_j, 0)`` (from ``p_j`` itself if rounding left that no mass);
+    with all k accepted, from ``p_k`` (the bonus). Draw in the engine's order, from
+    ``generator`` when given: ``torch.rand(k, generator=generator)`` first, then one
+    race, ``argmax(weights / E)`` with ``E`` Exponential(1) clamped to at least
+    ``torch.finfo(E.dtype).tiny``.
+
+    >>> p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    >>> verify_drafts([1], p)       # p(d_0) = 1: always accepted, then the bonus from p_1
+    [1, 2]
+    >>> verify_drafts([0], p)       # p(d_0) = 0: rejected; the residual is all on token 1
+    [1]
+    """
+    ### BEGIN SOLUTION
+    k = len(drafts)
+    ids = torch.tensor(drafts, dtype=torch.int64)
+    if q is None:  # n-gram drafts: all the proposer's mass on the named token
+        q = torch.zeros_like(p[:k]).scatter_(1, ids[:, None], 1.0)
+    uniform = torch.rand(k, generator=generator)
+    at = torch.arange(k)
+    accepted = (uniform * q[at, ids] < p[at, ids]).tolist()  # u < p/q without dividing by 0
+    n = accepted.index(False) if False in accepted else k
+    if n < k:
+        weights = (p[n] - q[n]).clamp(min=0)
+        if not weights.sum() > 0:
+            weights = p[n]
+    else:
+        weights = p[k]
+    race = torch.empty_like(weights).exponential_(generator=generator)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return list(drafts[:n]) + [int((weights / race).argmax())]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def engine_run(logits, drafts, q, seed):
+    """The engine's RejectionSampler on one request, seeded, and the p it verified with."""
+    row = SamplingRow(SamplingParams(temperature=1.0), ids, [],
+                      torch.Generator().manual_seed(seed))
+    target_p = RejectionSampler.target(logits, [row], [drafts])[1]
+    return [t for t, _ in RejectionSampler()(logits, [row], [drafts], [q])[0]], target_p
+
+
+for seed in range(5):
+    want, target_p = engine_run(logits, drafts, None, seed)
+    got = verify_drafts(drafts, target_p, None, torch.Generator().manual_seed(seed))
+    assert 1 <= len(got) <= K + 1, "a verification yields between 1 and k + 1 tokens"
+    assert got == want, f"seed {seed}: the engine yields other tokens (your accepted count, " \
+        "or your last token's draw: k uniforms first, then one race)"
+### BEGIN HIDDEN TESTS
+gen_h = torch.Generator().manual_seed(17)
+for k in (1, 2, 3, 5):
+    for trial in range(3):
+        L = torch.randn(k + 1, 40, generator=gen_h) * 2
+        q_h = (torch.randn(k, 40, generator=gen_h) * 2).softmax(-1)
+        d_h = torch.multinomial(q_h, 1, generator=gen_h)[:, 0].tolist()
+        for q_in in (q_h, None):
+            for seed in range(4):
+                want, target_p = engine_run(L, d_h, q_in, seed)
+                assert verify_drafts(d_h, target_p, q_in,
+                                     torch.Generator().manual_seed(seed)) == want
+# lossless: the first output token is distributed as p_0, whatever q proposes
+p4 = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+q4 = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+draw = torch.Generator().manual_seed(5)
+first = torch.zeros(4)
+for _ in range(4000):
+    d0 = int(torch.multinomial(q4[0], 1, generator=draw))
+    first[verify_drafts([d0], p4, q4, draw)[0]] += 1
+assert ((first / 4000 - p4[0]).abs() < 5 * (p4[0] * (1 - p4[0]) / 4000).sqrt() + 1e-3).all()
+assert verify_drafts([1], torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])) == [1, 2]
+assert verify_drafts([0], torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])) == [1]
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Your function and the engine's `_verify_random` (shown in section 7) are the same
+# steps; the engine only adds the logprobs each yielded token reports and batches the
+# requests of a step.
 
 # %%
 for llm in (base, spec, spec2, auto):
