@@ -48,6 +48,7 @@ request_path_figure(["scheduler", "sampler"])  # beams are requests; candidates 
 # %%
 from minivllm import LLM, BeamSearchParams, SamplingParams
 from minivllm.entrypoints.beam_search import BeamSearch, beam_score
+from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.beam import (beam_blocks_figure, beam_step_tokens_figure, beam_tree_figure,
                                    beam_tree_nodes)
 from minivllm.lab.viz.source import show_source
@@ -156,8 +157,10 @@ assert [b.tokens for b in by_hand] == [b.tokens for b in beams]  # the same sear
 
 # %%
 nodes = beam_tree_nodes(kept, len(prompt))
-beam_tree_figure(nodes, lambda t: repr(tok.decode([t])), best=beams[0].tokens,
-                 title="Beams kept after each step; the best final beam in red")
+fig = beam_tree_figure(nodes, lambda t: repr(tok.decode([t])), best=beams[0].tokens,
+                       title="Beams kept after each step; the best final beam in red")
+save_key_figure(fig, "19_beam_search")  # (for `make figures`; a no-op otherwise)
+fig
 
 # %% [markdown]
 # What did each step cost? Every request reports how many of its prompt tokens the

@@ -48,6 +48,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.distributed.kv_events import BlockStored, KVEventSubscriber
 from minivllm.routing import RoutingPolicy, prompt_block_hashes
 from minivllm.routing.policy import cached_prefix_blocks
+from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.fleet import fleet_blocks_figure
 from minivllm.lab.viz.source import show_source
 
@@ -194,6 +195,7 @@ assert len({i for i, *_ in runs["kv_aware"][0]}) == 1  # one replica keeps the s
 
 # %%
 fig = fleet_blocks_figure({name: held for name, (_, held) in runs.items()})
+save_key_figure(fig, "22_many_engines")  # (for `make figures`; a no-op otherwise)
 fig
 
 # %% [markdown]
