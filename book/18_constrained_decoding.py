@@ -341,7 +341,10 @@ try:
                                             structured_outputs=spec), use_tqdm=False)[0]
 finally:
     del manager.mask_logits  # back to the class's method
+assert isinstance(first_unmasked, int) and 0 <= first_unmasked < V, "a token ID, please"
+### BEGIN HIDDEN TESTS
 assert first_unmasked == unmasked.outputs[0].token_ids[0]
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 18.3 — the mask's size

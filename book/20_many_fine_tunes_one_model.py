@@ -241,8 +241,12 @@ one = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64, trac
 again = one.generate([prompt] * 3, greedy, use_tqdm=False,
                      lora_request=[None, lyon, marseille])
 assert [o.outputs[0].text for o in again] == answers
-assert answer_1 == max(len(set(r.loras.values())) for r in one.trace.records)
+assert isinstance(answer_1, int), "a number of adapters, please"
+busiest = max(len(set(r.loras.values())) for r in one.trace.records)
 one.shutdown()
+### BEGIN HIDDEN TESTS
+assert answer_1 == busiest
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 20.2 — rsLoRA's scale

@@ -373,7 +373,10 @@ loads = [int(r == after[-1][0]) for r in range(N)]
 h2 = prompt_block_hashes(session_ids(history + [{"role": "user", "content": "And a slot?"}]),
                          BS)
 pick = strict.choose(loads, h2, [s.index.hashes for s in subs])
+assert len(answer_2) == 2 and answer_2[0] in range(N), "(a replica index, a token count)"
+### BEGIN HIDDEN TESTS
 assert answer_2 == (pick, cached_prefix_blocks(h2, subs[pick].index.hashes) * BS) and pick == home
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 22.3 — what round robin cost

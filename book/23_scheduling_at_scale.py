@@ -397,8 +397,11 @@ ttft_rises, throughput_falls = True, True
 # %% tags=["check"]
 few = serve_metrics(h100(max_num_seqs=8).run(random_requests(160, 1024, 256, VOCAB, 0.5,
                                                               request_rate=32, seed=0)))
+assert isinstance(ttft_rises, bool) and isinstance(throughput_falls, bool), "True or False"
+### BEGIN HIDDEN TESTS
 assert ttft_rises == (few.ttft_ms["median"] > sweep[-1].ttft_ms["median"])
 assert throughput_falls == (few.output_throughput < sweep[-1].output_throughput)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 23.3 — a long prompt's chunks
