@@ -87,6 +87,8 @@ results: setup
 	$(PY) -m minivllm.lab.results
 
 # Every chapter's key figure into figures/; ONLY="01 12" re-runs just those chapters.
+# figures/figures.json records the hash of each figure's drawing cell
+# (tests/test_figures_fresh.py: a figure older than its chapter's code fails).
 figures: results setup sysdeps
 	$(PY) -m minivllm.lab.viz.export figures $(if $(ONLY),--only $(ONLY))
 

@@ -558,6 +558,19 @@ with_theirs = MiniEngine(model, tokenizer, eos, NUM_BLOCKS, BLOCK_SIZE, BUDGET, 
 assert with_theirs.generate(prompts, params) == expected
 print(f"attention {theirs.name!r}: the same tokens and text")
 
+# %%
+# The key figure: your engine's schedule, tokens per request in each step (r7's prompt in
+# chunks, a preempted request starting over), drawn for `make figures`.
+from minivllm.lab.viz.bars import stacked_bars
+from minivllm.lab.viz.export import save_key_figure
+
+fig = stacked_bars([str(k) for k in range(len(mine.steps))],
+                   {rid: [step.get(rid, 0) for step in mine.steps] for rid in prompts},
+                   "Your engine's schedule: tokens per request in each step", "tokens",
+                   x_title="engine step", x_name="steps")
+save_key_figure(fig, "14_build_it_yourself")
+fig
+
 # %% [markdown]
 # **In vLLM.** (v0.11.0.) The flat batch is built by `GPUModelRunner._prepare_inputs`
 # (`vllm/v1/worker/gpu_model_runner.py`): token ids, positions, `query_start_loc`,

@@ -317,8 +317,8 @@ compiled_yn, _ = manager.compiler.compile(SO(choice=["yes", "no"]))
 m = bitmask.allocate(1, V)
 RequestGrammar(compiled_yn).fill(m, 0)
 library_yn = set(bitmask.allowed_tokens(m[0], V).nonzero().flatten().tolist())
-print(sorted(tokenizer.decode([t]) for t in library_yn))
-assert allowed_yes_no == library_yn
+assert not allowed_yes_no - library_yn, "your set allows a token that cannot start yes or no"
+assert allowed_yes_no == library_yn, "your set misses a token that starts yes or no"
 
 # %% [markdown]
 # ### Exercise 18.2 — switch the mask off
@@ -341,7 +341,10 @@ try:
                                             structured_outputs=spec), use_tqdm=False)[0]
 finally:
     del manager.mask_logits  # back to the class's method
+assert isinstance(first_unmasked, int) and 0 <= first_unmasked < V, "a token ID, please"
+### BEGIN HIDDEN TESTS
 assert first_unmasked == unmasked.outputs[0].token_ids[0]
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 18.3 — the mask's size
@@ -359,6 +362,125 @@ mask_bytes_32 = 32 * words_per_row * 4
 batch_mask = bitmask.allocate(32, V)
 assert batch_mask.shape == (32, words_per_row)
 assert batch_mask.numel() * batch_mask.element_size() == mask_bytes_32
+
+# %% [markdown]
+# ### Exercise 18.4 — a streamed tool-call parser
+# With `tool_choice="auto"` the server reads the model's answer *as it streams*: the
+# text before the first `<tool_call>` goes to the client as content, and each call goes
+# out once its `</tool_call>` has arrived. The deltas cut the text anywhere, even inside
+# a tag: `"<tool"` may end one delta and `"_call>"` start the next, so the parser must
+# hold back any tail that could still become a tag, and send it as content only once it
+# cannot (or when the stream ends). Write `HermesStream`, a small state machine (outside
+# a call / inside a call) that does this; the engine's `Hermes2ProToolParser` reading the
+# whole text at once is the reference.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+class HermesStream:
+    """Reads a Hermes-format answer delta by delta.
+
+    ``feed(delta, final=False)`` returns ``(content, calls)``: the content this delta
+    completes (text before the first ``<tool_call>``; a tail that may still become the
+    tag is held back until the next delta, or sent when ``final``) and the calls this
+    delta completes, each ``json.loads`` of the text between ``<tool_call>`` and
+    ``</tool_call>``. Text after the first tag (between or after calls) is dropped.
+
+        s = HermesStream()
+        s.feed("Sure! <to")          -> ("Sure! ", [])
+        s.feed('ol_call>{"name": "f"') -> ("", [])
+        s.feed(', "arguments": {}}</tool_call>', final=True)
+                                     -> ("", [{"name": "f", "arguments": {}}])
+    """
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        ### BEGIN SOLUTION
+        self.buffer = ""  # text read but not yet handed out
+        self.in_call = False
+        self.seen_call = False  # content ends at the first tag
+        ### END SOLUTION
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
+        ### BEGIN SOLUTION
+        self.buffer += delta
+        content, calls = "", []
+        while True:
+            tag = self.END if self.in_call else self.START
+            at = self.buffer.find(tag)
+            if at < 0:
+                break
+            if self.in_call:
+                calls.append(json.loads(self.buffer[:at]))
+            elif not self.seen_call:
+                content += self.buffer[:at]
+            self.seen_call = self.seen_call or not self.in_call
+            self.in_call = not self.in_call
+            self.buffer = self.buffer[at + len(tag):]
+        if not self.in_call:
+            # the longest tail that is a start of the tag may still become one
+            hold = 0 if final else next((n for n in range(len(self.START) - 1, 0, -1)
+                                         if self.buffer.endswith(self.START[:n])), 0)
+            if not self.seen_call:
+                content += self.buffer[:len(self.buffer) - hold]
+            self.buffer = self.buffer[len(self.buffer) - hold:]
+        return content, calls
+        ### END SOLUTION
+
+
+# %% tags=["check"]
+from minivllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser
+
+
+def stream_through(text, size):
+    """(content, calls) of HermesStream fed `text` in deltas of `size` characters."""
+    s, content, calls = HermesStream(), "", []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    for k, piece in enumerate(pieces):
+        c, new = s.feed(piece, final=k == len(pieces) - 1)
+        content, calls = content + c, calls + new
+    return content, calls
+
+
+def engine_reads(text):
+    """(content, calls) as the engine's parser reads the whole text."""
+    info = Hermes2ProToolParser([]).extract_tool_calls(text)
+    return info.content or "", [{"name": c.function.name,
+                                 "arguments": json.loads(c.function.arguments)}
+                                for c in info.tool_calls]
+
+
+answer = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+          '</tool_call>')
+for size in (len(answer), 1, 4):
+    content, calls = stream_through(answer, size)
+    want_content, want_calls = engine_reads(answer)
+    assert "<" not in content, f"deltas of {size}: part of a tag leaked into the content"
+    assert content == want_content, f"deltas of {size}: the content differs from the parser's"
+    assert calls == want_calls, f"deltas of {size}: the calls differ from the parser's"
+### BEGIN HIDDEN TESTS
+import random as _random
+
+_texts = [
+    "No tools needed: 2 < 3 and 5 > 4.",
+    "a trailing <tool",
+    "",
+    '<tool_call>{"name": "a", "arguments": {}}</tool_call>',
+    'Two calls: <tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+    '<tool_call>{"arguments": {"y": "</tool"}, "name": "b"}</tool_call> and after',
+    'x <tool_call>{"name": "f", "arguments": {"s": "<tool_call> inside"}}</tool_call>',
+]
+_rng = _random.Random(0)
+for _text in _texts:
+    for _size in (1, 2, 3, 5, 11, max(len(_text), 1)):
+        assert stream_through(_text, _size) == engine_reads(_text), (_text, _size)
+    _s, _got = HermesStream(), ("", [])
+    _cuts = sorted(_rng.randint(0, len(_text)) for _ in range(3))
+    _bounds = [0] + _cuts + [len(_text)]
+    for _k in range(len(_bounds) - 1):
+        _c, _new = _s.feed(_text[_bounds[_k]:_bounds[_k + 1]], final=_k == len(_bounds) - 2)
+        _got = (_got[0] + _c, _got[1] + _new)
+    assert _got == engine_reads(_text), _text
+### END HIDDEN TESTS
 
 # %% [markdown]
 # **Things to try**: constrain to an EBNF grammar of your own (`SO(grammar=...)`), time

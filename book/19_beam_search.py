@@ -48,6 +48,7 @@ request_path_figure(["scheduler", "sampler"])  # beams are requests; candidates 
 # %%
 from minivllm import LLM, BeamSearchParams, SamplingParams
 from minivllm.entrypoints.beam_search import BeamSearch, beam_score
+from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.beam import (beam_blocks_figure, beam_step_tokens_figure, beam_tree_figure,
                                    beam_tree_nodes)
 from minivllm.lab.viz.source import show_source
@@ -156,8 +157,10 @@ assert [b.tokens for b in by_hand] == [b.tokens for b in beams]  # the same sear
 
 # %%
 nodes = beam_tree_nodes(kept, len(prompt))
-beam_tree_figure(nodes, lambda t: repr(tok.decode([t])), best=beams[0].tokens,
-                 title="Beams kept after each step; the best final beam in red")
+fig = beam_tree_figure(nodes, lambda t: repr(tok.decode([t])), best=beams[0].tokens,
+                       title="Beams kept after each step; the best final beam in red")
+save_key_figure(fig, "19_beam_search")  # (for `make figures`; a no-op otherwise)
+fig
 
 # %% [markdown]
 # What did each step cost? Every request reports how many of its prompt tokens the
@@ -285,6 +288,123 @@ _refs = {}
 for _, _ids, _counts in step:
     _refs.update(zip(_ids, _counts))
 assert answer_3 == (len(_refs), sum(_refs.values()))  # each reference counted once per beam
+
+# %% [markdown]
+# ### Exercise 19.4 — the search, written
+# Write the whole search over any model given as a function: `next_logprobs(seqs)` takes
+# the live beams' token lists and returns, for each, a dict `{token: logprob}` of its
+# best next tokens (best first), as one engine step with a request per beam returns
+# them. Rank every (beam, token) pair by summed logprob, keep the best `width` that do
+# not end in EOS, finish an EOS candidate only if it ranks among the first `width`, stop
+# early when no running beam can beat the `width`-th finished one any more, and return
+# the best `width` of finished and running beams by `beam_score`. The engine's
+# `BeamSearch`, on the real model and on toy models, is the reference.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+def my_beam_search(next_logprobs, prompt: list[int], width: int, max_tokens: int,
+                   eos: set[int], length_penalty: float = 1.0) -> list[tuple[list[int], float]]:
+    """The best ``width`` answers as ``(tokens, cum_logprob)``, best first; ``tokens``
+    include the prompt (and the EOS of a finished beam).
+
+    Ties between equal summed logprobs keep the earlier beam first, then the order of
+    its dict. A beam's score is ``beam_score(cum_logprob, generated_len, length_penalty)``.
+
+        toy = lambda seqs: [{7: -0.1, 0: -1.0, 5: -2.0, 6: -3.0} for _ in seqs]
+        my_beam_search(toy, [1], width=2, max_tokens=2, eos={0})
+        -> [([1, 7, 7], -0.2), ([1, 7, 0], -1.1)]
+    """
+    ### BEGIN SOLUTION
+    beams, finished = [(list(prompt), 0.0)], []
+
+    def score(seq):
+        return beam_score(seq[1], len(seq[0]) - len(prompt), length_penalty)
+
+    for _ in range(max_tokens):
+        candidates = [(cum + lp, tokens, token)
+                      for (tokens, cum), ranked in zip(beams, next_logprobs([b[0] for b in beams]))
+                      for token, lp in ranked.items()]
+        candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam, then dict order
+        beams = []
+        for rank, (cum, tokens, token) in enumerate(candidates):
+            if token in eos:
+                if rank < width:
+                    finished.append((tokens + [token], cum))
+                continue
+            beams.append((tokens + [token], cum))
+            if len(beams) == width:
+                break
+        if not beams:
+            break
+        if len(finished) >= width and max(map(score, beams)) <= sorted(
+                map(score, finished), reverse=True)[width - 1]:
+            beams = []  # no running beam can enter the best `width` any more
+            break
+    return sorted(finished + beams, key=score, reverse=True)[:width]
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+from types import SimpleNamespace
+
+
+def engine_search(next_logprobs, prompt, width, max_tokens, eos, length_penalty=1.0):
+    """The engine's BeamSearch driven by the same model function."""
+    search = BeamSearch(prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                                 length_penalty=length_penalty), eos)
+    while not search.done:
+        ranked = next_logprobs([b.tokens for b in search.beams])
+        search.advance([SimpleNamespace(outputs=[SimpleNamespace(logprobs=[
+            {t: SimpleNamespace(logprob=lp) for t, lp in r.items()}])]) for r in ranked])
+    return [(s.tokens, s.cum_logprob) for s in search.result(None).sequences]
+
+
+def real_model(seqs):
+    """One engine step, a request per beam: each beam's top next tokens."""
+    step = BeamSearch(prompt, BeamSearchParams(beam_width=WIDTH, max_tokens=1), eos_ids)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], step.step_params(),
+                        use_tqdm=False)
+    return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+
+
+eos_ids = set(llm.llm_engine.input_processor.eos_token_ids)
+mine = my_beam_search(real_model, prompt, WIDTH, STEPS, eos_ids)
+assert len(mine) == WIDTH, "not `width` answers"
+assert all(t[:len(prompt)] == prompt for t, _ in mine), "an answer does not start with the prompt"
+assert [t for t, _ in mine] == [b.tokens for b in beams], \
+    "not the beams LLM.beam_search found on this prompt (their tokens or their order)"
+### BEGIN HIDDEN TESTS
+import math as _math
+import random as _random
+
+
+def _toy(vocab, k, seed, eos_bias=0.0):
+    # a model whose EOS grows likelier with the length (eos_bias per token)
+    def next_logprobs(seqs):
+        out = []
+        for seq in seqs:
+            rng = _random.Random(hash((seed, tuple(seq))))
+            logits = [rng.gauss(0, 2) for _ in range(vocab)]
+            logits[0] += eos_bias * len(seq)
+            z = _math.log(sum(_math.exp(v) for v in logits))
+            top = sorted(range(vocab), key=lambda t: -logits[t])[:k]
+            out.append({t: logits[t] - z for t in top})
+        return out
+    return next_logprobs
+
+
+for _seed, _width, _steps, _lp, _bias in ((0, 2, 6, 1.0, 0.0), (1, 3, 8, 0.0, 0.3),
+                                           (2, 4, 5, 2.0, 0.0), (3, 1, 7, 1.0, 0.5),
+                                           (4, 3, 10, 1.0, 0.4), (5, 2, 12, 0.5, 0.6),
+                                           (6, 3, 12, 1.0, 0.8), (7, 2, 9, 2.0, 1.0),
+                                           (4, 3, 12, 0.0, 0.3), (10, 2, 12, 1.0, 0.6)):
+    _f = _toy(8, 2 * _width, _seed, _bias)
+    _want = engine_search(_f, [1, 2], _width, _steps, {0}, _lp)
+    _got = my_beam_search(_f, [1, 2], _width, _steps, {0}, _lp)
+    assert [t for t, _ in _got] == [t for t, _ in _want], (_seed, _width, _lp)
+    assert all(abs(a - b) < 1e-9 for (_, a), (_, b) in zip(_got, _want)), _seed
+_doc = lambda seqs: [{7: -0.1, 0: -1.0, 5: -2.0, 6: -3.0} for _ in seqs]
+assert my_beam_search(_doc, [1], 2, 2, {0}) == engine_search(_doc, [1], 2, 2, {0})
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## Summary

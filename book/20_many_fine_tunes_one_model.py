@@ -52,6 +52,7 @@ from minivllm import LLM, LoRARequest, SamplingParams
 from minivllm.lora import punica
 from minivllm.lora.peft_loader import load_adapter
 from minivllm.model.resolve import resolve_model_path
+from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.lora import shrink_expand_figure, token_index_figure
 from minivllm.lab.viz.source import show_source
 
@@ -150,6 +151,7 @@ slots = {lora: s for s, i in enumerate(manager.slot_ids)
          for lora, j in (("lyon", 1), ("marseille", 2)) if i == j}
 step = [(rid, first.loras.get(rid), n) for rid, (n, _) in first.scheduled.items()]
 fig = token_index_figure(step, slots)
+save_key_figure(fig, "20_many_fine_tunes_one_model")  # (for `make figures`; a no-op otherwise)
 fig
 
 # %%
@@ -239,8 +241,12 @@ one = LLM(enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64, trac
 again = one.generate([prompt] * 3, greedy, use_tqdm=False,
                      lora_request=[None, lyon, marseille])
 assert [o.outputs[0].text for o in again] == answers
-assert answer_1 == max(len(set(r.loras.values())) for r in one.trace.records)
+assert isinstance(answer_1, int), "a number of adapters, please"
+busiest = max(len(set(r.loras.values())) for r in one.trace.records)
 one.shutdown()
+### BEGIN HIDDEN TESTS
+assert answer_1 == busiest
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 20.2 — rsLoRA's scale
@@ -278,6 +284,82 @@ lyon_again = LoRARequest("lyon-2", 3, lyon.lora_path)
 hits = tuple(llm.generate([prompt], greedy, use_tqdm=False, lora_request=lo)[0]
              .num_cached_tokens for lo in (marseille, lyon_again))
 assert answer_3 == hits
+
+# %% [markdown]
+# ### Exercise 20.4 — the delta of a mixed batch
+# Write the LoRA delta of one layer for a step that mixes adapters, the way the engine's
+# shrink and expand do it: group the step's tokens by adapter, and run each group
+# through its adapter's `A` (shrink to rank r) and then its `B` (expand), scaled. The
+# adapters here are given as PEFT stores them: `A` `[r, in]`, `B` `[out, r]` and the
+# scale apart, ranks may differ between adapters, and nothing is padded or stacked.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+def mixed_lora_delta(x: torch.Tensor, adapters: list[tuple[torch.Tensor, torch.Tensor, float]],
+                     token_adapter: list[int]) -> torch.Tensor:
+    """The LoRA delta [T, out] of a step's T tokens ``x`` [T, in].
+
+    ``adapters[i] = (A_i [r_i, in], B_i [out, r_i], scale_i)``; ``token_adapter[t]`` is
+    the index of token t's adapter, or -1 for the base model (a zero delta). Token t's
+    row is ``scale_i * B_i @ (A_i @ x[t])``, computed one adapter at a time over all of
+    its tokens (one shrink and one expand per adapter, as Punica does).
+
+        A, B = torch.ones(1, 2), torch.ones(3, 1)
+        mixed_lora_delta(torch.tensor([[1., 2.], [1., 1.]]), [(A, B, 2.0)], [0, -1])
+        -> tensor([[6., 6., 6.], [0., 0., 0.]])
+    """
+    ### BEGIN SOLUTION
+    index = torch.as_tensor(token_adapter)
+    out_features = adapters[0][1].shape[0]
+    delta = x.new_zeros(x.shape[0], out_features)
+    for i, (A, B, scale) in enumerate(adapters):
+        rows = (index == i).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        shrunk = x[rows] @ A.T  # [n, r]: the narrow waist
+        delta.index_add_(0, rows, scale * (shrunk @ B.T))  # [n, out]
+    return delta
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def engine_delta(x, adapters, token_adapter):
+    """The engine's delta: factors stacked in slots, rank padded, scale folded into B."""
+    R = max(A.shape[0] for A, _, _ in adapters)
+    lora_a = torch.zeros(len(adapters), R, x.shape[1])
+    lora_b = torch.zeros(len(adapters), adapters[0][1].shape[0], R)
+    for i, (A, B, scale) in enumerate(adapters):
+        lora_a[i, :A.shape[0]], lora_b[i, :, :A.shape[0]] = A, B * scale
+    return punica.lora_delta(x, lora_a, lora_b, torch.tensor(token_adapter))
+
+
+raw = {}  # the two trained adapters' q_proj factors of layer 0, as PEFT saved them
+for req in (lyon, marseille):
+    ad = load_adapter(req, llm.llm_engine.config.model, max_lora_rank=8)
+    A_, B_scaled_ = ad.weights[(0, "q_proj")]
+    raw[req.lora_name] = (A_, B_scaled_ / ad.scaling, ad.scaling)
+pair = [raw["lyon"], raw["marseille"]]
+xs = torch.randn(6, 576)
+who = [0, 1, -1, 1, 0, -1]
+mine = mixed_lora_delta(xs, pair, who)
+assert mine.shape == (6, 576), "the delta has one row per token and the layer's output width"
+assert torch.equal(mine[2], torch.zeros(576)), "a base-model token (-1) got a delta"
+assert torch.allclose(mine, engine_delta(xs, pair, who), atol=1e-4), \
+    "an adapter token's delta differs from the engine's (its factors, their order or the scale)"
+### BEGIN HIDDEN TESTS
+_g = torch.Generator().manual_seed(0)
+for _ranks, _who in (([2, 8, 4], [2, 0, 1, 2, -1, 0, 1, 1]), ([3], [-1, -1, 0]),
+                     ([1, 5], [1, 1, 1, 1]), ([4, 4], [-1, -1, -1])):
+    _ads = [(torch.randn(r, 24, generator=_g), torch.randn(40, r, generator=_g), 0.5 * (k + 1))
+            for k, r in enumerate(_ranks)]
+    _x = torch.randn(len(_who), 24, generator=_g)
+    assert torch.allclose(mixed_lora_delta(_x, _ads, _who), engine_delta(_x, _ads, _who),
+                          atol=1e-5), (_ranks, _who)
+# PEFT's merged weight: W + scale * B @ A for the Lyon adapter's tokens
+_x = torch.randn(3, 576, generator=_g)
+_A, _B, _s = raw["lyon"]
+assert torch.allclose(_x @ W.T + mixed_lora_delta(_x, [raw["lyon"]], [0, 0, 0]),
+                      _x @ (W + _s * _B @ _A).T, atol=1e-4)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## In practice: serving many adapters

@@ -272,8 +272,12 @@ assert all(pd[x]["p99_itl_ms"] < colo[x]["p99_itl_ms"] for x in RATES)
 # goodput: requests per second that met **both** the TTFT and the TPOT objective.
 
 # %%
-goodput_curve_figure(rows, "goodput", f"Simulated goodput, SLO TTFT {SLO['ttft']} ms + "
-                     f"TPOT {SLO['tpot']} ms")
+from minivllm.lab.viz.export import save_key_figure
+
+fig = goodput_curve_figure(rows, "goodput", f"Simulated goodput, SLO TTFT {SLO['ttft']} ms + "
+                           f"TPOT {SLO['tpot']} ms")
+save_key_figure(fig, "21_prefill_decode_apart")  # (for `make figures`; a no-op otherwise)
+fig
 
 # %%
 best = {name: max(r["goodput"] for r in rows if r["layout"] == name) for name in LAYOUTS}

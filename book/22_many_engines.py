@@ -48,6 +48,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.distributed.kv_events import BlockStored, KVEventSubscriber
 from minivllm.routing import RoutingPolicy, prompt_block_hashes
 from minivllm.routing.policy import cached_prefix_blocks
+from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.fleet import fleet_blocks_figure
 from minivllm.lab.viz.source import show_source
 
@@ -194,6 +195,7 @@ assert len({i for i, *_ in runs["kv_aware"][0]}) == 1  # one replica keeps the s
 
 # %%
 fig = fleet_blocks_figure({name: held for name, (_, held) in runs.items()})
+save_key_figure(fig, "22_many_engines")  # (for `make figures`; a no-op otherwise)
 fig
 
 # %% [markdown]
@@ -348,7 +350,7 @@ answer_1 = cached_prefix_blocks(nxt_hashes, subs[best].index.hashes) * BS
 
 # %% tags=["check"]
 i, cached, _, _ = send_turn(policy, history, "What is a block table?", down={home})
-assert answer_1 == cached, (answer_1, cached)
+assert answer_1 == cached, "not the cached tokens the picked replica's engine found"
 
 # %% [markdown]
 # ### Exercise 22.2 — a stricter balance (changes the router)
@@ -371,7 +373,10 @@ loads = [int(r == after[-1][0]) for r in range(N)]
 h2 = prompt_block_hashes(session_ids(history + [{"role": "user", "content": "And a slot?"}]),
                          BS)
 pick = strict.choose(loads, h2, [s.index.hashes for s in subs])
+assert len(answer_2) == 2 and answer_2[0] in range(N), "(a replica index, a token count)"
+### BEGIN HIDDEN TESTS
 assert answer_2 == (pick, cached_prefix_blocks(h2, subs[pick].index.hashes) * BS) and pick == home
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 22.3 — what round robin cost
@@ -406,6 +411,104 @@ answer_4 = fleet_hits(shared, N, "kv_aware", 96) / fleet_hits(shared, N, "round_
 same = multiturn_requests(8, 5, 256, 32, 64, llama.vocab_size, request_rate=4, seed=0)
 ratio = fleet_hits(same, N, "kv_aware", 96) / fleet_hits(same, N, "round_robin", 96)
 assert answer_4 == ratio < 2  # the shared prompt is cached everywhere, whatever the policy
+
+# %% [markdown]
+# ### Exercise 22.5 — a router that remembers what it sent
+# `kv_aware` reads the replicas' KV events. A router without events can only remember
+# what it sent: `prefix_aware` keeps, per replica, the block hashes of the prompts it
+# routed there (at most `capacity` of them, the least recently sent forgotten first) and
+# sends a prompt where the longest start of its hash chain was sent before. The same
+# load fallback as `kv_aware`: only replicas with at most `balance_slack` more
+# unfinished requests than the least loaded compete; ties go to the less loaded, then
+# the lower index. Write it; the engine's `RoutingPolicy("prefix_aware", ...)` is the
+# reference, request by request.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+from collections import OrderedDict
+
+
+class PrefixRouter:
+    """Routes by the prompts it sent before, within a load slack.
+
+    ``route(loads, block_hashes)`` returns the replica index for a request whose
+    prompt has the hash chain ``block_hashes`` (``prompt_block_hashes``), given each
+    replica's unfinished requests ``loads``, and remembers the chain as sent there
+    (each hash moves to the most recent end of that replica's memory; beyond
+    ``capacity`` hashes the least recent are forgotten).
+
+        r = PrefixRouter(num_replicas=2, balance_slack=1, capacity=8)
+        r.route([0, 0], [11, 12])     -> 0   (nothing sent yet: the less loaded, lower index)
+        r.route([1, 0], [11, 12, 13]) -> 0   (2 blocks sent to 0; its load is within the slack)
+        r.route([2, 0], [11, 12, 14]) -> 1   (replica 0 is 2 busier: beyond the slack)
+    """
+
+    def __init__(self, num_replicas: int, balance_slack: int = 4, capacity: int = 1 << 16):
+        ### BEGIN SOLUTION
+        self.balance_slack, self.capacity = balance_slack, capacity
+        self.sent = [OrderedDict() for _ in range(num_replicas)]
+        ### END SOLUTION
+
+    def route(self, loads: list[int], block_hashes: list[int]) -> int:
+        ### BEGIN SOLUTION
+        limit = min(loads) + self.balance_slack
+        hits = []
+        for j, memory in enumerate(self.sent):
+            n = 0
+            while n < len(block_hashes) and block_hashes[n] in memory:
+                n += 1
+            hits.append(n if loads[j] <= limit else -1)
+        best = max(range(len(loads)), key=lambda j: (hits[j], -loads[j], -j))
+        memory = self.sent[best]
+        for h in block_hashes:
+            memory[h] = None
+            memory.move_to_end(h)
+        while len(memory) > self.capacity:
+            memory.popitem(last=False)
+        return best
+        ### END SOLUTION
+
+
+# %% tags=["check"]
+def routes(router, stream):
+    """The replica each (loads, prompt ids) of a stream is sent to."""
+    return [router(loads, prompt_block_hashes(ids, BS)) for loads, ids in stream]
+
+
+def session_stream(n_sessions, turns, loads_of, seed):
+    """Interleaved chat sessions: each turn resends its session's history plus new tokens."""
+    rng = __import__("random").Random(seed)
+    histories = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(n_sessions)]
+    stream = []
+    for t in range(turns):
+        for s in range(n_sessions):
+            histories[s] += [rng.randrange(3, 1000) for _ in range(rng.randrange(8, 40))]
+            stream.append((loads_of(len(stream)), list(histories[s])))
+    return stream
+
+
+busy = session_stream(3, 4, lambda k: [(k + j) % 3 for j in range(N)], seed=1)
+want = routes(RoutingPolicy("prefix_aware", N, balance_slack=1).choose, busy)
+got = routes(PrefixRouter(N, balance_slack=1).route, busy)
+assert got[:3] == want[:3], "a first turn (nothing sent before) went to the wrong replica"
+assert got == want, "a later turn went to another replica than the engine's router picks"
+### BEGIN HIDDEN TESTS
+import random as _random
+
+for _seed, _n, _slack, _cap in ((2, 3, 4, 1 << 16), (3, 4, 0, 1 << 16), (4, 3, 1, 6),
+                                (5, 2, 2, 3), (6, 5, 1, 20)):
+    _rng = _random.Random(_seed)
+    _stream = session_stream(4, 5, lambda k: [_rng.randrange(0, 4) for _ in range(_n)], _seed)
+    _engine = RoutingPolicy("prefix_aware", _n, balance_slack=_slack, max_prefix_blocks=_cap)
+    _mine = PrefixRouter(_n, balance_slack=_slack, capacity=_cap)
+    assert routes(_mine.route, _stream) == routes(_engine.choose, _stream), (_seed, _slack, _cap)
+# a chain sent again is the most recent: it outlives hashes sent between
+_seq = [([0, 1], [1, 2]), ([0, 1], [5]), ([0, 1], [1, 2]), ([0, 1], [7]), ([1, 0], [1, 2])]
+_engine, _mine = RoutingPolicy("prefix_aware", 2, 1, 3), PrefixRouter(2, 1, 3)
+assert [_mine.route(l, h) for l, h in _seq] == [_engine.choose(l, h) for l, h in _seq]
+_doc = PrefixRouter(num_replicas=2, balance_slack=1, capacity=8)
+assert [_doc.route([0, 0], [11, 12]), _doc.route([1, 0], [11, 12, 13]),
+        _doc.route([2, 0], [11, 12, 14])] == [0, 0, 1]
+### END HIDDEN TESTS
 
 # %%
 for sub in subs:

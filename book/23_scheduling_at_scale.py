@@ -397,10 +397,11 @@ ttft_rises, throughput_falls = True, True
 # %% tags=["check"]
 few = serve_metrics(h100(max_num_seqs=8).run(random_requests(160, 1024, 256, VOCAB, 0.5,
                                                               request_rate=32, seed=0)))
-print(f"8 seats: TTFT {few.ttft_ms['median']:.0f} ms, {few.output_throughput:.0f} tok/s; "
-      f"256 seats: {sweep[-1].ttft_ms['median']:.0f} ms, {sweep[-1].output_throughput:.0f}")
+assert isinstance(ttft_rises, bool) and isinstance(throughput_falls, bool), "True or False"
+### BEGIN HIDDEN TESTS
 assert ttft_rises == (few.ttft_ms["median"] > sweep[-1].ttft_ms["median"])
 assert throughput_falls == (few.output_throughput < sweep[-1].output_throughput)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ### Exercise 23.3 — a long prompt's chunks
@@ -419,6 +420,115 @@ alone = Simulator(MODEL, H100, EngineArgs(max_num_seqs=256, max_num_batched_toke
 long_req = SimRequest("long", [rng.randrange(3, VOCAB) for _ in range(3000)], 4)
 steps = alone.run([long_req]).traces[0]
 assert prefill_steps == sum(r.scheduled.get("long", (0, ""))[1] == "prefill" for r in steps)
+
+# %% [markdown]
+# ### Exercise 23.4 — the priority queue, written
+# `scheduling_policy="priority"` swaps the scheduler's waiting queue, a `deque` under
+# FCFS, for a queue kept in priority order. The scheduler makes only a few deque calls
+# on it: `append` (a new request), `appendleft` (a preempted one going back), `popleft`
+# and `[0]` (the next to admit), `remove` (an abort), `len` and iteration. Write that
+# queue. The check puts it into the engine's scheduler (the engine change: the factory
+# that builds the waiting queue returns yours) and runs the priority workload of this
+# chapter on the simulated H100: every request must get its first token at the same
+# virtual time as with the engine's own queue.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+import bisect
+
+
+class PriorityWaitingQueue:
+    """Waiting requests, lowest ``(priority, arrival time, order received)`` first.
+
+    A request has ``request.priority`` (an int, lower runs first),
+    ``request.times.arrival`` (a float) and ``request.queue_order`` (an int, unique,
+    set when the scheduler received it: it breaks ties of equal arrival times). Where a
+    request is added (``append`` or ``appendleft``) does not matter: the order does.
+
+        q = PriorityWaitingQueue()
+        q.append(a)   # priority 1, arrival 0.0
+        q.append(b)   # priority 0, arrival 5.0
+        q[0] is b; len(q) == 2; list(q) == [b, a]; q.popleft() is b
+    """
+
+    def __init__(self) -> None:
+        ### BEGIN SOLUTION
+        self.items = []  # (priority, arrival, order, request), kept sorted
+        ### END SOLUTION
+
+    def append(self, request) -> None:
+        ### BEGIN SOLUTION
+        key = (request.priority, request.times.arrival, request.queue_order)
+        bisect.insort(self.items, (*key, request))  # the unique order: never compares requests
+        ### END SOLUTION
+
+    def appendleft(self, request) -> None:
+        ### BEGIN SOLUTION
+        self.append(request)
+        ### END SOLUTION
+
+    def popleft(self):
+        ### BEGIN SOLUTION
+        return self.items.pop(0)[-1]
+        ### END SOLUTION
+
+    def remove(self, request) -> None:
+        ### BEGIN SOLUTION
+        at = next(i for i, item in enumerate(self.items) if item[-1] is request)
+        del self.items[at]
+        ### END SOLUTION
+
+    def __getitem__(self, index: int):
+        ### BEGIN SOLUTION
+        return self.items[index][-1]
+        ### END SOLUTION
+
+    def __len__(self) -> int:
+        ### BEGIN SOLUTION
+        return len(self.items)
+        ### END SOLUTION
+
+    def __iter__(self):
+        ### BEGIN SOLUTION
+        return (item[-1] for item in self.items)
+        ### END SOLUTION
+
+
+# %% tags=["check"]
+import minivllm.core.scheduler as scheduler_module
+
+
+def first_tokens(work, queue_class=None, **engine):
+    """Each request's first-token time under the priority policy; queue_class: the
+    waiting queue the engine's scheduler gets (None: the engine's own)."""
+    real = scheduler_module.create_request_queue
+    if queue_class is not None:
+        scheduler_module.create_request_queue = lambda policy: queue_class()
+    try:
+        res = h100(scheduling_policy="priority", **engine).run(work)
+    finally:
+        scheduler_module.create_request_queue = real
+    return {r.request_id: r.first_token for r in res.requests}
+
+
+def mixed_priorities(n, seed, classes=2):
+    work = random_requests(n, 1024, 256, VOCAB, 0.5, request_rate=40, seed=seed)
+    for i, w in enumerate(work):
+        w.priority = (i * 7) % classes
+    return work
+
+
+work = mixed_priorities(60, seed=3)
+mine, engine_own = first_tokens(work, PriorityWaitingQueue), first_tokens(work)
+assert mine.keys() == engine_own.keys(), "some requests never finished with your queue"
+assert mine == engine_own, "with your queue some requests got their first token at another time"
+### BEGIN HIDDEN TESTS
+for _n, _seed, _classes, _blocks in ((40, 5, 3, 600), (50, 6, 2, 400), (30, 7, 1, 300)):
+    _work = mixed_priorities(_n, _seed, _classes)
+    assert first_tokens(_work, PriorityWaitingQueue, num_kv_blocks=_blocks) == \
+        first_tokens(_work, num_kv_blocks=_blocks), (_n, _seed, _classes)
+_q = PriorityWaitingQueue()
+assert len(_q) == 0 and not _q and list(_q) == []
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## In practice: `minivllm simulate`

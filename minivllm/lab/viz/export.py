@@ -11,11 +11,20 @@ Chrome/Chromium it finds on the PATH, in the usual install places, or at the
 
 executes every ``book/[0-9][0-9]_*.py`` chapter (jupytext -> notebook ->
 nbclient) with that variable set and reports which files each one wrote.
+
+It also keeps ``figures.json`` beside the images, the manifest: per PNG, the
+chapter that saved it, the sha256 of the chapter cell that calls
+``save_key_figure`` for it (the code that draws it) and of the PNG itself.
+``stale_figures`` compares it with the chapters as they are now
+(tests/test_figures_fresh.py): a figure whose cell changed since it was made
+must be made again.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -37,6 +46,9 @@ NAME_PATTERN = re.compile(r"^[0-9]{2}_[a-z0-9_]+$")
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable",
                  "chrome")
 PNG_WIDTH, PNG_HEIGHT, PNG_SCALE = 1100, 550, 2
+MANIFEST = "figures.json"
+# save_key_figure(<figure>, "NN_slug") in a chapter cell: the name is a literal.
+SAVE_CALL = re.compile(r"save_key_figure\(\s*[^,()]+,\s*[\"']([0-9]{2}_[a-z0-9_]+)[\"']")
 INSTALL_HINT = ("install Debian's chromium (`sudo apt-get install chromium`, or `make "
                 "sysdeps` as root), or point BROWSER_PATH at a Chrome/Chromium executable")
 
@@ -184,6 +196,58 @@ def run_chapter(path: Path, out_dir: Path, timeout: int = 600) -> ChapterRun:
     return run
 
 
+# -- the manifest: which chapter code drew each figure -----------------------------------
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def figure_cells(chapter: Path) -> dict[str, str]:
+    """Key figure name -> the source of the chapter cell that saves it."""
+    import jupytext
+
+    cells = jupytext.read(str(chapter)).cells
+    return {name: cell.source for cell in cells if cell.cell_type == "code"
+            for name in SAVE_CALL.findall(cell.source)}
+
+
+def read_manifest(out_dir: Path) -> dict[str, dict]:
+    path = out_dir / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def record_figures(run: ChapterRun, out_dir: Path) -> None:
+    """Write the manifest entries of the PNGs a chapter run just made."""
+    cells = figure_cells(run.chapter)
+    manifest = read_manifest(out_dir)
+    for png in run.written:
+        if png.suffix == ".png" and png.stem in cells:
+            manifest[png.name] = {
+                "chapter": f"book/{run.chapter.name}",
+                "cell_sha256": sha256_of(cells[png.stem].encode()),
+                "png_sha256": sha256_of(png.read_bytes())}
+    (out_dir / MANIFEST).write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+
+
+def stale_figures(book_dir: Path, out_dir: Path) -> list[str]:
+    """A sentence per key figure that is missing or older than its chapter's code."""
+    manifest, problems = read_manifest(out_dir), []
+    for chapter in chapters(book_dir):
+        for name, source in figure_cells(chapter).items():
+            png, entry = out_dir / f"{name}.png", manifest.get(f"{name}.png")
+            redo = f"`make figures ONLY={chapter.name[:2]}`"
+            if not png.is_file():
+                problems.append(f"{chapter.name}: {png} is missing; run {redo}")
+            elif entry is None:
+                problems.append(f"{chapter.name}: {png} has no entry in {MANIFEST}; run {redo}")
+            elif entry["cell_sha256"] != sha256_of(source.encode()):
+                problems.append(f"{chapter.name}: the cell that draws {png.name} changed "
+                                f"since the figure was made; run {redo}")
+            elif entry["png_sha256"] != sha256_of(png.read_bytes()):
+                problems.append(f"{chapter.name}: {png} is not the image {MANIFEST} "
+                                f"recorded; run {redo}")
+    return problems
+
+
 def export_figures(book_dir: Path, out_dir: Path, only: Optional[Sequence[str]] = None,
                    timeout: int = 600) -> list[ChapterRun]:
     found = chapters(book_dir, only)
@@ -195,6 +259,8 @@ def export_figures(book_dir: Path, out_dir: Path, only: Optional[Sequence[str]] 
     for path in found:
         print(f"running {path.name} ...", flush=True)
         run = run_chapter(path, out_dir, timeout)
+        if run.error is None:
+            record_figures(run, out_dir)
         print(f"  {report_line(run)}", flush=True)
         runs.append(run)
     return runs
