@@ -151,9 +151,14 @@ from minivllm.lab.viz.hybrid import group_block_map_figure, held_blocks
 
 records = list(llm.trace)
 tables = [next(iter(r.block_tables.values())) for r in records]
-group_block_map_figure(tables, ["group 0: sliding (layers 0, 2)", "group 1: global (layers 1, 3)"],
-                       steps=[r.step for r in records],
-                       title="One Gemma 3 request: blocks held (blue) and freed (red)")
+from minivllm.lab.viz.export import save_key_figure
+
+fig = group_block_map_figure(
+    tables, ["group 0: sliding (layers 0, 2)", "group 1: global (layers 1, 3)"],
+    steps=[r.step for r in records],
+    title="One Gemma 3 request: blocks held (blue) and freed (red)")
+save_key_figure(fig, "24_many_kinds_of_attention")  # (for `make figures`; a no-op otherwise)
+fig
 
 # %% [markdown]
 # The first step is the whole prompt (ten blocks in each group: every query of the
