@@ -363,6 +363,27 @@ batch_mask = bitmask.allocate(32, V)
 assert batch_mask.shape == (32, words_per_row)
 assert batch_mask.numel() * batch_mask.element_size() == mask_bytes_32
 
+# %%
+from minivllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser
+
+
+def stream_through(text, size):
+    """(content, calls) of HermesStream fed `text` in deltas of `size` characters."""
+    s, content, calls = HermesStream(), "", []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    for k, piece in enumerate(pieces):
+        c, new = s.feed(piece, final=k == len(pieces) - 1)
+        content, calls = content + c, calls + new
+    return content, calls
+
+
+def engine_reads(text):
+    """(content, calls) as the engine's parser reads the whole text."""
+    info = Hermes2ProToolParser([]).extract_tool_calls(text)
+    return info.content or "", [{"name": c.function.name,
+                                 "arguments": json.loads(c.function.arguments)}
+                                for c in info.tool_calls]
+
 # %% [markdown]
 # ### Exercise 18.4 — a streamed tool-call parser
 # With `tool_choice="auto"` the server reads the model's answer *as it streams*: the
@@ -375,6 +396,7 @@ assert batch_mask.numel() * batch_mask.element_size() == mask_bytes_32
 # whole text at once is the reference.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: tool_call_stream
 class HermesStream:
     """Reads a Hermes-format answer delta by delta.
 
@@ -428,27 +450,6 @@ class HermesStream:
 
 
 # %% tags=["check"]
-from minivllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser
-
-
-def stream_through(text, size):
-    """(content, calls) of HermesStream fed `text` in deltas of `size` characters."""
-    s, content, calls = HermesStream(), "", []
-    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
-    for k, piece in enumerate(pieces):
-        c, new = s.feed(piece, final=k == len(pieces) - 1)
-        content, calls = content + c, calls + new
-    return content, calls
-
-
-def engine_reads(text):
-    """(content, calls) as the engine's parser reads the whole text."""
-    info = Hermes2ProToolParser([]).extract_tool_calls(text)
-    return info.content or "", [{"name": c.function.name,
-                                 "arguments": json.loads(c.function.arguments)}
-                                for c in info.tool_calls]
-
-
 answer = ('Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
           '</tool_call>')
 for size in (len(answer), 1, 4):

@@ -289,6 +289,28 @@ for _, _ids, _counts in step:
     _refs.update(zip(_ids, _counts))
 assert answer_3 == (len(_refs), sum(_refs.values()))  # each reference counted once per beam
 
+# %%
+from types import SimpleNamespace
+
+
+def engine_search(next_logprobs, prompt, width, max_tokens, eos, length_penalty=1.0):
+    """The engine's BeamSearch driven by the same model function."""
+    search = BeamSearch(prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                                 length_penalty=length_penalty), eos)
+    while not search.done:
+        ranked = next_logprobs([b.tokens for b in search.beams])
+        search.advance([SimpleNamespace(outputs=[SimpleNamespace(logprobs=[
+            {t: SimpleNamespace(logprob=lp) for t, lp in r.items()}])]) for r in ranked])
+    return [(s.tokens, s.cum_logprob) for s in search.result(None).sequences]
+
+
+def real_model(seqs):
+    """One engine step, a request per beam: each beam's top next tokens."""
+    step = BeamSearch(prompt, BeamSearchParams(beam_width=WIDTH, max_tokens=1), eos_ids)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], step.step_params(),
+                        use_tqdm=False)
+    return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+
 # %% [markdown]
 # ### Exercise 19.4 — the search, written
 # Write the whole search over any model given as a function: `next_logprobs(seqs)` takes
@@ -301,6 +323,7 @@ assert answer_3 == (len(_refs), sum(_refs.values()))  # each reference counted o
 # `BeamSearch`, on the real model and on toy models, is the reference.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: beam_search
 def my_beam_search(next_logprobs, prompt: list[int], width: int, max_tokens: int,
                    eos: set[int], length_penalty: float = 1.0) -> list[tuple[list[int], float]]:
     """The best ``width`` answers as ``(tokens, cum_logprob)``, best first; ``tokens``
@@ -344,28 +367,6 @@ def my_beam_search(next_logprobs, prompt: list[int], width: int, max_tokens: int
 
 
 # %% tags=["check"]
-from types import SimpleNamespace
-
-
-def engine_search(next_logprobs, prompt, width, max_tokens, eos, length_penalty=1.0):
-    """The engine's BeamSearch driven by the same model function."""
-    search = BeamSearch(prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens,
-                                                 length_penalty=length_penalty), eos)
-    while not search.done:
-        ranked = next_logprobs([b.tokens for b in search.beams])
-        search.advance([SimpleNamespace(outputs=[SimpleNamespace(logprobs=[
-            {t: SimpleNamespace(logprob=lp) for t, lp in r.items()}])]) for r in ranked])
-    return [(s.tokens, s.cum_logprob) for s in search.result(None).sequences]
-
-
-def real_model(seqs):
-    """One engine step, a request per beam: each beam's top next tokens."""
-    step = BeamSearch(prompt, BeamSearchParams(beam_width=WIDTH, max_tokens=1), eos_ids)
-    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], step.step_params(),
-                        use_tqdm=False)
-    return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
-
-
 eos_ids = set(llm.llm_engine.input_processor.eos_token_ids)
 mine = my_beam_search(real_model, prompt, WIDTH, STEPS, eos_ids)
 assert len(mine) == WIDTH, "not `width` answers"

@@ -285,6 +285,16 @@ hits = tuple(llm.generate([prompt], greedy, use_tqdm=False, lora_request=lo)[0]
              .num_cached_tokens for lo in (marseille, lyon_again))
 assert answer_3 == hits
 
+# %%
+def engine_delta(x, adapters, token_adapter):
+    """The engine's delta: factors stacked in slots, rank padded, scale folded into B."""
+    R = max(A.shape[0] for A, _, _ in adapters)
+    lora_a = torch.zeros(len(adapters), R, x.shape[1])
+    lora_b = torch.zeros(len(adapters), adapters[0][1].shape[0], R)
+    for i, (A, B, scale) in enumerate(adapters):
+        lora_a[i, :A.shape[0]], lora_b[i, :, :A.shape[0]] = A, B * scale
+    return punica.lora_delta(x, lora_a, lora_b, torch.tensor(token_adapter))
+
 # %% [markdown]
 # ### Exercise 20.4 — the delta of a mixed batch
 # Write the LoRA delta of one layer for a step that mixes adapters, the way the engine's
@@ -294,6 +304,7 @@ assert answer_3 == hits
 # scale apart, ranks may differ between adapters, and nothing is padded or stacked.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: lora_delta
 def mixed_lora_delta(x: torch.Tensor, adapters: list[tuple[torch.Tensor, torch.Tensor, float]],
                      token_adapter: list[int]) -> torch.Tensor:
     """The LoRA delta [T, out] of a step's T tokens ``x`` [T, in].
@@ -322,16 +333,6 @@ def mixed_lora_delta(x: torch.Tensor, adapters: list[tuple[torch.Tensor, torch.T
 
 
 # %% tags=["check"]
-def engine_delta(x, adapters, token_adapter):
-    """The engine's delta: factors stacked in slots, rank padded, scale folded into B."""
-    R = max(A.shape[0] for A, _, _ in adapters)
-    lora_a = torch.zeros(len(adapters), R, x.shape[1])
-    lora_b = torch.zeros(len(adapters), adapters[0][1].shape[0], R)
-    for i, (A, B, scale) in enumerate(adapters):
-        lora_a[i, :A.shape[0]], lora_b[i, :, :A.shape[0]] = A, B * scale
-    return punica.lora_delta(x, lora_a, lora_b, torch.tensor(token_adapter))
-
-
 raw = {}  # the two trained adapters' q_proj factors of layer 0, as PEFT saved them
 for req in (lyon, marseille):
     ad = load_adapter(req, llm.llm_engine.config.model, max_lora_rank=8)

@@ -412,6 +412,23 @@ same = multiturn_requests(8, 5, 256, 32, 64, llama.vocab_size, request_rate=4, s
 ratio = fleet_hits(same, N, "kv_aware", 96) / fleet_hits(same, N, "round_robin", 96)
 assert answer_4 == ratio < 2  # the shared prompt is cached everywhere, whatever the policy
 
+# %%
+def routes(router, stream):
+    """The replica each (loads, prompt ids) of a stream is sent to."""
+    return [router(loads, prompt_block_hashes(ids, BS)) for loads, ids in stream]
+
+
+def session_stream(n_sessions, turns, loads_of, seed):
+    """Interleaved chat sessions: each turn resends its session's history plus new tokens."""
+    rng = __import__("random").Random(seed)
+    histories = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(n_sessions)]
+    stream = []
+    for t in range(turns):
+        for s in range(n_sessions):
+            histories[s] += [rng.randrange(3, 1000) for _ in range(rng.randrange(8, 40))]
+            stream.append((loads_of(len(stream)), list(histories[s])))
+    return stream
+
 # %% [markdown]
 # ### Exercise 22.5 — a router that remembers what it sent
 # `kv_aware` reads the replicas' KV events. A router without events can only remember
@@ -424,6 +441,7 @@ assert answer_4 == ratio < 2  # the shared prompt is cached everywhere, whatever
 # reference, request by request.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: prefix_router
 from collections import OrderedDict
 
 
@@ -469,23 +487,6 @@ class PrefixRouter:
 
 
 # %% tags=["check"]
-def routes(router, stream):
-    """The replica each (loads, prompt ids) of a stream is sent to."""
-    return [router(loads, prompt_block_hashes(ids, BS)) for loads, ids in stream]
-
-
-def session_stream(n_sessions, turns, loads_of, seed):
-    """Interleaved chat sessions: each turn resends its session's history plus new tokens."""
-    rng = __import__("random").Random(seed)
-    histories = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(n_sessions)]
-    stream = []
-    for t in range(turns):
-        for s in range(n_sessions):
-            histories[s] += [rng.randrange(3, 1000) for _ in range(rng.randrange(8, 40))]
-            stream.append((loads_of(len(stream)), list(histories[s])))
-    return stream
-
-
 busy = session_stream(3, 4, lambda k: [(k + j) % 3 for j in range(N)], seed=1)
 want = routes(RoutingPolicy("prefix_aware", N, balance_slack=1).choose, busy)
 got = routes(PrefixRouter(N, balance_slack=1).route, busy)

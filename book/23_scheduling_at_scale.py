@@ -421,6 +421,29 @@ long_req = SimRequest("long", [rng.randrange(3, VOCAB) for _ in range(3000)], 4)
 steps = alone.run([long_req]).traces[0]
 assert prefill_steps == sum(r.scheduled.get("long", (0, ""))[1] == "prefill" for r in steps)
 
+# %%
+import minivllm.core.scheduler as scheduler_module
+
+
+def first_tokens(work, queue_class=None, **engine):
+    """Each request's first-token time under the priority policy; queue_class: the
+    waiting queue the engine's scheduler gets (None: the engine's own)."""
+    real = scheduler_module.create_request_queue
+    if queue_class is not None:
+        scheduler_module.create_request_queue = lambda policy: queue_class()
+    try:
+        res = h100(scheduling_policy="priority", **engine).run(work)
+    finally:
+        scheduler_module.create_request_queue = real
+    return {r.request_id: r.first_token for r in res.requests}
+
+# %%
+def mixed_priorities(n, seed, classes=2):
+    work = random_requests(n, 1024, 256, VOCAB, 0.5, request_rate=40, seed=seed)
+    for i, w in enumerate(work):
+        w.priority = (i * 7) % classes
+    return work
+
 # %% [markdown]
 # ### Exercise 23.4 — the priority queue, written
 # `scheduling_policy="priority"` swaps the scheduler's waiting queue, a `deque` under
@@ -433,6 +456,7 @@ assert prefill_steps == sum(r.scheduled.get("long", (0, ""))[1] == "prefill" for
 # virtual time as with the engine's own queue.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: priority_queue
 import bisect
 
 
@@ -494,29 +518,6 @@ class PriorityWaitingQueue:
 
 
 # %% tags=["check"]
-import minivllm.core.scheduler as scheduler_module
-
-
-def first_tokens(work, queue_class=None, **engine):
-    """Each request's first-token time under the priority policy; queue_class: the
-    waiting queue the engine's scheduler gets (None: the engine's own)."""
-    real = scheduler_module.create_request_queue
-    if queue_class is not None:
-        scheduler_module.create_request_queue = lambda policy: queue_class()
-    try:
-        res = h100(scheduling_policy="priority", **engine).run(work)
-    finally:
-        scheduler_module.create_request_queue = real
-    return {r.request_id: r.first_token for r in res.requests}
-
-
-def mixed_priorities(n, seed, classes=2):
-    work = random_requests(n, 1024, 256, VOCAB, 0.5, request_rate=40, seed=seed)
-    for i, w in enumerate(work):
-        w.priority = (i * 7) % classes
-    return work
-
-
 work = mixed_priorities(60, seed=3)
 mine, engine_own = first_tokens(work, PriorityWaitingQueue), first_tokens(work)
 assert mine.keys() == engine_own.keys(), "some requests never finished with your queue"
