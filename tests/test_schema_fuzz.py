@@ -3,8 +3,10 @@
 Its coverage phase sends the boundary and just-outside values of every field
 the schema describes; its fuzzing phase random bodies that follow the schema
 (and some that do not). Every answer must be a 2xx or a 4xx. Bounded: a few
-examples per operation, a time budget, a short context so every generation
-is quick. The schema must also say what the server accepts: schemathesis
+examples per operation and a short context so every generation is quick. The
+time budget is far above a quiet run's ~60 s: when it cuts the run short (a
+loaded machine), fewer fuzzed bodies stand beside the coverage phase's
+deliberately invalid ones, and the mismatch warning below fires for no fault. The schema must also say what the server accepts: schemathesis
 warns ("Schema validation mismatch") when an operation rejects most of the
 bodies its schema allows, and that warning fails the test too.
 """
@@ -30,11 +32,11 @@ def test_no_server_error_on_any_endpoint(tmp_path, tiny_chat_model):
     try:
         run = subprocess.run(
             [cli, "run", srv.url + "/openapi.json", "--phases", "coverage,fuzzing",
-             "--max-examples", "5", "--max-time", "60", "--request-timeout", "60",
+             "--max-examples", "5", "--max-time", "400", "--request-timeout", "60",
              "--checks", "not_a_server_error", "--workers", "1",
              "--exclude-path-regex", "^/$", "--generation-deterministic",
              "--output-truncate", "false"],
-            capture_output=True, text=True, timeout=400, cwd=tmp_path)
+            capture_output=True, text=True, timeout=600, cwd=tmp_path)
     finally:
         srv.stop()
     report = run.stdout + run.stderr
