@@ -142,8 +142,10 @@ class HybridKVCacheManager(KVCacheManager):
             m.free(request.request_id)
 
     def free_tail(self, request: "Request", num_tokens: int) -> int:
-        raise NotImplementedError("draft tokens' slots on a model with several kinds of "
-                                  "attention: speculative decoding is refused at load")
+        # Only rejected draft tokens free a tail, and core_builder refuses speculative
+        # decoding on a hybrid model at load: reaching this is a bug, not a missing feature.
+        raise RuntimeError("free_tail on a hybrid KV cache: speculative decoding should "
+                           "have been refused at load for this model")
 
 
 
