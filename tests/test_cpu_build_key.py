@@ -1,5 +1,6 @@
-"""The kernels' build folder is keyed by what the build depends on, so two
-environments sharing TORCH_EXTENSIONS_DIR keep their own builds."""
+"""The kernels' build folder is keyed by what the build depends on and where its
+sources are, so two environments or checkouts sharing TORCH_EXTENSIONS_DIR keep
+their own builds (torch's builder rebuilds when the source paths change)."""
 
 import shutil
 
@@ -7,10 +8,12 @@ from minivllm.cpu import _custom_ops
 
 
 def test_build_key_follows_torch_flags_and_sources(tmp_path, monkeypatch):
+    here = _custom_ops.build_key()
     csrc = tmp_path / "csrc"
     shutil.copytree(_custom_ops.CSRC, csrc)
     monkeypatch.setattr(_custom_ops, "CSRC", csrc)
     base = _custom_ops.build_key()
+    assert base != here  # the same sources in another checkout: a folder of its own
     assert _custom_ops.build_key() == base  # nothing changed: the same folder
     monkeypatch.setattr(_custom_ops.torch, "__version__", "0.0.0+other")
     other_torch = _custom_ops.build_key()

@@ -68,10 +68,12 @@ def _cflags(features) -> list[str]:
 
 
 def build_key(features=None) -> str:
-    """A short hash of everything the library's binary depends on."""
+    """A short hash of everything the library's binary depends on, and of where its
+    sources are: torch's builder rebuilds whenever the source paths in its ninja file
+    change, so two checkouts sharing one folder would rebuild it in turn."""
     features = features or cpu_features()
     h = hashlib.sha256()
-    for part in (torch.__version__, f"{sys.version_info[0]}.{sys.version_info[1]}",
+    for part in (str(CSRC.resolve()), torch.__version__, f"{sys.version_info[0]}.{sys.version_info[1]}",
                  os.environ.get("CXX", "c++"), " ".join(_cflags(features))):
         h.update(part.encode() + b"\0")
     for path in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
