@@ -1,0 +1,569 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 25. Mixture of experts
+#
+# The models people serve most in 2026 are mixtures of experts: Qwen3-30B-A3B,
+# DeepSeek-V3, gpt-oss, Mixtral, Llama 4. In such a model the MLP of a layer (chapter 3)
+# is replaced by many small MLPs, the **experts**, and a **router**: one linear layer that
+# scores every expert for every token. Each token goes through only its `top_k` best
+# experts, and their outputs are added up, weighted by the router's probabilities. The
+# model holds all the experts' parameters, but a token *uses* only a few of them:
+# Qwen3-30B-A3B has 30 billion parameters and 3 billion active ones.
+#
+# minivllm runs the Qwen3-MoE, Qwen2-MoE and Mixtral families from a Hugging Face folder.
+# Their attention is chapter 3's; only the MLP changes, and it lives in one screen of
+# plain PyTorch, `minivllm/model/layers/fused_moe.py`.
+#
+# **What you will see**
+#
+# - a tiny random Qwen3-MoE whose tokens equal Hugging Face's;
+# - the router's probabilities for a real step, and the two experts each token picks;
+# - the tokens each expert received over a batch: the load, and how uneven it is;
+# - how many experts a step touches, derived and then counted;
+# - what the grouped expert product costs against a dense MLP with the same active
+#   parameters, and against one with the same total, measured side by side.
+
+# %%
+from minivllm.lab.viz.path import request_path_figure
+
+request_path_figure("model_runner")  # the experts are part of the model's forward pass
+
+# %% [markdown]
+# ## A small Qwen3-MoE
+#
+# No mixture of experts ships with minivllm, so we build one with `transformers`: random
+# weights, hidden size 64, two layers, **8 experts of intermediate size 32 per layer, each
+# token to its top 2**, the top-2 probabilities renormalised to sum to 1 (`norm_topk_prob`,
+# as Qwen3-MoE does). It borrows the default model's tokenizer, so that prompts are text.
+# A trained router is decided: most of a token's probability sits on a few experts. A
+# random one at the usual initialisation is not, so we draw the router's weights larger.
+
+# %%
+import shutil
+import tempfile
+
+import torch
+import transformers
+
+from minivllm.inputs import load_tokenizer
+from minivllm.model.resolve import resolve_model_path
+
+tokenizer_dir = resolve_model_path(None)  # SmolLM2's tokenizer files
+tokenizer = load_tokenizer(tokenizer_dir)
+EXPERTS, TOP_K = 8, 2
+
+# %%
+def build_qwen3_moe(folder, num_experts=EXPERTS, top_k=TOP_K):
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=32,
+        norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # a decided router (std 0.5), other matrices std 0.08
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5 if ".mlp.gate." in name else 0.08)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, f"{folder}/{name}")
+    return model
+
+
+folder = tempfile.mkdtemp()
+hf = build_qwen3_moe(folder)
+
+# %% [markdown]
+# Four prompts in one batch, greedy, against Hugging Face's `generate` on the same
+# weights, one prompt at a time. We keep the CPU kernels off (`cpu_kernels=False`): the
+# reference path is the code this chapter reads.
+
+# %%
+from minivllm import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "Mixture of experts models route each token",
+           "北京是中国的首都", "def add(a, b): return"]
+MAX_TOKENS = 8
+greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+llm = LLM(folder, cpu_kernels=False, trace=True)
+model = llm.llm_engine.engine_core.executor.runner.model
+
+# %% [markdown]
+# Before running it, we hang a forward hook on each sparse layer's router (`mlp.gate`,
+# the linear layer from hidden size to one score per expert): it keeps a copy of the
+# scores of every step. Nothing else in the engine changes.
+
+# %%
+captured = []  # (layer, router logits [tokens of the step, experts]), in the order they ran
+
+
+def record(layer):
+    def hook(module, inputs, output):
+        captured.append((layer, output.detach().clone()))
+    return hook
+
+
+sparse = llm.llm_engine.config.model.moe.sparse_layers
+hooks = [block.gate.register_forward_hook(record(i))
+         for i, block in zip(sparse, model.expert_layers())]
+outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+
+# %%
+with torch.inference_mode():
+    theirs = [hf.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=MAX_TOKENS,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+              [0, len(o.prompt_token_ids):].tolist() for o in outs]
+print([o.outputs[0].token_ids for o in outs][0])
+assert [o.outputs[0].token_ids for o in outs] == theirs
+print("sparse layers:", sparse, "| router calls recorded:", len(captured))
+
+# %% [markdown]
+# ## Where the parameters are
+#
+# Each expert is a SwiGLU MLP (chapter 3's): gate and up projections `H × I` each, a
+# down projection `I × H`, so `3 H I` parameters. A layer holds `E` of them; a token
+# uses `k`. The engine stores a layer's experts stacked, `w13_weight` `[E, 2I, H]` (gate
+# rows over up rows) and `w2_weight` `[E, H, I]`.
+
+# %%
+experts = model.expert_layers()[0].experts
+H, I = 64, experts.intermediate_size
+per_expert = 3 * H * I
+total = sum(p.numel() for p in model.parameters())
+expert_params = sum(b.experts.w13_weight.numel() + b.experts.w2_weight.numel()
+                    for b in model.expert_layers())
+active = total - expert_params + expert_params * TOP_K // EXPERTS
+print(f"{per_expert} parameters per expert; {expert_params} in all experts of "
+      f"{len(sparse)} layers; model {total}, active per token {active}")
+assert expert_params == len(sparse) * EXPERTS * per_expert
+assert tuple(experts.w13_weight.shape) == (EXPERTS, 2 * I, H)
+
+# %% [markdown]
+# Here the embeddings (49,152 tokens × 64) dwarf everything, so the active share is
+# close to the total. In Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts of 768,
+# top-8) the experts hold 29 of its 30 billion parameters, and a token uses 1/16 of them.
+#
+# ## The router
+#
+# The router's scores become probabilities with a softmax over all experts, computed in
+# float32 whatever the weights' dtype (a bfloat16 softmax would blur close scores). Each
+# token keeps its `top_k`; with `norm_topk_prob` their probabilities are divided by their
+# sum, so the weights of a token's experts add up to 1.
+
+# %%
+from minivllm.lab.viz.source import show_source
+from minivllm.model.layers.fused_moe import fused_moe, group_by_expert, route
+
+show_source(route)
+
+# %% [markdown]
+# Here is the first step, the prefill of all four prompts, as layer 0's router saw it:
+# one row per token of the first prompt, one column per expert; the dots are the two
+# experts each token was sent to. The scores are Hugging Face's own router's, to float
+# precision (`output_router_logits=True` returns them).
+
+# %%
+from minivllm.lab.viz.moe import router_probs_figure
+
+ids = outs[0].prompt_token_ids
+first_step = captured[0][1][:len(ids)]  # layer 0, step 1: the first prompt's rows
+with torch.inference_mode():
+    hf_logits = hf(torch.tensor([ids]), output_router_logits=True).router_logits[0]
+assert (first_step - hf_logits).abs().max() < 1e-4
+weights, chosen = route(first_step, TOP_K, True)
+labels = [tokenizer.decode([t]) for t in ids]
+router_probs_figure(first_step.softmax(-1), chosen, labels,
+                    title="Layer 0's router on the first prompt (dots: the top-2)")
+
+# %% [markdown]
+# ## Grouped by expert, one product each
+#
+# A token-by-token loop would run `T · k` small products. The engine instead sorts the
+# step's `(token, slot)` pairs by expert, one stable `argsort`, and counts each expert's
+# pairs with `bincount`:
+
+# %%
+show_source(group_by_expert)
+
+# %% [markdown]
+# Then each expert multiplies all the rows sent to it in **one** product (SiLU(x W1) ·
+# (x W3), then W2), and `index_add_` puts each result back into its token's row, scaled
+# by the router's weight. Nothing is dropped: an expert takes however many rows it gets
+# (no capacity factor), so the outputs never depend on the rest of the batch.
+
+# %%
+show_source(fused_moe, start="weights, ids =", end="return out")
+
+# %% [markdown]
+# ## Who got the work
+#
+# Over the whole batch, every step, each router call routed its step's tokens. Counting
+# the experts they picked gives each expert's **load**. Every token the engine computes
+# is routed once per sparse layer: the prompts' tokens and every generated token but the
+# last (sampled, never fed back).
+
+# %%
+load = {layer: torch.zeros(EXPERTS, dtype=torch.int64) for layer in sparse}
+for layer, logits in captured:
+    load[layer] += torch.bincount(route(logits, TOP_K, True)[1].flatten(), minlength=EXPERTS)
+computed = sum(len(o.prompt_token_ids) + MAX_TOKENS - 1 for o in outs)
+assert all(int(c.sum()) == computed * TOP_K for c in load.values())
+busiest = {layer: float(c.max() / c.float().mean()) for layer, c in load.items()}
+print(f"{computed} tokens routed per layer, {computed * TOP_K} (token, expert) pairs;",
+      "busiest expert / mean:", {k: round(v, 2) for k, v in busiest.items()})
+
+# %%
+from minivllm.lab.viz.export import save_key_figure
+from minivllm.lab.viz.moe import expert_load_figure
+
+fig = expert_load_figure({f"layer {k}": v.tolist() for k, v in load.items()},
+                         title=f"Tokens each expert received: {len(PROMPTS)} prompts, "
+                               f"{MAX_TOKENS} tokens each, top-{TOP_K} of {EXPERTS}")
+save_key_figure(fig, "25_mixture_of_experts")  # (for `make figures`; a no-op otherwise)
+fig
+
+# %% [markdown]
+# The load is uneven: the busiest expert of a layer does more than the mean, which
+# is what a perfectly balanced router would give every expert. On one device that costs
+# nothing extra, since the products add up to the same work. Spread over devices, one
+# expert per GPU (expert parallelism), the busiest expert's device sets the step's time
+# while the others wait. That is why vLLM records this load per expert (its expert-
+# parallel load balancer, EPLB, moves or copies the busiest experts to even it out).
+#
+# ## How many experts does a step touch?
+#
+# Each expert the step touches costs reading its `3 H I` weights; an untouched one costs
+# nothing. Suppose a router that picks each token's `k` experts uniformly at random.
+# One token misses a given expert with probability `1 - k/E`; `T` independent tokens all
+# miss it with probability `(1 - k/E)^T`. So the expected number of experts touched is
+#
+# $$ E_\text{touched}(T) = E \left(1 - \left(1 - \tfrac{k}{E}\right)^{T}\right), $$
+#
+# `k` at `T = 1`, and close to all `E` once `T` is a few times `E/k`. A check by
+# drawing random routers:
+
+# %%
+def expected_touched(tokens, num_experts=EXPERTS, top_k=TOP_K):
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+gen = torch.Generator().manual_seed(0)
+for tokens in (1, 2, 4, 8, 16):
+    draws = [route(torch.randn(tokens, EXPERTS, generator=gen), TOP_K, True)[1]
+             .unique().numel() for _ in range(2000)]
+    mean = sum(draws) / len(draws)
+    print(f"T={tokens:2d}: drawn {mean:.2f}, derived {expected_touched(tokens):.2f}")
+    assert abs(mean - expected_touched(tokens)) < 0.1
+
+# %% [markdown]
+# In the engine's run, the prefill step carries the four prompts' tokens together; each
+# decode step carries four tokens, one per request, and touches between `k` and
+# `min(E, 4k)` experts:
+
+# %%
+touched = [route(logits, TOP_K, True)[1].unique().numel() for _, logits in captured]
+prefill, decode = touched[:len(sparse)], touched[len(sparse):]  # the first step, the rest
+print(f"prefill ({captured[0][1].shape[0]} tokens): {prefill} experts touched per layer;",
+      f"decode: {decode} (uniform routing: {expected_touched(len(PROMPTS)):.2f})")
+idle = {layer: (c == 0).nonzero().flatten().tolist() for layer, c in load.items()}
+print("experts that received no token in the whole run:", idle)
+assert all(TOP_K <= n <= min(EXPERTS, TOP_K * len(PROMPTS)) for n in decode)
+assert all(n <= EXPERTS - len(idle[layer]) for (layer, _), n in zip(captured, touched))
+
+# %% [markdown]
+# A router is not a uniform draw: the tokens of one text resemble each other, and a
+# router trained (or, here, drawn) to prefer some experts keeps preferring them. An
+# expert that no token picks is weights the step never reads, and a device in expert
+# parallelism with nothing to do.
+#
+# ## What the grouped product costs
+#
+# Three MLPs over the same `T` tokens, all with hidden size 512:
+#
+# - **the experts**: 16 experts of intermediate size 256, top-2 (the engine's `fused_moe`);
+# - **dense, same active parameters**: one MLP of intermediate size 2 × 256 = 512 — the
+#   same multiply-adds per token as the experts;
+# - **dense, same total parameters**: one MLP of intermediate size 16 × 256 = 4096.
+#
+# Timed in turns, round after round (chapter 15's `alternate`), on this machine's
+# CPU with float32 weights. The numbers vary with the machine and its load; the shape of
+# the curves is the point.
+
+# %%
+from minivllm.lab.bench.ab_timing import alternate
+from minivllm.model.layers.fused_moe import swiglu
+
+HB, EB, IB, KB = 512, 16, 256, 2
+g = torch.Generator().manual_seed(1)
+w13 = torch.randn(EB, 2 * IB, HB, generator=g) * 0.03
+w2 = torch.randn(EB, HB, IB, generator=g) * 0.03
+dense = {"dense, same active": (w13[:KB].reshape(2 * KB * IB, HB),
+                                torch.randn(HB, KB * IB, generator=g) * 0.03),
+         "dense, same total": (w13.reshape(2 * EB * IB, HB),
+                               torch.randn(HB, EB * IB, generator=g) * 0.03)}
+# (reshaping the stacked experts interleaves gate and up rows: the cost is the same)
+
+# %%
+SIZES = (1, 4, 16, 64, 256)
+ms = {"experts (16, top-2)": [], "dense, same active": [], "dense, same total": []}
+for tokens in SIZES:
+    x = torch.randn(tokens, HB, generator=g)
+    scores = torch.randn(tokens, EB, generator=g)
+    with torch.inference_mode():
+        t = alternate({"experts (16, top-2)": lambda: fused_moe(x, w13, w2, scores, KB, True),
+                       **{name: (lambda a=a, b=b: swiglu(x, a, b))
+                          for name, (a, b) in dense.items()}}, rounds=3, calls=2)
+    for name in ms:
+        ms[name].append(t.median(name) * 1e3)
+print({name: [round(v, 2) for v in values] for name, values in ms.items()})
+
+# %%
+from minivllm.lab.viz.bars import line_chart
+
+line_chart(SIZES, ms, title="One MLP over T tokens: the experts vs two dense MLPs",
+           x_title="tokens in the step (T)", y_title="milliseconds (median)", log_y=True)
+
+# %% [markdown]
+# What to read in it:
+#
+# - **One token** reads `k` experts' weights, the same bytes as the dense MLP of the same
+#   active parameters, and does the same multiply-adds; the experts' line sits above it by
+#   the router, the sort and the per-expert loop — a fixed cost of a few small operations.
+# - **Many tokens** touch every expert, so the step reads all the experts' weights (as much
+#   as the dense MLP of the same *total*), while it computes only the active share of the
+#   products: each expert multiplies `T k / E` rows. The experts stay far below the dense
+#   MLP of the same total, and they pay, against the dense one of the same active size,
+#   for more bytes and for 16 smaller products instead of one large one.
+#
+# This is the trade a mixture of experts makes: the compute of a small model with the
+# memory of a large one. At decode, where a step is bound by the bytes it reads (chapter
+# 15's roofline), a batch large enough to touch every expert pays for every expert.
+
+# %%
+pairs = {tokens: route(torch.randn(tokens, EB, generator=g), KB, True)[1] for tokens in SIZES}
+flops_moe = {t: 2 * 3 * HB * IB * p.numel() for t, p in pairs.items()}
+flops_dense = {t: 2 * 3 * HB * KB * IB * t for t in SIZES}
+assert flops_moe == flops_dense  # the same multiply-adds, whatever the routing
+assert pairs[1].unique().numel() == KB and pairs[256].unique().numel() == EB
+
+# %% [markdown]
+# **In vLLM.** (v0.11.0.) The experts of a layer are one `FusedMoE` module
+# (`vllm/model_executor/layers/fused_moe/layer.py`), with the stacked `w13_weight` /
+# `w2_weight` and a `weight_loader` that takes the checkpoint's one tensor per expert and
+# projection, as minivllm's does. Routing is `FusedMoE.select_experts`: `fused_topk`
+# (`fused_moe/fused_moe.py`, a softmax-and-top-k kernel, then the renormalisation) or
+# `grouped_topk` for DeepSeek's grouped routers; with `enable_eplb` it also adds each
+# expert's count into `expert_load_view`, the load EPLB (`vllm/distributed/eplb/`)
+# rebalances from. The products are `fused_experts`: `moe_align_block_size` sorts the
+# `(token, expert)` pairs by expert and pads each expert's run to the Triton tile, and
+# one Triton kernel (`fused_moe_kernel`) runs every expert's tiles, once for `w13`
+# and once for `w2`, before the top-k results are summed. The model files are
+# `vllm/model_executor/models/qwen3_moe.py` (`Qwen3MoeSparseMoeBlock`), `qwen2_moe.py`
+# and `mixtral.py`. Where minivllm differs: a Python loop over the experts instead of one
+# kernel (its CPU path packs each expert's weights, `minivllm/cpu/fused_moe.py`), and no
+# expert parallelism yet — with tensor parallelism each rank holds a slice of *every*
+# expert, which is vLLM's default too.
+
+# %% [markdown]
+# ## Exercises
+
+# %% [markdown]
+# ### Exercise 25.1 — the top-k router
+# Write `topk_router(router_logits, top_k, renormalize)`: the router's probabilities
+# (a softmax over all experts, in float32 whatever the logits' dtype), each token's
+# `top_k` experts and their probabilities, divided by their sum when `renormalize`.
+# Return `(weights [T, k] float32, expert ids [T, k])`, the best expert first. Example:
+# logits `[[0, ln 3, ln 2, 0]]`, top 2 → probabilities 1/7, 3/7, 2/7, 1/7 → ids `[1, 2]`,
+# weights `[3/7, 2/7]`, renormalised `[0.6, 0.4]`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+def topk_router(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    ### BEGIN SOLUTION
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+    ### END SOLUTION
+
+# %% tags=["check"]
+import math
+
+_example = torch.tensor([[0.0, math.log(3), math.log(2), 0.0]])
+_w, _ids = topk_router(_example, 2, True)
+assert _ids.tolist() == [[1, 2]], "the ids of the two best experts, best first"
+assert _w.dtype == torch.float32, "the weights are float32 whatever the logits' dtype"
+assert torch.allclose(_w, torch.tensor([[0.6, 0.4]])), "renormalised weights sum to 1"
+assert torch.allclose(topk_router(_example, 2, False)[0], torch.tensor([[3 / 7, 2 / 7]])), \
+    "without renormalising, the weights are the softmax's probabilities"
+### BEGIN HIDDEN TESTS
+_g = torch.Generator().manual_seed(3)
+for _t, _e, _k in ((1, 8, 1), (13, 8, 2), (40, 64, 8), (5, 4, 4)):
+    _logits = torch.randn(_t, _e, generator=_g) * 3
+    for _renorm in (True, False):
+        for _dtype in (torch.float32, torch.bfloat16):
+            _mine, _theirs = topk_router(_logits.to(_dtype), _k, _renorm), route(
+                _logits.to(_dtype), _k, _renorm)
+            assert torch.equal(_mine[1], _theirs[1])
+            assert torch.allclose(_mine[0], _theirs[0], atol=1e-6)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 25.2 — the grouped expert product
+# Write the experts' half of `fused_moe`: given each token's experts and weights (from
+# the router), compute every token's weighted sum of its experts' SwiGLU MLPs, **one
+# product per expert** over all the rows sent to it (not one per token). The weights are
+# stacked as the engine stores them: `w13` `[E, 2I, H]` (gate rows, then up rows) and `w2`
+# `[E, H, I]`; expert `e` computes `(silu(x @ gate_e.T) * (x @ up_e.T)) @ w2[e].T`.
+# `torch.nn.functional.silu` and `Tensor.index_add_` help.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+import torch.nn.functional as F
+
+
+def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[T, H] tokens -> [T, H]: sum over each token's k experts of weight * expert(x).
+
+    ``weights`` [T, k] and ``ids`` [T, k] are the router's (``topk_router``)."""
+    ### BEGIN SOLUTION
+    out = torch.zeros_like(hidden)
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    for expert in range(num_experts):
+        token, slot = (ids == expert).nonzero(as_tuple=True)  # the rows sent here
+        if token.numel() == 0:
+            continue  # an expert nobody picked costs nothing
+        x = hidden[token]
+        gate, up = x @ w13[expert, :inter].T, x @ w13[expert, inter:].T
+        y = (F.silu(gate) * up) @ w2[expert].T  # one product for all its rows
+        out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+    return out
+    ### END SOLUTION
+
+# %% tags=["check"]
+def engine_experts(x, w13_, w2_, logits, k):
+    return fused_moe(x, w13_, w2_, logits, k, True)
+
+
+_g = torch.Generator().manual_seed(5)
+_x, _logits = torch.randn(6, 16, generator=_g), torch.randn(6, 4, generator=_g)
+_w13, _w2 = torch.randn(4, 2 * 8, 16, generator=_g), torch.randn(4, 16, 8, generator=_g)
+_mine = grouped_experts(_x, _w13, _w2, *route(_logits, 2, True))
+assert _mine.shape == _x.shape, "one output row per token, of the hidden size"
+assert torch.allclose(_mine, engine_experts(_x, _w13, _w2, _logits, 2), atol=1e-4), \
+    "a token's row differs from the engine's (the gate/up halves, SiLU, or the weights)"
+### BEGIN HIDDEN TESTS
+for _t, _e, _k, _h, _i in ((1, 8, 2, 16, 8), (40, 8, 3, 32, 4), (7, 4, 4, 8, 8),
+                           (3, 16, 1, 16, 8), (64, 6, 2, 24, 12)):
+    _x, _logits = torch.randn(_t, _h, generator=_g), torch.randn(_t, _e, generator=_g) * 2
+    _w13, _w2 = torch.randn(_e, 2 * _i, _h, generator=_g), torch.randn(_e, _h, _i, generator=_g)
+    for _renorm in (True, False):
+        assert torch.allclose(grouped_experts(_x, _w13, _w2, *route(_logits, _k, _renorm)),
+                              fused_moe(_x, _w13, _w2, _logits, _k, _renorm), atol=1e-3)
+# the engine's own experts and router, on one of its layers
+_block = model.expert_layers()[1]
+_x = torch.randn(9, 64, generator=_g)
+with torch.inference_mode():
+    _logits = _block.gate(_x)
+    assert torch.allclose(grouped_experts(_x, _block.experts.w13_weight, _block.experts.w2_weight,
+                                          *route(_logits, TOP_K, True)),
+                          _block.experts(_x, _logits), atol=1e-4)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 25.3 — a router with a favourite
+# We change the engine: a forward hook adds 100 to expert 3's score in layer 1's router,
+# for every token, in a fresh engine (nothing cached). Then one prompt of 6 tokens runs
+# for 5 new tokens. **Predict first:** how many tokens does expert 3 of layer 1 receive
+# in the whole run? Put your number in `prediction_3` before running the check.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+# Every computed token now has expert 3 in its top 2: the 6 prompt tokens, and the
+# generated tokens fed back (all but the last, which is sampled and never computed).
+prediction_3 = 6 + 5 - 1
+### END SOLUTION
+
+# %% tags=["check"]
+biased = LLM(folder, cpu_kernels=False, enable_prefix_caching=False)
+gates = [b.gate for b in biased.llm_engine.engine_core.executor.runner.model.expert_layers()]
+favour = torch.zeros(EXPERTS)
+favour[3] = 100.0
+gates[1].register_forward_hook(lambda module, inputs, output: output + favour)
+routed = []  # registered after the bias: sees the biased scores
+gates[1].register_forward_hook(lambda module, inputs, output: routed.append(output.clone()))
+biased.generate({"prompt_token_ids": [5, 6, 7, 8, 9, 10]},
+                SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+assert isinstance(prediction_3, int), "a number of tokens"
+### BEGIN HIDDEN TESTS
+_received = sum(int((route(o, TOP_K, True)[1] == 3).sum()) for o in routed)
+assert prediction_3 == _received
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## In practice: serving a mixture of experts
+#
+# A Hugging Face folder of Qwen3-MoE (`Qwen3MoeForCausalLM`), Qwen2-MoE (with its gated
+# shared expert) or Mixtral loads like any other model; greedy tokens equal Hugging
+# Face's (`tests/test_moe.py`: several shapes, batched, alone, chunked, preempted, on the
+# reference path and the CPU path).
+#
+# ```python
+# from minivllm import LLM
+# llm = LLM("path/to/Qwen3-30B-A3B")                           # float weights
+# llm = LLM("path/to/Qwen3-30B-A3B", tensor_parallel_size=2)   # every expert split in two
+# ```
+#
+# - **What is read from `config.json`** (`minivllm/config/moe.py`): `num_experts` (Mixtral:
+#   `num_local_experts`), `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`,
+#   the sparse layers from `decoder_sparse_step` and `mlp_only_layers` (the others keep a
+#   dense MLP), `shared_expert_intermediate_size` for Qwen2-MoE. A router the engine does
+#   not have (`scoring_func` other than softmax, grouped top-k), a `top_k` above the
+#   number of experts, or a layer index out of range is refused at load, naming the field.
+# - **Tensor parallelism** splits every expert's intermediate dimension over the ranks
+#   and all-reduces the experts' sum once per layer, like a row-parallel layer
+#   (chapter 13). Expert parallelism (`enable_expert_parallel`) is not implemented yet.
+# - **The CPU path** packs each expert's weights once at load and multiplies each
+#   expert's rows with the packed kernels (`minivllm/cpu/fused_moe.py`); the one-call
+#   decode replay of chapter 15 has no experts and stands aside for these models.
+#   `python -m minivllm.lab.bench.moe_model --ab-experts` times one layer's experts, the
+#   reference against the packed twin.
+# - Quantized experts (GGUF files of these families, `quantization="q8_0"`) are refused
+#   with the reason.
+
+# %% [markdown]
+# ## Summary
+#
+# - A mixture-of-experts layer is a router and many small MLPs; each token goes through
+#   its top-k experts, weighted by the router's (renormalised) probabilities.
+# - The engine sorts a step's `(token, expert)` pairs by expert and runs one product per
+#   expert, dropless; the result equals a loop over tokens, and Hugging Face's tokens.
+# - The load is uneven across experts, step after step: on one device it costs nothing,
+#   across devices the busiest expert sets the pace.
+# - A step of `T` tokens touches about `E (1 - (1 - k/E)^T)` experts. Few tokens read
+#   few experts' weights; a large batch reads them all while computing only the active
+#   share: the compute of a small model, the memory of a large one.
+#
+# **Try next:** set `norm_topk_prob=False` and watch the weights of a token's experts no
+# longer sum to 1; give the model 64 experts, top-8 (`build_qwen3_moe(num_experts=64,
+# top_k=8)`) and count how many a decode step of 4 tokens touches.
+
+# %%
+for h in hooks:
+    h.remove()
+llm.shutdown()
+biased.shutdown()
