@@ -54,6 +54,7 @@ import shutil
 import tempfile
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from minivllm.inputs import load_tokenizer
@@ -79,11 +80,11 @@ def build_qwen3_moe(folder, num_experts=EXPERTS, top_k=TOP_K):
                 p.normal_(0, 0.5 if ".mlp.gate." in name else 0.08)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, f"{folder}/{name}")
+        shutil.copy(tokenizer_dir / name, f"{folder}/{name}")
     return model
 
 
+# %%
 folder = tempfile.mkdtemp()
 hf = build_qwen3_moe(folder)
 
@@ -429,12 +430,9 @@ for _t, _e, _k in ((1, 8, 1), (13, 8, 2), (40, 64, 8), (5, 4, 4)):
 # product per expert** over all the rows sent to it (not one per token). The weights are
 # stacked as the engine stores them: `w13` `[E, 2I, H]` (gate rows, then up rows) and `w2`
 # `[E, H, I]`; expert `e` computes `(silu(x @ gate_e.T) * (x @ up_e.T)) @ w2[e].T`.
-# `torch.nn.functional.silu` and `Tensor.index_add_` help.
+# `F.silu` (`torch.nn.functional`, imported above) and `Tensor.index_add_` help.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
-import torch.nn.functional as F
-
-
 def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """[T, H] tokens -> [T, H]: sum over each token's k experts of weight * expert(x).
