@@ -131,6 +131,21 @@ class EngineCore:
             self.trace.append(record_step(self, so, start, now - start, timings, outputs))
         return outputs
 
+    def make_stats(self):
+        """The scheduler's snapshot for /metrics, plus the experts' load (MoE models)."""
+        stats = self.scheduler.make_stats()
+        stats.expert_load = self.expert_load()
+        return stats
+
+    def expert_load(self) -> Optional[dict[int, list[int]]]:
+        """Tokens routed to each expert so far, per MoE layer; None for a dense model
+        (and for an executor without a model, the simulator's). Every rank routes the
+        same tokens, so rank 0's counts are everyone's."""
+        runner = getattr(self.executor, "runner", None)
+        if self.config.model.moe is None or runner is None:
+            return None
+        return runner.model.expert_load()
+
     def publish_kv_events(self) -> None:
         """Hand the block pool's recorded cache changes to the publisher as one batch."""
         if self.kv_event_publisher is None:

@@ -90,7 +90,7 @@ class EngineCoreProc:
                        else [])
             # Sent even when the step produced no token (a prefill chunk, an
             # abort while idle): the stats changed and /metrics should say so.
-            self.conn.send(EngineCoreOutputs(outputs, self.engine_core.scheduler.make_stats(),
+            self.conn.send(EngineCoreOutputs(outputs, self.engine_core.make_stats(),
                                              rejected))
 
     def _handle(self, message, rejected: dict[str, ValueError]) -> None:

@@ -26,6 +26,9 @@ class SchedulerStats:
     max_lora: int = 0
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # Mixtures of experts: MoE layer -> tokens routed to each expert since load (None:
+    # a dense model). Filled by EngineCore.make_stats from the model's counts.
+    expert_load: Optional[dict[int, list[int]]] = None
 
 
 def count_adapters(requests) -> dict[str, int]:

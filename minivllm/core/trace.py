@@ -36,6 +36,8 @@ class StepRecord:
     spec_decode: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Multi-LoRA: request_id -> the adapter (lora_name) it ran with; base requests absent.
     loras: dict[str, str] = field(default_factory=dict)
+    # Mixtures of experts: MoE layer -> tokens each expert received in this step.
+    expert_load: dict[int, list[int]] = field(default_factory=dict)
 
 
 def record_step(core, so, start: float, duration: float, timings: dict,
@@ -65,12 +67,25 @@ def record_step(core, so, start: float, duration: float, timings: dict,
         spec_decode={o.request_id: (o.num_draft_tokens, o.num_accepted_tokens)
                      for o in outputs if o.num_draft_tokens},
         loras={r.request_id: r.lora_request.lora_name for r in so.scheduled_requests
-               if r.lora_request is not None})
+               if r.lora_request is not None},
+        expert_load=step_expert_load(core))
+
+
+def step_expert_load(core) -> dict[int, list[int]]:
+    """This step's tokens per expert ({} for a dense model): the model's running counts
+    less those the trace saw at its previous record."""
+    totals = core.expert_load()
+    if totals is None:
+        return {}
+    before, core.trace.expert_load_totals = core.trace.expert_load_totals, totals
+    return {layer: [n - b for n, b in zip(counts, before.get(layer, [0] * len(counts)))]
+            for layer, counts in totals.items()}
 
 
 class StepTrace:
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
+        self.expert_load_totals: dict[int, list[int]] = {}  # at the last record (MoE)
 
     def append(self, record: StepRecord) -> None:
         self.records.append(record)

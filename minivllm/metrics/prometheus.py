@@ -13,7 +13,9 @@ Two feeds keep them current:
 
 Speculative decoding's counters (vLLM's ``spec_decode_*`` names) come from
 the scheduler's running totals too; accepted tokens per draft position are
-one counter with a ``position`` label.
+one counter with a ``position`` label. A mixture of experts adds
+``expert_load`` (tokens routed to each expert, labels ``layer`` and ``expert``),
+from the model's running counts (``EngineCore.make_stats``).
 
 Generated tokens are counted as they come, one engine step at a time, so a
 long generation shows up before it ends.
@@ -113,6 +115,9 @@ class PrometheusStatLogger:
                                 "Running and waiting LoRA adapters (value: last update time).",
                                 ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
                                 registry=self.registry)
+        # Mixtures of experts: the load vLLM's EPLB balances (its expert_load), one series
+        # per MoE layer and expert, made at the first MoE snapshot (a dense model: none).
+        self._expert_load: Optional[Counter] = None
         self._last_stats: Optional[SchedulerStats] = None
 
     # -- feeds -------------------------------------------------------------------
@@ -134,7 +139,22 @@ class PrometheusStatLogger:
                                    ).set_to_current_time()
         self._record_spec_decode(stats.spec_decoding_stats,
                                  None if last is None else last.spec_decoding_stats)
+        if stats.expert_load is not None:
+            self._record_expert_load(stats.expert_load,
+                                     (last.expert_load if last is not None else None) or {})
         self._last_stats = stats
+
+    def _record_expert_load(self, now: dict[int, list[int]],
+                            before: dict[int, list[int]]) -> None:
+        if self._expert_load is None:
+            self._expert_load = Counter(PREFIX + "expert_load",
+                                        "Tokens routed to each expert, per MoE layer.",
+                                        ["model_name", "layer", "expert"],
+                                        registry=self.registry)
+        for layer, counts in now.items():
+            old = before.get(layer, [0] * len(counts))
+            for expert, (n, b) in enumerate(zip(counts, old)):
+                self._expert_load.labels(self.model_name, str(layer), str(expert)).inc(n - b)
 
     def _record_spec_decode(self, now, before) -> None:
         if now is None:

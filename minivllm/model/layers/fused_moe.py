@@ -12,7 +12,9 @@ fuse the same steps):
 5. the weighted sum back into each token's row.
 
 It is dropless: every pair is computed, however many land on one expert (no
-capacity factor, nothing is cut). ``FusedMoE`` holds the experts' weights stacked,
+capacity factor, nothing is cut). Each ``FusedMoE`` counts the pairs its experts
+received (``expert_load``, vLLM's name for the load its EPLB balances): the engine
+core reports the counts in the step trace and in ``/metrics``. ``FusedMoE`` holds the experts' weights stacked,
 ``w13_weight`` [E, 2 I, H] (gate over up, as vLLM stores them) and ``w2_weight``
 [E, H, I], and loads them from the checkpoint's one tensor per expert and projection.
 
@@ -52,13 +54,16 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               router_logits: torch.Tensor, top_k: int, renormalize: bool,
-              expert_mlp=None) -> torch.Tensor:
+              expert_mlp=None, expert_load=None) -> torch.Tensor:
     """[T, H] tokens -> [T, H]: the weighted sum of each token's top-k experts' MLPs.
 
     ``expert_mlp(expert, rows)``, if given, computes one expert's product (the CPU
-    path's packed one); by default it is ``swiglu`` on the expert's weights."""
+    path's packed one); by default it is ``swiglu`` on the expert's weights.
+    ``expert_load`` ([E] int64), if given, gets each expert's pair count added."""
     weights, ids = route(router_logits, top_k, renormalize)
     order, counts = group_by_expert(ids, w13.shape[0])
+    if expert_load is not None:
+        expert_load += torch.tensor(counts, dtype=expert_load.dtype)
     tokens, pair_weights = order // top_k, weights.flatten()[order]
     out = torch.zeros_like(hidden)
     start = 0
@@ -95,12 +100,15 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype),
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        # Tokens routed to each expert since load (a plain tensor: it stays on the CPU
+        # and out of the state dict); /metrics and the step trace read it.
+        self.expert_load = torch.zeros(num_experts, dtype=torch.int64)
 
     expert_mlp = None  # the CPU twin's packed products (minivllm/cpu/fused_moe.py)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         out = fused_moe(hidden, self.w13_weight, self.w2_weight, router_logits,
-                        self.top_k, self.renormalize, self.expert_mlp)
+                        self.top_k, self.renormalize, self.expert_mlp, self.expert_load)
         return all_reduce(out) if self.tp_size > 1 else out
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,

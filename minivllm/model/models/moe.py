@@ -23,6 +23,12 @@ expert keeps its place on every rank with 1/N of its intermediate dimension
 (``enable_expert_parallel``) is not implemented yet. On the CPU path the experts'
 products use packed weights (``minivllm/cpu/fused_moe.py``), and the decode-step
 replay stands aside (its C++ loop has no experts).
+
+Every ``FusedMoE`` counts the tokens its router sent to each expert;
+``expert_load()`` gathers the counts, which the engine core hands to the step trace
+(``StepRecord.expert_load``, per step) and to ``/metrics``
+(``minivllm:expert_load_total{layer, expert}``). Chapter 25 reads the router and the
+load on a real run.
 """
 
 from __future__ import annotations
@@ -102,6 +108,12 @@ class MoEForCausalLM(LlamaForCausalLM):
     def expert_layers(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers
                 if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since load, per sparse layer (by decoder index)."""
+        return {i: layer.mlp.experts.expert_load.tolist()
+                for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, SparseMoeBlock)}
 
 
 __all__ = ["MoEForCausalLM", "SparseMoeBlock", "ReplicatedLinear"]
