@@ -238,6 +238,21 @@ save_key_figure(fig, "25_mixture_of_experts")  # (for `make figures`; a no-op ot
 fig
 
 # %% [markdown]
+# The engine keeps the same count itself, without hooks: each `FusedMoE` adds its
+# step's per-expert counts to `expert_load` (the two lines with `expert_load` in
+# `fused_moe` above). The step trace splits them by step (`StepRecord.expert_load`), and
+# `minivllm serve` exposes the totals on `/metrics` (chapter 11) as
+# `minivllm:expert_load_total{layer="1",expert="3"}`, one series per layer and expert.
+
+# %%
+assert model.expert_load() == {layer: c.tolist() for layer, c in load.items()}
+steps = list(llm.trace)
+assert all(sum(r.expert_load[layer]) == TOP_K * r.num_batched_tokens
+           for r in steps for layer in sparse)
+print(f"step 1 ({steps[0].num_batched_tokens} tokens), layer 0:", steps[0].expert_load[0])
+print(f"step 2 ({steps[1].num_batched_tokens} tokens), layer 0:", steps[1].expert_load[0])
+
+# %% [markdown]
 # The load is uneven: the busiest expert of a layer does more than the mean, which
 # is what a perfectly balanced router would give every expert. On one device that costs
 # nothing extra, since the products add up to the same work. Spread over devices, one
@@ -369,7 +384,8 @@ assert pairs[1].unique().numel() == KB and pairs[256].unique().numel() == EB
 # (`fused_moe/fused_moe.py`, a softmax-and-top-k kernel, then the renormalisation) or
 # `grouped_topk` for DeepSeek's grouped routers; with `enable_eplb` it also adds each
 # expert's count into `expert_load_view`, the load EPLB (`vllm/distributed/eplb/`)
-# rebalances from. The products are `fused_experts`: `moe_align_block_size` sorts the
+# rebalances from, and logs how balanced it is with `eplb_config`'s `log_balancedness`;
+# it has no Prometheus series for it (`minivllm:expert_load_total` is minivllm's). The products are `fused_experts`: `moe_align_block_size` sorts the
 # `(token, expert)` pairs by expert and pads each expert's run to the Triton tile, and
 # one Triton kernel (`fused_moe_kernel`) runs every expert's tiles, once for `w13`
 # and once for `w2`, before the top-k results are summed. The model files are
@@ -540,6 +556,14 @@ assert prediction_3 == _received
 #   decode replay of chapter 15 has no experts and stands aside for these models.
 #   `python -m minivllm.lab.bench.moe_model --ab-experts` times one layer's experts, the
 #   reference against the packed twin.
+# - **Expert load**: `/metrics` of `minivllm serve` counts the tokens routed to each expert
+#   of each MoE layer, `minivllm:expert_load_total{layer, expert}`; the step trace has the
+#   same counts per step (`StepRecord.expert_load`, `LLM(trace=True)`). A dense model
+#   counts nothing and shows no such series (`tests/test_moe_metrics.py` checks the counts
+#   against Hugging Face's router).
+# - **bfloat16** (`LLM(..., dtype="bfloat16")`): the router's softmax stays float32, the
+#   experts run in bfloat16 as in transformers, on the CPU path through oneDNN's packed
+#   bfloat16 products (`tests/test_moe_dtypes.py`).
 # - Quantized experts (GGUF files of these families, `quantization="q8_0"`) are refused
 #   with the reason.
 
