@@ -8,7 +8,9 @@ the routing weights and the weighted sum run in bfloat16, as in transformers. So
 - the whole model's bfloat16 logits are as close to the float32 logits as Hugging
   Face's bfloat16 ones are (a near-tie between two experts may route a token apart in
   one of them, so positions are compared in aggregate, not one by one);
-- the CPU path's packed bfloat16 experts (oneDNN) give the reference path's tokens.
+- the CPU path's experts on bfloat16 weights (packed by oneDNN where it packs bfloat16)
+  equal the reference's, and the engine's CPU path gives the reference path's tokens in
+  the dtype it computes in (bfloat16 where oneDNN packs it, float32 elsewhere).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.model.attention import TorchAttentionBackend
 from minivllm.model.loader import load_model
+from tests.cpu_requirements import FEATURES, needs_cpu_kernels
 from tests.test_model import hf_logits, our_logits
 from tests.test_moe import MOE_FAMILIES, random_prompts
 
@@ -71,20 +74,50 @@ def test_bf16_logits_as_close_to_float32_as_transformers(tiny_model, family):
     assert (near <= 0.05).float().mean() >= 0.8 and near.median() <= 0.03
 
 
+@needs_cpu_kernels()
+def test_bf16_cpu_twin_equals_the_reference_experts():
+    """The CPU path's experts on bfloat16 weights: packed by oneDNN where it packs
+    bfloat16 (else PyTorch's bfloat16 products), SiLU-and-mul the C++ kernel."""
+    from minivllm.cpu.fused_moe import CpuFusedMoE
+    from minivllm.model.layers.fused_moe import FusedMoE
+
+    gen = torch.Generator().manual_seed(2)
+    ref = FusedMoE(8, 2, 64, 32, True, BF16)
+    for w in (ref.w13_weight, ref.w2_weight):
+        w.data.copy_(torch.randn(w.shape, generator=gen) * 0.1)
+    twin = FusedMoE(8, 2, 64, 32, True, BF16)
+    twin.load_state_dict(ref.state_dict())
+    twin.__class__ = CpuFusedMoE
+    assert (twin.pack_experts() > 0) == (FEATURES.bf16_prepack_problem() is None)
+    for tokens in (1, 5, 64):  # one row (F.linear), a few, many
+        x = torch.randn(tokens, 64, generator=gen).to(BF16)
+        logits = torch.randn(tokens, 8, generator=gen).to(BF16)
+        with torch.inference_mode():
+            mine, theirs = twin(x, logits), ref(x, logits)
+        assert mine.dtype == BF16
+        torch.testing.assert_close(mine.float(), theirs.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.slow
+@needs_cpu_kernels()
 @pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
 def test_bf16_cpu_path_gives_the_reference_tokens(tiny_model, family):
+    """dtype="bfloat16" on the CPU path computes in bfloat16 where oneDNN packs it and
+    in float32 elsewhere (``compute_dtype``, said in the log): its tokens are the
+    reference path's in that dtype."""
+    from minivllm.cpu.accelerate import compute_dtype
+
     folder = tiny_model(family)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 23, 1, 40], seed=3)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    dtype = compute_dtype(BF16)
     tokens = {}
-    for cpu_kernels in (False, None):
-        llm = LLM(folder, dtype="bfloat16", num_kv_blocks=64, cpu_kernels=cpu_kernels)
+    for cpu_kernels, asked in ((False, dtype), (None, BF16)):
+        llm = LLM(folder, dtype=str(asked).removeprefix("torch."), num_kv_blocks=64,
+                  cpu_kernels=cpu_kernels)
         experts = llm.llm_engine.engine_core.executor.runner.model.expert_layers()[0].experts
-        assert experts.w13_weight.dtype == BF16
-        if cpu_kernels is None:  # the twin, with its bfloat16 experts packed (oneDNN)
-            assert type(experts).__name__ == "CpuFusedMoE"
-            assert experts.__dict__.get("packed13") is not None
+        assert experts.w13_weight.dtype == dtype
+        assert (type(experts).__name__ == "CpuFusedMoE") == (cpu_kernels is None)
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens[cpu_kernels] = [o.outputs[0].token_ids for o in outs]
     assert tokens[None] == tokens[False]
