@@ -37,9 +37,10 @@ from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
 from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generator
-from minivllm.worker.compute_path import ComputePath, DecodeReplay, ReferencePath
+from minivllm.worker.reference_path import ReferencePath
 
 if TYPE_CHECKING:  # the per-request features below load on the first request using them
+    from minivllm.worker.compute_path import ComputePath, DecodeReplay
     from minivllm.core.outputs import LogprobInfo
     from minivllm.sample.logits_processors import LogitsProcessors
     from minivllm.sample.rejection_sampler import RejectionSampler
