@@ -89,17 +89,16 @@ def get_model_class(architecture: str):
     if architecture in MOE_ARCHITECTURES:  # a dense model never imports the experts
         from minivllm.model.models.moe import MoEForCausalLM
         return MoEForCausalLM
-    from minivllm.model.models.llama import LlamaForCausalLM
-
-    registry = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
     if architecture == "Gemma3ForCausalLM":  # its own file, loaded only for it
         from minivllm.model.models.gemma3 import Gemma3ForCausalLM
 
-        registry[architecture] = Gemma3ForCausalLM
-    if architecture not in registry:
+        return Gemma3ForCausalLM
+    if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return registry[architecture]
+    from minivllm.model.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend,

@@ -40,11 +40,11 @@ from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generato
 from minivllm.worker.reference_path import ReferencePath
 
 if TYPE_CHECKING:  # the per-request features below load on the first request using them
-    from minivllm.worker.compute_path import ComputePath, DecodeReplay
     from minivllm.core.outputs import LogprobInfo
     from minivllm.sample.logits_processors import LogitsProcessors
     from minivllm.sample.rejection_sampler import RejectionSampler
     from minivllm.structured_output import StructuredOutputManager
+    from minivllm.worker.compute_path import ComputePath, DecodeReplay
     from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 
 # On CPU the KV cache gets this much memory unless told otherwise.
