@@ -48,7 +48,7 @@ from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.sampling import count_bars, filter_figure
 from minivllm.lab.viz.widgets import show_in
 from minivllm.sample.ops import apply_penalties
-from minivllm.sample import knobs
+from minivllm.sample import knobs as sampler_knobs
 from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
 llm = LLM(num_kv_blocks=64)
@@ -119,7 +119,7 @@ def engine_filtered(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     """The engine's distribution for one row: the sampler's own sampling_probs."""
     knobs = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     md = SamplingMetadata.from_rows([SamplingRow(knobs, [], [])], logits.shape[-1])
-    return knobs.sampling_probs(logits.float()[None], md)[0]
+    return sampler_knobs.sampling_probs(logits.float()[None], md)[0]
 
 
 # %%
@@ -283,7 +283,7 @@ for s in settings:
 # `sample_with_knobs`, taken from the package as it runs:
 
 # %%
-show_source(knobs.sample_with_knobs, start="raw_logprobs =")
+show_source(sampler_knobs.sample_with_knobs, start="raw_logprobs =")
 
 # %% [markdown]
 # Logprobs are taken from the raw logits *first*, so what the API reports is the
@@ -293,10 +293,10 @@ show_source(knobs.sample_with_knobs, start="raw_logprobs =")
 # sampler of chapter 17 shares, so verification samples what plain sampling would):
 
 # %%
-show_source(knobs.sample)
+show_source(sampler_knobs.sample)
 
 # %%
-show_source(knobs.sampling_probs, start="logits = logits /")
+show_source(sampler_knobs.sampling_probs, start="logits = logits /")
 
 # %% [markdown]
 # Greedy rows skip everything after penalties: temperature 0 means argmax. For the
