@@ -48,6 +48,7 @@ from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.sampling import count_bars, filter_figure
 from minivllm.lab.viz.widgets import show_in
 from minivllm.sample.ops import apply_penalties
+from minivllm.sample import knobs as sampler_knobs
 from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
 llm = LLM(num_kv_blocks=64)
@@ -115,10 +116,10 @@ print({lp.decoded_token: round(lp.logprob, 3) for lp in engine_top.values()})
 
 # %%
 def engine_filtered(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
-    """The engine's distribution for one row: the Sampler's own sampling_probs."""
+    """The engine's distribution for one row: the sampler's own sampling_probs."""
     knobs = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     md = SamplingMetadata.from_rows([SamplingRow(knobs, [], [])], logits.shape[-1])
-    return Sampler.sampling_probs(logits.float()[None], md)[0]
+    return sampler_knobs.sampling_probs(logits.float()[None], md)[0]
 
 
 # %%
@@ -277,23 +278,25 @@ for s in settings:
 # ## The engine's order of operations
 #
 # One `Sampler` call turns a whole step's logits (one row per request) into one token
-# per row. Its `forward`, taken from the package as it runs:
+# per row. A batch of plain greedy rows is one argmax; any other knob takes it to
+# `minivllm/sample/knobs.py`, loaded by the first batch that has one. Its
+# `sample_with_knobs`, taken from the package as it runs:
 
 # %%
-show_source(Sampler.forward, start="logits = logits.float()")
+show_source(sampler_knobs.sample_with_knobs, start="raw_logprobs =")
 
 # %% [markdown]
 # Logprobs are taken from the raw logits *first*, so what the API reports is the
 # model's distribution, not the filtered one. Then `process_logits` applies what changes
 # every row, greedy ones too (penalties, and `min_tokens` banning the stop tokens),
-# and `_sample` does the rest, drawing from `sampling_probs` (which the rejection
+# and `sample` does the rest, drawing from `sampling_probs` (which the rejection
 # sampler of chapter 17 shares, so verification samples what plain sampling would):
 
 # %%
-show_source(Sampler._sample)
+show_source(sampler_knobs.sample)
 
 # %%
-show_source(Sampler.sampling_probs, start="logits = logits /")
+show_source(sampler_knobs.sampling_probs, start="logits = logits /")
 
 # %% [markdown]
 # Greedy rows skip everything after penalties: temperature 0 means argmax. For the
@@ -536,7 +539,7 @@ assert g1.token_ids == g2.token_ids and g1.token_ids[0] == int(logits.argmax())
 # (`vllm/v1/sample/ops/topk_topp_sampler.py`), whose `apply_top_k_top_p` masks the
 # logits and whose `random_sample` is the exponential race: `probs.div_(q).argmax()`
 # with `q` drawn by `exponential_()`, from each seeded request's own generator.
-# minivllm keeps that order and that race in `minivllm/sample/sampler.py`, with one
+# minivllm keeps that order and that race in `minivllm/sample/knobs.py`, with one
 # plain torch path; vLLM has faster ones (FlashInfer's sampling kernels, and on
 # some platforms other top-k/top-p code), which minivllm does not need on a CPU.
 
@@ -547,8 +550,8 @@ assert g1.token_ids == g2.token_ids and g1.token_ids[0] == int(logits.argmax())
 # ### Exercise 9.2 — a penalty on a greedy row
 # A greedy request (`temperature=0`) with `repetition_penalty=1.3` whose prompt contains
 # today's most likely token (`best_id` below). Does greedy ignore the penalty, as it
-# ignores top-p? Look at where `process_logits` sits in `forward`, then compute by hand which
-# token the engine picks for that row (`greedy_pick_with_penalty`).
+# ignores top-p? Look at where `process_logits` sits in `sample_with_knobs`, then
+# compute by hand which token the engine picks for that row (`greedy_pick_with_penalty`).
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
 best_id = int(logits.argmax())

@@ -382,7 +382,7 @@ assert 0 < max(gaps) < 1e-3  # not bit for bit, yet far from changing a choice
 # ## What the ranks send each step
 #
 # From the code (`all_reduce` and `gather_last_dim` in
-# `minivllm/model/layers/parallel.py`), with **T** tokens in the step, **S** rows of
+# `minivllm/model/layers/collectives.py`), with **T** tokens in the step, **S** rows of
 # logits (one per sequence that samples), itemsize 4 bytes (float32) and N ranks,
 # rank 0's collectives carry:
 #

@@ -216,7 +216,7 @@ assert t_step > step_floor  # the reference is far from its ceiling
 # seam: at start-up the model runner makes one call, `cpu_path(config)`
 # (`minivllm/cpu/accelerate.py`), which returns its compute path — the attention
 # backend, the dtype, the layer twins and packed weights, the sampler and the
-# decode-step replay (`minivllm/worker/compute_path.py` has the reference one). Load
+# decode-step replay (`minivllm/worker/reference_path.py` has the reference one). Load
 # it, and record a decode step of one and of 32 sequences:
 
 # %%

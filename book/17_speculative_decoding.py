@@ -395,7 +395,7 @@ show_source("minivllm.core.kv_cache_manager.KVCacheManager.free_tail", start="bl
 # The scheduler lays out k + 1 rows per speculating request; the model runner's logits
 # reach `RejectionSampler.__call__`. Its `target` first gives each row the request's
 # sampling knobs as if the drafts before it were already output (so penalties count
-# them), through the `Sampler`'s own `process_logits` and `sampling_probs` (chapter 9):
+# them), through the sampler's own `process_logits` and `sampling_probs` (chapter 9):
 
 # %%
 show_source(RejectionSampler.target, start="expanded =", end="return processed")

@@ -7,7 +7,8 @@ import inspect
 
 import torch
 
-from minivllm.worker.compute_path import ComputePath, DecodeReplay, ReferencePath
+from minivllm.worker.compute_path import ComputePath, DecodeReplay
+from minivllm.worker.reference_path import ReferencePath
 
 
 def _members(protocol) -> dict[str, object]:

@@ -12,7 +12,8 @@ import torch
 
 from minivllm import SamplingParams
 from minivllm.sample.rejection_sampler import RejectionSampler
-from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow
+from minivllm.sample.knobs import process_logits, sampling_probs
+from minivllm.sample.sampler import SamplingMetadata, SamplingRow
 
 VOCAB = 50
 
@@ -43,9 +44,9 @@ def test_target_equals_the_samplers_processing():
                 alone = SamplingRow(row.sampling_params, row.prompt_token_ids,
                                     list(row.output_token_ids) + d[:j])
                 md = SamplingMetadata.from_rows([alone], VOCAB)
-                processed = Sampler.process_logits(logits[i:i + 1], md)
+                processed = process_logits(logits[i:i + 1], md)
                 assert int(greedy[i]) == int(processed.argmax())
                 if not row.sampling_params.greedy:
-                    expected = Sampler.sampling_probs(processed, md)[0]
+                    expected = sampling_probs(processed, md)[0]
                     torch.testing.assert_close(probs[i], expected, rtol=0, atol=0)
                 i += 1

@@ -12,6 +12,7 @@ import torch
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.sample.ops import apply_min_p, apply_penalties, apply_top_k_top_p
+from minivllm.sample.knobs import sampling_probs
 from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow, make_generator
 
 
@@ -211,7 +212,7 @@ def kept_by_sampler(probs: list[float], **knobs) -> set[int]:
     """The tokens the engine's sampler can draw for one row of these probabilities."""
     logits = torch.tensor(probs, dtype=torch.float64).log().float()[None]
     md = SamplingMetadata.from_rows([row(temperature=1.0, **knobs)], len(probs))
-    return allowed(Sampler.sampling_probs(logits, md)[0].log())
+    return allowed(sampling_probs(logits, md)[0].log())
 
 
 def test_min_p_comes_before_top_p_as_in_vllm():
@@ -252,7 +253,7 @@ def test_random_knobs_follow_the_vllm_order_by_hand():
         top_p = _p_away_from_boundaries(rng, np.cumsum(np.sort(np_softmax(kept))[::-1]))
         md = SamplingMetadata.from_rows([row(temperature=1.0, min_p=min_p, top_k=top_k,
                                              top_p=top_p)], 40)
-        got = allowed(Sampler.sampling_probs(logits, md)[0].log())
+        got = allowed(sampling_probs(logits, md)[0].log())
         assert got == _vllm_order_kept(x.astype(np.float64), min_p, top_k, top_p), trial
 
 

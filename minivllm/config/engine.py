@@ -110,9 +110,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The checked tree; ``self.model`` must be a Hugging Face folder by now."""
         self.validate()
-        lora = self._lora_config()
-        speculative = self._speculative_config()
-        kv_transfer = self._kv_transfer_config()
+        features = self._feature_sections()
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,6 +122,7 @@ class EngineArgs:
             raise bad("max_model_len", max_len,
                       f"must be <= the model's max_position_embeddings "
                       f"({model.max_position_embeddings})")
+        speculative = features.get("speculative")
         if speculative is not None and speculative.method == "draft_model":
             speculative.draft_model_config(model, self.tensor_parallel_size, max_len, device)
         return EngineConfig(
@@ -137,40 +136,18 @@ class EngineArgs:
                                     self.distributed_executor_backend),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
-            speculative=speculative, lora=lora, kv_transfer=kv_transfer,
-            kv_events=self._kv_events_config(), enable_sleep_mode=self.enable_sleep_mode,
-            batch_invariant=self.batch_invariant)
+            enable_sleep_mode=self.enable_sleep_mode, batch_invariant=self.batch_invariant,
+            **features)
 
-    # A feature's section is imported only when the feature is asked for.
-    def _lora_config(self) -> Optional[LoRAConfig]:
-        if self.enable_lora is False:
-            return None
-        from minivllm.config.lora import LoRAConfig
+    def _feature_sections(self) -> dict:
+        """The checked sections of the optional features asked for ({} for none)."""
+        if (self.enable_lora, self.speculative_config, self.kv_transfer_config,
+                self.kv_offloading_size, self.kv_offloading_backend,
+                self.kv_events_config) == (False, None, None, None, None, None):
+            return {}
+        from minivllm.config.features import feature_sections
 
-        return LoRAConfig.from_args(self.enable_lora, self.max_loras, self.max_lora_rank,
-                                    self.max_cpu_loras)
-
-    def _speculative_config(self) -> Optional[SpeculativeConfig]:
-        if self.speculative_config is None:
-            return None
-        from minivllm.config.speculative import SpeculativeConfig
-
-        return SpeculativeConfig.from_dict(self.speculative_config)
-
-    def _kv_transfer_config(self) -> Optional[KVTransferConfig]:
-        if (self.kv_transfer_config, self.kv_offloading_size,
-                self.kv_offloading_backend) == (None, None, None):
-            return None
-        from minivllm.config.kv_transfer import KVTransferConfig
-
-        return KVTransferConfig.from_engine_args(self)
-
-    def _kv_events_config(self) -> Optional[KVEventsConfig]:
-        if self.kv_events_config is None:
-            return None
-        from minivllm.config.kv_events import KVEventsConfig
-
-        return KVEventsConfig.from_dict(self.kv_events_config)
+        return feature_sections(self)
 
     def validate(self) -> None:
         """Every check that needs no model, so a bad argument fails before any loading."""
@@ -196,9 +173,7 @@ class EngineArgs:
             raise bad("device", self.device, "must be 'auto', 'cpu' or 'cuda[:N]'")
         resolve_dtype(self.dtype)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        self._lora_config()
-        self._kv_transfer_config()
-        self._kv_events_config()
+        self._feature_sections()
         check_int("data_parallel_size", self.data_parallel_size, 1, 1,
                   allowed="must be 1: run N `minivllm serve` replicas behind `minivllm "
                   "router --replica URL ...` instead (chapter 22, 'In practice')")

@@ -23,7 +23,8 @@ from torch import nn
 
 from minivllm.lora.punica import expand, shrink
 from minivllm.model.layers.linear import RowParallelLinear
-from minivllm.model.layers.parallel import all_reduce, tp_size
+from minivllm.model.layers.collectives import all_reduce
+from minivllm.model.layers.parallel import tp_size
 
 if TYPE_CHECKING:
     from minivllm.lora.model_manager import LoRAMapping

@@ -1,10 +1,11 @@
-"""Load a model's weights from a Hugging Face folder (``resolve.py`` finds the folder)."""
+"""Build a model and load its weights: a GGUF file's blocks as they ship
+(``gguf_tensors.py``) or a Hugging Face folder's tensors (``safetensors_weights.py``);
+``resolve.py`` finds the folder."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -13,21 +14,6 @@ from minivllm.config import ModelConfig, SUPPORTED_ARCHITECTURES
 from minivllm.config.model import MOE_ARCHITECTURES
 from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.layers.quantization import QuantizedTensor
-
-
-def iterate_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder's checkpoint (one file, or shards named by an index)."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    for name in files:
-        with safe_open(str(folder / name), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
 
 
 # Checkpoint tensors fused into one of our parameters: (ours, theirs, shard).
@@ -103,17 +89,16 @@ def get_model_class(architecture: str):
     if architecture in MOE_ARCHITECTURES:  # a dense model never imports the experts
         from minivllm.model.models.moe import MoEForCausalLM
         return MoEForCausalLM
-    from minivllm.model.models.llama import LlamaForCausalLM
-
-    registry = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
     if architecture == "Gemma3ForCausalLM":  # its own file, loaded only for it
         from minivllm.model.models.gemma3 import Gemma3ForCausalLM
 
-        registry[architecture] = Gemma3ForCausalLM
-    if architecture not in registry:
+        return Gemma3ForCausalLM
+    if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return registry[architecture]
+    from minivllm.model.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
 
 
 def load_model(config: ModelConfig, backend: AttentionBackend,
@@ -128,6 +113,8 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
         weights = iterate_gguf(Path(config.gguf_file), config.num_attention_heads,
                                config.num_key_value_heads)
     else:
+        from minivllm.model.safetensors_weights import iterate_safetensors
+
         weights = iterate_safetensors(Path(config.path))
     loaded = load_weights(model, config, weights)
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}

@@ -1,7 +1,6 @@
 """The sampler's steps on a batch of logits, each a plain function of tensors
 (tested one by one): penalties, top-k / top-p, min-p, and the exponential race
-that draws one token per row. ``sampler.py`` says in which order they run and
-why; it loads this module for the first batch that needs one of them.
+that draws one token per row. ``knobs.py`` says in which order they run and why.
 """
 
 from __future__ import annotations

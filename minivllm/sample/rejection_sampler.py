@@ -28,7 +28,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from minivllm.sample.ops import exponential_race
-from minivllm.sample.sampler import Sampler, SamplingMetadata, SamplingRow
+from minivllm.sample.knobs import process_logits, sampling_probs
+from minivllm.sample.sampler import SamplingMetadata, SamplingRow
 
 # (token id, logprob info or None) for each token a verification yields.
 Verified = list[tuple[int, Optional[tuple[float, dict[int, float]]]]]
@@ -78,15 +79,15 @@ class RejectionSampler:
         """Each row's greedy pick and target distribution (None if every row is greedy).
 
         Row j of a request is processed as if its first j drafts had been sampled,
-        by the Sampler's own functions: one implementation of the knobs, so
-        verification cannot drift from plain sampling."""
+        by the sampler's own functions (``knobs.py``): one implementation of the
+        knobs, so verification cannot drift from plain sampling."""
         expanded = [SamplingRow(r.sampling_params, r.prompt_token_ids,
                                 list(r.output_token_ids) + list(d[:j]), r.generator,
                                 r.eos_token_ids)
                     for r, d in zip(rows, drafts) for j in range(len(d) + 1)]
         md = SamplingMetadata.from_rows(expanded, logits.shape[-1], logits.device)
-        processed = Sampler.process_logits(logits, md)
-        probs = None if md.all_greedy else Sampler.sampling_probs(processed, md)
+        processed = process_logits(logits, md)
+        probs = None if md.all_greedy else sampling_probs(processed, md)
         return processed.argmax(dim=-1), probs, md
 
     @staticmethod

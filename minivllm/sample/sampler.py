@@ -1,37 +1,28 @@
 """Turn one step's logits into one next token per request.
 
-The model runner hands the sampler a ``[B, V]`` float32 matrix, one row per
-request that completes a token this step. Each row has its own knobs
+The model runner hands the sampler a ``[B, V]`` matrix, one row per request
+that completes a token this step. Each row has its own knobs
 (``SamplingParams``), packed once into per-row tensors (``SamplingMetadata``)
-so the sampler works on the whole batch at once, in vLLM V1's order:
+so the sampler works on the whole batch at once.
 
-1. **logprobs**: ``log_softmax`` of the *raw* logits (vLLM's default
-   ``"raw_logprobs"``: what the model believes, before any knob).
-2. **repetition penalty** over prompt + output (a positive logit divided, a
-   negative one multiplied, as in CTRL and Hugging Face); **frequency and
-   presence penalties** over the output (OpenAI's rule).
-3. **min_tokens**: stop token ids and EOS get ``-inf`` until it is reached.
-4. **greedy** rows take the argmax.
-5. **random** rows: temperature, then min-p, top-k, top-p, then sample.
-   Hugging Face applies min-p after top-p; with both set the two can keep
-   different tokens (chapter 9 shows a case).
-
-Sampling is the *exponential race*: ``argmax(probs / E)`` with ``E_i`` drawn
-from Exponential(1) picks token ``i`` with probability ``probs_i``, and each
-row's noise can come from its own ``torch.Generator``: a seeded request gets
-the same tokens whatever else is in the batch. The steps are plain tensor
-functions in ``ops.py``, loaded by the first batch that needs one: an
-all-greedy batch without penalties is one argmax.
+A batch of plain greedy rows (temperature 0, no penalty, no pending
+``min_tokens``, no logprobs) is one argmax, and that is all this module does.
+Any other knob loads ``knobs.py``, which applies them in vLLM V1's order:
+raw logprobs, penalties, ``min_tokens``, then the argmax for greedy rows and
+temperature, min-p, top-k, top-p and a draw for random ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.sample.knobs import TopLogprobs
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -62,32 +53,33 @@ class SamplingRow:
 class SamplingMetadata:
     """Per-row sampling knobs as batched tensors, plus flags for the fast paths.
 
-    A tensor is ``None`` when no row needs that step, so the common case
-    (all greedy, no penalties, no min_tokens, no logprobs) is one argmax.
+    A tensor is ``None`` when no row needs that step; the defaults describe a
+    batch of plain greedy rows, which is one argmax.
     """
 
     num_rows: int
     vocab_size: int
-    all_greedy: bool
-    all_random: bool
-    greedy_mask: Optional[torch.Tensor]  # [B] bool; only when the batch mixes
-    temperature: Optional[torch.Tensor]  # [B] float32; 1.0 on greedy rows
-    top_k: Optional[torch.Tensor]  # [B] int64; vocab_size means "off"
-    top_p: Optional[torch.Tensor]  # [B] float32; 1.0 means "off"
-    min_p: Optional[torch.Tensor]  # [B] float32; 0.0 means "off"
-    generators: dict[int, torch.Generator]  # row -> stream, seeded random rows only
-    no_penalties: bool
-    repetition_penalties: Optional[torch.Tensor]  # [B] float32
-    presence_penalties: Optional[torch.Tensor]  # [B] float32
-    frequency_penalties: Optional[torch.Tensor]  # [B] float32
+    all_greedy: bool = True
+    all_random: bool = False
+    greedy_mask: Optional[torch.Tensor] = None  # [B] bool; only when the batch mixes
+    temperature: Optional[torch.Tensor] = None  # [B] float32; 1.0 on greedy rows
+    top_k: Optional[torch.Tensor] = None  # [B] int64; vocab_size means "off"
+    top_p: Optional[torch.Tensor] = None  # [B] float32; 1.0 means "off"
+    min_p: Optional[torch.Tensor] = None  # [B] float32; 0.0 means "off"
+    # row -> stream, seeded random rows only
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    no_penalties: bool = True
+    repetition_penalties: Optional[torch.Tensor] = None  # [B] float32
+    presence_penalties: Optional[torch.Tensor] = None  # [B] float32
+    frequency_penalties: Optional[torch.Tensor] = None  # [B] float32
     # Token ids padded with vocab_size (an extra "nobody" column when counting).
-    prompt_token_ids: Optional[torch.Tensor]  # [B, max prompt len] int64
-    output_token_ids: Optional[torch.Tensor]  # [B, max output len] int64
+    prompt_token_ids: Optional[torch.Tensor] = None  # [B, max prompt len] int64
+    output_token_ids: Optional[torch.Tensor] = None  # [B, max output len] int64
     # (row, token) pairs to set to -inf because min_tokens is not reached yet.
-    min_tokens_rows: Optional[torch.Tensor]  # [P] int64
-    min_tokens_token_ids: Optional[torch.Tensor]  # [P] int64
+    min_tokens_rows: Optional[torch.Tensor] = None  # [P] int64
+    min_tokens_token_ids: Optional[torch.Tensor] = None  # [P] int64
     # Largest ``logprobs`` asked by any row; None when no row asks.
-    max_num_logprobs: Optional[int]
+    max_num_logprobs: Optional[int] = None
 
     @property
     def only_argmax(self) -> bool:
@@ -98,115 +90,31 @@ class SamplingMetadata:
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], vocab_size: int,
                   device: torch.device | str = "cpu") -> "SamplingMetadata":
-        device = torch.device(device)
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r} is invalid: must be an integer >= 1")
-        params = [_check_row(i, row, device) for i, row in enumerate(rows)]
-        greedy = [p.greedy for p in params]
-        num_random = greedy.count(False)
+        if all(_plain_greedy(row) for row in rows):
+            return cls(len(rows), vocab_size)
+        from minivllm.sample.knobs import pack_knobs
 
-        def per_row(values: list, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        def random_knob(name: str, off, dtype=torch.float32) -> Optional[torch.Tensor]:
-            """One knob per row, `off` on greedy rows; None if no row turns it on."""
-            values = [off if g else getattr(p, name) for p, g in zip(params, greedy)]
-            return per_row(values, dtype) if any(v != off for v in values) else None
-
-        top_k = random_knob("top_k", 0, torch.int64)
-        rep = [p.repetition_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        freq = [p.frequency_penalty for p in params]
-        use_rep = any(r != 1.0 for r in rep)
-        no_penalties = not (use_rep or any(pres) or any(freq))
-        min_rows, min_ids = _min_tokens_pairs(rows, vocab_size)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            num_rows=len(rows),
-            vocab_size=vocab_size,
-            all_greedy=num_random == 0,
-            all_random=num_random == len(rows),
-            greedy_mask=per_row(greedy, torch.bool) if 0 < num_random < len(rows) else None,
-            temperature=(per_row([1.0 if g else p.temperature for p, g in zip(params, greedy)])
-                         if num_random else None),
-            top_k=None if top_k is None else top_k.masked_fill(top_k == 0, vocab_size),
-            top_p=random_knob("top_p", 1.0),
-            min_p=random_knob("min_p", 0.0),
-            generators={i: row.generator for i, row in enumerate(rows)
-                        if not greedy[i] and row.generator is not None},
-            no_penalties=no_penalties,
-            repetition_penalties=None if no_penalties else per_row(rep),
-            presence_penalties=None if no_penalties else per_row(pres),
-            frequency_penalties=None if no_penalties else per_row(freq),
-            prompt_token_ids=(_pad([r.prompt_token_ids for r in rows], vocab_size, device,
-                                   "prompt_token_ids") if use_rep else None),
-            output_token_ids=(None if no_penalties else _pad(
-                [r.output_token_ids for r in rows], vocab_size, device, "output_token_ids")),
-            min_tokens_rows=per_row(min_rows, torch.int64) if min_rows else None,
-            min_tokens_token_ids=per_row(min_ids, torch.int64) if min_rows else None,
-            max_num_logprobs=max(asked) if asked else None,
-        )
+        return pack_knobs(rows, vocab_size, torch.device(device))
 
 
-def _check_row(index: int, row: SamplingRow, device: torch.device) -> SamplingParams:
-    if not isinstance(row.sampling_params, SamplingParams):
-        raise TypeError(f"rows[{index}].sampling_params={row.sampling_params!r} is "
-                        "invalid: must be a minivllm.SamplingParams")
-    gen = row.generator
-    if gen is not None and gen.device.type != device.type:
-        raise ValueError(f"rows[{index}].generator is on {gen.device}, but the "
-                         f"sampler runs on {device}: make it with "
-                         f"make_generator(seed, {str(device)!r})")
-    return row.sampling_params
-
-
-def _min_tokens_pairs(rows: Sequence[SamplingRow], vocab_size: int
-                      ) -> tuple[list[int], list[int]]:
-    """(row, token) pairs to mask: stop ids of rows still short of min_tokens."""
-    row_ids: list[int] = []
-    token_ids: list[int] = []
-    for i, row in enumerate(rows):
-        p = row.sampling_params
-        if len(row.output_token_ids) >= p.min_tokens:
-            continue
-        # With ignore_eos, EOS does not stop anything, so it needs no mask.
-        stops = set(p.all_stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
-        for t in sorted(stops):
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"rows[{i}] stop token id {t} (stop_token_ids or "
-                                 f"eos_token_ids) is invalid: must be in [0, {vocab_size})")
-            row_ids.append(i)
-            token_ids.append(t)
-    return row_ids, token_ids
-
-
-def _pad(lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
-         name: str) -> torch.Tensor:
-    """Rows of token ids as one tensor, padded with ``vocab_size``."""
-    width = max((len(x) for x in lists), default=0)
-    padded = [list(x) + [-1] * (width - len(x)) for x in lists]
-    ids = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(lists), width)
-    real = ids >= 0
-    bad = (real & (ids >= vocab_size)) | (ids < -1)
-    if bad.any():
-        raise ValueError(f"{name} contains token id {ids[bad][0].item()}: "
-                         f"must be in [0, {vocab_size})")
-    return ids.masked_fill(~real, vocab_size)
-
-
-class TopLogprobs(NamedTuple):
-    token_ids: torch.Tensor  # [B, k] int64, most probable first
-    logprobs: torch.Tensor  # [B, k] float32
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy, with no knob that changes its logits and no logprobs to report."""
+    p = row.sampling_params
+    return (isinstance(p, SamplingParams) and p.greedy and p.logprobs is None
+            and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and len(row.output_token_ids) >= p.min_tokens)
 
 
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     # log_softmax(raw logits) at the sampled token; None if no row asked.
-    logprobs: Optional[torch.Tensor]  # [B] float32
+    logprobs: Optional[torch.Tensor] = None  # [B] float32
     # The k = max_num_logprobs best raw logprobs per row (a row that asked
     # for n takes the first n); None if no row asked for any.
-    top_logprobs: Optional[TopLogprobs]
+    top_logprobs: Optional[TopLogprobs] = None
 
 
 class Sampler:
@@ -223,70 +131,15 @@ class Sampler:
         if md.only_argmax:
             # bfloat16 -> float32 is exact, so the model's own logits give the same
             # token; the copy would cost a big batch's step a visible share.
-            return SamplerOutput(self.argmax(logits), None, None)
-        logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-        logits = self.process_logits(logits, md)
-        sampled = self._sample(logits, md)
-        return SamplerOutput(sampled, *self._gather_logprobs(raw_logprobs, sampled, md))
+            return SamplerOutput(self.argmax(logits))
+        from minivllm.sample.knobs import sample_with_knobs
 
-    @staticmethod
-    def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Penalties and min_tokens: they change what greedy rows pick too. (The
-        rejection sampler calls this too: its target is what this sampler samples.)"""
-        if not md.no_penalties:
-            from minivllm.sample.ops import apply_penalties
-
-            logits = apply_penalties(logits, md.prompt_token_ids, md.output_token_ids,
-                                     md.repetition_penalties, md.presence_penalties,
-                                     md.frequency_penalties)
-        if md.min_tokens_rows is not None:
-            logits = logits.clone()  # never write into the caller's tensor
-            logits[md.min_tokens_rows, md.min_tokens_token_ids] = float("-inf")
-        return logits
+        return sample_with_knobs(logits.float(), md, self.argmax)
 
     @staticmethod
     def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The most likely token of each row: greedy sampling."""
         return x.argmax(dim=dim)
 
-    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if md.all_greedy:
-            return self.argmax(logits)
-        from minivllm.sample.ops import exponential_race  # (random rows: the ops load)
 
-        greedy = None if md.all_random else self.argmax(logits)
-        sampled = exponential_race(self.sampling_probs(logits, md), md.generators, self.argmax)
-        if md.all_random:
-            return sampled
-        return torch.where(md.greedy_mask, greedy, sampled)
-
-    @staticmethod
-    def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """The distribution a random row is drawn from: temperature, then min-p, then
-        top-k and top-p, then softmax, in vLLM V1's order (the rejection sampler's
-        target, too)."""
-        from minivllm.sample.ops import apply_min_p, apply_top_k_top_p
-
-        logits = logits / md.temperature[:, None]
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        return logits.softmax(dim=-1)
-
-    @staticmethod
-    def _gather_logprobs(raw: Optional[torch.Tensor], sampled: torch.Tensor,
-                         md: SamplingMetadata
-                         ) -> tuple[Optional[torch.Tensor], Optional[TopLogprobs]]:
-        if raw is None:
-            return None, None
-        chosen = raw.gather(1, sampled[:, None]).squeeze(1)
-        if not md.max_num_logprobs:
-            return chosen, None
-        values, ids = raw.topk(md.max_num_logprobs, dim=-1)
-        return chosen, TopLogprobs(ids, values)
-
-
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "TopLogprobs",
-           "make_generator"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingRow", "make_generator"]

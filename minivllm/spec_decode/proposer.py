@@ -39,8 +39,8 @@ class Speculator:
 
     def max_drafts(self, request: "Request") -> int:
         # Grammars, logit_bias, allowed_token_ids and bad_words need no exception:
-        # the verifier applies them at every verified position (the model
-        # runner's _constrain_verified), so a draft outside them is rejected.
+        # the verifier applies them at every verified position
+        # (worker/sampling_extras.py), so a draft outside them is rejected.
         left = min(request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens)
         return max(0, min(self.num_speculative_tokens, left - 1))

@@ -13,12 +13,9 @@ runs the model once over it, and samples only for the sequences whose step
 reaches the end of their known tokens (a middle prefill chunk produces no
 token: its logits would predict a prompt token we already know).
 
-On a CPU with the C++ acceleration (``minivllm/cpu``, ``cpu_kernels``), the
-runner makes one call into it at start-up, which returns the compute path
-to use (``compute_path.py``): the attention backend, the dtype, the layers'
-accelerated twins, the sampler, and a pure decode step replayed through one
-C++ call instead of running the model, as vLLM's runner replays CUDA graphs.
-The model itself never knows, and the caller's configuration is not changed.
+How it computes (the reference, or the CPU acceleration's attention, layer
+twins, sampler and decode-step replay) is decided once, at start-up
+(``compute_path.py``); the model itself never knows.
 """
 
 from __future__ import annotations
@@ -40,13 +37,14 @@ from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
 from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generator
-from minivllm.worker.compute_path import ComputePath, DecodeReplay, ReferencePath
+from minivllm.worker.reference_path import ReferencePath
 
 if TYPE_CHECKING:  # the per-request features below load on the first request using them
     from minivllm.core.outputs import LogprobInfo
     from minivllm.sample.logits_processors import LogitsProcessors
     from minivllm.sample.rejection_sampler import RejectionSampler
     from minivllm.structured_output import StructuredOutputManager
+    from minivllm.worker.compute_path import ComputePath, DecodeReplay
     from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 
 # On CPU the KV cache gets this much memory unless told otherwise.
@@ -327,15 +325,12 @@ class ModelRunner:
                 self.prompt_logprobs.add(plan, logits[plan.flat_rows])
             logits = logits[inputs.sample_indices]
         if samplers and so.scheduled_spec_decode_tokens:
-            from minivllm.sample.rejection_sampler import verify_step
+            from minivllm.worker.sampling_extras import verify_drafts
 
-            out.sampled, out.verified = verify_step(
-                logits, samplers, so.scheduled_spec_decode_tokens, self._sample,
-                self._sampling_row, self.rejection_sampler, self._constrain_verified)
-            if _edits_logits(samplers):
-                self.structured_output.accept_verified(samplers, out.verified)
+            out.sampled, out.verified = verify_drafts(self, logits, samplers,
+                                                      so.scheduled_spec_decode_tokens)
         elif samplers:
-            out.sampled = self._sample(logits, samplers)
+            out.sampled = self.sample_tokens(logits, samplers)
         if (collector := self._built("prompt_logprobs")) is not None:
             for req in samplers:
                 if (entries := collector.take_finished(req)) is not None:
@@ -368,48 +363,21 @@ class ModelRunner:
                                       so.finished_req_ids, self.kv_caches,
                                       None if forward is None else lambda: forward(inputs))
 
-    def _sampling_row(self, req) -> SamplingRow:
+    def sampling_row(self, req) -> SamplingRow:
         return SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
                            self._generator(req), req.eos_token_ids)
 
-    def _constrain_verified(self, logits: torch.Tensor, reqs: list, drafts: list) -> None:
-        """The token knobs and grammar masks at each of the 1 + k verified positions:
-        position j sees the output as if the first j drafts had been sampled."""
-        if not _edits_logits(reqs):
-            return
-        self.logits_processors.apply(logits, [
-                SamplingRow(r.sampling_params, r.prompt_token_ids,
-                            list(r.output_token_ids) + list(d[:j]))
-                for r, d in zip(reqs, drafts) for j in range(len(d) + 1)])
-        self.structured_output.mask_verified(logits, reqs, drafts)
-
     @torch.inference_mode()
-    def _sample(self, logits: torch.Tensor, reqs: list) -> dict:
-        rows = [self._sampling_row(req) for req in reqs]
+    def sample_tokens(self, logits: torch.Tensor, reqs: list) -> dict:
+        """request_id -> (its token, logprob info or None), for rows in ``reqs``' order."""
+        rows = [self.sampling_row(req) for req in reqs]
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
-        constrained = None
-        if _edits_logits(reqs):
-            logits = logits.float()  # what the processors and grammar masks write into
-            self.logits_processors.apply(logits, reqs)  # (rows without knobs untouched)
-            # Structured outputs: tokens that would break a request's grammar get -inf.
-            constrained = self.structured_output.mask_logits(logits, reqs)
-        result = self.sampler(logits, meta)
-        tokens = result.sampled_token_ids.tolist()
-        if constrained:
-            self.structured_output.accept(reqs, constrained, tokens)
-        chosen = result.logprobs.tolist() if result.logprobs is not None else None
-        top = result.top_logprobs
-        top_ids = top.token_ids.tolist() if top is not None else None
-        top_lps = top.logprobs.tolist() if top is not None else None
-        sampled = {}
-        for i, req in enumerate(reqs):
-            n = req.sampling_params.logprobs
-            info = None
-            if n is not None and chosen is not None:
-                best = dict(zip(top_ids[i][:n], top_lps[i][:n])) if n else {}
-                info = (chosen[i], best)
-            sampled[req.request_id] = (tokens[i], info)
-        return sampled
+        if meta.max_num_logprobs is not None or edits_logits(reqs):
+            from minivllm.worker.sampling_extras import sample_with_extras
+
+            return sample_with_extras(self, logits, reqs, meta)
+        tokens = self.sampler(logits, meta).sampled_token_ids.tolist()
+        return {req.request_id: (token, None) for req, token in zip(reqs, tokens)}
 
     def _generator(self, req) -> Optional[torch.Generator]:
         """A seeded request's own random stream, kept across steps (and preemptions)."""
@@ -426,7 +394,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
 
-def _edits_logits(reqs: list) -> bool:
+def edits_logits(reqs: list) -> bool:
     """Whether a request's logits are edited before sampling: logit_bias,
     allowed_token_ids, bad_words (sample/logits_processors.py) or a grammar
     (structured_output/). Checked once per step; the common batch has none."""

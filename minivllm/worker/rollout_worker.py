@@ -94,7 +94,8 @@ def sleep(runner, level: int) -> int:
 def wake_up(runner, tags: list[str]) -> None:
     """Bring back what ``sleep`` freed of ``tags`` ("weights": reloaded from the
     checkpoint; "kv_cache": allocated empty)."""
-    from minivllm.model.loader import iterate_safetensors, load_weights as load_checkpoint
+    from minivllm.model.loader import load_weights as load_checkpoint
+    from minivllm.model.safetensors_weights import iterate_safetensors
 
     state = _SLEEPING.get(runner, Sleeping())
     if "weights" in tags and state.weights is not None:

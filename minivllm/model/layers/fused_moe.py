@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from minivllm.model.layers.collectives import all_reduce
+from minivllm.model.layers.parallel import divide, tp_rank, tp_size
 
 
 def route(router_logits: torch.Tensor, top_k: int,

@@ -18,7 +18,7 @@ from torch import nn
 
 import torch.nn.functional as F
 
-from minivllm.model.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from minivllm.model.layers.parallel import divide, tp_rank, tp_size
 from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
 
 
@@ -162,4 +162,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        return all_reduce(out) if self.tp_size > 1 else out
+        if self.tp_size == 1:
+            return out
+        from minivllm.model.layers.collectives import all_reduce
+
+        return all_reduce(out)

@@ -3,22 +3,16 @@
 Each pair of dimensions (i, i + d/2) of a query or key is rotated by the angle
 ``position * inv_freq[i]``. Because the angle depends only on the absolute
 position, a key's rotation never changes later: that is what lets the KV cache
-store keys once, already rotated.
-
-Scaling variants found in configs: ``linear`` (positions divided by a factor)
-and ``llama3`` (low frequencies stretched, high ones kept, smooth in between).
+store keys once, already rotated. A config's ``rope_scaling`` changes the
+frequencies (``rope_scaling.py``, loaded then).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import nn
-
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -26,29 +20,15 @@ def _inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** exponents)
 
 
-def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    # smooth = 0: long wavelengths, fully stretched; 1: short ones, untouched.
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: Optional[dict] = None) -> None:
         super().__init__()
         inv_freq = _inverse_frequencies(head_dim, theta)
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type == "linear":
-            inv_freq = inv_freq / scaling["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3_scale(inv_freq, scaling)
-        elif rope_type != "default":
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if scaling:
+            from minivllm.model.layers.rope_scaling import scale_inverse_frequencies
+
+            inv_freq = scale_inverse_frequencies(inv_freq, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         # Full head width, with the sign of rotate-half folded into sin:

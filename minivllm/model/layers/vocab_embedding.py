@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.model.layers.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
+from minivllm.model.layers.parallel import tp_rank, tp_size
 from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
 
 
@@ -60,6 +60,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return self._lookup(input_ids)
+        from minivllm.model.layers.collectives import all_reduce
+
         # Each rank looks up the tokens it owns and writes zeros for the rest;
         # the all-reduce then adds exactly one non-zero row per token.
         local = input_ids - self.start
@@ -82,6 +84,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Logits [rows of hidden, vocab_size] on rank 0; None on the other ranks."""
         logits = self.scores(hidden)
         if self.tp_size > 1:
+            from minivllm.model.layers.collectives import gather_last_dim
+
             logits = gather_last_dim(logits, dst=0)
             if logits is None:
                 return None

@@ -47,15 +47,9 @@ class QuantizedLinearMethod:
         quantized now."""
         if isinstance(loaded, QuantizedTensor):
             return loaded
-        if self.config.method != "q8_0" or loaded.dim() != 2:
-            raise ValueError(f"tensor {name!r} is {loaded.dtype} {tuple(loaded.shape)}: "
-                             f"quantization={self.config.method!r} expects quantized blocks")
-        if loaded.shape[1] % 32:
-            raise ValueError(f"tensor {name!r} has {loaded.shape[1]} columns: "
-                             f"quantization='q8_0' needs a multiple of 32 (its block)")
-        from minivllm.model.layers.quantization.q8_0 import quantize_q8_0
+        from minivllm.model.layers.quantization.q8_0 import quantize_checkpoint_tensor
 
-        return QuantizedTensor(quantize_q8_0(loaded), "Q8_0", loaded.shape[1])
+        return quantize_checkpoint_tensor(loaded, name, self.config.method)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:

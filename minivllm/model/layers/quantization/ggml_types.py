@@ -100,7 +100,6 @@ BLOCK_TYPES = {t.name: t for t in (
     BlockType("Q4_K", 12, 256, 144, _k_quant("dequantize_q4_k")),
     BlockType("Q6_K", 14, 256, 210, _k_quant("dequantize_q6_k")),
 )}
-BLOCK_TYPES_BY_ID = {t.type_id: t for t in BLOCK_TYPES.values()}
 
 
 def dequantize(data: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -111,4 +110,4 @@ def dequantize(data: torch.Tensor, qtype: str) -> torch.Tensor:
     return t.dequantize(blocks).reshape(rows, -1)
 
 
-__all__ = ["BLOCK_TYPES", "BLOCK_TYPES_BY_ID", "BlockType", "dequantize"]
+__all__ = ["BLOCK_TYPES", "BlockType", "dequantize"]

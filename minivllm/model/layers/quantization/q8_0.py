@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.model.layers.quantization.tensor import QuantizedTensor
+
+
+def quantize_checkpoint_tensor(loaded: torch.Tensor, name: str, method: str) -> QuantizedTensor:
+    """A float checkpoint matrix as Q8_0 blocks; ``name`` is the tensor's, for errors."""
+    if method != "q8_0" or loaded.dim() != 2:
+        raise ValueError(f"tensor {name!r} is {loaded.dtype} {tuple(loaded.shape)}: "
+                         f"quantization={method!r} expects quantized blocks")
+    if loaded.shape[1] % 32:
+        raise ValueError(f"tensor {name!r} has {loaded.shape[1]} columns: "
+                         f"quantization='q8_0' needs a multiple of 32 (its block)")
+    return QuantizedTensor(quantize_q8_0(loaded), "Q8_0", loaded.shape[1])
+
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """float [rows, cols] (cols a multiple of 32) -> Q8_0 bytes [rows, cols / 32 * 34],
@@ -19,4 +32,4 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, q.view(torch.uint8)], dim=-1).reshape(rows, -1)
 
 
-__all__ = ["quantize_q8_0"]
+__all__ = ["quantize_checkpoint_tensor", "quantize_q8_0"]
