@@ -6,10 +6,11 @@
 timed in a fresh process per checkout and round, the checkouts taking turns
 (and who goes first alternating), so a burst of outside load on a shared
 machine spoils a round of both rather than one side. Each process loads the
-default engine, warms up with one search, then times ``--repeats`` searches,
-each from an empty prefix cache. Printed: every run's seconds and the tokens
-the engine computed, the median per checkout, the ratio this / other, and
-whether both found the same beams. Without ``--against`` only this checkout
+default engine (``--engine-args``: the same ``LLM(...)`` arguments in both;
+``--other-engine-args`` for the other alone), warms up with one search, then
+times ``--repeats`` searches, each from an empty prefix cache. Printed: every
+run's seconds and the tokens the engine computed, the median per checkout,
+the ratio this / other, and whether both found the same beams. Without ``--against`` only this checkout
 is timed.
 
 What it was made for: the beams now run as plain one-token requests over the
@@ -42,7 +43,7 @@ import json, sys, time
 from minivllm import LLM, BeamSearchParams
 
 width, max_tokens, repeats = map(int, sys.argv[1:4])
-llm = LLM()
+llm = LLM(**json.loads(sys.argv[5]))
 tok = llm.get_tokenizer()
 prompt = tok.encode(tok.apply_chat_template(
     [{"role": "user", "content": sys.argv[4]}], tokenize=False,
@@ -83,6 +84,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompt", default=PROMPT, help="the user message (chat template)")
+    parser.add_argument("--engine-args", default="{}", metavar="JSON",
+                        help='LLM(**JSON) in both checkouts, e.g. \'{"block_size": 4}\'')
+    parser.add_argument("--other-engine-args", default=None, metavar="JSON",
+                        help="LLM(**JSON) in the other checkout (default: --engine-args)")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of each process (default: torch's own)")
     parser.add_argument("--extensions-dir", default=None, metavar="DIR",
@@ -96,8 +101,11 @@ def run_once(label: str, root: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONPATH=root, TORCH_EXTENSIONS_DIR=str(ext))
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)
+    engine_args = args.engine_args
+    if label == "other" and args.other_engine_args is not None:
+        engine_args = args.other_engine_args
     cmd = [sys.executable, "-c", CHILD, str(args.beam_width), str(args.max_tokens),
-           str(args.repeats), args.prompt]
+           str(args.repeats), args.prompt, engine_args]
     done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the {label} checkout ({root}) failed:\n{done.stderr[-3000:]}")
