@@ -10,8 +10,8 @@ default engine (``--engine-args``: the same ``LLM(...)`` arguments in both;
 ``--other-engine-args`` for the other alone), warms up with one search, then
 times ``--repeats`` searches, each from an empty prefix cache. Printed: every
 run's seconds and the tokens the engine computed, the median per checkout,
-the ratio this / other, and whether both found the same beams. Without ``--against`` only this checkout
-is timed.
+the ratio this / other, and whether both found the same beams. Without
+``--against`` only this checkout is timed.
 
 What it was made for: the beams now run as plain one-token requests over the
 prefix cache (``entrypoints/beam_search.py``), where they used to fork their
@@ -19,9 +19,10 @@ KV blocks inside the engine (commit 443e012). A step's request recomputes its
 beam's partly filled last block, up to ``block_size`` tokens, where a fork
 computed one token; the token counts show that cost apart from the timing.
 
-Each checkout runs its own package (``PYTHONPATH``) and its own C++ build
-folder (``TORCH_EXTENSIONS_DIR``, ``--extensions-dir``): the folders of two
-versions of the kernels must not be shared.
+Each checkout runs its own package (``PYTHONPATH``). Their C++ kernels build
+into folders keyed by their sources' path, except in checkouts older than
+2f524c8: against one of those, give ``--extensions-dir`` (one
+``TORCH_EXTENSIONS_DIR`` per side under it), or the two builds take turns.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -91,14 +91,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of each process (default: torch's own)")
     parser.add_argument("--extensions-dir", default=None, metavar="DIR",
-                        help="parent of each checkout's TORCH_EXTENSIONS_DIR "
-                             "(default: the temp folder)")
+                        help="parent of one TORCH_EXTENSIONS_DIR per checkout "
+                             "(default: the environment's, for both)")
 
 
 def run_once(label: str, root: str, args: argparse.Namespace) -> dict:
     """One process in checkout ``root``: its timings as the child prints them."""
-    ext = Path(args.extensions_dir or tempfile.gettempdir()) / f"minivllm_beam_bench_{label}"
-    env = dict(os.environ, PYTHONPATH=root, TORCH_EXTENSIONS_DIR=str(ext))
+    env = dict(os.environ, PYTHONPATH=root)
+    if args.extensions_dir is not None:
+        folder = Path(args.extensions_dir) / f"minivllm_beam_bench_{label}"
+        env["TORCH_EXTENSIONS_DIR"] = str(folder)
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)
     engine_args = args.engine_args
