@@ -19,10 +19,12 @@ What that recomputing costs: a beam of ``n`` tokens computes the ``n -
 prompt and block size 16, 4 beams x 16 tokens compute 558 tokens, the forks
 98. On a GPU a step that small costs the same with 4 or 40 tokens (its weights
 are read once either way); on a CPU the step's products grow with its tokens,
-and the search took 3.8x the forked version's time there
-(``python -m minivllm.lab.bench.beam_search --against <checkout of 443e012>``;
-the time spent here and in the engine's Python around the model is a few
-per cent of it).
+and every step but the rare all-one-token ones runs the model layer by layer
+in Python where a decode step is one C++ call (``cpu/fused_decode.py``): the
+search took about 4x the forked version's time there, one thread, on a
+shared machine (``python -m minivllm.lab.bench.beam_search --against
+<checkout of 443e012>``). The time spent here and in the engine's Python
+around the model is a few per cent of it.
 
 EOS, as in Hugging Face's ``generate(num_beams=...)``: a candidate that
 ends in EOS and ranks among the first ``beam_width`` is a finished beam (a
