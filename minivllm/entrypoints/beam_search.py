@@ -13,6 +13,19 @@ computes only the tokens of its partly filled last block, at most
 with copy on write, one token a step, at the price of beam state in the core.)
 Without prefix caching every step recomputes every beam's tokens.
 
+What that recomputing costs: a beam of ``n`` tokens computes the ``n -
+(n - 1) // block_size * block_size`` of its partly filled last block, about
+``block_size / 2`` a step where a fork computed one. With a 38-token chat
+prompt and block size 16, 4 beams x 16 tokens compute 558 tokens, the forks
+98. On a GPU a step that small costs the same with 4 or 40 tokens (its weights
+are read once either way); on a CPU the step's products grow with its tokens,
+and every step but the rare all-one-token ones runs the model layer by layer
+in Python where a decode step is one C++ call (``cpu/fused_decode.py``): the
+search took about 4x the forked version's time there, one thread, on a
+shared machine (``python -m minivllm.lab.bench.beam_search --against
+<checkout of 443e012>``). The time spent here and in the engine's Python
+around the model is a few per cent of it.
+
 EOS, as in Hugging Face's ``generate(num_beams=...)``: a candidate that
 ends in EOS and ranks among the first ``beam_width`` is a finished beam (a
 lower one is dropped); the step still keeps ``beam_width`` running beams.
@@ -103,12 +116,17 @@ class BeamSearch:
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
         self.finished: list[BeamSearchSequence] = []
         self.steps = 0
+        self._step_params: Optional[SamplingParams] = None
 
     def step_params(self) -> SamplingParams:
-        width = self.params.beam_width
-        return SamplingParams(max_tokens=1, ignore_eos=True, temperature=self.params.temperature,
-                              logprobs=min(MAX_CANDIDATES, max(2, 1 + len(self.eos)) * width),
-                              output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        """Every step's requests' parameters (built once: each build validates them)."""
+        if self._step_params is None:
+            width = self.params.beam_width
+            self._step_params = SamplingParams(
+                max_tokens=1, ignore_eos=True, temperature=self.params.temperature,
+                logprobs=min(MAX_CANDIDATES, max(2, 1 + len(self.eos)) * width),
+                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        return self._step_params
 
     @property
     def done(self) -> bool:
@@ -125,11 +143,13 @@ class BeamSearch:
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep beam, then rank order
         running = []
         for rank, (cum, beam, token, ranked) in enumerate(candidates):
+            eos = token in self.eos
+            if eos and rank >= width:
+                continue  # a lower-ranked EOS is dropped: no sequence built for it
             seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [ranked], cum)
-            if token in self.eos:
-                if rank < width:
-                    seq.finish_reason, seq.stop_reason = "stop", token
-                    self.finished.append(seq)
+            if eos:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                self.finished.append(seq)
                 continue
             running.append(seq)
             if len(running) == width:
