@@ -250,13 +250,14 @@ assert len(static_chunks) > 1 and all(set(s) == {"B"} for s in static_chunks)
 # the real engine. Four students are decoding when B's 1,000-token prompt arrives; we
 # try several budgets, from one that takes B's prompt in a single step to small ones,
 # and record each decode's inter-token latency (ITL, chapter 1) and B's TTFT.
-# `itl_under_chunking` (below) patches the budget of one engine and runs the requests.
+# `itl_under_chunking` (below) patches the budget of the engine we already have (the
+# scheduler reads it at every step) and runs the requests.
 
 # %%
 from minivllm.metrics.summary import percentile
 from minivllm.lab.viz.bars import line_chart
 
-loaded = LLM(trace=True, max_num_batched_tokens=1024, enable_prefix_caching=False)
+loaded = llm  # the same engine: only its budget changes, run by run
 DECODERS = [chat(f"Name {n} things a good lab report contains.") for n in range(3, 7)]
 
 
@@ -281,7 +282,6 @@ def itl_under_chunking(budget: int, arrive_at: int = 3) -> dict:
 
 
 # %%
-loaded.generate("Warm-up.", SamplingParams(max_tokens=2), use_tqdm=False)  # one-time costs
 chunking = {}
 for budget in (1024, 256, 64):
     loaded.trace.clear()
@@ -289,7 +289,7 @@ for budget in (1024, 256, 64):
     print(f"budget {budget:4d}: largest step {chunking[budget]['max_step_tokens']:4d} "
           f"tokens, decodes' ITL p99 {chunking[budget]['itl_p99_ms']:6.1f} ms, "
           f"B's TTFT {chunking[budget]['ttft_b_ms']:6.0f} ms")
-loaded.engine_core.scheduler.config.max_num_batched_tokens = 1024
+loaded.engine_core.scheduler.config.max_num_batched_tokens = BUDGET  # as it was
 assert chunking[1024]["max_step_tokens"] == len(B_PROMPT) + len(DECODERS)  # one step
 assert all(c["max_step_tokens"] <= b for b, c in chunking.items())
 # what the timings follow, exactly: smaller budgets, smaller steps, more steps for B
