@@ -142,12 +142,12 @@ print(f"compute is the limit above about {crossover:.0f} sequences per step")
 # profile it as often as we like.
 
 # %%
-params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 PROMPTS = [f"Count from {i} to {i + 20}:" for i in range(32)]
 
 
 def decode_step(llm, prompts):
-    """The model runner's inputs of the last step of a 3-token generation."""
+    """The model runner's inputs of the last step of a 2-token generation: a decode step."""
     runner = llm.llm_engine.engine_core.executor.runner
     seen = []
     runner.forward = lambda inputs: seen.append(inputs) or type(runner).forward(runner, inputs)
@@ -553,14 +553,14 @@ runner.decode_replay = replay
 # ## End to end: the reference engine against the accelerated one
 #
 # Now all of it together: `LLM(cpu_kernels=False)`, the reference, against `LLM()`,
-# on the same prompts, greedy, one request alone (16 tokens) and 16 together (8 tokens
-# each), the two engines taking turns. Both must produce the same tokens. (Few tokens,
-# and 16 requests rather than 32: the reference is slow, and a whole generation only
-# has to show where each engine sits under the ceiling.)
+# on the same prompts, greedy, one request alone (8 tokens) and 8 together (4 tokens
+# each), the two engines taking turns. Both must produce the same tokens. (Few requests
+# and few tokens: the reference takes about a second of CPU per step, and a whole
+# generation only has to show where each engine sits under the ceiling.)
 
 # %%
-BATCH = 16  # requests together in the second run
-N_TOKENS = {1: 16, BATCH: 8}  # output tokens per request, by number of requests
+BATCH = 8  # requests together in the second run
+N_TOKENS = {1: 8, BATCH: 4}  # output tokens per request, by number of requests
 outputs = {}
 
 
