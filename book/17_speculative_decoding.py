@@ -207,13 +207,13 @@ assert ((share - p6).abs() < 5 * (p6 * (1 - p6) / N_SIM).sqrt()).all()
 # `LLM(speculative_config={"method": "ngram", ...})` puts the proposer and the verifier
 # into every decode step. The step trace records, per request and step, how many drafts
 # were verified and how many accepted. We compare prompts that ask to quote a passage with
-# plain chat questions (greedy, 4 requests each, 24 tokens).
+# plain chat questions (greedy, 4 requests each, 16 tokens).
 
 # %%
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1, "disable_by_batch_size": None}
 spec = LLM(num_kv_blocks=256, speculative_config=NGRAM, trace=True)
-GREEDY = SamplingParams(temperature=0, max_tokens=24)
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
 WORKLOADS = {"passage": grounded_prompts(4), "chat": CHAT_PROMPTS[:4]}
 
 
