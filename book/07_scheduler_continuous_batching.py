@@ -247,17 +247,20 @@ assert len(static_chunks) > 1 and all(set(s) == {"B"} for s in static_chunks)
 # A step takes as long as its forward pass, and every request in it waits for the whole
 # step. So the step that computes a chunk of B's prompt is also one inter-token gap of
 # every decode that shares it: the bigger the chunk, the longer that gap. Measure it on
-# the real engine. Four students are decoding when B's 1,000-token prompt arrives; we
-# try several budgets, from one that takes B's prompt in a single step to small ones,
-# and record each decode's inter-token latency (ITL, chapter 1) and B's TTFT.
-# `itl_under_chunking` (below) patches the budget of one engine and runs the requests.
+# the real engine. Four students are decoding when B's prompt arrives (its first 500
+# tokens: half the prefill of every run, the same story); we try several budgets, from
+# one that takes that prompt in a single step to small ones, and record each decode's
+# inter-token latency (ITL, chapter 1) and B's TTFT.
+# `itl_under_chunking` (below) patches the budget of the engine we already have (the
+# scheduler reads it at every step) and runs the requests.
 
 # %%
 from minivllm.metrics.summary import percentile
 from minivllm.lab.viz.bars import line_chart
 
-loaded = LLM(trace=True, max_num_batched_tokens=1024, enable_prefix_caching=False)
+loaded = llm  # the same engine: only its budget changes, run by run
 DECODERS = [chat(f"Name {n} things a good lab report contains.") for n in range(3, 7)]
+LATE = B_PROMPT[:500]  # the prompt that arrives while the four decode
 
 
 # %%
@@ -269,7 +272,7 @@ def itl_under_chunking(budget: int, arrive_at: int = 3) -> dict:
         eng.add_request(messages, decode, request_id=f"D{i}")
     for step in range(10_000):
         if step == arrive_at:
-            eng.add_request(B_PROMPT, SamplingParams(max_tokens=1), request_id="B")
+            eng.add_request(LATE, SamplingParams(max_tokens=1), request_id="B")
         ends.update({o.request_id: o.metrics for o in eng.step() if o.finished})
         if not eng.has_unfinished_requests():
             break
@@ -281,16 +284,15 @@ def itl_under_chunking(budget: int, arrive_at: int = 3) -> dict:
 
 
 # %%
-loaded.generate("Warm-up.", SamplingParams(max_tokens=2), use_tqdm=False)  # one-time costs
 chunking = {}
-for budget in (1024, 256, 64):
+for budget in (512, 128, 32):
     loaded.trace.clear()
     chunking[budget] = itl_under_chunking(budget)
     print(f"budget {budget:4d}: largest step {chunking[budget]['max_step_tokens']:4d} "
           f"tokens, decodes' ITL p99 {chunking[budget]['itl_p99_ms']:6.1f} ms, "
           f"B's TTFT {chunking[budget]['ttft_b_ms']:6.0f} ms")
-loaded.engine_core.scheduler.config.max_num_batched_tokens = 1024
-assert chunking[1024]["max_step_tokens"] == len(B_PROMPT) + len(DECODERS)  # one step
+loaded.engine_core.scheduler.config.max_num_batched_tokens = BUDGET  # as it was
+assert chunking[512]["max_step_tokens"] == len(LATE) + len(DECODERS)  # one step
 assert all(c["max_step_tokens"] <= b for b, c in chunking.items())
 # what the timings follow, exactly: smaller budgets, smaller steps, more steps for B
 by_budget = [chunking[b] for b in sorted(chunking, reverse=True)]
@@ -301,12 +303,12 @@ assert all(x["max_step_tokens"] >= y["max_step_tokens"] and x["b_steps"] <= y["b
 budgets = list(chunking)
 line_chart(budgets, {"decodes' ITL p99": [chunking[b]["itl_p99_ms"] for b in budgets],
                      "B's TTFT": [chunking[b]["ttft_b_ms"] for b in budgets]},
-           title="Chunked prefill on the real engine: a 1,000-token prompt arrives "
+           title=f"Chunked prefill on the real engine: a {len(LATE)}-token prompt arrives "
                  "while four requests decode", x_title="token budget per step "
                  "(max_num_batched_tokens)", y_title="milliseconds", log_y=True)
 
 # %% [markdown]
-# Read the two lines against each other. With a budget of 1,024 B's whole prompt is one
+# Read the two lines against each other. With a budget of 512 B's whole prompt is one
 # step, and every decode sharing it waits that long for its next token: the ITL p99 is
 # that one step. Smaller budgets cut the prompt into chunks, each step is shorter, and
 # the tail of the decodes' gaps drops with the chunk size. B pays: its prompt now takes

@@ -105,7 +105,9 @@ questions = ["What is the capital of France?", "Name three primary colours.",
              "What is 12 times 12?", f"Summarise this schedule: {schedule}"]
 prompts = {f"r{i}": inputs.tokenize([{"role": "user", "content": q}])[1]
            for i, q in enumerate(questions)}
-params = SamplingParams(temperature=0, max_tokens=8)
+# Five tokens each: enough for the cache to run out (a preemption) and for a stream of
+# text pieces; every token more is one more step of every run below.
+params = SamplingParams(temperature=0, max_tokens=5)
 print({rid: len(ids) for rid, ids in prompts.items()}, "prompt tokens; budget", BUDGET)
 assert len(prompts["r3"]) > 2 * BUDGET
 
@@ -640,7 +642,8 @@ assert streams_2 == {rid: expected[rid] for rid in streams_2} and len(streams_2)
 ### BEGIN SOLUTION
 engine_3 = MiniEngine(model, tokenizer, eos, NUM_BLOCKS, BLOCK_SIZE, BUDGET, MAX_SEQS)
 streams_3 = engine_3.generate({"r0": prompts["r0"]},
-                              SamplingParams(temperature=1.0, top_k=1, max_tokens=8))
+                              SamplingParams(temperature=1.0, top_k=1,
+                                             max_tokens=params.max_tokens))
 answer_3 = streams_3["r0"][0]  # (token IDs, text pieces)
 ### END SOLUTION
 
