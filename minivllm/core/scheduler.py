@@ -155,18 +155,9 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0
 
     def make_stats(self) -> SchedulerStats:
-        from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
+        from minivllm.core.scheduler_stats import make_scheduler_stats
 
-        pc = self.kv_cache_manager.prefix_cache_stats
-        return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            num_preemptions=self.num_preemptions, prefix_cache_requests=pc.requests,
-            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
-            spec_decoding_stats=(None if self.spec_decoding_stats is None
-                                 else self.spec_decoding_stats.copy()),
-            max_lora=self.max_loras, running_lora_adapters=count_adapters(self.running),
-            waiting_lora_adapters=count_adapters(self.waiting))
+        return make_scheduler_stats(self)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -401,37 +392,36 @@ class Scheduler:
                 continue
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
             if request.num_computed_tokens == request.num_tokens:
-                outputs.append(self._append_token(request, *sampled[rid]))
+                outputs.append(self._append_tokens(request, [sampled[rid]]))
         return outputs
 
-    def _append_token(self, request: Request, token_id: int,
-                      logprob_info: Optional[LogprobInfo]) -> EngineCoreOutput:
-        stopped = self._add_output_token(request, token_id, logprob_info)
-        return self._core_output(request, [token_id], None if logprob_info is None
-                                 else [logprob_info], finished=stopped)
-
-    def _add_output_token(self, request: Request, token_id: int,
-                          logprob_info: Optional[LogprobInfo]) -> bool:
-        """Append one token and check the stop conditions; True if it finished."""
-        request.append_output_token(token_id, self.clock.now())
-        if logprob_info is not None:
-            request.logprobs.append(logprob_info)
-            request.cumulative_logprob += logprob_info[0]
-        self.kv_cache_manager.update_block_hashes(request)
-        stop = check_stop(request, self.max_model_len)
-        if stop is not None:
-            self._finish(request, *stop)
-        return stop is not None
-
-    def _core_output(self, request: Request, token_ids: list[int],
-                     logprobs: Optional[list[LogprobInfo]], finished: bool,
-                     **spec) -> EngineCoreOutput:
+    def _append_tokens(self, request: Request,
+                       tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:
+        """Append the step's token (or verified run), checking the stop conditions after
+        each: a stop inside a run ends it, the tokens after it dropped as if never sampled."""
+        new_ids, new_logprobs = [], []
+        for token_id, info in tokens:
+            # The token before this one is known now: its K/V (written this step) count.
+            if new_ids:
+                request.num_computed_tokens += 1
+            new_ids.append(token_id)
+            new_logprobs.append(info)
+            request.append_output_token(token_id, self.clock.now())
+            if info is not None:
+                request.logprobs.append(info)
+                request.cumulative_logprob += info[0]
+            self.kv_cache_manager.update_block_hashes(request)
+            stop = check_stop(request, self.max_model_len)
+            if stop is not None:
+                self._finish(request, *stop)
+                break
         return EngineCoreOutput(
-            request_id=request.request_id, new_token_ids=token_ids, new_logprobs=logprobs,
+            request_id=request.request_id, new_token_ids=new_ids,
+            new_logprobs=None if new_logprobs[0] is None else new_logprobs,
             finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions,
-            kv_transfer_params=request.kv_transfer_params, **spec)
+            kv_transfer_params=request.kv_transfer_params)
 
     def _apply_verified(self, request: Request, so: SchedulerOutput, drafts: list[int],
                         tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:
@@ -439,36 +429,24 @@ class Scheduler:
 
         The K/V of the known tokens and of the accepted drafts are valid; the
         slots of the rejected ones are overwritten next step, and the blocks
-        past what the request now holds go back to the pool. A stop inside the
-        run ends it there: the tokens after it are dropped, as if never sampled.
+        past what the request now holds go back to the pool.
         """
         k = len(drafts)
         if not 1 <= len(tokens) <= k + 1:
             raise ValueError(f"request {request.request_id!r}: verification of {k} drafts "
                              f"returned {len(tokens)} tokens, must be 1 to {k + 1}")
-        num_accepted = len(tokens) - 1
         request.num_computed_tokens += so.num_scheduled_tokens[request.request_id] - k
         request.spec_token_ids, request.spec_token_probs = [], None
         if self.spec_decoding_stats is None:
             from minivllm.core.spec_decode_stats import SpecDecodingStats
 
             self.spec_decoding_stats = SpecDecodingStats()
-        self.spec_decoding_stats.observe(k, num_accepted)
-        new_ids, new_logprobs, finished = [], [], False
-        for token_id, info in tokens:
-            # The token before this one is known now: its K/V (written this step) count.
-            if new_ids:
-                request.num_computed_tokens += 1
-            new_ids.append(token_id)
-            new_logprobs.append(info)
-            if self._add_output_token(request, token_id, info):
-                finished = True
-                break
-        if not finished:
+        self.spec_decoding_stats.observe(k, len(tokens) - 1)
+        out = self._append_tokens(request, tokens)
+        if not out.finished:
             self.kv_cache_manager.free_tail(request, request.num_tokens)
-        return self._core_output(
-            request, new_ids, None if new_logprobs[0] is None else new_logprobs, finished,
-            num_draft_tokens=k, num_accepted_tokens=num_accepted)
+        out.num_draft_tokens, out.num_accepted_tokens = k, len(tokens) - 1
+        return out
 
 
 __all__ = ["Scheduler", "SchedulerOutput", "SampledTokens"]
