@@ -95,6 +95,8 @@ OPTIONAL = [
     "minivllm.engine.stop_checker", "minivllm.engine.logprobs", "minivllm.model.gguf_convert",
     "minivllm.model.layers.quantization.int8_activations", "minivllm.model.layers.tp_plan",
     "minivllm.config.moe", "minivllm.model.models.moe", "minivllm.model.layers.fused_moe",
+    "minivllm.inputs.chat_template", "minivllm.inputs.bad_words", "minivllm.engine.byte_fallback",
+    "minivllm.core.engine_core_proc",
 ]
 
 # Run in a fresh interpreter: what this test process imported must not count.
