@@ -54,8 +54,8 @@ class LLM:
         ``lora_request`` (a ``LoRARequest`` or None; needs ``enable_lora=True``), like
         ``sampling_params``, are one for all prompts or a list of one per prompt."""
         items = _as_prompt_list(prompts)
-        params = _one_per_prompt("sampling_params", sampling_params or SamplingParams(),
-                                 len(items))
+        params = _one_per_prompt("sampling_params", SamplingParams() if sampling_params is None
+                                 else sampling_params, len(items))
         priority = _one_per_prompt("priority", 0 if priority is None else priority, len(items))
         loras = _one_per_prompt("lora_request", lora_request, len(items))
         ids: list[str] = []
