@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Issue #50 asks for at most 5,000 lines; the path is still ~6,050 (the scheduler,
-# KV cache manager, block pool and model runner alone are ~1,450), so this is a
+# Issue #50 asks for at most 5,000 lines; the path is still ~5,950 (the scheduler,
+# KV cache manager, block pool and model runner alone are ~1,400), so this is a
 # ratchet: lower it as the path shrinks. Issue #52's KV cache groups add ~80 lines
 # of branch points (the rest of the hybrid cache loads only for hybrid models).
-MAX_LINES = 6150
+MAX_LINES = 5940
 
 # The modules the request passes through, in order (the README lists them).
 READING_PATH = [
