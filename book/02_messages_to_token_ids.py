@@ -114,7 +114,7 @@ show_source(InputProcessor.tokenize, start="if isinstance(prompt, str)",
 # Jinja template, after a check that every message has a role and a content:
 
 # %%
-show_source(InputProcessor.render_chat, start="return self.tokenizer.apply_chat_template")
+show_source("minivllm.inputs.chat_template.render_chat", start="return tokenizer.apply_chat_template")
 
 # %%
 text, prompt_ids = inputs.tokenize(messages)

@@ -414,12 +414,17 @@ show_source(RejectionSampler.__call__, start="results, start", end="return resul
 show_source(RejectionSampler._verify_random, start="ids = torch", end="return drafts")
 
 # %% [markdown]
-# Back in the scheduler, the verified run is appended token by token (a stop token or
-# string inside an accepted run ends it there), and the tail is freed:
+# Back in the scheduler, the verified run is appended token by token, by the loop that
+# appends a plain step's one token (a stop token or string inside an accepted run ends
+# it there), and the tail is freed:
 
 # %%
-show_source("minivllm.core.scheduler.Scheduler", start="spec_decoding_stats.observe(k",
-            end="free_tail(request")
+show_source("minivllm.core.scheduler.Scheduler._apply_verified",
+            start="spec_decoding_stats.observe(k", end="free_tail(request")
+
+# %%
+show_source("minivllm.core.scheduler.Scheduler._append_tokens", start="for token_id, info",
+            end="break")
 
 # %% [markdown]
 # **In vLLM.** (v0.11.0.) The proposer is `NgramProposer`

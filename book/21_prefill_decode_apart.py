@@ -126,16 +126,17 @@ show_source("minivllm.core.kv_connector_scheduling.KVConnectorScheduling.find_co
 
 # %% [markdown]
 # The scheduler acts on the answer in its own queues. If the connector said the load
-# is *asynchronous* (the P2P connector pulls over the network), the request is parked
-# aside with its blocks (`waiting_for_remote`) and the other requests keep stepping;
-# when the worker reports its KV arrived, it goes back to the head of the queue:
+# is *asynchronous* (the P2P connector pulls over the network), the scheduler takes the
+# request out of its waiting queue and the connector parks it aside with its blocks
+# (`waiting_for_remote`) while the other requests keep stepping; when the worker reports
+# its KV arrived, the scheduler puts it back at the head of the queue:
 
 # %%
 show_source("minivllm.core.scheduler.Scheduler._schedule_waiting",
             start="found = self.connector.find_computed", end="continue")
 
 # %%
-show_source("minivllm.core.scheduler.Scheduler._park")
+show_source("minivllm.core.kv_connector_scheduling.KVConnectorScheduling.park")
 
 # %% [markdown]
 # On the worker side, `start_load_kv` runs before the forward pass and copies each

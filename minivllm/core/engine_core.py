@@ -49,8 +49,6 @@ class EngineCore:
 
             connector_scheduling = KVConnectorScheduling(self.kv_connector,
                                                          self.kv_cache_manager)
-            # Evicted blocks may go to a second tier (the offloading connector).
-            self.kv_cache_manager.block_pool.on_evict = self.kv_connector.on_block_evicted
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, clock=self.clock,
             max_loras=0 if config.lora is None else config.lora.max_loras,

@@ -21,14 +21,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
 from multiprocessing.connection import Connection
 
 from minivllm.config import EngineConfig
 from minivllm.core.engine_core import EngineCore
-from minivllm.core.outputs import EngineCoreOutputs
+from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minivllm.core.scheduler_stats import SchedulerStats
 
 
 # -- messages: API side -> engine core ------------------------------------------
@@ -50,7 +53,22 @@ class Shutdown:
     pass
 
 
-# -- messages: engine core -> API side (besides EngineCoreOutputs) ----------------
+# -- messages: engine core -> API side ---------------------------------------------
+@dataclass
+class EngineCoreOutputs:
+    """Everything one iteration of the engine-core loop sends to the API side.
+
+    One message per iteration (not per request), so a busy step costs one
+    round of pickling; the scheduler's stats ride along for ``/metrics``.
+    """
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: Optional[SchedulerStats] = None
+    # request_id -> why the core refused to add it (e.g. it can never fit in
+    # the KV cache: an InvalidRequestError); the API side fails the request with it.
+    rejected: dict[str, ValueError] = field(default_factory=dict)
+
+
 @dataclass
 class EngineCoreReady:
     """The first message: the model is loaded and the KV cache allocated."""

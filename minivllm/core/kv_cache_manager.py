@@ -53,12 +53,15 @@ def hash_block_tokens(parent_block_hash: Optional[int], block_token_ids: Sequenc
 
 
 def hash_request_tokens(token_ids: Sequence[int], block_size: int,
-                        extra_keys: Optional[tuple] = None) -> list[int]:
-    """The hash chain over all full blocks of ``token_ids`` (a partial tail is skipped)."""
-    hashes: list[int] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+                        extra_keys: Optional[tuple] = None,
+                        hashes: Optional[list[int]] = None) -> list[int]:
+    """The hash chain over all full blocks of ``token_ids`` (a partial tail is skipped);
+    given ``hashes``, the chain of a prefix of them, that list is extended."""
+    hashes = [] if hashes is None else hashes
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), len(token_ids) // block_size):
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        parent = hash_block_tokens(parent, block, extra_keys)
         hashes.append(parent)
     return hashes
 
@@ -124,17 +127,9 @@ class KVCacheManager:
     # -- hashing -----------------------------------------------------------
     def update_block_hashes(self, request: "Request") -> None:
         """Extend ``request.block_hashes`` over blocks that became full."""
-        if not self.enable_caching:
-            return
-        hashes, bs = request.block_hashes, self.block_size
-        tokens = request.all_token_ids
-        if len(hashes) >= len(tokens) // bs:
-            return  # the common case: no block became full
-        parent = hashes[-1] if hashes else None
-        extra = request.block_hash_extra_keys
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra)
-            hashes.append(parent)
+        if self.enable_caching:
+            hash_request_tokens(request.all_token_ids, self.block_size,
+                                request.block_hash_extra_keys, request.block_hashes)
 
     # -- the two questions -------------------------------------------------
     def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:

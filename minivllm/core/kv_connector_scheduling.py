@@ -6,7 +6,8 @@ finished request's KV leave it. The engine core chooses once: with
 ``kv_transfer_config`` it hands the scheduler a ``KVConnectorScheduling`` around
 the connector's scheduler half; without, the scheduler holds None and never
 asks. The scheduler asks questions here and moves its requests between its own
-queues (``waiting``, ``running``, ``waiting_for_remote``, ``sending``) itself:
+queues (``waiting``, ``running``) itself; this object holds the requests aside
+while their KV moves (``waiting_for_remote``, ``sending``):
 
 * a waiting request: how much of it is computed, and does the rest of its KV
   arrive later (``find_computed``)?
@@ -19,6 +20,8 @@ queues (``waiting``, ``running``, ``waiting_for_remote``, ``sending``) itself:
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+from minivllm.core.request import RequestStatus
 
 if TYPE_CHECKING:
     from minivllm.core.block_pool import KVCacheBlock
@@ -53,6 +56,12 @@ class KVConnectorScheduling:
     def __init__(self, connector, kv_cache_manager: "KVCacheManager") -> None:
         self.connector = connector  # the scheduler half (KVConnectorRole.SCHEDULER)
         self.kv_cache_manager = kv_cache_manager
+        # Taken from the waiting queue with KV still arriving, by request id.
+        self.waiting_for_remote: dict[str, "Request"] = {}
+        # Finished, their blocks held until the connector has sent them.
+        self.sending: dict[str, "Request"] = {}
+        # Evicted blocks may go to a second tier (the offloading connector).
+        kv_cache_manager.block_pool.on_evict = connector.on_block_evicted
 
     def find_computed(self, request: "Request") -> ComputedTokens:
         """Prefix-cache hits first, then what the connector supplies from outside."""
@@ -78,6 +87,14 @@ class KVConnectorScheduling:
                                       found.num_external_tokens)
         return True
 
+    def park(self, request: "Request", num_computed_tokens: int) -> None:
+        """Aside, with its blocks, while its KV arrives: the others go on stepping."""
+        self.waiting_for_remote[request.request_id] = request
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
+
     def update_state_after_alloc(self, request: "Request", block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
         self.connector.update_state_after_alloc(request, block_ids, num_external_tokens)
@@ -90,13 +107,39 @@ class KVConnectorScheduling:
         reports them sent. Its ``kv_transfer_params`` go out with the response."""
         hold, request.kv_transfer_params = self.connector.request_finished(
             request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if hold:
+            self.sending[request.request_id] = request
         return hold
+
+    def apply_transfers(self, so: "SchedulerOutput", live: list["Request"], kv_out
+                        ) -> tuple[list["Request"], list["Request"]]:
+        """Free what was sent; returns (the requests whose KV arrived, the running
+        ones a failed load spoiled), for the scheduler to put back in its waiting queue.
+        A request whose load failed computes everything itself."""
+        kv, bad = self.kv_cache_manager, kv_out.invalid_block_ids
+        for rid in kv_out.finished_sending:
+            if rid in self.sending:
+                kv.free(self.sending.pop(rid))
+        arrived = []
+        for rid in kv_out.finished_recving:
+            request = self.waiting_for_remote.pop(rid, None)
+            if request is not None and request.is_finished():  # aborted meanwhile
+                kv.free(request)
+            elif request is not None:
+                if bad & set(kv.get_block_ids(rid)):
+                    self.drop_failed_load(request)
+                arrived.append(request)
+        spoiled = self.hit_by_failed_loads(so, live, bad) if bad else []
+        for request in spoiled:
+            self.drop_failed_load(request)
+        return arrived, spoiled
 
     def drop_failed_load(self, request: "Request") -> None:
         """A load into the request's blocks failed: free them, and never offer its
         external KV again (it recomputes everything)."""
         self.connector.request_load_failed(request)
         self.kv_cache_manager.free(request)
+        request.num_computed_tokens, request.num_cached_tokens = 0, -1
 
     def hit_by_failed_loads(self, so: "SchedulerOutput", live: list["Request"],
                             bad_block_ids: set[int]) -> list["Request"]:

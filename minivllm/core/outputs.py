@@ -1,13 +1,11 @@
-"""What the engine core reports back about each request after a step (engine-core
-outputs; what a caller of ``LLM.generate`` gets is ``minivllm.outputs.RequestOutput``)."""
+"""What the engine core reports back about each request after a step (what a caller of
+``LLM.generate`` gets is ``minivllm.outputs.RequestOutput``; what a core in its own
+process sends per step is ``engine_core_proc.EngineCoreOutputs``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:  # scheduler.py imports this module
-    from minivllm.core.scheduler_stats import SchedulerStats
+from dataclasses import dataclass
+from typing import Optional
 
 # Per token: (logprob of the chosen token, {token_id: logprob} of the top-n).
 LogprobInfo = tuple[float, dict[int, float]]
@@ -47,19 +45,4 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class EngineCoreOutputs:
-    """Everything one iteration of the engine-core loop sends to the API side.
-
-    One message per iteration (not per request), so a busy step costs one
-    round of pickling; the scheduler's stats ride along for ``/metrics``.
-    """
-
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    scheduler_stats: Optional["SchedulerStats"] = None
-    # request_id -> why the core refused to add it (e.g. it can never fit in
-    # the KV cache: an InvalidRequestError); the API side fails the request with it.
-    rejected: dict[str, ValueError] = field(default_factory=dict)
-
-
-__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "LogprobInfo"]
+__all__ = ["EngineCoreOutput", "LogprobInfo"]

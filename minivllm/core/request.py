@@ -98,11 +98,6 @@ class Request:
 
     # -- sizes -----------------------------------------------------------
     @property
-    def kv_transfer_params_in(self) -> Optional[dict]:
-        """The kv_transfer_params the caller sent (``SamplingParams.extra_args``)."""
-        return (self.sampling_params.extra_args or {}).get("kv_transfer_params")
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -16,9 +16,10 @@ scheduler hands out a budget of ``max_num_batched_tokens`` tokens:
 ``schedule`` only decides; ``update_from_output`` applies the step's result
 (``num_computed_tokens``, sampled tokens, the token-level stop conditions).
 With speculative decoding a request with draft tokens asks for 1 + k slots and
-gets a verified run of tokens (``_apply_verified``). A KV connector adds
-``waiting_for_remote`` (KV arriving) and ``sending`` (blocks being sent):
-``self.connector`` answers questions, only this class moves requests.
+gets a verified run of tokens (``_apply_verified``). A KV connector
+(``self.connector``) answers questions and holds its own requests aside
+(``waiting_for_remote``: KV arriving; ``sending``: blocks being sent); only this
+class moves requests between ``waiting`` and ``running``.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ class Scheduler:
         self.max_loras = max_loras
         # What to ask a KV connector (kv_connector_scheduling.py), or None: no connector.
         self.connector = connector_scheduling
-        # Admitted with KV still arriving; finished with blocks held until sent.
-        self.waiting_for_remote: dict[str, Request] = {}
-        self.sending: dict[str, Request] = {}
+        # The connector's requests (read here, moved by it): admitted with KV still
+        # arriving; finished with blocks held until sent. Empty without a connector.
+        no_connector = connector_scheduling is None
+        self.waiting_for_remote = {} if no_connector else connector_scheduling.waiting_for_remote
+        self.sending = {} if no_connector else connector_scheduling.sending
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -132,9 +135,10 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.times.finished = self.clock.now()
-        if self.connector is not None and self.connector.request_finished(request):
-            self.sending[request.request_id] = request  # being sent: its blocks stay
-        elif not receiving:  # (a receiving one's are freed when its KV has arrived)
+        # A request being sent keeps its blocks until sent; a receiving one's are
+        # freed when its KV has arrived.
+        sending = self.connector is not None and self.connector.request_finished(request)
+        if not sending and not receiving:
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -155,18 +159,9 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0
 
     def make_stats(self) -> SchedulerStats:
-        from minivllm.core.scheduler_stats import SchedulerStats, count_adapters
+        from minivllm.core.scheduler_stats import make_scheduler_stats
 
-        pc = self.kv_cache_manager.prefix_cache_stats
-        return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            num_preemptions=self.num_preemptions, prefix_cache_requests=pc.requests,
-            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
-            spec_decoding_stats=(None if self.spec_decoding_stats is None
-                                 else self.spec_decoding_stats.copy()),
-            max_lora=self.max_loras, running_lora_adapters=count_adapters(self.running),
-            waiting_lora_adapters=count_adapters(self.waiting))
+        return make_scheduler_stats(self)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -235,7 +230,7 @@ class Scheduler:
                 if found.load_async:  # its KV arrives later: it waits aside, or for room
                     if not self.connector.allocate_for_async_load(request, found):
                         break
-                    self._park(request, found.num_computed_tokens)
+                    self.connector.park(self.waiting.popleft(), found.num_computed_tokens)
                     continue
                 hit_blocks, num_hit_tokens, num_external, num_computed, _ = found
             num_new = request.num_tokens - num_computed
@@ -321,42 +316,6 @@ class Scheduler:
         pool = self.kv_cache_manager.block_pool
         return pool.num_allocated, pool.num_freed, pool.num_evicted
 
-    # -- with a KV connector: its requests move between the queues here -------
-    def _park(self, request: Request, num_computed: int) -> None:
-        """Aside, with its blocks, while its KV arrives: the others go on stepping."""
-        self.waiting_for_remote[request.request_id] = self.waiting.popleft()
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = num_computed
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_computed
-
-    def _apply_kv_connector_output(self, so: SchedulerOutput, live: list[Request],
-                                   kv_out) -> list[Request]:
-        """Free what was sent, wake what arrived, recompute what failed to load."""
-        kv, bad = self.kv_cache_manager, kv_out.invalid_block_ids
-        for rid in kv_out.finished_sending:
-            if rid in self.sending:
-                kv.free(self.sending.pop(rid))
-        for rid in kv_out.finished_recving:
-            request = self.waiting_for_remote.pop(rid, None)
-            if request is not None and request.is_finished():  # aborted meanwhile
-                kv.free(request)
-            elif request is not None:
-                self._requeue(request, load_failed=bool(bad & set(kv.get_block_ids(rid))))
-        victims = self.connector.hit_by_failed_loads(so, live, bad) if bad else []
-        for request in victims:
-            self.running.remove(request)
-            self._requeue(request, load_failed=True)
-        return [r for r in live if r not in victims]  # (their step's result is dropped)
-
-    def _requeue(self, request: Request, load_failed: bool = False) -> None:
-        """Back to the front of the waiting queue (admitted before anyone there)."""
-        if load_failed:  # it computes everything itself (blocks freed, never offered again)
-            self.connector.drop_failed_load(request)
-            request.num_computed_tokens, request.num_cached_tokens = 0, -1
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-
     # -- one step: apply -------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: SampledTokens,
@@ -390,7 +349,7 @@ class Scheduler:
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
         if kv_connector_output is not None and not kv_connector_output.is_empty:
-            live = self._apply_kv_connector_output(scheduler_output, live, kv_connector_output)
+            live = self._apply_transfers(scheduler_output, live, kv_connector_output)
         outputs = []
         for request in live:
             rid = request.request_id
@@ -401,37 +360,48 @@ class Scheduler:
                 continue
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
             if request.num_computed_tokens == request.num_tokens:
-                outputs.append(self._append_token(request, *sampled[rid]))
+                outputs.append(self._append_tokens(request, [sampled[rid]]))
         return outputs
 
-    def _append_token(self, request: Request, token_id: int,
-                      logprob_info: Optional[LogprobInfo]) -> EngineCoreOutput:
-        stopped = self._add_output_token(request, token_id, logprob_info)
-        return self._core_output(request, [token_id], None if logprob_info is None
-                                 else [logprob_info], finished=stopped)
+    def _apply_transfers(self, so: SchedulerOutput, live: list[Request],
+                         kv_connector_output) -> list[Request]:
+        """Requests whose KV arrived, or whose K/V a failed load spoiled, go back to the
+        front of the waiting queue (admitted before anyone there); returns the rest."""
+        arrived, spoiled = self.connector.apply_transfers(so, live, kv_connector_output)
+        for request in arrived + spoiled:
+            if request in spoiled:
+                self.running.remove(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        return [r for r in live if r not in spoiled]  # (their step's result is dropped)
 
-    def _add_output_token(self, request: Request, token_id: int,
-                          logprob_info: Optional[LogprobInfo]) -> bool:
-        """Append one token and check the stop conditions; True if it finished."""
-        request.append_output_token(token_id, self.clock.now())
-        if logprob_info is not None:
-            request.logprobs.append(logprob_info)
-            request.cumulative_logprob += logprob_info[0]
-        self.kv_cache_manager.update_block_hashes(request)
-        stop = check_stop(request, self.max_model_len)
-        if stop is not None:
-            self._finish(request, *stop)
-        return stop is not None
-
-    def _core_output(self, request: Request, token_ids: list[int],
-                     logprobs: Optional[list[LogprobInfo]], finished: bool,
-                     **spec) -> EngineCoreOutput:
+    def _append_tokens(self, request: Request,
+                       tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:
+        """Append the step's token (or verified run), checking the stop conditions after
+        each: a stop inside a run ends it, the tokens after it dropped as if never sampled."""
+        new_ids, new_logprobs = [], []
+        for token_id, info in tokens:
+            # The token before this one is known now: its K/V (written this step) count.
+            if new_ids:
+                request.num_computed_tokens += 1
+            new_ids.append(token_id)
+            new_logprobs.append(info)
+            request.append_output_token(token_id, self.clock.now())
+            if info is not None:
+                request.logprobs.append(info)
+                request.cumulative_logprob += info[0]
+            self.kv_cache_manager.update_block_hashes(request)
+            stop = check_stop(request, self.max_model_len)
+            if stop is not None:
+                self._finish(request, *stop)
+                break
         return EngineCoreOutput(
-            request_id=request.request_id, new_token_ids=token_ids, new_logprobs=logprobs,
+            request_id=request.request_id, new_token_ids=new_ids,
+            new_logprobs=None if new_logprobs[0] is None else new_logprobs,
             finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions,
-            kv_transfer_params=request.kv_transfer_params, **spec)
+            kv_transfer_params=request.kv_transfer_params)
 
     def _apply_verified(self, request: Request, so: SchedulerOutput, drafts: list[int],
                         tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:
@@ -439,36 +409,24 @@ class Scheduler:
 
         The K/V of the known tokens and of the accepted drafts are valid; the
         slots of the rejected ones are overwritten next step, and the blocks
-        past what the request now holds go back to the pool. A stop inside the
-        run ends it there: the tokens after it are dropped, as if never sampled.
+        past what the request now holds go back to the pool.
         """
         k = len(drafts)
         if not 1 <= len(tokens) <= k + 1:
             raise ValueError(f"request {request.request_id!r}: verification of {k} drafts "
                              f"returned {len(tokens)} tokens, must be 1 to {k + 1}")
-        num_accepted = len(tokens) - 1
         request.num_computed_tokens += so.num_scheduled_tokens[request.request_id] - k
         request.spec_token_ids, request.spec_token_probs = [], None
         if self.spec_decoding_stats is None:
             from minivllm.core.spec_decode_stats import SpecDecodingStats
 
             self.spec_decoding_stats = SpecDecodingStats()
-        self.spec_decoding_stats.observe(k, num_accepted)
-        new_ids, new_logprobs, finished = [], [], False
-        for token_id, info in tokens:
-            # The token before this one is known now: its K/V (written this step) count.
-            if new_ids:
-                request.num_computed_tokens += 1
-            new_ids.append(token_id)
-            new_logprobs.append(info)
-            if self._add_output_token(request, token_id, info):
-                finished = True
-                break
-        if not finished:
+        self.spec_decoding_stats.observe(k, len(tokens) - 1)
+        out = self._append_tokens(request, tokens)
+        if not out.finished:
             self.kv_cache_manager.free_tail(request, request.num_tokens)
-        return self._core_output(
-            request, new_ids, None if new_logprobs[0] is None else new_logprobs, finished,
-            num_draft_tokens=k, num_accepted_tokens=num_accepted)
+        out.num_draft_tokens, out.num_accepted_tokens = k, len(tokens) - 1
+        return out
 
 
 __all__ = ["Scheduler", "SchedulerOutput", "SampledTokens"]

@@ -38,3 +38,18 @@ def count_adapters(requests) -> dict[str, int]:
             name = r.lora_request.lora_name
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def make_scheduler_stats(scheduler) -> SchedulerStats:
+    """The snapshot of a ``Scheduler`` (``Scheduler.make_stats``)."""
+    prefix_cache = scheduler.kv_cache_manager.prefix_cache_stats
+    spec = scheduler.spec_decoding_stats
+    return SchedulerStats(
+        num_running_reqs=len(scheduler.running), num_waiting_reqs=len(scheduler.waiting),
+        kv_cache_usage=scheduler.kv_cache_manager.usage,
+        num_preemptions=scheduler.num_preemptions,
+        prefix_cache_requests=prefix_cache.requests, prefix_cache_queries=prefix_cache.queries,
+        prefix_cache_hits=prefix_cache.hits,
+        spec_decoding_stats=None if spec is None else spec.copy(),
+        max_lora=scheduler.max_loras, running_lora_adapters=count_adapters(scheduler.running),
+        waiting_lora_adapters=count_adapters(scheduler.waiting))

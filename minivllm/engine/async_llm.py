@@ -25,7 +25,7 @@ from typing import AsyncIterator, Optional
 
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.engine.core_client import EngineCoreClient, EngineDeadError
-from minivllm.core.outputs import EngineCoreOutputs
+from minivllm.core.engine_core_proc import EngineCoreOutputs
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler_stats import SchedulerStats

@@ -24,9 +24,8 @@ from typing import Iterable, Optional, Union
 
 from minivllm.config import EngineConfig
 from minivllm.engine.core_builder import build_engine_core
-from minivllm.core.engine_core_proc import (AddRequests, EngineCoreReady, FinishRequests,
-                                            Shutdown, run_engine_core)
-from minivllm.core.outputs import EngineCoreOutputs
+from minivllm.core.engine_core_proc import (AddRequests, EngineCoreOutputs, EngineCoreReady,
+                                            FinishRequests, Shutdown, run_engine_core)
 from minivllm.core.request import Request, RequestStatus
 
 

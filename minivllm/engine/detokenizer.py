@@ -15,9 +15,9 @@ The new text is the second minus the first; both start with the same token, so
 decoders that treat a first token specially (SentencePiece's "▁word") cancel
 out. A window ending in "\\ufffd" emits nothing and retries next step with more
 bytes; otherwise ``read`` moves to the end and ``prefix`` to the old ``read``.
-SentencePiece byte fallback (Llama 2, Mistral) turns a run of "<0xE4>" tokens
-into text only as a whole run, so for such tokenizers text is held while the
-last token is a byte token.
+Two kinds of tokenizer need more, loaded for them only: SentencePiece byte
+fallback (``byte_fallback.py``) and Hugging Face's space clean-up
+(``cleanup_stream.py``).
 
 ``finish()`` emits what was held back: the concatenation of every delta then
 equals ``tokenizer.decode(all_token_ids)`` (the tests check random sequences).
@@ -25,10 +25,11 @@ equals ``tokenizer.decode(all_token_ids)`` (the tests check random sequences).
 
 from __future__ import annotations
 
-import re
 import weakref
-from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from minivllm.engine.byte_fallback import ByteFallbackTokens
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -45,9 +46,10 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.finished = False
-        self._facts = _tokenizer_facts(tokenizer)
+        # Read of the tokenizer once (see _tokenizer_facts).
+        cleans_up_spaces, self._byte_fallback = _tokenizer_facts(tokenizer)
         self._cleanup = None
-        if self._facts.cleans_up_spaces:  # (a few tokenizers: Hugging Face's " ." -> ".")
+        if cleans_up_spaces:  # (a few tokenizers: Hugging Face's " ." -> ".")
             from minivllm.engine.cleanup_stream import CleanupStream
 
             self._cleanup = CleanupStream(tokenizer.clean_up_tokenization)
@@ -85,40 +87,28 @@ class IncrementalDetokenizer:
                                     skip_special_tokens=self.skip_special_tokens)
 
     def _in_byte_run(self) -> bool:
-        """Whether the last token that decodes to anything is a fallback byte."""
-        if not self._facts.byte_fallback_ids:
-            return False
-        for token in reversed(self.token_ids[self.read_offset:]):
-            if not (self.skip_special_tokens and token in self._facts.special_ids):
-                return token in self._facts.byte_fallback_ids
-        return False
+        return self._byte_fallback is not None and self._byte_fallback.in_byte_run(
+            self.token_ids[self.read_offset:], self.skip_special_tokens)
 
     def _clean(self, text: str) -> str:
         return self._cleanup.push(text) if self._cleanup else text
 
 
-@dataclass(frozen=True)
-class _TokenizerFacts:
-    cleans_up_spaces: bool
-    byte_fallback_ids: frozenset[int]  # empty unless the decoder has ByteFallback
-    special_ids: frozenset[int]
-
-
 # One entry per live tokenizer, read when it is first used: a detokenizer is made
 # per request, and scanning a 100k vocabulary each time would cost more than decoding.
-_FACTS: "weakref.WeakKeyDictionary[object, _TokenizerFacts]" = weakref.WeakKeyDictionary()
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_FACTS: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _tokenizer_facts(tokenizer) -> _TokenizerFacts:
+def _tokenizer_facts(tokenizer) -> tuple[bool, Optional[ByteFallbackTokens]]:
+    """(whether it cleans up spaces, its byte tokens if it has byte fallback)."""
     facts = _FACTS.get(tokenizer)
     if facts is None:
-        facts = _TokenizerFacts(
-            cleans_up_spaces=_cleans_up_spaces(tokenizer),
-            byte_fallback_ids=_byte_fallback_ids(tokenizer),
-            special_ids=frozenset(i for i, t in tokenizer.added_tokens_decoder.items()
-                                  if t.special))
-        _FACTS[tokenizer] = facts
+        byte_fallback = None
+        if _has_byte_fallback(tokenizer):
+            from minivllm.engine.byte_fallback import ByteFallbackTokens
+
+            byte_fallback = ByteFallbackTokens(tokenizer)
+        facts = _FACTS[tokenizer] = (_cleans_up_spaces(tokenizer), byte_fallback)
     return facts
 
 
@@ -131,12 +121,10 @@ def _cleans_up_spaces(tokenizer) -> bool:
     return tokenizer.decode(probe) != tokenizer.decode(probe, clean_up_tokenization_spaces=False)
 
 
-def _byte_fallback_ids(tokenizer) -> frozenset[int]:
+def _has_byte_fallback(tokenizer) -> bool:
     decoder = tokenizer.backend_tokenizer.decoder
     # The decoder's JSON form is the one public view of a decoder Sequence.
-    if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
-        return frozenset()
-    return frozenset(i for t, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(t))
+    return decoder is not None and b'"ByteFallback"' in decoder.__getstate__()
 
 
 __all__ = ["IncrementalDetokenizer", "REPLACEMENT_CHAR"]

@@ -11,7 +11,6 @@ requests a stop string has ended, so the core can free them. A request with
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -20,10 +19,11 @@ from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.metrics.request_metrics import RequestMetrics
-from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # (each loaded by the first request that needs it)
+    from minivllm.engine.logprobs import LogprobsProcessor
     from minivllm.engine.parallel_sampling import ParentRequest
     from minivllm.engine.stop_checker import StopStringChecker
     from minivllm.inputs import EngineCoreRequest
@@ -42,36 +42,31 @@ class RequestState:
     metrics: RequestMetrics  # shared by the n completions of one request
     index: int = 0  # which completion
     parent: Optional[ParentRequest] = None  # n > 1 only
+    # For a request that asks for logprobs or prompt logprobs, else None.
+    logprobs: Optional[LogprobsProcessor] = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: Optional[list[dict[int, Logprob]]] = None
-    cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
-    # DELTA outputs: what the caller has already seen (prompt logprobs: once).
+    # DELTA outputs: what the caller has already seen.
     sent_tokens: int = 0
     sent_chars: int = 0
-    sent_logprobs: int = 0
-    sent_prompt_logprobs: bool = False
     num_preemptions: int = 0  # as last reported by the core
     num_cached_tokens: int = 0
     kv_transfer_params: Optional[dict] = None
-    prompt_logprobs: Optional[PromptLogprobs] = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def completion(self, delta: bool) -> CompletionOutput:
-        tok0, chr0, lp0 = ((self.sent_tokens, self.sent_chars, self.sent_logprobs)
-                           if delta else (0, 0, 0))
+        tok0, chr0 = (self.sent_tokens, self.sent_chars) if delta else (0, 0)
         out = CompletionOutput(
             index=self.index, text=self.text[chr0:], token_ids=self.token_ids[tok0:],
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else self.logprobs[lp0:],
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        if self.logprobs is not None:
+            out.logprobs, out.cumulative_logprob = self.logprobs.take_logprobs(delta)
         self.sent_tokens, self.sent_chars = len(self.token_ids), len(self.text)
-        self.sent_logprobs = len(self.logprobs or [])
         return out
 
 
@@ -104,11 +99,14 @@ class OutputProcessor:
              parent: Optional[ParentRequest] = None) -> Request:
         detok = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                  if params.detokenize and self.tokenizer is not None else None)
-        asked = params.logprobs is not None
+        logprobs = None
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            from minivllm.engine.logprobs import LogprobsProcessor
+
+            logprobs = LogprobsProcessor(params, request.prompt_token_ids, index, self.tokenizer)
         state = RequestState(request_id, request.prompt, list(request.prompt_token_ids),
                              params, detok, _stop_checker(params), metrics, index, parent,
-                             logprobs=[] if asked else None,
-                             cumulative_logprob=0.0 if asked else None)
+                             logprobs)
         self.requests[request_id] = state
         if parent is not None:
             parent.children.append(state)
@@ -176,26 +174,23 @@ class OutputProcessor:
             m.num_cached_tokens = state.num_cached_tokens
             if o.kv_transfer_params is not None:
                 state.kv_transfer_params = o.kv_transfer_params
-            if o.prompt_logprobs is not None:
-                from minivllm.engine.logprobs import prompt_logprobs
-
-                state.prompt_logprobs = prompt_logprobs(state.prompt_token_ids,
-                                                        o.prompt_logprobs, self._token_text)
         # Each completion reports its own running total of preemptions.
         m.num_preemptions += o.num_preemptions - state.num_preemptions
         state.num_preemptions = o.num_preemptions
         if o.num_draft_tokens:
             m.record_spec_decode(o.num_draft_tokens, o.num_accepted_tokens)
         if len(o.new_token_ids) > 1 and state.stop_checker is not None:
-            return self._apply_run(state, o)
+            # A verified speculative run: one token at a time, so that a stop string
+            # ends it at the token that completes it, exactly as without speculation.
+            for one in state.stop_checker.split_run(o):
+                matched = self._apply(state, one)
+                if state.finished:
+                    return matched
+            return False
         m.record_tokens(len(o.new_token_ids), o.timestamp, state.index)
         state.token_ids.extend(o.new_token_ids)
-        if o.new_logprobs is not None and state.logprobs is not None:
-            from minivllm.engine.logprobs import sample_logprobs
-
-            for token_id, (chosen, top) in zip(o.new_token_ids, o.new_logprobs):
-                state.logprobs.append(sample_logprobs(token_id, chosen, top, self._token_text))
-                state.cumulative_logprob += chosen
+        if state.logprobs is not None:
+            state.logprobs.update_from_output(o)
         matched = False
         if state.detokenizer is not None:
             text = state.detokenizer.update(o.new_token_ids)
@@ -216,25 +211,6 @@ class OutputProcessor:
             m.finished_time = o.timestamp
         return matched
 
-    def _apply_run(self, state: RequestState, o: EngineCoreOutput) -> bool:
-        """Several tokens at once (a verified speculative run) with stop strings:
-        one token at a time, so a stop string ends the run at the token that
-        completes it, exactly as without speculation."""
-        ids, lps = o.new_token_ids, o.new_logprobs
-        for i, token_id in enumerate(ids):
-            last = i == len(ids) - 1
-            one = dataclasses.replace(
-                o, new_token_ids=[token_id], new_logprobs=None if lps is None else [lps[i]],
-                finish_reason=o.finish_reason if last else None,
-                stop_reason=o.stop_reason if last else None, num_draft_tokens=0)
-            matched = self._apply(state, one)
-            if state.finish_reason is not None:
-                return matched
-        return False
-
-    def _token_text(self, token_id: int) -> Optional[str]:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
     def _make_output(self, request_id: str, states: list[RequestState]
                      ) -> Optional[RequestOutput]:
         """The output of a caller's request from the states of its completions."""
@@ -247,8 +223,9 @@ class OutputProcessor:
         completions = [s.completion(delta) for s in states]
         if finished:
             self._forget(request_id, states)
-        prompt_logprobs = None if delta and first.sent_prompt_logprobs else first.prompt_logprobs
-        first.sent_prompt_logprobs = first.prompt_logprobs is not None
+        prompt_logprobs = None
+        if first.logprobs is not None:
+            prompt_logprobs = first.logprobs.take_prompt_logprobs(delta)
         return RequestOutput(
             request_id=request_id, prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids, outputs=completions,

@@ -22,7 +22,11 @@ cut into deltas.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    from minivllm.core.outputs import EngineCoreOutput
 
 
 class StopStringChecker:
@@ -61,6 +65,18 @@ class StopStringChecker:
         """The generation ended another way (EOS, length): flush the held text."""
         text, self._held = self._held, ""
         return text
+
+    @staticmethod
+    def split_run(o: EngineCoreOutput) -> Iterator[EngineCoreOutput]:
+        """A run of several tokens (verified speculation) as one output per token; the
+        finish, if any, comes with the last one."""
+        ids, lps = o.new_token_ids, o.new_logprobs
+        for i, token_id in enumerate(ids):
+            last = i == len(ids) - 1
+            yield dataclasses.replace(
+                o, new_token_ids=[token_id], new_logprobs=None if lps is None else [lps[i]],
+                finish_reason=o.finish_reason if last else None,
+                stop_reason=o.stop_reason if last else None, num_draft_tokens=0)
 
     def _first_match(self, text: str) -> Optional[tuple[int, str]]:
         """(start, stop string) of the match that ends first; longest on a tie."""

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # optional features: loaded when used
 
 Prompt = Union[str, Sequence[int], dict]
 ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
-LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]
+LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]  # (one, or per prompt)
 
 
 class LLM:
@@ -46,20 +46,18 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: ParamsArg = None,
                  use_tqdm: bool = True,
-                 priority: Optional[Sequence[int]] = None,
+                 priority: Union[None, int, Sequence[int]] = None,
                  lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of the prompts.
 
-        ``priority``: one integer per prompt, lower first (needs
-        ``scheduling_policy="priority"``); ``lora_request``: one ``LoRARequest``, or
-        one (or None) per prompt (needs ``enable_lora=True``)."""
+        ``priority`` (lower first; needs ``scheduling_policy="priority"``) and
+        ``lora_request`` (a ``LoRARequest`` or None; needs ``enable_lora=True``), like
+        ``sampling_params``, are one for all prompts or a list of one per prompt."""
         items = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(items))
-        priority = [0] * len(items) if priority is None else list(priority)
-        if len(priority) != len(items):
-            raise ValueError(f"priority has {len(priority)} entries for {len(items)} prompts: "
-                             "give one per prompt")
-        loras = _as_lora_list(lora_request, len(items))
+        params = _one_per_prompt("sampling_params", SamplingParams() if sampling_params is None
+                                 else sampling_params, len(items))
+        priority = _one_per_prompt("priority", 0 if priority is None else priority, len(items))
+        loras = _one_per_prompt("lora_request", lora_request, len(items))
         ids: list[str] = []
         try:
             for p, sp, pr, lo in zip(items, params, priority, loras):
@@ -162,27 +160,12 @@ def _as_prompt_list(prompts) -> list:
     return prompts
 
 
-def _as_params_list(params: ParamsArg, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: "
-                         f"give one SamplingParams, or one per prompt")
-    return params
-
-
-def _as_lora_list(lora: LoRAArg, n: int) -> list[Optional[LoRARequest]]:
-    if lora is None:
-        return [None] * n
-    from minivllm.lora.request import LoRARequest
-
-    if isinstance(lora, LoRARequest):
-        return [lora] * n
-    lora = list(lora)
-    if len(lora) != n:
-        raise ValueError(f"lora_request has {len(lora)} entries for {n} prompts: give one "
-                         "LoRARequest, or one (or None) per prompt")
-    return lora
+def _one_per_prompt(name: str, value, n: int) -> list:
+    """``value`` for each of ``n`` prompts: one for all (anything but a list or a
+    tuple), or a list of one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompts: give one "
+                         "for all, or one per prompt")
+    return list(value)

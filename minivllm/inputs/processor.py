@@ -56,30 +56,20 @@ class InputProcessor:
         max_tokens = self.check_length(len(token_ids), params)
         self.check_priority(priority)
         self.check_lora(lora_request)
-        return EngineCoreRequest(request_id, text, token_ids, self.with_bad_words(params),
-                                 max_tokens, self.eos_token_ids, arrival_time, priority,
-                                 lora_request)
+        if params.bad_words:
+            from minivllm.inputs.bad_words import with_bad_words
+
+            params = with_bad_words(self.tokenizer, params)
+        return EngineCoreRequest(request_id, text, token_ids, params, max_tokens,
+                                 self.eos_token_ids, arrival_time, priority, lora_request)
 
     # -- the prompt ----------------------------------------------------------------
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     chat_template: Optional[str] = None) -> str:
-        from jinja2 import TemplateError
+        """The prompt text of chat messages (inputs/chat_template.py)."""
+        from minivllm.inputs.chat_template import render_chat
 
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise InvalidRequestError(f"messages[{i}]={m!r} is invalid: each message "
-                                          "must be a dict with 'role' and 'content'",
-                                          "messages")
-        if self.tokenizer.chat_template is None and chat_template is None:
-            raise InvalidRequestError("this model's tokenizer has no chat template; pass "
-                                      "chat_template=... or use a plain prompt", "messages")
-        try:
-            return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template)
-        except (TemplateError, ValueError) as e:  # what the template refuses: the input's
-            raise InvalidRequestError(f"messages: the chat template cannot render them: {e}",
-                                      "messages") from None
+        return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template)
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token IDs) for any accepted prompt form."""
@@ -144,21 +134,6 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(f"{name} contains {bad[:5]}: token IDs must be in "
                                       f"[0, {self.vocab_size})", param)
-
-    def with_bad_words(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with each bad word as the token sequences it can appear as: as
-        written and after a space (how a word appears mid-sentence)."""
-        if not params.bad_words:
-            return params
-        seqs: list[list[int]] = []
-        for word in params.bad_words:
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        params = params.clone()  # the caller's object stays as it was given
-        params.bad_words_token_ids = seqs
-        return params
 
     # -- the request against this engine ---------------------------------------------
     def check_priority(self, priority: int) -> None:

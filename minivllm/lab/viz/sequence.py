@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from minivllm.core.outputs import EngineCoreOutputs
+from minivllm.core.engine_core_proc import EngineCoreOutputs
 
 # Columns, left to right in the order a request goes in.
 LANES = {"client code": 0, "API side": 1, "engine core": 2}
