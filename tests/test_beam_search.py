@@ -263,7 +263,9 @@ def test_server_use_beam_search_returns_the_offline_beams(tmp_path, tiny_chat_mo
 def test_best_beams_equal_hugging_face_default_model(default_model_path, default_tokenizer):
     from tests.conftest import chat_ids
 
+    # Two prompts, both compared (no Hugging Face beam ends in EOS within STEPS):
+    # Hugging Face's beam search on this model is most of the test's time.
     prompts = [chat_ids(default_tokenizer, q) for q in (
-        "What is the capital of France?", "Name three colours.", "Write a haiku about rain.")]
+        "What is the capital of France?", "Write a haiku about rain.")]
     with LLM() as llm:
-        assert check_same_as_hf(llm, default_model_path, prompts, 1.0) >= 2
+        assert check_same_as_hf(llm, default_model_path, prompts, 1.0) == 2

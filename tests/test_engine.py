@@ -59,8 +59,10 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("cpu_kernels", [None, False])  # accelerated, and the reference path
-def test_batch_matches_transformers(prompts, hf_greedy, cpu_kernels):
-    llm = LLM(cpu_kernels=cpu_kernels)
+def test_batch_matches_transformers(prompts, hf_greedy, cpu_kernels, request):
+    # The accelerated engine is the default one the later tests share (a fresh one:
+    # this test comes first, before they fill its prefix cache).
+    llm = request.getfixturevalue("default_llm") if cpu_kernels is None else LLM(cpu_kernels=False)
     runner = llm.llm_engine.engine_core.executor.runner
     if cpu_kernels is False:
         assert runner.acceleration_problem == "cpu_kernels=False"

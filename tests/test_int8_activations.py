@@ -168,17 +168,21 @@ def test_int8_switch_is_honoured_by_the_reference_and_the_kernels(ops, tiny_mode
 
 
 @pytest.mark.slow
-def test_int8_activations_on_the_default_file_cost_about_one_rounding(ops):
-    """The accuracy benchmark on the default file (1024 README tokens, ~3 min): int8 x is
+def test_int8_activations_on_the_default_file_cost_about_one_rounding(ops, monkeypatch):
+    """The accuracy benchmark on the default file (1024 README tokens): int8 x is
     one 8-bit rounding per product input, as Q8_0 is for weights, where the issue
     allows 1 % perplexity. Measured: +0.99 % perplexity, top-1 equal to float x at
     95.9 % of positions (Q8_0 weights: +0.21 %, 98.0 %). The bounds leave room for
-    other summation orders (thread counts, ISA) moving a few positions."""
+    other summation orders (thread counts, ISA) moving a few positions. Only the two
+    engines compared here run: the benchmark's q8_0 engine (its scale) and greedy
+    tokens past the first (its printed first differences) assert nothing."""
     import argparse
 
     from minivllm.lab.bench import int8_activations
 
-    r = int8_activations.run(argparse.Namespace(tokens=1024, max_tokens=16, cpu_kernels=None))
+    monkeypatch.setattr(int8_activations, "ENGINES", {
+        k: v for k, v in int8_activations.ENGINES.items() if k in ("gguf", "gguf int8")})
+    r = int8_activations.run(argparse.Namespace(tokens=1024, max_tokens=1, cpu_kernels=None))
     assert r["gguf int8"]["ppl_change"] < 0.015
     assert r["gguf int8"]["top1_agreement"] > 0.93
     assert r["gguf int8"]["perplexity"] != r["gguf"]["perplexity"]  # the switch took effect

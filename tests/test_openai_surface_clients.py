@@ -44,12 +44,25 @@ def per_choice(result: dict, task: str) -> list[list[float]]:
     return [[float(ll) for ll, _ in s["filtered_resps"]] for s in samples]
 
 
-def test_lm_eval_local_completions_equals_hf_backend(server, default_model_path, monkeypatch):
+def _local_completions(url: str, tokenizer) -> dict:
+    return {"model": SERVED, "base_url": url + "/v1/completions", "tokenizer": str(tokenizer),
+            "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1}
+
+
+@pytest.fixture(scope="module")
+def served_scores(server, default_model_path) -> dict:
+    """lm-eval's ``local-completions`` on the module's server (the default model on
+    its GGUF blocks): both tests below compare it with another backend."""
+    with pytest.MonkeyPatch.context() as mp:
+        return run_lm_eval("local-completions", _local_completions(server.url,
+                                                                   default_model_path),
+                           "minivllm_capitals", mp)
+
+
+def test_lm_eval_local_completions_equals_hf_backend(served_scores, default_model_path,
+                                                     monkeypatch):
     task = "minivllm_capitals"
-    ours = run_lm_eval("local-completions", {
-        "model": SERVED, "base_url": server.url + "/v1/completions",
-        "tokenizer": str(default_model_path), "tokenizer_backend": "huggingface",
-        "num_concurrent": 1, "max_retries": 1}, task, monkeypatch)
+    ours = served_scores
     hf = run_lm_eval("hf", {"pretrained": str(default_model_path), "dtype": "float32"}, task,
                      monkeypatch, device="cpu")
     got, ref = per_choice(ours, task), per_choice(hf, task)
@@ -60,30 +73,24 @@ def test_lm_eval_local_completions_equals_hf_backend(server, default_model_path,
     assert acc == hf["results"][task]["acc,none"]
 
 
-def _local_completions(url: str, tokenizer) -> dict:
-    return {"model": SERVED, "base_url": url + "/v1/completions", "tokenizer": str(tokenizer),
-            "tokenizer_backend": "huggingface", "num_concurrent": 1, "max_retries": 1}
-
-
-def test_lm_eval_unchanged_on_the_quantized_blocks(default_model_path, monkeypatch,
-                                                   tmp_path):
-    """The server on the GGUF's blocks as they ship (quantization="gguf") scores the
-    task as the float32 path (quantization=None) does: the blocks dequantize to the
-    float path's numbers, so only the order of the sums differs (the per-choice
-    loglikelihoods agree within 1e-3 nats, as the float path does with Hugging Face)."""
-    task, scores = "minivllm_capitals", {}
-    for quantization in ("gguf", "none"):
-        (tmp_path / quantization).mkdir()
-        srv = ServerProcess(tmp_path / quantization, "--served-model-name", SERVED,
-                            "--quantization", quantization)
-        try:
-            assert srv.stats()["quantization"] == (None if quantization == "none"
-                                                   else quantization)
-            scores[quantization] = run_lm_eval(
-                "local-completions", _local_completions(srv.url, default_model_path), task,
-                monkeypatch)
-        finally:
-            srv.stop()
+def test_lm_eval_unchanged_on_the_quantized_blocks(server, served_scores, default_model_path,
+                                                   monkeypatch, tmp_path):
+    """The server on the GGUF's blocks as they ship (quantization="gguf", the default
+    model's default: the module's server) scores the task as the float32 path
+    (quantization=None) does: the blocks dequantize to the float path's numbers, so
+    only the order of the sums differs (the per-choice loglikelihoods agree within
+    1e-3 nats, as the float path does with Hugging Face)."""
+    task = "minivllm_capitals"
+    assert server.stats()["quantization"] == "gguf"
+    scores = {"gguf": served_scores}
+    srv = ServerProcess(tmp_path, "--served-model-name", SERVED, "--quantization", "none")
+    try:
+        assert srv.stats()["quantization"] is None
+        scores["none"] = run_lm_eval(
+            "local-completions", _local_completions(srv.url, default_model_path), task,
+            monkeypatch)
+    finally:
+        srv.stop()
     got, ref = per_choice(scores["gguf"], task), per_choice(scores["none"], task)
     assert len(got) == 8 and all(len(row) == 4 for row in got)
     print("largest loglikelihood difference:",

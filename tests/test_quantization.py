@@ -16,6 +16,7 @@ from minivllm.model.layers.quantization import (BLOCK_TYPES, QuantizationConfig,
                                                 QuantizedTensor)
 from minivllm.model.layers.quantization.ggml_types import dequantize
 from minivllm.model.layers.quantization.q8_0 import quantize_q8_0
+from minivllm import SamplingParams
 from tests.helpers import dequantized_copy
 
 GGUF = QuantizationConfig("gguf")
@@ -150,62 +151,95 @@ def test_q8_0_at_load_gives_the_tokens_of_its_dequantized_float_weights(
     assert json.loads((folder / "config.json").read_text())["hidden_size"] % 32 == 0
 
 
-@pytest.mark.parametrize("activation_dtype", ["auto", "int8"])
-def test_default_file_chunked_prefill_on_the_blocks(activation_dtype):
-    """A prompt computed 16 tokens a step: its first chunks sample nothing, so the LM
-    head is asked for 0 rows; the kernels give the reference path's tokens."""
-    from minivllm import LLM, SamplingParams
+# The default file's tests compare the kernels (and the float32 path) with the
+# reference method: dequantize every matrix, then matmul, on every step. Its steps
+# are this file's slowest (each one dequantizes all 135M weights, whatever the
+# rows), so one batched run of it gives the tokens they all compare with.
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+LONG = {"prompt_token_ids": list(range(100, 140))}  # 40 tokens: 3 chunks of at most 16
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-    prompt = {"prompt_token_ids": list(range(100, 140))}
-    params = SamplingParams(max_tokens=2, temperature=0.0)  # the prompt's token, one decode
-    got, want = (LLM(quantization="gguf", activation_dtype=activation_dtype,
-                     max_num_batched_tokens=16, enable_prefix_caching=False,
-                     cpu_kernels=kernels).generate([prompt], params, use_tqdm=False)
-                 for kernels in (None, False))
-    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+def greedy_tokens(llm, prompts, params=GREEDY, one_at_a_time=False) -> list[list[int]]:
+    if one_at_a_time:
+        return [greedy_tokens(llm, [p], params)[0] for p in prompts]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
-def gguf_reference():
-    """The default file on its blocks through the reference method (dequantize, then
-    matmul): built once for the two tests that compare against it."""
+def reference_tokens():
+    """The reference method's greedy tokens for PROMPTS and LONG: one batched run (a
+    batch costs these steps what one row does), the engine shut down after."""
     from minivllm import LLM
 
-    return LLM(quantization="gguf", cpu_kernels=False)
+    llm = LLM(quantization="gguf", cpu_kernels=False)
+    try:
+        return greedy_tokens(llm, PROMPTS + [LONG])
+    finally:
+        llm.shutdown()
 
 
-@pytest.mark.slow
-def test_default_file_quantized_tokens_equal_the_float32_path(gguf_reference):
-    from minivllm import LLM, SamplingParams
-
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(max_tokens=6, temperature=0.0)
-    want = LLM(quantization=None, cpu_kernels=False).generate(prompts, params)
-    got = gguf_reference.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-
-
-@pytest.mark.slow
-def test_default_file_one_stream_on_the_kernels_gives_the_reference_quantized_tokens(
-        gguf_reference):
-    """One sequence at a time through the decode-step replay on the blocks (the one-row
-    products: the table-driven Q4_1 and the Q8_0 LM head) against the reference's
-    dequantize-then-matmul on every step, greedy, on the file as it ships."""
-    from minivllm import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def kernels_engine():
+    """The default file on its blocks through the CPU kernels, 16 prompt tokens a step
+    (the short prompts fit one step; LONG takes three), no prefix cache."""
+    from minivllm import LLM
     from tests.cpu_requirements import FEATURES
 
     if FEATURES.isa not in ("native", "avx2"):
         pytest.skip("no CPU kernels here")
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    # 10 tokens: 9 decode steps each through the replay; the reference dequantizes
-    # every matrix on every step, so more tokens only cost time.
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    fast = LLM(quantization="gguf")
-    replay = fast.llm_engine.engine_core.executor.runner.decode_replay
+    llm = LLM(quantization="gguf", max_num_batched_tokens=16, enable_prefix_caching=False)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_default_file_quantized_tokens_equal_the_float32_path(reference_tokens):
+    from minivllm import LLM
+
+    llm = LLM(quantization=None, cpu_kernels=False)
+    assert greedy_tokens(llm, PROMPTS + [LONG]) == reference_tokens
+
+
+@pytest.mark.slow
+def test_default_file_one_stream_on_the_kernels_gives_the_reference_quantized_tokens(
+        kernels_engine, reference_tokens):
+    """One sequence at a time through the decode-step replay on the blocks (the one-row
+    products: the table-driven Q4_1 and the Q8_0 LM head) against the reference's
+    dequantize-then-matmul on every step, greedy, on the file as it ships."""
+    replay = kernels_engine.llm_engine.engine_core.executor.runner.decode_replay
     assert replay is not None
-    got = [fast.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert replay.steps >= 2 * 9  # every decode step on the blocks, one row each
-    want = [gguf_reference.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    before = replay.steps
+    # 8 tokens: 7 decode steps each through the replay.
+    got = greedy_tokens(kernels_engine, PROMPTS, one_at_a_time=True)
+    assert replay.steps - before >= 2 * 7  # every decode step on the blocks, one row each
+    assert got == reference_tokens[:2]
+
+
+@pytest.mark.slow
+def test_default_file_chunked_prefill_on_the_blocks(kernels_engine, reference_tokens):
+    """A prompt computed 16 tokens a step: its first chunks sample nothing, so the LM
+    head is asked for 0 rows; the kernels give the reference path's tokens (the
+    prompt's token, one decode)."""
+    got = greedy_tokens(kernels_engine, [LONG], GREEDY.clone(max_tokens=2))
+    assert got == [reference_tokens[2][:2]]
+
+
+@pytest.mark.slow
+def test_default_file_chunked_prefill_with_int8_activations():
+    """As above with int8 activations (their own reference: the plain-torch integer
+    products, unchunked: the prompt in one step, so two steps in all)."""
+    from minivllm import LLM
+    from tests.cpu_requirements import FEATURES
+
+    if FEATURES.isa not in ("native", "avx2"):
+        pytest.skip("no CPU kernels here")
+    params = GREEDY.clone(max_tokens=2)
+    got, want = (greedy_tokens(LLM(quantization="gguf", activation_dtype="int8",
+                                   enable_prefix_caching=False, cpu_kernels=kernels,
+                                   **chunking), [LONG], params)
+                 for kernels, chunking in ((None, {"max_num_batched_tokens": 16}),
+                                           (False, {})))
     assert got == want
 
 

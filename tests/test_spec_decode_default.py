@@ -1,6 +1,6 @@
 """Speculative decoding on the default model: greedy output token for token
 the unspeculated one over 20 prompts (16 chat turns, 4 that quote their input),
-batched under preemption and chunked, and half of them one at a time; a stop
+batched under preemption and chunked, and 6 of them one at a time; a stop
 string inside an accepted run ends it there."""
 
 from __future__ import annotations
@@ -24,11 +24,21 @@ def chat(llm, prompts, params=PARAMS):
 
 
 @pytest.fixture(scope="module")
-def expected():
+def base():
+    """The unspeculated default engine, shared by the tests."""
     llm = LLM()
-    out = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in chat(llm, PROMPTS)]
+    yield llm
     llm.shutdown()
-    return out
+
+
+@pytest.fixture(scope="module")
+def expected(base):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in chat(base, PROMPTS)]
+
+
+# One at a time: a quarter of the chat turns and half of the quoting prompts (each
+# runs alone, so more of them add only time); the batched cases take all 20.
+ALONE = list(range(0, 16, 4)) + [16, 18]
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -37,13 +47,11 @@ def expected():
     dict(max_num_batched_tokens=24),
 ], ids=["alone", "preempted", "chunked"])
 def test_greedy_default_model_equals_unspeculated(expected, engine_args):
-    # One at a time, every second prompt (8 chat turns, 2 quoting): each runs alone, so
-    # the other half adds only time; the batched cases below take all 20.
-    pick = slice(None, None, 2) if engine_args.get("max_num_seqs") == 1 else slice(None)
+    pick = ALONE if engine_args.get("max_num_seqs") == 1 else range(len(PROMPTS))
     llm = LLM(speculative_config=NGRAM, trace=True, **engine_args)
     got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
-           for o in chat(llm, PROMPTS[pick])]
-    assert got == expected[pick]
+           for o in chat(llm, [PROMPTS[i] for i in pick])]
+    assert got == [expected[i] for i in pick]
     stats = llm.trace.spec_decoding_stats()
     assert stats.num_accepted_tokens > 0
     if "num_kv_blocks" in engine_args:
@@ -53,7 +61,7 @@ def test_greedy_default_model_equals_unspeculated(expected, engine_args):
     llm.shutdown()
 
 
-def test_stop_string_inside_an_accepted_run():
+def test_stop_string_inside_an_accepted_run(base):
     prompt = [{"role": "user", "content": grounded_prompts(1)[0]}]
     spec = LLM(speculative_config=NGRAM)
     # Find a run of >= 3 tokens accepted in one step, and stop in its middle.
@@ -70,7 +78,6 @@ def test_stop_string_inside_an_accepted_run():
     assert text.find(stop) == len(cut) - 10  # its first occurrence is inside the run
     params = SamplingParams(temperature=0, max_tokens=64, stop=[stop])
     a = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    base = LLM()
     b = base.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert (a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
         b.text, b.token_ids, "stop", stop)
