@@ -7,6 +7,11 @@ STAMP  := $(VENV)/.installed
 BOOK_SOURCES := $(filter-out book/conftest.py,$(wildcard book/[0-9][0-9]_*.py))
 NOTEBOOKS    := $(BOOK_SOURCES:.py=.ipynb)
 PYTEST_ARGS  ?=
+# Test processes run side by side (pytest-xdist), one per core up to 4; a file's
+# tests stay in one process, so its module fixtures are built once. TEST_JOBS=1
+# runs everything in one process.
+TEST_JOBS    ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST        := -n $(TEST_JOBS) --dist loadfile
 
 .PHONY: setup book notebooks chat test test-fast test-book serve results figures bench bench-peers llama-peer sysdeps clean student grade
 
@@ -52,18 +57,18 @@ chat: setup
 	$(VENV)/bin/minivllm generate --chat "What is the capital of France?" --max-tokens 64
 
 test: setup sysdeps
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS) tests
 	@if [ -n "$(BOOK_SOURCES)" ]; then $(MAKE) --no-print-directory test-book; fi
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) tests
 
 # A cell that runs 10 minutes has hung (each takes seconds): fail it rather
 # than wait, e.g. on a kernel that died, which nbval would otherwise wait out.
 # --durations=0 prints every cell's time, so each chapter's total is on record
 # (a chapter must run in under 2 minutes on 2 cores).
 test-book: notebooks
-	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=0 $(notdir $(NOTEBOOKS))
+	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=0 $(XDIST) $(notdir $(NOTEBOOKS))
 
 # Teaching with the book (nbgrader, book/grading.py): student notebooks with the
 # solutions and hidden tests removed into book/course/release/<assignment>/: part1

@@ -12,7 +12,9 @@ import torch
 
 from minivllm.lab.bench.workload import CHAT_PROMPTS as BENCH_CHAT_PROMPTS
 
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+# Under pytest-xdist (make test) the cores are shared by the test processes.
+torch.set_num_threads(max(1, (os.cpu_count() or 1)
+                          // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 # The first 16 of the benchmark's chat prompts (3 in Chinese): one list, not two.
 CHAT_PROMPTS = list(BENCH_CHAT_PROMPTS[:16])

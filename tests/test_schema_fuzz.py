@@ -28,7 +28,7 @@ def test_no_server_error_on_any_endpoint(tmp_path, tiny_chat_model):
     if cli is None:
         pytest.skip("schemathesis is not installed (the dev extra)")
     srv = ServerProcess(tmp_path, tiny_chat_model, "--inprocess", "--num-kv-blocks", "256",
-                        "--max-model-len", "96")
+                        "--max-model-len", "64")
     try:
         run = subprocess.run(
             [cli, "run", srv.url + "/openapi.json", "--phases", "coverage,fuzzing",
