@@ -3,12 +3,13 @@
 Its coverage phase sends the boundary and just-outside values of every field
 the schema describes; its fuzzing phase random bodies that follow the schema
 (and some that do not). Every answer must be a 2xx or a 4xx. Bounded: a few
-examples per operation and a short context so every generation is quick. The
-time budget is far above a quiet run's ~60 s: when it cuts the run short (a
-loaded machine), fewer fuzzed bodies stand beside the coverage phase's
-deliberately invalid ones, and the mismatch warning below fires for no fault. The schema must also say what the server accepts: schemathesis
-warns ("Schema validation mismatch") when an operation rejects most of the
-bodies its schema allows, and that warning fails the test too.
+examples per operation and a 64-token context, so every generation is short (the
+fuzzing phase's accepted bodies generate up to the context). The 400 s budget cuts the
+fuzzing phase short on a loaded machine; then fewer fuzzed bodies stand beside the
+coverage phase's deliberately invalid ones, and the mismatch warning below could
+fire for no fault. The schema must also say what the server accepts: schemathesis
+warns ("Schema validation mismatch") when an operation rejects most of the bodies its
+schema allows, and that warning fails the test too.
 """
 
 from __future__ import annotations
