@@ -9,70 +9,30 @@ group still usable; a quantized engine refuses saying why.
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
 from minivllm import LLM
 from tests.lora_helpers import greedy
+from tests.weight_trainer import Trainer, save_weights
 from tests.test_rollout_weights import (MAX_TOKENS, Recorder, free_port, hf_model, perturbed,
                                         prompts, run, tokens)
 
 Q = "model.layers.1.self_attn.q_proj.weight"
-BAD_UPDATES = {  # a valid tensor ahead of the bad one: it must not be applied either
+BAD_UPDATES = {
     "unknown name": ("model.layers.0.mlp.up_projection.weight", (128, 64), "unknown"),
     "wrong shape": (Q, (65, 64), r"shape \(65, 64\).*\(64, 64\)"),
 }
 
 
-def trainer_weights(folder: str, what) -> list[tuple[str, torch.Tensor]]:
-    """The tensors one round of the trainer sends: a trained model's, or a bad set."""
-    if isinstance(what, int):
-        return list(perturbed(folder, seed=what).named_parameters())
-    name, shape, _ = BAD_UPDATES[what]
-    good = next(iter(perturbed(folder, seed=9).named_parameters()))
-    return [good, (name, torch.zeros(shape))]
-
-
-def trainer_main(folder: str, init_info: dict, conn) -> None:
-    """The trainer process: joins the group (rank 0), then per round sends the
-    metadata over the pipe (as it would over HTTP) and broadcasts the tensors."""
-    from minivllm.distributed.weight_transfer import (trainer_init, trainer_send_weights,
-                                                      update_info)
-
-    group = trainer_init(init_info)
-    conn.send("joined")
-    for what in iter(conn.recv, None):
-        weights = trainer_weights(folder, what)
-        conn.send(update_info(weights))
-        trainer_send_weights(weights, group)
-    conn.send("done")
-
-
-class Trainer:
-    """``trainer_main`` in a spawned process, driven round by round."""
-
-    def __init__(self, folder: str, init_info: dict) -> None:
-        self.conn, child = multiprocessing.Pipe()
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=trainer_main, args=(folder, init_info, child), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def update(self, llm: LLM, what) -> int:
-        self.conn.send(what)
-        return llm.update_weights({"update_info": self.conn.recv()})
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(None)
-            assert self.conn.recv() == "done"
-        finally:
-            self.proc.join(30)
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.conn.close()
+def trainer_rounds(folder: str, tmp) -> dict:
+    """What the trainer sends per round, saved: a trained model's tensors, or a bad set
+    (a valid tensor ahead of the bad one: it must not be applied either)."""
+    trained = list(perturbed(folder, seed=1).named_parameters())
+    rounds = {"good": save_weights(tmp / "good.pt", trained)}
+    for bad, (name, shape, _) in BAD_UPDATES.items():
+        rounds[bad] = save_weights(tmp / f"{bad}.pt", [trained[0], (name, torch.zeros(shape))])
+    return rounds
 
 
 def gloo_init_info(world_size: int = 2) -> dict:
@@ -80,7 +40,8 @@ def gloo_init_info(world_size: int = 2) -> dict:
             "world_size": world_size, "rank_offset": 1, "timeout_s": 120}
 
 
-def test_a_trainer_process_updates_the_engine_over_gloo(tiny_model):
+@pytest.mark.slow  # a spawned trainer (torch import) and two engines
+def test_a_trainer_process_updates_the_engine_over_gloo(tiny_model, tmp_path):
     pytest.importorskip("zmq")
     from minivllm.distributed.kv_events import AllBlocksCleared
 
@@ -88,8 +49,9 @@ def test_a_trainer_process_updates_the_engine_over_gloo(tiny_model):
     old = [greedy(hf_model(folder), p, MAX_TOKENS) for p in items]
     new = [greedy(perturbed(folder, seed=1), p, MAX_TOKENS) for p in items]
     assert new != old  # the update changes the answers: the check below can fail
+    rounds = trainer_rounds(folder, tmp_path)
     info = gloo_init_info()
-    trainer = Trainer(folder, info)
+    trainer = Trainer(info)
     with LLM(folder, num_kv_blocks=64, cpu_kernels=False,
              weight_transfer_config={"backend": "gloo"},
              kv_events_config={"enable_kv_cache_events": True,
@@ -104,7 +66,7 @@ def test_a_trainer_process_updates_the_engine_over_gloo(tiny_model):
             for bad, (name, _, words) in BAD_UPDATES.items():
                 llm.start_weight_update()
                 with pytest.raises(ValueError, match=words) as e:
-                    trainer.update(llm, bad)
+                    llm.update_weights({"update_info": trainer.send(rounds[bad])})
                 assert name in str(e.value) and "nothing was updated" in str(e.value)
                 with pytest.raises(RuntimeError, match="start_weight_update"):
                     llm.finish_weight_update()  # the refused update was dropped whole
@@ -112,7 +74,7 @@ def test_a_trainer_process_updates_the_engine_over_gloo(tiny_model):
                 assert tokens(outs) == old, bad  # the engine is unchanged
                 assert all(o.num_cached_tokens for o in outs)  # and its cache kept
             llm.start_weight_update()
-            sent = trainer.update(llm, 1)
+            sent = llm.update_weights({"update_info": trainer.send(rounds["good"])})
             assert sent == len(list(hf_model(folder).parameters()))
             assert tokens(run(llm, items)) == old  # not applied before finish
             updated = llm.finish_weight_update()

@@ -165,7 +165,7 @@ class EngineCoreProc:
         try:
             return UtilityOutput(call.call_id, call_utility(self.engine_core, call.method,
                                                             call.args, call.kwargs))
-        except (ValueError, RuntimeError, TypeError) as e:  # refused: the engine goes on
+        except Exception as e:  # refused, or failed (a trainer never came): the engine goes on
             return UtilityOutput(call.call_id, error=e)
 
 

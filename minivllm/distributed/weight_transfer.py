@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Iterator
 
@@ -140,8 +141,8 @@ def join_group(info: GlooInitInfo, rank: int) -> WeightGroup:
     """Join the trainer's group as ``rank``; blocks until every member has joined.
     Rank 0 (the trainer) hosts the TCP store the others meet at."""
     timeout = datetime.timedelta(seconds=info.timeout_s)
-    store = TCPStore(info.master_address, info.master_port, info.world_size,
-                     is_master=rank == 0, timeout=timeout)
+    store = _store(info, rank)
+    store.set_timeout(timeout)
     options = ProcessGroupGloo._Options()
     # The interface that reaches the master: the right one on a host with several.
     options._devices = [ProcessGroupGloo.create_device(hostname=_local_address(info))]
@@ -149,6 +150,25 @@ def join_group(info: GlooInitInfo, rank: int) -> WeightGroup:
     group = ProcessGroupGloo(PrefixStore("minivllm-weights", store), rank,
                              info.world_size, options)
     return WeightGroup(group, store, rank)
+
+
+def _store(info: GlooInitInfo, rank: int) -> TCPStore:
+    """The trainer's store: hosted by rank 0, connected to by the others. A member
+    that comes first polls the port every 0.2 s until ``timeout_s`` (TCPStore's own
+    retries back off for tens of seconds, and log each failure)."""
+    address = (info.master_address, info.master_port)
+    deadline = time.monotonic() + info.timeout_s
+    while rank != 0:
+        try:
+            socket.create_connection(address, timeout=1.0).close()
+            break
+        except OSError:  # nobody listens there yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no weight-transfer trainer listens at {address} "
+                                   f"after {info.timeout_s} s (init_info.timeout_s)") from None
+            time.sleep(0.2)
+    return TCPStore(*address, info.world_size, rank == 0,
+                    timeout=datetime.timedelta(seconds=info.timeout_s))
 
 
 def _local_address(info: GlooInitInfo) -> str:
