@@ -144,10 +144,9 @@ class EngineArgs:
 
     def _feature_sections(self) -> dict:
         """The checked sections of the optional features asked for ({} for none)."""
-        if (self.enable_lora, self.speculative_config, self.kv_transfer_config,
-                self.kv_offloading_size, self.kv_offloading_backend,
-                self.kv_events_config, self.weight_transfer_config) == (
-                    False, None, None, None, None, None, None):
+        if self.enable_lora is False and all(v is None for v in (
+                self.speculative_config, self.kv_transfer_config, self.kv_offloading_size,
+                self.kv_offloading_backend, self.kv_events_config, self.weight_transfer_config)):
             return {}
         from minivllm.config.features import feature_sections
 
