@@ -35,6 +35,24 @@ steps:
   error, never an answer from missing memory. On the CPU the freed tensors go
   back to the system (``malloc_trim``); vLLM's level 1 on CUDA instead copies
   the weights to host memory, which minivllm does not do.
+- The phased weight transfer, for a trainer in another process
+  (``weight_transfer_config={"backend": "gloo"}``; the protocol and the
+  trainer's side in ``distributed/weight_transfer.py``):
+  ``init_weight_transfer_engine({"init_info": ...})`` joins every rank to the
+  trainer's gloo group; ``start_weight_update()`` opens an update (refused on
+  quantized weights, while requests are unfinished, or asleep);
+  ``update_weights({"update_info": {names, dtype_names, shapes}})`` receives
+  what the trainer broadcasts meanwhile, checking each tensor as
+  ``load_weights`` does and staging it; ``finish_weight_update()`` applies
+  the whole update and resets the prefix cache. A refused tensor drops the
+  update (all or nothing across the calls), the engine unchanged.
+
+On the server (``minivllm serve``) the same calls are vLLM's dev-mode routes,
+off unless ``MINIVLLM_SERVER_DEV_MODE=1`` (``entrypoints/openai/dev_routes.py``):
+they reach the engine-core process as ``UtilityCall`` messages
+(``call_utility``), run between steps. A paused engine core idles: requests
+sent meanwhile wait for resume. A sleeping one refuses them
+(``EngineSleepingError``: a 503), so a request never waits on missing memory.
 """
 
 from __future__ import annotations
