@@ -123,3 +123,24 @@ def test_update_info_is_checked_before_anything_is_received():
     with pytest.raises(ValueError, match="'floaty'.*weight 'a'"):
         parse_info(GlooUpdateInfo, {"names": ["a"], "dtype_names": ["floaty"],
                                     "shapes": [[1]]}, "update_info")
+
+
+@pytest.mark.slow  # two ranks and a trainer process
+def test_tp2_ranks_join_the_group_and_each_keeps_its_shard(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_TP_TIMEOUT", "300")
+    folder, items = tiny_model("llama"), prompts(2)
+    rounds = trainer_rounds(folder, tmp_path)
+    new = [greedy(perturbed(folder, seed=1), p, MAX_TOKENS) for p in items]
+    info = gloo_init_info(world_size=3)  # the trainer and the engine's two ranks
+    trainer = Trainer(info)
+    try:
+        with LLM(folder, tensor_parallel_size=2, num_kv_blocks=64, cpu_kernels=False,
+                 weight_transfer_config={"backend": "gloo"}) as llm:
+            llm.init_weight_transfer_engine({"init_info": info})
+            assert trainer.conn.recv() == "joined"
+            llm.start_weight_update()
+            llm.update_weights({"update_info": trainer.send(rounds["good"])})
+            llm.finish_weight_update()
+            assert tokens(run(llm, items)) == new
+    finally:
+        trainer.stop()
