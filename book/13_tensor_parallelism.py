@@ -757,6 +757,20 @@ with torch.inference_mode():
 # calls; `tests/test_rollout_weights.py` checks the tokens against Hugging
 # Face's with the new weights, at TP=1 and TP=2.
 #
+# A trainer in another process (another host) cannot hand over tensors: it
+# sends them with vLLM's phased protocol. With
+# `weight_transfer_config={"backend": "gloo"}` the engine's ranks join a gloo
+# process group the trainer hosts (`init_weight_transfer_engine`), and each
+# update is `start_weight_update()`, then `update_weights(...)` with the names,
+# dtypes and shapes while the trainer broadcasts the tensors, then
+# `finish_weight_update()`, which applies them all at once and clears the
+# cache; a refused weight drops the whole update
+# (`minivllm/distributed/weight_transfer.py` has the trainer's side). `minivllm
+# serve` offers all of these as HTTP routes (`/sleep`, `/pause`,
+# `/update_weights`, ...) only with `MINIVLLM_SERVER_DEV_MODE=1`: they are
+# unauthenticated. There a request to a sleeping engine gets a 503 and one to
+# a paused engine waits for `/resume` (`tests/test_rollout_server.py`).
+#
 # `distributed_executor_backend="ray"` (also `serve --distributed-executor-backend
 # ray`) starts ranks 1..N-1 as Ray actors in one placement group instead of
 # processes, on the cluster `RAY_ADDRESS` names or a local one; each actor runs

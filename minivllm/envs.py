@@ -82,6 +82,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING", _switch, False,
            "`1`: the server gets `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` "
            "(as in vLLM; off by default, since they load files the client names)."),
+    EnvVar("MINIVLLM_SERVER_DEV_MODE", _switch, False, "`1`: the server gets vLLM's dev-mode "
+           "routes (sleep, pause, weight updates: `entrypoints/openai/dev_routes.py`)."),
     EnvVar("MINIVLLM_LOGGING_LEVEL", _choice("debug", "info", "warning", "error", "critical"),
            "info", "the `minivllm` logger's level (default `INFO`)."),
     EnvVar("MINIVLLM_TP_TIMEOUT", _seconds, 300.0,

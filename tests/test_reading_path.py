@@ -99,7 +99,9 @@ OPTIONAL = [
     "minivllm.model.layers.collectives", "minivllm.model.layers.rope_scaling",
     "minivllm.config.features",
     "minivllm.inputs.chat_template", "minivllm.inputs.bad_words", "minivllm.engine.byte_fallback",
-    "minivllm.core.engine_core_proc",
+    "minivllm.core.engine_core_proc", "minivllm.config.weight_transfer",
+    "minivllm.distributed.weight_transfer", "minivllm.core.rollout",
+    "minivllm.worker.rollout_worker",
 ]
 
 # Run in a fresh interpreter: what this test process imported must not count.

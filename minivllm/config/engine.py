@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the feature sections load only when their feature is asked 
     from minivllm.config.kv_transfer import KVTransferConfig
     from minivllm.config.lora import LoRAConfig
     from minivllm.config.speculative import SpeculativeConfig
+    from minivllm.config.weight_transfer import WeightTransferConfig
 
 ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 
@@ -48,6 +49,7 @@ class EngineConfig:
     kv_events: Optional[KVEventsConfig] = None
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up (core/rollout.py)
     batch_invariant: bool = False  # worker/batch_invariant.py
+    weight_transfer: Optional[WeightTransferConfig] = None  # distributed/weight_transfer.py
 
 
 @dataclass
@@ -93,6 +95,7 @@ class EngineArgs:
     activation_dtype: str = "auto"
     enable_sleep_mode: bool = False  # LLM.sleep(level) / wake_up(tags): core/rollout.py
     batch_invariant: bool = False  # logprobs alone == beside others: worker/batch_invariant.py
+    weight_transfer_config: Optional[dict] = None  # {"backend": "gloo"}: core/rollout.py
 
     # -- the command line (config/cli.py) ---------------------------------------
     @staticmethod
@@ -141,9 +144,9 @@ class EngineArgs:
 
     def _feature_sections(self) -> dict:
         """The checked sections of the optional features asked for ({} for none)."""
-        if (self.enable_lora, self.speculative_config, self.kv_transfer_config,
-                self.kv_offloading_size, self.kv_offloading_backend,
-                self.kv_events_config) == (False, None, None, None, None, None):
+        if self.enable_lora is False and all(v is None for v in (
+                self.speculative_config, self.kv_transfer_config, self.kv_offloading_size,
+                self.kv_offloading_backend, self.kv_events_config, self.weight_transfer_config)):
             return {}
         from minivllm.config.features import feature_sections
 

@@ -1,4 +1,5 @@
-"""The sections of the optional features: LoRA, speculative decoding, KV transfer, KV events.
+"""The sections of the optional features: LoRA, speculative decoding, KV transfer, KV events,
+weight transfer.
 
 ``EngineArgs`` loads this module only when one of them is asked for; each
 section's own module (``lora.py``, ``speculative.py``, ``kv_transfer.py``,
@@ -34,6 +35,11 @@ def feature_sections(args: EngineArgs) -> dict:
         from minivllm.config.kv_events import KVEventsConfig
 
         sections["kv_events"] = KVEventsConfig.from_dict(args.kv_events_config)
+    if args.weight_transfer_config is not None:
+        from minivllm.config.weight_transfer import WeightTransferConfig
+
+        sections["weight_transfer"] = WeightTransferConfig.from_dict(
+            args.weight_transfer_config)
     return sections
 
 

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 from multiprocessing.connection import Connection
 
 from minivllm.config import EngineConfig
@@ -53,6 +53,17 @@ class Shutdown:
     pass
 
 
+@dataclass
+class UtilityCall:
+    """A call of the RL API (``core/rollout.py``'s ``LLM_API``: sleep, a weight
+    update, ...) between steps; the server's dev-mode routes send these."""
+
+    call_id: int
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
 # -- messages: engine core -> API side ---------------------------------------------
 @dataclass
 class EngineCoreOutputs:
@@ -67,6 +78,15 @@ class EngineCoreOutputs:
     # request_id -> why the core refused to add it (e.g. it can never fit in
     # the KV cache: an InvalidRequestError); the API side fails the request with it.
     rejected: dict[str, ValueError] = field(default_factory=dict)
+
+
+@dataclass
+class UtilityOutput:
+    """A ``UtilityCall``'s result, or the error it raised."""
+
+    call_id: int
+    result: Any = None
+    error: Optional[BaseException] = None
 
 
 @dataclass
@@ -96,16 +116,18 @@ class EngineCoreProc:
         while True:
             rejected: dict[str, ValueError] = {}
             # Idle: sleep until a message comes. Busy: take only what is
-            # already there, so a step is never delayed by waiting.
-            block = not self.engine_core.has_unfinished_requests()
+            # already there, so a step is never delayed by waiting. Paused or
+            # asleep (core/rollout.py) is idle: requests wait for resume/wake_up.
+            held = self.engine_core.hold is not None
+            block = held or not self.engine_core.has_unfinished_requests()
             while block or self.conn.poll():
                 message = self.conn.recv()
                 block = False
                 if isinstance(message, Shutdown):
                     return
                 self._handle(message, rejected)
-            outputs = (self.engine_core.step() if self.engine_core.has_unfinished_requests()
-                       else [])
+            outputs = (self.engine_core.step() if self.engine_core.hold is None
+                       and self.engine_core.has_unfinished_requests() else [])
             # Sent even when the step produced no token (a prefill chunk, an
             # abort while idle): the stats changed and /metrics should say so.
             self.conn.send(EngineCoreOutputs(outputs, self.engine_core.make_stats(),
@@ -114,14 +136,37 @@ class EngineCoreProc:
     def _handle(self, message, rejected: dict[str, ValueError]) -> None:
         if isinstance(message, AddRequests):
             for request in message.requests:
+                if self.engine_core.hold is not None and self._sleeping(request, rejected):
+                    continue
                 try:
                     self.engine_core.add_request(request)
                 except ValueError as e:  # a bad request must not end the engine
                     rejected[request.request_id] = e
         elif isinstance(message, FinishRequests):
             self.engine_core.finish_requests(message.request_ids, message.status)
+        elif isinstance(message, UtilityCall):
+            self.conn.send(self._call(message))
         else:
             raise TypeError(f"engine core got an unknown message {message!r}")
+
+
+    def _sleeping(self, request: Request, rejected: dict) -> bool:
+        """Refuse ``request`` if the engine sleeps (a paused one keeps it waiting)."""
+        from minivllm.core.rollout import EngineSleepingError, sleeping_reason
+
+        reason = sleeping_reason(self.engine_core)
+        if reason is not None:
+            rejected[request.request_id] = EngineSleepingError(reason)
+        return reason is not None
+
+    def _call(self, call: UtilityCall) -> UtilityOutput:
+        from minivllm.core.rollout import call_utility
+
+        try:
+            return UtilityOutput(call.call_id, call_utility(self.engine_core, call.method,
+                                                            call.args, call.kwargs))
+        except Exception as e:  # refused, or failed (a trainer never came): the engine goes on
+            return UtilityOutput(call.call_id, error=e)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

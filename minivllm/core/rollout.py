@@ -35,6 +35,24 @@ steps:
   error, never an answer from missing memory. On the CPU the freed tensors go
   back to the system (``malloc_trim``); vLLM's level 1 on CUDA instead copies
   the weights to host memory, which minivllm does not do.
+- The phased weight transfer, for a trainer in another process
+  (``weight_transfer_config={"backend": "gloo"}``; the protocol and the
+  trainer's side in ``distributed/weight_transfer.py``):
+  ``init_weight_transfer_engine({"init_info": ...})`` joins every rank to the
+  trainer's gloo group; ``start_weight_update()`` opens an update (refused on
+  quantized weights, while requests are unfinished, or asleep);
+  ``update_weights({"update_info": {names, dtype_names, shapes}})`` receives
+  what the trainer broadcasts meanwhile, checking each tensor as
+  ``load_weights`` does and staging it; ``finish_weight_update()`` applies
+  the whole update and resets the prefix cache. A refused tensor drops the
+  update (all or nothing across the calls), the engine unchanged.
+
+On the server (``minivllm serve``) the same calls are vLLM's dev-mode routes,
+off unless ``MINIVLLM_SERVER_DEV_MODE=1`` (``entrypoints/openai/dev_routes.py``):
+they reach the engine-core process as ``UtilityCall`` messages
+(``call_utility``), run between steps. A paused engine core idles: requests
+sent meanwhile wait for resume. A sleeping one refuses them
+(``EngineSleepingError``: a 503), so a request never waits on missing memory.
 """
 
 from __future__ import annotations
@@ -49,7 +67,9 @@ SLEEP_TAGS = ("weights", "kv_cache")
 
 # The calls ``LLM`` forwards here (``LLM.__getattr__``), with vLLM's names.
 LLM_API = ("collective_rpc", "load_weights", "reset_prefix_cache", "pause_generation",
-           "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping")
+           "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping",
+           "init_weight_transfer_engine", "start_weight_update", "update_weights",
+           "finish_weight_update")
 
 
 def rollout_method(llm_engine, name: str):
@@ -57,6 +77,24 @@ def rollout_method(llm_engine, name: str):
     if llm_engine is None or name not in LLM_API:
         raise AttributeError(f"'LLM' object has no attribute {name!r}")
     return getattr(RolloutControl.of(llm_engine.engine_core), name)
+
+
+class EngineSleepingError(RuntimeError):
+    """A request reached an engine that sleeps: the server answers 503, the
+    request was never run (offline, ``step()`` raises instead)."""
+
+
+def call_utility(core, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    """One call of ``LLM_API`` on the core, from the server (``engine_core_proc.py``)."""
+    if method not in LLM_API:
+        raise ValueError(f"method={method!r} is invalid: allowed {', '.join(LLM_API)}")
+    return getattr(RolloutControl.of(core), method)(*args, **(kwargs or {}))
+
+
+def sleeping_reason(core) -> Optional[str]:
+    """Why ``core`` cannot take a request now (it sleeps), or None."""
+    control = core.__dict__.get("rollout")
+    return core.hold if control is not None and control.asleep else None
 
 
 class RolloutControl:
@@ -67,6 +105,7 @@ class RolloutControl:
         self.paused = False
         self.asleep: set[str] = set()  # of SLEEP_TAGS: what sleep() freed
         self.level = 0  # the deepest sleep() since the last full wake_up
+        self.updating = False  # between start_weight_update() and finish_weight_update()
 
     @staticmethod
     def of(core) -> "RolloutControl":
@@ -84,6 +123,58 @@ class RolloutControl:
     def load_weights(self, named_tensors: Iterable) -> list[str]:
         """New weights on every rank, then the prefix cache cleared; returns the
         parameters updated (rank 0's names)."""
+        self._check_updatable()
+        updated = self.collective_rpc("load_weights", (list(named_tensors),))[0]
+        if not self.reset_prefix_cache():  # cannot fail: no block is held (checked above)
+            raise RuntimeError("the prefix cache could not be cleared after a weight update")
+        return updated
+
+    # -- the phased weight transfer (distributed/weight_transfer.py) -------------------
+    def init_weight_transfer_engine(self, request) -> None:
+        """Every rank joins the trainer's process group (``request``: vLLM's
+        ``WeightTransferInitRequest`` or ``{"init_info": {...}}``); blocks until the
+        trainer's ``trainer_init`` joins too."""
+        if self.core.config.weight_transfer is None:
+            raise ValueError("init_weight_transfer_engine() needs an engine built with "
+                             "weight_transfer_config={'backend': 'gloo'}")
+        self.collective_rpc("init_weight_transfer_engine", (request,))
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        """Open an update; the weights change at ``finish_weight_update`` only."""
+        if is_checkpoint_format is not True:
+            raise ValueError(f"is_checkpoint_format={is_checkpoint_format!r} is invalid: "
+                             f"minivllm takes Hugging Face checkpoint names only (True)")
+        self._check_updatable()
+        self.collective_rpc("start_weight_update")  # refuses quantized weights, then no group
+        self.updating = True
+
+    def update_weights(self, request) -> int:
+        """Receive the tensors ``request``'s ``update_info`` announces (names,
+        dtype_names, shapes), broadcast by the trainer meanwhile; each is checked as
+        ``load_weights`` checks. A refused one drops the whole update (the engine
+        unchanged) and raises naming it. Returns the number received."""
+        if not self.updating:
+            raise RuntimeError("update_weights() needs start_weight_update() first")
+        try:
+            return self.collective_rpc("update_weights", (request,))[0]
+        except BaseException:
+            self.updating = False
+            raise
+
+    def finish_weight_update(self) -> list[str]:
+        """Apply the update on every rank, then clear the prefix cache (as
+        ``load_weights``); returns the parameters updated (rank 0's names)."""
+        if not self.updating:
+            raise RuntimeError("finish_weight_update() needs start_weight_update() first "
+                               "(an update with a refused weight was dropped)")
+        self._check_updatable()  # refused now: the staged update waits for a retry
+        self.updating = False
+        updated = self.collective_rpc("finish_weight_update")[0]
+        if not self.reset_prefix_cache():  # cannot fail: no block is held (checked above)
+            raise RuntimeError("the prefix cache could not be cleared after a weight update")
+        return updated
+
+    def _check_updatable(self) -> None:
         if "weights" in self.asleep:
             raise RuntimeError("the weights are asleep (sleep(level=2)): wake_up(tags="
                                "['weights']) first (it reloads the checkpoint)")
@@ -92,10 +183,6 @@ class RolloutControl:
             raise RuntimeError(f"cannot update the weights while {busy}: their KV blocks "
                                f"were computed with the old weights; let them finish or "
                                f"abort them first")
-        updated = self.collective_rpc("load_weights", (list(named_tensors),))[0]
-        if not self.reset_prefix_cache():  # cannot fail: no block is held (checked above)
-            raise RuntimeError("the prefix cache could not be cleared after a weight update")
-        return updated
 
     # -- the cache ---------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -170,4 +257,5 @@ class RolloutControl:
         return f"{n} requests are unfinished" if n else None
 
 
-__all__ = ["ASLEEP", "LLM_API", "PAUSED", "SLEEP_TAGS", "RolloutControl", "rollout_method"]
+__all__ = ["ASLEEP", "LLM_API", "PAUSED", "SLEEP_TAGS", "EngineSleepingError", "RolloutControl",
+           "call_utility", "rollout_method", "sleeping_reason"]

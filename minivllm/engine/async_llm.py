@@ -19,13 +19,14 @@ that iterates ``generate``, and the ``finally`` below does the rest.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import traceback
 from typing import AsyncIterator, Optional
 
 from minivllm.config import EngineArgs, EngineConfig
 from minivllm.engine.core_client import EngineCoreClient, EngineDeadError
-from minivllm.core.engine_core_proc import EngineCoreOutputs
+from minivllm.core.engine_core_proc import EngineCoreOutputs, UtilityCall, UtilityOutput
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.core.request import RequestStatus
 from minivllm.core.scheduler_stats import SchedulerStats
@@ -56,6 +57,8 @@ class AsyncLLM:
         self._output_handler: Optional[asyncio.Task] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # set by start()
         self._shut_down = False
+        self._calls: dict[int, asyncio.Future] = {}  # call_utility's, by call id
+        self._call_ids = itertools.count()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, in_process: bool = False,
@@ -154,11 +157,28 @@ class AsyncLLM:
         for request_id in list(self.queues):
             self.abort(request_id)
 
+    async def call_utility(self, method: str, *args, **kwargs):
+        """Run ``LLM.<method>`` of the RL API (``core/rollout.py``) on the engine core,
+        between steps; its error is raised here (the server's dev-mode routes)."""
+        self.start()
+        self._check_running()
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = self.loop.create_future()
+        try:
+            self.engine_core.call_utility(UtilityCall(call_id, method, args, kwargs))
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
     # -- the output handler -----------------------------------------------------------
     async def _run_output_handler(self) -> None:
         try:
             while True:
-                self._process(await self.engine_core.get_output())
+                item = await self.engine_core.get_output()
+                if isinstance(item, UtilityOutput):
+                    self._resolve(item)
+                else:
+                    self._process(item)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:
@@ -188,6 +208,14 @@ class AsyncLLM:
             if queue is not None:
                 queue.put_nowait(out)
 
+    def _resolve(self, out: UtilityOutput) -> None:
+        future = self._calls.get(out.call_id)
+        if future is not None and not future.done():
+            if out.error is not None:
+                future.set_exception(out.error)
+            else:
+                future.set_result(out.result)
+
     def _reject(self, child_id: str, error: ValueError) -> None:
         parent_id = self.output_processor.parent_id(child_id)
         if parent_id is None:
@@ -209,6 +237,9 @@ class AsyncLLM:
                                                      out.outputs[0].finish_reason or "abort")
 
     def _fail_all(self, error: BaseException) -> None:
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
         for request_id, queue in list(self.queues.items()):
             self.output_processor.abort_request(request_id)
             queue.put_nowait(error)

@@ -25,7 +25,8 @@ from typing import Iterable, Optional, Union
 from minivllm.config import EngineConfig
 from minivllm.engine.core_builder import build_engine_core
 from minivllm.core.engine_core_proc import (AddRequests, EngineCoreOutputs, EngineCoreReady,
-                                            FinishRequests, Shutdown, run_engine_core)
+                                            FinishRequests, Shutdown, UtilityCall,
+                                            run_engine_core)
 from minivllm.core.request import Request, RequestStatus
 
 
@@ -145,6 +146,10 @@ class EngineCoreClient:
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         self._send(FinishRequests(list(request_ids), status))
+
+    def call_utility(self, call: UtilityCall) -> None:
+        """Send a call of the RL API; its ``UtilityOutput`` comes with the outputs."""
+        self._send(call)
 
     # -- shutting down ---------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:

@@ -63,12 +63,24 @@ def update_weights(model: nn.Module, config: ModelConfig,
 
     ``shapes``: the checkpoint's full tensor shapes (``checkpoint_shapes``), each
     tensor must match its own. Returns the names of our parameters that changed."""
+    staged: dict[str, torch.Tensor] = {}
+    stage_weights(model, config, weights, shapes, staged)
+    return apply_staged(model, staged)
+
+
+def stage_weights(model: nn.Module, config: ModelConfig,
+                  weights: Iterable[tuple[str, torch.Tensor]],
+                  shapes: Optional[dict[str, tuple[int, ...]]],
+                  staged: dict[str, torch.Tensor]) -> None:
+    """Check each pair and write it into ``staged`` (parameter name -> scratch copy),
+    leaving the model as it is; an update in several batches (the phased weight
+    transfer) stages them all into one dict. After an error ``staged`` is half
+    written: the caller drops it."""
     problem = quantized_weights_problem(model)
     if problem is not None:
         raise ValueError(f"cannot update the weights in place: {problem}; an update "
                          f"needs float weights: start the engine with quantization=None")
     params = dict(model.named_parameters(remove_duplicate=False))
-    staged: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
@@ -86,6 +98,11 @@ def update_weights(model: nn.Module, config: ModelConfig,
         if staged_name is None:
             raise ValueError(f"weight {name!r} is unknown to {config.architecture}: no "
                              f"parameter takes it; nothing was updated")
+
+
+def apply_staged(model: nn.Module, staged: dict[str, torch.Tensor]) -> list[str]:
+    """Overwrite the parameters with their staged copies; their names, sorted."""
+    params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for target, scratch in staged.items():
             params[target].data.copy_(scratch)
@@ -110,4 +127,5 @@ def _stage(params: dict, staged: dict, model: nn.Module, name: str,
     return target
 
 
-__all__ = ["checkpoint_shapes", "quantized_weights_problem", "update_weights"]
+__all__ = ["apply_staged", "checkpoint_shapes", "quantized_weights_problem", "stage_weights",
+           "update_weights"]

@@ -6,7 +6,7 @@ results in rank order:
 
 - ``method`` a string: a method of the ``ModelRunner``, or one of the worker
   functions below (``WORKER_METHODS``: ``load_weights``, ``sleep``,
-  ``wake_up``), which take the runner first;
+  ``wake_up``, and the phased weight transfer's four), which take the runner first;
 - ``method`` a callable: ``method(runner, *args, **kwargs)`` (on other ranks it
   travels pickled, so a module-level function).
 
@@ -45,6 +45,83 @@ def _checkpoint_shapes(folder: str) -> dict:
     from minivllm.model.weight_update import checkpoint_shapes
 
     return checkpoint_shapes(folder)
+
+
+# -- the phased weight transfer (distributed/weight_transfer.py) --------------------------
+@dataclass
+class Transfer:
+    """A rank's membership in the trainer's group, and the update it is receiving."""
+
+    group: Any
+    staged: Optional[dict] = None  # parameter name -> scratch copy, between start and finish
+
+
+_TRANSFERS: "weakref.WeakKeyDictionary[object, Transfer]" = weakref.WeakKeyDictionary()
+
+
+def init_weight_transfer_engine(runner, init_info) -> None:
+    """Join the trainer's group as ``rank_offset`` + this rank's TP rank."""
+    from minivllm.distributed.weight_transfer import GlooInitInfo, join_group, parse_info
+    from minivllm.model.layers.parallel import tp_rank, tp_size
+
+    info = parse_info(GlooInitInfo, init_info, "init_info")
+    if info.rank_offset + tp_size() > info.world_size:
+        raise ValueError(f"init_info.world_size={info.world_size} is invalid: the engine's "
+                         f"{tp_size()} ranks from rank_offset={info.rank_offset} do not fit")
+    _TRANSFERS[runner] = Transfer(join_group(info, info.rank_offset + tp_rank()))
+
+
+def start_weight_update(runner) -> None:
+    """Open an update: nothing is applied before ``finish_weight_update``."""
+    from minivllm.model.weight_update import quantized_weights_problem
+
+    problem = quantized_weights_problem(runner.model)
+    if problem is not None:
+        raise ValueError(f"cannot update the weights in place: {problem}; an update needs "
+                         f"float weights: start the engine with quantization=None")
+    _transfer(runner).staged = {}  # (a second start drops an update not finished)
+
+
+def update_weights(runner, update_info) -> int:
+    """Receive the announced tensors and stage them (checked as ``load_weights``
+    checks); returns how many came. A refused tensor ends the whole update,
+    after every tensor was received (the trainer's broadcasts must complete)."""
+    from minivllm.distributed.weight_transfer import GlooUpdateInfo, parse_info, receive_weights
+    from minivllm.model.weight_update import stage_weights
+
+    transfer = _transfer(runner)
+    if transfer.staged is None:
+        raise RuntimeError("update_weights() needs start_weight_update() first")
+    info = parse_info(GlooUpdateInfo, update_info, "update_info")
+    received = list(receive_weights(transfer.group, info))
+    try:
+        stage_weights(runner.model, runner.config.model, received,
+                      _checkpoint_shapes(runner.config.model.path), transfer.staged)
+    except ValueError:
+        transfer.staged = None  # half written: the update is dropped whole
+        raise
+    return len(received)
+
+
+def finish_weight_update(runner) -> list[str]:
+    """Apply the staged update; the parameters changed (our names)."""
+    from minivllm.model.weight_update import apply_staged
+
+    transfer = _transfer(runner)
+    if transfer.staged is None:
+        raise RuntimeError("finish_weight_update() needs start_weight_update() first (or "
+                           "the update was dropped after a refused weight)")
+    updated = apply_staged(runner.model, transfer.staged)
+    transfer.staged = None
+    _refresh(runner)
+    return updated
+
+
+def _transfer(runner) -> Transfer:
+    transfer = _TRANSFERS.get(runner)
+    if transfer is None:
+        raise RuntimeError("no weight transfer: call init_weight_transfer_engine() first")
+    return transfer
 
 
 # -- sleep and wake ------------------------------------------------------------------
@@ -138,8 +215,11 @@ def _give_back_memory() -> None:
         pass
 
 
-WORKER_METHODS: dict[str, Callable] = {"load_weights": load_weights, "sleep": sleep,
-                                       "wake_up": wake_up}
+WORKER_METHODS: dict[str, Callable] = {
+    "load_weights": load_weights, "sleep": sleep, "wake_up": wake_up,
+    "init_weight_transfer_engine": init_weight_transfer_engine,
+    "start_weight_update": start_weight_update, "update_weights": update_weights,
+    "finish_weight_update": finish_weight_update}
 
 
 def run_method(runner, method: Union[str, Callable], args: tuple = (),

@@ -15,6 +15,9 @@ Routes:
     GET  /metrics                                Prometheus text format
     GET  /stats                                  JSON snapshot for the demo page (and tests)
     GET  /                                       the demo page
+    POST /sleep, /wake_up, /pause, /resume, /update_weights, ...
+                                                 with MINIVLLM_SERVER_DEV_MODE=1: an RL
+                                                 trainer's routes (dev_routes.py)
 
 Every error has OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}`` (under ``/v1/messages`` Anthropic's, ``{"type": "error", "error":
@@ -58,6 +61,7 @@ from minivllm.engine.core_client import EngineDeadError
 from minivllm.entrypoints.openai import serving_tokenization
 from minivllm.entrypoints.openai.openapi import serve_completed_schema
 from minivllm.entrypoints.openai.serving_tokenization import DetokenizeRequest, TokenizeRequest
+from minivllm.entrypoints.openai.dev_routes import attach_dev_routes, dev_mode_enabled
 from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletionRequest,
                                                   CompletionRequest, ModelList)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -313,6 +317,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
             models.remove(body.lora_name)
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    if dev_mode_enabled():  # as vLLM: the routes exist only in dev mode
+        attach_dev_routes(app, engine)
 
     @app.get("/health")
     async def health():
