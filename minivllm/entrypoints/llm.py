@@ -141,6 +141,8 @@ class LLM:
 
 def _unwrap(prompt: Prompt):
     if isinstance(prompt, dict):
+        if "cache_salt" in prompt:  # the input processor reads and checks the salt
+            return dict(prompt)
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
