@@ -181,3 +181,55 @@ def test_beam_search_steps_inherit_the_salt(tiny_model):
         assert ask(llm, "a").num_cached_tokens == HIT
     finally:
         llm.shutdown()
+
+
+# -- the server: a top-level cache_salt on every generating endpoint ---------------------
+ASK = [{"role": "user", "content": "Name three rivers of Europe and the seas they reach."}]
+
+
+def _cached(server, endpoint: str, salt, tokens: int = 4) -> int:
+    """One greedy request; the prompt tokens it found cached, as the endpoint reports."""
+    body = {"model": "tiny", "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    if endpoint == "chat":
+        body.update(messages=ASK, max_tokens=tokens)
+    elif endpoint == "completions":
+        body.update(prompt=ASK[0]["content"] * 2, max_tokens=tokens)
+    elif endpoint == "responses":
+        body.update(input=ASK, max_output_tokens=tokens)
+    else:
+        body.update(messages=ASK, max_tokens=tokens)
+    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+            "responses": "/v1/responses", "messages": "/v1/messages"}[endpoint]
+    r = server.http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    if endpoint == "responses":
+        return usage["input_tokens_details"]["cached_tokens"]
+    if endpoint == "messages":
+        return usage["cache_read_input_tokens"]
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.slow
+def test_server_endpoints_keep_tenants_apart(tmp_path, tiny_chat_model):
+    from tests.helpers import ServerProcess
+
+    server = ServerProcess(tmp_path, tiny_chat_model, "--inprocess", "--num-kv-blocks", "256",
+                           "--block-size", str(BS), "--served-model-name", "tiny")
+    try:
+        for endpoint in ("chat", "completions", "responses", "messages"):
+            _cached(server, endpoint, None)
+            assert _cached(server, endpoint, None) > 0  # the unsalted prefix is cached...
+            first_a = _cached(server, endpoint, f"{endpoint}-a")
+            other = _cached(server, endpoint, f"{endpoint}-b")
+            again_a = _cached(server, endpoint, f"{endpoint}-a")
+            # ...and no hit under a salt; a tenant's own prefix is one.
+            assert (first_a, other) == (0, 0) and again_a > 0, endpoint
+        for salt in ("", 5):
+            r = server.http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": ASK, "max_tokens": 2, "cache_salt": salt})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    finally:
+        server.stop()
