@@ -112,7 +112,7 @@ def test_salt_enters_the_first_block_only():
     a, b = hash_request_tokens(PROMPT, BS, cache_salt="a"), hash_request_tokens(
         PROMPT, BS, cache_salt="b")
     assert not set(a) & set(b) and not set(a) & set(plain)
-    assert a[0] == hash_block_tokens(None, PROMPT[:BS], (("cache_salt", "a"),))
+    assert a[0] == hash_block_tokens(None, PROMPT[:BS], (("salt", "a"),))
     assert all(a[i] == hash_block_tokens(a[i - 1], PROMPT[i * BS:(i + 1) * BS])
                for i in range(1, len(a)))
 

@@ -19,14 +19,6 @@ token ids as little-endian int64, ``repr`` of the extra keys), kept as a
 process and run (the engine core may live in another process), and a
 collision, which would silently mix two prompts' K/V, is not a practical
 concern.
-
-Tenant isolation (vLLM's ``cache_salt``): a request may carry a salt, a string
-that enters the extra keys of its *first* block only. Every later hash chains
-to that one, so a salted prompt shares no block with the same prompt under
-another salt (or none), and everything named by these hashes follows: the
-offload tier, the KV connectors' block files, the KV events and the router's
-prefix keys. Without a hit to be had, another tenant cannot learn from the time
-to first token whether a prompt was cached.
 """
 
 from __future__ import annotations
@@ -61,25 +53,18 @@ def hash_block_tokens(parent_block_hash: Optional[int], block_token_ids: Sequenc
 
 
 def hash_request_tokens(token_ids: Sequence[int], block_size: int,
-                        extra_keys: Optional[tuple] = None,
-                        hashes: Optional[list[int]] = None,
-                        cache_salt: Optional[str] = None) -> list[int]:
-    """The hash chain over all full blocks of ``token_ids`` (a partial tail is skipped);
-    given ``hashes``, the chain of a prefix of them, that list is extended.
-    ``cache_salt`` joins the first block's extra keys (the chain carries it on)."""
+                        extra_keys: Optional[tuple] = None, cache_salt: Optional[str] = None,
+                        hashes: Optional[list[int]] = None) -> list[int]:
+    """The hash chain over all full blocks of ``token_ids`` (extending ``hashes``, a prefix's
+    chain, if given); vLLM's ``cache_salt`` joins the first block's extra keys only."""
     hashes = [] if hashes is None else hashes
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), len(token_ids) // block_size):
         block = token_ids[i * block_size:(i + 1) * block_size]
-        keys = extra_keys if i or cache_salt is None else salted_keys(extra_keys, cache_salt)
+        keys = extra_keys if i or not cache_salt else (*(extra_keys or ()), ("salt", cache_salt))
         parent = hash_block_tokens(parent, block, keys)
         hashes.append(parent)
     return hashes
-
-
-def salted_keys(extra_keys: Optional[tuple], cache_salt: str) -> tuple:
-    """The first block's extra keys under ``cache_salt``."""
-    return (*(extra_keys or ()), ("cache_salt", cache_salt))
 
 
 @dataclass
@@ -145,8 +130,8 @@ class KVCacheManager:
         """Extend ``request.block_hashes`` over blocks that became full."""
         if self.enable_caching:
             hash_request_tokens(request.all_token_ids, self.block_size,
-                                request.block_hash_extra_keys, request.block_hashes,
-                                request.cache_salt)
+                                request.block_hash_extra_keys, request.cache_salt,
+                                request.block_hashes)
 
     # -- the two questions -------------------------------------------------
     def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:
@@ -292,5 +277,4 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
 
-__all__ = ["KVCacheManager", "PrefixCacheStats", "hash_block_tokens", "hash_request_tokens",
-           "salted_keys"]
+__all__ = ["KVCacheManager", "PrefixCacheStats", "hash_block_tokens", "hash_request_tokens"]

@@ -74,8 +74,7 @@ class Request:
         self.queue_order = 0  # its rank among all, set by the scheduler
         self.stop_reason: Optional[int | str] = None
         self.lora_request = lora_request  # a LoRARequest; None: the base model
-        # Prefix-cache hits only among requests with the same salt (the first block's hash).
-        self.cache_salt = cache_salt
+        self.cache_salt = cache_salt  # prefix-cache hits only under the same salt
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output

@@ -193,10 +193,12 @@ class BeamSearch:
 
 def _search(processor, prompt, params: BeamSearchParams) -> BeamSearch:
     """A prompt's search (a dict prompt may carry a ``cache_salt``)."""
-    from minivllm.inputs.processor import check_cache_salt
+    salt = None
+    if isinstance(prompt, dict):
+        from minivllm.inputs.prompt_dict import split_prompt
 
-    return BeamSearch(processor.tokenize(prompt)[1], params,
-                      set(processor.eos_token_ids), check_cache_salt(prompt))
+        prompt, salt = split_prompt(prompt)
+    return BeamSearch(processor.tokenize(prompt)[1], params, set(processor.eos_token_ids), salt)
 
 
 def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:

@@ -1,18 +1,13 @@
 """Prompt + parameters → the engine request: the first stage of every request.
 
-A prompt is a string, a list of token IDs, or chat messages, which the model's
-chat template renders first (it places the special tokens, so the text is then
-tokenized without adding more); or a dict (vLLM's form) holding one of them under
-``"prompt"`` or ``"prompt_token_ids"`` and, optionally, a ``"cache_salt"``: a
-non-empty string; requests reuse each other's cached prefix only under the same
-salt (core/kv_cache_manager.py), so tenants cannot probe each other's prompts.
-
-Every check a request needs against this model and engine is made here, once,
-before it is registered anywhere: token IDs in the vocabulary, the length
-against ``max_model_len`` (``max_tokens`` resolved), the parameters, the grammar,
-the priority, the LoRA adapter, the cache salt; a refusal is an
-``InvalidRequestError`` whose ``param`` names the field. ``bad_words`` are
-tokenized here too. Whether KV blocks suffice only the scheduler knows.
+A prompt is a string, a list of token IDs, or chat messages, which the model's chat
+template renders first (it places the special tokens, so the text is then tokenized
+without adding more), or a dict holding one and a ``cache_salt`` (prompt_dict.py). Every
+check a request needs against this model and engine is made here, once, before it is
+registered anywhere: token IDs in the vocabulary, the length against ``max_model_len``
+(``max_tokens`` resolved), the parameters, the grammar, the priority, the LoRA adapter,
+the salt; a refusal is an ``InvalidRequestError`` whose ``param`` names the field.
+``bad_words`` are tokenized here too. Whether KV blocks suffice only the scheduler knows.
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ from minivllm.sampling_params import SamplingParams
 
 Message = dict
 PromptType = Union[str, Sequence[int], Sequence[Message], dict]
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass
@@ -58,7 +52,9 @@ class InputProcessor:
                        arrival_time: float, priority: int = 0,
                        lora_request=None) -> EngineCoreRequest:
         """Tokenize and check a request; the engine request, or ``InvalidRequestError``."""
-        cache_salt = check_cache_salt(prompt)
+        if isinstance(prompt, dict):  # vLLM's form (a module the plain path never loads)
+            from minivllm.inputs.prompt_dict import split_prompt
+        prompt, salt = split_prompt(prompt) if isinstance(prompt, dict) else (prompt, None)
         text, token_ids = self.tokenize(prompt)
         self.check_params(params)
         max_tokens = self.check_length(len(token_ids), params)
@@ -69,8 +65,7 @@ class InputProcessor:
 
             params = with_bad_words(self.tokenizer, params)
         return EngineCoreRequest(request_id, text, token_ids, params, max_tokens,
-                                 self.eos_token_ids, arrival_time, priority, lora_request,
-                                 cache_salt)
+                                 self.eos_token_ids, arrival_time, priority, lora_request, salt)
 
     # -- the prompt ----------------------------------------------------------------
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
@@ -82,8 +77,6 @@ class InputProcessor:
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token IDs) for any accepted prompt form."""
-        if isinstance(prompt, dict):
-            prompt = unwrap_prompt(prompt)
         if self.tokenizer is None and (isinstance(prompt, str) or any(
                 isinstance(m, dict) for m in prompt)):
             raise InvalidRequestError("this model folder has no tokenizer: give prompts as "
@@ -173,25 +166,4 @@ class InputProcessor:
             self.lora_checker.check(lora_request)
 
 
-# -- the prompt dict -------------------------------------------------------------------
-def unwrap_prompt(prompt: dict):
-    """The prompt a dict prompt holds (under "prompt" or "prompt_token_ids")."""
-    given = [k for k in PROMPT_KEYS if k in prompt]
-    unknown = sorted(set(prompt) - {*PROMPT_KEYS, "cache_salt"})
-    if len(given) != 1 or unknown:
-        raise InvalidRequestError(
-            f"prompt dict with keys {sorted(prompt)} is invalid: give exactly one of "
-            f"{list(PROMPT_KEYS)}, and optionally 'cache_salt'", "prompt")
-    return prompt[given[0]]
-
-
-def check_cache_salt(prompt) -> Optional[str]:
-    """A dict prompt's ``cache_salt`` (None if none): a non-empty string."""
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and not (isinstance(salt, str) and salt):
-        raise InvalidRequestError(f"cache_salt={salt!r} is invalid: must be a non-empty "
-                                  "string (or left out)", "cache_salt")
-    return salt
-
-
-__all__ = ["EngineCoreRequest", "InputProcessor", "PromptType", "check_cache_salt", "unwrap_prompt"]
+__all__ = ["EngineCoreRequest", "InputProcessor", "PromptType"]
