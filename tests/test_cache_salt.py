@@ -233,3 +233,31 @@ def test_server_endpoints_keep_tenants_apart(tmp_path, tiny_chat_model):
             assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
     finally:
         server.stop()
+
+
+def test_shared_storage_block_files_are_named_per_salt(tiny_model, tmp_path):
+    from minivllm.distributed.kv_transfer.shared_storage import block_file
+
+    config = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+
+    def engine():
+        return LLM(tiny_model("llama"), block_size=BS, cpu_kernels=False, num_kv_blocks=64,
+                   kv_transfer_config=config)
+
+    producer = engine()
+    try:
+        want = ask(producer, "a").outputs[0].token_ids
+    finally:
+        producer.shutdown()
+    salted = hash_request_tokens(PROMPT[:HIT], BS, cache_salt="a")
+    assert all(block_file(tmp_path, h).is_file() for h in salted)
+    assert not any(block_file(tmp_path, h).is_file()
+                   for h in hash_request_tokens(PROMPT[:HIT], BS))
+    consumer = engine()  # an empty pool: hits can only come from the files
+    try:
+        outs = [ask(consumer, s) for s in ("b", "a")]
+        assert [o.num_cached_tokens for o in outs] == [0, HIT]
+        assert [o.outputs[0].token_ids for o in outs] == [want, want]
+    finally:
+        consumer.shutdown()
