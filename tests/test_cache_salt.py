@@ -46,7 +46,8 @@ def evict_all(llm, round_: int) -> None:
 
 
 # -- offline, with and without the offload tier ---------------------------------------
-@pytest.mark.parametrize("tier", [None, 0.001], ids=["pool", "offload-tier"])
+@pytest.mark.parametrize("tier", [None, pytest.param(0.001, marks=pytest.mark.slow)],
+                         ids=["pool", "offload-tier"])
 def test_hits_stay_within_one_salt(tiny_model, tier):
     # With the tier the pool (16 blocks) cannot keep a prompt between requests: every
     # hit comes back from the tier, which must keep the tenants apart too.
