@@ -174,7 +174,8 @@ assert all(kv.block_pool.get_cached_block(h) is not None
 #
 # The hash of one block, taken from the package as it runs: SHA-256 over the parent's
 # hash (32 zero bytes for the first block), the block's token IDs as 8-byte integers,
-# and the "extra keys" (anything else that changes K/V; none in minivllm yet):
+# and the "extra keys" (anything else that changes K/V: the LoRA adapter, chapter 20; for
+# the first block also a tenant's cache salt, below):
 
 # %%
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -626,10 +627,42 @@ for at_top in (True, False):
 # 可变内容的合理组织".
 
 # %% [markdown]
+# ## One cache, many tenants
+#
+# A shared prefix cache leaks. If tenant B's request comes back faster because tenant A
+# just sent the same document, B has learned what A sent, by the clock alone. vLLM's
+# answer is `cache_salt`: a string per request (a key of the prompt dict offline, a
+# top-level field of the server's chat, completions, Responses and Messages requests).
+# It joins the extra keys of the request's **first** block; every later hash chains to
+# that one, so requests share blocks only under the same salt. Turn 2's prompt is in
+# the cache unsalted; ask it again without a salt, then as two tenants:
+
+# %%
+ids = turns[1][1].prompt_token_ids
+seen = {}
+for name, salt in (("no salt", None), ("tenant A", "a"), ("tenant A again", "a"),
+                   ("tenant B", "b")):
+    prompt = {"prompt_token_ids": ids} | ({} if salt is None else {"cache_salt": salt})
+    seen[name] = llm.generate(prompt, one_token, use_tqdm=False)[0]
+    print(f"{name:15} {seen[name].num_cached_tokens:4} of {len(ids)} prompt tokens cached")
+assert seen["no salt"].num_cached_tokens == seen["tenant A again"].num_cached_tokens > 0
+assert seen["tenant A"].num_cached_tokens == seen["tenant B"].num_cached_tokens == 0
+assert len({tuple(o.outputs[0].token_ids) for o in seen.values()}) == 1  # the same answer
+
+# %% [markdown]
+# Tenant B computes every prompt token, as a cold run does, so its time tells it nothing;
+# tenant A still gets its own hits, and the salt changes no output token. Whatever is
+# named by block hashes follows: the offload tier and the KV connectors' block files
+# (chapter 21), the KV events and the router's prefix keys (chapter 22). The price: a
+# tenant's first request never hits, even on a prefix everyone shares, such as a
+# common system prompt: tenants that may see each other's prompts can share one salt.
+
+# %% [markdown]
 # **In vLLM.** (v0.11.0.) The chain is `hash_block_tokens` in
 # `vllm/v1/core/kv_cache_utils.py` (parent hash, the block's token ids, extra keys: LoRA
-# adapter, multimodal inputs, cache salt), computed per request as blocks fill by the
-# block hasher of `get_request_block_hasher`, into `request.block_hashes`. The lookup is
+# adapter, multimodal inputs, and the cache salt in the first block's keys only), computed
+# per request as blocks fill by the block hasher of `get_request_block_hasher`, into
+# `request.block_hashes`. The lookup is
 # `KVCacheManager.get_computed_blocks` in `vllm/v1/core/kv_cache_manager.py`: it asks
 # for the longest cache hit over at most `num_tokens - 1` tokens (the last-token rule)
 # and returns the blocks and `num_new_computed_tokens`. The map from hash to block,

@@ -772,7 +772,9 @@ assert left_hidden == 0
 # `/stats` (a JSON snapshot: running, waiting, KV blocks). `--inprocess` keeps
 # the engine core in the server process, for a debugger. Errors have OpenAI's
 # shape and a 400 names the field at fault; a client that disconnects aborts its
-# request and frees its KV blocks; Ctrl-C or SIGTERM stops every process.
+# request and frees its KV blocks; Ctrl-C or SIGTERM stops every process. vLLM's
+# top-level `cache_salt` (chat, completions, Responses, Messages) keeps one tenant's
+# prefix-cache hits away from another's (chapter 8).
 #
 # ### The Responses API
 #
@@ -795,8 +797,8 @@ assert left_hidden == 0
 # message in front, `input` a string or message / `function_call` /
 # `function_call_output` items), so it gets the same prompt tokens and the same
 # answer as `/v1/chat/completions`. `max_output_tokens`, `temperature`, `top_p` and
-# vLLM's extra sampling fields (`seed`, `top_k`, `min_p`, `ignore_eos`,
-# `structured_outputs`, ...) work as there; `text.format` (`text`, `json_object`,
+# vLLM's extra fields (`seed`, `top_k`, `min_p`, `ignore_eos`, `structured_outputs`,
+# `cache_salt`, ...) work as there; `text.format` (`text`, `json_object`,
 # `json_schema`) is structured output; flat function `tools` with `tool_choice` give
 # `function_call` output items. `stream: true` sends OpenAI's typed events, numbered
 # by `sequence_number` (`response.created`, `response.in_progress`,

@@ -53,15 +53,16 @@ def hash_block_tokens(parent_block_hash: Optional[int], block_token_ids: Sequenc
 
 
 def hash_request_tokens(token_ids: Sequence[int], block_size: int,
-                        extra_keys: Optional[tuple] = None,
+                        extra_keys: Optional[tuple] = None, cache_salt: Optional[str] = None,
                         hashes: Optional[list[int]] = None) -> list[int]:
-    """The hash chain over all full blocks of ``token_ids`` (a partial tail is skipped);
-    given ``hashes``, the chain of a prefix of them, that list is extended."""
+    """The hash chain over all full blocks of ``token_ids`` (extending ``hashes``, a prefix's
+    chain, if given); vLLM's ``cache_salt`` joins the first block's extra keys only."""
     hashes = [] if hashes is None else hashes
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), len(token_ids) // block_size):
         block = token_ids[i * block_size:(i + 1) * block_size]
-        parent = hash_block_tokens(parent, block, extra_keys)
+        keys = extra_keys if i or not cache_salt else (*(extra_keys or ()), ("salt", cache_salt))
+        parent = hash_block_tokens(parent, block, keys)
         hashes.append(parent)
     return hashes
 
@@ -129,7 +130,8 @@ class KVCacheManager:
         """Extend ``request.block_hashes`` over blocks that became full."""
         if self.enable_caching:
             hash_request_tokens(request.all_token_ids, self.block_size,
-                                request.block_hash_extra_keys, request.block_hashes)
+                                request.block_hash_extra_keys, request.cache_salt,
+                                request.block_hashes)
 
     # -- the two questions -------------------------------------------------
     def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:

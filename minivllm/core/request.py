@@ -63,7 +63,7 @@ class Request:
                  sampling_params: SamplingParams, max_tokens: int,
                  eos_token_ids: frozenset[int] = frozenset(),
                  arrival_time: Optional[float] = None, priority: int = 0,
-                 lora_request=None) -> None:
+                 lora_request=None, cache_salt: Optional[str] = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -74,6 +74,7 @@ class Request:
         self.queue_order = 0  # its rank among all, set by the scheduler
         self.stop_reason: Optional[int | str] = None
         self.lora_request = lora_request  # a LoRARequest; None: the base model
+        self.cache_salt = cache_salt  # prefix-cache hits only under the same salt
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output

@@ -112,7 +112,7 @@ class OutputProcessor:
             parent.children.append(state)
         return Request(request_id, request.prompt_token_ids, params, request.max_tokens,
                        request.eos_token_ids, request.arrival_time, request.priority,
-                       request.lora_request)
+                       request.lora_request, request.cache_salt)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

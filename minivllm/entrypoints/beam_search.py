@@ -109,8 +109,9 @@ class BeamSearch:
     """One prompt's search; any engine runs its steps (``requests``, then ``advance``)."""
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams,
-                 eos_token_ids: set[int]) -> None:
+                 eos_token_ids: set[int], cache_salt: Optional[str] = None) -> None:
         self.params = params
+        self.cache_salt = cache_salt  # every step's requests carry the prompt's salt
         self.prompt_len = len(prompt_token_ids)
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
@@ -127,6 +128,13 @@ class BeamSearch:
                 logprobs=min(MAX_CANDIDATES, max(2, 1 + len(self.eos)) * width),
                 output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
         return self._step_params
+
+    def step_prompt(self, tokens: list[int]) -> dict:
+        """One beam's one-token request (its prefix cached under the prompt's salt)."""
+        prompt = {"prompt_token_ids": tokens}
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        return prompt
 
     @property
     def done(self) -> bool:
@@ -183,17 +191,26 @@ class BeamSearch:
         return BeamSearchOutput(best)
 
 
+def _search(processor, prompt, params: BeamSearchParams) -> BeamSearch:
+    """A prompt's search (a dict prompt may carry a ``cache_salt``)."""
+    salt = None
+    if isinstance(prompt, dict):
+        from minivllm.inputs.prompt_dict import split_prompt
+
+        prompt, salt = split_prompt(prompt)
+    return BeamSearch(processor.tokenize(prompt)[1], params, set(processor.eos_token_ids), salt)
+
+
 def run_beam_search(llm, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
     """``LLM.beam_search``: every live beam of every prompt in one batch per step.
 
     (``LLM.generate`` aborts a step's requests if the search is interrupted.)
     """
     engine = llm.llm_engine
-    searches = [BeamSearch(engine.input_processor.tokenize(p)[1], params,
-                           set(engine.input_processor.eos_token_ids)) for p in prompts]
+    searches = [_search(engine.input_processor, p, params) for p in prompts]
     while not all(s.done for s in searches):
         live = [s for s in searches if not s.done]
-        beams = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
+        beams = [s.step_prompt(b.tokens) for s in live for b in s.beams]
         outs = llm.generate(beams, live[0].step_params(), use_tqdm=False)
         for s in live:
             mine, outs = outs[:len(s.beams)], outs[len(s.beams):]
@@ -207,11 +224,10 @@ async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
     import asyncio
 
     processor = engine.input_processor
-    searches = [BeamSearch(processor.tokenize(p)[1], params, set(processor.eos_token_ids))
-                for p in prompts]
+    searches = [_search(processor, p, params) for p in prompts]
 
-    async def one(tokens: list[int], sp: SamplingParams, rid: str) -> RequestOutput:
-        async for out in engine.generate(tokens, sp, rid):
+    async def one(prompt: dict, sp: SamplingParams, rid: str) -> RequestOutput:
+        async for out in engine.generate(prompt, sp, rid):
             last = out
         return last
 
@@ -220,7 +236,7 @@ async def run_beam_search_async(engine, prompts: list, params: BeamSearchParams,
         step = 0
         while not all(s.done for s in searches):
             live = [s for s in searches if not s.done]
-            beams = [b.tokens for s in live for b in s.beams]
+            beams = [s.step_prompt(b.tokens) for s in live for b in s.beams]
             step_ids = [f"{request_id}-{step}-{i}" for i in range(len(beams))]
             sp = live[0].step_params()
             outs = list(await asyncio.gather(*(one(t, sp, rid)

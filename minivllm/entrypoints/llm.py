@@ -140,7 +140,7 @@ class LLM:
 
 
 def _unwrap(prompt: Prompt):
-    if isinstance(prompt, dict):
+    if isinstance(prompt, dict) and "cache_salt" not in prompt:  # (else the processor's)
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
         if "prompt" in prompt:

@@ -1,13 +1,13 @@
 """Prompt + parameters → the engine request: the first stage of every request.
 
-A prompt is a string, a list of token IDs, or chat messages, which the model's
-chat template renders first (it places the special tokens, so the text is then
-tokenized without adding more). Every check a request needs against this model
-and engine is made here, once, before it is registered anywhere: token IDs in the
-vocabulary, the length against ``max_model_len`` (``max_tokens`` resolved), the
-parameters, the grammar, the priority, the LoRA adapter; a refusal is an
-``InvalidRequestError`` whose ``param`` names the field. ``bad_words`` are
-tokenized here too. Whether KV blocks suffice only the scheduler knows.
+A prompt is a string, a list of token IDs, or chat messages, which the model's chat
+template renders first (it places the special tokens, so the text is then tokenized
+without adding more), or a dict holding one and a ``cache_salt`` (prompt_dict.py). Every
+check a request needs against this model and engine is made here, once, before it is
+registered anywhere: token IDs in the vocabulary, the length against ``max_model_len``
+(``max_tokens`` resolved), the parameters, the grammar, the priority, the LoRA adapter,
+the salt; a refusal is an ``InvalidRequestError`` whose ``param`` names the field.
+``bad_words`` are tokenized here too. Whether KV blocks suffice only the scheduler knows.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from minivllm.inputs.tokenizer import load_tokenizer, read_eos_token_ids
 from minivllm.sampling_params import SamplingParams
 
 Message = dict
-PromptType = Union[str, Sequence[int], Sequence[Message]]
+PromptType = Union[str, Sequence[int], Sequence[Message], dict]
 
 
 @dataclass
@@ -36,6 +36,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     lora_request: object = None  # a minivllm.LoRARequest, or None
+    cache_salt: Optional[str] = None  # prefix-cache hits only under the same salt
 
 
 class InputProcessor:
@@ -51,6 +52,9 @@ class InputProcessor:
                        arrival_time: float, priority: int = 0,
                        lora_request=None) -> EngineCoreRequest:
         """Tokenize and check a request; the engine request, or ``InvalidRequestError``."""
+        if isinstance(prompt, dict):  # vLLM's form (a module the plain path never loads)
+            from minivllm.inputs.prompt_dict import split_prompt
+        prompt, salt = split_prompt(prompt) if isinstance(prompt, dict) else (prompt, None)
         text, token_ids = self.tokenize(prompt)
         self.check_params(params)
         max_tokens = self.check_length(len(token_ids), params)
@@ -61,7 +65,7 @@ class InputProcessor:
 
             params = with_bad_words(self.tokenizer, params)
         return EngineCoreRequest(request_id, text, token_ids, params, max_tokens,
-                                 self.eos_token_ids, arrival_time, priority, lora_request)
+                                 self.eos_token_ids, arrival_time, priority, lora_request, salt)
 
     # -- the prompt ----------------------------------------------------------------
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,

@@ -17,7 +17,9 @@ this request) is never chosen.
 
 A prompt is matched block by block on the hash chain the KV cache manager
 computes (``hash_request_tokens``), without its last token: the engine always
-recomputes that one.
+recomputes that one. A request's ``cache_salt`` enters that chain as it does in
+the engine, so two tenants' equal prompts are different prefixes here too: they
+neither attract each other to a replica nor count as a shared prefix.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from minivllm.core.kv_cache_manager import hash_request_tokens
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 
 
-def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The hashes a replica's prefix cache could hold for this prompt."""
-    return hash_request_tokens(list(prompt_token_ids[:-1]), block_size)
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int,
+                        cache_salt: Optional[str] = None) -> list[int]:
+    """The hashes a replica's prefix cache could hold for this prompt (and salt)."""
+    return hash_request_tokens(list(prompt_token_ids[:-1]), block_size,
+                               cache_salt=cache_salt)
 
 
 def cached_prefix_blocks(block_hashes: Sequence[int], cache: Container[int]) -> int:
@@ -101,11 +105,11 @@ class RoutingPolicy:
         return self.policy in ("prefix_aware", "kv_aware")
 
     def prompt_hashes(self, prompt_token_ids: Optional[Sequence[int]],
-                      block_size: int) -> list[int]:
+                      block_size: int, cache_salt: Optional[str] = None) -> list[int]:
         """The prompt's block hashes if this policy looks at the prompt, else none."""
         if not (self.needs_tokens and prompt_token_ids):
             return []
-        return prompt_block_hashes(prompt_token_ids, block_size)
+        return prompt_block_hashes(prompt_token_ids, block_size, cache_salt)
 
     def route(self, replicas: Sequence[RoutedReplica], block_hashes: Sequence[int] = (),
               available: Optional[Sequence[bool]] = None) -> int:

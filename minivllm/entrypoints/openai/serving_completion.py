@@ -23,7 +23,7 @@ from minivllm.entrypoints.openai.protocol import (BadRequestError, CompletionCho
 from minivllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, Stream,
                                                         UsageCounter, kv_transfer_fields,
                                                         merge_streams, now,
-                                                        random_id, sse, stream_error_event,
+                                                        random_id, salted, sse, stream_error_event,
                                                         with_first)
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import RequestOutputKind
@@ -109,8 +109,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                   length_penalty=request.length_penalty,
                                   include_stop_str_in_output=request.include_stop_str_in_output)
         try:
-            results = await run_beam_search_async(self.engine, request.prompts(), params,
-                                                  request_id)
+            prompts = [salted(p, request.cache_salt) for p in request.prompts()]
+            results = await run_beam_search_async(self.engine, prompts, params, request_id)
         except InvalidRequestError as e:  # a prompt too long for the model, a bad token ID
             raise BadRequestError(str(e), request.field_of(e.param)) from None
         choices, prompt_tokens, generated = [], 0, 0

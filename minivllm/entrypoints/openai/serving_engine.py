@@ -78,7 +78,8 @@ class OpenAIServing:
 
         The engine's ``InvalidRequestError`` names its param; ``request.field_of``
         says which of the request's fields that is (the 400's ``param``)."""
-        streams = [self.engine.generate(p, params, request_id if len(prompts) == 1
+        streams = [self.engine.generate(salted(p, request.cache_salt), params,
+                                        request_id if len(prompts) == 1
                                         else f"{request_id}-{i}", priority, lora_request)
                    for i, p in enumerate(prompts)]
         firsts = [asyncio.ensure_future(anext(s)) for s in streams]
@@ -98,6 +99,12 @@ class OpenAIServing:
             if isinstance(e, InvalidRequestError) and not isinstance(e, BadRequestError):
                 raise BadRequestError(str(e), request.field_of(e.param)) from None
             raise
+
+
+def salted(prompt, cache_salt: Optional[str]):
+    """The prompt in vLLM's dict form with the request's ``cache_salt`` (the input
+    processor checks it); unchanged without one."""
+    return prompt if cache_salt is None else {"prompt": prompt, "cache_salt": cache_salt}
 
 
 def with_first(first: RequestOutput, stream: Stream) -> Stream:

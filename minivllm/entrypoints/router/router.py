@@ -126,7 +126,9 @@ class Router:
             tokens = await self.prompt_tokens(path, body)
             waited = time.perf_counter() - t0
             self.tokenize_seconds.append(waited)
-        hashes = self.policy.prompt_hashes(tokens, self.block_size)
+        salt = body.get("cache_salt")  # (a bad one: the replica answers the 400)
+        hashes = self.policy.prompt_hashes(tokens, self.block_size,
+                                           salt if isinstance(salt, str) and salt else None)
         number = self.num_requests
         self.num_requests += 1
         tried: set[int] = set()

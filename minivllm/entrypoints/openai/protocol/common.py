@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Annotated, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from minivllm.config import InvalidRequestError
 from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -143,6 +143,8 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: StrictBool = True
     # Lower runs first; needs a server started with --scheduling-policy priority.
     priority: StrictInt = 0
+    # vLLM's tenant isolation: prefix-cache hits only among requests with this salt.
+    cache_salt: Optional[StrictStr] = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs,
     # and vLLM's older guided_* fields (aliases of structured_outputs' kinds).
     response_format: Optional[ResponseFormat] = None

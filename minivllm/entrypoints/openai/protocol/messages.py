@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field, StrictBool
+from pydantic import Field, StrictBool, StrictStr
 
 from minivllm.entrypoints.openai.protocol.common import MAX_STOP, RequestModel, ResponseModel
 
@@ -138,6 +138,7 @@ class MessagesRequest(MessagesCountTokensRequest):
     service_tier: Optional[Literal["auto", "standard_only"]] = None
     cache_control: Optional[dict] = None  # (the prefix cache is automatic here)
     output_config: Optional[OutputConfig] = None
+    cache_salt: Optional[StrictStr] = None  # vLLM's tenant isolation of the prefix cache
 
 
 # -- the response -----------------------------------------------------------------------

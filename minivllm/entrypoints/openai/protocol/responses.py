@@ -16,7 +16,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from minivllm.entrypoints.openai.protocol.chat import FunctionDefinition
 from minivllm.entrypoints.openai.protocol.common import (INT64, MAX_STOP, RequestModel,
@@ -194,12 +194,13 @@ class ResponsesRequest(RequestModel):
     logit_bias: Optional[dict[str, float]] = None
     priority: StrictInt = 0
     structured_outputs: Optional[StructuredOutputsRequest] = None
+    cache_salt: Optional[StrictStr] = None  # vLLM's tenant isolation of the prefix cache
 
     # Fields passed to the chat request under the same name.
     SAME_IN_CHAT: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "parallel_tool_calls", "seed", "presence_penalty",
                     "frequency_penalty", "top_k", "min_p", "repetition_penalty", "stop",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "priority",
-                    "structured_outputs")
+                    "structured_outputs", "cache_salt")
 
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):
