@@ -94,7 +94,7 @@ class HybridKVCacheManager(KVCacheManager):
         if not self.enable_caching:
             return self.empty(), 0
         self.update_block_hashes(request)
-        if request.sampling_params.prompt_logprobs is not None:
+        if request.sampling_params.skip_reading_prefix_cache:
             return self.empty(), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits, length = self.coordinator.find_longest_cache_hit(request.block_hashes,

@@ -142,8 +142,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(request)
-        if request.sampling_params.prompt_logprobs is not None:
-            # Its logprobs need the logits of every prompt position: compute all.
+        if request.sampling_params.skip_reading_prefix_cache:
+            # Prompt logprobs need every position's logits, pooling its hidden state.
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
