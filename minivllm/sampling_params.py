@@ -168,14 +168,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    @property
-    def skip_reading_prefix_cache(self) -> bool:
-        """vLLM's name: every prompt position must be computed, none read from the
-        prefix cache (prompt logprobs need their logits; a pooling request, extra_args'
-        ``skip_reading_prefix_cache``, its hidden states)."""
-        return self.prompt_logprobs is not None or bool(
-            self.extra_args and self.extra_args.get("skip_reading_prefix_cache"))
-
     def clone(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (validated again)."""
         kept = {f.name: getattr(self, f.name) for f in fields(self)

@@ -175,8 +175,7 @@ class OutputProcessor:
             m.num_cached_tokens = state.num_cached_tokens
             if o.kv_transfer_params is not None:
                 state.kv_transfer_params = o.kv_transfer_params
-            if o.pooling_output is not None:
-                state.pooling_output = o.pooling_output
+            state.pooling_output = o.pooling_output or state.pooling_output
         # Each completion reports its own running total of preemptions.
         m.num_preemptions += o.num_preemptions - state.num_preemptions
         state.num_preemptions = o.num_preemptions

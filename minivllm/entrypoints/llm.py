@@ -18,13 +18,10 @@ from minivllm.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:  # optional features: loaded when used
     from minivllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
     from minivllm.lora.request import LoRARequest
-    from minivllm.pooling.outputs import PoolingRequestOutput
-    from minivllm.pooling_params import PoolingParams
 
 Prompt = Union[str, Sequence[int], dict]
 ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
 LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]  # (one, or per prompt)
-PoolingArg = Union[None, "PoolingParams", Sequence["PoolingParams"]]  # (one, or per prompt)
 
 
 class LLM:
@@ -61,68 +58,15 @@ class LLM:
                                  else sampling_params, len(items))
         priority = _one_per_prompt("priority", 0 if priority is None else priority, len(items))
         loras = _one_per_prompt("lora_request", lora_request, len(items))
-        return self._add_and_run(items, [sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                                         for sp in params], priority, loras, use_tqdm)
-
-    def _add_and_run(self, items: list, params: list, priority: list, loras: list,
-                     use_tqdm: bool) -> list[RequestOutput]:
         ids: list[str] = []
         try:
             for p, sp, pr, lo in zip(items, params, priority, loras):
-                ids.append(self.llm_engine.add_request(_unwrap(p), sp, priority=pr,
-                                                       lora_request=lo))
+                ids.append(self.llm_engine.add_request(_unwrap(p), sp.clone(
+                    output_kind=RequestOutputKind.FINAL_ONLY), priority=pr, lora_request=lo))
         except BaseException:  # one bad request: none of them runs (as in vLLM)
             self.llm_engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
-
-    # -- pooling: embeddings and scores (minivllm/pooling/) ----------------------
-    def embed(self, prompts: Union[Prompt, Sequence[Prompt]],
-              pooling_params: PoolingArg = None, use_tqdm: bool = True,
-              lora_request: LoRAArg = None) -> list[PoolingRequestOutput]:
-        """One embedding per prompt (``out.outputs.embedding``): the model's final hidden
-        state pooled (last token, or the mean where the model asks for it), unit length
-        unless ``PoolingParams(normalize=False)``. Prefill only: nothing is generated."""
-        from minivllm.pooling.offline import as_embeddings
-
-        return as_embeddings(self._pool("embed", _as_prompt_list(prompts), pooling_params,
-                                        use_tqdm, lora_request))
-
-    def classify(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 pooling_params: PoolingArg = None,
-                 use_tqdm: bool = True) -> list[PoolingRequestOutput]:
-        """A ``*ForSequenceClassification`` model's label probabilities per prompt
-        (``out.outputs.probs``)."""
-        from minivllm.pooling.offline import as_classifications
-
-        return as_classifications(self._pool("classify", _as_prompt_list(prompts),
-                                             pooling_params, use_tqdm))
-
-    def score(self, data_1, data_2, pooling_params: Optional[PoolingParams] = None,
-              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
-        """Scores of ``(data_1, data_2)`` pairs (``out.outputs.score``): one text against
-        each of a list, or two lists pairwise. A ``*ForSequenceClassification`` model reads
-        each pair encoded together (a reranker); an embedding model gives the cosine
-        similarity of the two embeddings."""
-        from minivllm.pooling import offline
-
-        pairs = offline.score_pairs(data_1, data_2)
-        if offline.model_pooler_info(self.llm_engine).is_classifier:
-            tok = self.get_tokenizer()
-            prompts = [offline.cross_encoder_prompt(tok, a, b) for a, b in pairs]
-            return offline.cross_encoder_scores(
-                self._pool("score", prompts, pooling_params, use_tqdm))
-        embedded = self._pool("embed", [p for pair in pairs for p in pair], pooling_params,
-                              use_tqdm)
-        return offline.cosine_scores(embedded[0::2], embedded[1::2])
-
-    def _pool(self, task: str, items: list, pooling_params: PoolingArg, use_tqdm: bool,
-              lora_request: LoRAArg = None) -> list[RequestOutput]:
-        from minivllm.pooling.offline import pooling_requests
-
-        params = pooling_requests(self.llm_engine, task, pooling_params, len(items))
-        loras = _one_per_prompt("lora_request", lora_request, len(items))
-        return self._add_and_run(items, params, [0] * len(items), loras, use_tqdm)
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
              sampling_params: ParamsArg = None,
@@ -179,6 +123,9 @@ class LLM:
         return [done[i] for i in ids]
 
     def __getattr__(self, name: str):
+        if name in ("embed", "classify", "score"):  # pooling: minivllm/pooling/offline.py
+            from minivllm.pooling.offline import pooling_method
+            return pooling_method(self, name)
         # vLLM's RL API (collective_rpc, load_weights, reset_prefix_cache, sleep,
         # wake_up, pause_generation, ...) loads when first used: core/rollout.py.
         from minivllm.core.rollout import rollout_method

@@ -105,10 +105,8 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
                device: str | torch.device = "cpu") -> torch.nn.Module:
     """Build the model for ``config`` on ``device`` and fill in its weights."""
     cls = get_model_class(config.architecture)
-    if any(a.endswith("ForSequenceClassification")
-           for a in config.hf_config.get("architectures") or ()):
+    if "ForSequenceClassification" in "".join(config.hf_config.get("architectures") or ()):
         from minivllm.pooling.classifier import with_score_head
-
         cls = with_score_head(cls)
     with torch.device(device):
         model = cls(config, backend)

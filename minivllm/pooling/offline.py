@@ -1,4 +1,8 @@
-"""The pooling side of ``LLM``: requests in, ``*RequestOutput``s out.
+"""The pooling side of ``LLM``: ``LLM.embed``, ``LLM.classify``, ``LLM.score``.
+
+    llm = LLM()
+    [out] = llm.embed("What is the capital of France?")
+    out.outputs.embedding                       # unit length, hidden_size numbers
 
 ``LLM.embed`` pools every prompt into a vector; ``LLM.classify`` runs a
 ``*ForSequenceClassification`` head; ``LLM.score(text_1, text_2)`` scores pairs, as
@@ -10,10 +14,11 @@ as ``text_2``.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Union
 
-import torch.nn.functional as F
 import torch
+import torch.nn.functional as F
 
 from minivllm.config.checks import InvalidRequestError
 from minivllm.outputs import RequestOutput
@@ -117,6 +122,53 @@ def cosine_scores(first: list[RequestOutput], second: list[RequestOutput]
     return scores
 
 
-__all__ = ["pooling_requests", "as_embeddings", "as_classifications", "score_pairs",
+def embed(llm, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None
+          ) -> list[PoolingRequestOutput]:
+    """One embedding per prompt (``out.outputs.embedding``): the final hidden state
+    pooled as the model asks (last token, or mean), unit length unless
+    ``PoolingParams(normalize=False)``. Prefill only: nothing is generated."""
+    return as_embeddings(_pool(llm, "embed", prompts, pooling_params, use_tqdm, lora_request))
+
+
+def classify(llm, prompts, pooling_params=None, use_tqdm: bool = True
+             ) -> list[PoolingRequestOutput]:
+    """A ``*ForSequenceClassification`` model's label probabilities per prompt
+    (``out.outputs.probs``; the logits with ``PoolingParams(use_activation=False)``)."""
+    return as_classifications(_pool(llm, "classify", prompts, pooling_params, use_tqdm))
+
+
+def score(llm, data_1, data_2, pooling_params: Optional[PoolingParams] = None,
+          use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+    """Scores of ``(data_1, data_2)`` pairs (``out.outputs.score``): one text against each
+    of a list, or two lists pairwise. A ``*ForSequenceClassification`` model reads each
+    pair encoded together (a reranker); an embedding model gives the cosine similarity."""
+    pairs = score_pairs(data_1, data_2)
+    if model_pooler_info(llm.llm_engine).is_classifier:
+        tok = llm.get_tokenizer()
+        prompts = [{"prompt_token_ids": cross_encoder_prompt(tok, a, b)} for a, b in pairs]
+        return cross_encoder_scores(_pool(llm, "score", prompts, pooling_params, use_tqdm))
+    embedded = _pool(llm, "embed", [p for pair in pairs for p in pair], pooling_params,
+                     use_tqdm)
+    return cosine_scores(embedded[0::2], embedded[1::2])
+
+
+def _pool(llm, task: str, prompts, pooling_params, use_tqdm: bool, lora_request=None
+          ) -> list[RequestOutput]:
+    """Pooling requests through ``LLM.generate`` (one prefill-only step each)."""
+    n = 1 if isinstance(prompts, (str, dict)) or (
+        prompts and all(isinstance(t, int) for t in prompts)) else len(prompts)
+    params = pooling_requests(llm.llm_engine, task, pooling_params, n)
+    return llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+
+POOLING_METHODS = {"embed": embed, "classify": classify, "score": score}
+
+
+def pooling_method(llm, name: str):
+    """``LLM.<name>`` for the pooling methods (bound to ``llm``)."""
+    return functools.partial(POOLING_METHODS[name], llm)
+
+
+__all__ = ["embed", "classify", "score", "pooling_method", "pooling_requests", "as_embeddings", "as_classifications", "score_pairs",
            "cross_encoder_prompt", "cross_encoder_scores", "cosine_scores",
            "model_pooler_info", "check_task", "check_dimensions"]

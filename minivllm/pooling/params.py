@@ -6,7 +6,8 @@ token (``max_tokens=1``) whose token is never sampled. Its ``PoolingParams`` rid
 states instead of sampling (``runner.py``) and reports a placeholder token, which ends
 the request as soon as its whole prompt has been computed. The prefix cache is not
 read for it (mean pooling needs every position's hidden state; a cached prefix has K/V,
-not hidden states), as for prompt logprobs.
+not hidden states), as for prompt logprobs (``KVCacheManager.get_computed_blocks`` looks
+for ``EXTRA_ARGS_KEY``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ EXTRA_ARGS_KEY = "pooling_params"
 def pooling_sampling_params(params: PoolingParams) -> SamplingParams:
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                           output_kind=RequestOutputKind.FINAL_ONLY,
-                          extra_args={EXTRA_ARGS_KEY: params,
-                                      "skip_reading_prefix_cache": True})
+                          extra_args={EXTRA_ARGS_KEY: params})
 
 
 def pooling_params_of(sampling_params: SamplingParams) -> Optional[PoolingParams]:

@@ -1,10 +1,12 @@
-"""The model runner's step when pooling requests are in the batch.
+"""The model runner's forward when pooling requests are in the batch.
 
-The batch is laid out as usual (pooling and generation requests side by side); the
-forward keeps the final hidden states, hands each pooling request's rows to the
-pooler, and computes logits only for the rows that sample. A pooling request whose
-step reaches the end of its prompt gets a placeholder token, which ends it (it asked
-for one token: ``params.py``), and its vector.
+The batch is laid out as usual (pooling and generation requests side by side). This
+forward keeps the final hidden states, hands each pooling request's rows to the pooler
+(its vector goes into the step's ``ModelRunnerOutput.pooled``), and returns the
+logits the runner asked for, in which the row of a pooling request that ends its
+prompt names one token only, ``PLACEHOLDER_TOKEN``: its greedy "sample" is that token,
+which ends the request (it asked for one token: ``params.py``). The sampler and the
+scheduler need to know nothing about pooling.
 """
 
 from __future__ import annotations
@@ -14,8 +16,55 @@ import torch
 from minivllm.pooling.params import pooling_params_of
 from minivllm.pooling.pooler import Pooler
 
-# The token reported for a finished pooling request: never sampled, never shown.
+# The token reported for a finished pooling request: never shown to anyone.
 PLACEHOLDER_TOKEN = 0
+
+
+def pooling_forward(runner, so, forward_fn, out):
+    """The forward to run this step (``forward_fn`` when no pooling request is in it)."""
+    pooled = []  # (request, params, first row in the flat batch, rows)
+    row = 0
+    for req in so.scheduled_requests:
+        n = so.num_scheduled_tokens[req.request_id]
+        if (params := pooling_params_of(req.sampling_params)) is not None:
+            pooled.append((req, params, row, n))
+        row += n
+    if not pooled:
+        return forward_fn
+    pooler = runner.__dict__.get("pooler")
+    if pooler is None:
+        pooler = runner.pooler = make_pooler(runner)
+    for rid in so.finished_req_ids:  # (aborted in the middle of a prompt)
+        pooler.forget(rid)
+
+    @torch.inference_mode()
+    def forward(inputs) -> torch.Tensor:
+        if runner.lora_manager is not None:
+            runner.lora_manager.apply(inputs.lora)
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
+        ends = []
+        for req, params, row, n in pooled:
+            start = so.num_computed_tokens[req.request_id]
+            last = start + n >= req.num_prompt_tokens
+            vec = pooler.add_chunk(req.request_id, hidden[row:row + n], start, last, params)
+            if vec is not None:
+                out.pooled[req.request_id] = vec
+                ends.append(row + n - 1)
+        return _logits(runner, hidden, inputs.logits_indices, ends)
+
+    return forward
+
+
+def _logits(runner, hidden: torch.Tensor, rows: torch.Tensor, ends: list[int]):
+    """The logits of ``rows``; a pooling request's row names the placeholder only."""
+    if hasattr(runner.model, "lm_head"):
+        logits = runner.model.compute_logits(hidden[rows])
+    else:  # (a score head, no vocabulary: every row is a pooling request's)
+        logits = hidden.new_zeros((len(rows), runner.config.model.vocab_size))
+    is_end = torch.isin(rows, torch.tensor(ends, dtype=rows.dtype, device=rows.device))
+    logits[is_end] = float("-inf")
+    logits[is_end, PLACEHOLDER_TOKEN] = 0.0
+    return logits
 
 
 def make_pooler(runner) -> Pooler:
@@ -24,56 +73,4 @@ def make_pooler(runner) -> Pooler:
     return Pooler(pooler_info(runner.config.model), getattr(runner.model, "score", None))
 
 
-class PoolingStep:
-    """One step's pooling: wraps the forward, then takes the pooling rows out."""
-
-    def __init__(self, runner, so) -> None:
-        self.runner, self.so = runner, so
-        self.pooled: dict[str, list[float]] = {}
-        # (request, its first row in the flat batch, prompt position it starts at)
-        self.requests = []
-        row = 0
-        for req in so.scheduled_requests:
-            rid = req.request_id
-            n = so.num_scheduled_tokens[rid]
-            params = pooling_params_of(req.sampling_params)
-            if params is not None:
-                self.requests.append((req, params, row, n))
-            row += n
-
-    def forward(self, inputs) -> torch.Tensor:
-        """The model over the flat batch; pools, and returns the sampling rows' logits."""
-        runner = self.runner
-        with torch.inference_mode():
-            if runner.lora_manager is not None:
-                runner.lora_manager.apply(inputs.lora)
-            hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
-            for req, params, row, n in self.requests:
-                start = self.so.num_computed_tokens[req.request_id]
-                vec = runner.pooler.add_chunk(req.request_id, hidden[row:row + n], start,
-                                              start + n >= req.num_prompt_tokens, params)
-                if vec is not None:
-                    self.pooled[req.request_id] = vec
-            if not hasattr(runner.model, "lm_head") or len(inputs.logits_indices) == 0:
-                return hidden.new_zeros((len(inputs.logits_indices), 1))  # (no vocabulary)
-            return runner.model.compute_logits(hidden[inputs.logits_indices])
-
-    def split(self, logits: torch.Tensor, samplers: list) -> tuple[torch.Tensor, list]:
-        """The logits and requests that sample (rows in ``samplers``' order)."""
-        drafts = self.so.scheduled_spec_decode_tokens
-        keep_rows, keep, row = [], [], 0
-        for req in samplers:
-            n = 1 + len(drafts.get(req.request_id, ()))
-            if pooling_params_of(req.sampling_params) is None:
-                keep_rows += range(row, row + n)
-                keep.append(req)
-            row += n
-        if len(keep_rows) == row:
-            return logits, samplers
-        return logits[torch.tensor(keep_rows, dtype=torch.long, device=logits.device)], keep
-
-    def placeholders(self) -> dict:
-        return {rid: (PLACEHOLDER_TOKEN, None) for rid in self.pooled}
-
-
-__all__ = ["PoolingStep", "make_pooler", "PLACEHOLDER_TOKEN"]
+__all__ = ["pooling_forward", "make_pooler", "PLACEHOLDER_TOKEN"]

@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # the per-request features below load on the first request us
     from minivllm.core.outputs import LogprobInfo
     from minivllm.sample.logits_processors import LogitsProcessors
     from minivllm.sample.rejection_sampler import RejectionSampler
-    from minivllm.pooling.pooler import Pooler
     from minivllm.structured_output import StructuredOutputManager
     from minivllm.worker.compute_path import ComputePath, DecodeReplay
     from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
@@ -77,8 +76,7 @@ class ModelRunnerOutput:
     verified: dict[str, list[tuple[int, Optional[LogprobInfo]]]] = field(default_factory=dict)
     # request_id -> its whole prompt's logprobs, in the step of its first token.
     prompt_logprobs: dict[str, list[PromptLogprobEntry]] = field(default_factory=dict)
-    # request_id -> its pooled vector (pooling/), in the step that ends its prompt.
-    pooled: dict[str, list[float]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling/: rid -> vector
     # A KV connector's news (transfers done, loads failed): a KVConnectorOutput, or None.
     kv_connector_output: Optional[object] = None
     # Seconds spent in each stage of this step (for the step trace).
@@ -145,12 +143,6 @@ class ModelRunner:
         from minivllm.sample.rejection_sampler import RejectionSampler
 
         return RejectionSampler()
-
-    @cached_property
-    def pooler(self) -> Pooler:  # embeddings and scores (pooling/)
-        from minivllm.pooling.runner import make_pooler
-
-        return make_pooler(self)
 
     def _built(self, name: str):
         """The helper ``name`` above if a request has built it, else None."""
@@ -322,12 +314,9 @@ class ModelRunner:
         inputs, samplers = self.prepare_inputs(so)
         t1 = time.perf_counter()
         collective_stats.reset()
-        pooling = None
-        if any(r.sampling_params.extra_args for r in so.scheduled_requests):
-            from minivllm.pooling.runner import PoolingStep  # pooling requests: pooling/
-
-            pooling = PoolingStep(self, so)
-            forward_fn = pooling.forward if pooling.requests else forward_fn
+        if any(r.sampling_params.extra_args for r in so.scheduled_requests):  # pooling/?
+            from minivllm.pooling.runner import pooling_forward
+            forward_fn = pooling_forward(self, so, forward_fn or self.forward, out)
         if self.kv_connector is not None:
             logits, out.kv_connector_output = self._forward_with_connector(
                 so, inputs, forward_fn or self.forward)
@@ -339,17 +328,13 @@ class ModelRunner:
             for plan in self.prompt_plans:
                 self.prompt_logprobs.add(plan, logits[plan.flat_rows])
             logits = logits[inputs.sample_indices]
-        if pooling is not None and pooling.requests:
-            logits, samplers = pooling.split(logits, samplers)
-            out.sampled, out.pooled = pooling.placeholders(), pooling.pooled
         if samplers and so.scheduled_spec_decode_tokens:
             from minivllm.worker.sampling_extras import verify_drafts
 
-            sampled, out.verified = verify_drafts(self, logits, samplers,
-                                                  so.scheduled_spec_decode_tokens)
-            out.sampled |= sampled
+            out.sampled, out.verified = verify_drafts(self, logits, samplers,
+                                                      so.scheduled_spec_decode_tokens)
         elif samplers:
-            out.sampled |= self.sample_tokens(logits, samplers)
+            out.sampled = self.sample_tokens(logits, samplers)
         if (collector := self._built("prompt_logprobs")) is not None:
             for req in samplers:
                 if (entries := collector.take_finished(req)) is not None:
@@ -366,9 +351,6 @@ class ModelRunner:
         tokens when they sample again)."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
-        if (pooler := self._built("pooler")) is not None:
-            for rid in (*so.finished_req_ids, *so.preempted_req_ids):
-                pooler.forget(rid)
         if (collector := self._built("prompt_logprobs")) is not None:
             for rid in so.finished_req_ids:
                 collector.forget(rid)
