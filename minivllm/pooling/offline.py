@@ -49,6 +49,9 @@ def pooling_requests(engine, task: str, params: Union[None, PoolingParams,
     """The SamplingParams that carry each prompt's checked PoolingParams."""
     info = model_pooler_info(engine)
     check_task(info, task)
+    if engine.config.parallel.tensor_parallel_size > 1:  # (the pooling forward is rank 0's)
+        raise InvalidRequestError("pooling (embeddings, scores) runs on one rank: serve "
+                                  "the model with tensor_parallel_size=1", "model")
     given = params if isinstance(params, (list, tuple)) else [params] * n
     if len(given) != n:
         raise ValueError(f"pooling_params has {len(given)} entries for {n} prompts: give "
