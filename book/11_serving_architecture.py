@@ -818,6 +818,43 @@ assert left_hidden == 0
 # with an `error` when the engine refuses it), and `POST /v1/responses/{id}/cancel`
 # stops it.
 #
+# ### Embeddings, scores and rerank
+#
+# For retrieval (RAG) the same server embeds and reranks, as `vllm serve` does.
+# `POST /v1/embeddings` takes OpenAI's body (`input`: a string, a list of them, token
+# IDs or lists of them; `encoding_format` `float` or `base64`; `dimensions`, refused
+# with a 400 naming it unless the model is a Matryoshka one; `user`) and returns one
+# unit-length vector per input with `usage`. A pooling request is one prefill, no
+# sampling and no decoding: the final hidden state of the last token (or the mean
+# over all tokens, where a sentence-transformers folder asks for it), pooled across
+# the chunks of a long prompt. `POST /v1/score` (`text_1` against each `text_2`) and
+# `POST /v1/rerank` (Jina's / Cohere's `query`, `documents`, `top_n`,
+# `return_documents`; results sorted by `relevance_score`) read each pair together
+# through a `*ForSequenceClassification` checkpoint's score head (a reranker), or,
+# for an embedding model, compare the two embeddings (cosine similarity).
+
+# %% [markdown]
+# ```python
+# from openai import OpenAI
+# from langchain_openai import OpenAIEmbeddings
+#
+# client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+# vectors = client.embeddings.create(model="SmolLM2-135M-Instruct",
+#                                    input=["a cat", "a dog"]).data
+# lc = OpenAIEmbeddings(model="SmolLM2-135M-Instruct", base_url="http://127.0.0.1:8000/v1",
+#                       api_key="none", check_embedding_ctx_length=False)  # send text, not tiktoken IDs
+# lc.embed_query("a cat")
+# ```
+#
+# ```bash
+# curl http://127.0.0.1:8000/v1/rerank -H "Content-Type: application/json" \
+#   -d '{"query": "capital of France", "documents": ["Paris is.", "Bananas."], "top_n": 1}'
+# ```
+#
+# Offline, `LLM.embed(prompts, pooling_params=PoolingParams(normalize=False))` returns
+# `out.outputs.embedding`, `LLM.score(text_1, text_2)` `out.outputs.score` and
+# `LLM.classify(prompts)` `out.outputs.probs` (`minivllm/pooling/`).
+#
 # Every route and flag: the docstrings of `minivllm/entrypoints/openai/api_server.py` and `serving_responses.py`; `minivllm serve --help`.
 
 # %% [markdown]

@@ -48,6 +48,7 @@ class RequestOutput:
     # engine can pull this prompt's KV from (disaggregated prefill).
     kv_transfer_params: Optional[dict] = None
     prompt_logprobs: Optional[PromptLogprobs] = field(default=None, repr=False)
+    pooling_output: Optional[list[float]] = field(default=None, repr=False)  # (pooling/)
 
     @property
     def text(self) -> str:

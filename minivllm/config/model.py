@@ -70,7 +70,8 @@ class ModelConfig:
                 f"{config_file} does not exist")
         raw = json.loads(config_file.read_text())
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((b for a in archs if (b := a.replace(  # a score head: pooling/
+            "ForSequenceClassification", "ForCausalLM")) in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"architectures={archs!r} in {config_file} is not supported; "

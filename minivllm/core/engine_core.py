@@ -118,6 +118,7 @@ class EngineCore:
         by_id = {r.request_id: r for r in so.scheduled_requests}
         for o in outputs:
             o.prompt_logprobs = result.prompt_logprobs.get(o.request_id)
+            o.pooling_output = getattr(result, "pooled", {}).get(o.request_id)  # (pooling/)
             o.timestamp = now
             o.first_scheduled_time = by_id[o.request_id].times.first_scheduled
         self.step_count += 1

@@ -94,7 +94,8 @@ class HybridKVCacheManager(KVCacheManager):
         if not self.enable_caching:
             return self.empty(), 0
         self.update_block_hashes(request)
-        if request.sampling_params.prompt_logprobs is not None:
+        sp = request.sampling_params  # (as KVCacheManager.get_computed_blocks)
+        if sp.prompt_logprobs is not None or "pooling_params" in (sp.extra_args or ()):
             return self.empty(), 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits, length = self.coordinator.find_longest_cache_hit(request.block_hashes,

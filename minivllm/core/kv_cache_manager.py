@@ -144,8 +144,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(request)
-        if request.sampling_params.prompt_logprobs is not None:
-            # Its logprobs need the logits of every prompt position: compute all.
+        sp = request.sampling_params  # every position's logits / hidden state (pooling/)
+        if sp.prompt_logprobs is not None or "pooling_params" in (sp.extra_args or ()):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []

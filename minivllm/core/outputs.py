@@ -26,6 +26,7 @@ class EngineCoreOutput:
     # With the first token of a request that asked for prompt logprobs: one
     # (logprob, rank, {top id: logprob}) per prompt token after the first.
     prompt_logprobs: Optional[list[tuple[float, int, dict[int, float]]]] = None
+    pooling_output: Optional[list[float]] = None  # a pooling request's vector (pooling/)
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None
     # The stop token id that ended the request (None for EOS or no stop).
     stop_reason: Optional[int | str] = None

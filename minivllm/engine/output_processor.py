@@ -54,6 +54,7 @@ class RequestState:
     num_preemptions: int = 0  # as last reported by the core
     num_cached_tokens: int = 0
     kv_transfer_params: Optional[dict] = None
+    pooling_output: Optional[list[float]] = None  # a pooling request's vector
 
     @property
     def finished(self) -> bool:
@@ -174,6 +175,7 @@ class OutputProcessor:
             m.num_cached_tokens = state.num_cached_tokens
             if o.kv_transfer_params is not None:
                 state.kv_transfer_params = o.kv_transfer_params
+            state.pooling_output = o.pooling_output or state.pooling_output
         # Each completion reports its own running total of preemptions.
         m.num_preemptions += o.num_preemptions - state.num_preemptions
         state.num_preemptions = o.num_preemptions
@@ -231,7 +233,7 @@ class OutputProcessor:
             prompt_token_ids=first.prompt_token_ids, outputs=completions,
             finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics=first.metrics, prompt_logprobs=prompt_logprobs,
-            kv_transfer_params=first.kv_transfer_params)
+            kv_transfer_params=first.kv_transfer_params, pooling_output=first.pooling_output)
 
     # -- aborts --------------------------------------------------------------
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:

@@ -123,6 +123,9 @@ class LLM:
         return [done[i] for i in ids]
 
     def __getattr__(self, name: str):
+        if name in ("embed", "classify", "score"):  # pooling: minivllm/pooling/offline.py
+            from minivllm.pooling.offline import pooling_method
+            return pooling_method(self, name)
         # vLLM's RL API (collective_rpc, load_weights, reset_prefix_cache, sleep,
         # wake_up, pause_generation, ...) loads when first used: core/rollout.py.
         from minivllm.core.rollout import rollout_method

@@ -105,6 +105,9 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
                device: str | torch.device = "cpu") -> torch.nn.Module:
     """Build the model for ``config`` on ``device`` and fill in its weights."""
     cls = get_model_class(config.architecture)
+    if "ForSequenceClassification" in "".join(config.hf_config.get("architectures") or ()):
+        from minivllm.pooling.classifier import with_score_head
+        cls = with_score_head(cls)
     with torch.device(device):
         model = cls(config, backend)
     if config.quantization == "gguf":  # the file's blocks as they ship

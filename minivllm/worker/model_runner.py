@@ -76,6 +76,7 @@ class ModelRunnerOutput:
     verified: dict[str, list[tuple[int, Optional[LogprobInfo]]]] = field(default_factory=dict)
     # request_id -> its whole prompt's logprobs, in the step of its first token.
     prompt_logprobs: dict[str, list[PromptLogprobEntry]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling/: rid -> vector
     # A KV connector's news (transfers done, loads failed): a KVConnectorOutput, or None.
     kv_connector_output: Optional[object] = None
     # Seconds spent in each stage of this step (for the step trace).
@@ -313,6 +314,9 @@ class ModelRunner:
         inputs, samplers = self.prepare_inputs(so)
         t1 = time.perf_counter()
         collective_stats.reset()
+        if any(r.sampling_params.extra_args for r in so.scheduled_requests):  # pooling/?
+            from minivllm.pooling.runner import pooling_forward
+            forward_fn = pooling_forward(self, so, forward_fn or self.forward, out)
         if self.kv_connector is not None:
             logits, out.kv_connector_output = self._forward_with_connector(
                 so, inputs, forward_fn or self.forward)

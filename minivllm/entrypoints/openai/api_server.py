@@ -8,6 +8,8 @@ Routes:
     POST /v1/responses                           OpenAI's Responses API (serving_responses.py)
     POST /v1/messages, /v1/messages/count_tokens Anthropic's Messages API (serving_messages.py)
     GET, DELETE /v1/responses/{id}, POST .../cancel   stored responses
+    POST /v1/embeddings, /v1/score, /v1/rerank   pooling: embeddings, pair scores
+                                                 (serving_pooling.py)
     GET  /v1/models                              the served model and its LoRA adapters
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter
                                                  with MINIVLLM_ALLOW_RUNTIME_LORA_UPDATING=1
@@ -74,6 +76,10 @@ from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError, error
 from minivllm.entrypoints.openai.protocol.messages import (MessagesCountTokensRequest,
                                                            MessagesRequest, anthropic_error)
 from minivllm.entrypoints.openai.serving_messages import AnthropicServingMessages
+from minivllm.entrypoints.openai.protocol.pooling import (EmbeddingRequest, RerankRequest,
+                                                          ScoreRequest)
+from minivllm.entrypoints.openai.serving_pooling import (OpenAIServingPooling,
+                                                         complete_pooling_schema)
 from minivllm.entrypoints.openai.serving_models import (LoadLoRAAdapterRequest,
                                                         OpenAIServingModels,
                                                         UnloadLoRAAdapterRequest,
@@ -251,8 +257,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     completion = OpenAIServingCompletion(engine, model_name, models)
     responses = OpenAIServingResponses(chat)
     messages = AnthropicServingMessages(chat)
+    pooling = OpenAIServingPooling(engine, model_name, models)
     serve_completed_schema(app, lambda: [c.id for c in models.cards()],
                            engine.config.model.vocab_size, engine.max_model_len)
+    complete_pooling_schema(app, engine)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
@@ -276,6 +284,18 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: Optional[str] = None,
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(body: MessagesCountTokensRequest):
         return _respond(messages.count_tokens(body))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request):
+        return _respond(await run_until_disconnected(request, pooling.create_embedding(body)))
+
+    @app.post("/v1/score")
+    async def create_score(body: ScoreRequest, request: Request):
+        return _respond(await run_until_disconnected(request, pooling.create_score(body)))
+
+    @app.post("/v1/rerank")
+    async def create_rerank(body: RerankRequest, request: Request):
+        return _respond(await run_until_disconnected(request, pooling.create_rerank(body)))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):

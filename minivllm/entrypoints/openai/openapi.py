@@ -19,6 +19,7 @@ TOKEN_ID_FIELDS = {
     "ChatCompletionRequest": ("stop_token_ids", "allowed_token_ids"),
     "CompletionRequest": ("stop_token_ids", "allowed_token_ids", "prompt"),
     "DetokenizeRequest": ("tokens",),
+    "EmbeddingRequest": ("input",),
 }
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
