@@ -139,6 +139,10 @@ def test_classify_two_labels(tmp_path, default_model_path):
     llm = _llm(folder)
     out = llm.classify([[5, 6, 7, 8]], use_tqdm=False)[0]
     _close(out.outputs.probs, hf_class_logits(folder, [5, 6, 7, 8]).softmax(-1))
+    with pytest.raises(InvalidRequestError, match="classifier") as refused:
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert refused.value.param == "model"
+    assert llm.classify([[5, 6, 7, 8]], use_tqdm=False)[0].outputs.probs == out.outputs.probs
 
 
 def test_score_with_embedding_model_is_cosine(tiny_chat_model):

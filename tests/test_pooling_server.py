@@ -118,6 +118,10 @@ def test_rerank_with_a_classifier_equals_llm_score(tmp_path, default_model_path)
         r = srv.http.post("/v1/rerank", json={"query": "where is paris", "documents": DOCS,
                                               "return_documents": False}).json()
         bad = srv.http.post("/v1/embeddings", json={"input": "hi"})
+        # A classifier cannot generate: a 400 naming the model, and the engine lives on.
+        chat = srv.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        again = srv.http.post("/v1/rerank", json={"query": "where is paris",
+                                                  "documents": DOCS[:1]})
     finally:
         srv.stop()
     scores = [w.outputs.score for w in want]
@@ -126,3 +130,6 @@ def test_rerank_with_a_classifier_equals_llm_score(tmp_path, default_model_path)
         assert abs(x["relevance_score"] - scores[x["index"]]) < 1e-5
         assert x["document"] is None
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "model"
+    assert "classifier" in chat.json()["error"]["message"]
+    assert again.status_code == 200

@@ -47,6 +47,9 @@ class InputProcessor:
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
         self._lora_checker = None
+        # A *ForSequenceClassification head has num_labels outputs, not a vocabulary.
+        self.classifier = "ForSequenceClassification" in "".join(
+            config.model.hf_config.get("architectures") or ())
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
                        arrival_time: float, priority: int = 0,
@@ -56,6 +59,10 @@ class InputProcessor:
             from minivllm.inputs.prompt_dict import split_prompt
         prompt, salt = split_prompt(prompt) if isinstance(prompt, dict) else (prompt, None)
         text, token_ids = self.tokenize(prompt)
+        if self.classifier:
+            from minivllm.pooling.params import check_pooling_request
+
+            check_pooling_request(params, self.config.model.architecture)
         self.check_params(params)
         max_tokens = self.check_length(len(token_ids), params)
         self.check_priority(priority)
