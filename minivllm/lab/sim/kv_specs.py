@@ -125,20 +125,22 @@ def kv_groups(raw: dict, block_size: int = 16, tp: int = 1,
 
 
 def layer_kinds(raw: dict) -> list[str]:
-    """Each layer's kind: MLA when the config has a latent rank, else ``layer_types``
-    (or Qwen3-Next's ``full_attention_interval``), else a window on every layer, else full."""
+    """Each layer's kind: MLA when the config has a latent rank; ``layer_types`` (or
+    Qwen3-Next's ``full_attention_interval``) when it names kinds the engine has no spec
+    for; else the engine's own reading (``attention_kinds``: which windows count)."""
+    from minivllm.config.attention_kinds import ATTENTION_KINDS, attention_kinds
+
     n = raw["num_hidden_layers"]
     if raw.get("kv_lora_rank"):
         return [MLA] * n
-    if raw.get("layer_types"):
-        return list(raw["layer_types"])
-    interval = raw.get("full_attention_interval")
-    if interval:
-        return ["full_attention" if (i + 1) % interval == 0 else LINEAR for i in range(n)]
-    window = raw.get("sliding_window")
-    if window and window < raw.get("max_position_embeddings", 4096):
-        return ["sliding_attention"] * n
-    return ["full_attention"] * n
+    types = raw.get("layer_types")
+    if not types and raw.get("full_attention_interval"):
+        every = raw["full_attention_interval"]
+        types = ["full_attention" if (i + 1) % every == 0 else LINEAR for i in range(n)]
+    if types and any(kind not in ATTENTION_KINDS for kind in types):
+        return list(types)
+    arch = (raw.get("architectures") or [""])[0]
+    return list(attention_kinds(arch, raw).get("layer_types") or ["full_attention"] * n)
 
 
 def request_bytes(groups: list[KVGroup], num_tokens: int) -> float:
