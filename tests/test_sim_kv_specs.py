@@ -9,7 +9,9 @@ from pathlib import Path
 
 from minivllm import LLM
 from minivllm.lab.sim.kv_specs import capacity, kv_groups, request_bytes
-from minivllm.lab.sim.models import load_raw_config
+from minivllm.config import EngineArgs
+from minivllm.lab.sim.models import load_model_config, load_raw_config
+from minivllm.lab.sim.simulator import kv_block_bytes, make_engine_config
 from tests.test_hybrid_kv_cache import build_gemma3
 
 BLOCK = 4
@@ -22,7 +24,10 @@ def engine_bytes_per_token(folder, **kwargs) -> tuple[dict, dict]:
     runner = llm.llm_engine.engine_core.executor.runner
     layers = runner.model.attention_layers()
     raw = json.loads((Path(folder) / "config.json").read_text())
-    engine, sim = {}, {}
+    # The simulator's pool block (one layer per group slot) is the engine's too.
+    model = load_model_config(str(folder), device="cpu")
+    config = make_engine_config(model, EngineArgs(block_size=BLOCK))
+    engine, sim = {"pool block": runner.kv_block_bytes()}, {"pool block": kv_block_bytes(config)}
     for g in kv_groups(raw, block_size=BLOCK, dtype=runner.dtype):
         block = sum(t[0].numel() * t[0].element_size()
                     for i in g.layer_indices for t in (layers[i].k_cache, layers[i].v_cache))
@@ -33,13 +38,13 @@ def engine_bytes_per_token(folder, **kwargs) -> tuple[dict, dict]:
 def test_gemma3_groups_match_engine_cache(tmp_path):
     kinds = ("sliding_attention", "sliding_attention", "full_attention") * 2
     engine, sim = engine_bytes_per_token(build_gemma3(tmp_path, layer_types=kinds))
-    assert set(sim) == {"sliding_attention", "full_attention"}
+    assert set(sim) == {"sliding_attention", "full_attention", "pool block"}
     assert sim == engine
 
 
 def test_mistral_window_matches_engine_cache(tiny_model):
     engine, sim = engine_bytes_per_token(tiny_model("mistral", sliding_window=8))
-    assert set(sim) == {"sliding_attention"}
+    assert set(sim) == {"sliding_attention", "pool block"}
     assert sim == engine
 
 
