@@ -261,6 +261,47 @@ line_chart(blocks, {"preemptions": preemptions},
            "KV blocks (16 tokens each)", "preemptions")
 
 # %% [markdown]
+# The block count follows from the bytes a token costs, and that is not the same for
+# every model. A hybrid model keeps different things per layer (`lab/sim/kv_specs.py`,
+# one KV cache group per kind): Gemma 3's sliding layers keep only their 1024-token
+# window, DeepSeek-V3's latent attention keeps one compressed latent per token (the same
+# on every tensor-parallel rank), Qwen3-Next's linear layers keep a fixed state per
+# request. So how many 32k-token requests fit in 40 GB of KV memory differs by much more
+# than the models' sizes do:
+
+# %%
+from minivllm.lab.sim.kv_specs import capacity, kv_groups
+from minivllm.lab.sim.models import load_raw_config
+
+fits = {}
+for name in ("llama-3-70b", "gemma-3-27b", "deepseek-v3", "qwen3-next-80b-a3b"):
+    groups = kv_groups(load_raw_config(name))
+    kinds = ", ".join(f"{len(g.layer_indices)} {g.kind}" for g in groups)
+    fits[name] = capacity(groups, 40e9, 32768)
+    print(f"{name:>19}: {fits[name]:3d} requests of 32k ({kinds})")
+assert fits["llama-3-70b"] < fits["gemma-3-27b"] < fits["qwen3-next-80b-a3b"]
+
+# %% [markdown]
+# A mixture of experts changes the other side, the step time. Every token runs `k` of
+# `E` experts, so the FLOPs count the active parameters; but a decode step reads the
+# weights of every expert *some* token of the batch picked, `E (1 - (1 - k/E)^T)` per
+# layer for `T` tokens under a uniform router (`lab/sim/moe_cost.py`). A small batch of
+# Qwen3-30B-A3B reads a fraction of its 61 GB; by 64 sequences it reads nearly all of
+# it, and a decode step costs what a dense model of that size would:
+
+# %%
+from minivllm.lab.sim.moe_cost import expected_experts
+
+moe_cost = CostModel(load_model_config("qwen3-30b-a3b"), load_hardware("h100-sxm"))
+read = []
+for b in (1, 8, 64, 256):
+    f = moe_cost.features_from(b, b, b, b * 1024, b * 1026)
+    read.append(f.linear_bytes)
+    print(f"batch {b:>3}: {expected_experts(128, 8, b):5.1f} of 128 experts a layer, "
+          f"{f.linear_bytes / 1e9:5.1f} GB read, step {moe_cost.time(f) * 1e3:5.1f} ms")
+assert read == sorted(read) and read[0] < read[-1] / 5
+
+# %% [markdown]
 # ## Chunk size against inter-token latency
 #
 # `max_num_batched_tokens` is the token budget of a step, and so the largest prefill

@@ -20,8 +20,14 @@ keys plus the step trace::
     minivllm simulate validate --fleet                  # a real fleet behind the router
     minivllm simulate published                         # against vLLM's published latency
 
-Models: ``llama-3-8b``, ``llama-3-70b``, ``qwen3-8b``, ``smollm2-135m``, a model folder or
-a ``config.json``. Hardware: ``h100-sxm``, ``h200``, ``a100-80g``, ``l4`` (data-sheet
+Models: ``llama-3-8b``, ``llama-3-70b``, ``qwen3-8b``, ``smollm2-135m``, ``gemma-3-27b``,
+the mixtures of experts ``qwen3-30b-a3b`` and ``mixtral-8x7b``, a model folder or a
+``config.json``; ``deepseek-v3`` and ``qwen3-next-80b-a3b`` (architectures the engine does
+not run yet) for their KV capacity only. ``kv_specs.py`` prices the KV cache per group
+(full, sliding window, MLA latent, linear-attention state) and counts the requests of a
+length that fit: ``capacity(kv_groups(load_raw_config("gemma-3-27b")), 40e9, 32768)``.
+A mixture of experts costs its active parameters' FLOPs and the bytes of the experts a
+step's tokens touch (``moe_cost.py``). Hardware: ``h100-sxm``, ``h200``, ``a100-80g``, ``l4`` (data-sheet
 peaks, efficiencies guessed), ``cpu`` (this machine as ``bench roofline`` measures it) or a
 calibration file. Chapter 23 teaches it (its "In practice" cell has the details);
 figures/records/simulator.md and figures/records/fleet.md (collected in

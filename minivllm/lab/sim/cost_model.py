@@ -27,6 +27,9 @@ Groups, per step (``T`` new tokens in all, ``S`` sequences that sample):
   own peaks where calibrate measured them (``attention_flops``: prefill,
   ``attention_bandwidth``: decode), and the whole group at
   ``attention_efficiency`` of its roofline.
+- a mixture of experts (``moe_cost.py``): the FLOPs count the active parameters
+  (``k`` experts per token), the bytes the dense parts plus the experts the step's
+  ``T`` tokens touch, ``E (1 - (1 - k/E)^T)`` per sparse layer on average.
 - all-reduce (``tp > 1``): two per layer over ``T x hidden`` activations, a
   ring: ``2 (tp - 1) / tp x bytes / link bandwidth + latency``.
 
@@ -89,16 +92,27 @@ class CostModel:
         self.elem = _element_size(m)
         h, d, L = m.hidden_size, m.head_dim, m.num_hidden_layers
         q, kv = m.num_attention_heads * d, m.num_key_value_heads * d
-        self.layer_params = h * (q + 2 * kv) + q * h + 3 * h * m.intermediate_size
+        attention = h * (q + 2 * kv) + q * h
+        self.layer_params = attention + 3 * h * m.intermediate_size  # per token, per layer
         self.head_params = m.vocab_size * h
         # Weights read each step (the embedding table is only looked up, T rows),
         # in the bytes the engine keeps them in (GGUF blocks: under one a weight).
-        per_param = _weight_bytes_per_param(m) / tp
+        self.per_param = per_param = _weight_bytes_per_param(m) / tp
         self.weight_bytes = L * self.layer_params * per_param
         self.head_bytes = self.head_params * per_param
+        inter = m.intermediate_size  # MLP width a token passes through
+        self.moe = None
+        if m.moe is not None:  # FLOPs of the active parameters, bytes of the touched ones
+            from minivllm.lab.sim.moe_cost import moe_params
+
+            self.moe = moe_params(m, attention)
+            self.layer_params = self.moe.active / L
+            self.weight_bytes = self.moe.dense * per_param  # the experts: per step
+            sparse = self.moe.num_sparse_layers
+            inter = ((L - sparse) * inter + sparse * (m.moe.top_k * m.moe.intermediate_size
+                     + m.moe.shared_expert_intermediate_size)) / L
         # Elements each token reads + writes through the products of one layer.
-        self.act_elems = (h + q + 2 * kv) + (q + h) + (h + 2 * m.intermediate_size) \
-            + (m.intermediate_size + h)
+        self.act_elems = (h + q + 2 * kv) + (q + h) + (h + 2 * inter) + (inter + h)
         self.attn_flops_unit = 4 * L * m.num_attention_heads * d / tp
         self.kv_bytes_token = 2 * L * m.num_key_value_heads * d * self.elem / tp
 
@@ -123,6 +137,8 @@ class CostModel:
         f = StepFeatures(num_tokens=tokens, num_seqs=seqs, num_sampled=sampled)
         f.linear_flops = 2 * tokens * L * self.layer_params / tp
         f.linear_bytes = self.weight_bytes + tokens * L * self.act_elems * self.elem / tp
+        if self.moe is not None:
+            f.linear_bytes += (self.moe.touched(tokens) - self.moe.dense) * self.per_param
         f.head_flops = 2 * sampled * self.head_params / tp
         if sampled:  # a step that samples nothing (a chunk of a prompt) skips the head
             f.head_bytes = self.head_bytes + sampled * (m.hidden_size + m.vocab_size) \

@@ -3,7 +3,9 @@
 ``--model`` takes a built-in preset (config files written from the published
 Hugging Face configs of the models), a model folder, or a ``config.json``
 path. Only the architecture numbers matter: sizes of the matrices, heads,
-layers, vocabulary.
+layers, vocabulary. ``deepseek-v3`` and ``qwen3-next-80b-a3b`` are architectures the
+engine does not run yet: ``load_raw_config`` reads them for ``kv_specs`` (their KV
+capacity), ``load_model_config`` refuses them as the engine would.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 from minivllm.config import ModelConfig
 
 PRESET_DIR = Path(__file__).parent / "models"
-MODEL_PRESETS = ("llama-3-8b", "llama-3-70b", "qwen3-8b", "smollm2-135m")
+MODEL_PRESETS = ("llama-3-8b", "llama-3-70b", "qwen3-8b", "smollm2-135m", "gemma-3-27b",
+                 "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "qwen3-next-80b-a3b")
 
 
 def model_folder(spec: str) -> Path:
@@ -28,6 +31,13 @@ def model_folder(spec: str) -> Path:
                      "a model folder with a config.json, or the path of a config.json")
 
 
+def load_raw_config(spec: str) -> dict:
+    """The ``config.json`` of a preset, folder or path, as a dict."""
+    import json
+
+    return json.loads((model_folder(spec) / "config.json").read_text())
+
+
 def load_model_config(spec: str, dtype: str = "auto", device: str = "cuda",
                       quantization: str = "auto") -> ModelConfig:
     """The ``ModelConfig`` the real engine would build, in the dtype it would run in
@@ -39,4 +49,4 @@ def load_model_config(spec: str, dtype: str = "auto", device: str = "cuda",
     return quantized_model_config(model, quantization, dtype)
 
 
-__all__ = ["MODEL_PRESETS", "load_model_config", "model_folder"]
+__all__ = ["MODEL_PRESETS", "load_model_config", "load_raw_config", "model_folder"]

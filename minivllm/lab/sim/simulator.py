@@ -67,8 +67,15 @@ def make_engine_config(model: ModelConfig, engine_args: Optional[EngineArgs] = N
 
 
 def kv_block_bytes(config: EngineConfig) -> int:
-    """One block on one rank: K and V of block_size tokens over all layers."""
+    """One block on one rank: K and V of block_size tokens over all layers, or, for a
+    model with several kinds of attention, over the layers one pool block spans (one
+    per group, as the engine's ``KVCacheGroups`` lays its tensors out)."""
     tp = config.parallel.tensor_parallel_size
+    if config.model.layer_types:
+        from minivllm.core.kv_cache_interface import group_size, kv_cache_groups, layer_specs
+
+        groups = kv_cache_groups(layer_specs(config.model, config.cache.block_size))
+        return group_size(groups) * groups[0].spec.page_size_bytes // tp
     return config.model.kv_bytes_per_token * config.cache.block_size // tp
 
 
@@ -88,7 +95,12 @@ def num_kv_blocks(config: EngineConfig, hardware: Hardware,
             if not 0 < gpu_memory_utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is "
                                  "invalid: must be in (0, 1]")
-            weights = weight_bytes(config.model) / config.parallel.tensor_parallel_size
+            weights = weight_bytes(config.model)
+            if config.model.moe is not None:  # weight_bytes counts one dense MLP a layer
+                from minivllm.lab.sim.moe_cost import moe_weight_bytes
+
+                weights = moe_weight_bytes(config.model)
+            weights /= config.parallel.tensor_parallel_size
             budget = (hardware.memory_bytes * gpu_memory_utilization - weights
                       - ACTIVATION_RESERVE_BYTES)
     n = int(budget // kv_block_bytes(config))
