@@ -145,3 +145,79 @@ def test_messages_thinking_blocks(think_server):
     assert [b.type for b in msg.content] == ["thinking"]  # (never closed its thinking)
     assert msg.content[0].thinking == m["reasoning"] and msg.stop_reason == "max_tokens"
     assert [(b.type, b.thinking) for b in streamed.content] == [("thinking", m["reasoning"])]
+
+
+# -- the Responses API: a reasoning item ahead of the message ------------------------------
+def _responses_streamed(server, body) -> tuple[list[dict], dict]:
+    """(the events, the final response) of a streamed /v1/responses."""
+    import json
+
+    import httpx
+
+    events = []
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=120,
+                      json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    return events, events[-1]["response"]
+
+
+@pytest.mark.parametrize("regex", [SPLIT, None])
+def test_responses_reasoning_item_streamed_and_not(think_server, regex):
+    body = {"model": "tiny", "input": "What is 2+2?", "max_output_tokens": 40,
+            "temperature": 1.0, "seed": 5}
+    if regex:
+        body["structured_outputs"] = {"regex": regex}
+    chat = think_server.http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": ASK, "max_tokens": 40, "temperature": 1.0, "seed": 5,
+        **({"structured_outputs": {"regex": regex}} if regex else {})}).json()
+    m = chat["choices"][0]["message"]
+    r = think_server.http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()["output"]
+    assert out[0]["type"] == "reasoning" and out[0]["summary"] == []
+    assert out[0]["content"] == [{"type": "reasoning_text", "text": m["reasoning"]}]
+    if regex:  # the answer after it, a completed message
+        assert [i["type"] for i in out] == ["reasoning", "message"]
+        assert out[1]["content"][0]["text"] == m["content"] and out[0]["status"] == "completed"
+    else:  # cut while thinking: only the reasoning, incomplete
+        assert len(out) == 1 and out[0]["status"] == "incomplete"
+    events, streamed = _responses_streamed(think_server, body)
+    strip = lambda items: [{k: v for k, v in i.items() if k != "id"} for i in items]  # noqa: E731
+    assert strip(streamed["output"]) == strip(out)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(e["delta"] for e in deltas) == m["reasoning"]
+    assert {(e["output_index"], e["content_index"]) for e in deltas} == {(0, 0)}
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert [(e["output_index"], e["text"]) for e in done] == [(0, m["reasoning"])]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_item.done")
+    if regex:  # the message's events come after the reasoning item is done, at index 1
+        assert {e["output_index"] for e in events if e["type"] == "response.output_text.delta"
+                } == {1}
+
+
+def test_responses_reasoning_through_the_openai_client(think_server):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=think_server.url + "/v1", api_key="none",
+                       max_retries=0) as client:
+        kwargs = dict(model="tiny", input="What is 2+2?", max_output_tokens=40,
+                      temperature=1.0, extra_body={"seed": 5, "structured_outputs": {
+                          "regex": SPLIT}})
+        whole = client.responses.create(**kwargs)
+        with client.responses.stream(**kwargs) as stream:
+            texts = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
+            streamed = stream.get_final_response()
+        reasoning = whole.output[0]
+        assert reasoning.type == "reasoning" and reasoning.content[0].type == "reasoning_text"
+        assert "".join(texts) == reasoning.content[0].text == streamed.output[0].content[0].text
+        assert whole.output_text == streamed.output_text and whole.output_text
+        # Sent back as input, the reasoning item is accepted (the next turn's history).
+        again = client.responses.create(model="tiny", max_output_tokens=8, input=[
+            {"role": "user", "content": "What is 2+2?"}, *[
+                i.model_dump(exclude_none=True) for i in whole.output],
+            {"role": "user", "content": "And 3+3?"}])
+        assert again.status == "incomplete"
