@@ -7,6 +7,8 @@ reasoning and content add up to the finished answer's split.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from minivllm.entrypoints.openai.reasoning_parsers import (ReasoningParserManager,
@@ -67,8 +69,27 @@ THINK_TEMPLATE = """\
 <think>
 {% endif %}"""
 ASK = [{"role": "user", "content": "What is 2+2?"}]
-# The random model is made to close its thinking (the regex covers the whole output).
-SPLIT = r"[a-z]{2,8}( [a-z]{2,8}){1,4}</think>[a-z]{2,8}( [a-z]{2,8}){1,3}"
+# Two unused special tokens of SmolLM2's made the think tags (one token each, not
+# special, as in DeepSeek R1's and Qwen3's tokenizers); a bias on END_ID makes the
+# random model close its thinking after a few tokens.
+THINK_IDS = {8: "<think>", 9: "</think>"}
+END_ID = 9
+CLOSE = {"logit_bias": {str(END_ID): 9.0}}
+# The answer's format (the grammar starts after </think>: the reasoning is free).
+SPLIT = r"[a-z]{2,8}( [a-z]{2,8}){1,3}"
+
+
+def with_think_tokens(folder) -> None:
+    import json
+
+    path = folder / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    for token in tokenizer["added_tokens"]:
+        if token["id"] in THINK_IDS:
+            token.update(content=THINK_IDS[token["id"]], special=False)
+    vocab = {k: v for k, v in tokenizer["model"]["vocab"].items() if v not in THINK_IDS}
+    tokenizer["model"]["vocab"] = {**vocab, **{t: i for i, t in THINK_IDS.items()}}
+    path.write_text(json.dumps(tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +101,7 @@ def think_server(tmp_path_factory, tiny_chat_model):
     folder = tmp_path_factory.mktemp("think-model") / "m"
     shutil.copytree(tiny_chat_model, folder)
     (folder / "chat_template.jinja").write_text(THINK_TEMPLATE)
+    with_think_tokens(folder)
     srv = ServerProcess(tmp_path_factory.mktemp("think"), str(folder), "--inprocess",
                         "--num-kv-blocks", "256", "--served-model-name", "tiny",
                         "--reasoning-parser", "deepseek_r1")
@@ -108,15 +130,16 @@ def _streamed(server, body) -> tuple[str, str, str]:
 @pytest.mark.parametrize("regex", [SPLIT, None])
 def test_chat_reasoning_streamed_and_not(think_server, regex):
     body = {"model": "tiny", "messages": ASK, "max_tokens": 40, "temperature": 1.0, "seed": 5}
-    if regex:
-        body["structured_outputs"] = {"regex": regex}
+    if regex:  # it closes its thinking (the bias), then answers in the format
+        body.update(structured_outputs={"regex": regex}, **CLOSE)
     r = think_server.http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     m = r.json()["choices"][0]["message"]
     assert m["reasoning"] and m["reasoning"] == m["reasoning_content"]
     assert "</think>" not in m["reasoning"] and "</think>" not in (m["content"] or "")
-    if regex:
-        assert m["content"] and r.json()["choices"][0]["finish_reason"] == "stop"
+    if regex:  # the format applies to the answer, not to the reasoning
+        assert re.fullmatch(regex, m["content"]) and not re.fullmatch(regex, m["reasoning"])
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
     else:  # never closed: all of it is reasoning
         assert m["content"] is None
     reasoning, content, reason = _streamed(think_server, body)
@@ -168,10 +191,10 @@ def test_responses_reasoning_item_streamed_and_not(think_server, regex):
     body = {"model": "tiny", "input": "What is 2+2?", "max_output_tokens": 40,
             "temperature": 1.0, "seed": 5}
     if regex:
-        body["structured_outputs"] = {"regex": regex}
+        body.update(structured_outputs={"regex": regex}, **CLOSE)
     chat = think_server.http.post("/v1/chat/completions", json={
         "model": "tiny", "messages": ASK, "max_tokens": 40, "temperature": 1.0, "seed": 5,
-        **({"structured_outputs": {"regex": regex}} if regex else {})}).json()
+        **({"structured_outputs": {"regex": regex}, **CLOSE} if regex else {})}).json()
     m = chat["choices"][0]["message"]
     r = think_server.http.post("/v1/responses", json=body)
     assert r.status_code == 200, r.text
@@ -206,7 +229,7 @@ def test_responses_reasoning_through_the_openai_client(think_server):
                        max_retries=0) as client:
         kwargs = dict(model="tiny", input="What is 2+2?", max_output_tokens=40,
                       temperature=1.0, extra_body={"seed": 5, "structured_outputs": {
-                          "regex": SPLIT}})
+                          "regex": SPLIT}, **CLOSE})
         whole = client.responses.create(**kwargs)
         with client.responses.stream(**kwargs) as stream:
             texts = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
