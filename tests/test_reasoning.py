@@ -244,3 +244,30 @@ def test_responses_reasoning_through_the_openai_client(think_server):
                 i.model_dump(exclude_none=True) for i in whole.output],
             {"role": "user", "content": "And 3+3?"}])
         assert again.status == "incomplete"
+
+
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+
+def test_json_schema_constrains_the_answer_not_the_reasoning(think_server):
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK_SCHEMA}}
+    common = {"model": "tiny", "temperature": 1.0, "seed": 3, **CLOSE,
+              "structured_outputs": {"disable_any_whitespace": True}}  # (no padding)
+    chat = think_server.http.post("/v1/chat/completions", json={
+        **common, "messages": ASK, "max_tokens": 60, "response_format": fmt})
+    assert chat.status_code == 200, chat.text
+    m = chat.json()["choices"][0]["message"]
+    jsonschema.validate(json.loads(m["content"]), OK_SCHEMA)
+    assert m["reasoning"] and not m["reasoning"].lstrip().startswith("{")  # free text
+    resp = think_server.http.post("/v1/responses", json={
+        **common, "input": ASK[0]["content"], "max_output_tokens": 60, "text": {"format": {
+            "type": "json_schema", "name": "ok", "schema": OK_SCHEMA}}})
+    assert resp.status_code == 200, resp.text
+    reasoning, message = resp.json()["output"]
+    assert reasoning["content"][0]["text"] == m["reasoning"]
+    assert message["content"][0]["text"] == m["content"]
