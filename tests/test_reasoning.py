@@ -271,3 +271,24 @@ def test_json_schema_constrains_the_answer_not_the_reasoning(think_server):
     reasoning, message = resp.json()["output"]
     assert reasoning["content"][0]["text"] == m["reasoning"]
     assert message["content"][0]["text"] == m["content"]
+
+
+def test_reasoning_items_sent_back_join_their_assistant_turn():
+    from minivllm.entrypoints.openai.protocol.responses import ResponsesRequest
+    from minivllm.entrypoints.openai.serving_responses import chat_messages
+
+    thought = {"type": "reasoning", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "hmm"}]}
+    user = [{"role": "user", "content": "hi"}]
+    again = [{"role": "user", "content": "again"}]
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+
+    def history(items):
+        return chat_messages(ResponsesRequest.model_validate({"input": items}).items())
+
+    said = history(user + [thought, {"role": "assistant", "content": "yes"}] + again)
+    assert said[1] == {"role": "assistant", "content": "yes", "reasoning": "hmm"}
+    assert history(user + [thought, call])[1]["reasoning"] == "hmm"
+    alone = {"role": "assistant", "content": None, "reasoning": "hmm"}
+    assert history(user + [thought] + again) == user + [alone] + again  # in its place
+    assert history(user + [thought]) == user + [alone]

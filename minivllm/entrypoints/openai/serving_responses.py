@@ -108,6 +108,12 @@ def chat_messages(items) -> list[dict]:
             text = "".join(p.text for p in item.content or [])
             thought = text if thought is None else thought + text
             continue
+        if thought is not None and not isinstance(item, (
+                OutputMessage, FunctionCallItem, OutputFunctionCall)) and not (
+                isinstance(item, InputMessage) and item.role == "assistant"):
+            # reasoning with no answer of its own after it: a turn of its own
+            out.append({"role": "assistant", "content": None, "reasoning": thought})
+            thought = None
         if isinstance(item, (InputMessage,)):
             out.append({"role": item.role, "content": item.text()})
         elif isinstance(item, OutputMessage):
@@ -121,7 +127,7 @@ def chat_messages(items) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-        if thought is not None and out and out[-1]["role"] == "assistant":
+        if thought is not None:  # (the assistant turn just added is the one it was for)
             out[-1]["reasoning"], thought = thought, None
     if thought is not None:  # reasoning with no answer after it
         out.append({"role": "assistant", "content": None, "reasoning": thought})
