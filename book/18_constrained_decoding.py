@@ -24,7 +24,9 @@
 # - a tiny regex mask written by hand, then the library's (xgrammar) on the same vocabulary;
 # - a JSON schema turned into allowed next tokens, step by step;
 # - why a constrained answer can still be wrong, or unfinished;
-# - tool calls as constrained outputs.
+# - tool calls as constrained outputs;
+# - a streamed answer read delta by delta: what the tool-call and reasoning parsers
+#   hold back, what they send, and a grammar that waits for the end of the thinking.
 
 
 # %%
@@ -287,6 +289,141 @@ print(call.function.name, call.function.arguments)
 jsonschema.validate(json.loads(call.function.arguments), weather.function.parameters)
 
 # %% [markdown]
+# ## Reading a stream: tool calls and reasoning
+#
+# Under `tool_choice="auto"` nothing constrains the answer: the model writes free text,
+# and a *tool parser* finds its calls in it. Streaming makes that harder than it looks.
+# The engine hands the server one small delta per step (a token's worth of text), and a
+# delta may end in the middle of a tag: `"<tool"` now, `"_call>"` next step. The
+# server's `ToolCallStreamer` re-reads the text so far at every step and sends only
+# what is new and certain: content the parser no longer holds back, and each call once
+# its JSON is whole.
+
+# %%
+from minivllm.entrypoints.openai.tool_parsers import Hermes2ProToolParser, ToolCallStreamer
+
+show_source(ToolCallStreamer.feed, end="self.content = content")
+
+
+# %%
+def token_deltas(text):
+    """The text as the engine streams it: one token's new characters per step."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cuts = [len(tokenizer.decode(ids[:i])) for i in range(len(ids) + 1)]
+    return [text[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+said = ('Let me check. <tool_call>{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}</tool_call>')
+deltas = token_deltas(said)
+assert "".join(deltas) == said
+streamer = ToolCallStreamer(Hermes2ProToolParser([]))
+rows = []
+for step, piece in enumerate(deltas):
+    out = streamer.feed(piece, final=step == len(deltas) - 1)
+    _, calls = streamer.parser.read(streamer.text, final=False)
+    pieces = [t for d in out for t in d.tool_calls or []]  # per call: its head, its arguments
+    new_calls = list(zip([t.function.name for t in pieces if t.id is not None],
+                         [t.function.arguments for t in pieces if t.id is None]))
+    text = streamer.text
+    unsent = text[text.rfind("}") + 1:] if streamer.called else text[len(streamer.content):]
+    rows.append((step, piece, unsent, calls[-1].arguments if calls else "",
+                 "".join(d.content or "" for d in out), new_calls))
+print(f"{'step':>4} {'delta':14} {'not sent yet':28} {'arguments read':26} sent")
+for step, piece, held, args, content, sent_calls in rows:
+    shown = (repr(content) if content else "") + (str(sent_calls) if sent_calls else "")
+    print(f"{step:>4} {piece!r:14} {held[-26:]!r:28} {args[-24:]!r:26} {shown}")
+
+# %% [markdown]
+# Read the columns. While the text is plain, each delta goes straight out as content;
+# of the delta `' <'` only the space goes out: `<` may open a tag, and the next deltas
+# show it does. Inside the tag the parser reads the arguments as they grow (a prefix of
+# JSON is never sent); the call goes out, name and arguments whole, in the step that
+# closes its object, and the closing tag after it is read and dropped. What was
+# streamed equals what the parser reads in the whole answer:
+
+# %%
+content_sent = "".join(r[4] for r in rows)
+calls_sent = [c for r in rows for c in r[5]]
+whole = Hermes2ProToolParser([]).extract_tool_calls(said)
+assert content_sent == whole.content and "<" not in content_sent
+assert calls_sent == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+closes = next(r[0] for r in rows if r[5])
+assert json.loads(rows[closes][3]) == {"city": "Paris"}  # sent once its JSON is whole
+assert all(not r[5] for r in rows[:closes])
+opens = next(r[0] for r in rows if "<" in r[1])
+assert rows[opens][4] == " " and not any(r[4] for r in rows[opens + 1:])  # `<` held, then the tag
+
+# %% [markdown]
+# A reasoning model streams the same way, with one more split. It thinks aloud between
+# `<think>` and `</think>` before it answers; `minivllm serve --reasoning-parser
+# deepseek_r1` (vLLM's name) sends the thinking as `delta.reasoning` and the rest as
+# `delta.content`. The parser holds back a tail that may become `</think>`:
+
+# %%
+from minivllm.entrypoints.openai.reasoning_parsers import (DeepSeekR1ReasoningParser,
+                                                           ReasoningStreamer)
+
+show_source(DeepSeekR1ReasoningParser.read)
+
+# %%
+thought = "<think>Paris, so the weather tool. 1 < 2.</think>I will check the weather."
+thinker = ReasoningStreamer(DeepSeekR1ReasoningParser())
+split_rows = []
+pieces = token_deltas(thought)
+for step, piece in enumerate(pieces):
+    r, c = thinker.feed(piece, final=step == len(pieces) - 1)
+    split_rows.append((step, piece, r, c))
+print(f"{'step':>4} {'delta':14} {'reasoning out':16} content out")
+for step, piece, r, c in split_rows:
+    print(f"{step:>4} {piece!r:14} {r!r:16} {c!r}")
+reasoning_sent = "".join(r for _, _, r, _ in split_rows)
+answer_sent = "".join(c for _, _, _, c in split_rows)
+assert (reasoning_sent, answer_sent) == DeepSeekR1ReasoningParser().read(thought, final=True)
+assert reasoning_sent == "Paris, so the weather tool. 1 < 2."
+assert any(piece and not r and not c for _, piece, r, c in split_rows)  # a held tail
+
+# %% [markdown]
+# ### The grammar waits for the answer
+#
+# A response format is meant for the answer, not the thinking: a JSON schema applied
+# from the first token would forbid `<think>` and every word of the reasoning. With a
+# reasoning parser on, the server gives the request's grammar the end tag's token IDs
+# (`reasoning_end_token_ids`), and a gate in front of the matcher lets every token
+# through until those tokens have been generated; from the next token on, the grammar
+# masks as before. (vLLM: the structured-output manager asks the reasoning parser
+# `is_reasoning_end` before it advances a grammar.)
+
+# %%
+from minivllm.structured_output.reasoning_gate import ReasoningGate
+
+show_source(ReasoningGate.feed)
+
+# %%
+ok_schema = SO(json={"type": "object", "properties": {"ok": {"type": "boolean"}},
+                     "required": ["ok"]}, disable_any_whitespace=True)
+ok_grammar, _ = manager.compiler.compile(ok_schema)
+end_ids = tokenizer.encode("</think>", add_special_tokens=False)
+gated = RequestGrammar(ok_grammar, gate=ReasoningGate(end_ids))
+alone = RequestGrammar(ok_grammar)  # the same grammar, fed only the answer
+
+
+def row_of(grammar):
+    m = bitmask.allocate(1, V)
+    grammar.fill(m, 0)
+    return bitmask.allowed_tokens(m[0], V)
+
+
+free_rows = []
+for t in tokenizer.encode("Hm, yes.", add_special_tokens=False) + end_ids:
+    free_rows.append(int(row_of(gated).sum()))
+    gated.accept(t)
+print("allowed tokens while thinking:", free_rows, "| first answer token:",
+      int(row_of(gated).sum()))
+assert free_rows == [V] * len(free_rows)
+assert torch.equal(row_of(gated), row_of(alone))
+
+# %% [markdown]
 # **In vLLM.** (v0.11.0.) Grammars are compiled by a backend: `XgrammarBackend`
 # (`vllm/v1/structured_output/backend_xgrammar.py`, the default), `GuidanceBackend`
 # (`backend_guidance.py`), outlines or lm-format-enforcer. `StructuredOutputManager`
@@ -294,7 +431,10 @@ jsonschema.validate(json.loads(call.function.arguments), weather.function.parame
 # scheduler never waits, and fills each step's bitmask (`grammar_bitmask`) in the engine
 # core; `GPUModelRunner` applies it to the logits before sampling, and the scheduler
 # advances each grammar by the sampled tokens. Tool calls are read back by the parsers in
-# `vllm/entrypoints/openai/tool_parsers/`. minivllm compiles its own regex and JSON-schema
+# `vllm/entrypoints/openai/tool_parsers/` (`Hermes2ProToolParser`'s
+# `extract_tool_calls_streaming` keeps its state across deltas), reasoning apart by
+# `vllm/reasoning/` (`DeepSeekR1ReasoningParser`); the manager's `should_advance` asks the
+# reasoner `is_reasoning_end` before a grammar advances. minivllm compiles its own regex and JSON-schema
 # grammars (no external backend) and masks the logits in its model runner.
 
 # %% [markdown]
@@ -484,6 +624,77 @@ for _text in _texts:
 ### END HIDDEN TESTS
 
 # %% [markdown]
+# ### Exercise 18.5 — the reasoning, streamed apart
+# Write `split_reasoning(deltas)`: the deltas of one streamed answer in, one
+# `(reasoning_delta, content_delta)` pair per delta out, as the server's `deepseek_r1`
+# parser splits them. Everything before `</think>` is reasoning, after it the answer;
+# an opening `<think>` at the very start is dropped (R1's template often writes it into
+# the prompt instead); neither tag ever appears in a delta. Send each character as soon
+# as it can no longer be part of a tag: a tail that could still become `</think>` (or, at
+# the very start, `<think>`) waits for the next delta; the last delta releases
+# everything. An answer that never closes its thinking is all reasoning.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+def split_reasoning(deltas: list[str]) -> list[tuple[str, str]]:
+    """One ``(reasoning_delta, content_delta)`` per delta; the last delta ends the answer.
+
+        split_reasoning(["<think>Hm", "</th", "ink>Yes"])
+        -> [("Hm", ""), ("", ""), ("", "Yes")]
+    """
+    ### BEGIN SOLUTION
+    start, end = "<think>", "</think>"
+    text, sent_r, sent_c, out = "", 0, 0, []
+    for k, delta in enumerate(deltas):
+        text += delta
+        final = k == len(deltas) - 1
+        body = text[len(start):] if text.startswith(start) else text
+        if not final and start.startswith(text) and text != start:
+            body = ""  # it may still be the opening tag
+        at = body.find(end)
+        if at >= 0:
+            reasoning, content = body[:at], body[at + len(end):]
+        else:
+            hold = 0 if final else next((n for n in range(len(end) - 1, 0, -1)
+                                         if body.endswith(end[:n])), 0)
+            reasoning, content = body[:len(body) - hold], ""
+        out.append((reasoning[sent_r:], content[sent_c:]))
+        sent_r, sent_c = len(reasoning), len(content)
+    return out
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+def engine_split(deltas):
+    s = ReasoningStreamer(DeepSeekR1ReasoningParser())
+    return [s.feed(d, final=k == len(deltas) - 1) for k, d in enumerate(deltas)]
+
+
+for size in (len(thought), 1, 3):
+    cut = [thought[i:i + size] for i in range(0, len(thought), size)]
+    mine = split_reasoning(cut)
+    assert len(mine) == len(cut), f"deltas of {size}: one pair per delta, please"
+    joined = ("".join(r for r, _ in mine), "".join(c for _, c in mine))
+    assert "think>" not in joined[0] + joined[1], f"deltas of {size}: a tag leaked out"
+    assert joined == DeepSeekR1ReasoningParser().read(thought, final=True), \
+        f"deltas of {size}: the pieces do not add up to the parser's split"
+    assert mine == engine_split(cut), f"deltas of {size}: a piece came out too early or late"
+### BEGIN HIDDEN TESTS
+import random as _random
+
+_texts = ["<think>a</think>b", "no tags at all", "<thi", "<think>cut while thinking </thi",
+          "</think>only an answer", "<think></think>", "", "2 < 3 </thinking> </think> ok </",
+          "<think>x</think>y</think>z", "<th is not a tag</think>answer <think> too"]
+_rng = _random.Random(1)
+for _text in _texts + [thought]:
+    for _size in (1, 2, 3, 4, 7, max(len(_text), 1)):
+        _cut = [_text[i:i + _size] for i in range(0, len(_text), _size)] or [""]
+        assert split_reasoning(_cut) == engine_split(_cut), (_text, _size)
+    _bounds = [0] + sorted(_rng.randint(0, len(_text)) for _ in range(4)) + [len(_text)]
+    _cut = [_text[a:b] for a, b in zip(_bounds, _bounds[1:])]
+    assert split_reasoning(_cut) == engine_split(_cut), (_text, _cut)
+### END HIDDEN TESTS
+
+# %% [markdown]
 # **Things to try**: constrain to an EBNF grammar of your own (`SO(grammar=...)`), time
 # `minivllm bench structured` at 32 requests, or send `response_format` to
 # `minivllm serve` with the OpenAI client.
@@ -562,6 +773,11 @@ llm.shutdown()
 #   an answer cut by `max_tokens` is a valid prefix that does not parse.
 # - A forced tool call is the same mechanism with the function's parameters as the
 #   schema.
+# - A streamed answer is re-read at every delta: the parsers send only what can no
+#   longer change (content past any partial tag, a call once its JSON is whole,
+#   reasoning up to `</think>`), so the stream adds up to the whole answer's reading.
+# - With a reasoning model the grammar constrains the answer only: it is fed nothing
+#   until the end-of-reasoning tokens.
 
 # %% [markdown]
 # ## In practice: the server agents point at
@@ -602,7 +818,12 @@ llm.shutdown()
 #   inside the thinking (R1's template writes `<think>` into the prompt) and counts an
 #   answer cut before `</think>` as all reasoning; `qwen3` reasons only when the answer
 #   opens with `<think>`. The parser holds back a partial tag while streaming, so the
-#   streamed pieces add up to the whole answer's split.
+#   streamed pieces add up to the whole answer's split. The Responses API returns the
+#   thinking as a `reasoning` output item (`content: [{"type": "reasoning_text", ...}]`)
+#   ahead of the message, streamed as `response.reasoning_text.delta` ... `.done`; sent
+#   back as input, it becomes the next assistant turn's `reasoning`. A `response_format`,
+#   `text.format` or forced tool call then constrains the answer only: the grammar
+#   starts after `</think>` (the section "The grammar waits for the answer").
 #
 # ```python
 # import anthropic

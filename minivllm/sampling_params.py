@@ -44,6 +44,12 @@ class StructuredOutputsParams:
     json_object: Optional[bool] = None
     # JSON only: no free whitespace (a model that likes newlines cannot pad forever).
     disable_any_whitespace: bool = False
+    # A reasoning model's output: the grammar starts after these tokens (its
+    # ``</think>``); with a start token (Qwen3) only an output opening with it
+    # reasons. The server sets them with --reasoning-parser (structured_output/
+    # reasoning_gate.py).
+    reasoning_end_token_ids: Optional[list[int]] = None
+    reasoning_start_token_id: Optional[int] = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -53,6 +59,16 @@ class StructuredOutputsParams:
             raise InvalidRequestError(
                 f"StructuredOutputsParams has {given or 'none'} set: give exactly one of "
                 f"{', '.join(self.KINDS)}", "structured_outputs")
+        ids = self.reasoning_end_token_ids
+        if ids is not None and not (isinstance(ids, list) and ids and all(
+                is_int(i) and i >= 0 for i in ids)):
+            raise bad("StructuredOutputsParams.reasoning_end_token_ids", ids,
+                      "a non-empty list of token ids (ints >= 0)", param="structured_outputs")
+        start = self.reasoning_start_token_id
+        if start is not None and not (is_int(start) and start >= 0 and ids):
+            raise bad("StructuredOutputsParams.reasoning_start_token_id", start,
+                      "a token id (int >= 0), with reasoning_end_token_ids",
+                      param="structured_outputs")
 
     @property
     def kind(self) -> str:

@@ -139,6 +139,11 @@ class InputProcessor:
             from minivllm.structured_output.grammar_spec import check_spec
 
             check_spec(params.structured_outputs)
+            so = params.structured_outputs
+            self._check_token_ids("StructuredOutputsParams.reasoning_end_token_ids", (
+                so.reasoning_end_token_ids or []) + ([] if so.reasoning_start_token_id is None
+                                                    else [so.reasoning_start_token_id]),
+                "structured_outputs")
 
     def _check_token_ids(self, name: str, ids, param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

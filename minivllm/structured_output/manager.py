@@ -3,8 +3,8 @@
 Per step, for the rows it samples: ``mask_logits`` fills one bitmask row per
 constrained request (free requests keep all bits) and sets the disallowed
 logits to -inf; after sampling, ``accept`` advances each grammar by its
-sampled token. A grammar is built the first time its request samples and
-dropped when the request finishes, is aborted or is preempted; a preempted
+sampled token (a reasoning model's reasoning excepted: reasoning_gate.py). A
+grammar is built the first time its request samples and dropped when the request finishes, is aborted or is preempted; a preempted
 request's grammar is rebuilt by replaying the tokens it already generated.
 
 With speculative decoding a request with k drafts has 1 + k rows:
@@ -31,6 +31,15 @@ from minivllm.structured_output.request_grammar import RequestGrammar
 
 # () -> (the model's tokenizer or None, its EOS token ids).
 TokenizerLoader = Callable[[], tuple[object, frozenset[int]]]
+
+
+def reasoning_gate(spec):
+    """The spec's ReasoningGate (a reasoning model's output), or None."""
+    if not spec.reasoning_end_token_ids:
+        return None
+    from minivllm.structured_output.reasoning_gate import ReasoningGate
+
+    return ReasoningGate(spec.reasoning_end_token_ids, spec.reasoning_start_token_id)
 
 
 class StructuredOutputManager:
@@ -63,9 +72,10 @@ class StructuredOutputManager:
     def grammar_for(self, req) -> RequestGrammar:
         g = self.grammars.get(req.request_id)
         if g is None:
-            compiled, extra = self.compiler.compile(req.sampling_params.structured_outputs)
-            g = self.grammars[req.request_id] = RequestGrammar(compiled, req.output_token_ids,
-                                                               extra)
+            spec = req.sampling_params.structured_outputs
+            compiled, extra = self.compiler.compile(spec)
+            g = self.grammars[req.request_id] = RequestGrammar(
+                compiled, req.output_token_ids, extra, reasoning_gate(spec))
         return g
 
     @staticmethod

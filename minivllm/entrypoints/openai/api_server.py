@@ -420,7 +420,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="split a reasoning model's <think>...</think> from its answer: "
-                   "the chat message's `reasoning` (reasoning_parsers.py)")
+                   "the chat message's `reasoning`, a Responses `reasoning` item, a "
+                   "Messages `thinking` block; structured outputs then constrain the "
+                   "answer only (reasoning_parsers.py)")
 
 
 def auto_tool_parser(ns: argparse.Namespace) -> Optional[str]:

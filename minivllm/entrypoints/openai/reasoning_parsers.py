@@ -14,6 +14,10 @@ As the tool parsers, a parser ``read``s the text *so far*; while streaming it
 holds back the characters that may be the start of a tag, so each read
 extends the one before and the streamed pieces add up to the whole answer's
 split (ReasoningStreamer).
+
+Structured outputs (a response format, a forced tool call) constrain the
+answer only: the request's grammar waits for the end tag's tokens
+(``gate_token_ids``; the engine's side is structured_output/reasoning_gate.py).
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ class ReasoningParser:
             return text[:end], text[end + len(self.END):]
         held = 0 if final else partial_tag(text, self.END)
         return text[:len(text) - held], ""
+
+    def gate_token_ids(self, tokenizer) -> tuple[list[int], Optional[int]]:
+        """(end ids, start id or None): where a grammar's constraint starts in this
+        family's output (structured_output/reasoning_gate.py). A start tag of several
+        tokens is known by its first."""
+        end = tokenizer.encode(self.END, add_special_tokens=False)
+        start = tokenizer.encode(self.START, add_special_tokens=False)[0] \
+            if self.needs_start else None
+        return end, start
 
     def extract_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
         """vLLM's name: (reasoning, content) of a finished answer, None for an empty part."""

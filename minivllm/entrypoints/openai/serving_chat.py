@@ -90,6 +90,12 @@ class OpenAIServingChat(OpenAIServing):
         tool_calls.check_auto(request.tools, request.effective_tool_choice, self.tool_parser)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         params = request.to_sampling_params(kind, tool_calls.structured_outputs(request))
+        reasoner = self.reasoner()
+        if reasoner is not None and params.structured_outputs is not None:
+            # The format is the answer's: the grammar waits for the end of the reasoning.
+            so = params.structured_outputs
+            so.reasoning_end_token_ids, so.reasoning_start_token_id = \
+                reasoner.gate_token_ids(self.engine.tokenizer)
         end = tool_calls.one_call_stop(request, self._parser(request))
         if end is not None:  # generation ends with the first call: never a second one
             params.stop = params.stop + [end]

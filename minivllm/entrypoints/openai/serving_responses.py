@@ -7,13 +7,18 @@ conversation before them) chat messages, ``max_output_tokens`` its
 tools the chat API's nested ones. So the prompt, and the tokens generated
 for it, are the chat endpoint's for the same conversation; only the shapes
 differ. The answer's text is an ``output_text`` part of a ``message`` item;
-its tool calls (tools.py, tool_parsers.py) are ``function_call`` items.
+its tool calls (tools.py, tool_parsers.py) are ``function_call`` items. With
+``--reasoning-parser`` the ``<think>`` text comes first, as a ``reasoning``
+item whose ``content`` is one ``reasoning_text`` part (``summary`` stays empty:
+nothing summarises it); sent back as input it is the next assistant message's
+``reasoning``.
 
 Streamed, as OpenAI streams it: typed events, each with the next
 ``sequence_number``: ``response.created``, ``response.in_progress``, per
 item ``response.output_item.added``, for a message
 ``response.content_part.added``, ``response.output_text.delta`` ... ``.done``
-and ``response.content_part.done``, for a call
+and ``response.content_part.done`` (for reasoning the same with
+``response.reasoning_text.delta`` ... ``.done``), for a call
 ``response.function_call_arguments.delta`` ... ``.done``, then
 ``response.output_item.done``; last ``response.completed`` (or
 ``response.incomplete`` when ``max_output_tokens`` cut it) with the whole
@@ -40,8 +45,9 @@ from pydantic import ValidationError
 from minivllm.entrypoints.openai.protocol import BadRequestError, ChatCompletionRequest
 from minivllm.entrypoints.openai.protocol.responses import (
     FunctionCallItem, FunctionCallOutputItem, IncompleteDetails, InputMessage,
-    InputTokensDetails, OutputFunctionCall, OutputMessage, OutputText, ResponsesRequest,
-    ResponsesResponse, ResponseUsage, item_id, log_responses_no_ops)
+    InputTokensDetails, OutputFunctionCall, OutputMessage, OutputReasoning, OutputText,
+    ReasoningInputItem, ReasoningText, ResponsesRequest, ResponsesResponse, ResponseUsage,
+    log_responses_no_ops)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_engine import Stream, now, with_first
 from minivllm.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser
@@ -96,7 +102,18 @@ class ResponseStore:
 def chat_messages(items) -> list[dict]:
     """Input (or output) items as chat messages; an assistant's calls join its message."""
     out: list[dict] = []
+    thought = None  # a reasoning item's text, for the assistant message after it
     for item in items:
+        if isinstance(item, (ReasoningInputItem, OutputReasoning)):
+            text = "".join(p.text for p in item.content or [])
+            thought = text if thought is None else thought + text
+            continue
+        if thought is not None and not isinstance(item, (
+                OutputMessage, FunctionCallItem, OutputFunctionCall)) and not (
+                isinstance(item, InputMessage) and item.role == "assistant"):
+            # reasoning with no answer of its own after it: a turn of its own
+            out.append({"role": "assistant", "content": None, "reasoning": thought})
+            thought = None
         if isinstance(item, (InputMessage,)):
             out.append({"role": item.role, "content": item.text()})
         elif isinstance(item, OutputMessage):
@@ -110,6 +127,10 @@ def chat_messages(items) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        if thought is not None:  # (the assistant turn just added is the one it was for)
+            out[-1]["reasoning"], thought = thought, None
+    if thought is not None:  # reasoning with no answer after it
+        out.append({"role": "assistant", "content": None, "reasoning": thought})
     return out
 
 
@@ -145,15 +166,24 @@ def _renamed(error: BadRequestError) -> BadRequestError:
 
 
 # -- output items ----------------------------------------------------------------------
-def output_items(parser: Optional[ToolParser], c: CompletionOutput) -> list:
-    """A finished answer as output items: its text a message, its calls function_calls."""
-    content, calls = c.text, []
-    if parser is not None:
-        info = parser.extract_tool_calls(c.text)
-        content = info.content if (info.tools_called or parser.forced) else c.text
-        calls = info.tool_calls if info.tools_called else []
-    status = "incomplete" if c.finish_reason == "length" else "completed"
+def output_items(parser: Optional[ToolParser], c: CompletionOutput, reasoner=None) -> list:
+    """A finished answer as output items: its reasoning (with a ``reasoner``, a
+    reasoning parser) a reasoning item, its text a message, its calls function_calls."""
     items: list = []
+    text = c.text
+    status = "incomplete" if c.finish_reason == "length" else "completed"
+    if reasoner is not None:
+        reasoning, text = reasoner.read(c.text, final=True)
+        if reasoning:  # cut while thinking: the reasoning is incomplete
+            items.append(OutputReasoning(content=[ReasoningText(text=reasoning)], status=(
+                status if not text else "completed")))
+        if not text and reasoning:
+            return items  # all of it was reasoning
+    content, calls = text, []
+    if parser is not None:
+        info = parser.extract_tool_calls(text)
+        content = info.content if (info.tools_called or parser.forced) else text
+        calls = info.tool_calls if info.tools_called else []
     if content is not None and (content or not calls):
         items.append(OutputMessage(status=status, content=[OutputText(text=content)]))
     items += [OutputFunctionCall(call_id=t.id, name=t.function.name,
@@ -240,7 +270,8 @@ class OpenAIServingResponses:
         parser = chat._parser(chat_req)
         if request.stream:
             return self._stream(entry, request, parser, with_first(firsts[0], streams[0]))
-        self._done(entry, request, firsts[0], output_items(parser, firsts[0].outputs[0]))
+        self._done(entry, request, firsts[0],
+                   output_items(parser, firsts[0].outputs[0], chat.reasoner()))
         return response
 
     def _skeleton(self, request: ResponsesRequest) -> ResponsesResponse:
@@ -290,17 +321,28 @@ class OpenAIServingResponses:
         yield events.send("response.created", response=response.model_dump())
         yield events.send("response.in_progress", response=response.model_dump())
         streamer = ToolCallStreamer(parser) if parser is not None else None
+        reasoner = self.chat.reasoner()
+        thinking = None
+        if reasoner is not None:
+            from minivllm.entrypoints.openai.reasoning_parsers import ReasoningStreamer
+
+            thinking = ReasoningStreamer(reasoner)
         last, generated = None, 0
         try:
             async for out in stream:
                 c = out.outputs[0]
                 last = out
                 generated += len(c.token_ids)
+                text = c.text
+                if thinking is not None:
+                    said, text = thinking.feed(c.text, final=c.finish_reason is not None)
+                    for e in events.reasoning(said):
+                        yield e
                 if streamer is None:
-                    for e in events.text(c.text):
+                    for e in events.text(text):
                         yield e
                     continue
-                for d in streamer.feed(c.text, final=c.finish_reason is not None):
+                for d in streamer.feed(text, final=c.finish_reason is not None):
                     for e in events.delta(d):
                         yield e
         except Exception as e:  # the engine died mid-stream: say so, then end
@@ -312,7 +354,7 @@ class OpenAIServingResponses:
             return
         finally:
             await stream.aclose()
-        final = output_items(parser, last.outputs[0]) if last is not None else []
+        final = output_items(parser, last.outputs[0], reasoner) if last is not None else []
         items = events.close(final, last.outputs[0].finish_reason if last else None)
         for e in events.pending:
             yield e
@@ -327,7 +369,7 @@ class EventWriter:
 
     def __init__(self) -> None:
         self.seq = 0
-        self.items: list = []  # OutputMessage | OutputFunctionCall, in order
+        self.items: list = []  # OutputReasoning | OutputMessage | OutputFunctionCall
         self.open = None  # the item receiving deltas
         self.pending: list[str] = []
 
@@ -347,6 +389,22 @@ class EventWriter:
             out.append(self.send("response.content_part.added", item_id=item.id,
                                  output_index=index, content_index=0,
                                  part=OutputText(text="").model_dump()))
+        elif isinstance(item, OutputReasoning):
+            out.append(self.send("response.content_part.added", item_id=item.id,
+                                 output_index=index, content_index=0,
+                                 part=ReasoningText(text="").model_dump()))
+        return out
+
+    def reasoning(self, piece: str) -> list[str]:
+        if not piece:
+            return []
+        out = [] if isinstance(self.open, OutputReasoning) else self._add(
+            OutputReasoning(status="in_progress"))
+        if not self.open.content:
+            self.open.content.append(ReasoningText(text=""))
+        self.open.content[0].text += piece
+        out.append(self.send("response.reasoning_text.delta", item_id=self.open.id,
+                             output_index=len(self.items) - 1, content_index=0, delta=piece))
         return out
 
     def text(self, piece: str) -> list[str]:
@@ -387,6 +445,13 @@ class EventWriter:
             out.append(self.send("response.content_part.done", item_id=item.id,
                                  output_index=index, content_index=0,
                                  part=item.content[0].model_dump()))
+        elif isinstance(item, OutputReasoning):
+            text = "".join(p.text for p in item.content)
+            out.append(self.send("response.reasoning_text.done", item_id=item.id,
+                                 output_index=index, content_index=0, text=text))
+            out.append(self.send("response.content_part.done", item_id=item.id,
+                                 output_index=index, content_index=0,
+                                 part=ReasoningText(text=text).model_dump()))
         else:
             out.append(self.send("response.function_call_arguments.done", item_id=item.id,
                                  output_index=index, name=item.name,
@@ -403,7 +468,8 @@ class EventWriter:
         cut = isinstance(self.open, OutputFunctionCall) and self.open.call_id not in whole
         length = finish_reason == "length"
         self.pending = self._close_open("incomplete" if cut or (
-            length and isinstance(self.open, OutputMessage)) else "completed")
+            length and isinstance(self.open, (OutputMessage, OutputReasoning)))
+            else "completed")
         if not self.items:  # nothing streamed (an empty answer): the finished items
             for item in final:
                 self.pending += self._add(item) + self._close_open(item.status)

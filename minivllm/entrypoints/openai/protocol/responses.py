@@ -1,8 +1,9 @@
 """The Responses API's bodies (``POST /v1/responses``) as pydantic models.
 
 OpenAI's newer surface: ``instructions`` and ``input`` (a string, or items:
-messages, earlier ``function_call`` items and their ``function_call_output``)
-in, a list of ``output`` items (``message`` with ``output_text`` parts,
+messages, earlier ``function_call`` items and their ``function_call_output``,
+``reasoning`` items) in, a list of ``output`` items (``reasoning`` with
+``reasoning_text`` parts, ``message`` with ``output_text`` parts,
 ``function_call``) out. The request is strict as the chat one is: an
 unknown field is a 400 naming it; fields OpenAI documents that mean nothing
 here are accepted and named once in the log (``RESPONSES_NO_OP_FIELDS``).
@@ -97,7 +98,27 @@ class FunctionCallOutputItem(RequestModel):
         return "".join(part.text for part in self.output)
 
 
-InputItem = Union[FunctionCallItem, FunctionCallOutputItem, InputMessage]
+class ReasoningTextPart(RequestModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningInputItem(RequestModel):
+    """An earlier answer's reasoning item, sent back as clients do (the next assistant
+    message's ``reasoning`` in chat terms)."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningTextPart] = Field(default_factory=list)
+    content: Optional[list[ReasoningTextPart]] = None
+    id: Optional[str] = None
+    encrypted_content: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
+InputItem = Union[FunctionCallItem, FunctionCallOutputItem, ReasoningInputItem, InputMessage]
 
 
 # -- tools and text formats --------------------------------------------------------------
@@ -233,7 +254,22 @@ class OutputFunctionCall(ResponseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = Union[OutputMessage, OutputFunctionCall]
+class ReasoningText(ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(ResponseModel):
+    """With ``--reasoning-parser``: the ``<think>`` text, ahead of the answer's items."""
+
+    id: str = Field(default_factory=lambda: item_id("rs"))
+    type: Literal["reasoning"] = "reasoning"
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = Union[OutputReasoning, OutputMessage, OutputFunctionCall]
 
 
 class InputTokensDetails(ResponseModel):
