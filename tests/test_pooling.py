@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minivllm import LLM
+from minivllm import LLM, SamplingParams
 from minivllm.config.checks import InvalidRequestError
 from minivllm.pooling_params import PoolingParams
 from tests.conftest import build_tiny_model
