@@ -35,7 +35,9 @@ class ParallelConfig:
         if self.data_parallel_routing != "least_loaded":  # the default loads no routing
             from minivllm.routing.policy import POLICIES
 
-            check_choice("data_parallel_routing", self.data_parallel_routing, POLICIES)
+            # kv_aware needs the replicas' KV events: a router's view, not this one's.
+            check_choice("data_parallel_routing", self.data_parallel_routing,
+                         [p for p in POLICIES if p != "kv_aware"])
 
 
 __all__ = ["ParallelConfig"]
