@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from minivllm.config.checks import bad, check_choice, check_int
 
 
+# The policies of minivllm/routing that one API side can run over its replicas
+# (kv_aware needs the replicas' KV events: a router's view, not this one's).
+DP_ROUTING = ("least_loaded", "prefix_aware", "round_robin")
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -32,12 +37,7 @@ class ParallelConfig:
                       "must be 1 with data_parallel_backend='mp': set "
                       "data_parallel_backend='ray' (replicas as Ray actors), or run N "
                       "`minivllm serve` replicas behind `minivllm router` (chapter 22)")
-        if self.data_parallel_routing != "least_loaded":  # the default loads no routing
-            from minivllm.routing.policy import POLICIES
-
-            # kv_aware needs the replicas' KV events: a router's view, not this one's.
-            check_choice("data_parallel_routing", self.data_parallel_routing,
-                         [p for p in POLICIES if p != "kv_aware"])
+        check_choice("data_parallel_routing", self.data_parallel_routing, DP_ROUTING)
 
 
-__all__ = ["ParallelConfig"]
+__all__ = ["ParallelConfig", "DP_ROUTING"]
