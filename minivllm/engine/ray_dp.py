@@ -15,9 +15,10 @@ offline loop and the server's engine-core process drive it unchanged:
   the outputs of whichever finishes first: replicas are not in lockstep, a slow
   one does not hold the others. Ray runs one actor's calls in order, so an
   add or abort sent while a step runs applies after it.
-- A dead actor (killed, its node lost) is seen when its step fails: the step
-  raises an error naming the replica and its requests; the replica is no longer
-  chosen, the others go on serving.
+- A dead actor (killed, its node lost) is seen when a call to it fails: the
+  next step raises an error naming the replica and the requests it held; the
+  replica is no longer chosen (a request being added goes to another), the
+  others go on serving.
 - ``shutdown`` stops each replica's core and kills its actor: none outlives the engine.
 
 On one machine a local Ray cluster starts with logical CPUs (``init_ray``), so a
@@ -95,6 +96,8 @@ class RayDPEngineCore:
         self.owned: list[set[str]] = [set() for _ in range(n)]  # unfinished ids per replica
         self.replica_of: dict[str, int] = {}
         self.alive = [True] * n
+        self.orphans: list[str] = []  # requests of a dead replica, failed at the next step
+        self.last_loss = ""
         self.running: dict = {}  # replica -> the ObjectRef of its running step
         self.stats: list = [None] * n
         self.actors: list = []
@@ -126,8 +129,15 @@ class RayDPEngineCore:
 
         hashes = self.policy.prompt_hashes(request.prompt_token_ids,
                                            self.config.cache.block_size)
-        i = self.policy.choose(self.loads, hashes, available=self.alive)
-        error = ray.get(self.actors[i].add_request.remote(request))
+        while True:
+            if not any(self.alive):
+                raise RuntimeError(f"every data-parallel replica died: {self.last_loss}")
+            i = self.policy.choose(self.loads, hashes, available=self.alive)
+            try:
+                error = ray.get(self.actors[i].add_request.remote(request))
+                break
+            except Exception as exc:  # the actor died: route around it
+                self._lose(i, exc)
         if error is not None:
             raise error
         self.owned[i].add(request.request_id)
@@ -148,13 +158,14 @@ class RayDPEngineCore:
                 self.actors[i].finish_requests.remote(ids, status)  # in order, after its step
 
     def has_unfinished_requests(self) -> bool:
-        return any(self.owned) or bool(self.running)
+        return any(self.owned) or bool(self.running) or bool(self.orphans)
 
     # -- the loop --------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Outputs of the first replica step to finish (others keep running)."""
         import ray
 
+        self._raise_orphans()
         for i, ids in enumerate(self.owned):
             if ids and self.alive[i] and i not in self.running:
                 self.running[i] = self.actors[i].step.remote()
@@ -167,24 +178,30 @@ class RayDPEngineCore:
             outputs, self.stats[i] = ray.get(ref)
         except Exception as exc:  # RayActorError when killed, the replica's error else
             self._lose(i, exc)
+            self._raise_orphans()
         for out in outputs:
             if out.finish_reason is not None:
                 self.owned[i].discard(out.request_id)
                 self.replica_of.pop(out.request_id, None)
         return outputs
 
-    def _lose(self, i: int, exc: Exception):
-        """Replica ``i`` failed: never route to it again, and say so, naming its requests."""
-        lost = sorted(self.owned[i])
+    def _raise_orphans(self) -> None:
+        if self.orphans:
+            lost, self.orphans = self.orphans, []
+            raise RuntimeError(f"{self.last_loss}; its requests {sorted(lost)} cannot finish; "
+                               f"{sum(self.alive)} of {len(self.alive)} replicas remain")
+
+    def _lose(self, i: int, exc: Exception) -> None:
+        """Replica ``i`` failed: never route to it again; its requests fail at the next step."""
         self.alive[i] = False
-        for rid in lost:
+        self.running.pop(i, None)
+        for rid in self.owned[i]:
             self.replica_of.pop(rid, None)
+        self.orphans += self.owned[i]
         self.owned[i] = set()
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise RuntimeError(
-            f"data-parallel replica {i} (a Ray actor) died ({type(exc).__name__}: {first}); "
-            f"its requests {lost} cannot finish; {sum(self.alive)} of {len(self.alive)} "
-            f"replicas remain") from exc
+        self.last_loss = (f"data-parallel replica {i} (a Ray actor) died "
+                          f"({type(exc).__name__}: {first})")
 
     def make_stats(self):
         """The replicas' last scheduler snapshots, summed (usage: their mean)."""
