@@ -636,13 +636,18 @@ for llm in engines:
 # ```bash
 # hostA$ ray start --head --port 6379
 # hostB$ ray start --address hostA:6379          # each host adds its CPUs (and GPUs)
-# hostA$ RAY_ADDRESS=hostA:6379 minivllm serve MODEL --data-parallel-size 2 \
+# hostA$ export RAY_AUTH_MODE=token RAY_ADDRESS=hostA:6379
+# hostA$ minivllm serve MODEL --data-parallel-size 2 \
 #            --data-parallel-backend ray         # one API server, a replica per actor
 # ```
 #
+# (Ray's clusters check a token: the same `~/.ray/auth_token` on both hosts.) Such
+# a server is one more HTTP replica to `minivllm router`, unchanged.
+#
 # Without `RAY_ADDRESS` the engine starts a local Ray cluster with logical CPUs, so
-# a laptop runs it too. A replica whose actor dies ends its requests with an error
-# naming it, and is not chosen again. The separate servers behind `minivllm router`
+# a laptop runs it too. Offline, a replica whose actor dies ends its requests with an
+# error naming it and is not chosen again; a server stops on it, as on any failed
+# step. The separate servers behind `minivllm router`
 # remain the other shape, and the one this chapter measures: a dead replica is one
 # process the router routes around, the simulator's fleet has the same shape, and
 # N API processes share the detokenizing that one API process in front of N cores

@@ -18,7 +18,7 @@ offline loop and the server's engine-core process drive it unchanged:
 - A dead actor (killed, its node lost) is seen when a call to it fails: the
   next step raises an error naming the replica and the requests it held; the
   replica is no longer chosen (a request being added goes to another), the
-  others go on serving.
+  others go on serving (offline; see below for the server).
 - ``shutdown`` stops each replica's core and kills its actor: none outlives the engine.
 
 On one machine a local Ray cluster starts with logical CPUs (``init_ray``), so a
@@ -27,11 +27,19 @@ same path on each):
 
     host A$ ray start --head --port 6379
     host B$ ray start --address A:6379
-    host A$ RAY_ADDRESS=A:6379 minivllm serve MODEL --data-parallel-size 2 \\
+    host A$ RAY_AUTH_MODE=token RAY_ADDRESS=A:6379 minivllm serve MODEL --data-parallel-size 2 \\
                 --data-parallel-backend ray
 
 Each actor asks for ``REPLICA_CPUS`` logical CPUs (one GPU each on CUDA); Ray
-spreads them over the nodes that have room.
+spreads them over the nodes that have room. Ray's clusters authenticate by token
+(``~/.ray/auth_token``, the same file on every host): a process that joins one
+through ``RAY_ADDRESS`` needs ``RAY_AUTH_MODE=token`` too, or Ray refuses it
+("Authentication token is missing or incorrect"). Such a server is one HTTP
+replica like any other: ``minivllm router`` fronts it unchanged.
+
+On the server, a dead replica's error ends the engine-core process (every request
+of the server fails, its message in the log), as any failed step does; offline
+(``LLM``) the error is raised and the surviving replicas keep serving.
 """
 
 from __future__ import annotations
