@@ -110,9 +110,12 @@ class RayDPEngineCore:
         self.stats: list = [None] * n
         self.actors: list = []
         ray = init_ray(n)
-        one = dataclasses.replace(config, parallel=dataclasses.replace(
-            config.parallel, data_parallel_size=1, data_parallel_backend="mp"))
         gpus = 1 if config.device.startswith("cuda") else 0
+        # A replica is one engine; on CUDA its GPU is the one Ray gives it ("cuda", device 0).
+        one = dataclasses.replace(config, device="cuda" if gpus else config.device,
+                                  parallel=dataclasses.replace(
+                                      config.parallel, data_parallel_size=1,
+                                      data_parallel_backend="mp"))
         threads = max(1, (os.cpu_count() or 1) // n)
         actor_cls = ray.remote(num_cpus=REPLICA_CPUS, num_gpus=gpus)(DPEngineCoreActor)
         tag = uuid.uuid4().hex[:8]
@@ -126,6 +129,14 @@ class RayDPEngineCore:
             raise
         self.num_blocks = min(blocks for blocks, _ in ready)
         self.pids = [pid for _, pid in ready]
+
+    def __getattr__(self, name: str):
+        # What one EngineCore has and replicas do not (its executor, scheduler: the RL
+        # API of core/rollout.py) is refused by name rather than half done on one replica.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"{name!r} is not available with data_parallel_backend='ray': "
+                             f"each replica's engine core is in its own Ray actor")
 
     # -- requests ------------------------------------------------------------
     @property
