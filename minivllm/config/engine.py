@@ -86,11 +86,9 @@ class EngineArgs:
     kv_offloading_backend: Optional[str] = None
     # vLLM's dict, e.g. {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}.
     kv_events_config: Optional[dict] = None
-    # N replicas: with "ray", engine cores as Ray actors behind one LLM / API server
-    # (engine/ray_dp.py); else separate `minivllm serve` processes behind `minivllm router`.
-    data_parallel_size: int = 1
-    data_parallel_backend: str = "mp"  # or "ray"
-    data_parallel_routing: str = "least_loaded"  # a policy of minivllm/routing
+    data_parallel_size: int = 1  # N > 1: data_parallel_backend="ray" (engine/ray_dp.py)
+    data_parallel_backend: str = "mp"
+    data_parallel_routing: str = "least_loaded"
     # "auto", None / "none", "gguf" or "q8_0"; "auto" or "int8" (config/quantization.py).
     quantization: Optional[str] = "auto"
     activation_dtype: str = "auto"
@@ -135,16 +133,11 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       max_len, self.long_prefill_token_threshold,
                                       self.enable_chunked_prefill, self.scheduling_policy),
-            parallel=self._parallel_config(),
+            parallel=ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig))),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             enable_sleep_mode=self.enable_sleep_mode, batch_invariant=self.batch_invariant,
             **features)
-
-    def _parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
-                              self.data_parallel_size, self.data_parallel_backend,
-                              self.data_parallel_routing)
 
     def _feature_sections(self) -> dict:
         """The checked sections of the optional features asked for ({} for none)."""
@@ -165,7 +158,7 @@ class EngineArgs:
                 allowed="must be a positive integer")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
                     self.enable_prefix_caching)
-        self._parallel_config()
+        ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig)))
         for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode", "batch_invariant"):
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,

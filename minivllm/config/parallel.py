@@ -1,16 +1,10 @@
-"""The parallel section: how many tensor-parallel ranks share the model, and how many
-data-parallel replicas of it serve (``data_parallel_backend="ray"``: engine/ray_dp.py)."""
+"""The parallel section: how many tensor-parallel ranks share the model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minivllm.config.checks import bad, check_choice, check_int
-
-
-# The policies of minivllm/routing that one API side can run over its replicas
-# (kv_aware needs the replicas' KV events: a router's view, not this one's).
-DP_ROUTING = ("least_loaded", "prefix_aware", "round_robin")
+from minivllm.config.checks import check_choice, check_int
 
 
 @dataclass
@@ -18,26 +12,19 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # Who runs ranks 1..N-1: "mp", processes; "ray", Ray actors (worker/ray_executor.py).
     distributed_executor_backend: str = "mp"
-    # N full engine replicas; "ray": each an engine core in a Ray actor, behind one API.
-    data_parallel_size: int = 1
+    data_parallel_size: int = 1  # N replicas as Ray actors: engine/ray_dp.py
     data_parallel_backend: str = "mp"
-    # Which routing policy (minivllm/routing) picks a request's replica.
-    data_parallel_routing: str = "least_loaded"
+    data_parallel_routing: str = "least_loaded"  # a policy of minivllm/routing
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1,
                   allowed="must be a positive integer")
         check_choice("distributed_executor_backend", self.distributed_executor_backend,
                      ("mp", "ray"))
-        check_choice("data_parallel_backend", self.data_parallel_backend, ("mp", "ray"))
-        check_int("data_parallel_size", self.data_parallel_size, 1,
-                  allowed="must be a positive integer")
-        if self.data_parallel_size > 1 and self.data_parallel_backend != "ray":
-            raise bad("data_parallel_size", self.data_parallel_size,
-                      "must be 1 with data_parallel_backend='mp': set "
-                      "data_parallel_backend='ray' (replicas as Ray actors), or run N "
-                      "`minivllm serve` replicas behind `minivllm router` (chapter 22)")
-        check_choice("data_parallel_routing", self.data_parallel_routing, DP_ROUTING)
+        if (self.data_parallel_size, self.data_parallel_backend,
+                self.data_parallel_routing) != (1, "mp", "least_loaded"):
+            from minivllm.config.data_parallel import check_data_parallel
 
+            check_data_parallel(self)
 
-__all__ = ["ParallelConfig", "DP_ROUTING"]
+__all__ = ["ParallelConfig"]
