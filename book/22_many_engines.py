@@ -624,14 +624,34 @@ for llm in engines:
 # the router's.
 
 # %% [markdown]
-# **Data parallelism**: `--data-parallel-size` is accepted only as 1. vLLM's internal
-# data parallelism runs N engine cores behind one API server; here the replicas are
-# separate servers behind `minivllm router` instead, on purpose: the same routing
-# code then works across hosts, a dead replica is one process the router routes
-# around (not an API server with a hole in it), and the simulator's fleet is the
-# same shape. One API process in front of N cores would also funnel every token of
-# every replica through one Python process's detokenizer, which on a CPU is the
-# first thing to saturate.
+# **Data parallelism on Ray**: vLLM's internal data parallelism runs N engine cores
+# behind one API server, and so does minivllm with `data_parallel_backend="ray"`
+# (`minivllm/engine/ray_dp.py`): each replica is a full engine core (model, KV cache,
+# scheduler) in a Ray actor, and the API side routes each request with the very
+# `RoutingPolicy` above (`--data-parallel-routing least_loaded`, `prefix_aware` or
+# `round_robin`). The same in Python: `LLM(model, data_parallel_size=2,
+# data_parallel_backend="ray")`. Ray places the actors, so the replicas may live on
+# two hosts; the model folder must be at the same path on both:
+#
+# ```bash
+# hostA$ ray start --head --port 6379
+# hostB$ ray start --address hostA:6379          # each host adds its CPUs (and GPUs)
+# hostA$ export RAY_AUTH_MODE=token RAY_ADDRESS=hostA:6379
+# hostA$ minivllm serve MODEL --data-parallel-size 2 \
+#            --data-parallel-backend ray         # one API server, a replica per actor
+# ```
+#
+# (Ray's clusters check a token: the same `~/.ray/auth_token` on both hosts.) Such
+# a server is one more HTTP replica to `minivllm router`, unchanged.
+#
+# Without `RAY_ADDRESS` the engine starts a local Ray cluster with logical CPUs, so
+# a laptop runs it too. Offline, a replica whose actor dies ends its requests with an
+# error naming it and is not chosen again; a server stops on it, as on any failed
+# step. The separate servers behind `minivllm router`
+# remain the other shape, and the one this chapter measures: a dead replica is one
+# process the router routes around, the simulator's fleet has the same shape, and
+# N API processes share the detokenizing that one API process in front of N cores
+# does alone (on a CPU, the first thing to saturate).
 #
 # The router's fleet measured against the simulator's, set by set: [the fleet's records](../figures/records/fleet.md), in [figures/RESULTS.md](../figures/RESULTS.md).
 

@@ -88,8 +88,9 @@ class EngineArgs:
     kv_offloading_backend: Optional[str] = None
     # vLLM's dict, e.g. {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}.
     kv_events_config: Optional[dict] = None
-    # Only 1: replicas are separate `minivllm serve` processes behind `minivllm router`.
-    data_parallel_size: int = 1
+    data_parallel_size: int = 1  # N > 1: data_parallel_backend="ray" (engine/ray_dp.py)
+    data_parallel_backend: str = "mp"
+    data_parallel_routing: str = "least_loaded"
     # "auto", None / "none", "gguf" or "q8_0"; "auto" or "int8" (config/quantization.py).
     quantization: Optional[str] = "auto"
     activation_dtype: str = "auto"
@@ -135,8 +136,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       max_len, self.long_prefill_token_threshold,
                                       self.enable_chunked_prefill, self.scheduling_policy),
-            parallel=ParallelConfig(self.tensor_parallel_size,
-                                    self.distributed_executor_backend),
+            parallel=ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig))),
             device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             enable_sleep_mode=self.enable_sleep_mode, batch_invariant=self.batch_invariant,
@@ -161,7 +161,7 @@ class EngineArgs:
                 allowed="must be a positive integer")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
                     self.enable_prefix_caching)
-        ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig)))
         for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode", "batch_invariant"):
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,
@@ -177,9 +177,6 @@ class EngineArgs:
         resolve_dtype(self.dtype)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         self._feature_sections()
-        check_int("data_parallel_size", self.data_parallel_size, 1, 1,
-                  allowed="must be 1: run N `minivllm serve` replicas behind `minivllm "
-                  "router --replica URL ...` instead (chapter 22, 'In practice')")
         check_quantization(self.quantization)
         check_activation_dtype(self.activation_dtype)
 

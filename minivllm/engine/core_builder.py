@@ -10,6 +10,9 @@ from minivllm.core.engine_core import EngineCore
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
+    if config.parallel.data_parallel_size > 1:  # N replicas as Ray actors
+        from minivllm.engine.ray_dp import RayDPEngineCore
+        return RayDPEngineCore(config)
     from minivllm.worker.executor import make_executor
 
     if config.model.layer_types is not None:  # several kinds of attention: what they refuse
