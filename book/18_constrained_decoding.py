@@ -317,6 +317,8 @@ said = ('Let me check. <tool_call>{"name": "get_weather", "arguments": '
         '{"city": "Paris"}}</tool_call>')
 deltas = token_deltas(said)
 assert "".join(deltas) == said
+
+# %%
 streamer = ToolCallStreamer(Hermes2ProToolParser([]))
 rows = []
 for step, piece in enumerate(deltas):
@@ -329,6 +331,8 @@ for step, piece in enumerate(deltas):
     unsent = text[text.rfind("}") + 1:] if streamer.called else text[len(streamer.content):]
     rows.append((step, piece, unsent, calls[-1].arguments if calls else "",
                  "".join(d.content or "" for d in out), new_calls))
+
+# %%
 print(f"{'step':>4} {'delta':14} {'not sent yet':28} {'arguments read':26} sent")
 for step, piece, held, args, content, sent_calls in rows:
     shown = (repr(content) if content else "") + (str(sent_calls) if sent_calls else "")
@@ -408,6 +412,7 @@ gated = RequestGrammar(ok_grammar, gate=ReasoningGate(end_ids))
 alone = RequestGrammar(ok_grammar)  # the same grammar, fed only the answer
 
 
+# %%
 def row_of(grammar):
     m = bitmask.allocate(1, V)
     grammar.fill(m, 0)
@@ -635,6 +640,7 @@ for _text in _texts:
 # everything. An answer that never closes its thinking is all reasoning.
 
 # %% tags=["solution"] jupyter={"source_hidden": true}
+# piece: reasoning_split
 def split_reasoning(deltas: list[str]) -> list[tuple[str, str]]:
     """One ``(reasoning_delta, content_delta)`` per delta; the last delta ends the answer.
 
