@@ -17,16 +17,25 @@ only keeps the books on block *ids*:
 Reviving a cached block takes it out of the *middle* of the free queue, which
 is why the queue is a doubly linked list threaded through the blocks
 themselves: removal is O(1) with no search.
+
+A request may ask that its cached blocks be kept (``retention_directives``,
+``inputs/retention.py``): ``retain`` stamps them with a priority and a
+deadline before they are freed, and a stamped block waits in a second set
+(``core/retained_blocks.py``, made on first use) that is evicted only once the
+LRU queue is empty, or joins that queue when its deadline passes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
 from minivllm.config import check_int
+from minivllm.core.clock import MONOTONIC
 
 if TYPE_CHECKING:
+    from minivllm.core.retained_blocks import RetainedFreeBlocks
     from minivllm.distributed.kv_events import KVCacheEvent, KVEventRecorder
 
 
@@ -39,6 +48,10 @@ class KVCacheBlock:
     # Hash of the block's tokens and everything before them; None while the
     # block is not (or no longer) in the prefix cache.
     block_hash: Optional[int] = None
+    # Kept while free (retention_directives): priority > 0 until the deadline
+    # (engine clock); set by BlockPool.retain, cleared when the block is taken.
+    retention_priority: int = 0
+    retention_deadline: float = 0.0
     # Links of the free queue; both None while the block is not in it.
     prev_free: Optional["KVCacheBlock"] = field(default=None, repr=False)
     next_free: Optional["KVCacheBlock"] = field(default=None, repr=False)
@@ -126,6 +139,10 @@ class BlockPool:
         # Changes of the prefix cache as plain records, for routers that follow
         # this cache (KV events); the engine core drains them every step.
         self.kv_events: Optional[KVEventRecorder] = None  # None: events are off
+        # Free blocks kept for agent sessions, evicted after the LRU queue (made on
+        # the first retain); the clock their deadlines are read on (the scheduler's).
+        self.retained: Optional[RetainedFreeBlocks] = None
+        self.clock = MONOTONIC
         if enable_kv_cache_events and enable_caching:
             from minivllm.distributed.kv_events import KVEventRecorder
 
@@ -135,7 +152,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks nobody holds, cached ones included (they can be evicted)."""
-        return len(self.free_block_queue)
+        return len(self.free_block_queue) + (len(self.retained) if self.retained else 0)
 
     @property
     def usage(self) -> float:
@@ -156,11 +173,15 @@ class BlockPool:
             raise ValueError(f"get_new_blocks num_blocks={num_blocks} is invalid: "
                              f"must be in [0, {self.num_free_blocks}] (free blocks)")
         blocks = []
+        if self.retained:
+            self._expire_retained()
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
+            block = (self.free_block_queue.popleft() if len(self.free_block_queue)
+                     else self.retained.pop_lowest())
             if self.on_evict is not None and block.block_hash is not None:
                 self.on_evict(block.block_hash, block.block_id)
             self._evict(block)
+            block.retention_priority = 0
             block.ref_cnt = 1
             blocks.append(block)
         self.num_allocated += num_blocks
@@ -181,7 +202,11 @@ class BlockPool:
         """Take one more reference on blocks found in the prefix cache."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                if block.retention_priority:
+                    self.retained.remove(block)
+                    block.retention_priority = 0
+                else:
+                    self.free_block_queue.remove(block)
             block.ref_cnt += 1
             self.num_touched += 1
 
@@ -199,8 +224,38 @@ class BlockPool:
                                  "it was allocated (ref_cnt is already 0)")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.retention_priority:
+                    self.retained.add(block)
+                else:
+                    self.free_block_queue.append(block)
                 self.num_freed += 1
+
+    # -- retention (agent sessions) ------------------------------------------
+    def retain(self, blocks: Iterable[KVCacheBlock],
+               plan: Iterable[tuple[int, Optional[float]]]) -> None:
+        """Stamp held blocks with (priority, ttl) before they are freed; the ttl
+        counts from now. Only cached blocks are worth keeping; a block shared with
+        another retaining request keeps the stronger stamp of the two."""
+        now = self.clock.now()
+        for block, (priority, ttl) in zip(blocks, plan):
+            if priority <= 0 or block.block_hash is None or block.ref_cnt <= 0:
+                continue
+            if self.retained is None:
+                from minivllm.core.retained_blocks import RetainedFreeBlocks
+
+                self.retained = RetainedFreeBlocks()
+            deadline = math.inf if ttl is None else now + ttl
+            if block.retention_priority == 0:
+                block.retention_deadline = deadline
+            else:
+                block.retention_deadline = max(block.retention_deadline, deadline)
+            block.retention_priority = max(block.retention_priority, priority)
+
+    def _expire_retained(self) -> None:
+        """Retained blocks past their deadline become ordinary free blocks (queue tail)."""
+        for block in self.retained.pop_expired(self.clock.now()):
+            block.retention_priority = 0
+            self.free_block_queue.append(block)
 
     # -- prefix cache ------------------------------------------------------
     def cache_full_blocks(self, blocks: Iterable[KVCacheBlock],
@@ -243,6 +298,10 @@ class BlockPool:
         """Forget every cached hash. Only allowed while no block is held."""
         if self.num_free_blocks != self.num_blocks:
             return False
+        for block in list(self.retained or ()):  # nothing left worth keeping
+            self.retained.remove(block)
+            block.retention_priority = 0
+            self.free_block_queue.append(block)
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()

@@ -255,6 +255,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        if request.sampling_params.retention_directives:
+            retain_blocks(self.block_pool, request, blocks, self.block_size)
         self.block_pool.free_blocks(reversed(blocks))
 
     def free_tail(self, request: "Request", num_tokens: int) -> int:
@@ -275,4 +277,13 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
 
-__all__ = ["KVCacheManager", "PrefixCacheStats", "hash_block_tokens", "hash_request_tokens"]
+def retain_blocks(pool: BlockPool, request: "Request", blocks: Sequence[KVCacheBlock],
+                  block_size: int) -> None:
+    """Stamp a finishing request's blocks with its retention directives."""
+    from minivllm.inputs.retention import block_retention
+
+    pool.retain(blocks, block_retention(request.sampling_params.retention_directives,
+                                        len(blocks), block_size))
+
+
+__all__ = ["KVCacheManager", "PrefixCacheStats", "retain_blocks", "hash_block_tokens", "hash_request_tokens"]

@@ -119,7 +119,8 @@ def chat_request(request: MessagesCountTokensRequest, stream: bool = False
             body["parallel_tool_calls"] = False
     if isinstance(request, MessagesRequest):
         body.update(max_tokens=request.max_tokens, temperature=request.temperature,
-                    top_p=request.top_p, top_k=request.top_k, stop=request.stop_sequences)
+                    top_p=request.top_p, top_k=request.top_k, stop=request.stop_sequences,
+                    retention_directives=request.retention_directives)
         fmt = request.output_config.format if request.output_config else None
         if fmt is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {

@@ -138,6 +138,8 @@ class MessagesRequest(MessagesCountTokensRequest):
     service_tier: Optional[Literal["auto", "standard_only"]] = None
     cache_control: Optional[dict] = None  # (the prefix cache is automatic here)
     output_config: Optional[OutputConfig] = None
+    # Keep the prefix for the session's next turn (as on the chat endpoint).
+    retention_directives: Optional[list[dict]] = Field(None, max_length=16)
 
 
 # -- the response -----------------------------------------------------------------------

@@ -194,12 +194,13 @@ class ResponsesRequest(RequestModel):
     logit_bias: Optional[dict[str, float]] = None
     priority: StrictInt = 0
     structured_outputs: Optional[StructuredOutputsRequest] = None
+    retention_directives: Optional[list[dict]] = Field(None, max_length=16)  # (as in chat)
 
     # Fields passed to the chat request under the same name.
     SAME_IN_CHAT: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "parallel_tool_calls", "seed", "presence_penalty",
                     "frequency_penalty", "top_k", "min_p", "repetition_penalty", "stop",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "priority",
-                    "structured_outputs")
+                    "structured_outputs", "retention_directives")
 
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):
