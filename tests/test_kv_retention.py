@@ -283,3 +283,41 @@ def test_server_requests_carry_the_directives():
     for req in (chat, resp, mess):
         params = req.to_sampling_params(RequestOutputKind.FINAL_ONLY)
         assert params.retention_directives == KEEP
+
+
+def test_agent_sessions_bench_sends_turns_with_and_without_retention():
+    """The bench's workload against a scripted server: each later turn is the history,
+    the answer, a tool result and new text; only the "on" round's session turns carry
+    the directives; both variants are reported."""
+    import argparse
+
+    from minivllm.lab.bench import serve
+    from tests.test_bench_serve import StreamingServer
+
+    srv = StreamingServer()
+    try:
+        parser = argparse.ArgumentParser()
+        serve.add_cli_args(parser)
+        args = parser.parse_args([
+            "--base-url", srv.url, "--dataset-name", "agent-sessions", "--num-prompts", "6",
+            "--agent-num-turns", "3", "--agent-context-len", "12", "--agent-tool-len", "4",
+            "--agent-user-len", "3", "--agent-output-len", "2", "--agent-tool-time", "0.05",
+            "--agent-background-rate", "40", "--agent-background-len", "7",
+            "--agent-retention-ttl", "0.05", "--request-rate", "100"])
+        result = serve.run(args)
+        bodies = list(srv.requests)
+    finally:
+        srv.close()
+    assert result.failed == 0
+    assert [result.variants[v]["later_turns"] for v in ("off", "on")] == [4, 4]
+    sessions = [b for b in bodies if b["messages"][0]["content"].startswith("Task")]
+    background = [b for b in bodies if b not in sessions]
+    assert len(sessions) == 12 and background
+    assert all("retention_directives" not in b for b in background)
+    kept = [b for b in sessions if "retention_directives" in b]
+    assert len(kept) == 6 and kept[0]["retention_directives"] == [
+        {"start": 0, "priority": 50, "ttl": 0.05}]
+    for b in sessions:
+        roles = [m["role"] for m in b["messages"]]
+        turns = (len(roles) - 1) // 3
+        assert roles == ["user"] + ["assistant", "tool", "user"] * turns
