@@ -13,6 +13,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.config import InvalidRequestError
 from minivllm.core.block_pool import BlockPool
+from minivllm.core.retained_blocks import retain
 from minivllm.inputs.retention import block_retention, parse_retention_directives
 
 BS = 4
@@ -48,7 +49,7 @@ def assert_accounted(pool: BlockPool) -> None:
 def test_unretained_blocks_go_first_then_lowest_priority_oldest_first():
     pool, _ = pool_with_cached(6)
     b = pool.blocks
-    pool.retain([b[0], b[1], b[2]], [(50, None), (50, None), (10, None)])
+    retain(pool, [b[0], b[1], b[2]], [(50, None), (50, None), (10, None)])
     pool.free_blocks(b)  # freed in id order
     assert_accounted(pool)
     order = [pool.get_new_blocks(1)[0].block_id for _ in range(6)]
@@ -59,7 +60,7 @@ def test_unretained_blocks_go_first_then_lowest_priority_oldest_first():
 def test_ttl_expired_blocks_age_as_if_freed_at_their_deadline():
     pool, clock = pool_with_cached(4)
     b = pool.blocks
-    pool.retain([b[0]], [(90, 5.0)])
+    retain(pool, [b[0]], [(90, 5.0)])
     pool.free_blocks([b[0], b[1]])  # b0 kept until t=5, b1 ordinary
     clock.t = 4.0
     assert pool.get_new_blocks(1)[0] is b[1]  # still kept: the ordinary one goes
@@ -74,7 +75,7 @@ def test_ttl_expired_blocks_age_as_if_freed_at_their_deadline():
 def test_a_prefix_hit_takes_a_retained_block_back_and_clears_its_stamp():
     pool, _ = pool_with_cached(3)
     b = pool.blocks
-    pool.retain([b[0]], [(80, None)])
+    retain(pool, [b[0]], [(80, None)])
     pool.free_blocks(b)
     pool.touch([b[0]])
     assert b[0].retention_priority == 0 and b[0] not in pool.retained
@@ -87,9 +88,9 @@ def test_only_cached_held_blocks_with_a_priority_are_kept():
     pool, _ = pool_with_cached(2)
     extra = BlockPool(3)
     fresh = extra.get_new_blocks(3)  # never cached: nothing to keep
-    extra.retain(fresh, [(50, None)] * 3)
+    retain(extra, fresh, [(50, None)] * 3)
     assert all(x.retention_priority == 0 for x in fresh) and extra.retained is None
-    pool.retain(pool.blocks, [(0, None), (30, 1.0)])
+    retain(pool, pool.blocks, [(0, None), (30, 1.0)])
     assert [x.retention_priority for x in pool.blocks] == [0, 30]
 
 
@@ -122,7 +123,7 @@ def test_random_operations_match_the_list_model(seed):
             if block.block_hash is None:  # recached under a fresh hash
                 pool.cache_full_blocks([block], [rng.getrandbits(64)])
             prio, ttl = rng.choice([(0, None), (20, None), (20, 2.0), (60, 1.0), (60, None)])
-            pool.retain([block], [(prio, ttl)])
+            retain(pool, [block], [(prio, ttl)])
             pool.free_blocks([block])
             seq += 1
             free.append({"block": block, "prio": prio, "seq": seq,

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # KV cache manager, block pool and model runner alone are ~1,410), so this is a
 # ratchet: lower it as the path shrinks. Issue #52's KV cache groups add ~80 lines
 # of branch points (the rest of the hybrid cache loads only for hybrid models).
-MAX_LINES = 5640
+# Issue #56's KV retention adds ~14 lines of hooks (block pool, free, processor); the
+# retained set and the directives load only when a request asks for retention.
+MAX_LINES = 5650
 
 # The modules the request passes through, in order (the README lists them).
 READING_PATH = [

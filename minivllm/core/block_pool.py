@@ -16,26 +16,18 @@ only keeps the books on block *ids*:
 
 Reviving a cached block takes it out of the *middle* of the free queue, which
 is why the queue is a doubly linked list threaded through the blocks
-themselves: removal is O(1) with no search.
-
-A request may ask that its cached blocks be kept (``retention_directives``,
-``inputs/retention.py``): ``retain`` stamps them with a priority and a
-deadline before they are freed, and a stamped block waits in a second set
-(``core/retained_blocks.py``, made on first use) that is evicted only once the
-LRU queue is empty, or joins that queue when its deadline passes.
+themselves: removal is O(1) with no search. Blocks a request asked to keep
+(``retention_directives``) wait in a second set instead: ``core/retained_blocks.py``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
 from minivllm.config import check_int
-from minivllm.core.clock import MONOTONIC
 
 if TYPE_CHECKING:
-    from minivllm.core.retained_blocks import RetainedFreeBlocks
     from minivllm.distributed.kv_events import KVCacheEvent, KVEventRecorder
 
 
@@ -48,10 +40,7 @@ class KVCacheBlock:
     # Hash of the block's tokens and everything before them; None while the
     # block is not (or no longer) in the prefix cache.
     block_hash: Optional[int] = None
-    # Kept while free (retention_directives): priority > 0 until the deadline
-    # (engine clock); set by BlockPool.retain, cleared when the block is taken.
-    retention_priority: int = 0
-    retention_deadline: float = 0.0
+    retention_priority: int = 0  # > 0: kept while free (core/retained_blocks.py)
     # Links of the free queue; both None while the block is not in it.
     prev_free: Optional["KVCacheBlock"] = field(default=None, repr=False)
     next_free: Optional["KVCacheBlock"] = field(default=None, repr=False)
@@ -139,10 +128,7 @@ class BlockPool:
         # Changes of the prefix cache as plain records, for routers that follow
         # this cache (KV events); the engine core drains them every step.
         self.kv_events: Optional[KVEventRecorder] = None  # None: events are off
-        # Free blocks kept for agent sessions, evicted after the LRU queue (made on
-        # the first retain); the clock their deadlines are read on (the scheduler's).
-        self.retained: Optional[RetainedFreeBlocks] = None
-        self.clock = MONOTONIC
+        self.retained = None  # free blocks kept for agent sessions, made on first use
         if enable_kv_cache_events and enable_caching:
             from minivllm.distributed.kv_events import KVEventRecorder
 
@@ -152,7 +138,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks nobody holds, cached ones included (they can be evicted)."""
-        return len(self.free_block_queue) + (len(self.retained) if self.retained else 0)
+        return len(self.free_block_queue) + len(self.retained or ())
 
     @property
     def usage(self) -> float:
@@ -173,15 +159,11 @@ class BlockPool:
             raise ValueError(f"get_new_blocks num_blocks={num_blocks} is invalid: "
                              f"must be in [0, {self.num_free_blocks}] (free blocks)")
         blocks = []
-        if self.retained:
-            self._expire_retained()
         for _ in range(num_blocks):
-            block = (self.free_block_queue.popleft() if len(self.free_block_queue)
-                     else self.retained.pop_lowest())
+            block = (self.retained or self.free_block_queue).popleft()
             if self.on_evict is not None and block.block_hash is not None:
                 self.on_evict(block.block_hash, block.block_id)
             self._evict(block)
-            block.retention_priority = 0
             block.ref_cnt = 1
             blocks.append(block)
         self.num_allocated += num_blocks
@@ -202,11 +184,8 @@ class BlockPool:
         """Take one more reference on blocks found in the prefix cache."""
         for block in blocks:
             if block.ref_cnt == 0:
-                if block.retention_priority:
-                    self.retained.remove(block)
-                    block.retention_priority = 0
-                else:
-                    self.free_block_queue.remove(block)
+                (self.retained if block.retention_priority else self.free_block_queue
+                 ).remove(block)
             block.ref_cnt += 1
             self.num_touched += 1
 
@@ -224,38 +203,9 @@ class BlockPool:
                                  "it was allocated (ref_cnt is already 0)")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.retention_priority:
-                    self.retained.add(block)
-                else:
-                    self.free_block_queue.append(block)
+                (self.retained if block.retention_priority else self.free_block_queue
+                 ).append(block)
                 self.num_freed += 1
-
-    # -- retention (agent sessions) ------------------------------------------
-    def retain(self, blocks: Iterable[KVCacheBlock],
-               plan: Iterable[tuple[int, Optional[float]]]) -> None:
-        """Stamp held blocks with (priority, ttl) before they are freed; the ttl
-        counts from now. Only cached blocks are worth keeping; a block shared with
-        another retaining request keeps the stronger stamp of the two."""
-        now = self.clock.now()
-        for block, (priority, ttl) in zip(blocks, plan):
-            if priority <= 0 or block.block_hash is None or block.ref_cnt <= 0:
-                continue
-            if self.retained is None:
-                from minivllm.core.retained_blocks import RetainedFreeBlocks
-
-                self.retained = RetainedFreeBlocks()
-            deadline = math.inf if ttl is None else now + ttl
-            if block.retention_priority == 0:
-                block.retention_deadline = deadline
-            else:
-                block.retention_deadline = max(block.retention_deadline, deadline)
-            block.retention_priority = max(block.retention_priority, priority)
-
-    def _expire_retained(self) -> None:
-        """Retained blocks past their deadline become ordinary free blocks (queue tail)."""
-        for block in self.retained.pop_expired(self.clock.now()):
-            block.retention_priority = 0
-            self.free_block_queue.append(block)
 
     # -- prefix cache ------------------------------------------------------
     def cache_full_blocks(self, blocks: Iterable[KVCacheBlock],
@@ -298,10 +248,7 @@ class BlockPool:
         """Forget every cached hash. Only allowed while no block is held."""
         if self.num_free_blocks != self.num_blocks:
             return False
-        for block in list(self.retained or ()):  # nothing left worth keeping
-            self.retained.remove(block)
-            block.retention_priority = 0
-            self.free_block_queue.append(block)
+        self.retained = self.retained and self.retained.release_all()
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
 from minivllm.core.kv_cache_interface import KVCacheGroupSpec
-from minivllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, retain_blocks
+from minivllm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from minivllm.core.single_type_kv_cache_manager import make_manager
 
 if TYPE_CHECKING:
@@ -140,6 +140,8 @@ class HybridKVCacheManager(KVCacheManager):
     def free(self, request: "Request") -> None:
         for m in self.managers:
             if request.sampling_params.retention_directives:
+                from minivllm.core.retained_blocks import retain_blocks
+
                 # (A window's null blocks hold no hash: retain skips them.)
                 retain_blocks(self.block_pool, request,
                               m.req_to_blocks.get(request.request_id, ()), self.block_size)

@@ -255,7 +255,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
-        if request.sampling_params.retention_directives:
+        if request.sampling_params.retention_directives:  # (kept after it ends)
+            from minivllm.core.retained_blocks import retain_blocks
             retain_blocks(self.block_pool, request, blocks, self.block_size)
         self.block_pool.free_blocks(reversed(blocks))
 
@@ -277,13 +278,4 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
 
-def retain_blocks(pool: BlockPool, request: "Request", blocks: Sequence[KVCacheBlock],
-                  block_size: int) -> None:
-    """Stamp a finishing request's blocks with its retention directives."""
-    from minivllm.inputs.retention import block_retention
-
-    pool.retain(blocks, block_retention(request.sampling_params.retention_directives,
-                                        len(blocks), block_size))
-
-
-__all__ = ["KVCacheManager", "PrefixCacheStats", "retain_blocks", "hash_block_tokens", "hash_request_tokens"]
+__all__ = ["KVCacheManager", "PrefixCacheStats", "hash_block_tokens", "hash_request_tokens"]

@@ -5,8 +5,7 @@ chat template renders first (it places the special tokens, so the text is then
 tokenized without adding more). Every check a request needs against this model
 and engine is made here, once, before it is registered anywhere: token IDs in the
 vocabulary, the length against ``max_model_len`` (``max_tokens`` resolved), the
-parameters, the grammar, the priority, the LoRA adapter, the retention directives
-(``inputs/retention.py``); a refusal is an
+parameters, the grammar, the priority, the LoRA adapter; a refusal is an
 ``InvalidRequestError`` whose ``param`` names the field. ``bad_words`` are
 tokenized here too. Whether KV blocks suffice only the scheduler knows.
 """
@@ -61,11 +60,9 @@ class InputProcessor:
             from minivllm.inputs.bad_words import with_bad_words
 
             params = with_bad_words(self.tokenizer, params)
-        if params.retention_directives is not None:
-            from minivllm.inputs.retention import parse_retention_directives
-
-            params = params.clone(retention_directives=parse_retention_directives(
-                params.retention_directives) or None)
+        if params.retention_directives is not None:  # (agent sessions)
+            from minivllm.inputs.retention import with_retention
+            params = with_retention(params)
         return EngineCoreRequest(request_id, text, token_ids, params, max_tokens,
                                  self.eos_token_ids, arrival_time, priority, lora_request)
 

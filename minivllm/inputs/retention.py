@@ -17,7 +17,8 @@ None: to the end of the request, generated tokens included) with a ``priority``
 directive takes its priority; the block pool's evictor then takes every
 unretained free block first, retained ones lowest priority first (oldest first
 among equals), and a retained block whose ``ttl`` has passed since it was freed
-becomes an ordinary free block again (``core/retained_blocks.py``). Retention is
+becomes an ordinary free block again (``core/retained_blocks.py``). The input
+processor checks the directives (``with_retention``). Retention is
 a preference, never a pin: a pool with nothing else to give still evicts it,
 and with the offload tier on (``--kv-offloading-size``) an evicted block is
 copied there first, so it is demoted rather than dropped.
@@ -92,6 +93,12 @@ def parse_retention_directives(value) -> tuple[RetentionDirective, ...]:
     return tuple(parse_directive(i, item) for i, item in enumerate(value))
 
 
+def with_retention(params):
+    """A copy of ``SamplingParams`` with its directives checked (None if empty)."""
+    return params.clone(retention_directives=parse_retention_directives(
+        params.retention_directives) or None)
+
+
 def block_retention(directives: Sequence[RetentionDirective], num_blocks: int,
                     block_size: int) -> list[tuple[int, Optional[float]]]:
     """(priority, ttl) of each of a request's first ``num_blocks`` blocks: the
@@ -112,4 +119,5 @@ def _stronger(a: tuple[int, Optional[float]], b: tuple[int, Optional[float]]) ->
     return (math.inf if a[1] is None else a[1]) > (math.inf if b[1] is None else b[1])
 
 
-__all__ = ["RetentionDirective", "parse_retention_directives", "block_retention"]
+__all__ = ["RetentionDirective", "parse_retention_directives", "with_retention",
+           "block_retention"]
