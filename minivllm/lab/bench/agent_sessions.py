@@ -8,7 +8,7 @@ text (``--agent-user-len`` words), ``--agent-tool-time`` seconds after the answe
 came (the tool running). ``--num-prompts`` / turns sessions start on the
 arrival schedule (``--request-rate``), and one-shot requests of
 ``--agent-background-len`` words arrive meanwhile at ``--agent-background-rate``
-per second: the traffic whose blocks would otherwise push a pausing session's
+per second (at most two in flight): the traffic whose blocks would otherwise push a pausing session's
 history out of a KV cache too small for everyone (start the server with a small
 ``--num-kv-blocks`` to make it so).
 
@@ -110,11 +110,18 @@ async def run_round(base_url: str, args: argparse.Namespace, retention: bool, se
         async def background(stop: asyncio.Event) -> None:
             brng = random.Random(seed + 1)
             pending = []
+            # At most two in flight: a slow server must not drown in a backlog.
+            room = asyncio.Semaphore(2)
+
+            async def one(body: dict) -> RequestResult:
+                async with room:
+                    return await send_request(client, url, body, True, args.timeout)
+
             while not stop.is_set() and args.agent_background_rate > 0:
                 body = _body(args, [{"role": "user", "content": _words(
                     brng, args.agent_background_len)}], args.agent_output_len)
-                pending.append(asyncio.create_task(send_request(client, url, body, True,
-                                                                args.timeout)))
+                if not room.locked():
+                    pending.append(asyncio.create_task(one(body)))
                 await asyncio.sleep(brng.expovariate(args.agent_background_rate))
             out.background.extend(await asyncio.gather(*pending))
 
