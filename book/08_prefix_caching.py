@@ -658,6 +658,64 @@ assert len({tuple(o.outputs[0].token_ids) for o in seen.values()}) == 1  # the s
 # common system prompt: tenants that may see each other's prompts can share one salt.
 
 # %% [markdown]
+# ## Keeping a session's blocks between turns
+#
+# Above, the cache was large and nothing was evicted. A real agent pauses between
+# turns while its tool runs, and meanwhile other requests come and need blocks. The
+# session's blocks are free then, and the free queue hands out the least recently freed
+# first: other traffic pushes the session's history out, and its next turn computes it
+# all again. A request can ask for its blocks to be kept: `retention_directives`, a list
+# of token ranges with a priority (0 to 100) and a time to live in seconds. The evictor
+# takes every ordinary free block first and retained ones only when nothing else is left,
+# lowest priority first; after the ttl a retained block ages like any other.
+# (`minivllm/inputs/retention.py` says which of these names are vLLM's.)
+#
+# Try it on an engine with a small cache: room for the session and one other request.
+# The session's turn 2 runs, three one-shot requests arrive during the tool call, then
+# turn 3, the prompts the agent above sent (`turns`), once without and once with the
+# directive.
+
+# %%
+session_turn = turns[1][1].prompt_token_ids
+next_turn = turns[2][1].prompt_token_ids
+n_blocks = -(-(len(session_turn) + agent_params.max_tokens) // BS)  # the session's blocks
+others = [[100 + 7 * i + j % 50 for j in range(n_blocks * BS - 1)] for i in range(3)]
+small = LLM(num_kv_blocks=2 * n_blocks + 2)
+keep = [{"start": 0, "priority": 80, "ttl": 60.0}]
+kept_rows = {}
+for directive in (None, keep):
+    session_params = agent_params.clone(retention_directives=directive)
+    first = small.generate([{"prompt_token_ids": session_turn}], session_params,
+                           use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == turns[1][1].outputs[0].token_ids
+    for other in others:  # the tool runs; other traffic needs blocks meanwhile
+        small.generate([{"prompt_token_ids": other}], one_token, use_tqdm=False)
+    hashes = small.engine_core.kv_cache_manager.block_pool.cached_block_hash_to_block
+    chain = engine_hash_request_tokens(first.prompt_token_ids, BS)
+    still = sum(h in hashes for h in chain)
+    second = small.generate([{"prompt_token_ids": next_turn}], session_params,
+                            use_tqdm=False)[0]
+    kept_rows["kept" if directive else "plain LRU"] = (still, second.num_cached_tokens,
+                                                      len(next_turn))
+    assert second.outputs[0].token_ids == turns[2][1].outputs[0].token_ids
+    small.reset_prefix_cache()  # the next variant starts from an empty cache
+print(f"{'':>10}  session blocks cached after the pause  next turn's cached tokens")
+for name, (still, hit_tokens, total) in kept_rows.items():
+    print(f"{name:>10}  {still:>37}  {hit_tokens:>8} of {total}")
+
+# %% [markdown]
+# Without the directive the three other requests took every block of the session; with
+# it they took only each other's blocks and the ones nobody had used, and turn 3 found
+# its history, the agent's answer included, as the hash chain predicts. The answers are
+# the same either way.
+
+# %%
+assert kept_rows["plain LRU"][:2] == (0, 0)
+earlier_session = [session_turn + turns[1][1].outputs[0].token_ids[:-1]]
+assert kept_rows["kept"][1] == predicted_hit(next_turn, earlier_session) > 0
+small.shutdown()
+
+# %% [markdown]
 # **In vLLM.** (v0.11.0.) The chain is `hash_block_tokens` in
 # `vllm/v1/core/kv_cache_utils.py` (parent hash, the block's token ids, extra keys: LoRA
 # adapter, multimodal inputs, and the cache salt in the first block's keys only), computed
@@ -670,6 +728,9 @@ assert len({tuple(o.outputs[0].token_ids) for o in seen.values()}) == 1  # the s
 # `BlockPool` (`vllm/v1/core/block_pool.py`). vLLM lets the hash function be chosen
 # (`prefix_caching_hash_algo`) and hashes a Python object; minivllm fixes SHA-256 over
 # an explicit byte encoding, so a hash is the same in every process without setup.
+# v0.11.0 has no retention: every free block is plain LRU. `retention_directives` follows
+# vLLM's proposal for it (RFC #37003, a priority queue beside the LRU list in
+# `BlockPool`), not merged code.
 
 # %% [markdown]
 # ## Exercises

@@ -112,6 +112,7 @@ class SamplingParams:
                                                            repr=False)
     # vLLM's free-form arguments ("kv_transfer_params" of disaggregated prefill).
     extra_args: Optional[dict] = None
+    retention_directives: Optional[list] = None  # keep KV for a next turn: inputs/retention.py
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

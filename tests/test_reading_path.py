@@ -21,9 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # KV cache manager, block pool and model runner alone are ~1,410), so this is a
 # ratchet: lower it as the path shrinks. Issue #52's KV cache groups add ~80 lines
 # of branch points (the rest of the hybrid cache loads only for hybrid models).
-# Issue #56's pooling (embeddings, scores) adds 16 lines of hooks: a field each on the
-# outputs, the runner's switch, LLM.embed/score/classify loaded through __getattr__.
-MAX_LINES = 5649
+MAX_LINES = 5640
 
 # The modules the request passes through, in order (the README lists them).
 READING_PATH = [

@@ -16,7 +16,8 @@ only keeps the books on block *ids*:
 
 Reviving a cached block takes it out of the *middle* of the free queue, which
 is why the queue is a doubly linked list threaded through the blocks
-themselves: removal is O(1) with no search.
+themselves: removal is O(1) with no search. Blocks a request asked to keep
+(``retention_directives``) wait in a second set instead: ``core/retained_blocks.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class KVCacheBlock:
     # Hash of the block's tokens and everything before them; None while the
     # block is not (or no longer) in the prefix cache.
     block_hash: Optional[int] = None
+    retention_priority: int = 0  # > 0: kept while free (core/retained_blocks.py)
     # Links of the free queue; both None while the block is not in it.
     prev_free: Optional["KVCacheBlock"] = field(default=None, repr=False)
     next_free: Optional["KVCacheBlock"] = field(default=None, repr=False)
@@ -126,6 +128,7 @@ class BlockPool:
         # Changes of the prefix cache as plain records, for routers that follow
         # this cache (KV events); the engine core drains them every step.
         self.kv_events: Optional[KVEventRecorder] = None  # None: events are off
+        self.retained = None  # free blocks kept for agent sessions, made on first use
         if enable_kv_cache_events and enable_caching:
             from minivllm.distributed.kv_events import KVEventRecorder
 
@@ -135,7 +138,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks nobody holds, cached ones included (they can be evicted)."""
-        return len(self.free_block_queue)
+        return len(self.free_block_queue) + len(self.retained or ())
 
     @property
     def usage(self) -> float:
@@ -157,7 +160,7 @@ class BlockPool:
                              f"must be in [0, {self.num_free_blocks}] (free blocks)")
         blocks = []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
+            block = (self.retained or self.free_block_queue).popleft()
             if self.on_evict is not None and block.block_hash is not None:
                 self.on_evict(block.block_hash, block.block_id)
             self._evict(block)
@@ -181,7 +184,8 @@ class BlockPool:
         """Take one more reference on blocks found in the prefix cache."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                (self.retained if block.retention_priority else self.free_block_queue
+                 ).remove(block)
             block.ref_cnt += 1
             self.num_touched += 1
 
@@ -199,7 +203,8 @@ class BlockPool:
                                  "it was allocated (ref_cnt is already 0)")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                (self.retained if block.retention_priority else self.free_block_queue
+                 ).append(block)
                 self.num_freed += 1
 
     # -- prefix cache ------------------------------------------------------
@@ -243,6 +248,7 @@ class BlockPool:
         """Forget every cached hash. Only allowed while no block is held."""
         if self.num_free_blocks != self.num_blocks:
             return False
+        self.retained = self.retained and self.retained.release_all()
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()

@@ -140,6 +140,12 @@ class HybridKVCacheManager(KVCacheManager):
 
     def free(self, request: "Request") -> None:
         for m in self.managers:
+            if request.sampling_params.retention_directives:
+                from minivllm.core.retained_blocks import retain_blocks
+
+                # (A window's null blocks hold no hash: retain skips them.)
+                retain_blocks(self.block_pool, request,
+                              m.req_to_blocks.get(request.request_id, ()), self.block_size)
             m.free(request.request_id)
 
     def free_tail(self, request: "Request", num_tokens: int) -> int:

@@ -257,6 +257,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        if request.sampling_params.retention_directives:  # (kept after it ends)
+            from minivllm.core.retained_blocks import retain_blocks
+            retain_blocks(self.block_pool, request, blocks, self.block_size)
         self.block_pool.free_blocks(reversed(blocks))
 
     def free_tail(self, request: "Request", num_tokens: int) -> int:

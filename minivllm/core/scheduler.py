@@ -54,6 +54,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len  # (read for every request and token)
         self.kv_cache_manager = kv_cache_manager
         self.clock = clock or MONOTONIC  # request timestamps (virtual in the simulator)
+        kv_cache_manager.block_pool.clock = self.clock  # retention deadlines
         self.requests: dict[str, Request] = {}  # every unfinished request
         # "fcfs" or "priority" (minivllm.core.request_queue): the waiting
         # queue's order and who is preempted first.

@@ -71,6 +71,9 @@ class InputProcessor:
             from minivllm.inputs.bad_words import with_bad_words
 
             params = with_bad_words(self.tokenizer, params)
+        if params.retention_directives is not None:  # (agent sessions)
+            from minivllm.inputs.retention import with_retention
+            params = with_retention(params)
         return EngineCoreRequest(request_id, text, token_ids, params, max_tokens,
                                  self.eos_token_ids, arrival_time, priority, lora_request, salt)
 

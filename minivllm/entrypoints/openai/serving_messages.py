@@ -120,7 +120,8 @@ def chat_request(request: MessagesCountTokensRequest, stream: bool = False
     if isinstance(request, MessagesRequest):
         body.update(max_tokens=request.max_tokens, temperature=request.temperature,
                     top_p=request.top_p, top_k=request.top_k, stop=request.stop_sequences,
-                    cache_salt=request.cache_salt)
+                    cache_salt=request.cache_salt,
+                    retention_directives=request.retention_directives)
         fmt = request.output_config.format if request.output_config else None
         if fmt is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {

@@ -18,6 +18,8 @@ Arrivals follow a Poisson process at ``--request-rate`` (``inf``: all at
 once; ``--burstiness`` other than 1 draws gamma gaps instead), optionally
 capped at ``--max-concurrency`` requests in flight. ``--dataset-name multiturn``
 runs agent-like conversations over a shared system prompt (benchmarks/multiturn.py);
+``--dataset-name agent-sessions`` runs agent sessions with tool-call pauses and
+compares KV retention on and off (lab/bench/agent_sessions.py);
 ``--dataset-name random``
 sends random token-ID prompts (``--random-input-len``, ``--random-output-len``,
 ``--random-range-ratio``, ``--random-prefix-len``): as they are to the completions
@@ -104,6 +106,8 @@ async def send_request(client, url: str, payload: dict, chat: bool,
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens") or 0
                     result.output_tokens = usage.get("completion_tokens") or 0
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
             result.output_tokens = result.output_tokens or chunks
             result.success = True
     except Exception as e:  # network errors, timeouts, bad JSON: a failed request
@@ -259,7 +263,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the model name to send (default: the first of the server's "
                         "/v1/models)")
     parser.add_argument("--endpoint-type", default="chat", choices=["chat", "completions"])
-    add_workload_args(parser)
+    add_workload_args(parser, datasets=("chat", "random", "multiturn", "agent-sessions"))
+    from minivllm.lab.bench.agent_sessions import add_agent_args
+
+    add_agent_args(parser)
     parser.add_argument("--random-vocab-size", type=int, default=49152,
                         help="random token IDs are drawn below this (the default "
                         "model's vocabulary)")
@@ -286,6 +293,10 @@ def run(args: argparse.Namespace) -> ServeMetrics:
     chat = args.endpoint_type == "chat"
     if args.model is None:
         args.model = served_model(base_url, args.api_key)
+    if getattr(args, "dataset_name", "chat") == "agent-sessions":  # its own report
+        from minivllm.lab.bench.agent_sessions import run_agent_bench
+
+        return run_agent_bench(base_url, args)
     if getattr(args, "dataset_name", "chat") == "multiturn":
         from minivllm.lab.bench.multiturn import run_sessions
 

@@ -25,6 +25,7 @@ class RequestResult:
     text: str = ""
     error: str = ""
     priority: int = 0  # the request's ``priority`` field (--priority-classes)
+    cached_tokens: int = 0  # prompt tokens the server read from its prefix cache
 
     @property
     def ttft(self) -> Optional[float]:

@@ -156,6 +156,9 @@ class SamplingRequest(RequestModel):
     # vLLM's disaggregated prefill: {"do_remote_decode": true} to a prefill server,
     # the prefill response's kv_transfer_params to a decode server.
     kv_transfer_params: Optional[dict] = None
+    # Keep this request's cached prefix for the session's next turn (vLLM's proposed
+    # name; minivllm/inputs/retention.py): [{"start", "end", "priority", "ttl"}].
+    retention_directives: Optional[list[dict]] = Field(None, max_length=16)
 
     # The request's field that carries the prompt.
     PROMPT_FIELD: ClassVar[str] = "prompt"
@@ -263,7 +266,7 @@ class SamplingRequest(RequestModel):
                 skip_special_tokens=self.skip_special_tokens, output_kind=output_kind,
                 structured_outputs=structured_outputs,
                 logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
-                bad_words=self.bad_words,
+                bad_words=self.bad_words, retention_directives=self.retention_directives,
                 extra_args=(None if self.kv_transfer_params is None
                             else {"kv_transfer_params": self.kv_transfer_params}))
         except InvalidRequestError as e:  # SamplingParams names the field: pass it on

@@ -139,6 +139,8 @@ class MessagesRequest(MessagesCountTokensRequest):
     cache_control: Optional[dict] = None  # (the prefix cache is automatic here)
     output_config: Optional[OutputConfig] = None
     cache_salt: Optional[StrictStr] = None  # vLLM's tenant isolation of the prefix cache
+    # Keep the prefix for the session's next turn (as on the chat endpoint).
+    retention_directives: Optional[list[dict]] = Field(None, max_length=16)
 
 
 # -- the response -----------------------------------------------------------------------

@@ -216,12 +216,14 @@ class ResponsesRequest(RequestModel):
     priority: StrictInt = 0
     structured_outputs: Optional[StructuredOutputsRequest] = None
     cache_salt: Optional[StrictStr] = None  # vLLM's tenant isolation of the prefix cache
+    retention_directives: Optional[list[dict]] = Field(None, max_length=16)  # (as in chat)
 
     # Fields passed to the chat request under the same name.
     SAME_IN_CHAT: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "parallel_tool_calls", "seed", "presence_penalty",
                     "frequency_penalty", "top_k", "min_p", "repetition_penalty", "stop",
                     "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "priority",
-                    "structured_outputs", "cache_salt")
+                    "structured_outputs", "cache_salt",
+                    "retention_directives")
 
     def items(self) -> list[InputItem]:
         if isinstance(self.input, str):
