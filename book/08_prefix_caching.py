@@ -682,6 +682,8 @@ n_blocks = -(-(len(session_turn) + agent_params.max_tokens) // BS)  # the sessio
 others = [[100 + 7 * i + j % 50 for j in range(n_blocks * BS - 1)] for i in range(3)]
 small = LLM(num_kv_blocks=2 * n_blocks + 2)
 keep = [{"start": 0, "priority": 80, "ttl": 60.0}]
+
+# %%
 kept_rows = {}
 for directive in (None, keep):
     session_params = agent_params.clone(retention_directives=directive)
@@ -699,6 +701,8 @@ for directive in (None, keep):
                                                       len(next_turn))
     assert second.outputs[0].token_ids == turns[2][1].outputs[0].token_ids
     small.reset_prefix_cache()  # the next variant starts from an empty cache
+
+# %%
 print(f"{'':>10}  session blocks cached after the pause  next turn's cached tokens")
 for name, (still, hit_tokens, total) in kept_rows.items():
     print(f"{name:>10}  {still:>37}  {hit_tokens:>8} of {total}")

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
-from minivllm.config.checks import InvalidRequestError, bad, is_int, is_number
+from minivllm.config.checks import bad, is_int, is_number
+
+if TYPE_CHECKING:
+    from minivllm.structured_outputs_params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
@@ -28,51 +31,6 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far, every step
     DELTA = 1  # only what is new since the last output (streaming)
     FINAL_ONLY = 2  # one output, when the request finishes (LLM.generate)
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Constrain the output to a language (vLLM's names); give exactly one: a JSON
-    schema (dict or text), any JSON object, a regex, one of some strings, or an EBNF
-    grammar (start rule ``root``). The engine masks, at every step, the tokens that
-    cannot continue a valid output (``minivllm.structured_output``, xgrammar)."""
-
-    json: Union[None, str, dict] = None
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
-    json_object: Optional[bool] = None
-    # JSON only: no free whitespace (a model that likes newlines cannot pad forever).
-    disable_any_whitespace: bool = False
-    # A reasoning model's output: the grammar starts after these tokens (its
-    # ``</think>``); with a start token (Qwen3) only an output opening with it
-    # reasons. The server sets them with --reasoning-parser (structured_output/
-    # reasoning_gate.py).
-    reasoning_end_token_ids: Optional[list[int]] = None
-    reasoning_start_token_id: Optional[int] = None
-
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-    def __post_init__(self) -> None:
-        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise InvalidRequestError(
-                f"StructuredOutputsParams has {given or 'none'} set: give exactly one of "
-                f"{', '.join(self.KINDS)}", "structured_outputs")
-        ids = self.reasoning_end_token_ids
-        if ids is not None and not (isinstance(ids, list) and ids and all(
-                is_int(i) and i >= 0 for i in ids)):
-            raise bad("StructuredOutputsParams.reasoning_end_token_ids", ids,
-                      "a non-empty list of token ids (ints >= 0)", param="structured_outputs")
-        start = self.reasoning_start_token_id
-        if start is not None and not (is_int(start) and start >= 0 and ids):
-            raise bad("StructuredOutputsParams.reasoning_start_token_id", start,
-                      "a token id (int >= 0), with reasoning_end_token_ids",
-                      param="structured_outputs")
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -160,9 +118,11 @@ class SamplingParams:
         check("logprobs", self.logprobs is None
               or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "must be None or an integer in [0, 20]")
-        check("structured_outputs", self.structured_outputs is None
-              or isinstance(self.structured_outputs, StructuredOutputsParams),
-              "must be None or a StructuredOutputsParams")
+        if self.structured_outputs is not None:  # (a module the plain path never loads)
+            from minivllm.structured_outputs_params import StructuredOutputsParams
+            check("structured_outputs", isinstance(self.structured_outputs,
+                                                   StructuredOutputsParams),
+                  "must be None or a StructuredOutputsParams")
         check("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             is_int(k) and k >= 0 and is_number(v) and -100 <= v <= 100
             for k, v in self.logit_bias.items())),
@@ -195,6 +155,13 @@ class SamplingParams:
         if "bad_words" not in changes:
             new.bad_words_token_ids = self.bad_words_token_ids
         return new
+
+
+def __getattr__(name: str):
+    if name == "StructuredOutputsParams":  # vLLM's home for it; kept in its own module
+        from minivllm.structured_outputs_params import StructuredOutputsParams
+        return StructuredOutputsParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["SamplingParams", "RequestOutputKind", "StructuredOutputsParams"]

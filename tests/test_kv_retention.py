@@ -13,8 +13,8 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.config import InvalidRequestError
 from minivllm.core.block_pool import BlockPool
-from minivllm.core.retained_blocks import retain
-from minivllm.inputs.retention import block_retention, parse_retention_directives
+from minivllm.core.retained_blocks import block_retention, retain
+from minivllm.inputs.retention import parse_retention_directives
 
 BS = 4
 

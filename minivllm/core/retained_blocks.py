@@ -132,10 +132,28 @@ def retain(pool: "BlockPool", blocks: Iterable["KVCacheBlock"],
 def retain_blocks(pool: "BlockPool", request: "Request", blocks: Sequence["KVCacheBlock"],
                   block_size: int) -> None:
     """Stamp a finishing request's blocks (logical order) with its directives."""
-    from minivllm.inputs.retention import block_retention
-
     retain(pool, blocks, block_retention(request.sampling_params.retention_directives,
                                          len(blocks), block_size))
 
 
-__all__ = ["RetainedFreeBlocks", "retain", "retain_blocks"]
+def block_retention(directives: Sequence, num_blocks: int,
+                    block_size: int) -> list[tuple[int, Optional[float]]]:
+    """(priority, ttl) of each of a request's first ``num_blocks`` blocks: the
+    highest priority of the directives covering it, the longest ttl among those."""
+    plan = []
+    for i in range(num_blocks):
+        best: tuple[int, Optional[float]] = (0, None)
+        for d in directives:
+            if d.covers_block(i, block_size) and _stronger((d.priority, d.ttl), best):
+                best = (d.priority, d.ttl)
+        plan.append(best)
+    return plan
+
+
+def _stronger(a: tuple[int, Optional[float]], b: tuple[int, Optional[float]]) -> bool:
+    if a[0] != b[0]:
+        return a[0] > b[0]
+    return (math.inf if a[1] is None else a[1]) > (math.inf if b[1] is None else b[1])
+
+
+__all__ = ["RetainedFreeBlocks", "retain", "retain_blocks", "block_retention"]

@@ -59,10 +59,11 @@ class InputProcessor:
             from minivllm.inputs.prompt_dict import split_prompt
         prompt, salt = split_prompt(prompt) if isinstance(prompt, dict) else (prompt, None)
         text, token_ids = self.tokenize(prompt)
-        if self.classifier:
-            from minivllm.pooling.params import check_pooling_request
-
-            check_pooling_request(params, self.config.model.architecture)
+        if self.classifier and "pooling_params" not in (params.extra_args or {}):
+            raise InvalidRequestError(  # (pooling.params.EXTRA_ARGS_KEY marks a pooling request)
+                f"this model is a classifier ({self.config.model.architecture} with a score "
+                "head): it serves LLM.score/classify, /v1/score and /v1/rerank, not generation",
+                "model")
         self.check_params(params)
         max_tokens = self.check_length(len(token_ids), params)
         self.check_priority(priority)

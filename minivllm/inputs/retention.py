@@ -99,25 +99,4 @@ def with_retention(params):
         params.retention_directives) or None)
 
 
-def block_retention(directives: Sequence[RetentionDirective], num_blocks: int,
-                    block_size: int) -> list[tuple[int, Optional[float]]]:
-    """(priority, ttl) of each of a request's first ``num_blocks`` blocks: the
-    highest priority of the directives covering it, the longest ttl among those."""
-    plan = []
-    for i in range(num_blocks):
-        best: tuple[int, Optional[float]] = (0, None)
-        for d in directives:
-            if d.covers_block(i, block_size) and _stronger((d.priority, d.ttl), best):
-                best = (d.priority, d.ttl)
-        plan.append(best)
-    return plan
-
-
-def _stronger(a: tuple[int, Optional[float]], b: tuple[int, Optional[float]]) -> bool:
-    if a[0] != b[0]:
-        return a[0] > b[0]
-    return (math.inf if a[1] is None else a[1]) > (math.inf if b[1] is None else b[1])
-
-
-__all__ = ["RetentionDirective", "parse_retention_directives", "with_retention",
-           "block_retention"]
+__all__ = ["RetentionDirective", "parse_retention_directives", "with_retention"]

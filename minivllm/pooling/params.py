@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from minivllm.config.checks import InvalidRequestError
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,14 +32,4 @@ def pooling_params_of(sampling_params: SamplingParams) -> Optional[PoolingParams
     return extra.get(EXTRA_ARGS_KEY) if extra else None
 
 
-def check_pooling_request(sampling_params: SamplingParams, architecture: str) -> None:
-    """A classification model scores prompts; it cannot generate (its head has one
-    output per label, not per token)."""
-    if pooling_params_of(sampling_params) is None:
-        raise InvalidRequestError(
-            f"this model is a classifier ({architecture} with a score head): it serves "
-            "LLM.score/classify, /v1/score and /v1/rerank, not generation", "model")
-
-
-__all__ = ["pooling_sampling_params", "pooling_params_of", "check_pooling_request",
-           "EXTRA_ARGS_KEY"]
+__all__ = ["pooling_sampling_params", "pooling_params_of", "EXTRA_ARGS_KEY"]

@@ -27,7 +27,7 @@ from minivllm.entrypoints.openai.protocol import (BadRequestError, ChatCompletio
                                                   ChatTool, NamedToolChoice, ToolCall,
                                                   ToolChoice)
 from minivllm.entrypoints.openai.protocol.common import structured_params
-from minivllm.sampling_params import StructuredOutputsParams
+from minivllm.structured_outputs_params import StructuredOutputsParams
 from minivllm.entrypoints.openai.tool_parsers import (NamedCallReader, RequiredCallsReader,
                                                       ToolParser, ToolParserManager)
 

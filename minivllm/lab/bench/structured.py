@@ -14,7 +14,8 @@ import argparse
 import json
 import time
 
-from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.sampling_params import SamplingParams
+from minivllm.structured_outputs_params import StructuredOutputsParams
 
 # Open for the whole run: at least this many items, each a short integer.
 SCHEMA = {"type": "array", "minItems": 400,

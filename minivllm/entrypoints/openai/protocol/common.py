@@ -10,7 +10,8 @@ from typing import Annotated, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from minivllm.config import InvalidRequestError
-from minivllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+from minivllm.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger("minivllm.server")
 MAX_N = 128  # OpenAI's own limit on completions per request
