@@ -117,3 +117,16 @@ def build_chat_model(folder, default_model_path, **overrides) -> str:
 def tiny_chat_model(tmp_path_factory, default_model_path):
     """A tiny random Llama that shares SmolLM2's tokenizer and chat template."""
     return build_chat_model(tmp_path_factory.mktemp("tiny-chat"), default_model_path)
+
+
+# The longest files first: under pytest-xdist (make test) a file runs in one process,
+# so a long file collected last would run alone at the end while the other core idles.
+LONGEST_FIRST = ("test_schema_fuzz.py", "test_int8_activations.py", "test_tensor_parallel.py",
+                 "test_router.py", "test_grading.py", "test_quantization.py",
+                 "test_bench_throughput.py", "test_sim_corun.py", "test_engine.py",
+                 "test_openai_surface_clients.py", "test_spec_decode_default.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable)

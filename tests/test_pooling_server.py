@@ -133,3 +133,22 @@ def test_rerank_with_a_classifier_equals_llm_score(tmp_path, default_model_path)
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "model"
     assert "classifier" in chat.json()["error"]["message"]
     assert again.status_code == 200
+
+
+@pytest.mark.slow
+def test_two_thousand_inputs_in_one_body_do_not_stall_the_server(tmp_path, tiny_chat_model):
+    """2,048 inputs (OpenAI's maximum) are 2,048 requests sent to the engine core in one
+    go. With the engine core's outputs sent from its loop, both sides of the pipe once
+    blocked sending to each other and the server hung (found by the schema fuzzer);
+    its outputs now go out from a thread of their own (core/engine_core_proc.py)."""
+    srv = ServerProcess(tmp_path, tiny_chat_model, "--inprocess", "--num-kv-blocks", "256",
+                        "--max-model-len", "64")
+    try:
+        r = srv.http.post("/v1/embeddings", json={"input": ["0"] * 2048,
+                                                  "encoding_format": "float"}, timeout=120)
+        health = srv.http.get("/health", timeout=10).status_code
+    finally:
+        srv.stop()
+    assert r.status_code == 200 and health == 200
+    vectors = np.array([d["embedding"] for d in r.json()["data"]])
+    assert vectors.shape[0] == 2048 and np.allclose(vectors, vectors[0], atol=1e-5)

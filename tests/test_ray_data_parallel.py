@@ -38,7 +38,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     # Logical CPUs: Ray's accounting, not the machine's two cores, places the actors.
     ray.init(**({} if os.environ.get("RAY_ADDRESS") else
-                {"num_cpus": 4, "include_dashboard": False}))
+                {"address": "local", "num_cpus": 4, "include_dashboard": False}))
     try:
         yield ray
     finally:

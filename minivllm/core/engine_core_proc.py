@@ -12,15 +12,20 @@ computes a step, the API process keeps tokenizing new requests, turning
 token IDs into text and streaming it to clients.
 
 The loop blocks on the pipe while there is nothing to do, so an idle engine
-uses no CPU. It ends on a ``Shutdown`` message, or when the pipe closes (the
+uses no CPU. Its outputs go out through a queue and a thread of their own (as
+vLLM's output thread): a pipe holds only so many bytes, and a loop blocked
+sending outputs while the API side is blocked sending it 2,048 requests would
+wait on each other forever; the loop keeps reading instead. It ends on a ``Shutdown`` message, or when the pipe closes (the
 API process died): an engine core is never left running on its own.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 from multiprocessing.connection import Connection
@@ -104,6 +109,23 @@ class EngineCoreProc:
                  build: Callable[[EngineConfig], EngineCore]) -> None:
         self.engine_core = build(config)
         self.conn = conn
+        self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.output_thread = threading.Thread(target=self._send_outputs, daemon=True,
+                                              name="EngineCoreOutputs")
+
+    def _send_outputs(self) -> None:
+        """The only sender on the pipe: one message at a time, until ``None``."""
+        try:
+            while (message := self.output_queue.get()) is not None:
+                self.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass  # the API side is gone; the loop sees it on its next recv
+
+    def stop_sending(self) -> None:
+        """Let the queued outputs go out (the last ones say why the engine ends)."""
+        if self.output_thread.is_alive():
+            self.output_queue.put(None)
+            self.output_thread.join(timeout=10)
 
     def ready_message(self) -> EngineCoreReady:
         core = self.engine_core
@@ -112,7 +134,8 @@ class EngineCoreProc:
                                max_model_len=core.config.scheduler.max_model_len)
 
     def run_busy_loop(self) -> None:
-        self.conn.send(self.ready_message())
+        self.output_queue.put(self.ready_message())
+        self.output_thread.start()
         while True:
             rejected: dict[str, ValueError] = {}
             # Idle: sleep until a message comes. Busy: take only what is
@@ -130,8 +153,8 @@ class EngineCoreProc:
                        and self.engine_core.has_unfinished_requests() else [])
             # Sent even when the step produced no token (a prefill chunk, an
             # abort while idle): the stats changed and /metrics should say so.
-            self.conn.send(EngineCoreOutputs(outputs, self.engine_core.make_stats(),
-                                             rejected))
+            self.output_queue.put(EngineCoreOutputs(outputs, self.engine_core.make_stats(),
+                                                    rejected))
 
     def _handle(self, message, rejected: dict[str, ValueError]) -> None:
         if isinstance(message, AddRequests):
@@ -145,7 +168,7 @@ class EngineCoreProc:
         elif isinstance(message, FinishRequests):
             self.engine_core.finish_requests(message.request_ids, message.status)
         elif isinstance(message, UtilityCall):
-            self.conn.send(self._call(message))
+            self.output_queue.put(self._call(message))
         else:
             raise TypeError(f"engine core got an unknown message {message!r}")
 
@@ -196,6 +219,7 @@ def run_engine_core(config: EngineConfig, conn: Connection,
         raise
     finally:
         if proc is not None:
+            proc.stop_sending()
             proc.engine_core.shutdown()
         # Closing our end is how the API side learns that we are gone.
         conn.close()

@@ -70,7 +70,8 @@ def init_ray(world_size: int):
         if os.environ.get("RAY_ADDRESS"):
             ray.init(runtime_env=runtime_env, log_to_driver=True)
         else:
-            ray.init(num_cpus=max(2, world_size), include_dashboard=False,
+            # "local": a new cluster even if a `ray start` left its address behind
+            ray.init(address="local", num_cpus=max(2, world_size), include_dashboard=False,
                      runtime_env=runtime_env, log_to_driver=True)
     return ray
 
