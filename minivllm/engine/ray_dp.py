@@ -93,6 +93,7 @@ class RayDPEngineCore:
     """N ``DPEngineCoreActor`` replicas behind the interface of one ``EngineCore``."""
 
     trace = None  # step traces stay in the replicas
+    hold = None  # never paused or asleep: the RL API (core/rollout.py) is refused here
 
     def __init__(self, config: EngineConfig) -> None:
         from minivllm.routing.policy import RoutingPolicy
