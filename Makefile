@@ -9,7 +9,8 @@ NOTEBOOKS    := $(BOOK_SOURCES:.py=.ipynb)
 PYTEST_ARGS  ?=
 # Test processes run side by side (pytest-xdist), one per core up to 4; a file's
 # tests stay in one process, so its module fixtures are built once. TEST_JOBS=1
-# runs everything in one process.
+# runs everything in one process. The chapters run one at a time: two at once were
+# slower on 2 cores (each kernel's torch threads and servers compete).
 TEST_JOBS    ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 XDIST        := -n $(TEST_JOBS) --dist loadfile
 
@@ -68,7 +69,7 @@ test-fast: setup
 # --durations=0 prints every cell's time, so each chapter's total is on record
 # (a chapter must run in under 2 minutes on 2 cores).
 test-book: notebooks
-	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=0 $(XDIST) $(notdir $(NOTEBOOKS))
+	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=0 $(notdir $(NOTEBOOKS))
 
 # Teaching with the book (nbgrader, book/grading.py): student notebooks with the
 # solutions and hidden tests removed into book/course/release/<assignment>/: part1
