@@ -9,10 +9,12 @@ NOTEBOOKS    := $(BOOK_SOURCES:.py=.ipynb)
 PYTEST_ARGS  ?=
 # Test processes run side by side (pytest-xdist), one per core up to 4; a file's
 # tests stay in one process, so its module fixtures are built once. TEST_JOBS=1
-# runs everything in one process. The chapters run one at a time: two at once were
+# runs everything in one process. Files go out in collection order, the longest
+# first (tests/conftest.py): xdist's default reorder (by test count) had sent the
+# schema fuzzer out last, to run alone. The chapters run one at a time: two at once were
 # slower on 2 cores (each kernel's torch threads and servers compete).
 TEST_JOBS    ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
-XDIST        := -n $(TEST_JOBS) --dist loadfile
+XDIST        := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup book notebooks chat test test-fast test-book serve results figures bench bench-peers llama-peer sysdeps clean student grade
 

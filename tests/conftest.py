@@ -122,8 +122,9 @@ def tiny_chat_model(tmp_path_factory, default_model_path):
 # The longest files first: under pytest-xdist (make test) a file runs in one process,
 # so a long file collected last would run alone at the end while the other core idles.
 LONGEST_FIRST = ("test_schema_fuzz.py", "test_int8_activations.py", "test_tensor_parallel.py",
-                 "test_router.py", "test_grading.py", "test_quantization.py",
-                 "test_bench_throughput.py", "test_sim_corun.py", "test_engine.py",
+                 "test_ray_data_parallel.py", "test_bench_beam_search.py", "test_router.py",
+                 "test_grading.py", "test_sim_corun.py", "test_ray_executor.py",
+                 "test_bench_throughput.py", "test_quantization.py", "test_engine.py",
                  "test_openai_surface_clients.py", "test_spec_decode_default.py")
 
 

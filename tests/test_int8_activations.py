@@ -169,10 +169,12 @@ def test_int8_switch_is_honoured_by_the_reference_and_the_kernels(ops, tiny_mode
 
 @pytest.mark.slow
 def test_int8_activations_on_the_default_file_cost_about_one_rounding(ops, monkeypatch):
-    """The accuracy benchmark on the default file (1024 README tokens): int8 x is
+    """The accuracy benchmark on the default file (512 README tokens): int8 x is
     one 8-bit rounding per product input, as Q8_0 is for weights, where the issue
-    allows 1 % perplexity. Measured: +0.99 % perplexity, top-1 equal to float x at
-    95.9 % of positions (Q8_0 weights: +0.21 %, 98.0 %). The bounds leave room for
+    allows 1 % perplexity. Measured at 1,024 tokens: +0.99 % perplexity, top-1 equal
+    to float x at 95.9 % of positions (Q8_0 weights: +0.21 %, 98.0 %); at 512, on
+    today's README: +0.80 %, 96.7 % (half the tokens, half the time: without VNNI the
+    int8 products run a portable loop, and this test took 126 s). The bounds leave room for
     other summation orders (thread counts, ISA) moving a few positions. Only the two
     engines compared here run: the benchmark's q8_0 engine (its scale) and greedy
     tokens past the first (its printed first differences) assert nothing."""
@@ -182,7 +184,7 @@ def test_int8_activations_on_the_default_file_cost_about_one_rounding(ops, monke
 
     monkeypatch.setattr(int8_activations, "ENGINES", {
         k: v for k, v in int8_activations.ENGINES.items() if k in ("gguf", "gguf int8")})
-    r = int8_activations.run(argparse.Namespace(tokens=1024, max_tokens=1, cpu_kernels=None))
+    r = int8_activations.run(argparse.Namespace(tokens=512, max_tokens=1, cpu_kernels=None))
     assert r["gguf int8"]["ppl_change"] < 0.015
     assert r["gguf int8"]["top1_agreement"] > 0.93
     assert r["gguf int8"]["perplexity"] != r["gguf"]["perplexity"]  # the switch took effect
