@@ -40,8 +40,10 @@ def check_tensor_parallel_sizes(model, tp: int) -> None:
         if value % tp:
             raise ValueError(f"{name}={value} of the model is not divisible by "
                              f"tensor_parallel_size={tp}: choose a size that divides it")
-    moe = getattr(model, "moe", None)  # every expert's intermediate slice is split too
-    for name, value in ((("moe_intermediate_size", moe.intermediate_size),
+    moe = getattr(model, "moe", None)  # every expert's intermediate slice is split too,
+    expert_parallel = moe is not None and moe.expert_parallel_size > 1  # unless whole
+    for name, value in ((("moe_intermediate_size",
+                          0 if expert_parallel else moe.intermediate_size),
                          ("shared_expert_intermediate_size",
                           moe.shared_expert_intermediate_size)) if moe else ()):
         if value % tp:
