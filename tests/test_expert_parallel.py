@@ -71,6 +71,10 @@ def test_rebalance_replicates_the_hottest_and_packs_by_load():
     assert placement == [[2, 3, 4, 6], [0, 1, 2, 5]]
     assert rank_loads(load, placement) == [117, 113]
     assert max(rank_loads(load, ExpertPlacement.initial(7, 2).ranks)) == 220  # 40+10+120+50
+    # Copies beyond one per rank would not spread a load: the second spare slot goes
+    # to another expert (e1, the first of the 10s), not to a third copy of e0.
+    assert rebalance_experts([90, 10, 10, 10], 2, 3) == [[0, 1, 2], [0, 1, 3]]
+    assert rank_loads([90, 10, 10, 10], [[0, 1, 2], [0, 1, 3]]) == [60, 60]
 
 
 # -- bad input: refused at load, naming the field ----------------------------------------

@@ -10,7 +10,7 @@ combine's all-reduce: a step takes as long as its busiest rank. ``enable_eplb``
    ``window_size`` steps (from ``FusedMoE.expert_load``, which every rank counts alike);
 2. every ``step_interval`` steps, ``rebalance_experts`` computes a placement from that
    load: the ``num_redundant_experts`` extra slots go one by one to the expert whose
-   copies carry the most load each, then the copies, heaviest first, go to the rank
+   copies carry the most load each (at most one copy per rank), then the copies, heaviest first, go to the rank
    with the least load so far that has a free slot (greedy packing);
 3. ``apply_placements`` runs on every rank (``collective_rpc``): each rank receives the
    experts it now holds and did not, point to point from a rank that held them
@@ -37,7 +37,9 @@ def rebalance_experts(load, num_ranks: int, slots_per_rank: int) -> list[list[in
     num_experts = len(load)
     copies = [1] * num_experts
     for _ in range(num_ranks * slots_per_rank - num_experts):
-        hottest = max(range(num_experts), key=lambda e: (load[e] / copies[e], -e))
+        # More copies than ranks cannot spread an expert further: another one then gains.
+        spread = [e for e in range(num_experts) if copies[e] < num_ranks]
+        hottest = max(spread or range(num_experts), key=lambda e: (load[e] / copies[e], -e))
         copies[hottest] += 1
     shares = sorted(((load[e] / copies[e], e) for e in range(num_experts)
                      for _ in range(copies[e])), key=lambda s: (-s[0], s[1]))
