@@ -153,8 +153,9 @@ def engines():
         if name not in held:
             for other in list(held):
                 held.pop(other).shutdown()
+            kwargs = {"cpu_kernels": False, **kwargs}
             held[name] = LLM(folder, tensor_parallel_size=2, enable_expert_parallel=True,
-                             num_kv_blocks=64, cpu_kernels=False, trace=True, **kwargs)
+                             num_kv_blocks=64, trace=True, **kwargs)
         return held[name]
 
     yield get
@@ -236,9 +237,10 @@ def test_eplb_moves_experts_keeps_tokens_and_lowers_the_max_rank_load(folder, en
     prompts = [[token] * 20, [token] * 13 + [token + 1] * 3]
     want = hf_greedy(folder, prompts)
     steps = MAX_TOKENS  # one prefill step, then a decode step per token but the first
+    # The CPU path where it builds: its packed experts are packed again after a move.
     llm = engines("eplb", folder, enable_eplb=True, enable_prefix_caching=False,
                   eplb_config={"num_redundant_experts": 1, "window_size": steps,
-                               "step_interval": steps})
+                               "step_interval": steps}, cpu_kernels=None)
     experts = llm.llm_engine.engine_core.executor.runner.model.expert_layers()[0].experts
     assert experts.placement.ranks == [[0, 1, 2, 3], [4, 5, 6, 0]]  # 0 copied first
     assert generate(llm, prompts) == want  # rebalanced after its last step
