@@ -22,6 +22,9 @@ With tensor parallelism (no expert parallelism) every rank holds every expert, b
 only its 1/tp slice of the intermediate dimension I: the gate/up rows and the
 down-projection's columns of that slice. Each rank's output is then a partial sum
 over its slice, and one all-reduce adds them, as in a row-parallel linear layer.
+With expert parallelism (``expert_parallel.py``) a rank holds whole experts instead,
+its share of them, computes only the pairs sent to those (``expert_sum`` skips the
+others), and the same all-reduce adds the ranks' sums; ``dispatch_bytes`` counts it.
 The CPU path (``minivllm/cpu/fused_moe.py``) replaces step 4's products by packed
 ones and keeps steps 1-3 and 5 (``route`` and ``group_by_expert``) as they are.
 """

@@ -6,8 +6,9 @@ What one forward pass sends, with T tokens in the batch and S rows of logits
 
     embedding           1 all-reduce of T x hidden        (each rank owns some vocab rows)
     each decoder layer  2 all-reduces of T x hidden       (after o_proj and down_proj, or
-                                                           the experts' sum; a shared
-                                                           expert adds a third)
+                                                           the experts' sum, with or
+                                                           without expert parallelism;
+                                                           a shared expert adds a third)
     LM head             1 gather to rank 0 of S x vocab   (each rank scores its vocab rows)
 
 Bytes are counted as *payload*: for an all-reduce, the size of the tensor
