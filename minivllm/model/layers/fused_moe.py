@@ -66,7 +66,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ``expert_load`` ([E] int64), if given, gets each expert's pair count added."""
     weights, ids = route(router_logits, top_k, renormalize)
     if expert_load is not None:
-        expert_load += torch.bincount(ids.flatten(), minlength=w13.shape[0])
+        expert_load += torch.bincount(ids.flatten(), minlength=w13.shape[0]).cpu()
     return expert_sum(hidden, w13, w2, ids, weights, expert_mlp)
 
 
@@ -153,8 +153,9 @@ class FusedMoE(nn.Module):
                                 router_logits: torch.Tensor) -> torch.Tensor:
         """This rank's share: the pairs whose expert copy it holds (``expert_parallel.py``)."""
         weights, ids = route(router_logits, self.top_k, self.renormalize)
-        self.expert_load += torch.bincount(ids.flatten(), minlength=self.num_experts)
-        slots = self.placement.physical_slots(ids.cpu())
+        cpu_ids = ids.cpu()  # the counts and the placement's tables stay on the CPU
+        self.expert_load += torch.bincount(cpu_ids.flatten(), minlength=self.num_experts)
+        slots = self.placement.physical_slots(cpu_ids)
         self.physical_load += torch.bincount(slots, minlength=self.placement.num_slots)
         local = self.placement.local_ids(slots, self.tp_rank).view_as(ids).to(ids.device)
         return expert_sum(hidden, self.w13_weight, self.w2_weight, local, weights,
