@@ -167,7 +167,7 @@ assert tuple(experts.w13_weight.shape) == (EXPERTS, 2 * I, H)
 
 # %%
 from minivllm.lab.viz.source import show_source
-from minivllm.model.layers.fused_moe import fused_moe, group_by_expert, route
+from minivllm.model.layers.fused_moe import expert_sum, fused_moe, group_by_expert, route
 
 show_source(route)
 
@@ -207,7 +207,8 @@ show_source(group_by_expert)
 # (no capacity factor), so the outputs never depend on the rest of the batch.
 
 # %%
-show_source(fused_moe, start="weights, ids =", end="return out")
+show_source(fused_moe, start="weights, ids =")
+show_source(expert_sum, start="local =", end="return out")
 
 # %% [markdown]
 # ## Who got the work
@@ -391,9 +392,155 @@ assert pairs[1].unique().numel() == KB and pairs[256].unique().numel() == EB
 # and once for `w2`, before the top-k results are summed. The model files are
 # `vllm/model_executor/models/qwen3_moe.py` (`Qwen3MoeSparseMoeBlock`), `qwen2_moe.py`
 # and `mixtral.py`. Where minivllm differs: a Python loop over the experts instead of one
-# kernel (its CPU path packs each expert's weights, `minivllm/cpu/fused_moe.py`), and no
-# expert parallelism yet — with tensor parallelism each rank holds a slice of *every*
-# expert, which is vLLM's default too.
+# kernel (its CPU path packs each expert's weights, `minivllm/cpu/fused_moe.py`). With
+# tensor parallelism each rank holds a slice of *every* expert, which is vLLM's default
+# too; expert parallelism, below, holds whole experts instead.
+
+# %% [markdown]
+# ## Across ranks: expert parallelism
+#
+# With tensor parallelism (chapter 13) every rank holds a slice of *every* expert.
+# **Expert parallelism** (`enable_expert_parallel=True`, vLLM's flag) splits the other
+# way: each of the N ranks holds **whole experts**, its share of them. An uneven count
+# is split as vLLM's `determine_expert_map` splits it, the first `E mod N` ranks one
+# more. Attention stays tensor-parallel, and its all-reduce already leaves every
+# token's hidden state on every rank; the router is replicated, so every rank knows
+# every token's top-k. One MoE layer then runs in three moves:
+#
+# 1. **dispatch**: each rank keeps the `(token, expert)` pairs whose expert it holds.
+#    The tokens are already there: nothing crosses the wire;
+# 2. each rank runs the grouped products of its own experts (`expert_sum`, above) and
+#    gets a partial `[T, hidden]` sum, zero for the pairs it does not hold;
+# 3. **combine**: one all-reduce adds the ranks' partial sums, as in chapter 13.
+#
+# We start two ranks on the same model (a few seconds: a second process loads its
+# experts) and run the same four prompts. The extra options turn on the load balancer
+# of the next section; ignore them for now.
+
+# %%
+from minivllm.model.layers.eplb import rank_loads, rebalance_experts
+from minivllm.model.layers.expert_parallel import ExpertPlacement, determine_expert_map
+
+STEPS = MAX_TOKENS  # one prefill step, then one decode step per token but the first
+llm_ep = LLM(folder, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+             eplb_config={"num_redundant_experts": 2, "window_size": STEPS,
+                          "step_interval": STEPS},
+             enable_prefix_caching=False, cpu_kernels=False, trace=True)
+ep_layers = [b.experts for b in
+             llm_ep.llm_engine.engine_core.executor.runner.model.expert_layers()]
+initial = ExpertPlacement(ep_layers[0].placement.ranks, EXPERTS)
+print("rank 0 holds experts", initial.ranks[0], "| rank 1 holds", initial.ranks[1])
+print("without spare slots, 8 experts:", [determine_expert_map(2, r, 8)[0] for r in (0, 1)],
+      "| 7 experts:", [determine_expert_map(2, r, 7)[0] for r in (0, 1)])
+
+# %% [markdown]
+# Two of the ten slots are **redundant** (`num_redundant_experts=2`): rank 1 also holds
+# copies of experts 0 and 1. A pair goes to copy `t mod c` of its expert (`t` its row
+# in the step, `c` its number of copies), which every rank computes alike. Here is the
+# first prompt's prefill in layer 0, as dispatched: one dot per pair, in the slot of
+# the rank that computes it.
+
+# %%
+from minivllm.lab.viz.moe import expert_parallel_figure
+
+first_slots = initial.physical_slots(chosen)  # the first prompt's rows: 0 .. len - 1
+expert_parallel_figure(first_slots, TOP_K, initial.ranks, labels,
+                       title="Dispatch, layer 0, first prompt: each rank computes its dots; "
+                             "then one all-reduce adds the two ranks' sums")
+
+# %%
+ep_outs = llm_ep.generate(PROMPTS, greedy, use_tqdm=False)
+assert [o.outputs[0].token_ids for o in ep_outs] == [o.outputs[0].token_ids for o in outs]
+ep_load = {layer: [sum(c) for c in zip(*(r.expert_load[layer] for r in llm_ep.trace))]
+           for layer in sparse}
+assert ep_load == {layer: c.tolist() for layer, c in load.items()}  # the same routing
+print("the same tokens as one rank, and the same load per expert:", ep_load[0])
+
+# %% [markdown]
+# The tokens equal one rank's. Not always bit for bit: a token's experts on two ranks
+# are added in another order than on one, which float32 rounding can tell apart when
+# `top_k > 2` (with top-2 a sum has two terms and one order: the test
+# `tests/test_expert_parallel.py` checks both cases on one layer).
+#
+# **The bytes.** The dispatch sends nothing; the combine all-reduces `T x hidden`
+# float32 values per sparse layer per step. Over the run, `T` adds up to every token
+# the engine computed: the prompts and every generated token but the last.
+#
+#     bytes = sparse layers x computed tokens x hidden x 4
+#
+# The engine counts what its experts' collectives moved, on rank 0, and `minivllm serve`
+# shows it on `/metrics` as `minivllm:moe_dispatch_bytes_total`.
+
+# %%
+computed_ep = sum(len(o.prompt_token_ids) + MAX_TOKENS - 1 for o in ep_outs)
+by_hand = len(sparse) * computed_ep * llm_ep.llm_engine.config.model.hidden_size * 4
+counted = llm_ep.llm_engine.engine_core.make_stats().moe_dispatch_bytes
+print(f"{len(sparse)} layers x {computed_ep} tokens x 64 x 4 = {by_hand} bytes; "
+      f"the engine counted {counted}")
+assert counted == by_hand
+
+# %% [markdown]
+# That is exactly what tensor parallelism without EP moves too: with attention
+# tensor-parallel, EP changes what each rank *reads* (whole experts, half of them) and
+# how much work each rank gets, not the bytes on the wire. (vLLM's all-to-all kernels
+# are for the other case, data-parallel attention, where a token's hidden state lives
+# on one rank only and must be sent to its experts' ranks.)
+#
+# ## Load imbalance, and what EPLB does
+#
+# A step is as slow as its busiest rank: the other waits at the combine. Each rank's
+# load is the pairs its slots computed; the engine counts pairs per slot
+# (`FusedMoE.physical_load`). The **expert-parallel load balancer** (`enable_eplb`,
+# vLLM's name) keeps the load of the last `window_size` steps and, every
+# `step_interval` steps, places the experts anew (`rebalance_experts`):
+#
+# 1. each spare slot goes to the expert whose copies carry the most load each (at most
+#    one copy per rank: a second copy on one rank would not spread its load);
+# 2. the copies, heaviest first, go to the rank with the least load so far that has a
+#    free slot (no two copies of one expert on one rank, where it can be helped);
+# 3. every rank receives, point to point, the experts it now holds and did not
+#    (`move_experts`), between two steps. The tokens do not change.
+#
+# Our run had `STEPS` steps, so the balancer ran once, after its last step, from the
+# whole run's load. We run the same prompts again on the new placement and compare
+# each rank's pairs.
+
+# %%
+first_run = [layer.physical_load.clone() for layer in ep_layers]
+placed = [rebalance_experts(ep_load[layer], 2, 5) for layer in sparse]
+assert [layer.placement.ranks for layer in ep_layers] == placed  # derived from the load
+again = llm_ep.generate(PROMPTS, greedy, use_tqdm=False)
+assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+eplb = llm_ep.llm_engine.engine_core.executor.eplb
+for i, layer in enumerate(ep_layers):
+    before = initial.rank_loads(first_run[i])
+    after = layer.placement.rank_loads(layer.physical_load - first_run[i])
+    print(f"layer {sparse[i]}: ranks {placed[i]}; pairs per rank {before} -> {after}, "
+          f"busiest {max(before)} -> {max(after)} (balanced: {sum(after) / 2:.0f})")
+    assert sum(before) == sum(after) and max(after) <= max(before)
+print(f"rebalances: {eplb.num_rebalances}, weights moved: {eplb.moved_bytes} bytes")
+
+# %% [markdown]
+# The busiest rank's pairs dropped (or stayed where they already were balanced), and the
+# tokens stayed the same. The balancer's numbers come from `rank_loads`, which splits an
+# expert's load evenly over its copies; the engine's counts split it by token parity,
+# within a pair or two of that.
+#
+# **In vLLM.** (v0.11.0.) `determine_expert_map` in
+# `vllm/model_executor/layers/fused_moe/layer.py` gives each rank its experts, the first
+# ranks one more. Its all-to-all backends (`--all2all-backend`: `allgather_reducescatter`,
+# DeepEP, pplx...) are used when attention is data-parallel; with tensor-parallel
+# attention alone, `FusedMoE` computes its local experts and all-reduces, as here. EPLB
+# lives in `vllm/distributed/eplb/`: `EplbState` (`eplb_state.py`) records the load over
+# `window_size` steps and rearranges every `step_interval`; `rebalance_algo.py`'s
+# `rebalance_experts` (DeepSeek's algorithm: `replicate_experts`, then
+# `balanced_packing`, hierarchically over nodes when there are expert groups) places them;
+# `rebalance_execute.py` moves the weights with batched point-to-point sends. Where
+# minivllm differs: one flat greedy placement, rebalanced from the logical load that
+# rank 0 counts, weights moved synchronously between two steps over the default group.
+
+# %%
+llm_ep.shutdown()  # one tensor-parallel engine per process
 
 # %% [markdown]
 # ## Exercises
@@ -529,6 +676,57 @@ assert prediction_3 == _received
 ### END HIDDEN TESTS
 
 # %% [markdown]
+# ### Exercise 25.4 — place the experts
+# Write `place_experts(load, num_ranks, slots_per_rank)`: EPLB's placement. `load[e]` is
+# the pairs expert `e` received; there are `num_ranks x slots_per_rank` slots, at least
+# one per expert. Return, per rank, the list of experts in its slots (exactly
+# `slots_per_rank` each, every expert at least once) so that the busiest rank's load is
+# as low as you can make it, an expert's load being split evenly over its copies
+# (`rank_loads(load, placement)` computes it). Example: `load = [90, 10, 10, 10]`,
+# 2 ranks of 3 slots: a copy of expert 0 on each rank (45 each), and the last spare
+# slot for a second copy of another expert, give `[[0, 1, 2], [0, 1, 3]]`: 60 per rank.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+def place_experts(load, num_ranks: int, slots_per_rank: int) -> list[list[int]]:
+    ### BEGIN SOLUTION
+    copies = [1] * len(load)
+    for _ in range(num_ranks * slots_per_rank - len(load)):  # the spare slots
+        spread = [x for x in range(len(load)) if copies[x] < num_ranks]  # one per rank
+        e = max(spread or range(len(load)), key=lambda x: load[x] / copies[x])
+        copies[e] += 1
+    ranks, totals = [[] for _ in range(num_ranks)], [0.0] * num_ranks
+    for share, e in sorted(((load[e] / copies[e], e) for e in range(len(load))
+                            for _ in range(copies[e])), reverse=True):
+        free = [r for r in range(num_ranks) if len(ranks[r]) < slots_per_rank]
+        r = min([r for r in free if e not in ranks[r]] or free, key=lambda r: totals[r])
+        ranks[r].append(e)
+        totals[r] += share
+    return ranks
+    ### END SOLUTION
+
+# %% tags=["check"]
+def _valid(placement, load, num_ranks, slots_per_rank):
+    assert len(placement) == num_ranks, "one list per rank"
+    assert all(len(r) == slots_per_rank for r in placement), "every slot of every rank filled"
+    assert {e for r in placement for e in r} == set(range(len(load))), "every expert held"
+
+
+_mine = place_experts([90, 10, 10, 10], 2, 3)
+_valid(_mine, [90, 10, 10, 10], 2, 3)
+assert max(rank_loads([90, 10, 10, 10], _mine)) <= 60, \
+    "the busiest rank carries more than it must: copy the hottest expert, then pack"
+### BEGIN HIDDEN TESTS
+_g = torch.Generator().manual_seed(7)
+for _e, _n, _s in ((8, 2, 5), (7, 2, 4), (16, 4, 5), (6, 3, 2), (12, 4, 4)):
+    _load = (torch.rand(_e, generator=_g) ** 3 * 100).round().tolist()
+    _mine = place_experts(_load, _n, _s)
+    _valid(_mine, _load, _n, _s)
+    assert max(rank_loads(_load, _mine)) <= 1.1 * max(rank_loads(
+        _load, rebalance_experts(_load, _n, _s))) + 1e-9
+_valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
+### END HIDDEN TESTS
+
+# %% [markdown]
 # ## In practice: serving a mixture of experts
 #
 # A Hugging Face folder of Qwen3-MoE (`Qwen3MoeForCausalLM`), Qwen2-MoE (with its gated
@@ -540,7 +738,15 @@ assert prediction_3 == _received
 # from minivllm import LLM
 # llm = LLM("path/to/Qwen3-30B-A3B")                           # float weights
 # llm = LLM("path/to/Qwen3-30B-A3B", tensor_parallel_size=2)   # every expert split in two
+# llm = LLM("path/to/Qwen3-30B-A3B", tensor_parallel_size=2,
+#           enable_expert_parallel=True)                       # half the experts per rank
+# llm = LLM("path/to/Qwen3-30B-A3B", tensor_parallel_size=2, enable_expert_parallel=True,
+#           enable_eplb=True, eplb_config={"num_redundant_experts": 2,
+#                                          "window_size": 1000, "step_interval": 100})
 # ```
+#
+# (`minivllm serve` takes the same as `--enable-expert-parallel`, `--enable-eplb` and
+# `--eplb-config '{"num_redundant_experts": 2}'`.)
 #
 # - **What is read from `config.json`** (`minivllm/config/moe.py`): `num_experts` (Mixtral:
 #   `num_local_experts`), `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`,
@@ -550,14 +756,20 @@ assert prediction_3 == _received
 #   number of experts, or a layer index out of range is refused at load, naming the field.
 # - **Tensor parallelism** splits every expert's intermediate dimension over the ranks
 #   and all-reduces the experts' sum once per layer, like a row-parallel layer
-#   (chapter 13). Expert parallelism (`enable_expert_parallel`) is not implemented yet.
+#   (chapter 13). **Expert parallelism** (`enable_expert_parallel=True`, which needs
+#   `tensor_parallel_size` > 1 and at most one rank per expert) holds whole experts per
+#   rank instead; **EPLB** (`enable_eplb`, `eplb_config`) re-places them by load while
+#   serving. `num_experts + num_redundant_experts` must be a multiple of the rank count
+#   (every rank holds as many slots); a config that breaks a rule is refused at load,
+#   naming the field and what is allowed (`tests/test_expert_parallel.py`).
 # - **The CPU path** packs each expert's weights once at load and multiplies each
 #   expert's rows with the packed kernels (`minivllm/cpu/fused_moe.py`); the one-call
 #   decode replay of chapter 15 has no experts and stands aside for these models.
 #   `python -m minivllm.lab.bench.moe_model --ab-experts` times one layer's experts, the
 #   reference against the packed twin.
 # - **Expert load**: `/metrics` of `minivllm serve` counts the tokens routed to each expert
-#   of each MoE layer, `minivllm:expert_load_total{layer, expert}`; the step trace has the
+#   of each MoE layer, `minivllm:expert_load_total{layer, expert}`, and with several ranks
+#   the bytes the experts' collectives moved, `minivllm:moe_dispatch_bytes_total`; the step trace has the
 #   same counts per step (`StepRecord.expert_load`, `LLM(trace=True)`). A dense model
 #   counts nothing and shows no such series (`tests/test_moe_metrics.py` checks the counts
 #   against Hugging Face's router).
@@ -576,6 +788,10 @@ assert prediction_3 == _received
 #   expert, dropless; the result equals a loop over tokens, and Hugging Face's tokens.
 # - The load is uneven across experts, step after step: on one device it costs nothing,
 #   across devices the busiest expert sets the pace.
+# - Expert parallelism holds whole experts per rank; with tensor-parallel attention the
+#   tokens are already on every rank, so the dispatch is free and the combine is one
+#   all-reduce of `T x hidden` per sparse layer, counted and derived above. EPLB copies the
+#   hottest experts into spare slots and packs them so the busiest rank gets less.
 # - A step of `T` tokens touches about `E (1 - (1 - k/E)^T)` experts. Few tokens read
 #   few experts' weights; a large batch reads them all while computing only the active
 #   share: the compute of a small model, the memory of a large one.

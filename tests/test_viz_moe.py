@@ -35,3 +35,21 @@ def test_load_figure_groups_layers_and_draws_the_balanced_share():
     assert expert_load_figure({"l": [1, 2]}, "t", balanced=5).layout.shapes[0].y0 == 5
     with pytest.raises(ValueError, match="same, non-zero number of experts"):
         expert_load_figure({"a": [1, 2], "b": [1]}, "t")
+
+
+def test_expert_parallel_figure_puts_each_pair_on_its_ranks_slot():
+    from minivllm.lab.viz.moe import expert_parallel_figure
+    from minivllm.model.layers.expert_parallel import ExpertPlacement
+
+    placement = ExpertPlacement.initial(5, 2, 1)  # rank 0: e0 e1 e2, rank 1: e3 e4 e0
+    ids = torch.tensor([[0, 4], [0, 1], [3, 4]])
+    slots = placement.physical_slots(ids)  # token 1's copy of e0 is rank 1's (1 mod 2)
+    fig = expert_parallel_figure(slots, 2, placement.ranks, ["a", "b", "c"])
+    r0, r1 = fig.data
+    assert (r0.name, r1.name) == ("rank 0: 2 pairs", "rank 1: 4 pairs")
+    assert list(zip(r0.x, r0.y)) == [("r0:e0", "a"), ("r0:e1", "b")]
+    assert list(zip(r1.x, r1.y)) == [("r1:e4", "a"), ("r1:e0", "b"), ("r1:e3", "c"),
+                                     ("r1:e4", "c")]
+    assert [(s.x0, s.x1) for s in fig.layout.shapes] == [(-0.5, 2.5), (2.5, 5.5)]
+    with pytest.raises(ValueError, match="top_k=2 per token"):
+        expert_parallel_figure(slots[:5], 2, placement.ranks, ["a", "b", "c"])

@@ -45,6 +45,9 @@ _DICT_HELP = {
                           '"num_speculative_tokens": 3}\'',
     "kv_transfer_config": "a KV connector, vLLM's dict as JSON, e.g. "
                           '\'{"kv_connector": "P2pConnector", "kv_role": "kv_producer"}\'',
+    "eplb_config": "the experts' load balancer (with --enable-eplb), vLLM's dict as JSON, "
+                   'e.g. \'{"num_redundant_experts": 2, "window_size": 1000, '
+                   '"step_interval": 100}\'',
     "weight_transfer_config": "let a trainer process send new weights (vLLM's dict as "
                               'JSON): \'{"backend": "gloo"}\'; the server\'s routes need '
                               "MINIVLLM_SERVER_DEV_MODE=1",

@@ -70,6 +70,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # or "ray": ranks as Ray actors
+    enable_expert_parallel: bool = False  # MoE: experts split among the TP ranks
+    enable_eplb: bool = False  # ... and moved between them by load (config/expert_parallel.py)
+    # vLLM's dict: {"num_redundant_experts": R, "window_size": W, "step_interval": S}.
+    eplb_config: Optional[dict] = None
     attention_backend: Optional[str] = None
     # None: the CPU acceleration where it builds; False: the reference path; True: required.
     cpu_kernels: Optional[bool] = None
@@ -121,6 +125,11 @@ class EngineArgs:
         model = ModelConfig.from_pretrained(self.model, self.dtype, device)
         model = quantized_model_config(model, self.quantization, self.dtype,
                                        self.activation_dtype)
+        parallel = ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig)))
+        if parallel.enable_expert_parallel:
+            from minivllm.config.expert_parallel import expert_parallel_model_config
+
+            model = expert_parallel_model_config(model, parallel)
         max_len = self.max_model_len or min(model.max_position_embeddings, 2048)
         if max_len > model.max_position_embeddings:
             raise bad("max_model_len", max_len,
@@ -136,8 +145,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       max_len, self.long_prefill_token_threshold,
                                       self.enable_chunked_prefill, self.scheduling_policy),
-            parallel=ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig))),
-            device=device, attention_backend=self.attention_backend,
+            parallel=parallel, device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             enable_sleep_mode=self.enable_sleep_mode, batch_invariant=self.batch_invariant,
             **features)

@@ -38,6 +38,11 @@ class MoEConfig:
     renormalize: bool  # norm_topk_prob: the top-k weights divided by their sum
     sparse_layers: tuple[int, ...]  # the decoder layers whose MLP is the experts
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    # Expert parallelism (config/expert_parallel.py sets these at load): the ranks the
+    # experts are split among (1: every rank holds every expert), and the extra slots
+    # EPLB fills with copies of hot experts.
+    expert_parallel_size: int = 1
+    num_redundant_experts: int = 0
 
 
 def moe_model_config(config, raw: dict):

@@ -134,6 +134,8 @@ class EngineCore:
         """The scheduler's snapshot for /metrics, plus the experts' load (MoE models)."""
         stats = self.scheduler.make_stats()
         stats.expert_load = self.expert_load()
+        if stats.expert_load is not None:  # (and its collectives' bytes: expert_parallel.py)
+            stats.moe_dispatch_bytes = self.executor.runner.model.moe_dispatch_bytes()
         return stats
 
     def expert_load(self) -> Optional[dict[int, list[int]]]:

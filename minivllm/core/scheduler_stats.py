@@ -29,6 +29,8 @@ class SchedulerStats:
     # Mixtures of experts: MoE layer -> tokens routed to each expert since load (None:
     # a dense model). Filled by EngineCore.make_stats from the model's counts.
     expert_load: Optional[dict[int, list[int]]] = None
+    # ... and the payload bytes the experts' collectives moved since load (rank 0's).
+    moe_dispatch_bytes: Optional[int] = None
 
 
 def count_adapters(requests) -> dict[str, int]:

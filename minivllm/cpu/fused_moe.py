@@ -46,7 +46,7 @@ class CpuFusedMoE(FusedMoE):
             return 0
         self.packed13 = [pack_weight(w) for w in self.w13_weight]
         self.packed2 = [pack_weight(w) for w in self.w2_weight]
-        return 2 * self.num_experts
+        return 2 * len(self.packed13)  # this rank's experts (all of them without EP)
 
 
 def swap_in_moe(model: nn.Module, prepack: bool) -> int:

@@ -15,7 +15,9 @@ Speculative decoding's counters (vLLM's ``spec_decode_*`` names) come from
 the scheduler's running totals too; accepted tokens per draft position are
 one counter with a ``position`` label. A mixture of experts adds
 ``expert_load`` (tokens routed to each expert, labels ``layer`` and ``expert``),
-from the model's running counts (``EngineCore.make_stats``).
+from the model's running counts (``EngineCore.make_stats``), and, with tensor or
+expert parallelism, ``moe_dispatch_bytes`` (the payload the experts' collectives
+moved, ``minivllm/model/layers/expert_parallel.py``).
 
 Generated tokens are counted as they come, one engine step at a time, so a
 long generation shows up before it ends.
@@ -118,6 +120,7 @@ class PrometheusStatLogger:
         # Mixtures of experts: the load vLLM's EPLB balances (its expert_load), one series
         # per MoE layer and expert, made at the first MoE snapshot (a dense model: none).
         self._expert_load: Optional[Counter] = None
+        self._moe_dispatch_bytes = None
         self._last_stats: Optional[SchedulerStats] = None
 
     # -- feeds -------------------------------------------------------------------
@@ -142,6 +145,9 @@ class PrometheusStatLogger:
         if stats.expert_load is not None:
             self._record_expert_load(stats.expert_load,
                                      (last.expert_load if last is not None else None) or {})
+        if stats.moe_dispatch_bytes:
+            self._record_moe_dispatch_bytes(stats.moe_dispatch_bytes,
+                                            (last.moe_dispatch_bytes if last else None) or 0)
         self._last_stats = stats
 
     def _record_expert_load(self, now: dict[int, list[int]],
@@ -155,6 +161,14 @@ class PrometheusStatLogger:
             old = before.get(layer, [0] * len(counts))
             for expert, (n, b) in enumerate(zip(counts, old)):
                 self._expert_load.labels(self.model_name, str(layer), str(expert)).inc(n - b)
+
+    def _record_moe_dispatch_bytes(self, now: int, before: int) -> None:
+        if self._moe_dispatch_bytes is None:
+            self._moe_dispatch_bytes = Counter(
+                PREFIX + "moe_dispatch_bytes", "Payload bytes the MoE layers' dispatch and "
+                "combine collectives moved (rank 0).", ["model_name"],
+                registry=self.registry).labels(self.model_name)
+        self._moe_dispatch_bytes.inc(max(now - before, 0))
 
     def _record_spec_decode(self, now, before) -> None:
         if now is None:

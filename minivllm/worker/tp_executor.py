@@ -252,6 +252,11 @@ class TPExecutor:
             # Every rank loads its own shards at the same time.
             self.runner = ModelRunner(dataclasses.replace(config, device=str(device)))
             self._check_replies(gather_replies(True))
+        self.eplb = None  # the experts' load balancer (enable_eplb): model/layers/eplb.py
+        if config.parallel.enable_eplb:
+            from minivllm.model.layers.eplb import EplbState
+
+            self.eplb = EplbState(config.parallel.eplb_config, self.runner.model, tp)
 
     # -- the executor interface ----------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -277,6 +282,8 @@ class TPExecutor:
         self._check_alive()
         self.broadcast_seconds = 0.0
         out = self.runner.execute_model(scheduler_output, forward_fn=self._forward)
+        if self.eplb is not None and not scheduler_output.is_empty:
+            self.eplb.step(self)
         if out.timings:
             out.timings["broadcast"] = self.broadcast_seconds
         return out

@@ -4,6 +4,8 @@
   probability as colour, the top-k experts each token was sent to marked with a dot.
 - ``expert_load_figure``: tokens each expert received, one group of bars per layer,
   with the balanced share (every expert the same) as a dashed line.
+- ``expert_parallel_figure``: expert parallelism's dispatch, one column per expert
+  slot grouped by the rank that holds it, a dot where a token's pair is computed.
 """
 
 from __future__ import annotations
@@ -70,4 +72,38 @@ def expert_load_figure(counts: Mapping[str, Sequence[int]], title: str,
     return fig
 
 
-__all__ = ["router_probs_figure", "expert_load_figure"]
+def expert_parallel_figure(slots: Sequence[int], top_k: int, ranks: Sequence[Sequence[int]],
+                           token_labels: Sequence[str],
+                           title: str = "Who computes each (token, expert) pair") -> go.Figure:
+    """``slots``: each pair's global slot, token by token (``top_k`` per token, as
+    ``ExpertPlacement.physical_slots`` gives them); ``ranks``: per rank, the expert in
+    each of its slots. One colour per rank; each rank's slots are one shaded band."""
+    slots = [int(s) for s in slots]
+    if len(slots) != top_k * len(token_labels):
+        raise ValueError(f"slots has {len(slots)} pairs: give top_k={top_k} per token "
+                         f"({len(token_labels)} tokens)")
+    names = [f"r{r}:e{e}" for r, held in enumerate(ranks) for e in held]
+    owner = [r for r, held in enumerate(ranks) for _ in held]
+    if any(not 0 <= s < len(names) for s in slots):
+        raise ValueError(f"slots must be in [0, {len(names)}): the placement's slots")
+    labels = unique_labels([visible(t) for t in token_labels])
+    fig = go.Figure()
+    for rank in range(len(ranks)):
+        mine = [(names[s], labels[i // top_k]) for i, s in enumerate(slots) if owner[s] == rank]
+        fig.add_trace(go.Scatter(x=[x for x, _ in mine], y=[y for _, y in mine],
+                                 mode="markers", marker=dict(size=10),
+                                 name=f"rank {rank}: {len(mine)} pairs"))
+        first = owner.index(rank)
+        fig.add_vrect(x0=first - 0.5, x1=first + len(ranks[rank]) - 0.5, opacity=0.08,
+                      line_width=0, fillcolor="gray" if rank % 2 else "blue",
+                      annotation_text=f"rank {rank}", annotation_position="top left")
+    fig.update_layout(title=title, xaxis=dict(title="expert slot (rank:expert)",
+                                              categoryorder="array", categoryarray=names),
+                      yaxis=dict(autorange="reversed", categoryorder="array",
+                                 categoryarray=labels),
+                      height=max(300, 22 * len(labels) + 140),
+                      margin=dict(l=10, r=10, t=60, b=10))
+    return fig
+
+
+__all__ = ["router_probs_figure", "expert_load_figure", "expert_parallel_figure"]

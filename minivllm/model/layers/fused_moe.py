@@ -22,6 +22,9 @@ With tensor parallelism (no expert parallelism) every rank holds every expert, b
 only its 1/tp slice of the intermediate dimension I: the gate/up rows and the
 down-projection's columns of that slice. Each rank's output is then a partial sum
 over its slice, and one all-reduce adds them, as in a row-parallel linear layer.
+With expert parallelism (``expert_parallel.py``) a rank holds whole experts instead,
+its share of them, computes only the pairs sent to those (``expert_sum`` skips the
+others), and the same all-reduce adds the ranks' sums; ``dispatch_bytes`` counts it.
 The CPU path (``minivllm/cpu/fused_moe.py``) replaces step 4's products by packed
 ones and keeps steps 1-3 and 5 (``route`` and ``group_by_expert``) as they are.
 """
@@ -62,13 +65,23 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     path's packed one); by default it is ``swiglu`` on the expert's weights.
     ``expert_load`` ([E] int64), if given, gets each expert's pair count added."""
     weights, ids = route(router_logits, top_k, renormalize)
-    order, counts = group_by_expert(ids, w13.shape[0])
     if expert_load is not None:
-        expert_load += torch.tensor(counts, dtype=expert_load.dtype)
-    tokens, pair_weights = order // top_k, weights.flatten()[order]
+        expert_load += torch.bincount(ids.flatten(), minlength=w13.shape[0]).cpu()
+    return expert_sum(hidden, w13, w2, ids, weights, expert_mlp)
+
+
+def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor, expert_mlp=None) -> torch.Tensor:
+    """Steps 3-5: each expert's rows multiplied once, weighted, summed into their tokens.
+
+    ``ids`` [T, k] index ``w13``/``w2``'s experts; an id equal to their count marks a
+    pair another rank computes (expert parallelism) and is skipped."""
+    local = w13.shape[0]
+    order, counts = group_by_expert(ids, local + 1)  # the skipped pairs sort last
+    tokens, pair_weights = order // ids.shape[1], weights.flatten()[order]
     out = torch.zeros_like(hidden)
     start = 0
-    for expert, n in enumerate(counts):
+    for expert, n in enumerate(counts[:local]):
         if n == 0:
             continue
         rows = tokens[start:start + n]
@@ -86,37 +99,84 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 
 
 class FusedMoE(nn.Module):
-    """The experts of one layer: ``forward(hidden, router_logits)`` -> [T, H]."""
+    """The experts of one layer: ``forward(hidden, router_logits)`` -> [T, H].
+
+    With ``expert_parallel_size`` > 1 the rank holds whole experts, its slots of an
+    ``ExpertPlacement`` (``expert_parallel.py``), instead of a slice of every expert."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
-                 intermediate_size: int, renormalize: bool, dtype: torch.dtype) -> None:
+                 intermediate_size: int, renormalize: bool, dtype: torch.dtype,
+                 expert_parallel_size: int = 1, num_redundant_experts: int = 0) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate_size = divide(intermediate_size, self.tp_size,
-                                        "moe_intermediate_size")  # this rank's slice
-        i = self.intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size,
+        self.placement = None  # expert parallelism: which rank holds which experts
+        slots = num_experts
+        if expert_parallel_size > 1:
+            from minivllm.model.layers.expert_parallel import ExpertPlacement
+
+            self.placement = ExpertPlacement.initial(num_experts, expert_parallel_size,
+                                                     num_redundant_experts)
+            slots = len(self.placement.ranks[self.tp_rank])
+            # Pairs sent to each physical slot (every rank's), for EPLB and the book.
+            self.physical_load = torch.zeros(self.placement.num_slots, dtype=torch.int64)
+        else:
+            intermediate_size = divide(intermediate_size, self.tp_size,
+                                       "moe_intermediate_size")  # this rank's slice
+        self.intermediate_size = i = intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(slots, 2 * i, hidden_size,
                                                    dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype),
+        self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, i, dtype=dtype),
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
         # Tokens routed to each expert since load (a plain tensor: it stays on the CPU
         # and out of the state dict); /metrics and the step trace read it.
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64)
+        self.dispatch_bytes = 0  # payload of the experts' collectives since load (/metrics)
 
     expert_mlp = None  # the CPU twin's packed products (minivllm/cpu/fused_moe.py)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        out = fused_moe(hidden, self.w13_weight, self.w2_weight, router_logits,
-                        self.top_k, self.renormalize, self.expert_mlp, self.expert_load)
-        return all_reduce(out) if self.tp_size > 1 else out
+        if self.placement is not None:
+            out = self.forward_expert_parallel(hidden, router_logits)
+        else:
+            out = fused_moe(hidden, self.w13_weight, self.w2_weight, router_logits,
+                            self.top_k, self.renormalize, self.expert_mlp, self.expert_load)
+        if self.tp_size == 1:
+            return out
+        # The combine: every rank's partial sums added (a slice of every expert without
+        # EP, its own experts with it); the tokens were already on every rank.
+        self.dispatch_bytes += out.numel() * out.element_size()
+        return all_reduce(out)
+
+    def forward_expert_parallel(self, hidden: torch.Tensor,
+                                router_logits: torch.Tensor) -> torch.Tensor:
+        """This rank's share: the pairs whose expert copy it holds (``expert_parallel.py``)."""
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        cpu_ids = ids.cpu()  # the counts and the placement's tables stay on the CPU
+        self.expert_load += torch.bincount(cpu_ids.flatten(), minlength=self.num_experts)
+        slots = self.placement.physical_slots(cpu_ids)
+        self.physical_load += torch.bincount(slots, minlength=self.placement.num_slots)
+        local = self.placement.local_ids(slots, self.tp_rank).view_as(ids).to(ids.device)
+        return expert_sum(hidden, self.w13_weight, self.w2_weight, local, weights,
+                          self.expert_mlp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str]) -> None:
         """One checkpoint tensor: ``shard_id`` = (expert, "w1" gate | "w3" up | "w2" down)."""
         expert, which = shard_id
-        i, start = self.intermediate_size, self.tp_rank * self.intermediate_size
+        if self.placement is not None:  # whole, into each of this rank's copies of it
+            for slot, logical in enumerate(self.placement.ranks[self.tp_rank]):
+                if logical == expert:
+                    self.load_expert_slice(param, loaded, slot, which, 0)
+            return
+        self.load_expert_slice(param, loaded, expert, which,
+                               self.tp_rank * self.intermediate_size)
+
+    def load_expert_slice(self, param: nn.Parameter, loaded: torch.Tensor, slot: int,
+                          which: str, start: int) -> None:
+        """Expert slot ``slot``'s part ``which``, from intermediate index ``start`` on."""
+        expert, i = slot, self.intermediate_size
         if which == "w2":  # [H, I]: this rank's columns
             dst, src = param.data[expert], loaded[:, start:start + i]
         else:  # [I, H]: this rank's rows, gate in the first half, up in the second
@@ -128,4 +188,4 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
 
-__all__ = ["FusedMoE", "fused_moe", "route", "group_by_expert", "swiglu"]
+__all__ = ["FusedMoE", "fused_moe", "expert_sum", "route", "group_by_expert", "swiglu"]

@@ -6,8 +6,9 @@ What one forward pass sends, with T tokens in the batch and S rows of logits
 
     embedding           1 all-reduce of T x hidden        (each rank owns some vocab rows)
     each decoder layer  2 all-reduces of T x hidden       (after o_proj and down_proj, or
-                                                           the experts' sum; a shared
-                                                           expert adds a third)
+                                                           the experts' sum, with or
+                                                           without expert parallelism;
+                                                           a shared expert adds a third)
     LM head             1 gather to rank 0 of S x vocab   (each rank scores its vocab rows)
 
 Bytes are counted as *payload*: for an all-reduce, the size of the tensor
@@ -40,8 +41,10 @@ def check_tensor_parallel_sizes(model, tp: int) -> None:
         if value % tp:
             raise ValueError(f"{name}={value} of the model is not divisible by "
                              f"tensor_parallel_size={tp}: choose a size that divides it")
-    moe = getattr(model, "moe", None)  # every expert's intermediate slice is split too
-    for name, value in ((("moe_intermediate_size", moe.intermediate_size),
+    moe = getattr(model, "moe", None)  # every expert's intermediate slice is split too,
+    expert_parallel = moe is not None and moe.expert_parallel_size > 1  # unless whole
+    for name, value in ((("moe_intermediate_size",
+                          0 if expert_parallel else moe.intermediate_size),
                          ("shared_expert_intermediate_size",
                           moe.shared_expert_intermediate_size)) if moe else ()):
         if value % tp:

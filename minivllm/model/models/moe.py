@@ -19,8 +19,9 @@ Float weights only: ``quantization`` must be None.
 
 With ``tensor_parallel_size=N`` attention splits as in ``llama.py`` and every
 expert keeps its place on every rank with 1/N of its intermediate dimension
-(``FusedMoE``); the router is replicated. Expert parallelism
-(``enable_expert_parallel``) is not implemented yet. On the CPU path the experts'
+(``FusedMoE``); the router is replicated. With ``enable_expert_parallel`` each rank
+holds whole experts instead, its share of them (``expert_parallel.py``), and EPLB
+(``enable_eplb``) moves them between ranks by load (``eplb.py``). On the CPU path the experts'
 products use packed weights (``minivllm/cpu/fused_moe.py``), and the decode-step
 replay stands aside (its C++ loop has no experts).
 
@@ -65,7 +66,8 @@ class SparseMoeBlock(nn.Module):
         moe = cfg.moe
         self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, False, cfg.dtype)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size,
-                                moe.intermediate_size, moe.renormalize, cfg.dtype)
+                                moe.intermediate_size, moe.renormalize, cfg.dtype,
+                                moe.expert_parallel_size, moe.num_redundant_experts)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, moe.shared_expert_intermediate_size)
@@ -114,6 +116,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         return {i: layer.mlp.experts.expert_load.tolist()
                 for i, layer in enumerate(self.model.layers)
                 if isinstance(layer.mlp, SparseMoeBlock)}
+
+    def moe_dispatch_bytes(self) -> int:
+        """Payload bytes the experts' collectives moved since load (0 on one rank)."""
+        return sum(block.experts.dispatch_bytes for block in self.expert_layers())
 
 
 __all__ = ["MoEForCausalLM", "SparseMoeBlock", "ReplicatedLinear"]
