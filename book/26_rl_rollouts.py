@@ -83,6 +83,8 @@ import tempfile
 import torch
 import transformers
 
+torch.set_num_threads(1)  # tiny matrices: one thread each is fastest, and ranks share cores
+
 
 def build_policy(folder: str, seed: int = 0):
     cfg = transformers.LlamaConfig(
@@ -137,7 +139,9 @@ assert ray.is_initialized() and list(workers.actors) == [1] and actor_pid != os.
 # One RL step asks for `P` prompts and `G` samples of each (`n=G`), at temperature 1 so
 # the answers differ, with `logprobs=0`: each generated token comes back with its own
 # log-probability, the policy's at the time of sampling. The trainer will need them to
-# know how far its later updates moved the policy. The seed fixes the samples.
+# know how far its later updates moved the policy. A seed per prompt fixes the samples
+# (its `G` samples draw with seeds `seed, seed + 1, ...`); one seed for all prompts would
+# give every prompt's samples the same random numbers, and groups far less varied.
 
 # %%
 from dataclasses import dataclass
@@ -156,8 +160,8 @@ class Rollouts:
 def rollouts(step: int, gen: torch.Generator) -> Rollouts:
     digits = torch.randint(0, 10, (P, 2), generator=gen).tolist()
     asks = [{"prompt_token_ids": [BOS, a, PLUS, b, EQ]} for a, b in digits]
-    params = SamplingParams(n=G, temperature=1.0, max_tokens=MAX_TOKENS, logprobs=0,
-                            seed=1000 * step)
+    params = [SamplingParams(n=G, temperature=1.0, max_tokens=MAX_TOKENS, logprobs=0,
+                             seed=1000 * step + G * i) for i in range(P)]
     out = Rollouts([], [], [], torch.zeros(P, G))
     for i, ((a, b), req) in enumerate(zip(digits, llm.generate(asks, params, use_tqdm=False))):
         for j, sample in enumerate(req.outputs):
@@ -180,7 +184,7 @@ assert first.rewards.mean() < 0.1  # the random policy: almost every reward is 0
 # %% [markdown]
 # The random policy rarely ends after one digit, so almost every reward is 0. That is
 # the starting point; a group where one answer scores better than its siblings is what
-# GRPO learns from.
+# GRPO learns from, and most groups of this first step have none.
 #
 # ## Group-relative advantages
 #
