@@ -86,6 +86,7 @@ import transformers
 torch.set_num_threads(1)  # tiny matrices: one thread each is fastest, and ranks share cores
 
 
+# %%
 def build_policy(folder: str, seed: int = 0):
     cfg = transformers.LlamaConfig(
         vocab_size=len(TOKENS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -101,6 +102,7 @@ def build_policy(folder: str, seed: int = 0):
     return model
 
 
+# %%
 folder = tempfile.mkdtemp()
 policy = build_policy(folder)
 print(f"{sum(p.numel() for p in policy.parameters()):,} parameters")
@@ -157,6 +159,7 @@ class Rollouts:
     rewards: torch.Tensor          # [P, G]
 
 
+# %%
 def rollouts(step: int, gen: torch.Generator) -> Rollouts:
     digits = torch.randint(0, 10, (P, 2), generator=gen).tolist()
     asks = [{"prompt_token_ids": [BOS, a, PLUS, b, EQ]} for a, b in digits]
@@ -378,7 +381,7 @@ def train_step(model, optimizer, batch: Rollouts):
 
 # %% [markdown]
 # ### Exercise 26.3 — how much does sleep free?
-# Predict the bytes `llm.sleep(level=1)` frees, summed over the two ranks, from what you
+# **Predict first:** the bytes `llm.sleep(level=1)` frees, summed over the two ranks, from what you
 # know: `NUM_BLOCKS` blocks of 16 tokens; for each token and layer a key and a value of
 # every KV head (the policy's config above; chapter 4), in float32; tensor parallelism
 # splits the KV heads over the ranks (chapter 13). Put the number in `prediction_3`.
