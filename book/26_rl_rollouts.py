@@ -556,11 +556,16 @@ right5 = sum(history["right"][-5:]) / 5
 formatted5 = 2 * last5 - right5  # reward = 0.5 formatted + 0.5 right
 print(f"mean reward, first 5 steps {first5:.3f}, last 5 steps {last5:.3f}; in the last 5: "
       f"{formatted5:.0%} of the answers formatted, {right5:.0%} with the right sum")
-assert last5 >= 2 * first5 and last5 >= 0.25  # measured over seeds 0-3: see the text
+assert last5 >= 2 * first5 and last5 >= 0.25  # the margins: see the note below
 assert max(history["gap_max"]) < 1e-4
 assert min(history["freed"]) == max(history["freed"]) == freed  # the same cache each time
 
 # %% [markdown]
+# *A note on the margins checked above* (measured outside the chapter, on a shared
+# 2-core machine): the same loop with 12 other seeds, sampling in plain PyTorch instead
+# of the engine, had its last five steps' mean reward between 2.3 and 7.5 times its first
+# five's, and never under 0.51. The reward's rise is robust; how early it starts varies.
+#
 # After the last push the engine *is* the trained policy: its greedy answers equal
 # Hugging Face `generate` on the trainer's model.
 
