@@ -51,3 +51,37 @@ def _pid(runner) -> int:
     import os
 
     return os.getpid()
+
+
+class FlakyRay:
+    """Stands in for the ``ray`` module: its first ``failures`` starts time out as
+    Ray's do on an overloaded machine (the retry is what is tested, not Ray)."""
+
+    def __init__(self, failures: int, message: str = "The current node timed out during "
+                 "startup. This could happen because ...") -> None:
+        self.failures, self.message = failures, message
+        self.inits = self.shutdowns = 0
+
+    def init(self, **kwargs) -> None:
+        self.inits += 1
+        if self.inits <= self.failures:
+            raise Exception(self.message)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_local_cluster_start_that_timed_out_is_tried_again():
+    from minivllm.worker.ray_executor import START_TRIES, start_local_cluster
+
+    flaky = FlakyRay(failures=START_TRIES - 1)
+    start_local_cluster(flaky, 2, {})
+    assert (flaky.inits, flaky.shutdowns) == (START_TRIES, START_TRIES - 1)
+    hopeless = FlakyRay(failures=START_TRIES)
+    with pytest.raises(Exception, match="timed out during startup"):
+        start_local_cluster(hopeless, 2, {})
+    assert hopeless.inits == START_TRIES
+    other = FlakyRay(failures=1, message="port 6379 is taken")  # not Ray's slow start
+    with pytest.raises(Exception, match="port 6379"):
+        start_local_cluster(other, 2, {})
+    assert other.inits == 1

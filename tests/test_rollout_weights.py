@@ -88,9 +88,15 @@ def test_tp2_update_equals_hugging_face_and_rpc_reaches_every_rank(tiny_model, f
         assert whole < sum(p.numel() for p in trained.parameters())
         block_bytes = llm.engine_core.executor.runner.kv_block_bytes()
         assert llm.collective_rpc("kv_block_bytes") == [block_bytes] * 2
-        run(llm, items)
+        before = tokens(run(llm, items))
         with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight"):
             llm.load_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))])
+        # A weight split over the ranks, one column short: refused naming the shape the
+        # checkpoint has; the valid tensors ahead of it reached neither rank.
+        q = "model.layers.1.self_attn.q_proj.weight"
+        with pytest.raises(ValueError, match=rf"{q}.*\(64, 63\).*\(64, 64\)"):
+            llm.load_weights(list(trained.named_parameters())[:4] + [(q, torch.zeros(64, 63))])
+        assert tokens(run(llm, items)) == before
         llm.load_weights(trained.named_parameters())  # the group lives on after a refusal
         assert tokens(run(llm, items)) == new
 

@@ -24,8 +24,9 @@ rank (TP=1) there is nothing to place: the model runs in the engine process.
 
 Ray's own start can fail on an overloaded machine ("The current node timed
 out during startup"): its raylet gives its agents a fixed 15 s to start
-(ray-project/ray#65983). Start the cluster first (`ray start --head`, then
-``RAY_ADDRESS``), or retry when the machine is quieter.
+(ray-project/ray#65983). A local cluster's start is tried ``START_TRIES`` times;
+else start the cluster first (`ray start --head`, then ``RAY_ADDRESS``), or retry
+when the machine is quieter.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from minivllm.worker.tp_executor import Rendezvous, WorkerGroup
 
 # Logical CPUs each actor asks for: small, so that a local cluster's count holds them.
 WORKER_CPUS = 0.5
+# Starts of a local cluster before giving up (each waits up to Ray's 30 s for its raylet).
+START_TRIES = 3
 
 
 class RankActor:
@@ -70,10 +73,23 @@ def init_ray(world_size: int):
         if os.environ.get("RAY_ADDRESS"):
             ray.init(runtime_env=runtime_env, log_to_driver=True)
         else:
+            start_local_cluster(ray, world_size, runtime_env)
+    return ray
+
+
+def start_local_cluster(ray, world_size: int, runtime_env: dict) -> None:
+    """``ray.init`` of a new local cluster, tried again when Ray's own start timed out
+    (an overloaded machine, ray-project/ray#65983): a later try often makes it."""
+    for attempt in range(START_TRIES):
+        try:
             # "local": a new cluster even if a `ray start` left its address behind
             ray.init(address="local", num_cpus=max(2, world_size), include_dashboard=False,
                      runtime_env=runtime_env, log_to_driver=True)
-    return ray
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if "timed out during startup" not in str(exc) or attempt == START_TRIES - 1:
+                raise
+            ray.shutdown()  # what the failed start left running
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -150,4 +166,5 @@ class RayWorkerGroup(WorkerGroup):
         self.actors, self.calls, self.placement_group = {}, {}, None
 
 
-__all__ = ["RankActor", "RayWorkerGroup", "init_ray", "WORKER_CPUS"]
+__all__ = ["RankActor", "RayWorkerGroup", "START_TRIES", "WORKER_CPUS", "init_ray",
+           "start_local_cluster"]
