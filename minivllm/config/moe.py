@@ -58,7 +58,7 @@ def moe_model_config(config, raw: dict):
                   f"[0, {layers - 1}] (num_hidden_layers={layers})")
     sparse = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
     shared = (_int(raw, "shared_expert_intermediate_size", 0, default=0)
-              if arch == "Qwen2MoeForCausalLM" else 0)
+              if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0)
     moe = MoEConfig(experts, _int(raw, "num_experts_per_tok", 1),
                     _int(raw, "moe_intermediate_size", 1), bool(raw.get("norm_topk_prob")),
                     sparse, shared)

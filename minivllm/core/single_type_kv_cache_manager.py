@@ -14,6 +14,14 @@ Two kinds differ in two rules:
   token to compute are freed while the request runs (``remove_skipped_blocks``)
   and replaced in the table by ``NULL_BLOCK``; a prefix hit needs only the
   window's blocks before the hit's end (``find_longest_cache_hit``).
+
+A third kind has no per-token blocks at all:
+
+* ``LinearStateManager`` (vLLM's ``MambaManager``): one block per request, whose
+  id is the row of the layers' state; it never grows. No state is kept per block
+  boundary, so no prefix can be reused (a hit would need the state at the hit's
+  end): ``find_longest_cache_hit`` finds nothing and such a model recomputes every
+  prompt (vLLM's ``mamba_cache_mode="none"``; its "all" mode checkpoints states).
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
-from minivllm.core.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from minivllm.core.kv_cache_interface import (FullAttentionSpec, LinearStateSpec,
+                                              SlidingWindowSpec)
 
 if TYPE_CHECKING:
     from minivllm.core.request import Request
@@ -153,11 +162,38 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return hits[:run]  # the run reached the start: all of it is there
 
 
+class LinearStateManager(SingleTypeKVCacheManager):
+    spec: LinearStateSpec
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock]) -> int:
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        self.num_cached_block.setdefault(request_id, 0)
+        new = [] if blocks else self.block_pool.get_new_blocks(1)
+        blocks.extend(new)
+        return new
+
+    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
+        """A state is the whole prefix's, changed by every token: nothing to cache."""
+
+    def uncache_uncomputed(self, request: "Request") -> None:
+        """Nothing was cached."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[int],
+                               max_blocks: int) -> list[KVCacheBlock]:
+        return []  # no state saved at a block boundary: nothing to resume from
+
+
 def make_manager(spec: FullAttentionSpec, block_pool: BlockPool,
                  group_id: int) -> SingleTypeKVCacheManager:
+    if isinstance(spec, LinearStateSpec):
+        return LinearStateManager(spec, block_pool, group_id)
     cls = SlidingWindowManager if isinstance(spec, SlidingWindowSpec) else FullAttentionManager
     return cls(spec, block_pool, group_id)
 
 
 __all__ = ["NULL_BLOCK", "SingleTypeKVCacheManager", "FullAttentionManager",
-           "SlidingWindowManager", "make_manager"]
+           "SlidingWindowManager", "LinearStateManager", "make_manager"]

@@ -93,6 +93,10 @@ def get_model_class(architecture: str):
         from minivllm.model.models.gemma3 import Gemma3ForCausalLM
 
         return Gemma3ForCausalLM
+    if architecture == "Qwen3NextForCausalLM":  # linear-attention layers: loaded only for it
+        from minivllm.model.models.qwen3_next import Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
