@@ -213,6 +213,8 @@ class Qwen3NextForCausalLM(nn.Module):
     # q_proj holds queries and gates: not fused with k/v; only the MLPs' gate/up are.
     stacked_params = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
     map_expert_name = staticmethod(MoEForCausalLM.map_expert_name)
+    # The experts' load per sparse layer (metrics, step trace), as for the other MoEs.
+    expert_layers, expert_load = MoEForCausalLM.expert_layers, MoEForCausalLM.expert_load
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
