@@ -10,6 +10,7 @@ caching falls back to recompute (said once) with the cold tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -17,6 +18,7 @@ import shutil
 import pytest
 import torch
 
+import tests.test_hybrid_kv_cache as hybrid
 from minivllm import LLM, SamplingParams
 from minivllm.model.layers.gated_delta_rule import (causal_conv, chunk_gated_delta_rule,
                                                     prepare_qk, recurrent_gated_delta_rule)
@@ -45,21 +47,9 @@ def build_qwen3_next(folder, **extra):
     return str(folder)
 
 
-def hf_greedy(folder, prompts, max_tokens=MAX_TOKENS):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
-
-
-def tokens(llm, prompts, max_tokens=MAX_TOKENS):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+# Greedy tokens of Hugging Face and of the engine, as for Gemma 3 (ten of them here).
+hf_greedy = functools.partial(hybrid.hf_greedy, max_tokens=MAX_TOKENS)
+tokens = functools.partial(hybrid.tokens, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +174,12 @@ def test_state_in_the_pool(qwen3_next):
     assert runner.kv_block_bytes() == held + 2 * 8 * 2 * 16 * 4
     manager = llm.engine_core.kv_cache_manager
     assert [m.spec.max_blocks(1000) for m in manager.managers] == [125, 1, 1, 1]
+    # The simulator prices the same state (float32 here: its matrices are float32 too).
+    from minivllm.lab.sim.kv_specs import kv_groups
+
+    raw = json.loads(open(f"{qwen3_next}/config.json").read())
+    sim = {g.kind: g for g in kv_groups(raw, block_size=8, dtype=torch.float32)}
+    assert sim["linear_attention"].state_bytes == 3 * held
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The mixture-of-experts section of a model's config: read from ``config.json`` for
-the three MoE families the engine runs, and checked, once, at load.
+the MoE families the engine runs, and checked, once, at load.
 
     Qwen3MoeForCausalLM   softmax router, top-k, ``norm_topk_prob``; sparse layers picked
                           by ``decoder_sparse_step`` and ``mlp_only_layers`` (the others
@@ -8,6 +8,8 @@ the three MoE families the engine runs, and checked, once, at load.
                           scaled by a sigmoid gate; q/k/v bias (``qkv_bias``)
     MixtralForCausalLM    every layer sparse, ``num_local_experts`` experts of
                           ``intermediate_size``, the top-k weights always renormalised
+    Qwen3NextForCausalLM  Qwen2-MoE's experts and shared expert under linear-attention
+                          layers (``models/qwen3_next.py``); ``num_experts=0``: all dense
 
 A config the engine cannot run (a router other than a softmax over all the experts,
 a top-k above the expert count, a sparse step of 0, a layer index out of range) is

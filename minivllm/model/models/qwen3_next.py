@@ -140,7 +140,7 @@ class GatedDeltaNet(nn.Module):
                                                 self.ssm_state[row])
         if decodes:
             tok, out[tok] = self.decode(mixed, g, beta, rows, starts, decodes)
-        return self.out_proj(self.gated_norm(out, z).flatten(1))
+        return self.out_proj(self.gated_norm(out.to(x.dtype), z).flatten(1))
 
     def decode(self, mixed, g, beta, rows, starts, decodes):
         """One token for each decoding sequence, all at once: the conv window slides by
@@ -158,6 +158,7 @@ class GatedDeltaNet(nn.Module):
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """weight * RMSNorm(o) * silu(z), per value head."""
+        o = o.float()  # (the delta rule's output rounded to the model's dtype, then float32)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_weight_eps)
         o = self.norm.weight * o.to(z.dtype)
         return (o * F.silu(z.float())).to(z.dtype)
