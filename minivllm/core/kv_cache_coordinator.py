@@ -185,17 +185,7 @@ def make_hybrid_manager(config, num_blocks: int) -> HybridKVCacheManager:
 
     refuse_unsupported(config)
     groups = kv_cache_groups(layer_specs(config.model, config.cache.block_size))
-    caching = config.cache.enable_prefix_caching
-    if caching and "linear_attention" in config.model.layer_types:
-        from minivllm.logger import info_once
-
-        # No state is saved at block boundaries (LinearStateManager): a hit could not
-        # resume the linear layers, so every prompt is computed from its start.
-        info_once(f"prefix caching is off for {config.model.architecture}: its "
-                  "linear_attention layers keep one state per request, not one per "
-                  "block, so a cached prefix cannot be resumed; prompts are recomputed")
-        caching = False
-    return HybridKVCacheManager(num_blocks, groups, caching)
+    return HybridKVCacheManager(num_blocks, groups, config.cache.enable_prefix_caching)
 
 
 __all__ = ["HybridKVCacheCoordinator", "HybridKVCacheManager", "make_hybrid_manager",

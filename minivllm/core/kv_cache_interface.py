@@ -24,12 +24,17 @@ holds when the kinds differ only in their masks, as here.
 * ``LinearStateSpec`` (vLLM's ``MambaSpec``): a linear-attention layer (Qwen3-Next's
   gated DeltaNet) keeps, per request, a fixed-size state whatever its length: a
   [d_k, d_v] matrix per value head and the causal conv's last ``K - 1`` inputs.
-  Its group takes one block per request from the same pool; the block's id is
-  the row of the state tensors. minivllm keeps the state tensors apart from the
-  K/V tensors (``num_blocks`` rows each), so a pool block costs ``group_size``
-  K/V pages *plus* ``group_size`` states, and each block leaves one of the two
-  unused: the simplest correct scheme. vLLM instead pads the pages to one size
-  and lets both kinds view the same bytes, wasting nothing.
+  A block id of its group is a row of the state tensors: block ``i`` of a request
+  holds the state after the last token of block ``i`` computed so far. The state
+  is carried from block to block; a full block's row is a checkpoint, cached under
+  the block's hash like a K/V page, so a prefix hit resumes from the state at its
+  end (vLLM's ``mamba_cache_mode="all"``). Only the last block is needed to go on:
+  the older ones return to the pool (still cached) as a sliding window's do.
+  minivllm keeps the state tensors apart from the K/V tensors (``num_blocks``
+  rows each), so a pool block costs ``group_size`` K/V pages *plus*
+  ``group_size`` states, and each block leaves one of the two unused: the
+  simplest correct scheme. vLLM pads the pages to one size and lets both kinds
+  view the same bytes.
 """
 
 from __future__ import annotations
@@ -82,16 +87,25 @@ class LinearStateSpec:
     conv_shape: tuple[int, int]  # [conv_dim, K - 1]: the conv's last inputs
     ssm_shape: tuple[int, int, int]  # [H_v, d_k, d_v]: the delta rule's matrices
     dtype: torch.dtype  # the conv state's; the matrices are float32 (as HF keeps them)
+    # The next token needs only the state after the token before it: for freeing and
+    # for prefix hits the group acts as a window of two tokens (one block before a hit).
+    sliding_window: int = 2
 
     @property
     def page_size_bytes(self) -> int:
-        """One request's state in one layer: what its one block holds."""
+        """One state of one layer: what one block holds."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return elem * self.conv_shape[0] * self.conv_shape[1] + 4 * int(
             torch.Size(self.ssm_shape).numel())
 
+    @property
+    def window_blocks(self) -> int:
+        return 1  # a hit resumes from the state saved in its last block
+
     def max_blocks(self, num_tokens: int) -> int:
-        return 1  # one state, whatever the length
+        """A prefill chunk saves a state in every block it crosses (then all but the
+        last go back to the pool, still cached)."""
+        return -(-num_tokens // self.block_size)
 
 
 def linear_state_spec(config: ModelConfig, block_size: int,

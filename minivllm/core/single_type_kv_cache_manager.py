@@ -15,13 +15,14 @@ Two kinds differ in two rules:
   and replaced in the table by ``NULL_BLOCK``; a prefix hit needs only the
   window's blocks before the hit's end (``find_longest_cache_hit``).
 
-A third kind has no per-token blocks at all:
+A third kind keeps a state, not tokens:
 
-* ``LinearStateManager`` (vLLM's ``MambaManager``): one block per request, whose
-  id is the row of the layers' state; it never grows. No state is kept per block
-  boundary, so no prefix can be reused (a hit would need the state at the hit's
-  end): ``find_longest_cache_hit`` finds nothing and such a model recomputes every
-  prompt (vLLM's ``mamba_cache_mode="none"``; its "all" mode checkpoints states).
+* ``LinearStateManager`` (vLLM's ``MambaManager``): block ``i`` holds the linear
+  layers' state after block ``i``'s last token. Going on needs only the last
+  block, so it frees the rest as a window of two tokens would, and a prefix hit
+  needs only the block at the hit's end (whose state is the whole prefix's): the
+  sliding-window rules with ``sliding_window=2``. Full blocks are cached under
+  their hashes as pages are (vLLM's ``mamba_cache_mode="all"``).
 """
 
 from __future__ import annotations
@@ -162,29 +163,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return hits[:run]  # the run reached the start: all of it is there
 
 
-class LinearStateManager(SingleTypeKVCacheManager):
+class LinearStateManager(SlidingWindowManager):
+    """A state per block, the last one kept: ``LinearStateSpec`` sets the window."""
+
     spec: LinearStateSpec
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence[KVCacheBlock]) -> int:
-        return 0 if self.req_to_blocks.get(request_id) else 1
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        self.num_cached_block.setdefault(request_id, 0)
-        new = [] if blocks else self.block_pool.get_new_blocks(1)
-        blocks.extend(new)
-        return new
-
-    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
-        """A state is the whole prefix's, changed by every token: nothing to cache."""
-
-    def uncache_uncomputed(self, request: "Request") -> None:
-        """Nothing was cached."""
-
-    def find_longest_cache_hit(self, block_hashes: Sequence[int],
-                               max_blocks: int) -> list[KVCacheBlock]:
-        return []  # no state saved at a block boundary: nothing to resume from
 
 
 def make_manager(spec: FullAttentionSpec, block_pool: BlockPool,

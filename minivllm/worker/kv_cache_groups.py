@@ -12,8 +12,8 @@ sliding windows). It does three things the dense runner does in one line each:
 
 Linear-attention layers (``LinearStateSpec``) get state tensors of their own,
 ``group_size`` pairs of conv state [num_blocks, conv_dim, K - 1] and matrices
-[num_blocks, H_v, d_k, d_v]: their group's block table holds one block per
-request, the row of its state (and no slots: nothing is written per token).
+[num_blocks, H_v, d_k, d_v]: a block of their group is a row of these, the state
+after the block's last token (no slots: nothing is written per token).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class KVCacheGroups:
                 for j, layer_index in enumerate(group.layer_indices):
                     layer = layers[layer_index]
                     layer.conv_state, layer.ssm_state = states[j]
-                    layer.kv_cache_group = g
+                    layer.kv_cache_group, layer.block_size = g, self.block_size
                 continue
             for j, layer_index in enumerate(group.layer_indices):
                 layer = layers[layer_index]

@@ -77,7 +77,10 @@ class GatedDeltaNet(nn.Module):
     """A linear-attention layer: projections, causal conv, gated delta rule, gated norm.
 
     The model runner binds ``conv_state`` [num_blocks, conv_dim, K - 1] and
-    ``ssm_state`` [num_blocks, H_v, d_k, d_v] (float32) and ``kv_cache_group``."""
+    ``ssm_state`` [num_blocks, H_v, d_k, d_v] (float32), ``kv_cache_group`` and
+    ``block_size``. Block ``i`` of a request's table (in this layer's group) holds the
+    state after the last of its tokens computed so far: the running state in the last
+    block, a checkpoint at each full block's end (what a prefix hit resumes from)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -96,7 +99,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.dv, dtype=d))
         self.out_proj = RowParallelLinear(self.hv * self.dv, h, False, d)
-        self.conv_state = self.ssm_state = self.kv_cache_group = None
+        self.conv_state = self.ssm_state = self.kv_cache_group = self.block_size = None
 
     def split(self, x: torch.Tensor):
         """The checkpoint's layout: per key head, [q, k, v of its value heads, z]; then
@@ -124,36 +127,52 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty(x.shape[0], self.hv, self.dv, dtype=torch.float32, device=x.device)
-        weight = self.conv1d.weight[:, 0]
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        rows = meta.block_tables[:, 0].long()
         decodes = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1 < lens[s]]
         for s in sorted(set(range(len(lens))) - set(decodes)):  # prefill chunks, one each
-            lo, hi, row = starts[s], starts[s + 1], rows[s]
-            fresh = lens[s] == hi - lo  # starts at position 0: zero state
-            if fresh:
-                self.ssm_state[row].zero_()
-            y, self.conv_state[row] = causal_conv(mixed[lo:hi], None if fresh
-                                                  else self.conv_state[row], weight)
-            q, k, v = self.heads(y)
-            out[lo:hi] = chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi],
-                                                self.ssm_state[row])
+            lo, hi = starts[s], starts[s + 1]
+            out[lo:hi] = self.prefill(mixed[lo:hi], g[lo:hi], beta[lo:hi],
+                                      meta.block_tables[s].tolist(), lens[s] - (hi - lo))
         if decodes:
-            tok, out[tok] = self.decode(mixed, g, beta, rows, starts, decodes)
+            tok, out[tok] = self.decode(mixed, g, beta, meta.block_tables, starts, lens, decodes)
         return self.out_proj(self.gated_norm(out.to(x.dtype), z).flatten(1))
 
-    def decode(self, mixed, g, beta, rows, starts, decodes):
+    def prefill(self, mixed, g, beta, table: list[int], start: int) -> torch.Tensor:
+        """One sequence's chunk from position ``start``, a block's tokens at a time: the
+        state after each block's last token is saved in that block's row."""
+        bs, weight = self.block_size, self.conv1d.weight[:, 0]
+        conv, state = None, mixed.new_zeros(self.ssm_state.shape[1:], dtype=torch.float32)
+        if start > 0:  # the state after token start - 1, in that token's block
+            row = table[(start - 1) // bs]
+            conv, state = self.conv_state[row], self.ssm_state[row].clone()
+        out, pos = [], start
+        while pos < start + len(mixed):
+            end = min((pos // bs + 1) * bs, start + len(mixed))  # to the block's end
+            y, conv = causal_conv(mixed[pos - start:end - start], conv, weight)
+            q, k, v = self.heads(y)
+            out.append(chunk_gated_delta_rule(q, k, v, g[pos - start:end - start],
+                                              beta[pos - start:end - start], state))
+            row = table[(end - 1) // bs]
+            self.conv_state[row], self.ssm_state[row] = conv, state
+            pos = end
+        return torch.cat(out)
+
+    def decode(self, mixed, g, beta, tables, starts, lens, decodes):
         """One token for each decoding sequence, all at once: the conv window slides by
-        one, the state takes one step. Returns the tokens' rows and their outputs."""
+        one, the state takes one step, read from the previous token's block's row and
+        written to this token's. Returns the tokens' rows and their outputs."""
         tok = torch.tensor([starts[s] for s in decodes], device=mixed.device)
-        idx = rows[decodes]
-        window = torch.cat((self.conv_state[idx], mixed[tok, :, None]), dim=-1)  # [B, C, K]
-        self.conv_state[idx] = window[..., 1:]
+        pos = torch.tensor([lens[s] - 1 for s in decodes], device=mixed.device)
+        seqs = torch.tensor(decodes, device=mixed.device)
+        src = tables[seqs, (pos - 1) // self.block_size].long()
+        dst = tables[seqs, pos // self.block_size].long()
+        window = torch.cat((self.conv_state[src], mixed[tok, :, None]), dim=-1)  # [B, C, K]
+        self.conv_state[dst] = window[..., 1:]
         y = F.silu((window * self.conv1d.weight[:, 0]).sum(-1).to(mixed.dtype))
         q, k, v = self.heads(y[:, None])
-        state = self.ssm_state[idx]
+        state = self.ssm_state[src]
         out = recurrent_gated_delta_rule(q, k, v, g[tok, None], beta[tok, None], state)
-        self.ssm_state[idx] = state
+        self.ssm_state[dst] = state
         return tok, out[:, 0]
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
