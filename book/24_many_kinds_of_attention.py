@@ -35,7 +35,7 @@
 # - how many more requests fit in the same memory;
 # - a prefix hit that needs only the window's blocks, and its tokens;
 # - Qwen3-Next's linear layers: a fixed-size state per request in the same pool, its
-#   size against a context, and why a prefix hit on it needs saved states.
+#   size against a context, and a prefix hit that resumes from a saved state.
 
 # %%
 from minivllm.lab.viz.path import request_path_figure
@@ -317,17 +317,22 @@ assert ours == theirs
 
 # %% [markdown]
 # The state lives in the same pool as the attention pages. Its spec, `LinearStateSpec`
-# (vLLM's `MambaSpec`), needs one block per request whatever the length: the block's id
-# is the row of the layer's state tensors. The attention group comes first, then one
-# group per linear layer:
+# (vLLM's `MambaSpec`), makes a block id of its group a row of the layer's state
+# tensors: block `i` of a request holds the state after block `i`'s last token. The
+# prefill saves one state per block it crosses, and decode carries the state from the
+# previous token's block to this one's. Going on needs only the last block, so the
+# group frees the others as a window of two tokens would (the same manager as
+# Gemma's sliding layers). The attention group comes first, then one group per
+# linear layer:
 
 # %%
 next_config = next_llm.llm_engine.engine_core.config.model
 next_groups = kv_cache_groups(layer_specs(next_config, BLOCK))
 for g, group in enumerate(next_groups):
-    print(f"group {g}: layers {group.layer_indices}, {type(group.spec).__name__}, "
-          f"{group.spec.max_blocks(1000)} blocks for 1,000 tokens")
-assert [g.spec.max_blocks(1000) for g in next_groups] == [250, 1, 1, 1]
+    print(f"group {g}: layers {group.layer_indices}, {type(group.spec).__name__}")
+assert [type(g.spec).__name__ for g in next_groups] == ["FullAttentionSpec"] + \
+    ["LinearStateSpec"] * 3
+assert next_groups[1].spec.sliding_window == 2
 
 # %% [markdown]
 # How big is a state against a context? At Qwen3-Next-80B's shape (32 value heads of
@@ -352,10 +357,11 @@ assert 512 < state / kv_per_token < 2048
 # **Prefix caching needs checkpoints.** An attention block holds the K/V of its own
 # tokens, so a hit can stop at any block. A linear state is the whole prefix folded
 # together, changed by every token: to resume after a cached prefix of `L` blocks, the
-# engine would need the state *as it was* at block `L`. vLLM can save states at block
-# boundaries for that; minivllm does not keep them, so on such a model it turns prefix
-# caching off, says so once in the log, and recomputes every prompt. A follow-up turn
-# then hits nothing, and its tokens are a cold run's:
+# engine needs the state *as it was* at the end of block `L`. That is what the
+# per-block states are: each full block's row is cached under the block's hash, like a
+# page, and a linear group's hit needs only the block at the hit's end (the blocks
+# before it may have been freed, a window of two tokens again). A follow-up turn hits
+# the prompt's whole blocks, and its tokens are a cold run's (Hugging Face's):
 
 # %%
 turn = next_prompt + ours + [5, 6]
@@ -363,16 +369,18 @@ again = next_llm.generate({"prompt_token_ids": turn}, short, use_tqdm=False)[0]
 with torch.inference_mode():
     cold = next_hf.generate(torch.tensor([turn]), max_new_tokens=8, do_sample=False,
                             pad_token_id=0, eos_token_id=None)[0, len(turn):].tolist()
-assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == cold
+print(again.num_cached_tokens, "tokens cached of", len(turn))
+assert again.num_cached_tokens == (len(next_prompt) + 7) // BLOCK * BLOCK  # vLLM's rule
+assert again.outputs[0].token_ids == cold
 
 # %% [markdown]
 # **In vLLM.** `MambaSpec` in `vllm/v1/kv_cache_interface.py` and `MambaManager` in
 # `vllm/v1/core/single_type_kv_cache_manager.py` give a linear layer its state in the
 # pool; `Qwen3NextGatedDeltaNet` in `vllm/model_executor/models/qwen3_next.py` runs the
-# layer with Triton kernels for the chunked and the one-token delta rule. Where minivllm
+# layer with Triton kernels for the chunked and the one-token delta rule; saving states
+# at block boundaries for prefix hits is its `mamba_cache_mode="all"`. Where minivllm
 # differs: vLLM pads pages so that attention and state views share the same bytes;
-# minivllm keeps state tensors apart (a pool block costs a page *and* a state), and it
-# recomputes prompts instead of checkpointing states.
+# minivllm keeps state tensors apart (a pool block costs a page *and* a state).
 
 # %% [markdown]
 # ## Exercises
@@ -522,9 +530,8 @@ assert torch.allclose(_s, _ref_state[0], atol=1e-4)
 # - Gemma 3's local layers keep a few blocks where global ones keep them all: in the
 #   same memory, many more long requests run at once.
 # - A linear-attention layer (Qwen3-Next's gated DeltaNet) keeps one fixed-size state per
-#   request, one block of its group; past about a thousand tokens it is smaller than one
-#   attention layer's K/V. A prefix hit would need the state saved at the hit's end:
-#   minivllm recomputes instead.
+#   request; past about a thousand tokens it is smaller than one attention layer's K/V.
+#   A state saved at each block's end lets a prefix hit resume from the hit's last block.
 #
 # **Try next:** six layers with five local to one global (`KINDS`), and watch the
 # groups and the pages per request; a window smaller than a block.
