@@ -98,8 +98,7 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), device),
             **_attention_kinds(arch, raw), hf_config=raw,
         )
-        if arch not in MOE_ARCHITECTURES and not (arch == "Qwen3NextForCausalLM"
-                                                  and raw.get("num_experts")):
+        if arch not in MOE_ARCHITECTURES + ("Qwen3NextForCausalLM",):
             return config
         from minivllm.config.moe import moe_model_config  # a dense model never loads it
 

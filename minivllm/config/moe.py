@@ -46,6 +46,8 @@ def moe_model_config(config, raw: dict):
     """``config`` (a dense reading of ``raw``) with the MoE architecture's differences."""
     arch = config.architecture
     layers = config.num_hidden_layers
+    if arch == "Qwen3NextForCausalLM" and not raw.get("num_experts"):
+        return config  # no experts: every MLP dense
     if arch == "MixtralForCausalLM":
         moe = MoEConfig(_int(raw, "num_local_experts", 1), _int(raw, "num_experts_per_tok", 1),
                         _int(raw, "intermediate_size", 1), True, tuple(range(layers)))

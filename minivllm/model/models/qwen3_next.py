@@ -7,8 +7,8 @@
   request it keeps a fixed-size state: a [d_k, d_v] matrix per value head (the
   gated delta rule's, ``minivllm/model/layers/gated_delta_rule.py``) and the last
   ``conv_kernel - 1`` inputs of a short causal convolution. The engine holds both
-  in the KV cache pool (``LinearStateSpec`` in ``core/kv_cache_interface.py``):
-  one block per request and layer group, whose id is the state's row;
+  in the KV cache pool (``LinearStateSpec`` in ``core/kv_cache_interface.py``): a
+  block id of the layer's group is a row of its state tensors;
 * a **full_attention** layer is attention with a sigmoid output gate (``q_proj``
   gives the query and the gate of each head), q/k RMSNorm, and RoPE on the first
   ``partial_rotary_factor`` of each head's dimensions only.
@@ -19,8 +19,11 @@ with a gated shared expert (``models/moe.py``'s ``SparseMoeBlock``), or dense on
 the layers in ``mlp_only_layers`` (all of them when ``num_experts`` is 0).
 
 A sequence whose step starts at position 0 starts from zero state; any other
-reads its state from its row, so chunked prefill and decode carry it, and a
-preempted request (recomputed from position 0) starts over.
+reads the state saved in the block of the token before its step (the previous
+chunk's, the previous decode step's, or a prefix hit's last block). The step
+saves the state after each block's last token in that block, so chunked prefill,
+decode and prefix hits carry it, and a preempted request (recomputed from
+position 0) starts over.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv, dtype=d))
         self.A_log = nn.Parameter(torch.zeros(self.hv, dtype=d))
         self.norm_weight_eps = cfg.rms_norm_eps
-        self.norm = nn.Module()
+        self.norm = nn.Module()  # (holds only the gated norm's weight, by HF's name)
         self.norm.weight = nn.Parameter(torch.ones(self.dv, dtype=d))
         self.out_proj = RowParallelLinear(self.hv * self.dv, h, False, d)
         self.conv_state = self.ssm_state = self.kv_cache_group = self.block_size = None
