@@ -33,7 +33,9 @@
 # - its layers grouped by spec, and how one pool serves every group;
 # - one request's block tables over its steps: the window's blocks freed behind it;
 # - how many more requests fit in the same memory;
-# - a prefix hit that needs only the window's blocks, and its tokens.
+# - a prefix hit that needs only the window's blocks, and its tokens;
+# - Qwen3-Next's linear layers: a fixed-size state per request in the same pool, its
+#   size against a context, and a prefix hit that resumes from a saved state.
 
 # %%
 from minivllm.lab.viz.path import request_path_figure
@@ -244,6 +246,143 @@ assert hit.num_cached_tokens == (len(prompt) + 15) // BLOCK * BLOCK  # vLLM's ru
 # reference masks windows here, so the CPU kernels and Triton step aside for such models.
 
 # %% [markdown]
+# ## A linear layer's state
+#
+# Qwen3-Next goes further: three layers in four are *gated DeltaNet* layers, a form of
+# linear attention that keeps no K/V per token at all. Per request and layer it keeps
+# a fixed-size state: for each value head a `d_k x d_v` matrix `S`, and the last
+# three inputs of a short causal convolution. Each token updates `S` by the *gated
+# delta rule*: decay it by `exp(g)`, then replace what `S` recalls for the key by the
+# value, with strength `beta`; the output reads `S` with the query. The whole
+# recurrence, one token at a time:
+
+# %%
+import math
+
+from minivllm.model.layers.gated_delta_rule import (chunk_gated_delta_rule, prepare_qk,
+                                                    recurrent_gated_delta_rule)
+
+show_source(recurrent_gated_delta_rule, start="out =")
+
+# %% [markdown]
+# A prefill of many tokens computes the same thing in chunks (`chunk_gated_delta_rule`):
+# inside a chunk the updates depend on each other through one triangular system, so a
+# chunk is a few matrix products instead of a loop. Both give the same outputs and
+# final state:
+
+# %%
+_g = torch.Generator().manual_seed(0)
+q, k = prepare_qk(torch.randn(1, 20, 2, 8, generator=_g), torch.randn(1, 20, 2, 8, generator=_g))
+v, decay, beta = (torch.randn(1, 20, 2, 4, generator=_g), -torch.rand(1, 20, 2, generator=_g),
+                  torch.rand(1, 20, 2, generator=_g))
+s_loop, s_chunk = torch.zeros(1, 2, 8, 4), torch.zeros(2, 8, 4)
+o_loop = recurrent_gated_delta_rule(q, k, v, decay, beta, s_loop)
+o_chunk = chunk_gated_delta_rule(q[0], k[0], v[0], decay[0], beta[0], s_chunk, chunk_size=8)
+assert torch.allclose(o_loop[0], o_chunk, atol=1e-5) and torch.allclose(s_loop[0], s_chunk, atol=1e-5)
+
+# %% [markdown]
+# A tiny random Qwen3-Next (three linear layers, one gated-attention layer, dense MLPs)
+# runs in the engine with Hugging Face's tokens. The prompt is fed eight tokens a step,
+# so each linear layer's state is carried from one chunk to the next through the pool.
+
+# %%
+def build_qwen3_next(folder):
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts=0, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and "embed" not in name:
+                p.normal_(0, 0.15)
+    model.save_pretrained(folder)
+    return model
+
+
+next_folder = tempfile.mkdtemp()
+next_hf = build_qwen3_next(next_folder)
+next_llm = LLM(next_folder, block_size=BLOCK, max_num_batched_tokens=8, cpu_kernels=False)
+short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+next_prompt = list(range(3, 33))
+ours = next_llm.generate({"prompt_token_ids": next_prompt}, short,
+                         use_tqdm=False)[0].outputs[0].token_ids
+with torch.inference_mode():
+    theirs = next_hf.generate(torch.tensor([next_prompt]), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)[0, len(next_prompt):].tolist()
+print(ours)
+assert ours == theirs
+
+# %% [markdown]
+# The state lives in the same pool as the attention pages. Its spec, `LinearStateSpec`
+# (vLLM's `MambaSpec`), makes a block id of its group a row of the layer's state
+# tensors: block `i` of a request holds the state after block `i`'s last token. The
+# prefill saves one state per block it crosses, and decode carries the state from the
+# previous token's block to this one's. Going on needs only the last block, so the
+# group frees the others as a window of two tokens would (the same manager as
+# Gemma's sliding layers). The attention group comes first, then one group per
+# linear layer:
+
+# %%
+next_config = next_llm.llm_engine.engine_core.config.model
+next_groups = kv_cache_groups(layer_specs(next_config, BLOCK))
+for g, group in enumerate(next_groups):
+    print(f"group {g}: layers {group.layer_indices}, {type(group.spec).__name__}")
+assert [type(g.spec).__name__ for g in next_groups] == ["FullAttentionSpec"] + \
+    ["LinearStateSpec"] * 3
+assert next_groups[1].spec.sliding_window == 2
+
+# %% [markdown]
+# How big is a state against a context? At Qwen3-Next-80B's shape (32 value heads of
+# 128 x 128, a float32 matrix each as Hugging Face keeps it; a full-attention layer keeps
+# 2 KV heads of 256 in bfloat16), one linear layer's state is worth the K/V of about a
+# thousand tokens of one attention layer, and it never grows:
+
+# %%
+from minivllm.config import ModelConfig
+from minivllm.lab.sim.models import model_folder
+
+big = ModelConfig.from_pretrained(model_folder("qwen3-next-80b-a3b"), dtype="bfloat16")
+big_specs = {type(s).__name__: s for s in layer_specs(big, 16)}
+state = big_specs["LinearStateSpec"].page_size_bytes
+kv_per_token = big_specs["FullAttentionSpec"].page_size_bytes // 16
+for context in (256, 1024, 4096, 32768, 262144):
+    print(f"{context:>7} tokens: full-attention layer {context * kv_per_token / 2**20:8.1f} MiB,"
+          f" linear layer {state / 2**20:.1f} MiB")
+assert 512 < state / kv_per_token < 2048
+
+# %% [markdown]
+# **Prefix caching needs checkpoints.** An attention block holds the K/V of its own
+# tokens, so a hit can stop at any block. A linear state is the whole prefix folded
+# together, changed by every token: to resume after a cached prefix of `L` blocks, the
+# engine needs the state *as it was* at the end of block `L`. That is what the
+# per-block states are: each full block's row is cached under the block's hash, like a
+# page, and a linear group's hit needs only the block at the hit's end (the blocks
+# before it may have been freed, a window of two tokens again). A follow-up turn hits
+# the prompt's whole blocks, and its tokens are a cold run's (Hugging Face's):
+
+# %%
+turn = next_prompt + ours + [5, 6]
+again = next_llm.generate({"prompt_token_ids": turn}, short, use_tqdm=False)[0]
+with torch.inference_mode():
+    cold = next_hf.generate(torch.tensor([turn]), max_new_tokens=8, do_sample=False,
+                            pad_token_id=0, eos_token_id=None)[0, len(turn):].tolist()
+print(again.num_cached_tokens, "tokens cached of", len(turn))
+assert again.num_cached_tokens == (len(next_prompt) + 7) // BLOCK * BLOCK  # vLLM's rule
+assert again.outputs[0].token_ids == cold
+
+# %% [markdown]
+# **In vLLM.** `MambaSpec` in `vllm/v1/kv_cache_interface.py` and `MambaManager` in
+# `vllm/v1/core/single_type_kv_cache_manager.py` give a linear layer its state in the
+# pool; `Qwen3NextGatedDeltaNet` in `vllm/model_executor/models/qwen3_next.py` runs the
+# layer with Triton kernels for the chunked and the one-token delta rule; saving states
+# at block boundaries for prefix hits is its `mamba_cache_mode="all"`. Where minivllm
+# differs: vLLM pads pages so that attention and state views share the same bytes;
+# minivllm keeps state tensors apart (a pool block costs a page *and* a state).
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
@@ -340,6 +479,43 @@ assert answer_3 == _coord.find_longest_cache_hit(_hashes, 11)[1] * BLOCK
 ### END HIDDEN TESTS
 
 # %% [markdown]
+# ### Exercise 24.4 — one step of the gated delta rule
+# Write `delta_rule_step(state, q, k, v, g, beta)` for one token of one head: `state`
+# is `[d_k, d_v]`, `q` and `k` `[d_k]` (already normalised and scaled), `v` `[d_v]`,
+# `g <= 0` and `beta` floats. Decay the state by `exp(g)`, then add `k (beta (v - S^T k))^T`;
+# return the output `S^T q` and the new state. Example: from a zero state with `g = 0`,
+# `beta = 1`, the new state is `k v^T` and the output is `(q . k) v`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+def delta_rule_step(state, q, k, v, g, beta):
+    state = state * math.exp(g)
+    state = state + torch.outer(k, beta * (v - state.T @ k))
+    return state.T @ q, state
+### END SOLUTION
+
+# %% tags=["check"]
+_q, _k, _v = torch.randn(8), torch.randn(8), torch.randn(4)
+_o, _s = delta_rule_step(torch.zeros(8, 4), _q, _k, _v, 0.0, 1.0)
+assert _s.shape == (8, 4), "the state keeps its shape [d_k, d_v]"
+assert torch.allclose(_s, torch.outer(_k, _v), atol=1e-5), "from zeros, g=0, beta=1: k v^T"
+assert torch.allclose(_o, (_q @ _k) * _v, atol=1e-5), "the output reads the new state with q"
+### BEGIN HIDDEN TESTS
+_gen = torch.Generator().manual_seed(1)
+_q, _k = prepare_qk(torch.randn(9, 1, 8, generator=_gen), torch.randn(9, 1, 8, generator=_gen))
+_v, _dec = torch.randn(9, 1, 4, generator=_gen), -torch.rand(9, 1, generator=_gen)
+_beta, _s0 = torch.rand(9, 1, generator=_gen), torch.randn(1, 8, 4, generator=_gen)
+_ref_state = _s0.clone()
+_ref = chunk_gated_delta_rule(_q, _k, _v, _dec, _beta, _ref_state, chunk_size=4)
+_s = _s0[0]
+for _t in range(9):
+    _o, _s = delta_rule_step(_s, _q[_t, 0], _k[_t, 0], _v[_t, 0], float(_dec[_t, 0]),
+                             float(_beta[_t, 0]))
+    assert torch.allclose(_o, _ref[_t, 0], atol=1e-4)
+assert torch.allclose(_s, _ref_state[0], atol=1e-4)
+### END HIDDEN TESTS
+
+# %% [markdown]
 # ## Summary
 #
 # - A spec per kind of layer (full attention, sliding window) says what a layer keeps;
@@ -353,6 +529,9 @@ assert answer_3 == _coord.find_longest_cache_hit(_hashes, 11)[1] * BLOCK
 #   longest length every group accepts.
 # - Gemma 3's local layers keep a few blocks where global ones keep them all: in the
 #   same memory, many more long requests run at once.
+# - A linear-attention layer (Qwen3-Next's gated DeltaNet) keeps one fixed-size state per
+#   request; past about a thousand tokens it is smaller than one attention layer's K/V.
+#   A state saved at each block's end lets a prefix hit resume from the hit's last block.
 #
 # **Try next:** six layers with five local to one global (`KINDS`), and watch the
 # groups and the pages per request; a window smaller than a block.

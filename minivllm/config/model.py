@@ -17,7 +17,8 @@ from minivllm.config.checks import bad
 # Mixtures of experts: config/moe.py reads their extra fields, models/moe.py runs them.
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Gemma3ForCausalLM") + MOE_ARCHITECTURES
+                           "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+                           "Qwen3NextForCausalLM") + MOE_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -97,7 +98,7 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), device),
             **_attention_kinds(arch, raw), hf_config=raw,
         )
-        if arch not in MOE_ARCHITECTURES:
+        if arch not in MOE_ARCHITECTURES + ("Qwen3NextForCausalLM",):
             return config
         from minivllm.config.moe import moe_model_config  # a dense model never loads it
 

@@ -1,5 +1,5 @@
 """The mixture-of-experts section of a model's config: read from ``config.json`` for
-the three MoE families the engine runs, and checked, once, at load.
+the MoE families the engine runs, and checked, once, at load.
 
     Qwen3MoeForCausalLM   softmax router, top-k, ``norm_topk_prob``; sparse layers picked
                           by ``decoder_sparse_step`` and ``mlp_only_layers`` (the others
@@ -8,6 +8,8 @@ the three MoE families the engine runs, and checked, once, at load.
                           scaled by a sigmoid gate; q/k/v bias (``qkv_bias``)
     MixtralForCausalLM    every layer sparse, ``num_local_experts`` experts of
                           ``intermediate_size``, the top-k weights always renormalised
+    Qwen3NextForCausalLM  Qwen2-MoE's experts and shared expert under linear-attention
+                          layers (``models/qwen3_next.py``); ``num_experts=0``: all dense
 
 A config the engine cannot run (a router other than a softmax over all the experts,
 a top-k above the expert count, a sparse step of 0, a layer index out of range) is
@@ -49,6 +51,8 @@ def moe_model_config(config, raw: dict):
     """``config`` (a dense reading of ``raw``) with the MoE architecture's differences."""
     arch = config.architecture
     layers = config.num_hidden_layers
+    if arch == "Qwen3NextForCausalLM" and not raw.get("num_experts"):
+        return config  # no experts: every MLP dense
     if arch == "MixtralForCausalLM":
         moe = MoEConfig(_int(raw, "num_local_experts", 1), _int(raw, "num_experts_per_tok", 1),
                         _int(raw, "intermediate_size", 1), True, tuple(range(layers)))
@@ -63,7 +67,7 @@ def moe_model_config(config, raw: dict):
                   f"[0, {layers - 1}] (num_hidden_layers={layers})")
     sparse = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
     shared = (_int(raw, "shared_expert_intermediate_size", 0, default=0)
-              if arch == "Qwen2MoeForCausalLM" else 0)
+              if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM") else 0)
     moe = MoEConfig(experts, _int(raw, "num_experts_per_tok", 1),
                     _int(raw, "moe_intermediate_size", 1), bool(raw.get("norm_topk_prob")),
                     sparse, shared)

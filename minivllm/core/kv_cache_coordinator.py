@@ -8,7 +8,8 @@ does, for a model whose layers fall into several KV cache groups
 
 * a prefix hit must hold in every group: the full-attention groups find the
   longest cached run, each sliding-window group the longest end whose window
-  is cached, and the hit is the longest length all of them accept
+  is cached (a linear-state group: whose last block's saved state is), and the
+  hit is the longest length all of them accept
   (``find_longest_cache_hit``, repeated until no group shortens it);
 * an allocation takes blocks for every group from the one pool, or none: the
   sum of what the groups need is checked against the free blocks first;

@@ -20,6 +20,21 @@ mixes two layers' K/V, and one pool of ``num_blocks`` ids serves every group:
 one pool block costs ``group_size`` layers' pages, whatever group takes it.
 That needs every layer's page (``page_size_bytes``) to be the same size, which
 holds when the kinds differ only in their masks, as here.
+
+* ``LinearStateSpec`` (vLLM's ``MambaSpec``): a linear-attention layer (Qwen3-Next's
+  gated DeltaNet) keeps, per request, a fixed-size state whatever its length: a
+  [d_k, d_v] matrix per value head and the causal conv's last ``K - 1`` inputs.
+  A block id of its group is a row of the state tensors: block ``i`` of a request
+  holds the state after the last token of block ``i`` computed so far. The state
+  is carried from block to block; a full block's row is a checkpoint, cached under
+  the block's hash like a K/V page, so a prefix hit resumes from the state at its
+  end (vLLM's ``mamba_cache_mode="all"``). Only the last block is needed to go on:
+  the older ones return to the pool (still cached) as a sliding window's do.
+  minivllm keeps the state tensors apart from the K/V tensors (``num_blocks``
+  rows each), so a pool block costs ``group_size`` K/V pages *plus*
+  ``group_size`` states, and each block leaves one of the two unused: the
+  simplest correct scheme. vLLM pads the pages to one size and lets both kinds
+  view the same bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ import torch
 
 from minivllm.config import ModelConfig
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,45 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
+class LinearStateSpec:
+    """One linear-attention layer's state per request (vLLM's ``MambaSpec``)."""
+
+    block_size: int  # the pool's, for the managers' arithmetic; the state spans any length
+    conv_shape: tuple[int, int]  # [conv_dim, K - 1]: the conv's last inputs
+    ssm_shape: tuple[int, int, int]  # [H_v, d_k, d_v]: the delta rule's matrices
+    dtype: torch.dtype  # the conv state's; the matrices are float32 (as HF keeps them)
+    # The next token needs only the state after the token before it: for freeing and
+    # for prefix hits the group acts as a window of two tokens (one block before a hit).
+    sliding_window: int = 2
+
+    @property
+    def page_size_bytes(self) -> int:
+        """One state of one layer: what one block holds."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return elem * self.conv_shape[0] * self.conv_shape[1] + 4 * int(
+            torch.Size(self.ssm_shape).numel())
+
+    @property
+    def window_blocks(self) -> int:
+        return 1  # a hit resumes from the state saved in its last block
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """A prefill chunk saves a state in every block it crosses (then all but the
+        last go back to the pool, still cached)."""
+        return -(-num_tokens // self.block_size)
+
+
+def linear_state_spec(config: ModelConfig, block_size: int,
+                      dtype: Optional[torch.dtype] = None) -> LinearStateSpec:
+    raw = config.hf_config
+    hk, hv = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
+    dk, dv = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
+    return LinearStateSpec(block_size, (2 * hk * dk + hv * dv,
+                                        raw.get("linear_conv_kernel_dim", 4) - 1),
+                           (hv, dk, dv), dtype or config.dtype)
+
+
+@dataclass(frozen=True)
 class KVCacheGroupSpec:
     layer_indices: tuple[int, ...]  # model layers, in the group's tensor order
     spec: FullAttentionSpec
@@ -82,25 +136,30 @@ def layer_specs(config: ModelConfig, block_size: int,
             specs.append(FullAttentionSpec(*args))
         elif kind == SLIDING:
             specs.append(SlidingWindowSpec(*args, sliding_window=config.sliding_window))
+        elif kind == LINEAR:
+            specs.append(linear_state_spec(config, block_size, dtype))
         else:
             raise ValueError(f"layer {i} of {config.architecture} has attention kind "
                              f"{kind!r} (config.json layer_types), which minivllm cannot "
-                             f"cache; known kinds: {FULL!r}, {SLIDING!r}")
+                             f"cache; known kinds: {FULL!r}, {SLIDING!r}, {LINEAR!r}")
     return specs
 
 
 def kv_cache_groups(specs: list[FullAttentionSpec]) -> list[KVCacheGroupSpec]:
     """Layers of one spec, in chunks of the smallest kind's count (see above)."""
-    if len({s.page_size_bytes for s in specs}) != 1:
-        raise ValueError("the layers' KV pages differ in size "
-                         f"({sorted({s.page_size_bytes for s in specs})} bytes): "
+    pages = {s.page_size_bytes for s in specs if not isinstance(s, LinearStateSpec)}
+    if len(pages) > 1:  # (linear states live in tensors of their own)
+        raise ValueError(f"the layers' KV pages differ in size ({sorted(pages)} bytes): "
                          "one block pool cannot serve them")
     by_spec: dict[FullAttentionSpec, list[int]] = {}
     for i, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(i)
     group_size = min(len(layers) for layers in by_spec.values())
     groups = []
-    for spec, layers in by_spec.items():
+    # Attention groups first: group 0's table is the step's stand-in for the batch's
+    # slots (the model runner), which a linear state's one-block table cannot be.
+    for spec, layers in sorted(by_spec.items(),
+                               key=lambda item: isinstance(item[0], LinearStateSpec)):
         for start in range(0, len(layers), group_size):
             groups.append(KVCacheGroupSpec(tuple(layers[start:start + group_size]), spec))
     return groups
@@ -111,5 +170,6 @@ def group_size(groups: list[KVCacheGroupSpec]) -> int:
     return max(len(g.layer_indices) for g in groups)
 
 
-__all__ = ["FullAttentionSpec", "SlidingWindowSpec", "KVCacheGroupSpec", "layer_specs",
-           "kv_cache_groups", "group_size", "FULL", "SLIDING"]
+__all__ = ["FullAttentionSpec", "SlidingWindowSpec", "LinearStateSpec", "KVCacheGroupSpec",
+           "layer_specs", "linear_state_spec", "kv_cache_groups", "group_size", "FULL",
+           "SLIDING", "LINEAR"]

@@ -14,6 +14,15 @@ Two kinds differ in two rules:
   token to compute are freed while the request runs (``remove_skipped_blocks``)
   and replaced in the table by ``NULL_BLOCK``; a prefix hit needs only the
   window's blocks before the hit's end (``find_longest_cache_hit``).
+
+A third kind keeps a state, not tokens:
+
+* ``LinearStateManager`` (vLLM's ``MambaManager``): block ``i`` holds the linear
+  layers' state after block ``i``'s last token. Going on needs only the last
+  block, so it frees the rest as a window of two tokens would, and a prefix hit
+  needs only the block at the hit's end (whose state is the whole prefix's): the
+  sliding-window rules with ``sliding_window=2``. Full blocks are cached under
+  their hashes as pages are (vLLM's ``mamba_cache_mode="all"``).
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
-from minivllm.core.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from minivllm.core.kv_cache_interface import (FullAttentionSpec, LinearStateSpec,
+                                              SlidingWindowSpec)
 
 if TYPE_CHECKING:
     from minivllm.core.request import Request
@@ -153,11 +163,19 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return hits[:run]  # the run reached the start: all of it is there
 
 
+class LinearStateManager(SlidingWindowManager):
+    """A state per block, the last one kept: ``LinearStateSpec`` sets the window."""
+
+    spec: LinearStateSpec
+
+
 def make_manager(spec: FullAttentionSpec, block_pool: BlockPool,
                  group_id: int) -> SingleTypeKVCacheManager:
+    if isinstance(spec, LinearStateSpec):
+        return LinearStateManager(spec, block_pool, group_id)
     cls = SlidingWindowManager if isinstance(spec, SlidingWindowSpec) else FullAttentionManager
     return cls(spec, block_pool, group_id)
 
 
 __all__ = ["NULL_BLOCK", "SingleTypeKVCacheManager", "FullAttentionManager",
-           "SlidingWindowManager", "make_manager"]
+           "SlidingWindowManager", "LinearStateManager", "make_manager"]

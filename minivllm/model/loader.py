@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -16,6 +17,7 @@ from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.layers.quantization import QuantizedTensor
 
 
+OWN_FILES = {"Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3_next"}
 # Checkpoint tensors fused into one of our parameters: (ours, theirs, shard).
 # A model family whose checkpoint fuses differently sets ``stacked_params``.
 STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
@@ -89,10 +91,9 @@ def get_model_class(architecture: str):
     if architecture in MOE_ARCHITECTURES:  # a dense model never imports the experts
         from minivllm.model.models.moe import MoEForCausalLM
         return MoEForCausalLM
-    if architecture == "Gemma3ForCausalLM":  # its own file, loaded only for it
-        from minivllm.model.models.gemma3 import Gemma3ForCausalLM
-
-        return Gemma3ForCausalLM
+    if architecture in OWN_FILES:  # models/<file>.py, loaded only for its family
+        module = importlib.import_module(f"minivllm.model.models.{OWN_FILES[architecture]}")
+        return getattr(module, architecture)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
