@@ -93,6 +93,9 @@ def get_model_class(architecture: str):
         from minivllm.model.models.gemma3 import Gemma3ForCausalLM
 
         return Gemma3ForCausalLM
+    if architecture == "DeepseekV3ForCausalLM":  # latent attention (MLA), loaded only for it
+        from minivllm.model.models.deepseek_v3 import DeepseekV3ForCausalLM
+        return DeepseekV3ForCausalLM
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
