@@ -93,7 +93,8 @@ class DeepseekV3Attention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         if self.interleave:  # pairs (x0, x1), ... -> halves, as the rotation expects
             q_pe, k_pe = (torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1) for t in (q_pe, k_pe))
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None, :])
+        # Copies: the CPU path's RoPE rotates in place and wants dense rows.
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous()[:, None])
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, -1)
         out = self.attn(q_nope, q_pe, self.kv_a_layernorm(latent), k_pe[:, 0], w_kv, meta)
         return self.o_proj(out)
