@@ -362,8 +362,8 @@ torch.testing.assert_close(absorbed, naive, rtol=1e-5, atol=1e-5)
 # expanding the latents (`_forward_prefill`, the context in chunks) and decodes over the
 # latents with the absorbed query (`_forward_decode`, FlashMLA and friends). Where
 # minivllm differs: a sequence counts as a decode only with one new token (vLLM has a
-# threshold), the arithmetic is plain PyTorch in float32 on any device, and the CPU
-# kernels step aside for MLA models with one log line.
+# threshold), the arithmetic is plain PyTorch in float32 on any device (the CPU
+# kernels run the rest of the model, and say so once in the log).
 
 # %% [markdown]
 # ## Exercises

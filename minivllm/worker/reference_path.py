@@ -57,9 +57,6 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
         from minivllm.worker.kv_cache_groups import cpu_kernels_problem
 
         return cpu_kernels_problem(config)
-    if config.model.hf_config.get("kv_lora_rank"):  # the C++ attention has no latent form
-        from minivllm.model.attention.mla import cpu_kernels_problem
-        return cpu_kernels_problem(config)
     # batch_invariant: the kernels compute a step's sequences together (batch_invariant.py).
     if config.batch_invariant or torch.device(config.device).type != "cpu":
         problem = ("batch_invariant=True" if config.batch_invariant

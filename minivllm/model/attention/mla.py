@@ -20,7 +20,9 @@ so the layer can attend two ways, with the same result:
 The engine picks absorbed for sequences with one new token and naive for the
 rest, as vLLM's MLA backends split decodes from prefills. The arithmetic is
 plain PyTorch (float32 accumulation, as the reference backend), on any device;
-the ``attention_backend`` setting does not apply to these layers.
+the ``attention_backend`` setting does not apply to these layers. On the CPU
+path the rest of the model (linear layers, norms, RoPE, sampler) uses the CPU
+kernels; the decode-step replay steps aside (its C++ loop has no MLA).
 """
 
 from __future__ import annotations
@@ -101,6 +103,12 @@ class MLAAttention(nn.Module):
                 raise ValueError(f"{feature} is not supported on "
                                  f"{config.model.architecture}: its MLA layers cache one "
                                  "latent row per token, not K and V per head")
+        if runner.acceleration_problem is None:  # the CPU kernels run everything else
+            from minivllm.logger import info_once
+
+            info_once(f"{config.model.architecture}'s MLA layers attend in plain PyTorch "
+                      "(the CPU kernels' attention reads K/V heads, not latents); the rest "
+                      "of the model runs on the CPU kernels")
         self.kv_cache = torch.zeros((num_blocks, runner.block_size, self.head_dim),
                                     dtype=runner.dtype, device=runner.device)
         return self.kv_cache, None
@@ -147,14 +155,4 @@ class MLAAttention(nn.Module):
         return rows, torch.tensor(lens, device=rows.device)
 
 
-def cpu_kernels_problem(config) -> str:
-    """Why an MLA model runs without the CPU kernels, said once in the log."""
-    from minivllm.logger import info_once
-
-    problem = (f"{config.model.architecture}'s MLA layers run in plain PyTorch (the C++ "
-               "attention reads K/V heads, not latents)")
-    info_once(f"running the reference path (the same tokens, slower): {problem}")
-    return problem
-
-
-__all__ = ["MLAAttention", "naive_attention", "absorbed_decode", "cpu_kernels_problem"]
+__all__ = ["MLAAttention", "naive_attention", "absorbed_decode"]

@@ -57,6 +57,11 @@ def check_supported(cfg: ModelConfig) -> None:
                          "'default')")
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (vLLM's name): the latent's and the query's
+    down-projections, whose outputs have no heads to split."""
+
+
 class DeepseekV3Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
@@ -66,13 +71,13 @@ class DeepseekV3Attention(nn.Module):
         self.interleave = raw.get("rope_interleave", True)
         qk_dim, heads, bias = self.nope + self.rope, cfg.num_attention_heads, cfg.attention_bias
         if raw.get("q_lora_rank"):
-            self.q_a_proj = LinearBase(h, raw["q_lora_rank"], bias, d)  # replicated
+            self.q_a_proj = ReplicatedLinear(h, raw["q_lora_rank"], bias, d)
             self.q_a_layernorm = RMSNorm(raw["q_lora_rank"], cfg.rms_norm_eps, d)
             self.q_b_proj = ColumnParallelLinear(raw["q_lora_rank"], heads * qk_dim, dtype=d)
         else:
             self.q_proj = ColumnParallelLinear(h, heads * qk_dim, dtype=d)
         # The latent and rope key: replicated, every rank caches the whole row.
-        self.kv_a_proj_with_mqa = LinearBase(h, self.kv_lora_rank + self.rope, bias, d)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias, d)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, d)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               heads * (self.nope + self.v_head_dim), dtype=d)
