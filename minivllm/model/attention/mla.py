@@ -27,7 +27,7 @@ kernels; the decode-step replay steps aside (its C++ loop has no MLA).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -35,9 +35,6 @@ from torch import nn
 from minivllm.core.kv_cache_interface import MLAAttentionSpec
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.attention.torch_attn import gather_kv, sequence_attention
-
-if TYPE_CHECKING:
-    from minivllm.worker.model_runner import ModelRunner
 
 
 def naive_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
@@ -88,11 +85,12 @@ class MLAAttention(nn.Module):
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> MLAAttentionSpec:
         return MLAAttentionSpec(block_size, self.kv_lora_rank, self.qk_rope_head_dim, dtype)
 
-    def page_size_bytes(self, runner: ModelRunner) -> int:
-        """One block of this layer in ``runner``'s cache (its block size and dtype)."""
+    def page_size_bytes(self, runner) -> int:
+        """One block of this layer in the model runner's cache (its block size and
+        dtype; the runner is not imported: model/ stays below worker/)."""
         return self.kv_cache_spec(runner.block_size, runner.dtype).page_size_bytes
 
-    def bind_kv_cache(self, num_blocks: int, runner: ModelRunner) -> tuple[torch.Tensor, None]:
+    def bind_kv_cache(self, num_blocks: int, runner) -> tuple[torch.Tensor, None]:
         """Allocate this layer's latent cache (``runner`` calls it once); the engine
         features that move K/V pairs are refused here, at start-up."""
         config = runner.config
