@@ -17,7 +17,9 @@ What differs from ``llama.py`` is the attention (``DeepseekV3Attention``):
 ``minivllm/model/attention/mla.py`` attends: naive expansion for prefills, the
 absorbed weights for decodes. Under tensor parallelism the heads split (``q_b_proj``,
 ``kv_b_proj`` by column, ``o_proj`` by row) and the latent, which has no heads, is
-computed and cached whole on every rank, as in vLLM.
+computed and cached whole on every rank, as in vLLM. On the CPU path the kernels run
+the linear layers, norms, RoPE and sampler; MLA attends in PyTorch and the
+decode-step replay (a C++ loop of Llama layers) steps aside.
 
 Not run, and refused at load naming the field: the routed-expert (MoE) layers, so
 ``first_k_dense_replace`` must cover every layer; RoPE scaling (YaRN); quantization.
