@@ -36,6 +36,8 @@
 # - a prefix hit that needs only the window's blocks, and its tokens;
 # - Qwen3-Next's linear layers: a fixed-size state per request in the same pool, its
 #   size against a context, and a prefix hit that resumes from a saved state.
+# - a tiny DeepSeek-V3, whose MLA layers cache one latent row per token, and the
+#   absorbed decode that attends over the latents without expanding them.
 
 # %%
 from minivllm.lab.viz.path import request_path_figure
@@ -383,6 +385,126 @@ assert again.outputs[0].token_ids == cold
 # minivllm keeps state tensors apart (a pool block costs a page *and* a state).
 
 # %% [markdown]
+# ## Latent attention (MLA): one row per token
+#
+# DeepSeek-V2 and V3 shrink the cache another way. Their attention has 128 heads, and a
+# head's key is 192 numbers (128 plain + 64 rotated) and its value 128: full attention
+# would keep `128 × (192 + 128)` numbers per token and layer. *Multi-head latent
+# attention* (MLA) keeps one row instead: a compressed **latent** `c` of `kv_lora_rank`
+# = 512 numbers and one **rope key** `k_pe` of 64 numbers that all heads share. Each
+# head's key and value are linear in the latent, through one matrix per head
+# (`kv_b_proj`, split as `W_UK` and `W_UV`):
+#
+# $$k_h = [\,W_{UK,h}\,c \;;\; k_{pe}\,], \qquad v_h = W_{UV,h}\,c .$$
+#
+# minivllm's `MLAAttentionSpec` says so: one "head" of `kv_lora_rank + qk_rope_head_dim`
+# per token and no separate V. A model whose layers are all MLA is one KV cache group
+# and runs on the plain KV cache manager. Under tensor parallelism the heads split
+# across ranks but the latent has no heads: every rank computes and caches it whole.
+#
+# A tiny random DeepSeek-V3 (dense layers, `first_k_dense_replace` covering all) against
+# Hugging Face, as for Gemma:
+
+# %%
+def build_deepseek(folder):
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0, 0.02 if "embed" in name else 0.15)
+    model.save_pretrained(folder)
+    return model
+
+
+ds_folder = tempfile.mkdtemp()
+ds_hf = build_deepseek(ds_folder)
+ds_llm = LLM(ds_folder, block_size=BLOCK, cpu_kernels=False)
+ds_ours = ds_llm.generate({"prompt_token_ids": prompt}, greedy,
+                          use_tqdm=False)[0].outputs[0].token_ids
+with torch.inference_mode():
+    ds_theirs = ds_hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+print(ds_ours)
+assert ds_ours == ds_theirs
+
+# %% [markdown]
+# An MLA block's bytes next to full attention's: first the tiny model, whose cache
+# tensors the engine allocated from the spec, then DeepSeek-V3's published shape (the
+# simulator's preset config, bfloat16), per token and layer.
+
+# %%
+from minivllm.core.kv_cache_interface import MLAAttentionSpec
+from minivllm.lab.sim.models import load_raw_config
+
+ds_runner = ds_llm.llm_engine.engine_core.executor.runner
+ds_spec = layer_specs(ds_runner.config.model, BLOCK)[0]
+latent_cache, no_v = ds_runner.kv_caches[0]
+assert isinstance(ds_spec, MLAAttentionSpec) and no_v is None
+assert latent_cache[0].numel() * latent_cache.element_size() == ds_spec.page_size_bytes
+v3 = load_raw_config("deepseek-v3")
+mla_row = MLAAttentionSpec(1, v3["kv_lora_rank"], v3["qk_rope_head_dim"], torch.bfloat16)
+qk_dim = v3["qk_nope_head_dim"] + v3["qk_rope_head_dim"]
+full_row = v3["num_attention_heads"] * (qk_dim + v3["v_head_dim"]) * 2  # K and V, 2 bytes
+print(f"DeepSeek-V3, one token, one layer: MLA {mla_row.page_size_bytes:,} bytes, "
+      f"full attention {full_row:,} bytes ({full_row / mla_row.page_size_bytes:.0f}x)")
+assert mla_row.page_size_bytes == (512 + 64) * 2 and full_row == 128 * 320 * 2
+
+# %% [markdown]
+# ### The absorbed decode
+#
+# A prefill chunk expands the latents into every head's K and V once and attends as
+# usual. A decode token has one query: expanding the whole context for it would cost
+# `L × heads × (Dn + Dv) × C` multiply-adds per layer. Instead, fold `W_UK` into the
+# query. For head `h`,
+#
+# $$q_{nope}^\top W_{UK}\,c_j = (W_{UK}^\top q_{nope})^\top c_j = q_{lat}^\top c_j ,
+# \qquad \sum_j p_j\,W_{UV} c_j = W_{UV}\Big(\sum_j p_j\,c_j\Big),$$
+#
+# so the scores are `q_lat · c_j + q_pe · k_pe_j` over the latents themselves, and
+# `W_UV` is applied once to the probability-weighted sum of latents. The engine's
+# version, all decode sequences of a step in one padded batch:
+
+# %%
+from minivllm.model.attention.mla import absorbed_decode, naive_attention
+
+show_source(absorbed_decode, start="dn =")
+
+# %% [markdown]
+# One query against the same latents (random ones, as many as the request's last step
+# read), with the model's own `kv_b_proj` weights: naive expansion and absorbed decode
+# agree to float32 rounding.
+
+# %%
+ds_layer = ds_runner.model.model.layers[0].self_attn
+w_kv = ds_layer.kv_b_proj.weight.view(ds_layer.num_heads, 16 + 16, 32)
+length = len(prompt) + 15  # as many positions as the request's last step read
+torch.manual_seed(2)
+q_nope, q_pe = torch.randn(1, 4, 16), torch.randn(1, 4, 8)
+lat, kpe = torch.randn(length, 32), torch.randn(length, 8)
+naive = naive_attention(q_nope, q_pe, lat, kpe, w_kv, 16, ds_layer.attn.scale)
+absorbed = absorbed_decode(q_nope, q_pe, lat[None], kpe[None], torch.tensor([length]), w_kv,
+                           ds_layer.attn.scale)
+print(f"largest difference: {(naive - absorbed).abs().max().item():.1e}")
+torch.testing.assert_close(absorbed, naive, rtol=1e-5, atol=1e-5)
+
+# %% [markdown]
+# **In vLLM.** (v0.11.0.) `MLAAttentionSpec` in `vllm/v1/kv_cache_interface.py` is a
+# `FullAttentionSpec` with one KV head of `kv_lora_rank + qk_rope_head_dim` and no V
+# (`page_size_bytes` without the factor 2). The MLA backends in
+# `vllm/v1/attention/backends/mla/` share `MLACommonImpl` (`common.py`): it splits
+# `kv_b_proj`'s weight into `W_UK_T` and `W_UV` once after loading, runs prefills by
+# expanding the latents (`_forward_prefill`, the context in chunks) and decodes over the
+# latents with the absorbed query (`_forward_decode`, FlashMLA and friends). Where
+# minivllm differs: a sequence counts as a decode only with one new token (vLLM has a
+# threshold), the arithmetic is plain PyTorch in float32 on any device (the CPU
+# kernels run the rest of the model, and say so once in the log).
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
@@ -513,6 +635,46 @@ for _t in range(9):
                              float(_beta[_t, 0]))
     assert torch.allclose(_o, _ref[_t, 0], atol=1e-4)
 assert torch.allclose(_s, _ref_state[0], atol=1e-4)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### Exercise 24.5 — the absorbed MLA decode
+# Write `absorbed_mla_decode(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale)` for one
+# sequence and one query: `q_nope` `[H, Dn]`, `q_pe` `[H, R]`, the context's `latent`
+# `[L, C]` and `k_pe` `[L, R]`, `w_uk` `[H, Dn, C]`, `w_uv` `[H, Dv, C]`. Return the
+# attention output `[H, Dv]` without building any head's keys or values: fold `w_uk`
+# into the query, attend over the latents, apply `w_uv` last. Example: with `L = 1`
+# every head's softmax is 1, so head `h`'s output is `w_uv[h] @ latent[0]`.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+### BEGIN SOLUTION
+def absorbed_mla_decode(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale):
+    q_lat = torch.einsum("hd,hdc->hc", q_nope, w_uk)  # W_UK folded into the query
+    scores = (q_lat @ latent.T + q_pe @ k_pe.T) * scale  # [H, L]
+    weighted = scores.softmax(dim=-1) @ latent  # [H, C]: a weighted sum of latents
+    return torch.einsum("hc,hvc->hv", weighted, w_uv)  # W_UV applied once
+### END SOLUTION
+
+# %% tags=["check"]
+def naive_mla(q_nope, q_pe, latent, k_pe, w_uk, w_uv, scale):
+    w_kv = torch.cat((w_uk, w_uv), dim=1)
+    return naive_attention(q_nope[None], q_pe[None], latent, k_pe, w_kv, w_uk.shape[1],
+                           scale)[0]
+
+
+torch.manual_seed(3)
+_args = (torch.randn(4, 16), torch.randn(4, 8), torch.randn(1, 32), torch.randn(1, 8),
+         torch.randn(4, 16, 32), torch.randn(4, 12, 32), 0.2)
+_out = absorbed_mla_decode(*_args)
+assert tuple(_out.shape) == (4, 12), "one output row of v_head_dim per head"
+torch.testing.assert_close(_out, torch.einsum("hvc,c->hv", _args[5], _args[2][0]),
+                           msg="one cached token: each head's output is W_UV c")
+### BEGIN HIDDEN TESTS
+for _length in (2, 7, 40):
+    _args = (torch.randn(4, 16), torch.randn(4, 8), torch.randn(_length, 32),
+             torch.randn(_length, 8), torch.randn(4, 16, 32), torch.randn(4, 12, 32), 0.3)
+    torch.testing.assert_close(absorbed_mla_decode(*_args), naive_mla(*_args),
+                               rtol=1e-4, atol=1e-5)
 ### END HIDDEN TESTS
 
 # %% [markdown]

@@ -18,7 +18,7 @@ from minivllm.config.checks import bad
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma3ForCausalLM",
-                           "Qwen3NextForCausalLM") + MOE_ARCHITECTURES
+                           "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM") + MOE_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -108,6 +108,9 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers: what the KV cache pays per token."""
         size = torch.tensor([], dtype=self.dtype).element_size()
+        if self.hf_config.get("kv_lora_rank"):  # MLA: one latent + rope key, no V
+            raw = self.hf_config
+            return self.num_hidden_layers * (raw["kv_lora_rank"] + raw["qk_rope_head_dim"]) * size
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * size
 
 

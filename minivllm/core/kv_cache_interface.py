@@ -10,6 +10,11 @@ layer) gets this module, loaded only then:
 * ``SlidingWindowSpec``: the same page layout, but a token attends only the
   last ``sliding_window`` positions (itself included), so blocks wholly before
   every remaining query's window can go back to the pool while the request runs.
+* ``MLAAttentionSpec`` (DeepSeek's multi-head latent attention): no K and V per
+  head, but one row per token: the compressed latent (``kv_lora_rank``) and the
+  shared rope key (``qk_rope_head_dim``). A model whose layers are all MLA is one
+  group and runs on the plain ``KVCacheManager``, as in vLLM; the spec gives the
+  runner its page size and the simulator its bytes (``lab/sim/kv_specs.py``).
 
 Grouping (``kv_cache_groups``): layers of one spec are cut into groups of
 ``group_size`` layers, the size of the smallest kind. Each group has its own
@@ -119,6 +124,38 @@ def linear_state_spec(config: ModelConfig, block_size: int,
 
 
 @dataclass(frozen=True)
+class MLAAttentionSpec:
+    block_size: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: torch.dtype
+
+    num_kv_heads = 1  # one "head" shared by every query head (not a dataclass field)
+
+    @property
+    def head_size(self) -> int:
+        """One token's row: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def page_size_bytes(self) -> int:
+        """One block of one layer: a row per token, no separate V (no factor 2), and
+        the same on every tensor-parallel rank (the latent has no heads to split)."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.block_size * self.head_size * elem
+
+    def max_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @staticmethod
+    def from_config(config: ModelConfig, block_size: int,
+                    dtype: Optional[torch.dtype] = None) -> "MLAAttentionSpec":
+        raw = config.hf_config
+        return MLAAttentionSpec(block_size, raw["kv_lora_rank"], raw["qk_rope_head_dim"],
+                                dtype or config.dtype)
+
+
+@dataclass(frozen=True)
 class KVCacheGroupSpec:
     layer_indices: tuple[int, ...]  # model layers, in the group's tensor order
     spec: FullAttentionSpec
@@ -128,6 +165,9 @@ def layer_specs(config: ModelConfig, block_size: int,
                 dtype: Optional[torch.dtype] = None) -> list[FullAttentionSpec]:
     """Each layer's spec, from the model config alone (the scheduler's process
     and the workers derive the same groups without talking)."""
+    if config.hf_config.get("kv_lora_rank"):  # DeepSeek: every layer MLA
+        spec = MLAAttentionSpec.from_config(config, block_size, dtype)
+        return [spec] * config.num_hidden_layers
     args = (block_size, config.num_key_value_heads, config.head_dim, dtype or config.dtype)
     types = config.layer_types or (FULL,) * config.num_hidden_layers
     specs: list[FullAttentionSpec] = []
@@ -170,6 +210,6 @@ def group_size(groups: list[KVCacheGroupSpec]) -> int:
     return max(len(g.layer_indices) for g in groups)
 
 
-__all__ = ["FullAttentionSpec", "SlidingWindowSpec", "LinearStateSpec", "KVCacheGroupSpec",
-           "layer_specs", "linear_state_spec", "kv_cache_groups", "group_size", "FULL",
-           "SLIDING", "LINEAR"]
+__all__ = ["FullAttentionSpec", "SlidingWindowSpec", "LinearStateSpec", "MLAAttentionSpec",
+           "KVCacheGroupSpec", "layer_specs", "linear_state_spec", "kv_cache_groups",
+           "group_size", "FULL", "SLIDING", "LINEAR"]

@@ -122,6 +122,8 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
         return "mixture-of-experts layers are not in the C++ loop (cpu/fused_moe.py)"
     first = model.layers[0]
+    if not hasattr(first.self_attn, "qkv_proj"):  # models/deepseek_v3.py
+        return "latent attention (MLA) layers are not in the C++ loop"
     linears = _linears(model) + [causal_lm.lm_head]
     for lin in filter(_quantized, linears):
         if len(lin.qweight.segments) != 1:

@@ -17,7 +17,8 @@ from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.layers.quantization import QuantizedTensor
 
 
-OWN_FILES = {"Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3_next"}
+OWN_FILES = {"Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3_next",
+             "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Checkpoint tensors fused into one of our parameters: (ours, theirs, shard).
 # A model family whose checkpoint fuses differently sets ``stacked_params``.
 STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),

@@ -164,6 +164,8 @@ class ModelRunner:
         if self.kv_groups is not None:
             return self.kv_groups.block_bytes()
         layer = self.model.attention_layers()[0]
+        if hasattr(layer, "bind_kv_cache"):  # MLA: a latent row per token, no K/V pair
+            return layer.page_size_bytes(self) * len(self.model.attention_layers())
         elem = torch.tensor([], dtype=self.dtype).element_size()
         per_token = 2 * layer.num_kv_heads * layer.head_dim * elem
         return per_token * self.block_size * len(self.model.attention_layers())
@@ -193,6 +195,9 @@ class ModelRunner:
                                                  self.dtype, self.device)
         else:
             for layer in self.model.attention_layers():
+                if hasattr(layer, "bind_kv_cache"):  # MLA: (its latent rows, None)
+                    self.kv_caches.append(layer.bind_kv_cache(num_blocks, self))
+                    continue
                 shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
                 k = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 v = torch.zeros_like(k)

@@ -16,11 +16,12 @@ run yet), one group per kind of layer:
 - ``linear_attention`` (Qwen3-Next's gated DeltaNet): a fixed state per request
   whatever its length, a convolution window plus a ``key x value`` matrix per head.
 
-The engine's ``kv_cache_interface`` has specs for full and sliding attention; they are
-used here so that the simulator and the engine agree on those bytes. It has none yet
-for MLA or linear state (issue 52), so their formulas live here (``MLASpec``,
-``LinearStateSpec``). Unlike vLLM, which pads every group's page to one size so one
-pool serves them all, the capacity below adds up each group's exact bytes: the lower
+The engine's ``kv_cache_interface`` has specs for full and sliding attention and MLA
+(``MLAAttentionSpec``, here ``MLASpec``); they are used here so that the simulator and
+the engine agree on those bytes. Linear state keeps a formula of its own here
+(``LinearStateSpec``: bytes per request, no block size), checked equal to the state the
+engine's pool holds (tests/test_qwen3_next.py). Unlike vLLM, which pads every group's
+page to one size so one pool serves them all, the capacity below adds up each group's exact bytes: the lower
 bound of what any pool layout needs.
 """
 
@@ -32,23 +33,10 @@ from typing import Optional, Union
 import torch
 
 from minivllm.core.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from minivllm.core.kv_cache_interface import MLAAttentionSpec as MLASpec
 
 MLA, LINEAR = "mla", "linear_attention"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class MLASpec:
-    """A latent attention layer's cache (no engine spec yet): latent + rope key."""
-
-    block_size: int
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def page_size_bytes(self) -> int:
-        return self.block_size * (self.kv_lora_rank + self.qk_rope_head_dim) * _size(self.dtype)
 
 
 @dataclass(frozen=True)
