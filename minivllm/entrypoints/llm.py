@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.entrypoints.llm_rl import RLMethods
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -24,7 +25,10 @@ ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
 LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]  # (one, or per prompt)
 
 
-class LLM:
+class LLM(RLMethods):
+    """vLLM's offline API; the RL methods (``sleep``, ``load_weights``, ...) come from
+    ``RLMethods`` (``llm_rl.py``)."""
+
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         args = engine_args_from_kwargs(model, engine_args)
         self.llm_engine = LLMEngine.from_engine_args(args)
@@ -122,15 +126,24 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
-    def __getattr__(self, name: str):
-        if name in ("embed", "classify", "score"):  # pooling: minivllm/pooling/offline.py
-            from minivllm.pooling.offline import pooling_method
-            return pooling_method(self, name)
-        # vLLM's RL API (collective_rpc, load_weights, reset_prefix_cache, sleep,
-        # wake_up, pause_generation, ...) loads when first used: core/rollout.py.
-        from minivllm.core.rollout import rollout_method
+    # -- pooling (minivllm/pooling/offline.py, loaded on the first call) -------------
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None):
+        """One embedding per prompt (``out.outputs.embedding``)."""
+        from minivllm.pooling.offline import embed
 
-        return rollout_method(self.__dict__.get("llm_engine"), name)
+        return embed(self, prompts, pooling_params, use_tqdm, lora_request)
+
+    def classify(self, prompts, pooling_params=None, use_tqdm: bool = True):
+        """A ``*ForSequenceClassification`` model's label probabilities per prompt."""
+        from minivllm.pooling.offline import classify
+
+        return classify(self, prompts, pooling_params, use_tqdm)
+
+    def score(self, data_1, data_2, pooling_params=None, use_tqdm: bool = True):
+        """Scores of ``(data_1, data_2)`` pairs (``out.outputs.score``)."""
+        from minivllm.pooling.offline import score
+
+        return score(self, data_1, data_2, pooling_params, use_tqdm)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
