@@ -1,7 +1,4 @@
-"""One generation request as the engine core sees it.
-
-Token IDs plus bookkeeping: the scheduler moves it between states, the KV cache
-manager gives it blocks, the model runner advances ``num_computed_tokens``.
+"""One generation request as the engine core sees it: token IDs plus bookkeeping.
 
     WAITING ──schedule──▶ RUNNING ──finish──▶ FINISHED_{STOPPED,LENGTH_CAPPED,ABORTED}
      ▲  │                  │
