@@ -33,7 +33,6 @@ class LLM(RLMethods):
         args = engine_args_from_kwargs(model, engine_args)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
-    # -- convenience -----------------------------------------------------------
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -46,17 +45,14 @@ class LLM(RLMethods):
     def engine_core(self):
         return self.llm_engine.engine_core
 
-    # -- generation --------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: ParamsArg = None,
                  use_tqdm: bool = True,
                  priority: Union[None, int, Sequence[int]] = None,
                  lora_request: LoRAArg = None) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of the prompts.
-
-        ``priority`` (lower first; needs ``scheduling_policy="priority"``) and
-        ``lora_request`` (a ``LoRARequest`` or None; needs ``enable_lora=True``), like
-        ``sampling_params``, are one for all prompts or a list of one per prompt."""
+        """Complete every prompt; outputs in the prompts' order. ``sampling_params``,
+        ``priority`` (lower first; ``scheduling_policy="priority"``) and ``lora_request``
+        (``enable_lora=True``) are one for all prompts or a list of one per prompt."""
         items = _as_prompt_list(prompts)
         params = _one_per_prompt("sampling_params", SamplingParams() if sampling_params is None
                                  else sampling_params, len(items))
