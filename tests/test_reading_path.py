@@ -10,6 +10,7 @@ meets them.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ MAX_LINES = 5680
 READING_PATH = [
     "minivllm/__init__.py",
     "minivllm/entrypoints/llm.py",
+    "minivllm/entrypoints/llm_rl.py",
     "minivllm/engine/llm_engine.py",
     "minivllm/inputs/processor.py",
     "minivllm/inputs/tokenizer.py",
@@ -161,3 +163,14 @@ def test_the_reading_path_is_what_loads(loaded):
     assert [p for p in READING_PATH if p not in files] == [], "on READING_PATH, not loaded"
     unlisted = sorted(p for p in files if p not in READING_PATH and _lines(ROOT / p) > 30)
     assert unlisted == [], f"loaded by one request but not on READING_PATH: {unlisted}"
+
+
+def test_the_readme_lists_the_reading_path_in_order():
+    """The README's "Reading path" links modules of READING_PATH, in its order."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Reading path", 1)[1].split("\n### ", 1)[0]
+    linked = re.findall(r"^\d+\. \[`[^`]+`\]\(([^)]+)\)", section, flags=re.M)
+    assert len(linked) >= 10, linked
+    assert [p for p in linked if p not in READING_PATH] == [], "not on READING_PATH"
+    order = [READING_PATH.index(p) for p in linked]
+    assert order == sorted(order), f"the README's order differs from READING_PATH's: {linked}"
