@@ -1,9 +1,8 @@
 """Every ``MINIVLLM_*`` environment variable: name, type, default and meaning, here only.
 
-Code writes ``envs.MINIVLLM_CPU_KERNELS`` and gets the parsed value, read at that
-moment (so ``monkeypatch.setenv`` takes effect); a bad value is an error naming the
-variable, the value and what is allowed. ``python -m minivllm.envs`` prints the
-README's Environment section (``tests/test_envs.py`` checks they agree).
+``envs.MINIVLLM_CPU_KERNELS`` is the parsed value, read at that moment; a bad value is
+an error naming the variable, the value and what is allowed. ``python -m
+minivllm.envs`` prints the README's Environment section (``tests/test_envs.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -121,9 +120,5 @@ def readme_section() -> str:
     return "\n".join(f"- `{v.name}`: {v.doc}" for v in ENVIRONMENT_VARIABLES.values()) + "\n"
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    sys.stdout.write(readme_section())
-
-
 if __name__ == "__main__":
-    main()
+    sys.stdout.write(readme_section())

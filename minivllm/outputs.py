@@ -44,8 +44,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
-    # From a KV connector when the request finished (vLLM's name): where another
-    # engine can pull this prompt's KV from (disaggregated prefill).
+    # Where another engine can pull this prompt's KV from (a KV connector's, at the end).
     kv_transfer_params: Optional[dict] = None
     prompt_logprobs: Optional[PromptLogprobs] = field(default=None, repr=False)
     pooling_output: Optional[list[float]] = field(default=None, repr=False)  # (pooling/)

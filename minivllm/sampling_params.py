@@ -1,9 +1,7 @@
 """How one request should be sampled and when it should stop (vLLM's names and defaults).
 
-Every field is checked on construction: a bad value raises ``InvalidRequestError``
-naming the field, the value and what is allowed; nothing is silently clipped. What
-needs the model (token ids in its vocabulary, a grammar that compiles, bad words as
-token ids) the input processor checks (minivllm/inputs).
+Every field is checked on construction (``InvalidRequestError`` naming the field);
+what needs the model (token ids, a grammar, bad words) the input processor checks.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     logprobs: Optional[int] = None
-    # Top-n logprobs at every prompt position but the first (with the prompt token);
-    # such a request computes its whole prompt (no prefix-cache hits).
+    # Top-n logprobs at every prompt position but the first (no prefix-cache hits then).
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     # Accepted for vLLM compatibility: it only affects slow tokenizers (none here).
@@ -60,8 +57,8 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
-    # Token-level knobs on the logits (sample/logits_processors.py): OpenAI's logit_bias
-    # ({token id: bias}), vLLM's allowed_token_ids (all others masked) and bad_words.
+    # Knobs on the logits (sample/logits_processors.py): {token id: bias}, the only
+    # tokens allowed, words never generated.
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None

@@ -1,13 +1,6 @@
-"""One validated configuration tree: model, cache, scheduler, parallel, speculative, lora.
-
-One module per section; ``engine.py`` holds the tree (``EngineConfig``) and the
-flat arguments it is built from (``EngineArgs``); ``checks.py`` is the one
-integer/range helper every check uses. Everything public is re-exported here,
-so ``from minivllm.config import EngineArgs`` is the import to write. This
-package imports nothing else of minivllm: it sits at the bottom. The sections of
-optional features (LoRA, speculative decoding, KV transfer, KV events) load on
-first use, so an engine without them never reads them.
-"""
+"""One validated configuration tree, one module per section; ``engine.py`` holds the
+tree (``EngineConfig``) and the flat ``EngineArgs``, ``checks.py`` the checks' helpers.
+Imports nothing else of minivllm; optional features' sections load on first use."""
 
 import importlib
 
@@ -36,11 +29,7 @@ def __getattr__(name):
 
 
 __all__ = ["EngineArgs", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
-           "ParallelConfig", "SpeculativeConfig", "LoRAConfig", "KVTransferConfig", "KVEventsConfig",
-           "KV_EVENT_PUBLISHERS", "SUPPORTED_ARCHITECTURES", "DTYPES",
-           "ATTENTION_BACKENDS", "SCHEDULING_POLICIES", "SPECULATIVE_METHODS",
-           "DEFAULT_DISABLE_BY_BATCH_SIZE", "BLOCK_SIZES", "engine_args_from_kwargs",
-           "resolve_dtype", "InvalidRequestError", "bad", "check_int", "check_bool",
-           "check_choice", "is_int",
-           "is_number", "KVTransferConfig", "KV_CONNECTORS", "KV_ROLES",
-           "KV_OFFLOADING_BACKENDS", "QUANTIZATION_CHOICES", "resolve_quantization"]
+           "ParallelConfig", "SUPPORTED_ARCHITECTURES", "DTYPES", "ATTENTION_BACKENDS",
+           "SCHEDULING_POLICIES", "BLOCK_SIZES", "engine_args_from_kwargs", "resolve_dtype",
+           "InvalidRequestError", "bad", "check_int", "check_bool", "check_choice", "is_int",
+           "is_number", "QUANTIZATION_CHOICES", "resolve_quantization", *_LAZY]

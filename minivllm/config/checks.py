@@ -7,9 +7,8 @@ from typing import Any, Iterable, Optional
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses. ``param`` names the request's field as the API
-    spells it ("prompt", "max_tokens", "logprobs", ...): the server puts it in the
-    OpenAI error's ``param`` as it is, without reading the message."""
+    """A request the engine refuses; ``param`` names the field as the API spells it
+    ("prompt", "max_tokens", ...), the OpenAI error's ``param``."""
 
     def __init__(self, message: str, param: Optional[str]) -> None:
         super().__init__(message)
@@ -20,8 +19,7 @@ class InvalidRequestError(ValueError):
 
 
 def bad(name: str, value: Any, allowed: str, param: Optional[str] = None) -> ValueError:
-    """The error every check raises: ``name=value is invalid: allowed``; an
-    ``InvalidRequestError`` when ``param`` names the request field it checks."""
+    """``name=value is invalid: allowed``; an ``InvalidRequestError`` with ``param``."""
     message = f"{name}={value!r} is invalid: {allowed}"
     return ValueError(message) if param is None else InvalidRequestError(message, param)
 
@@ -37,8 +35,8 @@ def is_number(value: Any) -> bool:
 
 def check_int(name: str, value: Any, low: Optional[int] = None, high: Optional[int] = None,
               optional: bool = False, allowed: Optional[str] = None) -> Any:
-    """``value`` if it is an integer in [low, high] (None too when ``optional``), else
-    the error; ``allowed`` replaces the generated description of what is allowed."""
+    """``value`` if an integer in [low, high] (or None when ``optional``), else the error
+    (``allowed`` replaces its generated text)."""
     if value is None and optional:
         return value
     if is_int(value) and (low is None or value >= low) and (high is None or value <= high):

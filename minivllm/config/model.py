@@ -1,6 +1,5 @@
-"""The model section: the architecture facts the model code needs, read from a
-Hugging Face folder's ``config.json`` (finding or converting that folder is
-``minivllm.model.resolve``'s job)."""
+"""The model section, read from a Hugging Face folder's ``config.json`` (finding or
+converting that folder is ``minivllm.model.resolve``'s job)."""
 
 from __future__ import annotations
 
@@ -43,12 +42,9 @@ class ModelConfig:
     attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
     qk_norm: bool  # RMSNorm on each head of q and k before RoPE (Qwen3)
     dtype: torch.dtype = torch.float32
-    # Quantized weights (config/quantization.py): None, "gguf" (read from
-    # gguf_file as they ship) or "q8_0" (quantized at load).
-    quantization: Optional[str] = None
+    quantization: Optional[str] = None  # None, "gguf" or "q8_0" (config/quantization.py)
     gguf_file: Optional[str] = None
-    # x in the quantized products: "auto" (float32) or "int8" (config/quantization.py).
-    activation_dtype: str = "auto"
+    activation_dtype: str = "auto"  # x in the quantized products: "auto" or "int8"
     moe: Optional["MoEConfig"] = None  # noqa: F821 (config/moe.py; None: a dense model)
     # Each layer's attention kind ("full_attention" | "sliding_attention"), or None:
     # all full. A sliding layer sees only the last ``sliding_window`` tokens.

@@ -1,13 +1,8 @@
-"""Quantized weights: ``EngineArgs.quantization`` resolved into the model section.
-
-- ``"auto"`` (default): a model converted from a ``.gguf`` file keeps its blocks
-  (``"gguf"``) when the dtype is ``"auto"``, as vLLM and llama.cpp do; else float.
-- ``None`` / ``"none"``: float weights; ``"q8_0"``: quantized at load.
-
-``activation_dtype="int8"`` quantizes x too, for llama.cpp's integer dot products
-(other numbers, so asked for; it needs quantized weights). A converted folder names
-its source file in ``SOURCE``: that is where ``"gguf"`` reads the blocks.
-"""
+"""``EngineArgs.quantization`` resolved into the model section: ``"auto"`` keeps a
+``.gguf`` model's blocks (``"gguf"``, read from the file its converted folder names in
+``SOURCE``) when the dtype is ``"auto"``, else float; ``None`` / ``"none"``: float;
+``"q8_0"``: quantized at load. ``activation_dtype="int8"`` (llama.cpp's integer dot
+products) needs quantized weights."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The scheduler section: the token budget per step, the batch, the model length,
-chunked prefill and the queue policy. Checked here, once; the scheduler trusts it."""
+"""The scheduler section: token budget, batch, model length, chunked prefill, policy."""
 
 from __future__ import annotations
 
@@ -29,9 +28,7 @@ class SchedulerConfig:
                       allowed="must be an integer >= 0 (0: no limit)")
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        if not self.enable_chunked_prefill:
-            # Unchunked, a prompt (or a preempted request's recompute) must fit in
-            # one step, or it would wait forever.
+        if not self.enable_chunked_prefill:  # a whole prompt must fit in one step
             if self.max_num_batched_tokens < self.max_model_len:
                 raise bad("max_num_batched_tokens", self.max_num_batched_tokens,
                           f"without chunked prefill must be >= max_model_len "

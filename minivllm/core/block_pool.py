@@ -1,22 +1,11 @@
 """The pool of physical KV cache blocks: who holds each block, which are free.
 
-The KV cache is one big preallocated tensor per layer, cut into ``num_blocks``
-blocks of ``block_size`` token slots. This file never touches that tensor; it
-only keeps the books on block *ids*:
-
-* ``ref_cnt``: how many running requests hold the block in their block table.
-  Two requests can share a block when both prompts start with the same tokens
-  (prefix caching), so a block is free only when its count drops to zero.
-* ``block_hash``: set once a block is full and registered in the prefix cache.
-  A freed block keeps its hash and its K/V, so a later request with the same
-  prefix can take it back (``touch``) instead of recomputing it.
-* the free queue: every block with ``ref_cnt == 0``, least recently freed
-  first. New blocks come from its head; a cached block popped from there is
-  *evicted*: its hash leaves the cache and its contents will be overwritten.
-
-Reviving a cached block takes it out of the *middle* of the free queue, which
-is why the queue is a doubly linked list threaded through the blocks
-themselves: removal is O(1) with no search. Blocks a request asked to keep
+Only the books on block *ids* (the KV tensors are the runner's): ``ref_cnt``, the
+requests holding a block (shared prefixes share blocks); ``block_hash``, set while a
+full block is in the prefix cache (a freed block keeps it and its K/V, so a later
+prefix can ``touch`` it back); the free queue, ``ref_cnt == 0`` blocks least recently
+freed first, taken from the head (a cached one is *evicted* then). Reviving takes a
+block from the queue's middle: a doubly linked list through the blocks, O(1). Blocks a request asked to keep
 (``retention_directives``) wait in a second set instead: ``core/retained_blocks.py``.
 """
 
@@ -47,11 +36,8 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """Free blocks in eviction order (head = evicted next), as a linked list.
-
-    Two sentinel nodes bracket the list so that append/remove never have to
-    special-case an empty queue or the ends.
-    """
+    """Free blocks in eviction order (head = evicted next), as a linked list between
+    two sentinels (no special case for the ends or an empty queue)."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(block_id=-1)
@@ -101,11 +87,8 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """All blocks, the free queue and the prefix cache map (hash -> block).
-
-    Block 0 is an ordinary block: padding in block tables uses -1, so no id
-    needs to be reserved.
-    """
+    """All blocks, the free queue and the prefix cache map (hash -> block). Block 0 is
+    ordinary: block tables pad with -1."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  enable_kv_cache_events: bool = False) -> None:
@@ -190,13 +173,9 @@ class BlockPool:
             self.num_touched += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block; unreferenced blocks join the queue TAIL.
-
-        Blocks are appended in the order given, so the first of them is
-        evicted first. Callers pass a request's blocks last-to-first: the end
-        of a sequence is the part least likely to be shared, the start (a
-        system prompt, say) the part most worth keeping.
-        """
+        """Drop one reference per block; unreferenced ones join the queue's tail in the
+        order given. Callers pass a request's blocks last first: its end is the part
+        least likely shared, evicted first."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed more often than "

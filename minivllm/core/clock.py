@@ -13,7 +13,7 @@ class Clock(Protocol):
 
 
 class MonotonicClock:
-    """Wall time: ``time.monotonic()``, one clock for every process on a machine."""
+    """``time.monotonic()``: one clock for every process on a machine."""
 
     def now(self) -> float:
         return time.monotonic()

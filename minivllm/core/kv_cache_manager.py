@@ -1,24 +1,10 @@
-"""Which physical blocks each request uses, and the prefix cache on top.
+"""Which physical blocks each request uses (its *block table*), and the prefix cache.
 
-A request's tokens are laid out in logical blocks of ``block_size`` tokens;
-its *block table* (``get_block_ids``) maps logical block i to a physical
-block. The scheduler asks this manager two questions per request:
-
-1. ``get_computed_blocks``: how much of this request is already in the cache?
-   Every full block is named by a hash of its tokens *and of everything
-   before it* (a hash chain), so equal hashes mean equal prefixes, and the
-   longest run of cached hashes from the start is a prefix whose K/V can be
-   reused as is.
-2. ``allocate_slots``: give it room for ``num_new_tokens`` more tokens, or
-   say no (``None``) without taking anything, so the scheduler can preempt
-   someone or wait.
-
-Hash choice: SHA-256 over an explicit byte encoding (parent hash, the block's
-token ids as little-endian int64, ``repr`` of the extra keys), kept as a
-256-bit ``int``. Unlike Python's ``hash`` of a tuple it is the same in every
-process and run (the engine core may live in another process), and a
-collision, which would silently mix two prompts' K/V, is not a practical
-concern.
+The scheduler asks two questions per request: ``get_computed_blocks``, how much of
+it is cached already (each full block is named by a hash chained over everything
+before it, so equal hashes mean equal prefixes), and ``allocate_slots``, room for
+``num_new_tokens`` more tokens or ``None``, taking nothing. The hash is SHA-256 over
+explicit bytes: the same in every process and run, unlike Python's ``hash``.
 """
 
 from __future__ import annotations
@@ -39,11 +25,8 @@ _NO_PARENT = bytes(32)
 
 def hash_block_tokens(parent_block_hash: Optional[int], block_token_ids: Sequence[int],
                       extra_keys: Optional[tuple] = None) -> int:
-    """Hash of one full block, chained to the hash of the block before it.
-
-    ``extra_keys`` is for anything besides token ids that changes the K/V
-    (the LoRA adapter a request runs with; None for the base model).
-    """
+    """Hash of one full block, chained to the block before it's; ``extra_keys``: what
+    besides token ids changes the K/V (a LoRA adapter; None for the base model)."""
     digest = hashlib.sha256()
     digest.update(_NO_PARENT if parent_block_hash is None
                   else parent_block_hash.to_bytes(32, "little"))
@@ -69,11 +52,8 @@ def hash_request_tokens(token_ids: Sequence[int], block_size: int,
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix cache lookups, counted in tokens (as vLLM reports them).
-
-    Every lookup counts, including one for a request that then had to wait
-    for free blocks and is looked up again next step.
-    """
+    """Prefix cache lookups in tokens, as vLLM counts them: every lookup, a request
+    looked up again after waiting for blocks included."""
 
     requests: int = 0
     queries: int = 0  # tokens looked up
@@ -97,17 +77,13 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.num_blocks = num_blocks
-        # request_id -> its block table (logical order).
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # The same tables as block ids, kept alongside: the scheduler hands
-        # every scheduled request's table to the runner each step.
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # block tables
+        # The same as ids: the runner gets every scheduled request's table each step.
         self.req_to_block_ids: dict[str, list[int]] = {}
-        # request_id -> how many leading blocks were already offered to the
-        # prefix cache, so each step hashes only what became full since.
+        # Leading blocks already offered to the prefix cache: only newer ones are hashed.
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
-    # -- state -------------------------------------------------------------
     @property
     def usage(self) -> float:
         return self.block_pool.usage
@@ -125,7 +101,6 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -- hashing -----------------------------------------------------------
     def update_block_hashes(self, request: "Request") -> None:
         """Extend ``request.block_hashes`` over blocks that became full."""
         if self.enable_caching:
@@ -133,14 +108,9 @@ class KVCacheManager:
                                 request.block_hash_extra_keys, request.cache_salt,
                                 request.block_hashes)
 
-    # -- the two questions -------------------------------------------------
     def get_computed_blocks(self, request: "Request") -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of full blocks and its length in tokens.
-
-        At most ``num_tokens - 1`` tokens (rounded down to a block) count:
-        the last token must be run through the model to get logits to sample
-        the next token from, even if the whole prompt is cached.
-        """
+        """The longest cached prefix of full blocks and its length in tokens: at most
+        ``num_tokens - 1`` tokens, as the last one must run to give logits."""
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(request)
@@ -161,15 +131,10 @@ class KVCacheManager:
     def allocate_slots(self, request: "Request", num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
                        delay_cache_blocks: bool = False) -> Optional[list[KVCacheBlock]]:
-        """Make room for ``num_new_tokens`` tokens after the computed ones.
-
-        ``new_computed_blocks`` are prefix-cache hits from
-        ``get_computed_blocks`` (only on admission, before the request holds
-        blocks); their tokens count as computed. Returns the newly allocated
-        blocks, or None, having changed nothing, when too few blocks are free.
-        ``delay_cache_blocks``: the K/V arrive later through a KV connector; the
-        blocks enter the prefix cache on the request's next allocation.
-        """
+        """Room for ``num_new_tokens`` after the computed tokens: the new blocks, or
+        None, changing nothing, when too few are free. ``new_computed_blocks``: prefix
+        hits, on admission only. ``delay_cache_blocks``: the K/V come later through a
+        KV connector; the blocks are cached at the next allocation."""
         if num_new_tokens < 1:
             raise ValueError(f"allocate_slots num_new_tokens={num_new_tokens} is "
                              "invalid: must be >= 1")
@@ -193,38 +158,31 @@ class KVCacheManager:
         num_to_allocate = (self.num_blocks_needed(num_tokens)
                            - len(blocks) - len(new_computed_blocks))
         # Reviving a hit that sits in the free queue uses up a free block too.
-        num_revived = (sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-                       if new_computed_blocks else 0)
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_to_allocate > self.block_pool.num_free_blocks - num_revived:
             return None
 
         # Touch first: get_new_blocks must not evict the hits we just found.
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
-        # (Most decode steps need no new block: skip the pool then.)
         new_blocks = self.block_pool.get_new_blocks(num_to_allocate) \
             if num_to_allocate > 0 else []
         if rid not in self.req_to_blocks:
             self.req_to_blocks[rid] = blocks
             self.req_to_block_ids[rid] = []
             self.num_cached_block[rid] = len(new_computed_blocks)
-        if new_computed_blocks or new_blocks:
-            blocks.extend(new_computed_blocks)
-            blocks.extend(new_blocks)
-            self.req_to_block_ids[rid].extend(
-                [b.block_id for b in new_computed_blocks] + [b.block_id for b in new_blocks])
+        added = [*new_computed_blocks, *new_blocks]
+        blocks.extend(added)
+        self.req_to_block_ids[rid].extend(b.block_id for b in added)
         # Only blocks of known tokens are cached: drafts may still be rejected.
         if not delay_cache_blocks:
             self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_blocks
 
     def _cache_full_blocks(self, request: "Request", num_tokens: int) -> None:
-        """Cache the blocks that ``num_tokens`` computed tokens fill.
-
-        Done at scheduling time, before the forward pass writes them: within
-        one pass every layer stores the step's new K/V before reading
-        attention, so another request in the same step may already use them.
-        """
+        """Cache the blocks ``num_tokens`` tokens fill, before the forward pass writes
+        them: each layer stores the step's K/V before attending, so a request of the
+        same step may already use them."""
         if not self.enable_caching:
             return
         rid = request.request_id
@@ -240,10 +198,9 @@ class KVCacheManager:
         self.num_cached_block[rid] = end
 
     def uncache_uncomputed(self, request: "Request") -> None:
-        """Take back out of the prefix cache the blocks this step's allocation cached
-        past the request's computed tokens: the request left the step's batch
-        (preempted within it), so their K/V will never be written. Nobody else can
-        hold them yet: prefix hits are found only after all running requests."""
+        """Uncache the blocks this step cached past the computed tokens: the request
+        was preempted within the step, so their K/V will never be written (no one
+        holds them yet: prefix hits are found after all running requests)."""
         rid, bs = request.request_id, self.block_size
         start = request.num_computed_tokens // bs
         if rid not in self.req_to_blocks or self.num_cached_block[rid] <= start:
@@ -251,7 +208,6 @@ class KVCacheManager:
         self.block_pool.uncache_blocks(self.req_to_blocks[rid][start:])
         self.num_cached_block[rid] = start
 
-    # -- release -----------------------------------------------------------
     def free(self, request: "Request") -> None:
         """Release a request's blocks, last block first (evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
@@ -263,8 +219,8 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
 
     def free_tail(self, request: "Request", num_tokens: int) -> int:
-        """Return the blocks past the first ``num_tokens`` tokens (slots of rejected
-        draft tokens); returns how many. They hold no known token, so none is cached."""
+        """Free the blocks past ``num_tokens`` tokens (rejected drafts' slots, never
+        cached); returns how many."""
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return 0

@@ -1,6 +1,5 @@
-"""What the engine core reports back about each request after a step (what a caller of
-``LLM.generate`` gets is ``minivllm.outputs.RequestOutput``; what a core in its own
-process sends per step is ``engine_core_proc.EngineCoreOutputs``)."""
+"""What the engine core reports about each request after a step, token ids only (the
+caller gets ``minivllm.outputs.RequestOutput``)."""
 
 from __future__ import annotations
 
@@ -13,11 +12,7 @@ LogprobInfo = tuple[float, dict[int, float]]
 
 @dataclass
 class EngineCoreOutput:
-    """The new token(s) of one request in one step, and whether it finished.
-
-    Token ids only: turning them into text (and checking stop *strings*) is
-    the output processor's job on the API side.
-    """
+    """The new token(s) of one request in one step, and whether it finished."""
 
     request_id: str
     new_token_ids: list[int]

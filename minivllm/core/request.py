@@ -1,7 +1,4 @@
-"""One generation request as the engine core sees it.
-
-Token IDs plus bookkeeping: the scheduler moves it between states, the KV cache
-manager gives it blocks, the model runner advances ``num_computed_tokens``.
+"""One generation request as the engine core sees it: token IDs plus bookkeeping.
 
     WAITING ──schedule──▶ RUNNING ──finish──▶ FINISHED_{STOPPED,LENGTH_CAPPED,ABORTED}
      ▲  │                  │
@@ -78,26 +75,21 @@ class Request:
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output
-        # Tokens whose K/V are in the cache (or are being computed this step).
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # K/V in the cache (or computed this step)
         self.num_cached_tokens = -1  # prefix-cache hits at first admission
         self.num_preemptions = 0
-        # Hashes of the request's full blocks, in order (prefix caching).
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[int] = []  # of its full blocks (prefix caching)
         # Per output token: (chosen logprob, {token_id: logprob} top-n) or None.
         self.logprobs: list[tuple[float, dict[int, float]]] = []
         self.cumulative_logprob = 0.0
-        # Speculative decoding: draft tokens to verify next step (valid while one
-        # token short of computed) and the draft model's [k, vocab] probabilities.
+        # Speculative decoding: drafts to verify next step, the draft model's probs.
         self.spec_token_ids: list[int] = []
         self.spec_token_probs = None
-        # From a KV connector at the finish: where another engine can pull its KV.
-        self.kv_transfer_params: Optional[dict] = None
+        self.kv_transfer_params: Optional[dict] = None  # (a KV connector's, at the end)
         # (``is None``: a virtual clock may start at 0.0.)
         self.times = RequestTimes(
             arrival=time.monotonic() if arrival_time is None else arrival_time)
 
-    # -- sizes -----------------------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -1,11 +1,7 @@
-"""Scheduling policies: the order of the waiting queue and who is preempted.
-
-- ``fcfs``: arrival order (a preempted request goes back to the front); when
-  blocks run out, the most recently admitted running request is preempted.
-- ``priority`` (vLLM's; ``priority_queue.py``, loaded for it only): lower
-  ``priority`` first, then arrival; the least important, latest running
-  request is preempted first.
-"""
+"""Scheduling policies: the waiting queue's order and who is preempted. ``fcfs``: arrival
+order (a preempted request back in front), the latest admitted preempted first.
+``priority`` (``priority_queue.py``, loaded for it): lower ``priority`` first, then
+arrival; the least important, latest running request preempted first."""
 
 from __future__ import annotations
 

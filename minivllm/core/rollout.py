@@ -3,9 +3,9 @@
 An RL trainer (verl, OpenRLHF, TRL) keeps an engine alive across training
 steps. Each step it generates rollouts, trains on them, then pushes the new
 weights into the engine instead of starting a new one. ``LLM`` exposes that
-with vLLM's names (``LLM_API``; ``LLM`` forwards them here when first used, so
-none of this loads for a plain request); each runs on the engine core, between
-steps:
+with vLLM's names (``LLM_API``; ``LLM``'s methods, ``entrypoints/llm_rl.py``, call
+here, so none of this loads for a plain request); each runs on the engine core,
+between steps:
 
     llm.sleep(level=1)                      # free the KV cache while training
     ...                                     # the trainer's step
@@ -65,18 +65,11 @@ ASLEEP = "the engine is asleep (sleep(level={})): call wake_up() before generati
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
-# The calls ``LLM`` forwards here (``LLM.__getattr__``), with vLLM's names.
+# The calls ``LLM`` makes here (``entrypoints/llm_rl.py``), with vLLM's names.
 LLM_API = ("collective_rpc", "load_weights", "reset_prefix_cache", "pause_generation",
            "resume_generation", "is_paused", "sleep", "wake_up", "is_sleeping",
            "init_weight_transfer_engine", "start_weight_update", "update_weights",
            "finish_weight_update")
-
-
-def rollout_method(llm_engine, name: str):
-    """``LLM.<name>`` for a name of ``LLM_API``: the engine core's control's method."""
-    if llm_engine is None or name not in LLM_API:
-        raise AttributeError(f"'LLM' object has no attribute {name!r}")
-    return getattr(RolloutControl.of(llm_engine.engine_core), name)
 
 
 class EngineSleepingError(RuntimeError):
@@ -258,4 +251,4 @@ class RolloutControl:
 
 
 __all__ = ["ASLEEP", "LLM_API", "PAUSED", "SLEEP_TAGS", "EngineSleepingError", "RolloutControl",
-           "call_utility", "rollout_method", "sleeping_reason"]
+           "call_utility", "sleeping_reason"]

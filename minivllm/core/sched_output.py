@@ -1,5 +1,4 @@
-"""The scheduler's answer for one step: who runs, how many tokens, where (what the
-model runner needs to build the flat batch, and what the step trace plots)."""
+"""The scheduler's answer for one step: who runs, how many tokens, where."""
 
 from __future__ import annotations
 
@@ -13,28 +12,24 @@ if TYPE_CHECKING:
 @dataclass
 class SchedulerOutput:
     step: int
-    # Scheduled requests in batch order: running ones first, then new ones.
+    # In batch order: running ones first, then new ones.
     scheduled_requests: list["Request"] = field(default_factory=list)
-    # request_id -> tokens to compute this step (1 for a decode, a chunk of
-    # the prompt for a prefill).
+    # The rest by request_id: tokens to compute this step (1 for a decode)...
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # request_id -> tokens whose K/V were already in the cache *before* this
-    # step (prefix-cache hits included); the new tokens start at this position.
+    # ... tokens whose K/V were in the cache before this step (where the new ones start)...
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
-    # request_id -> draft tokens verified this step (speculative decoding),
-    # counted in its num_scheduled_tokens.
+    # ... draft tokens verified this step (in num_scheduled_tokens)...
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # request_id -> its whole block table (physical block ids, logical order).
+    # ... and the whole block table.
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     # Admitted from the waiting queue this step (new, or back from preemption).
     new_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Finished or aborted since the previous step: per-request state the
-    # model runner keeps for them can go.
+    # Finished or aborted since the previous step: the runner's state for them can go.
     finished_req_ids: set[str] = field(default_factory=set)
-    # For the step trace: blocks handed out / returned / evicted since the
-    # previous schedule(), and prefix-cache hits of this step's admissions.
+    # For the step trace: blocks allocated / freed / evicted since the previous
+    # schedule(), and prefix-cache hits of this step's admissions.
     num_blocks_allocated: int = 0
     num_blocks_freed: int = 0
     num_blocks_evicted: int = 0

@@ -10,11 +10,8 @@ from minivllm.core.request import Request, RequestStatus
 
 def check_stop(request: Request, max_model_len: int
                ) -> Optional[tuple[RequestStatus, Optional[int]]]:
-    """(finished status, stop reason) after a new token; None to continue.
-
-    A stop token that is also the last allowed token reports "stop": it
-    is the more informative reason.
-    """
+    """(finished status, stop reason) after a new token; None to continue. A stop
+    token that is also the last allowed one reports "stop", the more informative."""
     params = request.sampling_params
     last = request.output_token_ids[-1]
     if request.num_output_tokens >= params.min_tokens:

@@ -1,26 +1,12 @@
-"""Token IDs → text, one step at a time, never emitting half a character.
+"""Token IDs → text, one step at a time, never emitting half a character (chapter 10).
 
-A byte-level BPE token is a few *bytes*: "你" is three bytes and may arrive as
-two tokens, and decoding the first alone gives "\\ufffd". A streaming server
-must not send that, so the detokenizer holds text back until the bytes form
-whole characters. Instead of decoding all tokens every step (O(length)), two
-offsets keep a small window:
-
-    token_ids:  t0 t1 t2 t3 t4 t5 t6 t7
-                      ^prefix   ^read
-    decode(token_ids[prefix:read]) = text already emitted (the context)
-    decode(token_ids[prefix:])     = the same text + what is new
-
-The new text is the second minus the first; both start with the same token, so
-decoders that treat a first token specially (SentencePiece's "▁word") cancel
-out. A window ending in "\\ufffd" emits nothing and retries next step with more
-bytes; otherwise ``read`` moves to the end and ``prefix`` to the old ``read``.
-Two kinds of tokenizer need more, loaded for them only: SentencePiece byte
-fallback (``byte_fallback.py``) and Hugging Face's space clean-up
-(``cleanup_stream.py``).
-
-``finish()`` emits what was held back: the concatenation of every delta then
-equals ``tokenizer.decode(all_token_ids)`` (the tests check random sequences).
+Two offsets keep a small window: ``decode(ids[prefix:read])`` was emitted already,
+``decode(ids[prefix:])`` adds what is new; the difference is the step's text, unless
+it ends in "\\ufffd" (a character still waits for bytes: nothing is emitted). Both
+start at the same token, so a decoder's first-token rule ("▁word") cancels out.
+SentencePiece byte fallback (``byte_fallback.py``) and Hugging Face's space clean-up
+(``cleanup_stream.py``) load for the tokenizers that need them. The deltas and
+``finish()`` concatenate to ``tokenizer.decode(all_token_ids)``.
 """
 
 from __future__ import annotations
@@ -46,7 +32,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.finished = False
-        # Read of the tokenizer once (see _tokenizer_facts).
         cleans_up_spaces, self._byte_fallback = _tokenizer_facts(tokenizer)
         self._cleanup = None
         if cleans_up_spaces:  # (a few tokenizers: Hugging Face's " ." -> ".")
@@ -80,9 +65,8 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        # The Rust tokenizer directly: decode() without its per-call overhead, paid
-        # twice per sequence per step. No space clean-up: the window's edges are
-        # arbitrary, so it is done on the stream (_clean), which sees across them.
+        # The Rust tokenizer directly: no per-call overhead. No space clean-up at the
+        # window's arbitrary edges: _clean does it on the stream, across them.
         return self._backend.decode(self.token_ids[start:end],
                                     skip_special_tokens=self.skip_special_tokens)
 
@@ -94,8 +78,7 @@ class IncrementalDetokenizer:
         return self._cleanup.push(text) if self._cleanup else text
 
 
-# One entry per live tokenizer, read when it is first used: a detokenizer is made
-# per request, and scanning a 100k vocabulary each time would cost more than decoding.
+# Per live tokenizer, read once: a detokenizer is made per request.
 _FACTS: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 
 

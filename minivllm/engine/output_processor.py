@@ -1,12 +1,9 @@
-"""Token IDs from the engine core → text, stop strings, ``RequestOutput``s.
+"""Token IDs from the engine core → text, stop strings, ``RequestOutput``s (API side).
 
-This runs on the API side (the caller's process). For each request it keeps
-an incremental detokenizer and a stop-string checker; it turns the core's
-per-step token deltas into ``RequestOutput``s of the kind the caller asked
-for (cumulative, delta for streaming, or final only), and it reports which
-requests a stop string has ended, so the core can free them. A request with
-``n > 1`` runs as ``n`` core requests gathered into one output
-(``parallel_sampling.py``, loaded for such a request).
+Per request an incremental detokenizer and a stop-string checker turn the core's
+token deltas into outputs of the kind asked for (cumulative, delta, final only),
+and report which requests a stop string ended, for the core to free. ``n > 1`` runs
+as ``n`` core requests gathered into one output (``parallel_sampling.py``).
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ class RequestState:
     metrics: RequestMetrics  # shared by the n completions of one request
     index: int = 0  # which completion
     parent: Optional[ParentRequest] = None  # n > 1 only
-    # For a request that asks for logprobs or prompt logprobs, else None.
-    logprobs: Optional[LogprobsProcessor] = None
+    logprobs: Optional[LogprobsProcessor] = None  # (logprobs or prompt_logprobs asked)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: Optional[str] = None
@@ -141,7 +137,6 @@ class OutputProcessor:
             return None
         return request_id if state.parent is None else state.parent.request_id
 
-    # -- one step's outputs --------------------------------------------------
     def process_outputs(self, outputs: list[EngineCoreOutput]
                         ) -> tuple[list[RequestOutput], list[str]]:
         """(RequestOutputs to hand to callers, core request ids a stop string has ended)."""
@@ -164,12 +159,9 @@ class OutputProcessor:
     def _apply(self, state: RequestState, o: EngineCoreOutput) -> bool:
         """Apply one core output to its request; True if a stop string finished it."""
         m = state.metrics
-        # n > 1: the completions are scheduled on their own; the request was
-        # scheduled when its first one was.
-        if o.first_scheduled_time is not None and (
-                m.first_scheduled_time is None
-                or o.first_scheduled_time < m.first_scheduled_time):
-            m.first_scheduled_time = o.first_scheduled_time
+        t = o.first_scheduled_time  # (n > 1: when its first completion was)
+        if t is not None and (m.first_scheduled_time is None or t < m.first_scheduled_time):
+            m.first_scheduled_time = t
         if state.index == 0:  # the completions share the prompt: one count is enough
             state.num_cached_tokens = max(o.num_cached_tokens, 0)
             m.num_cached_tokens = state.num_cached_tokens
@@ -215,8 +207,9 @@ class OutputProcessor:
 
     def _make_output(self, request_id: str, states: list[RequestState]
                      ) -> Optional[RequestOutput]:
-        """The output of a caller's request from the states of its completions."""
-        first = states[0]  # (the prompt's numbers come with the first completion)
+        """A caller's request's output from its completions' states (the first has the
+        prompt's numbers)."""
+        first = states[0]
         finished = all(s.finished for s in states)
         kind = first.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
@@ -225,9 +218,7 @@ class OutputProcessor:
         completions = [s.completion(delta) for s in states]
         if finished:
             self._forget(request_id, states)
-        prompt_logprobs = None
-        if first.logprobs is not None:
-            prompt_logprobs = first.logprobs.take_prompt_logprobs(delta)
+        prompt_logprobs = first.logprobs and first.logprobs.take_prompt_logprobs(delta)
         return RequestOutput(
             request_id=request_id, prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids, outputs=completions,
@@ -235,7 +226,6 @@ class OutputProcessor:
             metrics=first.metrics, prompt_logprobs=prompt_logprobs,
             kv_transfer_params=first.kv_transfer_params, pooling_output=first.pooling_output)
 
-    # -- aborts --------------------------------------------------------------
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         """Finish a caller's request on this side ("abort"); returns its last output."""
         states = self._states(request_id)

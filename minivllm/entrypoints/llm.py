@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.entrypoints.llm_rl import RLMethods
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -24,12 +25,14 @@ ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
 LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]  # (one, or per prompt)
 
 
-class LLM:
+class LLM(RLMethods):
+    """vLLM's offline API; the RL methods (``sleep``, ``load_weights``, ...) come from
+    ``RLMethods`` (``llm_rl.py``)."""
+
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         args = engine_args_from_kwargs(model, engine_args)
         self.llm_engine = LLMEngine.from_engine_args(args)
 
-    # -- convenience -----------------------------------------------------------
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -42,17 +45,14 @@ class LLM:
     def engine_core(self):
         return self.llm_engine.engine_core
 
-    # -- generation --------------------------------------------------------------
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: ParamsArg = None,
                  use_tqdm: bool = True,
                  priority: Union[None, int, Sequence[int]] = None,
                  lora_request: LoRAArg = None) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of the prompts.
-
-        ``priority`` (lower first; needs ``scheduling_policy="priority"``) and
-        ``lora_request`` (a ``LoRARequest`` or None; needs ``enable_lora=True``), like
-        ``sampling_params``, are one for all prompts or a list of one per prompt."""
+        """Complete every prompt; outputs in the prompts' order. ``sampling_params``,
+        ``priority`` (lower first; ``scheduling_policy="priority"``) and ``lora_request``
+        (``enable_lora=True``) are one for all prompts or a list of one per prompt."""
         items = _as_prompt_list(prompts)
         params = _one_per_prompt("sampling_params", SamplingParams() if sampling_params is None
                                  else sampling_params, len(items))
@@ -122,15 +122,24 @@ class LLM:
             bar.close()
         return [done[i] for i in ids]
 
-    def __getattr__(self, name: str):
-        if name in ("embed", "classify", "score"):  # pooling: minivllm/pooling/offline.py
-            from minivllm.pooling.offline import pooling_method
-            return pooling_method(self, name)
-        # vLLM's RL API (collective_rpc, load_weights, reset_prefix_cache, sleep,
-        # wake_up, pause_generation, ...) loads when first used: core/rollout.py.
-        from minivllm.core.rollout import rollout_method
+    # -- pooling (minivllm/pooling/offline.py, loaded on the first call) -------------
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None):
+        """One embedding per prompt (``out.outputs.embedding``)."""
+        from minivllm.pooling.offline import embed
 
-        return rollout_method(self.__dict__.get("llm_engine"), name)
+        return embed(self, prompts, pooling_params, use_tqdm, lora_request)
+
+    def classify(self, prompts, pooling_params=None, use_tqdm: bool = True):
+        """A ``*ForSequenceClassification`` model's label probabilities per prompt."""
+        from minivllm.pooling.offline import classify
+
+        return classify(self, prompts, pooling_params, use_tqdm)
+
+    def score(self, data_1, data_2, pooling_params=None, use_tqdm: bool = True):
+        """Scores of ``(data_1, data_2)`` pairs (``out.outputs.score``)."""
+        from minivllm.pooling.offline import score
+
+        return score(self, data_1, data_2, pooling_params, use_tqdm)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

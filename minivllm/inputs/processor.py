@@ -1,13 +1,9 @@
 """Prompt + parameters → the engine request: the first stage of every request.
 
-A prompt is a string, a list of token IDs, or chat messages, which the model's chat
-template renders first (it places the special tokens, so the text is then tokenized
-without adding more), or a dict holding one and a ``cache_salt`` (prompt_dict.py). Every
-check a request needs against this model and engine is made here, once, before it is
-registered anywhere: token IDs in the vocabulary, the length against ``max_model_len``
-(``max_tokens`` resolved), the parameters, the grammar, the priority, the LoRA adapter,
-the salt; a refusal is an ``InvalidRequestError`` whose ``param`` names the field.
-``bad_words`` are tokenized here too. Whether KV blocks suffice only the scheduler knows.
+A prompt is a string, token IDs, chat messages (the chat template renders them, special
+tokens included), or a dict of one and a ``cache_salt`` (prompt_dict.py). Every check
+against this model and engine is made here, once (an ``InvalidRequestError`` naming the
+field), and ``bad_words`` are tokenized; whether KV blocks suffice the scheduler knows.
 """
 
 from __future__ import annotations

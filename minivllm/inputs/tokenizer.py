@@ -10,11 +10,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(path: str | Path):
-    """The model folder's Hugging Face tokenizer (with its chat template).
-
-    A folder with no tokenizer files (the tests' tiny random models) gives
-    None: such a model takes token-ID prompts and returns token IDs only.
-    """
+    """The folder's Hugging Face tokenizer, or None for a folder without one (the tests'
+    tiny random models): such a model takes and returns token IDs only."""
     from transformers import AutoTokenizer
 
     if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
@@ -23,11 +20,8 @@ def load_tokenizer(path: str | Path):
 
 
 def read_eos_token_ids(path: str | Path, tokenizer=None) -> frozenset[int]:
-    """EOS ids from generation_config.json, else config.json, else the tokenizer.
-
-    Chat models often list several (end of text and end of turn); generation
-    stops at any of them.
-    """
+    """EOS ids (chat models list several) from generation_config.json, else
+    config.json, else the tokenizer."""
     path = Path(path)
     for name in ("generation_config.json", "config.json"):
         f = path / name

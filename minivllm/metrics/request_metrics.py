@@ -64,27 +64,19 @@ class RequestMetrics:
 
     @property
     def ttft(self) -> Optional[float]:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return _span(self.arrival_time, self.first_token_time)
 
     @property
     def queue_time(self) -> Optional[float]:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
+        return _span(self.arrival_time, self.first_scheduled_time)
 
     @property
     def prefill_time(self) -> Optional[float]:
-        if self.first_token_time is None or self.first_scheduled_time is None:
-            return None
-        return self.first_token_time - self.first_scheduled_time
+        return _span(self.first_scheduled_time, self.first_token_time)
 
     @property
     def decode_time(self) -> Optional[float]:
-        if self.first_token_time is None or self.last_token_time is None:
-            return None
-        return self.last_token_time - self.first_token_time
+        return _span(self.first_token_time, self.last_token_time)
 
     @property
     def itl(self) -> list[float]:
@@ -103,6 +95,9 @@ class RequestMetrics:
 
     @property
     def e2e_latency(self) -> Optional[float]:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
+        return _span(self.arrival_time, self.finished_time)
+
+
+def _span(start: Optional[float], end: Optional[float]) -> Optional[float]:
+    """``end - start``; None while either is unknown."""
+    return None if start is None or end is None else end - start

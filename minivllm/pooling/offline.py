@@ -14,7 +14,6 @@ as ``text_2``.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -164,14 +163,6 @@ def _pool(llm, task: str, prompts, pooling_params, use_tqdm: bool, lora_request=
     return llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
-POOLING_METHODS = {"embed": embed, "classify": classify, "score": score}
-
-
-def pooling_method(llm, name: str):
-    """``LLM.<name>`` for the pooling methods (bound to ``llm``)."""
-    return functools.partial(POOLING_METHODS[name], llm)
-
-
-__all__ = ["embed", "classify", "score", "pooling_method", "pooling_requests", "as_embeddings", "as_classifications", "score_pairs",
+__all__ = ["embed", "classify", "score", "pooling_requests", "as_embeddings", "as_classifications", "score_pairs",
            "cross_encoder_prompt", "cross_encoder_scores", "cosine_scores",
            "model_pooler_info", "check_task", "check_dimensions"]

@@ -1,15 +1,9 @@
-"""Turn one step's logits into one next token per request.
+"""Turn one step's ``[B, V]`` logits into one next token per row (request).
 
-The model runner hands the sampler a ``[B, V]`` matrix, one row per request
-that completes a token this step. Each row has its own knobs
-(``SamplingParams``), packed once into per-row tensors (``SamplingMetadata``)
-so the sampler works on the whole batch at once.
-
-A batch of plain greedy rows (temperature 0, no penalty, no pending
-``min_tokens``, no logprobs) is one argmax, and that is all this module does.
-Any other knob loads ``knobs.py``, which applies them in vLLM V1's order:
-raw logprobs, penalties, ``min_tokens``, then the argmax for greedy rows and
-temperature, min-p, top-k, top-p and a draw for random ones.
+Each row's knobs (``SamplingParams``) are packed into per-row tensors
+(``SamplingMetadata``). A batch of plain greedy rows is one argmax, all this module
+does; any other knob loads ``knobs.py``, which applies them in vLLM V1's order (raw
+logprobs, penalties, ``min_tokens``; argmax, or temperature, min-p, top-k, top-p, draw).
 """
 
 from __future__ import annotations
@@ -26,11 +20,8 @@ if TYPE_CHECKING:
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The random stream of one seeded request.
-
-    The caller keeps it for the request's whole life and passes the same
-    object every step, so step ``t`` continues where step ``t-1`` stopped.
-    """
+    """The random stream of one seeded request, kept for its whole life (step t
+    continues where step t - 1 stopped)."""
     generator = torch.Generator(device=torch.device(device))
     generator.manual_seed(seed)
     return generator
@@ -51,11 +42,8 @@ class SamplingRow:
 
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling knobs as batched tensors, plus flags for the fast paths.
-
-    A tensor is ``None`` when no row needs that step; the defaults describe a
-    batch of plain greedy rows, which is one argmax.
-    """
+    """Per-row knobs as batched tensors (None: no row needs that step); the defaults
+    describe a batch of plain greedy rows."""
 
     num_rows: int
     vocab_size: int
@@ -128,9 +116,7 @@ class Sampler:
         if tuple(logits.shape) != (md.num_rows, md.vocab_size):
             raise ValueError(f"logits shape {tuple(logits.shape)} is invalid: must be "
                              f"[num_rows={md.num_rows}, vocab_size={md.vocab_size}]")
-        if md.only_argmax:
-            # bfloat16 -> float32 is exact, so the model's own logits give the same
-            # token; the copy would cost a big batch's step a visible share.
+        if md.only_argmax:  # (on the model's own dtype: the same token, no copy)
             return SamplerOutput(self.argmax(logits))
         from minivllm.sample.knobs import sample_with_knobs
 

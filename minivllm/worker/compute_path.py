@@ -6,6 +6,8 @@ runner starts: the attention backend, the dtype, what happens to the loaded mode
 pure decode step, as vLLM replays CUDA graphs). ``reference_path.py``'s
 ``ReferencePath`` is the plain one, ``minivllm/cpu/accelerate.py``'s ``CpuPath``
 the other; both are ``ComputePath``s (``tests/test_compute_path.py`` checks it).
+``acceleration_off`` says why the CPU acceleration cannot take the reference's
+place, decided before anything of ``minivllm/cpu`` is imported.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from minivllm import envs
+from minivllm.config import EngineConfig
 from minivllm.model.attention.backend import AttentionBackend
 from minivllm.sample.sampler import Sampler
 
@@ -57,4 +61,25 @@ class ComputePath(Protocol):
         packed weights, the replay); the reference changes nothing."""
 
 
-__all__ = ["ComputePath", "DecodeReplay"]
+def acceleration_off(config: EngineConfig) -> Optional[str]:
+    """Why this engine runs without the CPU acceleration, decided before anything of it
+    is imported (``cpu_kernels``, ``MINIVLLM_CPU_KERNELS``, the device), or None."""
+    if config.cpu_kernels is False:
+        return "cpu_kernels=False"
+    if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
+        return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
+    if config.model.layer_types is not None:  # the C++ attention has no window mask
+        from minivllm.worker.kv_cache_groups import cpu_kernels_problem
+
+        return cpu_kernels_problem(config)
+    # batch_invariant: the kernels compute a step's sequences together (batch_invariant.py).
+    if config.batch_invariant or torch.device(config.device).type != "cpu":
+        problem = ("batch_invariant=True" if config.batch_invariant
+                   else f"device {config.device!r} is not the CPU")
+        if config.cpu_kernels:
+            raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
+        return problem
+    return None
+
+
+__all__ = ["ComputePath", "DecodeReplay", "acceleration_off"]

@@ -1,7 +1,6 @@
-"""The reference compute path (``compute_path.py`` has the contract it fulfils), and
-``acceleration_off``: whether the CPU acceleration takes its place, decided before
-anything of ``minivllm/cpu`` is imported (with ``cpu_kernels=False`` it never does).
-"""
+"""The reference compute path (``compute_path.py`` has the contract it fulfils, and
+``acceleration_off``: whether the CPU acceleration takes its place, asked only when
+``cpu_kernels`` is not False)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from minivllm import envs
 from minivllm.config import EngineConfig
 from minivllm.model.attention.backend import AttentionBackend
 from minivllm.model.attention.selector import get_attention_backend
@@ -41,30 +39,14 @@ class ReferencePath:
         device = torch.device(config.device)
         # Only the torch reference masks sliding windows: it is their default too.
         default = "torch" if config.model.layer_types is not None else None
+        problem = "cpu_kernels=False"
+        if config.cpu_kernels is not False:
+            from minivllm.worker.compute_path import acceleration_off
+
+            problem = acceleration_off(config)
         return ReferencePath(get_attention_backend(config.attention_backend, device,
                                                    default=default),
-                             config.model.dtype, Sampler(), acceleration_off(config))
+                             config.model.dtype, Sampler(), problem)
 
 
-def acceleration_off(config: EngineConfig) -> Optional[str]:
-    """Why this engine runs without the CPU acceleration, decided before anything of it
-    is imported (``cpu_kernels``, ``MINIVLLM_CPU_KERNELS``, the device), or None."""
-    if config.cpu_kernels is False:
-        return "cpu_kernels=False"
-    if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
-        return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
-    if config.model.layer_types is not None:  # the C++ attention has no window mask
-        from minivllm.worker.kv_cache_groups import cpu_kernels_problem
-
-        return cpu_kernels_problem(config)
-    # batch_invariant: the kernels compute a step's sequences together (batch_invariant.py).
-    if config.batch_invariant or torch.device(config.device).type != "cpu":
-        problem = ("batch_invariant=True" if config.batch_invariant
-                   else f"device {config.device!r} is not the CPU")
-        if config.cpu_kernels:
-            raise RuntimeError(f"cpu_kernels=True, but the CPU kernels cannot run: {problem}")
-        return problem
-    return None
-
-
-__all__ = ["ReferencePath", "acceleration_off"]
+__all__ = ["ReferencePath"]

@@ -1,11 +1,6 @@
-"""The contract between the model and an attention implementation.
-
-The model never sees requests. Each step it gets one *flat* batch: the new
-tokens of every scheduled sequence laid end to end (prefill chunks and single
-decode tokens mixed), and this metadata saying where each sequence starts and
-where its keys and values live in the paged KV cache.
-
-Example, block_size=4, two sequences:
+"""The contract between the model and an attention implementation: one *flat* batch
+per step (every sequence's new tokens end to end) and where each sequence starts and
+its K/V live in the paged cache. Example, block_size=4, two sequences:
   seq 0: 3 tokens already cached, 2 new  -> query_len 2, seq_len 5
   seq 1: decode, 9 tokens cached, 1 new  -> query_len 1, seq_len 10
   query_start_loc = [0, 2, 3]      (prefix sums of query lengths)
@@ -64,13 +59,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Computes attention for one flat step and stores the new K/V.
-
-    Tensors: ``q`` [num_tokens, num_heads, head_dim], ``k``/``v``
-    [num_tokens, num_kv_heads, head_dim]; caches ``k_cache``/``v_cache``
-    [num_blocks, block_size, num_kv_heads, head_dim] (or None when running
-    without a cache). Returns [num_tokens, num_heads, head_dim].
-    """
+    """Attention for one flat step: q [T, H, D], k/v [T, Hkv, D], caches [blocks,
+    block_size, Hkv, D] (or None) -> [T, H, D]; ``write_kv`` stores the new K/V."""
 
     name: str = "abstract"
 

@@ -1,10 +1,6 @@
-"""The attention layer as the model sees it: q, k, v in, context out.
-
-It owns no weights. The model runner binds this layer's slice of the paged
-KV cache (``k_cache`` / ``v_cache``) once at start-up; each forward the layer
-stores the step's new K/V in their slots and lets the backend attend over
-the whole context through the block tables.
-"""
+"""The attention layer as the model sees it: q, k, v in, context out. No weights: the
+runner binds its slice of the paged KV cache once; each forward stores the new K/V
+and lets the backend attend through the block tables."""
 
 from __future__ import annotations
 

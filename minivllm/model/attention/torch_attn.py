@@ -1,17 +1,6 @@
-"""Reference paged attention in plain PyTorch: one sequence at a time, any device.
-
-For each sequence of the flat batch:
-
-1. its new queries are rows ``query_start_loc[i] : query_start_loc[i + 1]``;
-2. its keys and values — cached context and the new tokens, which the layer
-   has just written — are read back from the paged cache through its block
-   table (``gather_kv``);
-3. each query attends causally: the query at position ``p`` sees keys
-   ``0..p``; query heads share KV heads in groups (grouped-query attention).
-
-This is the oracle the tests hold the other backends to. The CPU's
-production backend (``minivllm/cpu/attention.py``) batches the same work.
-"""
+"""Reference paged attention in plain PyTorch, one sequence at a time: its queries,
+its K/V read back through its block table (``gather_kv``), causal attention with
+grouped KV heads. The oracle the tests hold the other backends to."""
 
 from __future__ import annotations
 

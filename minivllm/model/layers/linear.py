@@ -1,22 +1,15 @@
-"""Linear layers that split themselves across tensor-parallel ranks.
-
-``ColumnParallelLinear`` splits the output features (no communication);
-``RowParallelLinear`` the input features (partial sums, one all-reduce);
-``QKVParallelLinear`` / ``MergedColumnParallelLinear`` fuse q, k, v / gate, up
-into one matrix, so one GEMM does the work of three (or two). Each parameter's
-``weight_loader`` copies this rank's slice of the full checkpoint tensor; with a
-``quant_config`` a layer holds a ``qweight`` of blocks instead, filled with the
-same slices (``shard_rows``), and its ``quant_method`` computes the product.
-"""
+"""Linear layers that split themselves across tensor-parallel ranks: column-parallel
+splits the outputs, row-parallel the inputs (then one all-reduce); q, k, v and gate, up
+are fused into one matrix each. ``weight_loader`` copies this rank's slice; with a
+``quant_config`` the same slices fill a ``qweight`` of blocks instead."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from minivllm.model.layers.parallel import divide, tp_rank, tp_size
 from minivllm.model.layers.quantization import QuantizationConfig, QuantizedTensor
@@ -102,11 +95,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matrix, split across ranks by heads.
-
-    With fewer KV heads than ranks, KV heads are replicated: each rank keeps
-    the one KV head its query heads use.
-    """
+    """q, k and v in one matrix, split by heads (with fewer KV heads than ranks, each
+    rank keeps a copy of the one its query heads use)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int,
                  num_kv_heads: int, bias: bool = False,
@@ -118,7 +108,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_kv_heads >= size:
             self.num_kv_heads = divide(num_kv_heads, size, "num_key_value_heads")
             self.kv_replicas = 1
-        else:  # each rank keeps a copy of the one KV head its query heads read
+        else:
             if size % num_kv_heads:
                 raise ValueError(f"num_key_value_heads={num_kv_heads} does not divide "
                                  f"tensor_parallel_size={size}: KV heads cannot be "

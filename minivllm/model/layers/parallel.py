@@ -1,11 +1,7 @@
-"""Tensor-parallel rank and size as the layers see them.
-
-The group is torch.distributed's default one (``worker/tp_executor.py``); with
-none (one process) rank is 0 and size 1. A layer reads both once, when built: its
-weights were cut for that size, so its own ``tp_size`` says whether to communicate
-(``collectives.py``, loaded then). ``collective_stats`` counts the collectives'
-bytes and seconds for the step trace.
-"""
+"""Tensor-parallel rank and size as the layers see them, from torch.distributed's
+default group (none: rank 0 of 1), read once when a layer is built; then its own
+``tp_size`` says whether to communicate (``collectives.py``). ``collective_stats``
+counts the collectives' bytes and seconds for the step trace."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Token embedding and LM head, split across ranks by vocabulary rows.
-
-Rank r holds rows [r * rows, (r + 1) * rows) with rows = ceil(vocab / tp);
-the last rank's rows past the vocabulary are zero padding. With a
-``quant_config`` the rows are quantized blocks (``qweight``): a lookup
-dequantizes only the looked-up rows; the LM head multiplies by all of them.
-"""
+"""Token embedding and LM head, split across ranks by vocabulary rows (ceil(vocab / tp)
+each, the last rank's zero-padded). Quantized (``qweight``), a lookup dequantizes only
+its rows; the LM head multiplies by all."""
 
 from __future__ import annotations
 

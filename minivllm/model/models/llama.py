@@ -1,11 +1,7 @@
-"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
-
-They differ in three switches of ``ModelConfig`` (``attention_bias``,
-``qk_norm``, ``tie_word_embeddings``), so one implementation serves all.
-The model takes one flat batch of tokens — no batch dimension, no padding —
-and returns hidden states; ``compute_logits`` turns only the rows that
-sample into vocabulary scores.
-"""
+"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm), one
+implementation with three switches (``attention_bias``, ``qk_norm``,
+``tie_word_embeddings``). It takes one flat batch of tokens (no padding) and returns
+hidden states; ``compute_logits`` scores only the rows that sample."""
 
 from __future__ import annotations
 
@@ -150,11 +146,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Flat [T] token ids and positions -> final hidden states [T, hidden].
-
-        Each decoder layer returns ``(hidden, residual)``; their sum is the residual
-        stream (a forward hook on ``model.layers[i]`` sees it, as chapter 3 does).
-        """
+        """Flat [T] token ids and positions -> final hidden states [T, hidden]. Each
+        layer returns ``(hidden, residual)``, summing to the residual stream (chapter 3)."""
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:

@@ -1,13 +1,8 @@
-"""Quantized weights: GGUF files computed on as they ship, and Q8_0 at load.
-
-vLLM's names: ``quantization="gguf"`` keeps a GGUF file's quantized tensors;
-``"q8_0"`` quantizes a float checkpoint's linear layers at load (as vLLM's ``fp8``).
-Such a layer holds a ``QuantizedWeight`` (``tensor.py``) instead of ``weight``; the
-reference dequantizes it to float32 (``ggml_types.py``) and multiplies: plain, and
-the float path's numbers. The CPU kernels (``minivllm/cpu/quantized.py``) compute
-on the packed blocks; ``activation_dtype="int8"`` gives llama.cpp's integer dot
-products (``int8_activations.py``).
-"""
+"""Quantized weights: ``quantization="gguf"`` keeps a GGUF file's blocks, ``"q8_0"``
+quantizes a float checkpoint's linear layers at load. Such a layer holds a
+``QuantizedWeight`` (``tensor.py``); the reference dequantizes it to float32 and
+multiplies, the CPU kernels compute on the blocks (``minivllm/cpu/quantized.py``;
+``activation_dtype="int8"``: ``int8_activations.py``)."""
 
 from __future__ import annotations
 

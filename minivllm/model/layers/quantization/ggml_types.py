@@ -1,28 +1,11 @@
 """The GGML block formats minivllm reads, in plain PyTorch: one dequantize per type.
 
-A GGUF tensor of a quantized type is a sequence of *blocks*. Each block
-encodes a fixed run of consecutive weights along a row (the input features):
-a few scale numbers and packed small integers. Blocks never cross a row, so
-a [rows, cols] matrix is ``rows`` rows of ``cols / block_size`` blocks each,
-``cols / block_size * type_size`` bytes a row.
-
-The formats (GGML's names and type ids; ``d``, ``m``: float16 scale and minimum):
-
-====== ===== ======= ==========================================================
-type    id   weights  block layout (bytes)                     weight i
-====== ===== ======= ==========================================================
-Q4_0    2     32     d, 16 bytes of nibbles                    d * (q_i - 8)
-Q4_1    3     32     d, m, 16 bytes of nibbles                 d * q_i + m
-Q8_0    8     32     d, 32 int8                                d * q_i
-====== ===== ======= ==========================================================
-
-and the K-quants Q4_K, Q6_K of 256 weights (``k_quants.py``, loaded for a file that
-has them; the default model's file is Q4_1 and Q8_0).
-
-In the 4-bit types of 32, byte k holds weight k in its low nibble and weight
-k + 16 in its high one. The arithmetic below is done in float32 in the same
-order as ``gguf.quants`` (and ggml's C), so the numbers are bit for bit the
-ones ``minivllm``'s float path dequantizes at load.
+A block encodes a run of weights along a row: float16 scale ``d`` (and minimum ``m``)
+and packed integers; Q4_0 is ``d * (q - 8)``, Q4_1 ``d * q + m``, Q8_0 ``d * q``, and in
+the 4-bit types byte k holds weight k (low nibble) and k + 16 (high). The K-quants of
+256 weights load from ``k_quants.py`` for a file that has them (the default model's
+is Q4_1 and Q8_0). Chapter 16 draws the formats. The float32 arithmetic follows
+``gguf.quants``' order, so the numbers are bit for bit the float path's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Quantized weights as they ship, and the layers' view of them.
-
-``QuantizedTensor`` is one GGUF tensor: [rows, row_bytes] bytes of one block type
-(``ggml_types.py``). Blocks run along a row, so loaders slice rows as they slice a
-float matrix; a column slice (the row-parallel split) must fall on block boundaries.
-``QuantizedWeight`` is a layer's weight: its rows in segments, one per block type
-(llama.cpp's mixed files ship ``attn_v`` in Q6_K, q and k in Q4_K).
-"""
+"""``QuantizedTensor``, one GGUF tensor ([rows, row_bytes] of one block type; a column
+slice must fall on block boundaries), and ``QuantizedWeight``, a layer's rows in
+segments of one block type each (mixed files ship ``attn_v`` in Q6_K, q, k in Q4_K)."""
 
 from __future__ import annotations
 
