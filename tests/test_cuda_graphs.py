@@ -150,6 +150,7 @@ def test_padded_step_equals_unpadded_and_touches_no_other_block(runner):
     assert check_padded_steps(runner) == [(5, 8), (3, 4)]
 
 
+@pytest.mark.slow
 def test_padded_step_through_triton_kernels_in_subprocess(tiny_model):
     """The same check on the kernels the GPU runs (Triton's interpreter, its own process:
     TRITON_INTERPRET must be set before Triton is first imported)."""
