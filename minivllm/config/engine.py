@@ -99,10 +99,8 @@ class EngineArgs:
     enable_sleep_mode: bool = False  # LLM.sleep(level) / wake_up(tags): core/rollout.py
     batch_invariant: bool = False  # logprobs alone == beside others: worker/batch_invariant.py
     weight_transfer_config: Optional[dict] = None  # {"backend": "gloo"}: core/rollout.py
-    # The GPU path (vLLM's names): the memory share the engine may take (the KV cache
-    # sized from a profiled step), and CUDA graphs of decode steps unless enforce_eager.
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9  # CUDA: the engine's share (worker/kv_sizing.py)
+    enforce_eager: bool = False  # no CUDA graphs of decode steps (worker/cuda_graphs.py)
     max_cudagraph_capture_size: Optional[int] = None  # None: 2 x max_num_seqs, <= 512
 
     # -- the command line (config/cli.py) ---------------------------------------

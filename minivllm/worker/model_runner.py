@@ -111,7 +111,6 @@ class ModelRunner:
         self.kv_connector = None  # the worker half of kv_transfer_config's connector
         self.kv_groups = None  # several kinds of attention: one table per KV cache group
         self.cuda_graphs = None  # decode steps as CUDA graphs, captured with the KV cache
-        self.cuda_graphs_problem: Optional[str] = "no KV cache yet"
         if config.model.layer_types is not None:
             from minivllm.worker.kv_cache_groups import KVCacheGroups
 
@@ -304,10 +303,8 @@ class ModelRunner:
 
             return forward_each_sequence(self.model, inputs)
         graphs = self.cuda_graphs  # a decode step padded to a bucket and replayed
-        if graphs is not None and graphs.accepts(inputs.input_ids, inputs.meta):
-            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        run = graphs.run if graphs and graphs.accepts(inputs.input_ids, inputs.meta) else self.model
+        hidden = run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def execute_model(self, so: SchedulerOutput, forward_fn=None) -> ModelRunnerOutput:
