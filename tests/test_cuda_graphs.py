@@ -38,9 +38,10 @@ def test_capture_sizes_follow_vllm_default_list():
     assert capture_sizes(1) == [1]
     assert capture_sizes(16) == [1, 2, 4, 8, 16]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]  # the largest is always captured
-    sizes = capture_sizes(512)
-    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and len(sizes) == 3 + 64
-    assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+    sizes = capture_sizes(512)  # 1, 2, 4; 8..248 by 8; 256..512 by 16
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and len(sizes) == 3 + 31 + 17
+    assert {b - a for a, b in zip(sizes[3:], sizes[4:]) if b <= 256} == {8}
+    assert {b - a for a, b in zip(sizes[3:], sizes[4:]) if a >= 256} == {16}
     # 2 x the decode tokens of a step (drafts included), capped at 512.
     assert default_max_capture_size(128) == 256
     assert default_max_capture_size(128, num_speculative_tokens=3) == 512
@@ -55,6 +56,7 @@ def test_bucket_is_the_next_captured_size_or_eager():
     assert {n: bucket_for(n, sizes) for n in expected} == expected
     assert bucket_for(257, sizes) is None  # past the largest: the step runs eagerly
     assert padding_waste(5, sizes) == 3 / 8 and padding_waste(257, sizes) == 0.0
+    assert bucket_for(257, capture_sizes(512)) == 272
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ sizes, the same memory addresses. So
   step's shape (query lengths, tiles) changes every step, and it runs eagerly, as
   does a step larger than the biggest bucket.
 
-The sizes follow vLLM's default list: 1, 2, 4, then every multiple of 8 up to the
-largest (``max_cudagraph_capture_size``, vLLM's default: twice the decode tokens a
-step may hold, at most 512). ``enforce_eager=True`` (vLLM's name) turns graphs off;
+The sizes follow vLLM's default list: 1, 2, 4, every multiple of 8 below 256, then
+of 16 up to the largest (``max_cudagraph_capture_size``, vLLM's default: twice the
+decode tokens a step may hold, at most 512). ``enforce_eager=True`` (vLLM's name) turns graphs off;
 the CPU never captures (its decode replay is ``minivllm/cpu/fused_decode.py``).
 The graphs need an attention backend whose launches depend only on tensors, not on
 Python copies of the lengths: the Triton one (``model/attention/triton_attn.py``).
@@ -47,10 +47,12 @@ def default_max_capture_size(max_num_seqs: int, num_speculative_tokens: int = 0)
 
 
 def capture_sizes(max_size: int) -> list[int]:
-    """1, 2, 4, then multiples of 8 up to ``max_size`` (itself added if it is not one)."""
+    """1, 2, 4, multiples of 8 below 256, then of 16 up to ``max_size`` (itself added
+    if it is not one): vLLM's default list."""
     if max_size < 1:
         raise ValueError(f"max_cudagraph_capture_size={max_size} must be >= 1")
-    sizes = [s for s in (1, 2, 4) if s <= max_size] + list(range(8, max_size + 1, 8))
+    sizes = ([s for s in (1, 2, 4) if s <= max_size] + list(range(8, min(max_size + 1, 256), 8))
+             + list(range(256, max_size + 1, 16)))
     if sizes[-1] != max_size:
         sizes.append(max_size)
     return sizes
