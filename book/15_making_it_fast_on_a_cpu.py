@@ -667,21 +667,20 @@ from minivllm.worker.cuda_graphs import (DecodeGraphs, StaticInputs, bucket_for,
 show_source(StaticInputs.fill)
 
 # %% [markdown]
-# Everything but the recording runs on a CPU too (`capture=False`): a decode step of
-# three sequences goes through the reference model padded to the bucket of 4, and its
-# three real rows come out as the unpadded step's.
+# Everything but the recording runs on a CPU too (`capture=False`): the one-sequence
+# decode step recorded above goes through the reference model padded to a bucket of 4,
+# and its real row comes out as the unpadded step's.
 
 # %%
-step3 = decode_step(ref, PROMPTS[:3])
-graphs = DecodeGraphs(ref_runner.model, capture_sizes(8), step3.meta.block_tables.shape[1],
+graphs = DecodeGraphs(ref_runner.model, [4], ref_one.meta.block_tables.shape[1],
                       ref.llm_engine.config.scheduler.max_model_len, torch.device("cpu"),
                       capture=False)
 with torch.inference_mode():
-    unpadded = ref_runner.model(step3.input_ids, step3.positions, step3.meta)
-padded = graphs.run(step3.input_ids, step3.positions, step3.meta)
-print(f"3 sequences run as bucket {bucket_for(3, graphs.sizes)}; slots of the rows: "
-      f"{graphs.buffers.slot_mapping[:4].tolist()}")
-assert bucket_for(3, graphs.sizes) == 4 and graphs.buffers.slot_mapping[3] == -1
+    unpadded = ref_runner.model(ref_one.input_ids, ref_one.positions, ref_one.meta)
+padded = graphs.run(ref_one.input_ids, ref_one.positions, ref_one.meta)
+print(f"1 sequence run as a bucket of 4; slots of the rows: "
+      f"{graphs.buffers.slot_mapping.tolist()}, lengths {graphs.buffers.seq_lens.tolist()}")
+assert graphs.buffers.slot_mapping[1:].eq(-1).all() and graphs.buffers.seq_lens[1:].eq(1).all()
 assert padded.shape == unpadded.shape and torch.allclose(padded, unpadded, atol=1e-4)
 
 # %% [markdown]
@@ -696,7 +695,7 @@ assert padded.shape == unpadded.shape and torch.allclose(padded, unpadded, atol=
 sizes = capture_sizes(256)
 batches = list(range(1, 257))
 waste = [padding_waste(n, sizes) for n in batches]
-assert max(waste) == padding_waste(5, sizes) == 3 / 8  # 5 rows in a bucket of 8
+assert max(waste) == padding_waste(9, sizes) == 7 / 16  # 9 rows in a bucket of 16
 assert all(w == 0 for n, w in zip(batches, waste) if n in sizes)
 assert all(w < 8 / n for n, w in zip(batches, waste))  # at most 7 rows of padding
 print(f"mean padding over batch sizes 1-256: {sum(waste) / len(waste):.1%}")
@@ -705,8 +704,8 @@ line_chart(batches, {"padding rows / bucket rows": waste}, "Padding to the next 
 
 # %% [markdown]
 # Padding is cheap where it happens: a decode step reads every weight once whatever its
-# rows (the roofline above), so the 3 padding rows of a 5-sequence step cost almost
-# nothing next to the launches the graph saves. The KV cache on a GPU is sized as
+# rows (the roofline above), so the 7 padding rows of a 9-sequence step cost little
+# next to the launches the graph saves. The KV cache on a GPU is sized as
 # chapter 4 worked out (`gpu_memory_utilization` of the device, minus the weights and
 # a profiled step's peak); the graphs' own memory comes out of the rest. `make
 # gpu-check` runs all of it on a GPU machine: parity with Hugging Face eager and with
