@@ -16,7 +16,7 @@ PYTEST_ARGS  ?=
 TEST_JOBS    ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 XDIST        := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup book notebooks chat test test-fast test-book serve results figures bench bench-peers llama-peer sysdeps clean student grade
+.PHONY: setup book notebooks chat test test-fast test-book serve results figures bench bench-peers llama-peer sysdeps clean student grade gpu-check
 
 setup: $(STAMP)
 
@@ -104,6 +104,15 @@ figures: results setup sysdeps
 
 bench: setup
 	$(VENV)/bin/minivllm bench throughput
+
+# The GPU path on a lent GPU machine (minivllm/lab/gpu_check.py): parity with Hugging
+# Face eager and with CUDA graphs, the Triton kernel's bandwidth, throughput at 1/32/128
+# requests, into figures/gpu_check.{json,md}; at most 5 minutes. No setup: such a machine
+# has Python with torch (CUDA), triton and transformers, and no network; the venv's
+# Python if there is one. Without CUDA it says "no CUDA device" and exits 0.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m minivllm.lab.gpu_check
 
 # The benchmark tables (figures/bench_table*.md; the README sums them up, figures/RESULTS.md
 # shows them): minivllm side by side with its peers, one run per workload (see

@@ -453,26 +453,33 @@ for budget in (64 * 2**20, default_budget, 8 * 2**30):
 assert runner.kv_block_bytes() == block_bytes
 
 # %% [markdown]
-# On a GPU the budget is not a constant: the engine loads the weights first, then takes
-# `DEFAULT_CUDA_KV_CACHE_FRACTION` of the memory still free, and the rest stays for
-# activations (the step's hidden states, the MLP's widest intermediate, the logits).
-# The same arithmetic for the 8B Llama in bfloat16 on an 80 GB GPU, with a step of
-# 8,192 tokens and up to 256 sequences:
+# On a GPU the budget is not a constant: it is what is left of the device after the
+# model. The engine may take `gpu_memory_utilization` of the whole device (vLLM's name
+# and default, 0.9); the weights come out of that, then the peak of the largest step's
+# activations (the step's hidden states, the MLP's widest intermediate, the logits),
+# which the engine measures by running one dummy step of `max_num_batched_tokens`
+# tokens (`minivllm/worker/kv_sizing.py`), then what the process holds outside torch
+# (the CUDA context). The KV cache gets the rest, in whole blocks. The same arithmetic
+# for the 8B Llama in bfloat16 on an 80 GiB GPU (an H100), with a step of 8,192 tokens
+# and up to 256 sequences, the activations estimated here rather than measured:
 
 # %%
-GPU_BYTES = 80 * 10**9
-weights_8b = params_8b * 2  # bfloat16
-free_after_weights = GPU_BYTES - weights_8b
-budget_8b = int(free_after_weights * model_runner.DEFAULT_CUDA_KV_CACHE_FRACTION)
+from minivllm.worker.kv_sizing import MemoryProfile, kv_cache_bytes, num_blocks_for
+
+GPU_BYTES = 80 * 2**30
 TOKENS, SEQS = 8192, 256  # max_num_batched_tokens, max_num_seqs
 activations = (TOKENS * 2 * c.intermediate_size * 2  # gate and up, bfloat16
                + SEQS * c.vocab_size * 4)  # float32 logits of the sampled rows
-blocks_8b = budget_8b // (16 * c.kv_bytes_per_token)
-print(f"weights {weights_8b / 1e9:.1f} GB, KV budget {budget_8b / 1e9:.1f} GB, "
-      f"activations about {activations / 1e9:.2f} GB")
+h100 = MemoryProfile(total=GPU_BYTES, weights=params_8b * 2, peak_activations=activations,
+                     non_torch=2**30)  # about 1 GiB of CUDA context and workspaces
+kv_8b = kv_cache_bytes(h100, 0.9)
+blocks_8b = num_blocks_for(kv_8b, 16 * c.kv_bytes_per_token, h100, 0.9)
+print(f"weights {h100.weights / 2**30:.1f} GiB, activations {activations / 2**30:.2f} GiB, "
+      f"KV cache {kv_8b / 2**30:.1f} GiB")
 print(f"{blocks_8b:,} blocks of 16 = {blocks_8b * 16:,} tokens: "
       f"{blocks_8b * 16 // 8192} requests of 8,192 tokens at once")
-assert activations < free_after_weights - budget_8b  # the headroom covers them
+assert kv_8b == int(GPU_BYTES * 0.9) - h100.weights - activations - 2**30
+assert blocks_8b == kv_8b // (16 * c.kv_bytes_per_token)
 
 # %% [markdown]
 # **In vLLM.** (v0.11.0.) The cache's size is measured, not configured: the worker
@@ -482,8 +489,9 @@ assert activations < free_after_weights - budget_8b  # the headroom covers them
 # bytes into a number of blocks; `GPUModelRunner.initialize_kv_cache` allocates one cache
 # tensor per layer. Each attention layer writes the step's new K/V at their slots
 # (`reshape_and_cache_flash`) and then attends by reading every token, new ones included,
-# from the cache. minivllm takes a byte budget from its config (a CPU has no device memory
-# to profile), and its reference backend attends a prefill over the new K/V directly.
+# from the cache. minivllm does the same on CUDA (`minivllm/worker/kv_sizing.py`); on a CPU,
+# which has no device memory to profile, it takes a byte budget from its config, and its
+# reference backend attends a prefill over the new K/V directly.
 
 # %% [markdown]
 # ## Exercises

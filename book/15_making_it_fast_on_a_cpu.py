@@ -67,7 +67,7 @@ from minivllm.model.attention.torch_attn import TorchAttentionBackend
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding
-from minivllm.lab.viz.bars import component_bars
+from minivllm.lab.viz.bars import component_bars, line_chart
 from minivllm.lab.viz.cpu_speedups import roofline_figure, speedup_figure
 from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.source import show_csrc, show_source
@@ -637,13 +637,89 @@ for n in e2e:
 # roofline measured in the same run.
 
 # %% [markdown]
+# ## On a GPU: the replay is a CUDA graph, one per bucket
+#
+# A GPU runs a decode step of a small model as hundreds of short kernels, and the CPU
+# launches them one at a time, a few microseconds each; the GPU finishes each faster than
+# the next one arrives, so the launches, not the arithmetic, set the step's time. That is
+# the fixed cost Acceleration 4 removed here. On a GPU the cure is a **CUDA graph**: the
+# launches of one forward pass are recorded once (`torch.cuda.graph`) and replayed with
+# one call (`graph.replay()`). A recording is frozen: the same kernels, with the same grid
+# sizes, reading and writing the same addresses. So minivllm's CUDA path
+# (`minivllm/worker/cuda_graphs.py`, built when the KV cache is, on CUDA only)
+#
+# - keeps every input in a **static buffer** the graphs were recorded on, and copies each
+#   step into it before the replay;
+# - records one graph per **bucket** of batch sizes, and pads a step up to the next one.
+#   Padding rows must not touch anybody's KV cache: their slot is -1 ("store nowhere",
+#   as vLLM pads), their length 1, their block table zeros, so their attention reads one
+#   key and their output rows are dropped;
+# - records decode-only steps: a prefill's query lengths change every step and it runs
+#   eagerly, as do steps bigger than the largest bucket (and `enforce_eager=True` turns
+#   the graphs off).
+#
+# The copy into the buffers, padding included:
+
+# %%
+from minivllm.worker.cuda_graphs import (DecodeGraphs, StaticInputs, bucket_for,
+                                         capture_sizes, padding_waste)
+
+show_source(StaticInputs.fill)
+
+# %% [markdown]
+# Everything but the recording runs on a CPU too (`capture=False`): the one-sequence
+# decode step recorded above goes through the reference model padded to a bucket of 4,
+# and its real row comes out as the unpadded step's.
+
+# %%
+graphs = DecodeGraphs(ref_runner.model, [4], ref_one.meta.block_tables.shape[1],
+                      ref.llm_engine.config.scheduler.max_model_len, torch.device("cpu"),
+                      capture=False)
+with torch.inference_mode():
+    unpadded = ref_runner.model(ref_one.input_ids, ref_one.positions, ref_one.meta)
+padded = graphs.run(ref_one.input_ids, ref_one.positions, ref_one.meta)
+print(f"1 sequence run as a bucket of 4; slots of the rows: "
+      f"{graphs.buffers.slot_mapping.tolist()}, lengths {graphs.buffers.seq_lens.tolist()}")
+assert graphs.buffers.slot_mapping[1:].eq(-1).all() and graphs.buffers.seq_lens[1:].eq(1).all()
+assert padded.shape == unpadded.shape and torch.allclose(padded, unpadded, atol=1e-4)
+
+# %% [markdown]
+# Why buckets, and which: a graph for every batch size up to 512 would take 512
+# recordings of start-up time and memory; one graph for 512 would make a lone request
+# compute 511 padding rows. vLLM's default list, which minivllm follows, is 1, 2, 4, then
+# every multiple of 8 below 256 and of 16 above (up to twice `max_num_seqs`, at most
+# 512), so a step of up to 256 sequences pads at most 7 rows. The share of a replayed
+# step that is padding, over batch sizes:
+
+# %%
+sizes = capture_sizes(256)
+batches = list(range(1, 257))
+waste = [padding_waste(n, sizes) for n in batches]
+assert max(waste) == padding_waste(9, sizes) == 7 / 16  # 9 rows in a bucket of 16
+assert all(w == 0 for n, w in zip(batches, waste) if n in sizes)
+assert all(w < 8 / n for n, w in zip(batches, waste))  # at most 7 rows of padding
+print(f"mean padding over batch sizes 1-256: {sum(waste) / len(waste):.1%}")
+line_chart(batches, {"padding rows / bucket rows": waste}, "Padding to the next CUDA graph",
+           "decode sequences in the step", "share of the replayed rows that is padding")
+
+# %% [markdown]
+# Padding is cheap where it happens: a decode step reads every weight once whatever its
+# rows (the roofline above), so the 7 padding rows of a 9-sequence step cost little
+# next to the launches the graph saves. The KV cache on a GPU is sized as
+# chapter 4 worked out (`gpu_memory_utilization` of the device, minus the weights and
+# a profiled step's peak); the graphs' own memory comes out of the rest. `make
+# gpu-check` runs all of it on a GPU machine: parity with Hugging Face eager and with
+# graphs, the Triton kernel's bandwidth, throughput, into `figures/gpu_check.md`.
+
+# %% [markdown]
 # **In vLLM.** (v0.11.0.) The twins are vLLM's `CustomOp` (`vllm/model_executor/custom_op.py`):
 # a layer such as `RMSNorm` has `forward_native` in PyTorch and `forward_cuda`,
 # `forward_cpu` and others, and the platform picks one. On a CPU, `CPUModelRunner`
 # (`vllm/v1/worker/cpu_model_runner.py`) runs the model with C++ kernels from `csrc/cpu/`
 # and `TorchSDPABackend` (`vllm/v1/attention/backends/cpu_attn.py`). On a GPU the one
 # call per decode step is a CUDA graph, captured at startup by
-# `GPUModelRunner.capture_model` and replayed for the batch sizes captured, and the model
+# `GPUModelRunner.capture_model` for the sizes of `cudagraph_capture_sizes` and picked per
+# step by `CudagraphDispatcher` (`vllm/v1/cudagraph_dispatcher.py`), and the model
 # is compiled with torch.compile (`vllm/compilation/`). minivllm keeps the reference layers
 # free of kernel code and swaps the twins in from outside, so the plain path stays
 # readable and testable against the fast one.
@@ -849,6 +925,36 @@ torch.testing.assert_close((_q, _k, _v), (_rq, _rk, _rv), rtol=1e-4, atol=1e-4)
 # Ten lines of torch make several passes over the batch and allocate a tensor at each
 # step; the kernels' version reads each row once per kernel, and the fused step does all
 # of it inside one C++ call, which is where Acceleration 4's operator count went.
+
+# %% [markdown]
+# ### Exercise 15.5 — the bucket of a step
+# Write `my_bucket_for(num_tokens, sizes)`: the captured size a decode step of
+# `num_tokens` sequences is padded to (the smallest size at least as big), or `None`
+# when the step is bigger than every size and runs eagerly. `sizes` is sorted, as
+# `capture_sizes` returns it. The hidden tests compare it with the engine's
+# `bucket_for` on every step size up to 600 and other size lists.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+def my_bucket_for(num_tokens, sizes):
+    """>>> my_bucket_for(5, [1, 2, 4, 8])
+    8
+    """
+    ### BEGIN SOLUTION
+    for size in sizes:
+        if size >= num_tokens:
+            return size
+    return None
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+assert my_bucket_for(1, [1, 2, 4, 8]) == 1, "a step of 1 fits the bucket of 1"
+assert my_bucket_for(3, [1, 2, 4, 8]) == 4, "3 rows pad up to the next size, 4"
+assert my_bucket_for(9, [1, 2, 4, 8]) is None, "bigger than every bucket: None (eager)"
+### BEGIN HIDDEN TESTS
+for _sizes in (capture_sizes(512), capture_sizes(20), [3, 7]):
+    assert all(my_bucket_for(n, _sizes) == bucket_for(n, _sizes) for n in range(1, 601))
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## In practice: the reference path and the fast path

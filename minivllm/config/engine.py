@@ -50,6 +50,8 @@ class EngineConfig:
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up (core/rollout.py)
     batch_invariant: bool = False  # worker/batch_invariant.py
     weight_transfer: Optional[WeightTransferConfig] = None  # distributed/weight_transfer.py
+    enforce_eager: bool = False  # no CUDA graphs (worker/cuda_graphs.py)
+    max_cudagraph_capture_size: Optional[int] = None  # None: vLLM's default
 
 
 @dataclass
@@ -101,6 +103,9 @@ class EngineArgs:
     enable_sleep_mode: bool = False  # LLM.sleep(level) / wake_up(tags): core/rollout.py
     batch_invariant: bool = False  # logprobs alone == beside others: worker/batch_invariant.py
     weight_transfer_config: Optional[dict] = None  # {"backend": "gloo"}: core/rollout.py
+    gpu_memory_utilization: float = 0.9  # CUDA: the engine's share (worker/kv_sizing.py)
+    enforce_eager: bool = False  # no CUDA graphs of decode steps (worker/cuda_graphs.py)
+    max_cudagraph_capture_size: Optional[int] = None  # None: 2 x max_num_seqs, <= 512
 
     # -- the command line (config/cli.py) ---------------------------------------
     @staticmethod
@@ -141,14 +146,16 @@ class EngineArgs:
         return EngineConfig(
             model=model,
             cache=CacheConfig(self.block_size, self.num_kv_blocks,
-                              self.kv_cache_memory_bytes, self.enable_prefix_caching),
+                              self.kv_cache_memory_bytes, self.enable_prefix_caching,
+                              self.gpu_memory_utilization),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       max_len, self.long_prefill_token_threshold,
                                       self.enable_chunked_prefill, self.scheduling_policy),
             parallel=parallel, device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             enable_sleep_mode=self.enable_sleep_mode, batch_invariant=self.batch_invariant,
-            **features)
+            enforce_eager=self.enforce_eager,
+            max_cudagraph_capture_size=self.max_cudagraph_capture_size, **features)
 
     def _feature_sections(self) -> dict:
         """The checked sections of the optional features asked for ({} for none)."""
@@ -163,14 +170,17 @@ class EngineArgs:
     def validate(self) -> None:
         """Every check that needs no model, so a bad argument fails before any loading."""
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
-                     "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
+                     "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
+                     "max_cudagraph_capture_size"):
             check_int(name, getattr(self, name), 1, optional=name in (
-                "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes"),
+                "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
+                "max_cudagraph_capture_size"),
                 allowed="must be a positive integer")
         CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
-                    self.enable_prefix_caching)
+                    self.enable_prefix_caching, self.gpu_memory_utilization)
         ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig)))
-        for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode", "batch_invariant"):
+        for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode", "batch_invariant",
+                     "enforce_eager"):
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,
                   allowed="must be an integer >= 0 (0: off)")

@@ -48,9 +48,7 @@ if TYPE_CHECKING:  # the per-request features below load on the first request us
     from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
 
 # On CPU the KV cache gets this much memory unless told otherwise.
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-# On CUDA, this fraction of the memory free after loading the model.
-DEFAULT_CUDA_KV_CACHE_FRACTION = 0.5
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # (CUDA: gpu_memory_utilization, worker/kv_sizing.py)
 
 
 @dataclass
@@ -112,6 +110,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector = None  # the worker half of kv_transfer_config's connector
         self.kv_groups = None  # several kinds of attention: one table per KV cache group
+        self.cuda_graphs = None  # decode steps as CUDA graphs, captured with the KV cache
         if config.model.layer_types is not None:
             from minivllm.worker.kv_cache_groups import KVCacheGroups
 
@@ -177,10 +176,10 @@ class ModelRunner:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * DEFAULT_CUDA_KV_CACHE_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
+                from minivllm.worker.kv_sizing import profile_kv_blocks
+
+                return profile_kv_blocks(self)
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // self.kv_block_bytes()
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} is too small: one block "
@@ -208,6 +207,10 @@ class ModelRunner:
 
             self.kv_connector = make_worker_connector(
                 self.config.kv_transfer, self.block_size, self.kv_block_bytes(), self.kv_caches)
+        if self.device.type == "cuda":  # graphs record the caches' addresses: after them
+            from minivllm.worker.cuda_graphs import build_decode_graphs
+
+            self.cuda_graphs = build_decode_graphs(self)
 
     # -- one step ----------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list]:
@@ -304,7 +307,9 @@ class ModelRunner:
             from minivllm.worker.batch_invariant import forward_each_sequence
 
             return forward_each_sequence(self.model, inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        graphs = self.cuda_graphs  # a decode step padded to a bucket and replayed
+        run = graphs.run if graphs and graphs.accepts(inputs.input_ids, inputs.meta) else self.model
+        hidden = run(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def execute_model(self, so: SchedulerOutput, forward_fn=None) -> ModelRunnerOutput:
