@@ -304,6 +304,7 @@ def build_qwen3_next(folder):
     return model
 
 
+# %%
 next_folder = tempfile.mkdtemp()
 next_hf = build_qwen3_next(next_folder)
 next_llm = LLM(next_folder, block_size=BLOCK, max_num_batched_tokens=8, cpu_kernels=False)
@@ -421,6 +422,7 @@ def build_deepseek(folder):
     return model
 
 
+# %%
 ds_folder = tempfile.mkdtemp()
 ds_hf = build_deepseek(ds_folder)
 ds_llm = LLM(ds_folder, block_size=BLOCK, cpu_kernels=False)
