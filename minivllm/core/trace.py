@@ -38,6 +38,9 @@ class StepRecord:
     loras: dict[str, str] = field(default_factory=dict)
     # Mixtures of experts: MoE layer -> tokens each expert received in this step.
     expert_load: dict[int, list[int]] = field(default_factory=dict)
+    # stage -> (start, end) in time.perf_counter(): "schedule" and "update" in the
+    # core, "execute" (prepare to sample) in the runner: the loop's timeline.
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def record_step(core, so, start: float, duration: float, timings: dict,
