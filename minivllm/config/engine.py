@@ -49,8 +49,7 @@ class EngineConfig:
     kv_events: Optional[KVEventsConfig] = None
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up (core/rollout.py)
     batch_invariant: bool = False  # worker/batch_invariant.py
-    # Schedule step N+1 while step N computes (core/async_scheduler.py); resolved.
-    async_scheduling: bool = False
+    async_scheduling: bool = False  # schedule N+1 while N computes: core/async_scheduler.py
     weight_transfer: Optional[WeightTransferConfig] = None  # distributed/weight_transfer.py
 
 
@@ -99,10 +98,7 @@ class EngineArgs:
     enable_sleep_mode: bool = False  # LLM.sleep(level) / wake_up(tags): core/rollout.py
     batch_invariant: bool = False  # logprobs alone == beside others: worker/batch_invariant.py
     weight_transfer_config: Optional[dict] = None  # {"backend": "gloo"}: core/rollout.py
-    # Schedule step N+1 while step N computes (core/async_scheduler.py). None: off
-    # for now (vLLM turns it on); True falls back to the synchronous loop, with one
-    # log line, where it cannot run (speculation, tensor parallel, LoRA, ...).
-    async_scheduling: Optional[bool] = None
+    async_scheduling: Optional[bool] = None  # None: off (for now): core/async_scheduler.py
 
     # -- the command line (config/cli.py) ---------------------------------------
     @staticmethod
@@ -172,9 +168,8 @@ class EngineArgs:
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,
                   allowed="must be an integer >= 0 (0: off)")
-        if self.async_scheduling not in (None, True, False):
-            raise bad("async_scheduling", self.async_scheduling,
-                      "must be None (the default), True or False")
+        if self.async_scheduling is not None:
+            check_bool("async_scheduling", self.async_scheduling)
         if self.cpu_kernels not in (None, True, False):
             raise bad("cpu_kernels", self.cpu_kernels, "must be None (auto), True or False")
         if self.attention_backend is not None:

@@ -26,6 +26,8 @@ What falls out of running one step ahead:
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Optional
 
 from minivllm.core.outputs import EngineCoreOutput
@@ -84,6 +86,61 @@ class AsyncScheduler(Scheduler):
         return outputs
 
 
+class BatchQueue:
+    """The engine core's steps in flight, oldest last (vLLM's ``batch_queue``)."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.queue: deque = deque()  # (scheduler output, future, clock, t0, t1)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """vLLM's ``step_with_batch_queue``: schedule step N+1 and hand it over, *then*
+        wait for step N and apply it. N+2 is decided only after N's tokens are in."""
+        core, queue = self.core, self.queue
+        if core.scheduler.has_unfinished_requests():
+            t0, start = time.perf_counter(), core.clock.now()
+            so = core.scheduler.schedule()
+            t1 = time.perf_counter()
+            if not so.is_empty:
+                queue.appendleft((so, self._guard(core.executor.execute_model_async, so),
+                                  start, t0, t1))
+                if len(queue) == 1:
+                    return []  # the first step: nothing to apply yet
+        outputs = self._collect() if queue else []
+        if queue and not core.scheduler.has_unfinished_requests():
+            # Everyone finished: the step in flight only computes tokens to drop.
+            outputs += self._collect()  # wait for it: nothing runs while idle
+        return outputs
+
+    def _collect(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest step in flight and apply it."""
+        so, future, start, t0, t1 = self.queue.pop()
+        result = self._guard(future.result)
+        return self.core.apply_step(so, result, start, t0, t1, time.perf_counter())
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except BaseException as e:  # as in the sync loop: no later step is trustworthy
+            self.core.dead_error = e
+            raise
+
+
+def async_parts(core, config, executor) -> tuple[type, Optional[BatchQueue]]:
+    """The scheduler class and batch queue of an engine that asked for async
+    scheduling: the async ones, or the sync scheduler and one log line saying why."""
+    reason = sync_reason(config, executor)
+    if reason is None:
+        return AsyncScheduler, BatchQueue(core)
+    from minivllm.logger import init_logger
+
+    init_logger(__name__).warning("async_scheduling is off: %s", reason)
+    return Scheduler, None
+
+
 def sync_reason(config, executor) -> Optional[str]:
     """Why an engine asked for async scheduling runs the synchronous loop, or None.
 
@@ -97,7 +154,7 @@ def sync_reason(config, executor) -> Optional[str]:
     """
     if config.speculative is not None:
         return f"speculative decoding ({config.speculative.method}) runs synchronously"
-    if not hasattr(executor, "execute_model_async"):
+    if not hasattr(executor, "execute_model_async"):  # (worker/async_step.py)
         return f"the {type(executor).__name__} cannot hand a step over early"
     if config.lora is not None:
         return "LoRA (enable_lora) runs synchronously"
@@ -117,4 +174,4 @@ def needs_history(request: Request) -> bool:
                 or p.extra_args)
 
 
-__all__ = ["AsyncScheduler", "needs_history", "sync_reason"]
+__all__ = ["AsyncScheduler", "BatchQueue", "async_parts", "needs_history", "sync_reason"]

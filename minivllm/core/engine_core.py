@@ -1,9 +1,7 @@
 """The engine core: the loop that turns requests into tokens.
 
     step() = schedule  ->  execute the model  ->  update requests
-
-With ``async_scheduling`` (``step_with_batch_queue``) the model computes step N
-while the core schedules step N+1; the core then waits for step N and applies it.
+    (async_scheduling: schedule N+1 while N computes, core/async_scheduler.py)
 
 It knows token IDs only; text, stop strings and streaming live on the API side,
 which talks to it directly (in-process) or by messages (``EngineCoreProc``).
@@ -52,22 +50,10 @@ class EngineCore:
 
             connector_scheduling = KVConnectorScheduling(self.kv_connector,
                                                          self.kv_cache_manager)
-        # Async scheduling: the steps handed to the executor and not yet applied
-        # (oldest last), or None: the synchronous loop.
-        self.batch_queue = None
-        scheduler_cls = Scheduler
+        self.batch_queue, scheduler_cls = None, Scheduler  # (None: the sync loop)
         if config.async_scheduling:
-            from minivllm.core.async_scheduler import AsyncScheduler, sync_reason
-
-            reason = sync_reason(config, executor)
-            if reason is None:
-                from collections import deque
-
-                scheduler_cls, self.batch_queue = AsyncScheduler, deque()
-            else:  # vLLM too runs such engines synchronously, with one line saying so
-                from minivllm.logger import init_logger
-
-                init_logger(__name__).warning("async_scheduling is off: %s", reason)
+            from minivllm.core.async_scheduler import async_parts
+            scheduler_cls, self.batch_queue = async_parts(self, config, executor)
         self.scheduler = scheduler_cls(
             config.scheduler, self.kv_cache_manager, clock=self.clock,
             max_loras=0 if config.lora is None else config.lora.max_loras,
@@ -117,7 +103,7 @@ class EngineCore:
         if self.hold is not None:
             raise RuntimeError(self.hold)
         if self.batch_queue is not None:
-            return self.step_with_batch_queue()
+            return self.batch_queue.step()
         t0 = time.perf_counter()
         start = self.clock.now()
         so = self.scheduler.schedule()
@@ -130,52 +116,11 @@ class EngineCore:
         t2 = time.perf_counter()
         if so.is_empty and self.kv_connector is not None:
             time.sleep(0.002)  # only transfers in flight: wait for them, do not spin
-        return self._apply(so, result, start, (t0, t1, t2))
+        return self.apply_step(so, result, start, t0, t1, t2)
 
-    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
-        """One iteration of the async loop (vLLM's name): schedule step N+1 and hand it
-        over, *then* wait for step N and apply it. Two steps are in the queue at most:
-        N+1 is decided from N's placeholders, N+2 only after N's tokens are applied."""
-        queue = self.batch_queue
-        if self.scheduler.has_unfinished_requests():
-            t0 = time.perf_counter()
-            start = self.clock.now()
-            so = self.scheduler.schedule()
-            t1 = time.perf_counter()
-            if not so.is_empty:
-                queue.appendleft((so, self._hand_over(so), start, t0, t1))
-                if len(queue) == 1:
-                    return []  # the first step: nothing to apply yet, schedule the next
-        if not queue:
-            return []
-        outputs = self._collect()
-        if queue and not self.scheduler.has_unfinished_requests():
-            # Everyone finished: the step in flight computes only tokens to discard.
-            # Wait for it, so that nothing runs while the engine is idle.
-            outputs += self._collect()
-        return outputs
-
-    def _hand_over(self, so):
-        try:
-            return self.executor.execute_model_async(so)
-        except BaseException as e:
-            self.dead_error = e
-            raise
-
-    def _collect(self) -> list[EngineCoreOutput]:
-        """Wait for the oldest step in flight and apply it."""
-        so, future, start, t0, t1 = self.batch_queue.pop()
-        try:
-            result = future.result()
-        except BaseException as e:
-            self.dead_error = e
-            raise
-        return self._apply(so, result, start, (t0, t1, time.perf_counter()))
-
-    def _apply(self, so, result, start: float, times: tuple[float, float, float]
-               ) -> list[EngineCoreOutput]:
-        """Apply a computed step's result: the requests' new tokens, and its trace."""
-        t0, t1, t2 = times
+    def apply_step(self, so, result, start: float, t0: float, t1: float, t2: float
+                   ) -> list[EngineCoreOutput]:
+        """Apply a computed step's result (scheduled t0-t1, collected at t2)."""
         outputs = self.scheduler.update_from_output(
             so, result.sampled, result.verified, getattr(result, "kv_connector_output", None))
         if self.speculator is not None:  # drafts for the next step
@@ -194,10 +139,8 @@ class EngineCore:
             timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
             from minivllm.core.trace import record_step
 
-            record = record_step(self, so, start, now - start, timings, outputs)
-            # (time.perf_counter) spans of the stages, for the loop's timeline.
-            record.spans = {"schedule": (t0, t1), "execute": getattr(result, "span", (t1, t2)), "update": (t2, t3)}
-            self.trace.append(record)
+            self.trace.append(record_step(self, so, start, now - start, timings, outputs,
+                                          (t0, t1, t2, t3), result))
         return outputs
 
     def make_stats(self):

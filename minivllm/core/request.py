@@ -80,8 +80,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         # Tokens whose K/V are in the cache (or are being computed this step).
         self.num_computed_tokens = 0
-        # Async scheduling: tokens being sampled by steps in flight, not yet appended
-        # (vLLM's name; always 0 in the synchronous loop).
+        # Tokens steps in flight will sample (async scheduling; 0 in the sync loop).
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first admission
         self.num_preemptions = 0

@@ -27,21 +27,12 @@ class UniProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput):
         return self.runner.execute_model(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput):
-        """Hand the step over and return at once: a future of its output (async
-        scheduling; the steps run in order, in the runner's thread)."""
-        return self.runner.execute_model_async(scheduler_output)
-
     def collective_rpc(self, method, args: tuple = (), kwargs=None) -> list:
         from minivllm.worker.rollout_worker import run_method  # the RL API (core/rollout.py)
 
-        thread = self.runner._step_thread
-        if thread is not None:  # after the steps in flight (async scheduling)
-            return [thread.submit(run_method, self.runner, method, args, kwargs).result()]
         return [run_method(self.runner, method, args, kwargs)]
 
     def shutdown(self) -> None:
-        self.runner.shutdown()  # (its step thread, when async scheduling started one)
         if self.runner.kv_connector is not None:  # its transfer threads and sockets
             self.runner.kv_connector.shutdown()
 

@@ -40,8 +40,6 @@ from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generato
 from minivllm.worker.reference_path import ReferencePath
 
 if TYPE_CHECKING:  # the per-request features below load on the first request using them
-    from concurrent.futures import Future
-
     from minivllm.core.outputs import LogprobInfo
     from minivllm.sample.logits_processors import LogitsProcessors
     from minivllm.sample.rejection_sampler import RejectionSampler
@@ -83,8 +81,6 @@ class ModelRunnerOutput:
     kv_connector_output: Optional[object] = None
     # Seconds spent in each stage of this step (for the step trace).
     timings: dict[str, float] = field(default_factory=dict)
-    # When it was computed, prepare to sample (time.perf_counter(); the trace's timeline).
-    span: tuple[float, float] = (0.0, 0.0)
 
 
 class ModelRunner:
@@ -113,12 +109,6 @@ class ModelRunner:
         self.decode_replay: Optional[DecodeReplay] = self.path.decode_replay
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
-        # Async scheduling: (flat row, request id) of this step's input tokens the core
-        # does not know yet (set by prepare_inputs), and each request's token sampled
-        # by the previous step, which fills them (core/async_scheduler.py).
-        self.placeholders: list[tuple[int, str]] = []
-        self.last_sampled: dict[str, int] = {}
-        self._step_thread = None  # the thread that computes steps handed over async
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector = None  # the worker half of kv_transfer_config's connector
         self.kv_groups = None  # several kinds of attention: one table per KV cache group
@@ -227,7 +217,6 @@ class ModelRunner:
         computed, seq_lens, tables, logits_rows, samplers = [], [], [], [], []
         self.prompt_plans = prompt_rows = []
         lora_requests, lora_tokens = [], []
-        self.placeholders = placeholders = []
         for req in so.scheduled_requests:
             rid = req.request_id
             start = so.num_computed_tokens[rid]
@@ -238,10 +227,10 @@ class ModelRunner:
             if req.sampling_params.prompt_logprobs is not None and (
                     rows := self.prompt_logprobs.plan(req, start, end, len(input_ids))):
                 prompt_rows.append(rows)
-            input_ids += tokens[start:end]
-            if end > len(tokens):  # sampled by the step in flight: filled in later
-                placeholders.append((len(input_ids), rid))
-                input_ids.append(0)
+            part = tokens[start:end]
+            if len(part) < end - start:  # a step in flight samples it (worker/async_step.py)
+                part = part + [self.last_sampled[rid]]
+            input_ids += part
             if drafts:
                 # Verifying k drafts: k + 1 one-token sequences over the same blocks,
                 # the j-th seeing j more tokens. Every layer stores the step's K/V
@@ -326,14 +315,6 @@ class ModelRunner:
             return out
         t0 = time.perf_counter()
         inputs, samplers = self.prepare_inputs(so)
-        return self._compute(so, inputs, samplers, self.prompt_plans,
-                             (t0, time.perf_counter()), out, forward_fn)
-
-    def _compute(self, so: SchedulerOutput, inputs: StepInputs, samplers: list,
-                 prompt_plans: list, prepared: tuple[float, float], out: ModelRunnerOutput,
-                 forward_fn=None) -> ModelRunnerOutput:
-        """Run the prepared step (``prepared``: when preparing began and ended):
-        forward, then sample."""
         t1 = time.perf_counter()
         collective_stats.reset()
         if any(r.sampling_params.extra_args for r in so.scheduled_requests):  # pooling/?
@@ -347,7 +328,7 @@ class ModelRunner:
         self._sync()
         t2 = time.perf_counter()
         if inputs.sample_indices is not None:
-            for plan in prompt_plans:
+            for plan in self.prompt_plans:
                 self.prompt_logprobs.add(plan, logits[plan.flat_rows])
             logits = logits[inputs.sample_indices]
         if samplers and so.scheduled_spec_decode_tokens:
@@ -362,46 +343,11 @@ class ModelRunner:
                 if (entries := collector.take_finished(req)) is not None:
                     out.prompt_logprobs[req.request_id] = entries
         t3 = time.perf_counter()
-        out.span = (t1, t3)
-        out.timings = {"prepare": prepared[1] - prepared[0], "forward": t2 - t1,
-                       "sample": t3 - t2,
+        out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
                        "collective": collective_stats.seconds,
                        "collective_bytes": float(collective_stats.bytes),
                        "tp_size": float(tp_size())}
         return out
-
-    def execute_model_async(self, so: SchedulerOutput) -> Future:
-        """Async scheduling: prepare here, in the core's thread (it alone changes the
-        requests, between steps), and compute in the runner's own thread, after the
-        step handed over before; returns the future ``ModelRunnerOutput``."""
-        if self._step_thread is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="minivllm-step")
-        if so.is_empty:
-            return self._step_thread.submit(self.execute_model, so)
-        t0 = time.perf_counter()
-        inputs, samplers = self.prepare_inputs(so)
-        return self._step_thread.submit(self._compute_async, so, inputs, samplers,
-                                        self.prompt_plans, self.placeholders,
-                                        (t0, time.perf_counter()))
-
-    def _compute_async(self, so: SchedulerOutput, inputs: StepInputs, samplers: list,
-                       prompt_plans: list, placeholders: list, prepared: tuple[float, float]
-                       ) -> ModelRunnerOutput:
-        self._release(so)
-        if placeholders:  # the previous step's tokens, which the core had not yet
-            rows, rids = zip(*placeholders)
-            inputs.input_ids[list(rows)] = torch.tensor(
-                [self.last_sampled[rid] for rid in rids], device=inputs.input_ids.device)
-        out = self._compute(so, inputs, samplers, prompt_plans, prepared, ModelRunnerOutput())
-        self.last_sampled = {rid: token for rid, (token, _) in out.sampled.items()}
-        return out
-
-    def shutdown(self) -> None:
-        if self._step_thread is not None:
-            self._step_thread.shutdown(wait=True)
-            self._step_thread = None
 
     def _release(self, so: SchedulerOutput) -> None:
         """Forget finished requests (and preempted ones' grammars: rebuilt from their
