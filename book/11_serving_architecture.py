@@ -798,14 +798,12 @@ assert left_hidden == 0
 def core_time_hidden(records) -> float:
     """Share of the schedule + update time spent under some step's execute span."""
     ### BEGIN SOLUTION
-    execute = [r.spans["execute"] for r in records]
-    total = hidden = 0.0
-    for r in records:
-        for stage in ("schedule", "update"):
-            a, b = r.spans[stage]
-            total += b - a
-            hidden += sum(max(0.0, min(b, e1) - max(a, e0)) for e0, e1 in execute)
-    return hidden / total if total else 0.0
+    core = [r.spans[stage] for r in records for stage in ("schedule", "update")]
+    steps = [r.spans["execute"] for r in records]
+    total = sum(end - start for start, end in core)
+    # Each core span against each step: the length of their intersection, if any.
+    under = sum(max(0.0, min(end, e) - max(start, s)) for start, end in core for s, e in steps)
+    return under / total if total else 0.0
     ### END SOLUTION
 
 
