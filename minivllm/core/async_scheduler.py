@@ -22,6 +22,14 @@ What falls out of running one step ahead:
   bad words, a grammar) or that asks for pooling is not scheduled while it has a step
   in flight: its sampler must see the previous token. It runs every other step;
   every other request keeps the overlap.
+
+Switched on by ``async_scheduling=True`` (``LLM``, ``EngineArgs``, ``serve
+--async-scheduling``). ``None``, the default, is off for now: vLLM resolves it to on
+(unless pipeline parallel, a speculation method it does not run async, or another
+executor); minivllm will once its whole test suite has run under it. Where it cannot
+run (``sync_reason``) the engine says so in one log line and runs synchronously.
+``BatchQueue`` is the engine core's side (vLLM's ``step_with_batch_queue``);
+``worker/async_step.py`` the runner's.
 """
 
 from __future__ import annotations
