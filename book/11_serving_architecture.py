@@ -557,9 +557,13 @@ assert computed["async"] - computed["sync"] == 4  # one per request, never emitt
 # them before any later step can reuse them). Requests whose next sample reads their own
 # history (penalties, `min_tokens`, a grammar) run every other step instead; engines
 # with speculation, LoRA, tensor parallelism or a KV connector fall back to the sync
-# loop with one log line. On this 2-core machine what can be hidden is the Python of a
-# step (chapter 15's decode share); `minivllm bench throughput --backend minivllm
-# --backend minivllm-async` compares the two loops side by side.
+# loop with one log line. What can be hidden is the Python of a step (chapter 15's
+# decode share), and only if a core is free to run it: `minivllm bench throughput
+# --backend minivllm --backend minivllm-async --quantization gguf` (alternated runs, a
+# shared 2-core AMD EPYC, December 2026; a cited run, not this notebook's) measured the
+# async loop *slower* there: 80 against 98 tok/s at one stream (sync/async 1.22x,
+# paired 1.08-1.64x) and 260 against 292 tok/s at 32 requests (1.05x): its thread takes
+# a core from the forward's two. The loop pays where the model runs elsewhere (a GPU).
 #
 # **In vLLM.** `AsyncScheduler` (`vllm/v1/core/sched/async_scheduler.py`) counts
 # `num_output_placeholders`; `EngineCore.step_with_batch_queue` (`vllm/v1/engine/core.py`)
