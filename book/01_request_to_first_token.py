@@ -236,11 +236,13 @@ show_source(LLMEngine.add_request, start="request = self.input_processor")
 # Every step is the three-line loop of the sketch above. `EngineCore.step` asks the
 # scheduler which requests compute how many tokens now (a `SchedulerOutput`), lets the
 # executor run one forward pass and sample, and hands the sampled tokens back to the
-# scheduler, which appends them to each request and finishes those that are done:
+# scheduler (`apply_step`), which appends them to each request and finishes those that
+# are done:
 
 # %%
 show_source(EngineCore.step, start="so = self.scheduler.schedule()",
-            end="self.speculator.propose")
+            end="return self.apply_step(")
+show_source(EngineCore.apply_step, end="self.speculator.propose")
 
 # %% [markdown]
 # `LLMEngine.step` wraps it: after the core's step, the output processor turns new token

@@ -267,7 +267,7 @@ from minivllm.engine.core_builder import build_engine_core
 from minivllm.lab.viz.source import show_source
 
 show_source(EngineCore.step, start="so = self.scheduler.schedule()",
-            end="outputs = self.scheduler.update_from_output")
+            end="return self.apply_step(")
 
 # %% [markdown]
 # Around it, the process's **busy loop**. When the engine has nothing to do it blocks
@@ -512,6 +512,66 @@ assert events[0].type == "response.created" and events[-1].type in (
 assert "".join(deltas) == final.output_text == chat_answer
 
 # %% [markdown]
+# ## Two loops
+#
+# `EngineCore.step` above is the **synchronous** loop: while the core schedules and
+# applies the sampled tokens the model waits, and while the model computes the core
+# waits. vLLM's **async** loop (`async_scheduling=True`; minivllm keeps it off by
+# default for now) hands step N over, schedules step N+1 *while N computes*, and only
+# then waits for N and applies it (vLLM's `step_with_batch_queue`):
+
+# %%
+from minivllm import LLM
+from minivllm.core.async_scheduler import BatchQueue
+from minivllm.lab.viz.loops import core_time_overlapped, loops_figure
+
+show_source(BatchQueue.step)
+
+# %% [markdown]
+# Step N+1 is decided before step N's tokens exist: the scheduler counts each token a
+# step in flight will sample as an **output placeholder**, and the runner, which has just
+# sampled it, puts it into step N+1's input itself. One traced run of each loop (each
+# step records when it was scheduled, computed and applied), four requests of 12 tokens:
+
+# %%
+loop_runs, computed = {}, {}
+for name, on in (("sync", False), ("async", True)):
+    llm = LLM(num_kv_blocks=64, trace=True, async_scheduling=on)
+    llm.generate([{"prompt_token_ids": list(range(100 + i, 120 + i))} for i in range(4)],
+                 SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    loop_runs[name] = [r for r in llm.trace if r.spans]
+    computed[name] = sum(r.num_batched_tokens for r in loop_runs[name])
+    llm.shutdown()
+loops_figure({name: records[-6:] for name, records in loop_runs.items()}).show()
+print({name: f"{core_time_overlapped(r):.0%} of the core's time under a step"
+       for name, r in loop_runs.items()}, "tokens computed:", computed)
+assert computed["async"] - computed["sync"] == 4  # one per request, never emitted
+
+# %% [markdown]
+# The sync rows never overlap; in the async rows the core's schedule of step N+1 sits
+# under step N's execute bar. The price is in the last line: when the tokens of step N
+# say a request is finished (its 12th token, a stop token, a stop string, an abort),
+# step N+1 has already been scheduled *with* it. That step computes one token more for
+# each finished request, and `AsyncScheduler.update_from_output` drops it: it is never
+# emitted, and the request's blocks were already freed (the step in flight writes into
+# them before any later step can reuse them). Requests whose next sample reads their own
+# history (penalties, `min_tokens`, a grammar) run every other step instead; engines
+# with speculation, LoRA, tensor parallelism or a KV connector fall back to the sync
+# loop with one log line. What can be hidden is the Python of a step (chapter 15's
+# decode share), and only if a core is free to run it: `minivllm bench throughput
+# --backend minivllm --backend minivllm-async --quantization gguf` (alternated runs, a
+# shared 2-core AMD EPYC, December 2026; a cited run, not this notebook's) measured the
+# async loop *slower* there: 80 against 98 tok/s at one stream (sync/async 1.22x,
+# paired 1.08-1.64x) and 260 against 292 tok/s at 32 requests (1.05x): its thread takes
+# a core from the forward's two. The loop pays where the model runs elsewhere (a GPU).
+#
+# **In vLLM.** `AsyncScheduler` (`vllm/v1/core/sched/async_scheduler.py`) counts
+# `num_output_placeholders`; `EngineCore.step_with_batch_queue` (`vllm/v1/engine/core.py`)
+# keeps the batch queue; the GPU runner returns an `AsyncModelRunnerOutput` whose tokens
+# are copied to the host on a side stream, and fills the next step's input from the
+# sampled ids still on the GPU. minivllm runs the step in a thread of its own instead.
+
+# %% [markdown]
 # ## Stopping the server
 #
 # SIGTERM, as Ctrl-C or a process manager would send: the server aborts what is open,
@@ -728,6 +788,38 @@ assert left == 0, "the core still runs the cancelled request: was it told?"
 assert both == {"r1c": full["r1"], "r2c": full["r2"][:1], "r3c": alone["r3e"][:4]}
 assert late == {"r1d": full["r1"][:3], "r2d": full["r2"][:5]}  # finished before the cancel
 assert left_hidden == 0
+### END HIDDEN TESTS
+
+
+# %% [markdown]
+# ### Exercise 11.5 — the hidden Python
+# Write `core_time_hidden(records)`: the share of the core's own time (its `schedule`
+# and `update` spans) that falls while the runner is computing some step (inside any
+# `execute` span), from a list of trace records like `loop_runs["async"]` (each has
+# `.spans`: stage name -> `(start, end)` in seconds). 0.0 when the core has no time.
+
+# %% tags=["solution"] jupyter={"source_hidden": true}
+def core_time_hidden(records) -> float:
+    """Share of the schedule + update time spent under some step's execute span."""
+    ### BEGIN SOLUTION
+    core = [r.spans[stage] for r in records for stage in ("schedule", "update")]
+    steps = [r.spans["execute"] for r in records]
+    total = sum(end - start for start, end in core)
+    # Each core span against each step: the length of their intersection, if any.
+    under = sum(max(0.0, min(end, e) - max(start, s)) for start, end in core for s, e in steps)
+    return under / total if total else 0.0
+    ### END SOLUTION
+
+
+# %% tags=["check"]
+assert core_time_hidden(loop_runs["sync"]) == 0.0, \
+    "the sync loop never schedules or updates while a step computes"
+assert 0.0 <= core_time_hidden(loop_runs["async"]) <= 1.0, "a share: between 0 and 1"
+assert core_time_hidden([]) == 0.0, "no records: no time to hide"
+### BEGIN HIDDEN TESTS
+assert abs(core_time_hidden(loop_runs["async"]) - core_time_overlapped(loop_runs["async"])) < 1e-9
+assert abs(core_time_hidden(loop_runs["async"][3:7])
+           - core_time_overlapped(loop_runs["async"][3:7])) < 1e-9
 ### END HIDDEN TESTS
 
 

@@ -49,6 +49,7 @@ class EngineConfig:
     kv_events: Optional[KVEventsConfig] = None
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up (core/rollout.py)
     batch_invariant: bool = False  # worker/batch_invariant.py
+    async_scheduling: bool = False  # schedule N+1 while N computes: core/async_scheduler.py
     weight_transfer: Optional[WeightTransferConfig] = None  # distributed/weight_transfer.py
     enforce_eager: bool = False  # no CUDA graphs (worker/cuda_graphs.py)
     max_cudagraph_capture_size: Optional[int] = None  # None: vLLM's default
@@ -106,6 +107,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # CUDA: the engine's share (worker/kv_sizing.py)
     enforce_eager: bool = False  # no CUDA graphs of decode steps (worker/cuda_graphs.py)
     max_cudagraph_capture_size: Optional[int] = None  # None: 2 x max_num_seqs, <= 512
+    async_scheduling: Optional[bool] = None  # None: off (for now): core/async_scheduler.py
 
     # -- the command line (config/cli.py) ---------------------------------------
     @staticmethod
@@ -154,7 +156,7 @@ class EngineArgs:
             parallel=parallel, device=device, attention_backend=self.attention_backend,
             cpu_kernels=self.cpu_kernels, seed=self.seed, trace=self.trace,
             enable_sleep_mode=self.enable_sleep_mode, batch_invariant=self.batch_invariant,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, async_scheduling=bool(self.async_scheduling),
             max_cudagraph_capture_size=self.max_cudagraph_capture_size, **features)
 
     def _feature_sections(self) -> dict:
@@ -184,6 +186,8 @@ class EngineArgs:
             check_bool(name, getattr(self, name))
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0,
                   allowed="must be an integer >= 0 (0: off)")
+        if self.async_scheduling is not None:
+            check_bool("async_scheduling", self.async_scheduling)
         if self.cpu_kernels not in (None, True, False):
             raise bad("cpu_kernels", self.cpu_kernels, "must be None (auto), True or False")
         if self.attention_backend is not None:

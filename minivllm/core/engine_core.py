@@ -1,6 +1,7 @@
 """The engine core: the loop that turns requests into tokens.
 
     step() = schedule  ->  execute the model  ->  update requests
+    (async_scheduling: schedule N+1 while N computes, core/async_scheduler.py)
 
 It knows token IDs only; text, stop strings and streaming live on the API side,
 which talks to it directly (in-process) or by messages (``EngineCoreProc``).
@@ -49,7 +50,11 @@ class EngineCore:
 
             connector_scheduling = KVConnectorScheduling(self.kv_connector,
                                                          self.kv_cache_manager)
-        self.scheduler = Scheduler(
+        self.batch_queue, scheduler_cls = None, Scheduler  # (None: the sync loop)
+        if config.async_scheduling:
+            from minivllm.core.async_scheduler import async_parts
+            scheduler_cls, self.batch_queue = async_parts(self, config, executor)
+        self.scheduler = scheduler_cls(
             config.scheduler, self.kv_cache_manager, clock=self.clock,
             max_loras=0 if config.lora is None else config.lora.max_loras,
             connector_scheduling=connector_scheduling)
@@ -97,6 +102,8 @@ class EngineCore:
                                f"({self.dead_error!r}); create a new engine") from self.dead_error
         if self.hold is not None:
             raise RuntimeError(self.hold)
+        if self.batch_queue is not None:
+            return self.batch_queue.step()
         t0 = time.perf_counter()
         start = self.clock.now()
         so = self.scheduler.schedule()
@@ -109,6 +116,11 @@ class EngineCore:
         t2 = time.perf_counter()
         if so.is_empty and self.kv_connector is not None:
             time.sleep(0.002)  # only transfers in flight: wait for them, do not spin
+        return self.apply_step(so, result, start, t0, t1, t2)
+
+    def apply_step(self, so, result, start: float, t0: float, t1: float, t2: float
+                   ) -> list[EngineCoreOutput]:
+        """Apply a computed step's result (scheduled t0-t1, collected at t2)."""
         outputs = self.scheduler.update_from_output(
             so, result.sampled, result.verified, getattr(result, "kv_connector_output", None))
         if self.speculator is not None:  # drafts for the next step
@@ -127,7 +139,8 @@ class EngineCore:
             timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
             from minivllm.core.trace import record_step
 
-            self.trace.append(record_step(self, so, start, now - start, timings, outputs))
+            self.trace.append(record_step(self, so, start, now - start, timings, outputs,
+                                          (t0, t1, t2, t3), result))
         return outputs
 
     def make_stats(self):

@@ -147,7 +147,9 @@ class KVCacheManager:
                         + len(new_computed_blocks) * self.block_size)
         num_tokens = num_computed + num_new_tokens
         # Draft tokens (speculative decoding) get slots too, but are not known yet.
-        num_known = request.num_tokens + len(request.spec_token_ids)
+        # So do the tokens steps in flight are sampling (async scheduling).
+        num_known = (request.num_tokens + len(request.spec_token_ids)
+                     + request.num_output_placeholders)
         if num_tokens > num_known:
             drafts = (f" + {len(request.spec_token_ids)} draft"
                       if request.spec_token_ids else "")

@@ -76,6 +76,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0  # K/V in the cache (or computed this step)
+        self.num_output_placeholders = 0  # tokens steps in flight will sample (async)
         self.num_cached_tokens = -1  # prefix-cache hits at first admission
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # of its full blocks (prefix caching)

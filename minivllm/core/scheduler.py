@@ -192,7 +192,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._cap(request.num_tokens - request.num_computed_tokens
+            num_new = self._cap(request.num_tokens + request.num_output_placeholders
+                                - request.num_computed_tokens
                                 + len(self._drafts(request)), budget)
             if num_new < 1:
                 raise RuntimeError(f"running request {request.request_id!r} has nothing "

@@ -38,11 +38,15 @@ class StepRecord:
     loras: dict[str, str] = field(default_factory=dict)
     # Mixtures of experts: MoE layer -> tokens each expert received in this step.
     expert_load: dict[int, list[int]] = field(default_factory=dict)
+    # stage -> (start, end) in time.perf_counter(): "schedule" and "update" in the
+    # core, "execute" (prepare to sample) in the runner: the loop's timeline.
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def record_step(core, so, start: float, duration: float, timings: dict,
-                outputs) -> StepRecord:
-    """The record of one step of ``core`` (an ``EngineCore``) that scheduled ``so``."""
+                outputs, times: tuple = (), result=None) -> StepRecord:
+    """The record of one step of ``core`` (an ``EngineCore``) that scheduled ``so``;
+    ``times``: when it began and ended scheduling, began and ended updating."""
     scheduled = {}
     for req in so.scheduled_requests:
         rid = req.request_id
@@ -68,7 +72,16 @@ def record_step(core, so, start: float, duration: float, timings: dict,
                      for o in outputs if o.num_draft_tokens},
         loras={r.request_id: r.lora_request.lora_name for r in so.scheduled_requests
                if r.lora_request is not None},
-        expert_load=step_expert_load(core))
+        expert_load=step_expert_load(core), spans=step_spans(times, result))
+
+
+def step_spans(times: tuple, result) -> dict[str, tuple[float, float]]:
+    """The stages' (start, end); ``execute`` is the runner's, where it says (async)."""
+    if not times:
+        return {}
+    t0, t1, t2, t3 = times
+    return {"schedule": (t0, t1), "execute": getattr(result, "span", (t1, t2)),
+            "update": (t2, t3)}
 
 
 def step_expert_load(core) -> dict[int, list[int]]:

@@ -235,7 +235,10 @@ class ModelRunner:
             if req.sampling_params.prompt_logprobs is not None and (
                     rows := self.prompt_logprobs.plan(req, start, end, len(input_ids))):
                 prompt_rows.append(rows)
-            input_ids += tokens[start:end]
+            part = tokens[start:end]
+            if len(part) < end - start:  # a step in flight samples it (worker/async_step.py)
+                part = part + [self.last_sampled[rid]]
+            input_ids += part
             if drafts:
                 # Verifying k drafts: k + 1 one-token sequences over the same blocks,
                 # the j-th seeing j more tokens. Every layer stores the step's K/V
@@ -251,7 +254,7 @@ class ModelRunner:
             if self.lora_manager is not None:
                 lora_requests.append(req.lora_request)
                 lora_tokens.append(end - start)
-            if end == len(tokens):  # this step reaches the last known token
+            if end >= len(tokens):  # this step reaches the last known token
                 # With k drafts: k + 1 rows, the last known token's and each draft's.
                 logits_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 samplers.append(req)

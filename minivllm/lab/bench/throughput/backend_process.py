@@ -53,6 +53,8 @@ class MiniVLLM(Backend):
         from minivllm import LLM
 
         args = setup.get("engine_args", {})
+        if setup.get("backend") == "minivllm-async":  # the async loop against the sync one
+            args = {**args, "async_scheduling": True}
         tp = args.get("tensor_parallel_size", 1)
         if tp > 1 and setup.get("threads"):
             # The ranks share the thread budget; workers take as many as rank 0.
@@ -368,7 +370,7 @@ class _BatchedDecode:
             self.batch = None
 
 
-BACKENDS = {"minivllm": MiniVLLM, "hf": HFGenerate, "hf-cb": HFContinuousBatching,
+BACKENDS = {"minivllm": MiniVLLM, "minivllm-async": MiniVLLM, "hf": HFGenerate, "hf-cb": HFContinuousBatching,
             "vllm": VLLM, "llama.cpp": LlamaCpp, "llama.cpp-decode": LlamaCppDecode}
 
 

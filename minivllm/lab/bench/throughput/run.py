@@ -16,7 +16,8 @@ from minivllm.lab.bench.throughput.results import (RunResult, best_roofline, mak
                                                     print_report, save_figure,
                                                     throughput_figure)
 
-BACKENDS = ("minivllm", "hf", "hf-cb", "vllm", "llama.cpp", "llama.cpp-decode")
+# minivllm-async: minivllm with async_scheduling=True (core/async_scheduler.py).
+BACKENDS = ("minivllm", "minivllm-async", "hf", "hf-cb", "vllm", "llama.cpp", "llama.cpp-decode")
 
 
 def build_workload(args: argparse.Namespace, model_path: str
