@@ -48,6 +48,7 @@ class DraftSequence:
     # The draft scores no prompt and follows no grammar: defaults for the runner
     # and the KV cache manager, which read these off every request.
     sampling_params = SamplingParams()
+    num_output_placeholders = 0  # the draft never runs ahead (async scheduling)
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
