@@ -9,11 +9,13 @@ load naming the field; the simulator prices the same bytes.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 
+import tests.test_hybrid_kv_cache as hybrid
 from minivllm import LLM, SamplingParams
 from minivllm.core.kv_cache_interface import MLAAttentionSpec, layer_specs
 from minivllm.model.attention.mla import absorbed_decode, naive_attention
@@ -44,21 +46,9 @@ def build_deepseek(folder, q_lora_rank=32, **extra):
     return str(folder)
 
 
-def hf_greedy(folder, prompts, max_tokens=MAX_TOKENS):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
-
-
-def tokens(llm, prompts, max_tokens=MAX_TOKENS):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+# Hugging Face's greedy tokens and the engine's, as for Gemma 3 and Qwen3-Next.
+hf_greedy = functools.partial(hybrid.hf_greedy, max_tokens=MAX_TOKENS)
+tokens = functools.partial(hybrid.tokens, max_tokens=MAX_TOKENS)
 
 
 def runner_of(llm):
