@@ -11,8 +11,7 @@ PYTEST_ARGS  ?=
 # tests stay in one process, so its module fixtures are built once. TEST_JOBS=1
 # runs everything in one process. Files go out in collection order, the longest
 # first (tests/conftest.py): xdist's default reorder (by test count) had sent the
-# schema fuzzer out last, to run alone. The chapters run one at a time: two at once were
-# slower on 2 cores (each kernel's torch threads and servers compete).
+# schema fuzzer out last, to run alone.
 TEST_JOBS    ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 XDIST        := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
@@ -59,9 +58,14 @@ book: setup
 chat: setup
 	$(VENV)/bin/minivllm generate --chat "What is the capital of France?" --max-tokens 64
 
-test: setup sysdeps
-	$(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS) tests
-	@if [ -n "$(BOOK_SOURCES)" ]; then $(MAKE) --no-print-directory test-book; fi
+# The chapters run in the same pytest session as the tests (nbval; a notebook is one
+# file, so its cells stay in one process and in order), two at a time instead of one by
+# one after the tests. Each kernel takes its process's share of the cores
+# (OMP_NUM_THREADS, tests/conftest.py): two kernels of two threads each on two cores
+# were slower than one at a time.
+NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+test: setup sysdeps notebooks
+	$(PY) -m pytest -q $(XDIST) $(NBVAL) --durations=25 $(PYTEST_ARGS) tests $(NOTEBOOKS)
 
 test-fast: setup
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS) tests
@@ -71,7 +75,7 @@ test-fast: setup
 # --durations=0 prints every cell's time, so each chapter's total is on record
 # (a chapter must run in under 2 minutes on 2 cores).
 test-book: notebooks
-	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --durations=0 $(notdir $(NOTEBOOKS))
+	cd book && ../$(PY) -m pytest -q -p no:python -p no:cacheprovider $(NBVAL) --durations=0 $(notdir $(NOTEBOOKS))
 
 # Teaching with the book (nbgrader, book/grading.py): student notebooks with the
 # solutions and hidden tests removed into book/course/release/<assignment>/: part1

@@ -12,9 +12,13 @@ import torch
 
 from minivllm.lab.bench.workload import CHAT_PROMPTS as BENCH_CHAT_PROMPTS
 
-# Under pytest-xdist (make test) the cores are shared by the test processes.
-torch.set_num_threads(max(1, (os.cpu_count() or 1)
-                          // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+# Under pytest-xdist (make test) the cores are shared by the test processes, and by what
+# they start: the chapters' kernels (nbval) inherit the share through OMP_NUM_THREADS.
+# Two kernels with two threads each on two cores ran the chapters slower than one at a time.
+THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(THREADS)
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 # The first 16 of the benchmark's chat prompts (3 in Chinese): one list, not two.
 CHAT_PROMPTS = list(BENCH_CHAT_PROMPTS[:16])
@@ -121,6 +125,8 @@ def tiny_chat_model(tmp_path_factory, default_model_path):
 
 # The longest files first: under pytest-xdist (make test) a file runs in one process,
 # so a long file collected last would run alone at the end while the other core idles.
+# The chapters (make test runs them in the same session; a notebook is one file) go next,
+# so the short test files fill the end.
 LONGEST_FIRST = ("test_schema_fuzz.py", "test_int8_activations.py", "test_tensor_parallel.py",
                  "test_ray_data_parallel.py", "test_bench_beam_search.py", "test_router.py",
                  "test_grading.py", "test_sim_corun.py", "test_ray_executor.py",
@@ -130,4 +136,6 @@ LONGEST_FIRST = ("test_schema_fuzz.py", "test_int8_activations.py", "test_tensor
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable)
+    chapters, rest = len(rank), len(rank) + 1
+    items.sort(key=lambda item: rank.get(item.path.name,
+                                         chapters if item.path.suffix == ".ipynb" else rest))
