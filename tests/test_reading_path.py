@@ -41,7 +41,6 @@ MAX_LINES = 5550
 READING_PATH = [
     "minivllm/__init__.py",
     "minivllm/entrypoints/llm.py",
-    "minivllm/entrypoints/llm_rl.py",
     "minivllm/engine/llm_engine.py",
     "minivllm/inputs/processor.py",
     "minivllm/inputs/tokenizer.py",
@@ -118,6 +117,8 @@ OPTIONAL = [
     "minivllm.core.engine_core_proc", "minivllm.config.weight_transfer",
     "minivllm.distributed.weight_transfer", "minivllm.core.rollout",
     "minivllm.worker.rollout_worker", "minivllm.worker.cuda_graphs", "minivllm.worker.kv_sizing",
+    "minivllm.entrypoints.llm_rl", "minivllm.core.spec_decode_update",
+    "minivllm.worker.runner_helpers", "minivllm.core.block_pool_events",
 ]
 
 # Run in a fresh interpreter: what this test process imported must not count.
