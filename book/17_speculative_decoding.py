@@ -42,6 +42,7 @@ import time
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.core import spec_decode_update
 from minivllm.model.attention import AttentionMetadata
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.sample.rejection_sampler import RejectionSampler
@@ -333,9 +334,8 @@ assert auto.engine_core.speculator.num_disabled_steps > 0
 
 # %%
 kv = spec.engine_core.kv_cache_manager
-scheduler = spec.engine_core.scheduler
 calls, real_free_tail = [], kv.free_tail
-verifications, real_apply = [], scheduler._apply_verified
+verifications, real_apply = [], spec_decode_update.apply_verified
 
 
 def watched(request, num_tokens):
@@ -345,9 +345,9 @@ def watched(request, num_tokens):
     return freed
 
 
-def watched_apply(request, so, drafts, tokens):
+def watched_apply(scheduler, request, so, drafts, tokens):
     known, num_calls = request.num_tokens, len(calls)
-    out = real_apply(request, so, drafts, tokens)
+    out = real_apply(scheduler, request, so, drafts, tokens)
     if len(calls) > num_calls:  # not finished: its tail went through free_tail
         v = Verification(f"step {so.step}: T={known}", known, len(drafts), len(tokens) - 1)
         verifications.append((v, calls[-1][2]))
@@ -359,10 +359,11 @@ def watched_apply(request, so, drafts, tokens):
 # methods are put back.
 
 # %%
-kv.free_tail, scheduler._apply_verified = watched, watched_apply
+kv.free_tail, spec_decode_update.apply_verified = watched, watched_apply
 spec.trace.clear()
 chat(spec, grounded_prompts(2), SamplingParams(temperature=0, max_tokens=48))
-del kv.free_tail, scheduler._apply_verified  # back to the classes' methods
+del kv.free_tail  # back to the class's method, and the module's function
+spec_decode_update.apply_verified = real_apply
 freeing = [c for c in calls if c[2] > 0]
 print(len(calls), "verifications,", len(freeing), "freed a block; e.g. (tokens, before, freed, after):",
       freeing[:3])
@@ -414,16 +415,17 @@ show_source(RejectionSampler.__call__, start="results, start", end="return resul
 show_source(RejectionSampler._verify_random, start="ids = torch", end="return drafts")
 
 # %% [markdown]
-# Back in the scheduler, the verified run is appended token by token, by the loop that
+# Back in the scheduler (its speculative part, `core/spec_decode_update.py`, loads with the
+# first verification), the verified run is appended token by token, by the loop that
 # appends a plain step's one token (a stop token or string inside an accepted run ends
 # it there), and the tail is freed:
 
 # %%
-show_source("minivllm.core.scheduler.Scheduler._apply_verified",
+show_source("minivllm.core.spec_decode_update.apply_verified",
             start="spec_decoding_stats.observe(k", end="free_tail(request")
 
 # %%
-show_source("minivllm.core.scheduler.Scheduler._append_tokens", start="for token_id, info",
+show_source("minivllm.core.scheduler.Scheduler.append_tokens", start="for token_id, info",
             end="break")
 
 # %% [markdown]

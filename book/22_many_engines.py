@@ -89,8 +89,9 @@ print(f"{N} replicas, each {engines[0].engine_core.num_blocks} blocks of {BS} to
 # ## KV events: an engine tells what it caches
 #
 # A router cannot look into a replica's memory. Each replica's block pool therefore
-# records every change of its prefix cache as plain data (a `KVEventRecorder`, which it
-# holds only when events are on); when a block becomes full
+# records every change of its prefix cache as plain data (with events on, the pool is
+# an `EventRecordingBlockPool`, `core/block_pool_events.py`, holding a `KVEventRecorder`);
+# when a block becomes full
 # and enters the cache it records a `BlockStored` with the block's hash, its parent's
 # hash and its tokens:
 

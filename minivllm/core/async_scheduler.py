@@ -90,7 +90,7 @@ class AsyncScheduler(Scheduler):
             if rid not in sampled:
                 raise ValueError(f"request {rid!r} reached the end of its tokens in step "
                                  f"{scheduler_output.step} but no token was sampled for it")
-            outputs.append(self._append_tokens(request, [sampled[rid]]))
+            outputs.append(self.append_tokens(request, [sampled[rid]]))
         return outputs
 
 

@@ -6,18 +6,16 @@ full block is in the prefix cache (a freed block keeps it and its K/V, so a late
 prefix can ``touch`` it back); the free queue, ``ref_cnt == 0`` blocks least recently
 freed first, taken from the head (a cached one is *evicted* then). Reviving takes a
 block from the queue's middle: a doubly linked list through the blocks, O(1). Blocks a request asked to keep
-(``retention_directives``) wait in a second set instead: ``core/retained_blocks.py``.
+(``retention_directives``) wait in a second set instead: ``core/retained_blocks.py``. With
+KV events on, ``block_pool_events.py``'s subclass records the prefix cache's changes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from minivllm.config import check_int
-
-if TYPE_CHECKING:
-    from minivllm.distributed.kv_events import KVCacheEvent, KVEventRecorder
 
 
 @dataclass(eq=False)
@@ -90,8 +88,7 @@ class BlockPool:
     """All blocks, the free queue and the prefix cache map (hash -> block). Block 0 is
     ordinary: block tables pad with -1."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 enable_kv_cache_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         check_int("BlockPool num_blocks", num_blocks, 1)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -108,14 +105,7 @@ class BlockPool:
         # Told (block_hash, block_id) just before a cached block is reused, while
         # its K/V are still intact (a KV offloading connector copies them out).
         self.on_evict: Optional[Callable[[int, int], None]] = None
-        # Changes of the prefix cache as plain records, for routers that follow
-        # this cache (KV events); the engine core drains them every step.
-        self.kv_events: Optional[KVEventRecorder] = None  # None: events are off
         self.retained = None  # free blocks kept for agent sessions, made on first use
-        if enable_kv_cache_events and enable_caching:
-            from minivllm.distributed.kv_events import KVEventRecorder
-
-            self.kv_events = KVEventRecorder()
 
     # -- state -------------------------------------------------------------
     @property
@@ -158,8 +148,6 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
-            if self.kv_events is not None:
-                self.kv_events.removed(block.block_hash)
         block.block_hash = None
         self.num_evicted += 1
 
@@ -198,25 +186,23 @@ class BlockPool:
         ``parent_block_hash`` (the hash before the first block), ``token_ids``
         (theirs, ``block_size`` each) only describe them in KV events.
         """
+        return len(self._cache(blocks, block_hashes))
+
+    def _cache(self, blocks: Iterable[KVCacheBlock], block_hashes: Iterable[int]) -> list[int]:
+        """``cache_full_blocks``' work; returns the indexes of the blocks it added."""
         if not self.enable_caching:
-            return 0
+            return []
         added = []
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
-            if block.block_hash is not None:
-                continue
-            if block_hash in self.cached_block_hash_to_block:
-                continue
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
-            added.append(i)
-        if added and self.kv_events is not None:
-            self.kv_events.stored(added, list(block_hashes), parent_block_hash, token_ids,
-                                  block_size)
-        return len(added)
+            if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
+                block.block_hash = block_hash
+                self.cached_block_hash_to_block[block_hash] = block
+                added.append(i)
+        return added
 
-    def take_events(self) -> list[KVCacheEvent]:
-        """The events recorded since the last call (none when events are off)."""
-        return self.kv_events.take() if self.kv_events is not None else []
+    def take_events(self) -> list:
+        """The KV events recorded since the last call: none, events are off here."""
+        return []
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take blocks out of the prefix cache: their contents are not to be trusted."""
@@ -231,8 +217,6 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
-        if self.kv_events is not None:
-            self.kv_events.cleared()
         return True
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the step trace loads only when switched on
 class EngineCore:
     def __init__(self, config: EngineConfig, executor,
                  clock: Optional[Clock] = None, speculator=None,
-                 kv_event_publisher=None) -> None:
+                 kv_event_publisher=None, kv_connector=None) -> None:
         self.config = config
         self.clock = clock or MONOTONIC  # timestamps (the simulator's is virtual)
         self.executor = executor  # injected (engine/core_builder.py), as the speculator
@@ -42,14 +42,14 @@ class EngineCore:
             self.kv_cache_manager = make_hybrid_manager(config, self.num_blocks)
         # Where the block pool's cache changes go (KV events, for routers), or None.
         self.kv_event_publisher = kv_event_publisher
-        self.kv_connector = self._make_kv_connector(config)
-        # Chosen once: what the scheduler asks a KV connector, or None (it never asks).
-        connector_scheduling = None
-        if self.kv_connector is not None:
-            from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
+        # The scheduler half of a KV connector (given, or kv_transfer_config's) and what
+        # the scheduler asks it (chosen once), or None and None: the scheduler never asks.
+        self.kv_connector, connector_scheduling = kv_connector, None
+        if kv_connector is not None or config.kv_transfer is not None:
+            from minivllm.core.kv_connector_scheduling import make_connector_scheduling
 
-            connector_scheduling = KVConnectorScheduling(self.kv_connector,
-                                                         self.kv_cache_manager)
+            self.kv_connector, connector_scheduling = make_connector_scheduling(
+                config, self.kv_cache_manager, kv_connector)
         self.batch_queue, scheduler_cls = None, Scheduler  # (None: the sync loop)
         if config.async_scheduling:
             from minivllm.core.async_scheduler import async_parts
@@ -69,15 +69,6 @@ class EngineCore:
         self.dead_error: Optional[BaseException] = None
         # Why steps may not run now (paused, asleep: core/rollout.py), or None.
         self.hold: Optional[str] = None
-
-    @staticmethod
-    def _make_kv_connector(config: EngineConfig):
-        """The scheduler half of ``kv_transfer_config``'s connector, or None."""
-        if config.kv_transfer is None:
-            return None
-        from minivllm.core.kv_connector_scheduling import make_scheduler_connector
-
-        return make_scheduler_connector(config)
 
     # -- requests ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -145,20 +136,15 @@ class EngineCore:
 
     def make_stats(self):
         """The scheduler's snapshot for /metrics, plus the experts' load (MoE models)."""
-        stats = self.scheduler.make_stats()
-        stats.expert_load = self.expert_load()
-        if stats.expert_load is not None:  # (and its collectives' bytes: expert_parallel.py)
-            stats.moe_dispatch_bytes = self.executor.runner.model.moe_dispatch_bytes()
-        return stats
+        from minivllm.core.scheduler_stats import make_engine_stats
+
+        return make_engine_stats(self)
 
     def expert_load(self) -> Optional[dict[int, list[int]]]:
-        """Tokens routed to each expert so far, per MoE layer; None for a dense model
-        (and for an executor without a model, the simulator's). Every rank routes the
-        same tokens, so rank 0's counts are everyone's."""
-        runner = getattr(self.executor, "runner", None)
-        if self.config.model.moe is None or runner is None:
-            return None
-        return runner.model.expert_load()
+        """Tokens routed to each expert so far, per MoE layer; None for a dense model."""
+        from minivllm.core.scheduler_stats import expert_load
+
+        return expert_load(self)
 
     def publish_kv_events(self) -> None:
         """Hand the block pool's recorded cache changes to the publisher as one batch."""

@@ -75,7 +75,10 @@ class KVCacheManager:
         check_int("KVCacheManager block_size", block_size, 1)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
+        pool_class = BlockPool
+        if enable_kv_cache_events and enable_caching:  # (nothing to record without caching)
+            from minivllm.core.block_pool_events import EventRecordingBlockPool as pool_class
+        self.block_pool = pool_class(num_blocks, enable_caching)
         self.num_blocks = num_blocks
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # block tables
         # The same as ids: the runner gets every scheduled request's table each step.

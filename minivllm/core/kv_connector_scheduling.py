@@ -41,15 +41,19 @@ class ComputedTokens(NamedTuple):
     load_async: bool = False
 
 
-def make_scheduler_connector(config):
-    """The scheduler half of ``config.kv_transfer``'s connector."""
-    from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
-    from minivllm.distributed.kv_transfer.base import KVCacheSpec
+def make_connector_scheduling(config, kv_cache_manager: "KVCacheManager", connector=None
+                              ) -> tuple[object, "KVConnectorScheduling"]:
+    """The scheduler half of a connector (``connector``, else ``config.kv_transfer``'s,
+    built here) and this object around it."""
+    if connector is None:
+        from minivllm.distributed.kv_transfer import KVConnectorRole, create_connector
+        from minivllm.distributed.kv_transfer.base import KVCacheSpec
 
-    # After the executor is built: the runner may have chosen the compute dtype.
-    m, bs = config.model, config.cache.block_size
-    spec = KVCacheSpec(bs, m.num_hidden_layers, m.kv_bytes_per_token * bs)
-    return create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, spec)
+        # After the executor is built: the runner may have chosen the compute dtype.
+        m, bs = config.model, config.cache.block_size
+        spec = KVCacheSpec(bs, m.num_hidden_layers, m.kv_bytes_per_token * bs)
+        connector = create_connector(config.kv_transfer, KVConnectorRole.SCHEDULER, spec)
+    return connector, KVConnectorScheduling(connector, kv_cache_manager)
 
 
 class KVConnectorScheduling:

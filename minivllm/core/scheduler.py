@@ -16,7 +16,7 @@ scheduler hands out a budget of ``max_num_batched_tokens`` tokens:
 ``schedule`` only decides; ``update_from_output`` applies the step's result
 (``num_computed_tokens``, sampled tokens, the token-level stop conditions).
 With speculative decoding a request with draft tokens asks for 1 + k slots and
-gets a verified run of tokens (``_apply_verified``). A KV connector
+gets a verified run of tokens (``spec_decode_update.py``). A KV connector
 (``self.connector``) answers questions and holds its own requests aside
 (``waiting_for_remote``: KV arriving; ``sending``: blocks being sent); only this
 class moves requests between ``waiting`` and ``running``.
@@ -356,13 +356,15 @@ class Scheduler:
         for request in live:
             rid = request.request_id
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
-            if drafts:
-                outputs.append(self._apply_verified(request, scheduler_output, drafts,
-                                                    verified[rid]))
+            if drafts:  # (speculative decoding: core/spec_decode_update.py)
+                from minivllm.core.spec_decode_update import apply_verified
+
+                outputs.append(apply_verified(self, request, scheduler_output, drafts,
+                                              verified[rid]))
                 continue
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
             if request.num_computed_tokens == request.num_tokens:
-                outputs.append(self._append_tokens(request, [sampled[rid]]))
+                outputs.append(self.append_tokens(request, [sampled[rid]]))
         return outputs
 
     def _apply_transfers(self, so: SchedulerOutput, live: list[Request],
@@ -377,7 +379,7 @@ class Scheduler:
             self.waiting.appendleft(request)
         return [r for r in live if r not in spoiled]  # (their step's result is dropped)
 
-    def _append_tokens(self, request: Request,
+    def append_tokens(self, request: Request,
                        tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:
         """Append the step's token (or verified run), checking the stop conditions after
         each: a stop inside a run ends it, the tokens after it dropped as if never sampled."""
@@ -405,30 +407,6 @@ class Scheduler:
             num_preemptions=request.num_preemptions,
             kv_transfer_params=request.kv_transfer_params)
 
-    def _apply_verified(self, request: Request, so: SchedulerOutput, drafts: list[int],
-                        tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:
-        """Apply a verification: accepted drafts + one target token, stops honoured.
-
-        The K/V of the known tokens and of the accepted drafts are valid; the
-        slots of the rejected ones are overwritten next step, and the blocks
-        past what the request now holds go back to the pool.
-        """
-        k = len(drafts)
-        if not 1 <= len(tokens) <= k + 1:
-            raise ValueError(f"request {request.request_id!r}: verification of {k} drafts "
-                             f"returned {len(tokens)} tokens, must be 1 to {k + 1}")
-        request.num_computed_tokens += so.num_scheduled_tokens[request.request_id] - k
-        request.spec_token_ids, request.spec_token_probs = [], None
-        if self.spec_decoding_stats is None:
-            from minivllm.core.spec_decode_stats import SpecDecodingStats
-
-            self.spec_decoding_stats = SpecDecodingStats()
-        self.spec_decoding_stats.observe(k, len(tokens) - 1)
-        out = self._append_tokens(request, tokens)
-        if not out.finished:
-            self.kv_cache_manager.free_tail(request, request.num_tokens)
-        out.num_draft_tokens, out.num_accepted_tokens = k, len(tokens) - 1
-        return out
 
 
 __all__ = ["Scheduler", "SchedulerOutput", "SampledTokens"]

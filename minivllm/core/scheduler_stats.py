@@ -27,7 +27,7 @@ class SchedulerStats:
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     # Mixtures of experts: MoE layer -> tokens routed to each expert since load (None:
-    # a dense model). Filled by EngineCore.make_stats from the model's counts.
+    # a dense model). Filled by make_engine_stats from the model's counts.
     expert_load: Optional[dict[int, list[int]]] = None
     # ... and the payload bytes the experts' collectives moved since load (rank 0's).
     moe_dispatch_bytes: Optional[int] = None
@@ -55,3 +55,23 @@ def make_scheduler_stats(scheduler) -> SchedulerStats:
         spec_decoding_stats=None if spec is None else spec.copy(),
         max_lora=scheduler.max_loras, running_lora_adapters=count_adapters(scheduler.running),
         waiting_lora_adapters=count_adapters(scheduler.waiting))
+
+
+def make_engine_stats(core) -> SchedulerStats:
+    """An ``EngineCore``'s snapshot (``EngineCore.make_stats``): its scheduler's, plus the
+    experts' load and their collectives' bytes (MoE models: ``expert_parallel.py``)."""
+    stats = core.scheduler.make_stats()
+    stats.expert_load = expert_load(core)
+    if stats.expert_load is not None:
+        stats.moe_dispatch_bytes = core.executor.runner.model.moe_dispatch_bytes()
+    return stats
+
+
+def expert_load(core) -> Optional[dict[int, list[int]]]:
+    """Tokens routed to each expert so far, per MoE layer; None for a dense model (and
+    for an executor without a model, the simulator's). Every rank routes the same
+    tokens, so rank 0's counts are everyone's."""
+    runner = getattr(core.executor, "runner", None)
+    if core.config.model.moe is None or runner is None:
+        return None
+    return runner.model.expert_load()

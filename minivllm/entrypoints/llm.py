@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.entrypoints.llm_rl import RLMethods
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -25,9 +24,29 @@ ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
 LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]  # (one, or per prompt)
 
 
-class LLM(RLMethods):
-    """vLLM's offline API; the RL methods (``sleep``, ``load_weights``, ...) come from
-    ``RLMethods`` (``llm_rl.py``)."""
+class _RLMethod:
+    """One of ``LLM``'s RL methods (``sleep``, ``load_weights``, ...): the function of
+    ``llm_rl.py``'s ``RLMethods``, whose module loads the first time one is looked up."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, llm: Optional["LLM"], owner: type):
+        from minivllm.entrypoints.llm_rl import RLMethods
+
+        function = getattr(RLMethods, self.name)
+        return function if llm is None else function.__get__(llm, owner)
+
+
+class LLM:
+    """vLLM's offline API; the RL methods are ``llm_rl.py``'s, loaded when first used."""
+
+    collective_rpc, load_weights = _RLMethod(), _RLMethod()
+    reset_prefix_cache, pause_generation = _RLMethod(), _RLMethod()
+    resume_generation, is_paused = _RLMethod(), _RLMethod()
+    sleep, wake_up, is_sleeping = _RLMethod(), _RLMethod(), _RLMethod()
+    init_weight_transfer_engine, start_weight_update = _RLMethod(), _RLMethod()
+    update_weights, finish_weight_update = _RLMethod(), _RLMethod()
 
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         args = engine_args_from_kwargs(model, engine_args)

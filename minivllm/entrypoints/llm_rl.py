@@ -1,6 +1,7 @@
 """``LLM``'s RL methods, vLLM's names: an RL trainer keeps the engine alive and updates
 it between rollouts. Each runs on the engine core between steps; ``core/rollout.py``
-does the work and documents the rules (loaded on the first call)."""
+does the work and documents the rules. This module loads when ``LLM`` first looks one
+of them up (``llm.py``'s ``_RLMethod``), so a plain request reads none of it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 
 class RLMethods:
-    """Mixed into ``LLM``, which holds the ``llm_engine``."""
+    """``LLM``'s RL methods (``self`` is the ``LLM``, which holds the ``llm_engine``)."""
 
     def _rollout(self):
         from minivllm.core.rollout import RolloutControl

@@ -21,10 +21,8 @@ twins, sampler and decode-step replay) is decided once, at start-up
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -32,20 +30,16 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import SchedulerOutput
-from minivllm.inputs.tokenizer import load_tokenizer_and_eos
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
 from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generator
 from minivllm.worker.reference_path import ReferencePath
 
-if TYPE_CHECKING:  # the per-request features below load on the first request using them
+if TYPE_CHECKING:
     from minivllm.core.outputs import LogprobInfo
-    from minivllm.sample.logits_processors import LogitsProcessors
-    from minivllm.sample.rejection_sampler import RejectionSampler
-    from minivllm.structured_output import StructuredOutputManager
     from minivllm.worker.compute_path import ComputePath, DecodeReplay
-    from minivllm.worker.prompt_logprobs import PromptLogprobEntry, PromptLogprobsCollector
+    from minivllm.worker.prompt_logprobs import PromptLogprobEntry
 
 # On CPU the KV cache gets this much memory unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # (CUDA: gpu_memory_utilization, worker/kv_sizing.py)
@@ -117,35 +111,18 @@ class ModelRunner:
             self.kv_groups = KVCacheGroups(config, self.dtype, self.attn_backend.name)
 
     # -- what some requests ask for, built when the first one does ----------------
-    @cached_property
-    def prompt_logprobs(self) -> PromptLogprobsCollector:
-        from minivllm.worker.prompt_logprobs import PromptLogprobsCollector
+    # The prompt-logprobs collector, the logits processors (logit_bias, allowed_token_ids,
+    # bad_words), the grammars' masks, the rejection sampler: worker/runner_helpers.py.
+    HELPERS = ("prompt_logprobs", "logits_processors", "structured_output", "rejection_sampler")
 
-        return PromptLogprobsCollector()
+    def __getattr__(self, name: str):
+        """A helper of ``HELPERS``, built when a request first needs it, then kept."""
+        if name not in ModelRunner.HELPERS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        from minivllm.worker.runner_helpers import build_helper
 
-    @cached_property
-    def logits_processors(self) -> LogitsProcessors:  # logit_bias, allowed_token_ids, bad_words
-        from minivllm.sample.logits_processors import LogitsProcessors
-
-        return LogitsProcessors()
-
-    @cached_property
-    def structured_output(self) -> StructuredOutputManager:  # the grammars' masks
-        from minivllm.structured_output import StructuredOutputManager
-
-        return StructuredOutputManager(
-            functools.partial(load_tokenizer_and_eos, self.config.model.path),
-            self.config.model.vocab_size)
-
-    @cached_property
-    def rejection_sampler(self) -> RejectionSampler:  # verifies speculative drafts
-        from minivllm.sample.rejection_sampler import RejectionSampler
-
-        return RejectionSampler()
-
-    def _built(self, name: str):
-        """The helper ``name`` above if a request has built it, else None."""
-        return self.__dict__.get(name)
+        helper = self.__dict__[name] = build_helper(self, name)
+        return helper
 
     @property
     def acceleration_problem(self) -> Optional[str]:
@@ -348,7 +325,7 @@ class ModelRunner:
                                                       so.scheduled_spec_decode_tokens)
         elif samplers:
             out.sampled = self.sample_tokens(logits, samplers)
-        if (collector := self._built("prompt_logprobs")) is not None:
+        if (collector := self.__dict__.get("prompt_logprobs")) is not None:
             for req in samplers:
                 if (entries := collector.take_finished(req)) is not None:
                     out.prompt_logprobs[req.request_id] = entries
@@ -364,10 +341,10 @@ class ModelRunner:
         tokens when they sample again)."""
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
-        if (collector := self._built("prompt_logprobs")) is not None:
+        if (collector := self.__dict__.get("prompt_logprobs")) is not None:
             for rid in so.finished_req_ids:
                 collector.forget(rid)
-        if (grammars := self._built("structured_output")) is not None:
+        if (grammars := self.__dict__.get("structured_output")) is not None:
             for rid in (*so.finished_req_ids, *so.preempted_req_ids):
                 grammars.release(rid)
 

@@ -135,17 +135,6 @@ class OffloadSimExecutor(SimExecutor):
         return out
 
 
-class _ConnectorCore(EngineCore):
-    """``EngineCore`` whose scheduler half of a connector is given, not configured."""
-
-    def __init__(self, config, connector, **kwargs) -> None:
-        self._given_connector = connector
-        super().__init__(config, **kwargs)
-
-    def _make_kv_connector(self, config):
-        return self._given_connector
-
-
 class PoolReplica(Replica):
     """A replica with a role ("both", "prefill", "decode") and maybe a connector."""
 
@@ -168,8 +157,8 @@ class PoolReplica(Replica):
                 KVConnectorRole.SCHEDULER, spec)
         else:
             connector = None
-        self.core = _ConnectorCore(config, connector, executor=self.executor,
-                                   clock=self.clock)
+        self.core = EngineCore(config, self.executor, clock=self.clock,
+                               kv_connector=connector)
         self.connector = connector
         self.block_size = config.cache.block_size
         self.prefix_cache = self.core.kv_cache_manager.block_pool.cached_block_hash_to_block
