@@ -197,9 +197,3 @@ def test_unknown_kind_beside_linear_refused(tmp_path, qwen3_next):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="layer 2 .*'sliding_attention'"):
         LLM(str(folder), cpu_kernels=False)
-
-
-def test_features_refused(qwen3_next):
-    with pytest.raises(ValueError, match="speculative_config.*linear_attention"):
-        LLM(qwen3_next, cpu_kernels=False,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
