@@ -26,7 +26,7 @@ TABLE = {                 # sliding    linear     MLA
     "cache_salt":          ("works",   "works",   "works"),
     "n-gram speculation":  ("works",   "refused", "works"),
     "draft model":         ("works",   "refused", "works"),
-    "LoRA":                ("refused", "refused", "refused"),
+    "LoRA":                ("works",   "refused", "refused"),
     "KV connector":        ("refused", "refused", "refused"),
     "offload tier":        ("refused", "refused", "refused"),
     "KV events":           ("refused", "refused", "works"),
@@ -164,6 +164,28 @@ def check_kv_events(folder, kind, tiny_model, tmp_path):
         llm.shutdown()
 
 
+def check_lora(folder, kind, tiny_model, tmp_path):
+    """An adapter's greedy tokens equal PEFT's on the same base, beside base-model
+    requests in one batch (which keep the base's tokens)."""
+    from minivllm import LoRARequest
+    from tests.lora_helpers import ALL_MODULES, build_peft_adapter, greedy, peft_model
+
+    adapter = build_peft_adapter(folder, tmp_path / "adapter", 0, r=8, lora_alpha=16,
+                                 target_modules=ALL_MODULES)
+    ps = [list(range(3, 3 + n)) for n in (5, 13, 30)]
+    with_adapter = [greedy(peft_model(folder, adapter), p, 12) for p in ps]
+    base = [greedy(peft_model(folder, None), p, 12) for p in ps]
+    assert with_adapter != base  # (else the equality below would prove nothing)
+    lora = LoRARequest("adapter", 1, str(adapter))
+    llm = engine(folder, enable_lora=True, max_lora_rank=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False, lora_request=[lora, None, lora])
+    assert [o.outputs[0].token_ids for o in outs] == [with_adapter[0], base[1],
+                                                      with_adapter[2]]
+    hybrid.assert_all_blocks_free(llm)
+
+
 def check_tensor_parallel(folder, kind, tiny_model, tmp_path):
     """Two ranks (the heads split, MLA's latent whole on each) give one rank's tokens."""
     ps = [list(range(3, 3 + n)) for n in (1, 6, 17, 33)]
@@ -179,7 +201,8 @@ def check_tensor_parallel(folder, kind, tiny_model, tmp_path):
 CHECKS = {"beam search": check_beam_search, "cache_salt": check_cache_salt,
           "n-gram speculation": lambda *a: check_speculation(*a, "n-gram speculation"),
           "draft model": lambda *a: check_speculation(*a, "draft model"),
-          "KV events": check_kv_events, "tensor parallelism": check_tensor_parallel}
+          "KV events": check_kv_events, "tensor parallelism": check_tensor_parallel,
+          "LoRA": check_lora}
 
 
 @pytest.mark.parametrize("feature, kind", [

@@ -55,7 +55,8 @@ MLA = "mla"  # DeepSeek's latent attention: every layer, no layer_types entry
 # The engine features a layer kind cannot run with, and why (chapter 24's table "what
 # works on which layer kind"; tests/test_hybrid_features.py has a test per cell). The
 # rest work there: beam search, cache_salt, and on MLA speculative decoding and KV events.
-_NO_LORA = "LoRA is not wired into these model families' layers"
+_NO_LORA = ("LoRA hooks the Llama family's projections (qkv, o, gate/up, down), and "
+            "these layers project otherwise")
 _GROUP_EVENTS = ("the events name a block by its hash alone, and each KV cache group "
                  "caches a block of its own under that hash")
 _ONE_RANK = "the KV cache groups run on one rank"
@@ -64,7 +65,7 @@ REFUSED = (
      {"linear_attention": "a rejected draft token has already moved the layer's state "
                           "on, and a state cannot be rolled back"}),
     ("enable_lora", lambda c: c.lora is not None,
-     {"sliding_attention": _NO_LORA, "linear_attention": _NO_LORA, MLA: _NO_LORA}),
+     {"linear_attention": _NO_LORA, MLA: _NO_LORA}),
     ("kv_transfer_config (KV connectors and the offload tier)",
      lambda c: c.kv_transfer is not None,
      {"sliding_attention": "a connector moves one block table of K/V pages per request, "

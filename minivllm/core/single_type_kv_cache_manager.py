@@ -108,15 +108,15 @@ class SingleTypeKVCacheManager:
         self.block_pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
 
     def free_tail(self, request_id: str, num_tokens: int) -> int:
-        """Free the blocks past ``num_tokens`` tokens (a tail is never behind a window,
-        so never a ``NULL_BLOCK``); returns how many."""
+        """Free the blocks past ``num_tokens`` tokens (rejected drafts'); returns how
+        many."""
         blocks = self.req_to_blocks.get(request_id, [])
         keep = -(-num_tokens // self.block_size)
         tail = blocks[keep:]
         del blocks[keep:]
         if request_id in self.num_cached_block:
             self.num_cached_block[request_id] = min(self.num_cached_block[request_id], keep)
-        self.block_pool.free_blocks(reversed(tail))
+        self.block_pool.free_blocks(b for b in reversed(tail) if b is not NULL_BLOCK)
         return len(tail)
 
     def block_ids(self, request_id: str) -> list[int]:
