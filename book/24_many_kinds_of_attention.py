@@ -37,7 +37,9 @@
 # - Qwen3-Next's linear layers: a fixed-size state per request in the same pool, its
 #   size against a context, and a prefix hit that resumes from a saved state.
 # - a tiny DeepSeek-V3, whose MLA layers cache one latent row per token, and the
-#   absorbed decode that attends over the latents without expanding them.
+#   absorbed decode that attends over the latents without expanding them;
+# - what the rest of the engine (speculative decoding, LoRA, KV connectors, KV events,
+#   tensor parallelism) does on each kind of layer: runs, or is refused at load.
 
 # %%
 from minivllm.lab.viz.path import request_path_figure
@@ -507,6 +509,85 @@ torch.testing.assert_close(absorbed, naive, rtol=1e-5, atol=1e-5)
 # kernels run the rest of the model, and say so once in the log).
 
 # %% [markdown]
+# ## What works on which layer kind
+#
+# The rest of the engine was written for layers that all keep K and V. On each kind of
+# layer this chapter met, a feature either runs, proved by equivalence in
+# `tests/test_hybrid_features.py` (one test per cell: the tokens of a run without the
+# feature; for `cache_salt`, tenants that never share a block and a cold run's tokens;
+# for KV events, a subscriber that ends with exactly the engine's cached blocks), or
+# the engine refuses it **at load**, naming the feature and the layer kind, before any
+# weight is read: never a wrong token later. The refusals are one table,
+# `REFUSED` in `minivllm/config/attention_kinds.py`, checked when the engine's config is
+# built. Beam search and `cache_salt` need no switch and run on all three kinds (the
+# prefix cache's hits are per group, and a salt changes every group's hashes alike).
+# For the features with a switch, the cell asks the config builder itself:
+
+# %%
+from minivllm.config import EngineArgs
+
+FEATURES = {  # the engine arguments that switch each feature on
+    "speculative decoding": {"speculative_config": {"method": "ngram",
+                                                    "num_speculative_tokens": 3}},
+    "LoRA": {"enable_lora": True},
+    "KV connector / offload tier": {"kv_offloading_size": 0.001},
+    "KV events": {"kv_events_config": {"enable_kv_cache_events": True}},
+    "tensor parallelism": {"tensor_parallel_size": 2},
+}
+MODELS = {"sliding": folder, "linear": next_folder, "MLA": ds_folder}
+table, why = {}, {}
+for feature, args in FEATURES.items():
+    for kind, path in MODELS.items():
+        try:
+            EngineArgs(model=path, **args).create_engine_config()
+            table[feature, kind] = "works"
+        except ValueError as e:
+            table[feature, kind], why[feature, kind] = "refused", str(e)
+print(f"{'':28}" + "".join(f"{kind:>10}" for kind in MODELS))
+for feature in FEATURES:
+    print(f"{feature:28}" + "".join(f"{table[feature, kind]:>10}" for kind in MODELS))
+
+# %% [markdown]
+# A refusal says which feature, which kind and why:
+
+# %%
+print(why["speculative decoding", "linear"])
+assert "speculative_config" in why["speculative decoding", "linear"]
+assert "linear_attention layers" in why["speculative decoding", "linear"]
+assert [table[f, "sliding"] for f in FEATURES] == ["works"] + ["refused"] * 4
+assert [table[f, "linear"] for f in FEATURES] == ["refused"] * 5
+assert [table[f, "MLA"] for f in FEATURES] == ["works", "refused", "refused", "works",
+                                              "works"]
+
+# %% [markdown]
+# Why these cells. A linear layer's state has already taken every token of a
+# verification step when some drafts are rejected, and it cannot be rolled back
+# (vLLM's `MambaSpec` reserves state blocks for the drafts, `num_speculative_blocks`;
+# minivllm refuses). A sliding group can drop
+# rejected drafts as full attention does: the blocks past the accepted tokens go back
+# to the pool, group by group. A KV connector and the offload tier move K/V pages of one
+# block table per request, not one table per group, a latent row or a saved state. A KV
+# event names a block by its hash alone, while each group caches a block of its own
+# under that hash; an MLA model is one group, so its events are exact. LoRA is wired
+# into the Llama-family layers only.
+#
+# Speculative decoding on Gemma 3's sliding layers: n-gram drafts over a repeating
+# prompt, some rejected (their blocks freed in every group), and the tokens of the run
+# without drafts:
+
+# %%
+spec_llm = LLM(folder, block_size=BLOCK, trace=True, cpu_kernels=False, speculative_config={
+    "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+echo = {"prompt_token_ids": [5, 6, 7, 8, 9] * 6}
+plain = llm.generate(echo, greedy, use_tqdm=False)[0].outputs[0].token_ids
+drafted = spec_llm.generate(echo, greedy, use_tqdm=False)[0].outputs[0].token_ids
+stats = spec_llm.trace.spec_decoding_stats()
+print(f"{stats.num_draft_tokens} drafts, {stats.num_accepted_tokens} accepted")
+assert drafted == plain and stats.num_draft_tokens > 0
+core = spec_llm.llm_engine.engine_core
+assert core.kv_cache_manager.num_free_blocks == core.num_blocks
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
@@ -696,6 +777,8 @@ for _length in (2, 7, 40):
 # - A linear-attention layer (Qwen3-Next's gated DeltaNet) keeps one fixed-size state per
 #   request; past about a thousand tokens it is smaller than one attention layer's K/V.
 #   A state saved at each block's end lets a prefix hit resume from the hit's last block.
+# - Each engine feature either runs on a kind of layer (tested by equivalence) or is
+#   refused at load naming the feature and the kind: one table, `REFUSED`.
 #
 # **Try next:** six layers with five local to one global (`KINDS`), and watch the
 # groups and the pages per request; a window smaller than a block.

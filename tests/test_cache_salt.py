@@ -1,7 +1,8 @@
 """``cache_salt`` (vLLM's tenant isolation): prefix-cache hits only under one salt.
 
 A second tenant asking another tenant's prompt must find nothing cached, in the
-device pool, the offload tier, hybrid groups and beam search alike; its own
+device pool, the offload tier, beam search and hybrid models' groups alike
+(tests/test_hybrid_features.py, on each kind of layer); its own
 tenant must find the prefix. What a timing side channel measures is how many
 tokens the engine computes for a request: the tests compare that count (from the
 step trace) with a cold run's instead of timing anything. The salt changes no
@@ -145,23 +146,7 @@ def test_router_prefix_keys_include_the_salt():
     assert policy.choose([0, 1], policy.prompt_hashes(PROMPT, BS, "a")) == 1
 
 
-# -- hybrid groups and beam search -----------------------------------------------------
-def test_hybrid_model_keeps_tenants_apart(tmp_path):
-    from tests.test_hybrid_kv_cache import BLOCK, build_gemma3
-
-    llm = LLM(build_gemma3(tmp_path), block_size=BLOCK, cpu_kernels=False,
-              num_kv_blocks=128, trace=True)
-    try:
-        outs = [ask(llm, s) for s in ("a", "b", "a")]
-        assert [o.num_cached_tokens for o in outs] == [0, 0, (len(PROMPT) - 1) // BLOCK
-                                                          * BLOCK]
-        assert computed_tokens(llm, outs[1].request_id) == computed_tokens(
-            llm, outs[0].request_id)
-        assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
-    finally:
-        llm.shutdown()
-
-
+# -- beam search (hybrid groups: tests/test_hybrid_features.py) ----------------------
 def test_beam_search_steps_inherit_the_salt(tiny_model):
     from minivllm import BeamSearchParams
 

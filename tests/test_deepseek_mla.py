@@ -3,8 +3,9 @@
 The cache holds one latent + rope-key row per token (bytes derived from the spec and
 checked against the tensors the engine allocates); decode's absorbed weights equal
 the naive expansion; greedy tokens equal Hugging Face's alone, batched, chunked,
-preempted, prefix-cached and under tensor parallelism; what is not run is refused at
-load naming the field; the simulator prices the same bytes.
+preempted and prefix-cached (the engine's other features, tensor parallelism
+included: tests/test_hybrid_features.py); what is not run is refused at load naming
+the field; the simulator prices the same bytes.
 """
 
 from __future__ import annotations
@@ -170,13 +171,6 @@ def test_unsupported_config_refused_at_load(deepseek, tmp_path, field, value, ma
         LLM(str(folder), cpu_kernels=False)
 
 
-def test_kv_connector_refused(deepseek):
-    with pytest.raises(ValueError, match="kv_transfer_config .*MLA"):
-        LLM(deepseek, cpu_kernels=False, kv_transfer_config={
-            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes": 1 << 20}})
-
-
 def test_simulator_prices_the_engine_bytes(deepseek):
     """The simulator's MLA group and pool block are the loaded engine's bytes; under
     tensor parallelism the latent is not divided between ranks."""
@@ -196,11 +190,3 @@ def test_simulator_prices_the_engine_bytes(deepseek):
         assert kv_block_bytes(config) == runner.kv_block_bytes()
         assert kv_groups(raw, block_size=BLOCK, tp=tp)[0].bytes_per_token == engine_row
 
-
-@pytest.mark.slow
-def test_tensor_parallel_replicates_the_latent(deepseek, deepseek_ref):
-    """TP=2 with process workers: heads split, the latent whole on each rank; the
-    tokens are Hugging Face's."""
-    llm = LLM(deepseek, block_size=BLOCK, tensor_parallel_size=2, num_kv_blocks=64,
-              cpu_kernels=False)
-    assert tokens(llm, PROMPTS) == deepseek_ref

@@ -4,8 +4,9 @@ Gemma 3's sliding-window and global layers (and a Mistral config that sets a
 window) on tiny random checkpoints: greedy tokens equal Hugging Face's on prompts
 longer than the window, batched, chunked, preempted and prefix-cached; a
 sliding group's blocks outside the window go back to the pool while a request
-runs; a prefix hit needs only the window's blocks; what a hybrid model cannot
-run with is refused at load.
+runs; a prefix hit needs only the window's blocks; a layer kind the engine does
+not know is refused at load. The engine's other features on these layers:
+tests/test_hybrid_features.py.
 """
 
 from __future__ import annotations
@@ -286,18 +287,6 @@ def test_windows_fit_more_requests(gemma3, tmp_path):
 
 
 # -- refusals ----------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, feature", [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-     "speculative_config"),
-    ({"enable_lora": True}, "enable_lora"),
-    ({"kv_events_config": {"enable_kv_cache_events": True}}, "kv_events_config"),
-])
-def test_features_refused_on_hybrid_models(gemma3, kwargs, feature):
-    with pytest.raises(ValueError, match=feature) as err:
-        LLM(gemma3, cpu_kernels=False, **kwargs)
-    assert "sliding_attention" in str(err.value)
-
-
 def test_unknown_layer_kind_refused(tmp_path, gemma3):
     import shutil
 
@@ -308,20 +297,3 @@ def test_unknown_layer_kind_refused(tmp_path, gemma3):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="layer 2 .*'chunked_attention'"):
         LLM(str(folder), cpu_kernels=False)
-
-
-@pytest.mark.slow
-def test_beam_search_works_on_hybrid_models(gemma3):
-    """Beam search is ordinary requests over the prefix cache: its beams on Gemma 3
-    with prefix hits (window groups included) equal those recomputed from scratch."""
-    from minivllm import BeamSearchParams
-
-    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
-    prompt = [{"prompt_token_ids": list(range(3, 30))}]
-    runs = []
-    for caching in (True, False):
-        llm = LLM(gemma3, block_size=BLOCK, enable_prefix_caching=caching, cpu_kernels=False)
-        out = llm.beam_search(prompt, params)[0]
-        runs.append([(s.tokens, round(s.cum_logprob, 4)) for s in out.sequences])
-        assert_all_blocks_free(llm)
-    assert runs[0] == runs[1]

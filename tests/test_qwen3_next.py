@@ -153,6 +153,37 @@ def test_prefix_hits_resume_saved_states(qwen3_next):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(qwen3_next, turns)
 
 
+@pytest.mark.slow  # bfloat16 matrix products are slow on a CPU
+def test_bfloat16_follows_transformers_bfloat16(qwen3_next):
+    """In bfloat16, Hugging Face's bfloat16 forward over the engine's own tokens gives
+    each of them the engine's logprob to bfloat16's rounding (much closer than float32
+    is), and picks it too, but at its own near-ties: greedy tokens may part there, not
+    elsewhere. (The delta rule and its state run in float32 on both sides.)"""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(qwen3_next, block_size=8, cpu_kernels=False, dtype="bfloat16")
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1), use_tqdm=False)
+    hf = {dt: AutoModelForCausalLM.from_pretrained(qwen3_next, dtype=dt).eval()
+          for dt in (torch.bfloat16, torch.float32)}
+    gap, rounding, margin = [], [], []
+    for prompt, out in zip(PROMPTS, outs):
+        picked = torch.tensor(out.outputs[0].token_ids)
+        mine = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs,
+                                                             picked.tolist())])
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + picked.tolist()])
+            half, full = (hf[dt](ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+                          for dt in hf)
+        at = torch.arange(len(picked))
+        gap.append((mine - half[at, picked]).abs())
+        rounding.append((half[at, picked] - full[at, picked]).abs())
+        margin.append(half.max(-1).values - half[at, picked])  # 0: Hugging Face's pick too
+    gap, rounding, margin = torch.cat(gap), torch.cat(rounding), torch.cat(margin)
+    assert gap.median() < 0.1 * rounding.median() and (gap < 0.05).float().mean() >= 0.9
+    assert margin.max() <= 0.05 and (margin == 0).float().mean() >= 0.9
+
+
 def test_state_in_the_pool(qwen3_next):
     """A linear group's block is a row of its layer's state; the block's bytes count
     the states beside the attention pages."""
@@ -197,9 +228,3 @@ def test_unknown_kind_beside_linear_refused(tmp_path, qwen3_next):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="layer 2 .*'sliding_attention'"):
         LLM(str(folder), cpu_kernels=False)
-
-
-def test_features_refused(qwen3_next):
-    with pytest.raises(ValueError, match="speculative_config.*linear_attention"):
-        LLM(qwen3_next, cpu_kernels=False,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -48,6 +48,32 @@ def test_mistral_window_matches_engine_cache(tiny_model):
     assert sim == engine
 
 
+def test_qwen3_next_groups_match_engine_cache(tmp_path):
+    """Linear layers: the simulator's state per request is the rows the engine's state
+    tensors keep per block; full layers: K and V per token; the pool block both."""
+    from tests.test_qwen3_next import build_qwen3_next
+
+    folder = build_qwen3_next(tmp_path, layer_types=["linear_attention"] * 2
+                              + ["full_attention"] + ["linear_attention"])
+    llm = LLM(folder, block_size=BLOCK, cpu_kernels=False, num_kv_blocks=8)
+    runner = llm.llm_engine.engine_core.executor.runner
+    layers = runner.model.attention_layers()
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    sim = {g.kind: g for g in kv_groups(raw, block_size=BLOCK, dtype=runner.dtype)}
+    assert set(sim) == {"linear_attention", "full_attention"}
+    linear, full = sim["linear_attention"], sim["full_attention"]
+    assert linear.layer_indices == (0, 1, 3) and full.layer_indices == (2,)
+    assert linear.state_bytes == sum(layers[i].conv_state[0].nbytes
+                                     + layers[i].ssm_state[0].nbytes
+                                     for i in linear.layer_indices)
+    assert linear.request_bytes(5) == linear.request_bytes(500) == linear.state_bytes
+    attn = layers[2]
+    assert full.bytes_per_token == (attn.k_cache[0].nbytes + attn.v_cache[0].nbytes) / BLOCK
+    config = make_engine_config(load_model_config(folder, device="cpu"),
+                                EngineArgs(block_size=BLOCK))
+    assert kv_block_bytes(config) == runner.kv_block_bytes()
+
+
 def test_published_presets_follow_their_specs():
     bf16 = 2
     # Gemma 3 27B: 52 sliding (window 1024) + 10 global layers, 16 KV heads of 128.
@@ -63,8 +89,9 @@ def test_published_presets_follow_their_specs():
     assert ds1[0].bytes_per_token == ds8[0].bytes_per_token == 61 * (512 + 64) * bf16
     # Qwen3-Next: 36 linear layers keep a fixed state, 12 full layers 2 KV heads of 256.
     nxt = {g.kind: g for g in kv_groups(load_raw_config("qwen3-next-80b-a3b"))}
+    # (the conv state in bfloat16, the recurrent matrices in float32, as the engine's)
     conv = 3 * (2 * 16 * 128 + 32 * 128)
-    assert nxt["linear_attention"].state_bytes == 36 * (conv + 32 * 128 * 128) * bf16
+    assert nxt["linear_attention"].state_bytes == 36 * (conv * bf16 + 32 * 128 * 128 * 4)
     assert nxt["linear_attention"].request_bytes(10) == nxt["linear_attention"].request_bytes(10**5)
     assert nxt["full_attention"].bytes_per_token == 12 * 2 * 2 * 256 * bf16
 
@@ -75,8 +102,8 @@ def test_capacity_on_a_gpu_follows_the_specs():
     n, mem, bf16 = 32768, 40e9, 2
     gemma = n * 10 * 2 * 16 * 128 * bf16 + 1024 * 52 * 2 * 16 * 128 * bf16
     deepseek = n * 61 * (512 + 64) * bf16
-    qwen_next = n * 12 * 2 * 2 * 256 * bf16 + 36 * (3 * (2 * 16 * 128 + 32 * 128)
-                                                    + 32 * 128 * 128) * bf16
+    qwen_next = n * 12 * 2 * 2 * 256 * bf16 + 36 * (3 * (2 * 16 * 128 + 32 * 128) * bf16
+                                                    + 32 * 128 * 128 * 4)
     for model, per_request in (("gemma-3-27b", gemma), ("deepseek-v3", deepseek),
                                ("qwen3-next-80b-a3b", qwen_next)):
         assert capacity(kv_groups(load_raw_config(model)), mem, n) == int(mem // per_request)

@@ -1,7 +1,9 @@
-"""Which attention kind each layer of a model has, read from its ``config.json``.
+"""Which attention kind each layer of a model has, read from its ``config.json``,
+and which engine features each kind cannot run with (refused at load).
 
 Imported by ``ModelConfig.from_pretrained`` only when the config mentions a
-window or layer kinds, so dense models never load it.
+window or layer kinds (and by ``EngineArgs`` for such a model or an MLA one), so
+dense models never load it.
 """
 
 from __future__ import annotations
@@ -48,4 +50,53 @@ def _linear_kinds(raw: dict) -> dict:
     return {"layer_types": tuple(types)}
 
 
-__all__ = ["ATTENTION_KINDS", "LINEAR_KINDS", "attention_kinds"]
+MLA = "mla"  # DeepSeek's latent attention: every layer, no layer_types entry
+
+# The engine features a layer kind cannot run with, and why (chapter 24's table "what
+# works on which layer kind"; tests/test_hybrid_features.py has a test per cell). The
+# rest work there: beam search, cache_salt, and on MLA speculative decoding and KV events.
+_NO_LORA = ("LoRA hooks the Llama family's projections (qkv, o, gate/up, down), and "
+            "these layers project otherwise")
+_GROUP_EVENTS = ("the events name a block by its hash alone, and each KV cache group "
+                 "caches a block of its own under that hash")
+_ONE_RANK = "the KV cache groups run on one rank"
+REFUSED = (
+    ("speculative_config", lambda c: c.speculative is not None,
+     {"linear_attention": "a rejected draft token has already moved the layer's state "
+                          "on, and a state cannot be rolled back"}),
+    ("enable_lora", lambda c: c.lora is not None,
+     {"linear_attention": _NO_LORA, MLA: _NO_LORA}),
+    ("kv_transfer_config (KV connectors and the offload tier)",
+     lambda c: c.kv_transfer is not None,
+     {"sliding_attention": "a connector moves one block table of K/V pages per request, "
+                           "not one table per KV cache group",
+      "linear_attention": "a connector moves K/V pages, not the layer's saved states",
+      MLA: "a connector moves K and V per head, not one latent row per token"}),
+    ("kv_events_config", lambda c: c.kv_events is not None,
+     {"sliding_attention": _GROUP_EVENTS, "linear_attention": _GROUP_EVENTS}),
+    ("tensor_parallel_size > 1", lambda c: c.parallel.tensor_parallel_size > 1,
+     {"sliding_attention": _ONE_RANK, "linear_attention": _ONE_RANK}),
+)
+
+
+def model_kinds(model) -> list[str]:
+    """The kinds of layer a ``ModelConfig`` has, beyond full attention."""
+    if model.hf_config.get("kv_lora_rank"):
+        return [MLA]
+    return sorted(set(model.layer_types or ()) - {"full_attention"})
+
+
+def refuse_unsupported(config) -> None:
+    """Raise naming the first switched-on feature one of the model's layer kinds
+    cannot run with, the kind, and why."""
+    kinds = model_kinds(config.model)
+    for feature, on, refused in REFUSED:
+        for kind in kinds:
+            if kind in refused and on(config):
+                raise ValueError(f"{feature} is not supported on "
+                                 f"{config.model.architecture}'s {kind} layers: "
+                                 f"{refused[kind]}")
+
+
+__all__ = ["ATTENTION_KINDS", "LINEAR_KINDS", "MLA", "REFUSED", "attention_kinds",
+           "model_kinds", "refuse_unsupported"]

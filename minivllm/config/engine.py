@@ -145,7 +145,7 @@ class EngineArgs:
         speculative = features.get("speculative")
         if speculative is not None and speculative.method == "draft_model":
             speculative.draft_model_config(model, self.tensor_parallel_size, max_len, device)
-        return EngineConfig(
+        config = EngineConfig(
             model=model,
             cache=CacheConfig(self.block_size, self.num_kv_blocks,
                               self.kv_cache_memory_bytes, self.enable_prefix_caching,
@@ -158,6 +158,11 @@ class EngineArgs:
             enable_sleep_mode=self.enable_sleep_mode, batch_invariant=self.batch_invariant,
             enforce_eager=self.enforce_eager, async_scheduling=bool(self.async_scheduling),
             max_cudagraph_capture_size=self.max_cudagraph_capture_size, **features)
+        if model.layer_types is not None or model.hf_config.get("kv_lora_rank"):
+            from minivllm.config.attention_kinds import refuse_unsupported
+
+            refuse_unsupported(config)  # what its kinds of attention cannot run with
+        return config
 
     def _feature_sections(self) -> dict:
         """The checked sections of the optional features asked for ({} for none)."""

@@ -150,44 +150,20 @@ class HybridKVCacheManager(KVCacheManager):
             m.free(request.request_id)
 
     def free_tail(self, request: "Request", num_tokens: int) -> int:
-        # Only rejected draft tokens free a tail, and core_builder refuses speculative
-        # decoding on a hybrid model at load: reaching this is a bug, not a missing feature.
-        raise RuntimeError("free_tail on a hybrid KV cache: speculative decoding should "
-                           "have been refused at load for this model")
-
-
-
-
-
-# Engine features that assume one block table per request, refused on such a model.
-UNSUPPORTED_FEATURES = (
-    ("speculative_config", lambda c: c.speculative is not None),
-    ("enable_lora", lambda c: c.lora is not None),
-    ("kv_transfer_config (KV connectors and the offload tier)",
-     lambda c: c.kv_transfer is not None),
-    ("kv_events_config", lambda c: c.kv_events is not None),
-    ("tensor_parallel_size > 1", lambda c: c.parallel.tensor_parallel_size > 1),
-)
-
-
-def refuse_unsupported(config) -> None:
-    """Raise naming the first switched-on feature a hybrid model cannot run with."""
-    kinds = sorted(set(config.model.layer_types))
-    for feature, on in UNSUPPORTED_FEATURES:
-        if on(config):
-            raise ValueError(f"{feature} is not supported on {config.model.architecture}, "
-                             f"whose layers mix attention kinds {kinds}: its KV cache "
-                             "has one block table per kind (KV cache groups)")
+        """Free each group's blocks past ``num_tokens`` tokens (rejected drafts' slots,
+        never cached); returns how many. A linear-state group never gets here: its
+        state cannot drop a rejected token, so speculation is refused for it at load."""
+        return sum(m.free_tail(request.request_id, num_tokens) for m in self.managers)
 
 
 def make_hybrid_manager(config, num_blocks: int) -> HybridKVCacheManager:
     """The manager for ``config``'s model: its layers grouped by spec."""
+    from minivllm.config.attention_kinds import refuse_unsupported
     from minivllm.core.kv_cache_interface import kv_cache_groups, layer_specs
 
-    refuse_unsupported(config)
+    refuse_unsupported(config)  # (EngineArgs did; a config built directly may not have)
     groups = kv_cache_groups(layer_specs(config.model, config.cache.block_size))
     return HybridKVCacheManager(num_blocks, groups, config.cache.enable_prefix_caching)
 
 
-__all__ = ["HybridKVCacheCoordinator", "HybridKVCacheManager", "make_hybrid_manager",
-           "refuse_unsupported"]
+__all__ = ["HybridKVCacheCoordinator", "HybridKVCacheManager", "make_hybrid_manager"]

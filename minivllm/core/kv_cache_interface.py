@@ -115,12 +115,18 @@ class LinearStateSpec:
 
 def linear_state_spec(config: ModelConfig, block_size: int,
                       dtype: Optional[torch.dtype] = None) -> LinearStateSpec:
-    raw = config.hf_config
+    return linear_state_spec_from_raw(config.hf_config, block_size, dtype or config.dtype)
+
+
+def linear_state_spec_from_raw(raw: dict, block_size: int,
+                               dtype: torch.dtype) -> LinearStateSpec:
+    """The spec from a ``config.json``'s fields alone (the simulator prices models the
+    engine does not load with it)."""
     hk, hv = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
     dk, dv = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
     return LinearStateSpec(block_size, (2 * hk * dk + hv * dv,
                                         raw.get("linear_conv_kernel_dim", 4) - 1),
-                           (hv, dk, dv), dtype or config.dtype)
+                           (hv, dk, dv), dtype)
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,13 @@ def group_size(groups: list[KVCacheGroupSpec]) -> int:
     return max(len(g.layer_indices) for g in groups)
 
 
+def pool_block_bytes(groups: list[KVCacheGroupSpec]) -> int:
+    """One pool block: a page in each of the ``group_size`` shared K/V tensors, and a
+    state in each shared state tensor when the model has linear layers (see above)."""
+    pages = {isinstance(g.spec, LinearStateSpec): g.spec.page_size_bytes for g in groups}
+    return sum(pages.values()) * group_size(groups)
+
+
 __all__ = ["FullAttentionSpec", "SlidingWindowSpec", "LinearStateSpec", "MLAAttentionSpec",
-           "KVCacheGroupSpec", "layer_specs", "linear_state_spec", "kv_cache_groups",
-           "group_size", "FULL", "SLIDING", "LINEAR"]
+           "KVCacheGroupSpec", "layer_specs", "linear_state_spec", "linear_state_spec_from_raw",
+           "kv_cache_groups", "group_size", "pool_block_bytes", "FULL", "SLIDING", "LINEAR"]

@@ -107,6 +107,18 @@ class SingleTypeKVCacheManager:
         self.num_cached_block.pop(request_id, None)
         self.block_pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
 
+    def free_tail(self, request_id: str, num_tokens: int) -> int:
+        """Free the blocks past ``num_tokens`` tokens (rejected drafts'); returns how
+        many."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        keep = -(-num_tokens // self.block_size)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        if request_id in self.num_cached_block:
+            self.num_cached_block[request_id] = min(self.num_cached_block[request_id], keep)
+        self.block_pool.free_blocks(b for b in reversed(tail) if b is not NULL_BLOCK)
+        return len(tail)
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

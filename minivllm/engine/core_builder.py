@@ -15,10 +15,6 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         return RayDPEngineCore(config)
     from minivllm.worker.executor import make_executor
 
-    if config.model.layer_types is not None:  # several kinds of attention: what they refuse
-        from minivllm.core.kv_cache_coordinator import refuse_unsupported
-
-        refuse_unsupported(config)
     speculator = None
     if config.speculative is not None:
         from minivllm.spec_decode.proposer import Speculator

@@ -25,7 +25,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.core.kv_cache_interface import (LinearStateSpec, SlidingWindowSpec, group_size,
-                                              kv_cache_groups, layer_specs)
+                                              kv_cache_groups, layer_specs, pool_block_bytes)
 from minivllm.model.attention.backend import AttentionMetadata
 
 
@@ -46,7 +46,7 @@ class KVCacheGroups:
 
     def block_bytes(self) -> int:
         """One pool block: a page in each of the shared tensors (of each kind)."""
-        return sum(s.page_size_bytes for s in self.kind_specs().values()) * self.num_tensors
+        return pool_block_bytes(self.groups)
 
     def bind(self, layers: list, num_blocks: int, dtype: torch.dtype,
              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

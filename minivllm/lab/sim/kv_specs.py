@@ -16,13 +16,15 @@ run yet), one group per kind of layer:
 - ``linear_attention`` (Qwen3-Next's gated DeltaNet): a fixed state per request
   whatever its length, a convolution window plus a ``key x value`` matrix per head.
 
-The engine's ``kv_cache_interface`` has specs for full and sliding attention and MLA
-(``MLAAttentionSpec``, here ``MLASpec``); they are used here so that the simulator and
-the engine agree on those bytes. Linear state keeps a formula of its own here
-(``LinearStateSpec``: bytes per request, no block size), checked equal to the state the
-engine's pool holds (tests/test_qwen3_next.py). Unlike vLLM, which pads every group's
-page to one size so one pool serves them all, the capacity below adds up each group's exact bytes: the lower
-bound of what any pool layout needs.
+Every group's spec is the engine's own (``core/kv_cache_interface.py``:
+``FullAttentionSpec``, ``SlidingWindowSpec``, ``MLAAttentionSpec``, here ``MLASpec``,
+and ``LinearStateSpec``), so the simulator and the engine agree on the bytes; the
+tests check them against the tensors a loaded small checkpoint holds
+(tests/test_sim_kv_specs.py). A linear layer's state is the engine's too: the conv
+state in the model's dtype and the recurrent matrices in float32, as the engine and
+Hugging Face keep them (vLLM keeps both in the model's dtype by default). Unlike vLLM,
+which pads every group's page to one size so one pool serves them all, the capacity
+below adds up each group's exact bytes: the lower bound of what any pool layout needs.
 """
 
 from __future__ import annotations
@@ -32,33 +34,12 @@ from typing import Optional, Union
 
 import torch
 
-from minivllm.core.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from minivllm.core.kv_cache_interface import (FullAttentionSpec, LinearStateSpec,
+                                              SlidingWindowSpec, linear_state_spec_from_raw)
 from minivllm.core.kv_cache_interface import MLAAttentionSpec as MLASpec
 
 MLA, LINEAR = "mla", "linear_attention"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class LinearStateSpec:
-    """A gated DeltaNet layer's per-request state (no engine spec yet): the causal
-    convolution's last ``conv_kernel - 1`` inputs of q, k and v, and one
-    ``key_head_dim x value_head_dim`` recurrent matrix per value head."""
-
-    num_key_heads: int
-    key_head_dim: int
-    num_value_heads: int
-    value_head_dim: int
-    conv_kernel: int
-    dtype: torch.dtype
-
-    def state_bytes(self, tp: int = 1) -> int:
-        """One request's state on one rank (heads split across ranks)."""
-        conv_channels = (2 * self.num_key_heads * self.key_head_dim
-                         + self.num_value_heads * self.value_head_dim)
-        conv = (self.conv_kernel - 1) * conv_channels
-        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim
-        return (conv + recurrent) * _size(self.dtype) // tp
 
 
 Spec = Union[FullAttentionSpec, MLASpec, LinearStateSpec]
@@ -100,8 +81,8 @@ def kv_groups(raw: dict, block_size: int = 16, tp: int = 1,
         layers = tuple(i for i, k in enumerate(kinds) if k == kind)
         spec = _spec(raw, kind, block_size, dtype)
         n = len(layers)
-        if isinstance(spec, LinearStateSpec):
-            groups.append(KVGroup(kind, layers, spec, 0.0, n * spec.state_bytes(tp)))
+        if isinstance(spec, LinearStateSpec):  # one state per layer (heads split by TP)
+            groups.append(KVGroup(kind, layers, spec, 0.0, n * spec.page_size_bytes // tp))
         elif isinstance(spec, MLASpec):  # replicated on every rank
             groups.append(KVGroup(kind, layers, spec, n * spec.page_size_bytes / block_size))
         else:  # K/V heads split across ranks (replicated when fewer heads than ranks)
@@ -153,15 +134,9 @@ def _spec(raw: dict, kind: str, block_size: int, dtype: torch.dtype) -> Spec:
     if kind == MLA:
         return MLASpec(block_size, raw["kv_lora_rank"], raw["qk_rope_head_dim"], dtype)
     if kind == LINEAR:
-        return LinearStateSpec(raw["linear_num_key_heads"], raw["linear_key_head_dim"],
-                               raw["linear_num_value_heads"], raw["linear_value_head_dim"],
-                               raw["linear_conv_kernel_dim"], dtype)
+        return linear_state_spec_from_raw(raw, block_size, dtype)
     raise ValueError(f"layer kind {kind!r} (config.json layer_types) has no KV spec in the "
                      f"simulator; known: full_attention, sliding_attention, {MLA}, {LINEAR}")
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 __all__ = ["KVGroup", "MLASpec", "LinearStateSpec", "kv_groups", "layer_kinds",

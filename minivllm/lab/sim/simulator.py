@@ -69,14 +69,16 @@ def make_engine_config(model: ModelConfig, engine_args: Optional[EngineArgs] = N
 def kv_block_bytes(config: EngineConfig) -> int:
     """One block on one rank: K and V of block_size tokens over all layers, or, for a
     model with several kinds of attention, over the layers one pool block spans (one
-    per group, as the engine's ``KVCacheGroups`` lays its tensors out). An MLA model's
+    per group, as the engine's ``KVCacheGroups`` lays its tensors out, a linear layer's
+    state beside the pages: ``pool_block_bytes``). An MLA model's
     latent rows are not split by tensor parallelism (``MLAAttentionSpec``)."""
     tp = config.parallel.tensor_parallel_size
     if config.model.layer_types:
-        from minivllm.core.kv_cache_interface import group_size, kv_cache_groups, layer_specs
+        from minivllm.core.kv_cache_interface import (kv_cache_groups, layer_specs,
+                                                      pool_block_bytes)
 
         groups = kv_cache_groups(layer_specs(config.model, config.cache.block_size))
-        return group_size(groups) * groups[0].spec.page_size_bytes // tp
+        return pool_block_bytes(groups) // tp
     if config.model.hf_config.get("kv_lora_rank"):  # MLA: the latent is whole on every rank
         tp = 1
     return config.model.kv_bytes_per_token * config.cache.block_size // tp

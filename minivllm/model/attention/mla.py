@@ -92,15 +92,8 @@ class MLAAttention(nn.Module):
 
     def bind_kv_cache(self, num_blocks: int, runner) -> tuple[torch.Tensor, None]:
         """Allocate this layer's latent cache (``runner`` calls it once); the engine
-        features that move K/V pairs are refused here, at start-up."""
+        features that move K/V pairs were refused at load (config/attention_kinds.py)."""
         config = runner.config
-        for feature, on in (("kv_transfer_config (KV connectors and the offload tier)",
-                             config.kv_transfer is not None),
-                            ("enable_lora", config.lora is not None)):
-            if on:
-                raise ValueError(f"{feature} is not supported on "
-                                 f"{config.model.architecture}: its MLA layers cache one "
-                                 "latent row per token, not K and V per head")
         if runner.acceleration_problem is None:  # the CPU kernels run everything else
             from minivllm.logger import info_once
 

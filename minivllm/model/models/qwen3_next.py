@@ -127,7 +127,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         meta = meta[self.kv_cache_group]
         mixed, z, b, a = self.split(x)
-        beta = torch.sigmoid(b.float())
+        # (beta rounded to the model's dtype as Hugging Face's; in bfloat16 the tokens
+        # follow theirs only where the rounding points are theirs: chapter 24)
+        beta = torch.sigmoid(b).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty(x.shape[0], self.hv, self.dv, dtype=torch.float32, device=x.device)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -171,7 +173,9 @@ class GatedDeltaNet(nn.Module):
         dst = tables[seqs, pos // self.block_size].long()
         window = torch.cat((self.conv_state[src], mixed[tok, :, None]), dim=-1)  # [B, C, K]
         self.conv_state[dst] = window[..., 1:]
-        y = F.silu((window * self.conv1d.weight[:, 0]).sum(-1).to(mixed.dtype))
+        # One rounding of the conv's sum, as a conv1d's (a half-precision sum of
+        # half-precision products rounded at each term, and parted from HF's in bfloat16)
+        y = F.silu((window.float() * self.conv1d.weight[:, 0].float()).sum(-1).to(mixed.dtype))
         q, k, v = self.heads(y[:, None])
         state = self.ssm_state[src]
         out = recurrent_gated_delta_rule(q, k, v, g[tok, None], beta[tok, None], state)
