@@ -246,8 +246,9 @@ assert hit.num_cached_tokens == (len(prompt) + 15) // BLOCK * BLOCK  # vLLM's ru
 # with `remove_skipped_blocks` and `find_longest_cache_hit`), and the block pool keys
 # cached blocks by block hash and group id. Where minivllm differs: vLLM reserves one
 # pool block as the `null_block` that stands in freed table entries; minivllm writes
-# `-1`, which its attention never reads (it starts at the window). Only the torch
-# reference masks windows here, so the CPU kernels and Triton step aside for such models.
+# `-1`, which its attention never reads (it starts at the window). The torch
+# reference and the CPU path's attention mask windows (its C++ decode kernel starts at
+# the window's first position); Triton's kernel has none, so it refuses such models.
 
 # %% [markdown]
 # ## A linear layer's state
@@ -505,8 +506,8 @@ torch.testing.assert_close(absorbed, naive, rtol=1e-5, atol=1e-5)
 # expanding the latents (`_forward_prefill`, the context in chunks) and decodes over the
 # latents with the absorbed query (`_forward_decode`, FlashMLA and friends). Where
 # minivllm differs: a sequence counts as a decode only with one new token (vLLM has a
-# threshold), the arithmetic is plain PyTorch in float32 on any device (the CPU
-# kernels run the rest of the model, and say so once in the log).
+# threshold); the reference's arithmetic is plain PyTorch in float32 on any device,
+# and on the CPU path the decode rows go to the same C++ kernel as Llama's heads (below).
 
 # %% [markdown]
 # ## What works on which layer kind

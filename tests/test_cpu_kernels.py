@@ -149,13 +149,15 @@ def test_kernels_check_their_inputs():
         ops.argmax(torch.zeros(4))
 
 
-def attention_reference(q, k_cache, v_cache, tables, lens, scale):
-    """Per sequence: gather its context through the table, plain softmax attention."""
+def attention_reference(q, k_cache, v_cache, tables, lens, scale, window=0):
+    """Per sequence: gather its context through the table, plain softmax attention
+    (over the last ``window`` positions only, if given)."""
     out = []
     group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(lens.tolist()):
-        k = k_cache[tables[b].long()].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
-        v = v_cache[tables[b].long()].flatten(0, 1)[:n].float().repeat_interleave(group, 1)
+        first = max(0, n - window) if window else 0
+        k = k_cache[tables[b].long()].flatten(0, 1)[first:n].float().repeat_interleave(group, 1)
+        v = v_cache[tables[b].long()].flatten(0, 1)[first:n].float().repeat_interleave(group, 1)
         p = torch.softmax(torch.einsum("hd,thd->ht", q[b].float() * scale, k), dim=-1)
         out.append(torch.einsum("ht,thd->hd", p, v))
     return torch.stack(out)
@@ -190,6 +192,27 @@ def test_paged_decode_attention_matches_reference(head_dim, heads, kv_heads, blo
 def test_paged_decode_attention_over_several_spans(head_dim, heads, kv_heads, block_size):
     test_paged_decode_attention_matches_reference(head_dim, heads, kv_heads, block_size,
                                                   torch.float32, lens=(257, 600, 256, 3))
+
+
+# A sliding window: the keys start at seq_len - window, mid-block or on a block's
+# edge, in the first span or later; the table's blocks before the window are -1
+# (a sliding layer's freed blocks), which the kernel must not read.
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (24, 6, 2)])
+@pytest.mark.parametrize("window", [1, 7, 16, 300])
+def test_paged_decode_attention_with_a_sliding_window(head_dim, heads, kv_heads, window):
+    block_size = 16
+    lens = torch.tensor([1, 7, 23, 64, 600], dtype=torch.int32)
+    width = (int(lens.max()) + block_size - 1) // block_size
+    blocks = torch.randperm(5 * width, generator=torch.Generator().manual_seed(1))
+    tables = blocks.view(5, width).to(torch.int32)
+    k_cache = randn(len(blocks), block_size, kv_heads, head_dim, seed=2)
+    v_cache = randn(len(blocks), block_size, kv_heads, head_dim, seed=3)
+    q = randn(5, heads, head_dim, seed=4)
+    expected = attention_reference(q, k_cache, v_cache, tables, lens, 0.3, window)
+    for b, n in enumerate(lens.tolist()):
+        tables[b, :max(0, n - window) // block_size] = -1  # freed: outside the window
+    out = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.3, window)
+    close(out, expected, torch.float32)
 
 
 def test_paged_decode_attention_checks_the_block_tables():

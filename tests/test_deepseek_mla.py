@@ -111,16 +111,60 @@ def test_greedy_tokens_match_transformers(deepseek, deepseek_ref):
     assert [tokens(llm, [p])[0] for p in PROMPTS] == deepseek_ref  # alone
 
 
+def test_cpu_twin_decode_equals_the_reference():
+    """The CPU path's MLA decode (the C++ paged kernel over the latent rows, read as
+    one shared head's keys and values) equals the reference's padded gather, for a
+    decode batch in order and for some of a step's sequences."""
+    from minivllm.cpu._custom_ops import build_problem
+
+    if build_problem() is not None:
+        pytest.skip(f"no CPU kernels here: {build_problem()}")
+    from minivllm.cpu.mla import CpuMLAAttention
+    from minivllm.model.attention.backend import AttentionMetadata
+    from minivllm.model.attention.mla import MLAAttention
+
+    torch.manual_seed(2)
+    heads, dn, r, dv, c, block = 4, 16, 8, 12, 32, 4
+    ref = MLAAttention(heads, dn, r, dv, c, 0.2)
+    ref.kv_cache = torch.randn(80, block, c + r)
+    twin = MLAAttention(heads, dn, r, dv, c, 0.2)
+    twin.__class__, twin.kv_cache = CpuMLAAttention, ref.kv_cache
+    lens = [1, 9, 30, 70]  # up to 18 blocks of 4, scattered over the cache
+    tables = torch.randperm(80)[:4 * 18].view(4, 18).to(torch.int32)
+    meta = AttentionMetadata(query_start_loc=torch.arange(5, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             slot_mapping=torch.zeros(4, dtype=torch.int64),
+                             block_tables=tables, max_query_len=1, max_seq_len=70)
+    w_kv = torch.randn(heads, dn + dv, c) * 0.3
+    q_nope, q_pe = torch.randn(4, heads, dn), torch.randn(4, heads, r)
+    for seqs in ([0, 1, 2, 3], [1, 3]):
+        args = (q_nope[seqs], q_pe[seqs], w_kv, meta, seqs, [lens[i] for i in seqs])
+        torch.testing.assert_close(twin.decode(*args), ref.decode(*args),
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow  # the first LLM() with the CPU kernels in a checkout builds them
 def test_cpu_kernels_path_matches_transformers(deepseek, deepseek_ref):
-    """The CPU kernels run the linear layers, norms and RoPE; MLA attends in PyTorch
-    and the decode-step replay (a C++ loop of Llama layers) steps aside."""
+    """The CPU kernels run the linear layers, norms and RoPE, and MLA's decode rows
+    (its twin, cpu/mla.py); the decode-step replay (a C++ loop of Llama layers)
+    steps aside. Alone, batched, chunked and preempted."""
+    from minivllm.cpu.mla import CpuMLAAttention
+
     llm = LLM(deepseek, block_size=BLOCK, cpu_kernels=None)
     runner = runner_of(llm)
     if runner.acceleration_problem is not None:
         pytest.skip(f"no CPU kernels here: {runner.acceleration_problem}")
     assert runner.decode_replay is None and "MLA" in runner.decode_replay_problem
+    assert all(type(a) is CpuMLAAttention for a in runner.model.attention_layers())
     assert tokens(llm, PROMPTS) == deepseek_ref
+    assert [tokens(llm, [p])[0] for p in PROMPTS] == deepseek_ref
+    chunked = LLM(deepseek, block_size=BLOCK, max_num_batched_tokens=8,
+                  long_prefill_token_threshold=6)
+    assert tokens(chunked, PROMPTS) == deepseek_ref
+    tight = LLM(deepseek, block_size=BLOCK, num_kv_blocks=14, trace=True,
+                enable_prefix_caching=False, max_num_batched_tokens=16)
+    assert tokens(tight, PROMPTS) == deepseek_ref
+    assert any(r.preempted for r in tight.trace)
 
 
 def test_chunked_and_preempted(deepseek, deepseek_ref):

@@ -102,10 +102,15 @@ def test_groups_share_one_pool():
 def test_gemma3_matches_transformers(gemma3, gemma3_ref, cpu_kernels):
     llm = LLM(gemma3, block_size=BLOCK, cpu_kernels=cpu_kernels)
     runner = llm.llm_engine.engine_core.executor.runner
-    assert runner.attn_backend.name == "torch" and runner.decode_replay is None
-    if cpu_kernels is None:  # the C++ path steps aside for windows, saying why
-        assert "sliding_attention" in runner.acceleration_problem
+    assert runner.decode_replay is None
+    # The CPU path's attention takes each group's window; the decode-step replay
+    # (a C++ loop over every key) steps aside, saying why.
+    on_cpu_path = cpu_kernels is None and runner.acceleration_problem is None
+    assert runner.attn_backend.name == ("cpu" if on_cpu_path else "torch")
+    if on_cpu_path:
+        assert "sliding-window" in runner.decode_replay_problem
     assert tokens(llm, PROMPTS) == gemma3_ref
+    assert [tokens(llm, [p])[0] for p in PROMPTS] == gemma3_ref  # alone
     assert_all_blocks_free(llm)
 
 
@@ -120,12 +125,13 @@ def test_window_changes_the_tokens(tmp_path, gemma3_ref):
 
 
 @pytest.mark.slow
-def test_chunked_and_preempted(gemma3, gemma3_ref):
+@pytest.mark.parametrize("cpu_kernels", [None, False])
+def test_chunked_and_preempted(gemma3, gemma3_ref, cpu_kernels):
     chunked = LLM(gemma3, block_size=BLOCK, max_num_batched_tokens=8,
-                  long_prefill_token_threshold=6, cpu_kernels=False)
+                  long_prefill_token_threshold=6, cpu_kernels=cpu_kernels)
     assert tokens(chunked, PROMPTS) == gemma3_ref
     # Few blocks: requests are preempted and recomputed.
-    tight = LLM(gemma3, block_size=BLOCK, num_kv_blocks=34, trace=True, cpu_kernels=False,
+    tight = LLM(gemma3, block_size=BLOCK, num_kv_blocks=34, trace=True, cpu_kernels=cpu_kernels,
                 enable_prefix_caching=False, max_num_batched_tokens=16)
     assert tokens(tight, PROMPTS) == gemma3_ref
     assert any(r.preempted for r in tight.trace)
@@ -154,11 +160,14 @@ def test_window_blocks_freed_while_running(gemma3):
 
 
 @pytest.mark.slow
-def test_mistral_sliding_window(tiny_model):
-    """A Llama-style config that sets ``sliding_window``: every layer slides."""
+@pytest.mark.parametrize("cpu_kernels", [None, False])
+def test_mistral_sliding_window(tiny_model, cpu_kernels):
+    """A Llama-style config that sets ``sliding_window``: every layer slides (on the
+    CPU path without the decode-step replay, whose C++ loop has no window)."""
     folder = tiny_model("mistral", sliding_window=WINDOW)
     assert json.loads((folder / "config.json").read_text())["sliding_window"] == WINDOW
-    llm = LLM(str(folder), block_size=BLOCK, cpu_kernels=False)
+    llm = LLM(str(folder), block_size=BLOCK, cpu_kernels=cpu_kernels)
+    assert llm.llm_engine.engine_core.executor.runner.decode_replay is None
     groups = llm.engine_core.kv_cache_manager.coordinator.groups
     assert [type(g.spec) for g in groups] == [SlidingWindowSpec]
     assert tokens(llm, PROMPTS) == hf_greedy(str(folder), PROMPTS)

@@ -17,7 +17,7 @@ from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.attention.torch_attn import TorchAttentionBackend
 
 
-def reference(q, k_cache, v_cache, tables, starts, seq_lens, scale):
+def reference(q, k_cache, v_cache, tables, starts, seq_lens, scale, window=None):
     num_heads, num_kv = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv
     bs = k_cache.shape[1]
@@ -30,7 +30,8 @@ def reference(q, k_cache, v_cache, tables, starts, seq_lens, scale):
         for t in range(lo, hi):
             pos = seq_len - (hi - lo) + (t - lo)  # this query's position
             for h in range(num_heads):
-                kh, vh = keys[:pos + 1, h // group], values[:pos + 1, h // group]
+                first = 0 if window is None else max(0, pos - window + 1)
+                kh, vh = keys[first:pos + 1, h // group], values[first:pos + 1, h // group]
                 w = torch.softmax((kh @ q[t, h].double()) * scale, dim=0)
                 out[t, h] = w @ vh
     return out
@@ -118,8 +119,29 @@ def test_matches_per_sequence_reference(name, num_heads, num_kv, backend_name):
                     meta.seq_lens_cpu, scale)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     # Every layer after the first reuses the plan (the batched backend): same answer again.
-    assert (getattr(backend, "step_plan", None) is not None) == (backend_name == "cpu")
+    assert bool(getattr(backend, "step_plans", None)) == (backend_name == "cpu")
     torch.testing.assert_close(backend.forward(q, k, v, k_cache, v_cache, meta, scale), out)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("name", list(STEPS))
+@pytest.mark.parametrize("window", [1, 4, 6])
+def test_sliding_window_matches_per_sequence_reference(name, window, backend_name):
+    """A sliding layer's step (``meta.sliding_window``): each query sees the last
+    ``window`` positions, in decode rows, fresh prompts and chunks after a context.
+    The blocks wholly before every query's window are -1 in the table, as the KV
+    cache manager leaves a sliding group's freed blocks: neither backend may need them."""
+    q, k, v, k_cache, v_cache, meta, tables = make_step(6, STEPS[name])
+    backend = make_backend(backend_name)
+    backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    starts, bs = meta.query_start_loc_cpu, k_cache.shape[1]
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        first_query = seq_len - (starts[i + 1] - starts[i])
+        meta.block_tables[i, :max(0, first_query - window + 1) // bs] = -1
+    meta.sliding_window = window
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.3)
+    ref = reference(q, k_cache, v_cache, tables, starts, meta.seq_lens_cpu, 0.3, window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_uneven_prompts_are_split_into_batches():

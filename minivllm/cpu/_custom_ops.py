@@ -222,9 +222,11 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     _lib().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                           scale: float) -> torch.Tensor:
-    return _lib().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                           sliding_window: int = 0) -> torch.Tensor:
+    """``sliding_window``: 0 for every cached key, else the last that many positions."""
+    return _lib().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                         sliding_window)
 
 
 def packed_linear_available() -> bool:

@@ -4,7 +4,7 @@ It returns the compute path the runner uses instead of the reference
 (``minivllm/worker/compute_path.py``): the "cpu" attention backend
 (``attention.py``), the dtype to compute in, a sampler with a C++ argmax,
 and ``prepare_model``, which swaps in the layers' twins (``layers.py``; the
-LoRA delta's, ``lora.py``, where adapters are enabled), packs
+LoRA delta's, ``lora.py``, where adapters are enabled; MLA decode's, ``mla.py``), packs
 the GEMM weights (``prepack.py``; a mixture of experts' too, ``fused_moe.py``) and
 builds the decode-step replay
 (``fused_decode.py``) where it applies. The finer switches, for benchmarks
@@ -72,6 +72,10 @@ class CpuPath:
             from minivllm.cpu.fused_moe import swap_in_moe
 
             self.num_twins += swap_in_moe(model, prepack_enabled())
+        if any(hasattr(layer, "bind_kv_cache") for layer in model.attention_layers()):
+            from minivllm.cpu.mla import swap_in_mla  # latent attention: its decode's twin
+
+            self.num_twins += swap_in_mla(model)
         self.decode_replay_problem = (fused_decode_problem(model) if hasattr(model, "model")
                                       else f"{type(model).__name__} has no decode-step replay")
         if self.decode_replay_problem is None:

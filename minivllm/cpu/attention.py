@@ -20,7 +20,14 @@ and plans each step once instead of once per layer:
 What depends only on the step's metadata — which rows decode, the block ids
 to gather, the masks — is computed at the first layer and kept on the
 backend (one instance serves every layer) for the other layers, keyed by the
-metadata object itself: a new step brings a new one.
+metadata object itself: a new step brings a new one. A model with several KV
+cache groups (Gemma 3's sliding and global layers) brings one metadata per
+group each step, so the backend keeps the last few plans.
+
+A sliding-window layer's metadata carries its window (``sliding_window``): a
+decode row reads only the window's blocks (the kernel starts at the window's
+first position; the blocks before it are freed, -1 in the table), and a
+prefill row's mask also hides the keys ``window`` or more positions back.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ import torch.nn.functional as F
 from minivllm.cpu import _custom_ops as ops
 from minivllm.model.attention.backend import AttentionBackend, AttentionMetadata
 
+# Plans kept: one per KV cache group of a step (a few), and the next step's
+# metadata is always new, so the oldest plan is never needed again.
+MAX_PLANS = 8
 # A prefill batch may cost at most this many times the attention work of its
 # sequences unpadded (plus a small allowance), or it is split.
 MAX_PADDING_FACTOR = 2.0
@@ -54,6 +64,7 @@ class DecodePlan:
     # cache through the block tables themselves).
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32
+    sliding_window: int = 0  # 0: every cached key; else the last that many positions
 
 
 @dataclass
@@ -100,7 +111,7 @@ def plan_step(meta: AttentionMetadata, block_size: int, num_kv_heads: int,
             decode_rows.append(i)
         else:
             chunks.append((i, lo, q_len))
-    shape = _Shape(block_size, num_kv_heads, dtype, device)
+    shape = _Shape(block_size, num_kv_heads, dtype, device, meta.sliding_window or 0)
     decode = _plan_decode(meta, decode_rows, starts, seq_lens, shape) if decode_rows else None
     prefills = [_plan_prefill(meta, group, seq_lens, False, shape)
                 for group in _group_by_length(fresh, seq_lens)]
@@ -115,6 +126,7 @@ class _Shape:
     num_kv_heads: int
     dtype: torch.dtype
     device: torch.device
+    window: int = 0  # the layers' sliding window; 0: none
 
 
 def head_major_rows(token_rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -157,7 +169,7 @@ def _plan_decode(meta, seqs, starts, seq_lens, shape: _Shape) -> DecodePlan:
         rows = torch.tensor(seqs, device=shape.device)
         tables, lens_t = meta.block_tables[rows], meta.seq_lens[rows]
     return DecodePlan(token_idx, kv_len, kv_rows, _additive(allowed, shape.dtype)[:, None, None],
-                      tables.to(torch.int32), lens_t.to(torch.int32))
+                      tables.to(torch.int32), lens_t.to(torch.int32), shape.window)
 
 
 def _group_by_length(seqs: list[tuple[int, int, int]], seq_lens: list[int]
@@ -194,19 +206,33 @@ def _plan_prefill(meta, group, seq_lens, from_cache, shape: _Shape) -> PrefillBa
     tensor = lambda x: torch.tensor(x, device=shape.device)  # noqa: E731
     if not from_cache:
         kv_rows = head_major_rows(tensor(kv_idx), shape.num_kv_heads)
+        mask = None  # causal, unless a window hides keys too
+        if shape.window and q_len > shape.window:
+            key_pos = torch.arange(kv_len, device=shape.device)
+            mask = _additive(_window_causal(key_pos, tensor(q_pos), shape.window),
+                             shape.dtype)[:, None]
         return PrefillBatch(len(group), q_len, kv_len, tensor(q_idx), kv_rows, False,
-                            None, tensor(valid), tensor(out_idx))
+                            mask, tensor(valid), tensor(out_idx))
     num_blocks = (kv_len + shape.block_size - 1) // shape.block_size
     slots = _cache_rows(meta, [i for i, _, _ in group], num_blocks, shape)
     key_pos = torch.arange(num_blocks * shape.block_size, device=shape.device)
     # Query j of a chunk after ctx cached tokens sits at position ctx + j and
     # sees keys up to it (bottom-right causal); keys past seq_len are padding.
-    allowed = ((key_pos[None, None, :] <= tensor(q_pos)[:, :, None])
+    allowed = (_window_causal(key_pos, tensor(q_pos), shape.window)
                & (key_pos[None, None, :] < tensor(kv_valid)[:, None, None]))
     return PrefillBatch(len(group), q_len, num_blocks * shape.block_size, tensor(q_idx),
                         head_major_rows(slots, shape.num_kv_heads), True,
                         _additive(allowed, shape.dtype)[:, None], tensor(valid),
                         tensor(out_idx))
+
+
+def _window_causal(key_pos: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[S, q_len, L]: query at q_pos sees keys up to it, and with a ``window`` only
+    the last ``window`` positions (itself included)."""
+    allowed = key_pos[None, None, :] <= q_pos[:, :, None]
+    if window:
+        allowed &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    return allowed
 
 
 # --------------------------------------------------------------------------
@@ -230,8 +256,9 @@ class CPUAttentionBackend(AttentionBackend):
         problem = ops.build_problem()
         if problem is not None:
             raise RuntimeError(f"attention backend 'cpu' cannot run: {problem}")
-        # (the step's metadata, its plan): planned at the first layer, reused by the rest.
-        self.step_plan: Optional[tuple[AttentionMetadata, StepPlan]] = None
+        # (a metadata, its plan), newest last: planned at a group's first layer,
+        # reused by the rest of the step's layers.
+        self.step_plans: list[tuple[AttentionMetadata, StepPlan]] = []
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -251,22 +278,23 @@ class CPUAttentionBackend(AttentionBackend):
         return out
 
     def _plan(self, meta: AttentionMetadata, k_cache, num_kv_heads, dtype, device) -> StepPlan:
-        if self.step_plan is not None and self.step_plan[0] is meta:
-            return self.step_plan[1]
+        for known, plan in reversed(self.step_plans):
+            if known is meta:
+                return plan
         block_size = k_cache.shape[1] if k_cache is not None else 1
         plan = plan_step(meta, block_size, num_kv_heads, dtype, device)
         if k_cache is None and (plan.decode is not None
                                 or any(b.from_cache for b in plan.prefills)):
             raise ValueError("a sequence has cached context (seq_len > query length) "
                              "but no KV cache was given")
-        self.step_plan = (meta, plan)
+        self.step_plans = self.step_plans[-(MAX_PLANS - 1):] + [(meta, plan)]
         return plan
 
     @staticmethod
     def _decode(q, k_cache, v_cache, d: DecodePlan, scale) -> torch.Tensor:
         """q [B, H, D], one row per decode sequence -> [B, H, D], read in place."""
         return ops.paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens,
-                                          scale)
+                                          scale, d.sliding_window)
 
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, p: PrefillBatch, scale, out) -> None:

@@ -119,6 +119,8 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
     if not fused_decode_enabled():
         return f"turned off by {ENV_SWITCH}=0"
     model = causal_lm.model
+    if getattr(getattr(causal_lm, "config", None), "layer_types", None) is not None:
+        return "sliding-window layers are not in the C++ loop (it attends over every key)"
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
         return "mixture-of-experts layers are not in the C++ loop (cpu/fused_moe.py)"
     first = model.layers[0]

@@ -68,7 +68,9 @@ def acceleration_off(config: EngineConfig) -> Optional[str]:
         return "cpu_kernels=False"
     if config.cpu_kernels is None and not envs.MINIVLLM_CPU_KERNELS:
         return f"turned off by {envs.name_of('CPU_KERNELS')}=0"
-    if config.model.layer_types is not None:  # the C++ attention has no window mask
+    # Sliding-window and global layers run on the CPU path (its attention takes the
+    # window); linear-attention state has no kernel there.
+    if "linear_attention" in (config.model.layer_types or ()):
         from minivllm.worker.kv_cache_groups import cpu_kernels_problem
 
         return cpu_kernels_problem(config)

@@ -28,14 +28,17 @@ from minivllm.core.kv_cache_interface import (LinearStateSpec, SlidingWindowSpec
                                               kv_cache_groups, layer_specs, pool_block_bytes)
 from minivllm.model.attention.backend import AttentionMetadata
 
+# The attention backends that read a metadata per group and mask its window.
+WINDOW_BACKENDS = ("torch", "cpu")
+
 
 class KVCacheGroups:
     def __init__(self, config: EngineConfig, dtype: torch.dtype, backend_name: str) -> None:
-        if backend_name != "torch":
+        if backend_name not in WINDOW_BACKENDS:  # Triton's kernel has no window mask
             raise ValueError(f"attention_backend={backend_name!r} cannot run "
                              f"{config.model.architecture}'s layers of kinds "
                              f"{sorted(set(config.model.layer_types))} (it has one kind); "
-                             "use 'torch'")
+                             f"use one of {', '.join(repr(n) for n in WINDOW_BACKENDS)}")
         self.block_size = config.cache.block_size
         self.groups = kv_cache_groups(layer_specs(config.model, self.block_size, dtype))
         self.num_tensors = group_size(self.groups)
@@ -102,7 +105,8 @@ def cpu_kernels_problem(config: EngineConfig) -> str:
     from minivllm.logger import info_once
 
     problem = (f"{config.model.architecture} mixes layer kinds "
-               f"{sorted(set(config.model.layer_types))}, which only the reference path runs")
+               f"{sorted(set(config.model.layer_types))}, and the CPU kernels have no "
+               "linear-attention state: only the reference path runs them")
     info_once(f"running the reference path (the same tokens, slower): {problem}")
     return problem
 

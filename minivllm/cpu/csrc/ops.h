@@ -20,9 +20,12 @@ void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
 // block_tables [num_seqs, W] and seq_lens [num_seqs], both int32 and contiguous,
 // name only blocks of a cache of num_blocks blocks; a clear error if not.
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        int64_t num_seqs, int64_t num_blocks, int64_t block_size);
+                        int64_t num_seqs, int64_t num_blocks, int64_t block_size,
+                        int64_t sliding_window = 0);
+// sliding_window 0: every cached key; else the last sliding_window positions.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale);
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  int64_t sliding_window = 0);
 bool packed_linear_available();
 int64_t panel_width();  // slice::panel_width, for the Python side
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,

@@ -12,6 +12,10 @@
 // running sum l and an accumulator rescaled whenever m grows, so one pass over
 // the context suffices.
 // Everything accumulates in float32, whatever the cache dtype.
+//
+// A sliding window (sliding_window > 0) starts the keys at the window's first
+// position, seq_len - sliding_window, instead of 0: the kernel never reads the
+// blocks before it, which a sliding layer's block table no longer holds.
 
 #include <ATen/Parallel.h>
 
@@ -111,7 +115,7 @@ struct Item {
   int64_t heads, d;
   const T *k_cache, *v_cache;  // offset to KV head j
   const int32_t* table;        // the sequence's block table
-  int64_t len, block_size, token_stride;
+  int64_t first, len, block_size, token_stride;  // keys at positions [first, len)
   const T* then_k;  // the next item's first block (at its KV head), or nullptr
 
   // off[i] = where token p + i's row starts in k_cache and v_cache, i < n.
@@ -172,7 +176,7 @@ struct Span {
 template <typename T, typename Fn>
 inline void for_each_span(const Item<T>& it, Fn&& fn) {
   int64_t off[kSpan + kAhead];
-  for (int64_t p = 0; p < it.len; p += kSpan) {
+  for (int64_t p = it.first; p < it.len; p += kSpan) {
     const int64_t n = std::min(kSpan, it.len - p), ahead = std::min(kAhead, it.len - p - n);
     it.rows(p, n + ahead, off);
     fn(Span<T>{it, off, n, ahead});
@@ -355,6 +359,11 @@ void attend_chunk(const Item<T>& it, T* out) {
   attend_in_memory(it, out);
 }
 
+// The first key position sequence b's query sees: 0, or its window's first.
+inline int64_t first_key(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
 // Work items [begin, end): item i is KV head i % Hkv of sequence i / Hkv and
 // the G = H / Hkv query heads that read it (grouped-query attention: each key
 // and value row is loaded once for all of them). A sequence's items read
@@ -364,7 +373,8 @@ template <typename T>
 void attend_items(const T* q, int64_t ldq, const T* k_cache, const T* v_cache,
                   const int32_t* block_tables, const int32_t* seq_lens, T* out,
                   int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t block_size,
-                  int64_t table_width, float scale, int64_t begin, int64_t end) {
+                  int64_t table_width, float scale, int64_t window, int64_t begin,
+                  int64_t end) {
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * d;
   const int64_t chunk = std::min(group, heads_per_chunk<T>(d));
   // The scaled queries; on the stack for common sizes (the fused decode loop
@@ -380,13 +390,16 @@ void attend_items(const T* q, int64_t ldq, const T* k_cache, const T* v_cache,
     const T* then_k = nullptr;
     if (i + 1 < end) {
       const int64_t nb = (i + 1) / num_kv_heads, nj = (i + 1) % num_kv_heads;
-      then_k = k_cache + block_tables[nb * table_width] * block_size * token_stride + nj * d;
+      const int64_t first_block = first_key(seq_lens[nb], window) / block_size;
+      then_k = k_cache +
+               block_tables[nb * table_width + first_block] * block_size * token_stride + nj * d;
     }
     for (int64_t h0 = 0; h0 < group; h0 += chunk) {
       const bool last = h0 + chunk >= group;  // earlier chunks: the same item follows
       const Item<T> it{qs + h0 * d, std::min(chunk, group - h0), d, k_cache + j * d,
-                       v_cache + j * d, block_tables + b * table_width, seq_lens[b],
-                       block_size, token_stride, last ? then_k : nullptr};
+                       v_cache + j * d, block_tables + b * table_width,
+                       first_key(seq_lens[b], window), seq_lens[b], block_size, token_stride,
+                       last ? then_k : nullptr};
       attend_chunk(it, out + (b * num_heads + j * group + h0) * d);
     }
   }
@@ -397,9 +410,11 @@ constexpr int64_t kMaxBlockSize = 128;  // CacheConfig allows block sizes up to 
 }  // namespace
 
 // Every block a sequence reads must be in its table and in the cache: the
-// kernel follows the table without bounds checks of its own.
+// kernel follows the table without bounds checks of its own. (With a sliding
+// window it reads only the window's blocks; the table's earlier entries may be -1.)
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        int64_t num_seqs, int64_t num_blocks, int64_t block_size) {
+                        int64_t num_seqs, int64_t num_blocks, int64_t block_size,
+                        int64_t sliding_window) {
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
                   seq_lens.dim() == 1 && seq_lens.size(0) == num_seqs,
               "paged_decode_attention: block_tables must be [", num_seqs,
@@ -416,7 +431,7 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
     TORCH_CHECK(lens[b] >= 1 && used <= width, "paged_decode_attention: seq_lens[", b, "] = ",
                 lens[b], " needs ", used, " blocks; allowed: 1 to ", width * block_size,
                 " tokens (", width, " table entries of ", block_size, ")");
-    for (int64_t i = 0; i < used; ++i) {
+    for (int64_t i = first_key(lens[b], sliding_window) / block_size; i < used; ++i) {
       const int32_t block = tables[b * width + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block_tables[",
                   b, "][", i, "] = ", block, " is not a block of the cache (0 to ",
@@ -426,10 +441,13 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
 }
 
 // q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables
-// [B, W] int32; seq_lens [B] int32 (each >= 1). Returns [B, H, D].
+// [B, W] int32; seq_lens [B] int32 (each >= 1); sliding_window 0 (none) or the
+// positions a query sees, itself included. Returns [B, H, D]. (v_cache may be
+// k_cache itself: MLA's latent rows are both, cpu/mla.py.)
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
                                      at::Tensor v_cache, at::Tensor block_tables,
-                                     at::Tensor seq_lens, double scale) {
+                                     at::Tensor seq_lens, double scale,
+                                     int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: q must be [B, H, D] and the caches "
               "[num_blocks, block_size, Hkv, D]");
@@ -441,12 +459,15 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
               "paged_decode_attention: block_tables and seq_lens must be int32");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
               "paged_decode_attention: heads or head_dim do not match the cache");
+  TORCH_CHECK(sliding_window >= 0, "paged_decode_attention: sliding_window ", sliding_window,
+              " is not allowed; allowed: 0 (none) or a window of >= 1 positions");
   q = q.contiguous();
   k_cache = k_cache.contiguous();
   v_cache = v_cache.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
-  check_block_tables(block_tables, seq_lens, q.size(0), k_cache.size(0), k_cache.size(1));
+  check_block_tables(block_tables, seq_lens, q.size(0), k_cache.size(0), k_cache.size(1),
+                     sliding_window);
   auto out = at::empty_like(q);
   MINIVLLM_DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
     at::parallel_for(0, q.size(0) * k_cache.size(2), 1, [&](int64_t b, int64_t e) {
@@ -455,7 +476,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
                              block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                              out.data_ptr<scalar_t>(), q.size(1), k_cache.size(2), q.size(2),
                              k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
-                             b, e);
+                             sliding_window, b, e);
     });
   });
   return out;
@@ -467,14 +488,14 @@ void slice::paged_decode_attention(const float* q, int64_t ldq, const float* k_c
                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                    int64_t table_width, float scale, int64_t begin, int64_t end) {
   attend_items<float>(q, ldq, k_cache, v_cache, block_tables, seq_lens, out, num_heads,
-                      num_kv_heads, head_dim, block_size, table_width, scale, begin, end);
+                      num_kv_heads, head_dim, block_size, table_width, scale, 0, begin, end);
 }
 
 }  // namespace minivllm
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {

@@ -18,11 +18,13 @@ so the layer can attend two ways, with the same result:
   weighted sum of latents. One query never expands the whole context.
 
 The engine picks absorbed for sequences with one new token and naive for the
-rest, as vLLM's MLA backends split decodes from prefills. The arithmetic is
-plain PyTorch (float32 accumulation, as the reference backend), on any device;
-the ``attention_backend`` setting does not apply to these layers. On the CPU
-path the rest of the model (linear layers, norms, RoPE, sampler) uses the CPU
-kernels; the decode-step replay steps aside (its C++ loop has no MLA).
+rest, as vLLM's MLA backends split decodes from prefills. The arithmetic here
+is plain PyTorch (float32 accumulation, as the reference backend), on any
+device; the ``attention_backend`` setting does not apply to these layers. On
+the CPU path the layer's twin (``minivllm/cpu/mla.py``) sends the decode rows
+to the C++ paged-attention kernel, which reads the latents in place; the rest
+of the model (linear layers, norms, RoPE, sampler) uses the CPU kernels, and
+the decode-step replay steps aside (its C++ loop has no MLA).
 """
 
 from __future__ import annotations
@@ -94,12 +96,6 @@ class MLAAttention(nn.Module):
         """Allocate this layer's latent cache (``runner`` calls it once); the engine
         features that move K/V pairs were refused at load (config/attention_kinds.py)."""
         config = runner.config
-        if runner.acceleration_problem is None:  # the CPU kernels run everything else
-            from minivllm.logger import info_once
-
-            info_once(f"{config.model.architecture}'s MLA layers attend in plain PyTorch "
-                      "(the CPU kernels' attention reads K/V heads, not latents); the rest "
-                      "of the model runs on the CPU kernels")
         self.kv_cache = torch.zeros((num_blocks, runner.block_size, self.head_dim),
                                     dtype=runner.dtype, device=runner.device)
         return self.kv_cache, None
@@ -128,12 +124,17 @@ class MLAAttention(nn.Module):
                                          self.qk_nope_head_dim, self.scale)
         if decodes:
             tokens = torch.tensor([starts[i] for i in decodes], device=q_nope.device)
-            rows, lens = self.gather_latents(meta, decodes, [seq_lens[i] for i in decodes])
-            out[tokens] = absorbed_decode(q_nope[tokens], q_pe[tokens],
-                                          rows[..., :self.kv_lora_rank],
-                                          rows[..., self.kv_lora_rank:], lens, w_kv,
-                                          self.scale).to(out.dtype)
+            out[tokens] = self.decode(q_nope[tokens], q_pe[tokens], w_kv, meta, decodes,
+                                      [seq_lens[i] for i in decodes]).to(out.dtype)
         return out.flatten(1)
+
+    def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv: torch.Tensor,
+               meta: AttentionMetadata, seqs: list[int], lens: list[int]) -> torch.Tensor:
+        """Absorbed attention of sequences ``seqs`` (one query each, q_nope [S, H, Dn],
+        q_pe [S, H, R]) over their ``lens`` cached rows -> [S, H, Dv]."""
+        rows, lens_t = self.gather_latents(meta, seqs, lens)
+        return absorbed_decode(q_nope, q_pe, rows[..., :self.kv_lora_rank],
+                               rows[..., self.kv_lora_rank:], lens_t, w_kv, self.scale)
 
     def gather_latents(self, meta: AttentionMetadata, seqs: list[int],
                        lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,60 @@
+"""The CPU path's twin of an MLA layer's attention (``model/attention/mla.py``).
+
+Absorbed decode is multi-query attention with a single KV "head" as wide as a
+cache row, ``kv_lora_rank + qk_rope_head_dim``: head h's query is
+``[W_UK[h]^T q_nope[h], q_pe[h]]``, each cached row ``[c, k_pe]`` is the key,
+and its first ``kv_lora_rank`` columns, the latent ``c``, are the value. So the
+C++ kernel that serves Llama's grouped heads (``csrc/paged_attention.cpp``)
+serves it as it is, given the latent cache as keys and as values (one tensor):
+it reads each sequence's rows once, in place, through the block table, for all
+H heads together. The reference gathers every decode sequence's rows into a
+padded copy first, per layer and step, which on a CPU costs more than the
+attention itself (``python -m minivllm.lab.bench.hybrid_decode`` measures it).
+The kernel also sums the ``k_pe`` columns (a value it need not have; the
+output drops them): ``R / C`` more work in the value pass, 12 % for
+DeepSeek-V3's 64 / 512.
+
+Prefill rows keep the reference's naive expansion (one matrix product per
+sequence, paid once for many queries).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.cpu import _custom_ops as ops
+from minivllm.model.attention.backend import AttentionMetadata
+from minivllm.model.attention.mla import MLAAttention
+
+
+class CpuMLAAttention(MLAAttention):
+    def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv: torch.Tensor,
+               meta: AttentionMetadata, seqs: list[int], lens: list[int]) -> torch.Tensor:
+        c, dn = self.kv_lora_rank, self.qk_nope_head_dim
+        w_uk, w_uv = w_kv.float().split([dn, w_kv.shape[1] - dn], dim=1)  # [H, Dn|Dv, C]
+        q_lat = torch.einsum("shd,hdc->shc", q_nope.float(), w_uk)  # W_UK folded into q
+        q = torch.cat((q_lat, q_pe.float()), dim=-1).to(self.kv_cache.dtype)
+        if len(seqs) == meta.num_seqs:  # every sequence decodes (in order: forward's loop)
+            tables, seq_lens = meta.block_tables, meta.seq_lens
+        else:
+            rows = torch.tensor(seqs, device=q.device)
+            tables, seq_lens = meta.block_tables[rows], meta.seq_lens[rows]
+        rows_as_heads = self.kv_cache.unsqueeze(2)  # [blocks, block_size, 1, C + R]
+        out = ops.paged_decode_attention(q, rows_as_heads, rows_as_heads,
+                                         tables.to(torch.int32), seq_lens.to(torch.int32),
+                                         self.scale)
+        return torch.einsum("shc,hvc->shv", out[..., :c].float(), w_uv)  # W_UV once, after
+
+
+def swap_in_mla(model: nn.Module) -> int:
+    """Give every MLA layer the twin's class; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is MLAAttention:
+            module.__class__ = CpuMLAAttention
+            count += 1
+    return count
+
+
+__all__ = ["CpuMLAAttention", "swap_in_mla"]
