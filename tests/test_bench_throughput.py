@@ -39,6 +39,62 @@ def test_param_count_matches_transformers(tiny_model, family, overrides):
     assert rl.weight_bytes(cfg, torch.bfloat16) == 2 * rl.model_param_count(cfg)
 
 
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe", "mixtral"])
+def test_moe_param_count_matches_transformers(tiny_model, family):
+    """Every expert counts in the parameters (and the memory), only the k a token
+    picks in its FLOPs: all less (E - k) experts per sparse layer."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model(family)
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    cfg = ModelConfig.from_pretrained(folder)
+    assert rl.model_param_count(cfg) == sum(p.numel() for p in hf.parameters())
+    moe, h = cfg.moe, cfg.hidden_size
+    idle = len(moe.sparse_layers) * (moe.num_experts - moe.top_k) * 3 * h \
+        * moe.intermediate_size
+    assert rl.active_param_count(cfg) == rl.model_param_count(cfg) - idle
+    embed = cfg.vocab_size * h
+    assert rl.flops_per_token(cfg) == 2 * (rl.active_param_count(cfg)
+                                           - (0 if cfg.tie_word_embeddings else embed))
+    assert rl.weight_bytes(cfg, torch.bfloat16) == 2 * rl.model_param_count(cfg)
+
+
+def test_moe_roofline_reads_the_active_experts_derived_by_hand(tiny_model):
+    """The tiny Qwen3-MoE (conftest): hidden 64, 4 query heads and 2 KV heads of 16,
+    q/k norms, vocabulary 256 tied; layer 0 a dense MLP of 128, layer 1 8 experts of
+    32 with top-2. A one-token step reads its active weights; a step of T tokens
+    the experts they touch, 8 (1 - (6/8)^T) on average; the roofline column uses it."""
+    cfg = ModelConfig.from_pretrained(tiny_model("qwen3-moe"))
+    attention = 64 * (64 + 2 * 32) + 64 * 64 + 2 * 16 + 2 * 64  # q k v o, q/k norms, 2 norms
+    expert = 3 * 64 * 32
+    active = (2 * attention + 3 * 64 * 128  # layer 0's dense MLP
+              + 64 * 8 + 2 * expert  # layer 1: router, 2 experts
+              + 256 * 64 + 64)  # embedding (the head too), final norm
+    assert rl.active_param_count(cfg) == active == 78720
+    assert rl.model_param_count(cfg) == active + 6 * expert
+    assert rl.step_weight_bytes(cfg, 1, torch.float32) == 4 * active
+    touched = 8 * (1 - (6 / 8) ** 3)  # 4.625 experts of 8 for 3 tokens
+    assert rl.step_weight_bytes(cfg, 3, torch.float32) == pytest.approx(
+        4 * (active + (touched - 2) * expert))
+    assert rl.step_weight_bytes(cfg, 10_000, torch.float32) == pytest.approx(
+        rl.weight_bytes(cfg, torch.float32))  # a large batch reads every expert
+
+    fields = rl.moe_roofline_fields(cfg, torch.float32)
+    assert fields == {"expert_bytes": 4 * expert, "num_experts": 8, "top_k": 2}
+    roof = rl.Roofline("float32", 1e12, 1e9, 1e9, 1e9, rl.model_param_count(cfg),
+                       rl.flops_per_token(cfg), rl.step_weight_bytes(cfg, 1, torch.float32),
+                       **fields)
+    assert roof.weight_bytes == 4 * active  # the one-stream column: active bytes
+    assert roof.step_bytes(3) == pytest.approx(4 * (active + (touched - 2) * expert))
+    assert roof.ceiling_tokens_per_s(3) == pytest.approx(3 * 1e9 / roof.step_bytes(3))
+    # bench throughput's column: 3 tokens a step over 10 steps, at 1 GB/s, in 1 s.
+    # The engine's own weight bytes (every expert it holds) do not count for an MoE.
+    fraction = tp.roofline_fraction(roof.as_dict(), num_tokens=30, num_steps=10,
+                                    seconds=1.0, weight_bytes=4 * (active + 6 * expert),
+                                    tokens_per_step=3)
+    assert fraction == pytest.approx(10 * roof.step_bytes(3) / 1e9)
+
+
 def test_default_model_size(default_model_path):
     cfg = ModelConfig.from_pretrained(default_model_path)
     # The GGUF holds 134.5 M parameters (DESIGN.md); the embedding is tied.

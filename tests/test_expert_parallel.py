@@ -204,6 +204,12 @@ def test_dispatch_bytes_are_derived_by_hand(ep_llm):
     hidden, sparse = config.model.hidden_size, len(config.model.moe.sparse_layers)
     stats = core.make_stats()
     assert stats.moe_dispatch_bytes - before == computed * hidden * 4 * sparse
+    # The simulator prices the same payload, step by step.
+    from minivllm.lab.sim import CostModel, load_hardware
+
+    sim = CostModel(config.model, load_hardware("h100-sxm"), tensor_parallel_size=2)
+    assert sum(sim.dispatch_bytes(r.num_batched_tokens) for r in records) == \
+        stats.moe_dispatch_bytes - before
     logger = PrometheusStatLogger("m")
     logger.record_scheduler_stats(stats)
     samples = metric_samples(logger.render().decode())

@@ -143,6 +143,24 @@ def test_the_gpu_presets_against_vllms_published_latency(tmp_path, capsys):
     assert "h100-sxm" in capsys.readouterr().out
 
 
+def test_the_moe_preset_against_a_published_latency(tmp_path):
+    """Qwen3-30B-A3B on an A100 (vLLM, one request at a time; chapter 25 and
+    figures/records/moe.md give the gap): the rows, their errors, and a longer prompt
+    simulated slower, as measured."""
+    from minivllm.lab.sim.published import PUBLISHED_MOE
+
+    out = tmp_path / "published_moe.json"
+    assert main(["simulate", "published", "--moe", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["input_len"]) for r in rows] == [
+        (m.model, m.input_len) for m in PUBLISHED_MOE] == [("qwen3-30b-a3b", 128),
+                                                           ("qwen3-30b-a3b", 2048)]
+    for r in rows:
+        assert r["error"] == pytest.approx(r["simulated_latency_ms"]
+                                           / r["median_latency_ms"] - 1)
+    assert rows[0]["simulated_latency_ms"] < rows[1]["simulated_latency_ms"]
+
+
 def test_validate_wants_three_rates_before_it_starts_anything(capsys):
     assert main(["simulate", "validate", "--rates", "1", "2"]) == 2
     assert "rates=[1.0, 2.0] is invalid" in capsys.readouterr().err

@@ -76,19 +76,30 @@ def experts_ab(tokens=(1, 32, 256), repeats: int = 7, preset: str = "0.8b") -> l
     twin.load_state_dict(ref.state_dict())
     twin.__class__ = CpuFusedMoE
     twin.pack_experts()
+    from minivllm.cpu.fused_moe import grouped_expert_sum
+    from minivllm.model.layers.fused_moe import route
+
+    def grouped(x, logits):
+        weights, ids = route(logits, p["num_experts_per_tok"], True)
+        return grouped_expert_sum(x, ref.w13_weight, ref.w2_weight, ids, weights)
+
+    variants = (("reference", ref), ("cpu", twin), ("grouped", grouped))
     rows = []
     with torch.inference_mode():
         for t in tokens:
             x, logits = torch.randn(t, p["hidden_size"]), torch.randn(t, p["num_experts"])
-            torch.testing.assert_close(twin(x, logits), ref(x, logits), atol=1e-4, rtol=1e-4)
-            seconds = {"reference": [], "cpu": []}
+            want = ref(x, logits)
+            for _, layer in variants[1:]:
+                torch.testing.assert_close(layer(x, logits), want, atol=1e-4, rtol=1e-4)
+            seconds = {name: [] for name, _ in variants}
             for _ in range(repeats):
-                for name, layer in (("reference", ref), ("cpu", twin)):
+                for name, layer in variants:
                     start = time.perf_counter()
                     layer(x, logits)
                     seconds[name].append(time.perf_counter() - start)
             med = {k: sorted(v)[len(v) // 2] for k, v in seconds.items()}
-            rows.append({"tokens": t, **med, "speedup": med["reference"] / med["cpu"]})
+            rows.append({"tokens": t, **med, "speedup": med["reference"] / med["cpu"],
+                         "grouped_speedup": med["reference"] / med["grouped"]})
     return rows
 
 
@@ -103,7 +114,8 @@ def main() -> None:
     if args.ab_experts:
         for row in experts_ab(preset=args.preset):
             print(f"{row['tokens']:4d} tokens: reference {row['reference'] * 1e3:8.2f} ms, "
-                  f"cpu {row['cpu'] * 1e3:8.2f} ms, {row['speedup']:.2f}x")
+                  f"cpu {row['cpu'] * 1e3:8.2f} ms ({row['speedup']:.2f}x), grouped "
+                  f"{row['grouped'] * 1e3:8.2f} ms ({row['grouped_speedup']:.2f}x)")
         return
     if args.out is None:
         parser.error("give the folder to write (or --ab-experts)")

@@ -15,6 +15,13 @@ Two numbers bound a decoder's speed (the *roofline*):
 At batch size ``b`` the ceiling is the smaller of the two:
 ``min(F / (2 P), b x B / (P x s))`` tokens/s (``s`` bytes per weight).
 
+A mixture of experts breaks "every weight once": a token multiplies its ``k`` experts
+of the ``E`` of each sparse layer, so ``P`` in the FLOPs is the *active* parameters,
+and a step reads the experts at least one of its ``b`` tokens picked, on average
+``E (1 - (1 - k/E)^b)`` per sparse layer (a uniform router): ``k`` for one stream,
+nearly all ``E`` for a large batch. ``weight_bytes`` is then the active weights'
+bytes (one stream's step) and ``step_bytes(b)`` the bytes of a step of ``b`` tokens.
+
 Both rates are measured here, in the same run: the best of several large
 matrix products per dtype, and the best of several reductions (reads) and
 copies (reads + writes) of a tensor much larger than the caches. Where
@@ -164,8 +171,38 @@ def _matvec_bandwidth(src: torch.Tensor, repeats: int, min_seconds: float) -> fl
 # The model's side: parameters, FLOPs and bytes per token
 # --------------------------------------------------------------------------
 
+def expected_experts(num_experts: int, top_k: int, num_tokens: float) -> float:
+    """Experts of one sparse layer that ``num_tokens`` tokens touch, on average, when
+    each token's top-k is a uniform draw: ``E (1 - (1 - k/E)^T)``, ``k`` for one token."""
+    if num_tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+def expert_param_count(cfg: ModelConfig) -> int:
+    """Parameters of one routed expert (gate, up, down) of one sparse layer; 0 if dense."""
+    return 0 if cfg.moe is None else 3 * cfg.hidden_size * cfg.moe.intermediate_size
+
+
+def _mlp_params(cfg: ModelConfig, experts_per_layer: Optional[int] = None) -> int:
+    """The decoder layers' MLP parameters, a sparse layer counted with
+    ``experts_per_layer`` of its experts (default: all) plus its router and shared expert."""
+    h, moe = cfg.hidden_size, cfg.moe
+    dense = 3 * h * cfg.intermediate_size
+    if moe is None:
+        return cfg.num_hidden_layers * dense
+    sparse = len(moe.sparse_layers)
+    shared = 3 * h * moe.shared_expert_intermediate_size
+    if shared:
+        shared += h  # the shared expert's sigmoid gate
+    n = moe.num_experts if experts_per_layer is None else experts_per_layer
+    return ((cfg.num_hidden_layers - sparse) * dense
+            + sparse * (h * moe.num_experts + shared + n * expert_param_count(cfg)))
+
+
 def model_param_count(cfg: ModelConfig) -> int:
-    """Parameters of a Llama-family model, a tied embedding counted once."""
+    """Parameters of a Llama-family model (every expert of an MoE), a tied embedding
+    counted once."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     attn = h * (q + 2 * kv) + q * h
@@ -173,35 +210,68 @@ def model_param_count(cfg: ModelConfig) -> int:
         attn += q + 2 * kv
     if cfg.qk_norm:
         attn += 2 * d
-    mlp = 3 * h * cfg.intermediate_size
-    layer = attn + mlp + 2 * h  # + the two RMSNorm weights
+    norms = 2 * h  # the two RMSNorm weights of a layer
     embed = cfg.vocab_size * h
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return embed + cfg.num_hidden_layers * layer + h + head
+    return (embed + cfg.num_hidden_layers * (attn + norms) + _mlp_params(cfg) + h + head)
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of a dense model's; an MoE's with ``k`` experts
+    per sparse layer instead of ``E``."""
+    if cfg.moe is None:
+        return model_param_count(cfg)
+    return model_param_count(cfg) - _mlp_params(cfg) + _mlp_params(cfg, cfg.moe.top_k)
 
 
 def matmul_param_count(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matrix product per token.
+    """Parameters that take part in a matrix product per token: the active ones.
 
-    Every weight except the embedding table (a lookup, no FLOPs), which with
+    Every active weight except the embedding table (a lookup, no FLOPs), which with
     tied embeddings is also the LM head (a product): then it counts.
     """
     embed = cfg.vocab_size * cfg.hidden_size
-    total = model_param_count(cfg)
+    total = active_param_count(cfg)
     return total if cfg.tie_word_embeddings else total - embed
 
 
 def flops_per_token(cfg: ModelConfig, context_len: int = 0) -> float:
-    """Forward FLOPs of one token: 2 per matmul weight, plus attention over
-    ``context_len`` earlier tokens (QK^T and PV: 4 x heads x head_dim each)."""
+    """Forward FLOPs of one token: 2 per matmul weight it uses (an MoE's active
+    experts), plus attention over ``context_len`` earlier tokens (QK^T and PV:
+    4 x heads x head_dim each)."""
     attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
     return 2 * matmul_param_count(cfg) + attention * context_len
 
 
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
 def weight_bytes(cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> int:
-    """Bytes of all weights in ``dtype`` (the model's by default): one decode step's reads."""
-    dtype = dtype or cfg.dtype
-    return model_param_count(cfg) * torch.tensor([], dtype=dtype).element_size()
+    """Bytes of all weights in ``dtype`` (the model's by default), every expert of an
+    MoE: what memory holds, and a dense model's decode step reads."""
+    return model_param_count(cfg) * _element_size(dtype or cfg.dtype)
+
+
+def step_weight_bytes(cfg: ModelConfig, num_tokens: int = 1,
+                      dtype: Optional[torch.dtype] = None) -> float:
+    """Bytes of weights a step of ``num_tokens`` tokens reads: all of a dense model's;
+    an MoE's without the experts none of its tokens picked (``expected_experts``)."""
+    if cfg.moe is None:
+        return weight_bytes(cfg, dtype)
+    moe = cfg.moe
+    touched = expected_experts(moe.num_experts, moe.top_k, max(1, num_tokens))
+    return (weight_bytes(cfg, dtype) - len(moe.sparse_layers) * (moe.num_experts - touched)
+            * expert_param_count(cfg) * _element_size(dtype or cfg.dtype))
+
+
+def moe_step_bytes(roofline: dict, num_tokens: int) -> float:
+    """``Roofline.step_bytes`` from a roofline's dict (as ``bench throughput`` saves it)."""
+    if not roofline.get("num_experts"):
+        return roofline["weight_bytes"]
+    e, k = roofline["num_experts"], roofline["top_k"]
+    return roofline["weight_bytes"] + roofline["expert_bytes"] * (
+        expected_experts(e, k, max(1, num_tokens)) - k)
 
 
 @dataclass
@@ -215,8 +285,13 @@ class Roofline:
     bandwidth_copy: float  # bytes/s of a copy (read + write)
     params: int
     flops_per_token: float
-    weight_bytes: int
+    weight_bytes: float  # what a one-token step reads (an MoE: its active weights)
     bandwidth_matvec: float = 0.0  # bytes/s of a one-row product (0: kernels not built)
+    # A mixture of experts (0 if dense): the bytes of one expert in every sparse layer
+    # together, and E and k, from which step_bytes prices a step's touched experts.
+    expert_bytes: int = 0
+    num_experts: int = 0
+    top_k: int = 0
 
     @property
     def compute_tokens_per_s(self) -> float:
@@ -225,14 +300,20 @@ class Roofline:
 
     @property
     def bandwidth_steps_per_s(self) -> float:
-        """Ceiling on forward passes per second: all weights read each pass."""
+        """Ceiling on one-token forward passes per second: their weights read each pass."""
         return self.bandwidth / self.weight_bytes
+
+    def step_bytes(self, num_tokens: int) -> float:
+        """Weight bytes a step of ``num_tokens`` tokens reads (an MoE: the experts they
+        touch on average; a dense model: ``weight_bytes`` whatever the batch)."""
+        return moe_step_bytes(asdict(self), num_tokens)
 
     def ceiling_tokens_per_s(self, batch_size: int) -> float:
         """Decode ceiling with ``batch_size`` sequences per step."""
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} is invalid: must be >= 1")
-        return min(self.compute_tokens_per_s, batch_size * self.bandwidth_steps_per_s)
+        return min(self.compute_tokens_per_s,
+                   batch_size * self.bandwidth / self.step_bytes(batch_size))
 
     def min_seconds(self, num_tokens: int, num_steps: int) -> float:
         """The least time any engine needs to process ``num_tokens`` tokens (prompt
@@ -265,7 +346,17 @@ def measure_roofline(cfg: ModelConfig, dtype: Optional[torch.dtype] = None,
         matmul_flops=measure_matmul_flops(dtype, matmul_size, min_seconds=min_seconds),
         bandwidth=bw.best, bandwidth_read=bw.read, bandwidth_copy=bw.copy,
         params=model_param_count(cfg), flops_per_token=flops_per_token(cfg),
-        weight_bytes=weight_bytes(cfg, dtype), bandwidth_matvec=bw.matvec)
+        weight_bytes=step_weight_bytes(cfg, 1, dtype), bandwidth_matvec=bw.matvec,
+        **moe_roofline_fields(cfg, dtype))
+
+
+def moe_roofline_fields(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """``Roofline``'s MoE fields for ``cfg`` in ``dtype`` (none for a dense model)."""
+    if cfg.moe is None:
+        return {}
+    return {"expert_bytes": len(cfg.moe.sparse_layers) * expert_param_count(cfg)
+            * _element_size(dtype), "num_experts": cfg.moe.num_experts,
+            "top_k": cfg.moe.top_k}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -316,11 +407,13 @@ def run(args: argparse.Namespace) -> dict:
     bw = measure_bandwidth(min_seconds=args.min_seconds)
     results = [measure_roofline(cfg, DTYPES[name], bw, args.matmul_size, args.min_seconds)
                for name in (args.dtype or ["float32", "bfloat16"])]
-    print(f"model {Path(cfg.path).name}: {results[0].params / 1e6:.1f} M parameters, "
-          f"{results[0].flops_per_token / 1e6:.0f} MFLOP per token")
+    print(f"model {Path(cfg.path).name}: {results[0].params / 1e6:.1f} M parameters"
+          + (f" ({active_param_count(cfg) / 1e6:.1f} M active)" if cfg.moe else "")
+          + f", {results[0].flops_per_token / 1e6:.0f} MFLOP per token")
     print(f"memory bandwidth: read {bw.read / 1e9:.1f} GB/s, copy {bw.copy / 1e9:.1f} GB/s, "
           f"one-row matmul {bw.matvec / 1e9:.1f} GB/s")
-    print(f"{'dtype':>9} {'GFLOP/s':>9} {'weights MB':>11} {'compute tok/s':>14} "
+    # "read MB": the weights a one-stream step reads (an MoE's active ones).
+    print(f"{'dtype':>9} {'GFLOP/s':>9} {'read MB':>11} {'compute tok/s':>14} "
           f"{'1-stream tok/s':>15}")
     for r in results:
         print(f"{r.dtype:>9} {r.matmul_flops / 1e9:9.0f} {r.weight_bytes / 1e6:11.0f} "
@@ -336,4 +429,6 @@ def run(args: argparse.Namespace) -> dict:
 
 __all__ = ["Bandwidth", "Roofline", "measure_bandwidth", "measure_matmul_flops",
            "measure_roofline", "model_param_count", "matmul_param_count",
-           "flops_per_token", "weight_bytes", "machine_description"]
+           "active_param_count", "expected_experts", "expert_param_count",
+           "flops_per_token", "weight_bytes", "step_weight_bytes", "moe_step_bytes",
+           "moe_roofline_fields", "machine_description"]

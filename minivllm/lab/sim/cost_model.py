@@ -31,7 +31,9 @@ Groups, per step (``T`` new tokens in all, ``S`` sequences that sample):
   (``k`` experts per token), the bytes the dense parts plus the experts the step's
   ``T`` tokens touch, ``E (1 - (1 - k/E)^T)`` per sparse layer on average.
 - all-reduce (``tp > 1``): two per layer over ``T x hidden`` activations, a
-  ring: ``2 (tp - 1) / tp x bytes / link bandwidth + latency``.
+  ring: ``2 (tp - 1) / tp x bytes / link bandwidth + latency``. A sparse layer's
+  second one is its experts' combine, with or without expert parallelism
+  (``dispatch_bytes``: what the engine counts as ``moe_dispatch_bytes``).
 
 Assumptions (stated where numbers are shown): groups do not overlap each
 other, and inside a group compute and memory traffic overlap fully; with
@@ -149,6 +151,15 @@ class CostModel:
             f.num_allreduces = 2 * L
             f.allreduce_bytes = f.num_allreduces * tokens * m.hidden_size * self.elem
         return f
+
+    def dispatch_bytes(self, num_tokens: int) -> int:
+        """Payload of the experts' collectives in a step of ``num_tokens`` tokens, all
+        sparse layers: one all-reduce of [T, hidden] each on more than one rank (part of
+        ``allreduce_bytes``), nothing on one rank or for a dense model."""
+        if self.moe is None or self.tp == 1:
+            return 0
+        return (self.moe.num_sparse_layers * num_tokens * self.model.hidden_size
+                * self.elem)
 
     # -- pricing -------------------------------------------------------------
     def step_time(self, so: SchedulerOutput) -> float:

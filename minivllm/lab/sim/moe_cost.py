@@ -12,6 +12,14 @@ experts: ``k`` for one token, growing with the batch and saturating at ``E``. A 
 step's weight traffic (and with it a small batch's step time) follows that curve. Real
 routers are skewed, which touches fewer experts than this; the uniform router is the
 stated assumption.
+
+Expert parallelism moves hidden states between ranks. minivllm's keeps attention
+tensor-parallel: every rank already holds every token, so nothing is dispatched and
+the combine is one all-reduce of [T, hidden] per sparse layer (``CostModel.dispatch_bytes``,
+the engine's ``moe_dispatch_bytes``). vLLM's wide expert parallelism runs attention
+data-parallel instead: a token lives on one rank and its hidden state travels to the
+other ranks that hold one of its experts and back (``all_to_all_bytes``), fewer bytes
+per token than the all-reduce once the ranks are many and ``k`` small.
 """
 
 from __future__ import annotations
@@ -19,13 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.config import ModelConfig
-
-
-def expected_experts(num_experts: int, top_k: int, num_tokens: float) -> float:
-    """Experts of one sparse layer that ``num_tokens`` tokens touch, on average."""
-    if num_tokens <= 0:
-        return 0.0
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+# The count of experts a batch touches is the roofline's too (bench roofline prices a
+# step's reads with it): one definition, there.
+from minivllm.lab.bench.roofline import expected_experts
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,13 @@ class MoEParams:
 
     def touched(self, num_tokens: int) -> float:
         """Parameters a step of ``num_tokens`` tokens reads, on average."""
-        return self.dense + self.num_sparse_layers * self.expert * expected_experts(
-            self.num_experts, self.top_k, num_tokens)
+        return self.reads(self.num_sparse_layers * expected_experts(
+            self.num_experts, self.top_k, num_tokens))
+
+    def reads(self, experts: float) -> float:
+        """Parameters a step reads that touches ``experts`` experts, summed over its
+        sparse layers (a traced step's nonzero expert counts give it exactly)."""
+        return self.dense + self.expert * experts
 
 
 def moe_params(m: ModelConfig, attention_params: int) -> MoEParams:
@@ -61,17 +70,34 @@ def moe_params(m: ModelConfig, attention_params: int) -> MoEParams:
     return MoEParams(dense, 3 * h * moe.intermediate_size, sparse, moe.num_experts, moe.top_k)
 
 
-def moe_weight_bytes(m: ModelConfig) -> int:
-    """Bytes of every weight the model holds in its dtype (all experts, embedding, head):
-    what the device keeps beside the KV cache."""
+def expected_remote_ranks(num_experts: int, top_k: int, ranks: int) -> float:
+    """Ranks other than its own that one token's top-k experts live on, on average,
+    when each of ``ranks`` ranks holds an equal share of the experts (the first
+    ``E mod N`` one more, as ``determine_expert_map``) and the top-k is a uniform draw:
+    a rank of ``n`` experts is missed with probability ``C(E - n, k) / C(E, k)``."""
+    from math import comb
+
+    base, extra = divmod(num_experts, ranks)
+    held = [base + (r < extra) for r in range(ranks)]
+    hit = [1 - comb(num_experts - n, top_k) / comb(num_experts, top_k) for n in held]
+    # Averaged over the rank the token lives on (its own rank's experts are local).
+    return sum(sum(hit) - own for own in hit) / ranks
+
+
+def all_to_all_bytes(m: ModelConfig, num_tokens: int, ranks: int) -> float:
+    """Bytes one rank sends in a step's all-to-all dispatch and combine, over all sparse
+    layers, when its ``num_tokens`` tokens live on it alone (vLLM's data-parallel
+    attention with expert parallelism, its DeepEP/pplx kernels): each token's hidden
+    state goes once to every other rank that holds one of its experts, and comes back
+    from it summed. minivllm's expert parallelism keeps attention tensor-parallel, so
+    every rank has every token and the combine is an all-reduce instead
+    (``CostModel.dispatch_bytes``)."""
     import torch
 
-    h = m.hidden_size
-    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    p = moe_params(m, h * (q + 2 * kv) + q * h)
-    embed = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-    total = p.dense + p.num_sparse_layers * p.num_experts * p.expert + embed
-    return total * torch.tensor([], dtype=m.dtype).element_size()
+    moe, elem = m.moe, torch.tensor([], dtype=m.dtype).element_size()
+    remote = expected_remote_ranks(moe.num_experts, moe.top_k, ranks)
+    return 2 * len(moe.sparse_layers) * num_tokens * remote * m.hidden_size * elem
 
 
-__all__ = ["expected_experts", "MoEParams", "moe_params", "moe_weight_bytes"]
+__all__ = ["expected_experts", "MoEParams", "moe_params", "expected_remote_ranks",
+           "all_to_all_bytes"]

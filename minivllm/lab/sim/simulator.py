@@ -100,12 +100,8 @@ def num_kv_blocks(config: EngineConfig, hardware: Hardware,
             if not 0 < gpu_memory_utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} is "
                                  "invalid: must be in (0, 1]")
-            weights = weight_bytes(config.model)
-            if config.model.moe is not None:  # weight_bytes counts one dense MLP a layer
-                from minivllm.lab.sim.moe_cost import moe_weight_bytes
-
-                weights = moe_weight_bytes(config.model)
-            weights /= config.parallel.tensor_parallel_size
+            # Every weight (an MoE's every expert), a 1/tp share of it per rank.
+            weights = weight_bytes(config.model) / config.parallel.tensor_parallel_size
             budget = (hardware.memory_bytes * gpu_memory_utilization - weights
                       - ACTIVATION_RESERVE_BYTES)
     n = int(budget // kv_block_bytes(config))

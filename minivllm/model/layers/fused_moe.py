@@ -139,9 +139,10 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.placement is not None:
             out = self.forward_expert_parallel(hidden, router_logits)
-        else:
-            out = fused_moe(hidden, self.w13_weight, self.w2_weight, router_logits,
-                            self.top_k, self.renormalize, self.expert_mlp, self.expert_load)
+        else:  # fused_moe's steps, the products through sum_experts (the CPU twin's own)
+            weights, ids = route(router_logits, self.top_k, self.renormalize)
+            self.expert_load += torch.bincount(ids.flatten(), minlength=self.num_experts).cpu()
+            out = self.sum_experts(hidden, ids, weights)
         if self.tp_size == 1:
             return out
         # The combine: every rank's partial sums added (a slice of every expert without
@@ -158,7 +159,12 @@ class FusedMoE(nn.Module):
         slots = self.placement.physical_slots(cpu_ids)
         self.physical_load += torch.bincount(slots, minlength=self.placement.num_slots)
         local = self.placement.local_ids(slots, self.tp_rank).view_as(ids).to(ids.device)
-        return expert_sum(hidden, self.w13_weight, self.w2_weight, local, weights,
+        return self.sum_experts(hidden, local, weights)
+
+    def sum_experts(self, hidden: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """Steps 3-5 on this rank's experts (``expert_sum``); the CPU twin overrides it."""
+        return expert_sum(hidden, self.w13_weight, self.w2_weight, ids, weights,
                           self.expert_mlp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,

@@ -108,10 +108,17 @@ def roofline_for(roofline: dict, dtype: str) -> dict:
 
 
 def roofline_fraction(roofline: dict, num_tokens: int, num_steps: int,
-                      seconds: float, weight_bytes: Optional[int] = None) -> float:
+                      seconds: float, weight_bytes: Optional[int] = None,
+                      tokens_per_step: int = 1) -> float:
     """Least possible time (compute or weight reads, whichever bounds) / time taken.
     ``weight_bytes``: what this engine's step reads (its own weights, quantized or
-    not); by default the roofline dtype's."""
+    not); by default the roofline dtype's. A mixture of experts' steps read the
+    experts their ``tokens_per_step`` tokens touch (``moe_step_bytes``), not every
+    weight the engine holds."""
+    from minivllm.lab.bench.roofline import moe_step_bytes
+
+    if roofline.get("num_experts"):
+        weight_bytes = moe_step_bytes(roofline, tokens_per_step)
     steps_per_s = (roofline["bandwidth"] / weight_bytes if weight_bytes
                    else roofline["bandwidth_steps_per_s"])
     least = max(num_tokens / roofline["compute_tokens_per_s"], num_steps / steps_per_s)
@@ -137,7 +144,7 @@ def make_report(args, backends, infos, results, roofline, prompts, max_tokens,
         if roof:
             own = infos[name].get("weight_bytes")
             entry["roofline_fraction"] = summarize(
-                roofline_fraction(roof, num_tokens, passes, r.seconds, own)
+                roofline_fraction(roof, num_tokens, passes, r.seconds, own, concurrency)
                 for r in runs).as_dict()
         if name == "minivllm":
             total: dict[str, float] = {}
@@ -226,6 +233,10 @@ def _bandwidth_bounds(report: dict, roof: dict) -> list[str]:
     out = []
     for name, entry in report["backends"].items():
         own = entry["info"].get("weight_bytes") or roof["weight_bytes"]
+        if roof.get("num_experts"):  # an MoE's step reads the experts its tokens touch
+            from minivllm.lab.bench.roofline import moe_step_bytes
+
+            own = moe_step_bytes(roof, report["workload"].get("concurrency", 1))
         out.append(f"{name} {own / 1e6:.1f} MB -> {roof['bandwidth'] / own:.1f}")
     return out
 
