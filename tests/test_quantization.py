@@ -265,7 +265,7 @@ for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
     panels = ops.pack_linear_weight(t.dequantize())
     bias = torch.randn(50)
     errors, rows_alike, panel_bits = [], True, {}
-    for rows in (1, 2, 5, 8, 13, 33, 100, ops.gguf_max_rows(), ops.gguf_max_rows() + 3):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 33, 100, ops.gguf_max_rows(), ops.gguf_max_rows() + 3):
         x = torch.randn(rows, K)
         ref = layer.quant_method.apply(layer, x)
         got = fast.apply(layer, x)

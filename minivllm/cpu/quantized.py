@@ -3,9 +3,10 @@
 The reference ``QuantizedLinearMethod`` (``model/layers/quantization``)
 dequantizes a whole matrix to float32 at every call and multiplies; this
 twin of it, swapped onto each quantized layer by ``swap_in_twins``, streams
-the blocks instead: four weight rows at a time are dequantized in vector
-registers (one x row) or into an L1-sized buffer (2-7 rows, each weight
-vector then used by every row of the batch); from 8 rows on, a panel of
+the blocks instead: up to 7 rows of x (a decode step, a verify step of
+speculative decoding, a small batch), each block is dequantized in vector
+registers once and used at once by every row, each row's sums in the one-row
+order (a row's numbers do not depend on its step's other rows); from 8 rows on, a panel of
 output rows at a time is dequantized into the float panel GEMM's layout and
 multiplied by its own kernel (the float path's bits). Always with the
 reference's rounding; reading blocks is what makes a quantized decode step

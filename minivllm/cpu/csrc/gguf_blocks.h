@@ -172,9 +172,11 @@ inline vf rounded(vf v) {
 }
 
 // 4-bit weights c*L .. c*L+L of a 16-byte run: byte k holds weight k (low
-// nibble) and k + 16 (high).
+// nibble) and k + 16 (high). (The bytes are zero-extended: a high nibble
+// needs the shift only, a low one the mask only.)
 inline vi nibbles(const uint8_t* qs, int c) {
-  return band(shr(u8(qs + (c * L) % 16), c * L >= 16 ? 4 : 0), 0x0F);
+  const vi q = u8(qs + (c * L) % 16);
+  return c * L >= 16 ? shr(q, 4) : band(q, 0x0F);
 }
 
 // Each format: weights and bytes per block, groups per block, and group g of

@@ -12,6 +12,12 @@
 // for bit the float path's; only the summation order of the dot products
 // differs, as with any change of GEMM kernel.
 //
+// A few rows (2 .. gguf_wide_rows - 1: a verify step of speculative decoding,
+// a small batch) read the weights once too: each block is turned into floats
+// once and used for every row, so a step of 5 rows streams the bytes of a
+// step of one. Each output is summed in the one-row product's order, so a
+// row's numbers do not depend on the other rows of its step.
+//
 // gguf_dequantize writes a whole matrix out (gguf_linear's large batches then
 // take MKL's GEMM on it).
 #include <ATen/Parallel.h>
@@ -40,29 +46,73 @@ constexpr int64_t kTile = 4;
 // rows or the tile an output falls in, so a decode step's numbers do not
 // depend on how many sequences share it or how the rows are split.
 
-// One x row: the tile's weights dequantized in registers and used at once.
-// A decode step of one sequence spends nearly all its time here, so the two
-// types of the default file have their own block steps below (AVX-512);
-// every other type and ISA takes its Fmt group.
-template <int64_t T> struct OneRow {
-  // acc += group g of block b times xv (G vectors): the weights in order,
-  // each FMA'd into the row's one accumulator.
-  static inline void step(const uint8_t* b, int g, const vf* xv, vf& acc) {
-    vf wv[G];
-    Fmt<T>::group(b, g, wv);
-    for (int c = 0; c < G; ++c) acc = vec::fmadd(wv[c], xv[c], acc);
-  }
+// Group g of a block as floats in registers, Fmt<T>::group's numbers:
+// load(b, g) takes the block's numbers, w[c] is then vector c (of G) of its
+// weights. The default file's types, where the build has F16C, convert d
+// (and m) with it (the same IEEE conversion as f16(), one instruction
+// instead of a dozen scalar ones) and make each vector only when it is used
+// (a few-row product keeps one vector per weight row in registers, not G);
+// every other type holds the G vectors Fmt<T>::group made. The one-row and
+// the few-row products both take their weights from here: the same numbers.
+template <int64_t T> struct Group {
+  vf wv[G];
+  inline void load(const uint8_t* b, int g) { Fmt<T>::group(b, g, wv); }
+  inline vf operator[](int c) const { return wv[c]; }
 };
 
-#if defined(__AVX512F__) && defined(__F16C__)
-// The block's d and m as floats (F16C's conversion: the same IEEE rounding
-// as f16(), in one instruction instead of a dozen).
+#ifdef __F16C__
+// The float16 pair at p (d and m of a Q4_1 block; d and the next two bytes of the others).
 inline __m128 f16_pair(const uint8_t* p) {
   int32_t bits;
   std::memcpy(&bits, p, 4);
   return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
 }
+// Lane 0 of v in every lane.
+inline vf broadcast0(__m128 v) {
+#ifdef __AVX512F__
+  return _mm512_broadcastss_ps(v);
+#else
+  return _mm256_broadcastss_ps(v);
+#endif
+}
+template <> struct Group<Q4_0> {
+  const uint8_t* qs;
+  vf d;
+  inline void load(const uint8_t* b, int) { qs = b + 2, d = broadcast0(f16_pair(b)); }
+  inline vf operator[](int c) const { return vec::mul(d, to_f(subi(nibbles(qs, c), 8))); }
+};
+template <> struct Group<Q4_1> {
+  const uint8_t* qs;
+  vf d, m;
+  inline void load(const uint8_t* b, int) {
+    const __m128 dm = f16_pair(b);
+    qs = b + 4, d = broadcast0(dm), m = broadcast0(_mm_movehdup_ps(dm));
+  }
+  inline vf operator[](int c) const { return vec::add(rounded(vec::mul(d, to_f(nibbles(qs, c)))), m); }
+};
+template <> struct Group<Q8_0> {
+  const uint8_t* qs;
+  vf d;
+  inline void load(const uint8_t* b, int) { qs = b + 2, d = broadcast0(f16_pair(b)); }
+  inline vf operator[](int c) const { return vec::mul(to_f(s8(qs + c * L)), d); }
+};
+#endif
 
+// One x row: the tile's weights dequantized in registers and used at once.
+// A decode step of one sequence spends nearly all its time here, so Q4_1
+// (the default file's type) has its own block step below with AVX-512;
+// every other type and ISA takes its Group.
+template <int64_t T> struct OneRow {
+  // acc += group g of block b times xv (G vectors): the weights in order,
+  // each FMA'd into the row's one accumulator.
+  static inline void step(const uint8_t* b, int g, const vf* xv, vf& acc) {
+    Group<T> w;
+    w.load(b, g);
+    for (int c = 0; c < G; ++c) acc = vec::fmadd(w[c], xv[c], acc);
+  }
+};
+
+#if defined(__AVX512F__) && defined(__F16C__)
 // Q4_1: a block's 32 weights take only 16 values, d * q + m for q = 0..15.
 // Those 16 floats are made once (one multiply, one add, the reference's
 // rounding), and vpermps picks each weight's from the low 4 bits of its
@@ -96,50 +146,6 @@ template <> struct OneRow<Q4_1> {
     const vi q = u8(b + 4);  // byte i: weight i (low nibble), weight i + 16 (high)
     acc = vec::fmadd(_mm512_permutexvar_ps(q, table), xv[0], acc);
     acc = vec::fmadd(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table), xv[1], acc);
-  }
-};
-
-template <> struct OneRow<Q8_0> {
-  static inline void step(const uint8_t* b, int, const vf* xv, vf& acc) {
-    const __m512 d = _mm512_broadcastss_ps(f16_pair(b));
-    acc = vec::fmadd(vec::mul(to_f(s8(b + 2)), d), xv[0], acc);
-    acc = vec::fmadd(vec::mul(to_f(s8(b + 2 + L)), d), xv[1], acc);
-  }
-};
-#endif
-
-#if !defined(__AVX512F__) && defined(__F16C__)
-// AVX2: the default file's types with d (and m) converted by F16C (the same
-// IEEE conversion as f16(), one instruction instead of a dozen scalar ones),
-// and each 16-byte run of nibbles loaded twice, not four times; otherwise
-// Fmt<T>::group's operations in its order.
-inline __m128 f16_pair(const uint8_t* p) {
-  int32_t bits;
-  std::memcpy(&bits, p, 4);
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-}
-template <> struct OneRow<Q4_0> {
-  static inline void step(const uint8_t* b, int, const vf* xv, vf& acc) {
-    const vf d = _mm256_broadcastss_ps(f16_pair(b));
-    const vi q0 = u8(b + 2), q1 = u8(b + 10);  // bytes 0-7, 8-15: weights k and k + 16
-    const vi q[G] = {band(q0, 0x0F), band(q1, 0x0F), shr(q0, 4), shr(q1, 4)};
-    for (int c = 0; c < G; ++c) acc = vec::fmadd(vec::mul(d, to_f(subi(q[c], 8))), xv[c], acc);
-  }
-};
-template <> struct OneRow<Q4_1> {
-  static inline void step(const uint8_t* b, int, const vf* xv, vf& acc) {
-    const __m128 dm = f16_pair(b);
-    const vf d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-    const vi q0 = u8(b + 4), q1 = u8(b + 12);
-    const vi q[G] = {band(q0, 0x0F), band(q1, 0x0F), shr(q0, 4), shr(q1, 4)};
-    for (int c = 0; c < G; ++c)
-      acc = vec::fmadd(vec::add(rounded(vec::mul(d, to_f(q[c]))), m), xv[c], acc);
-  }
-};
-template <> struct OneRow<Q8_0> {
-  static inline void step(const uint8_t* b, int, const vf* xv, vf& acc) {
-    const vf d = _mm256_broadcastss_ps(f16_pair(b));
-    for (int c = 0; c < G; ++c) acc = vec::fmadd(vec::mul(to_f(s8(b + 2 + c * L)), d), xv[c], acc);
   }
 };
 #endif
@@ -192,23 +198,59 @@ void one_row_tile<Q4_1>(const float* x, int64_t K, const uint8_t* const* w, int6
 }
 #endif
 
-// MR x rows against the tile's weights, dequantized once into buf [kTile, K].
-template <int MR>
-void rows_tile(const float* x, int64_t K, const float* buf, float (*sums)[kTile]) {
-  vf acc[MR][kTile];
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < kTile; ++r) acc[m][r] = vec::zero();
-  for (int64_t k = 0; k < K; k += L) {
-    vf wv[kTile];
-    for (int r = 0; r < kTile; ++r) wv[r] = vec::load(buf + r * K + k);
-    for (int m = 0; m < MR; ++m) {
-      const vf xv = vec::load(x + m * K + k);
-      for (int r = 0; r < kTile; ++r) acc[m][r] = vec::fmadd(wv[r], xv, acc[m][r]);
+// A few x rows (a verify step of speculative decoding: k + 1 rows a request;
+// a small batch) against weight rows w[0 .. R): each vector of a block's
+// weights is made once in registers and FMA'd into the accumulator of every
+// x row, so the weights are read and converted once for all the rows, and
+// each output is summed as one_row_tile sums it (one vector sum, k
+// ascending, then reduce_add): a row's numbers do not depend on the other
+// rows of its step. The M x R accumulators are independent chains of FMAs;
+// R is chosen (few_rows_r) so that there are enough of them to hide the
+// FMA's latency and few enough to stay in the registers.
+template <int64_t T, int M, int R>
+void few_rows_tile(const float* x, int64_t K, const uint8_t* const* w, int64_t ahead,
+                   float (*sums)[kTile], int64_t r0) {
+  using F = Fmt<T>;
+  vf acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = vec::zero();
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t blk = (k / F::block) * F::bytes;
+    const int g = static_cast<int>((k % F::block) / 32);
+    Group<T> group[R];
+    for (int r = 0; r < R; ++r) {
+      prefetch_stream(w[r] + blk + ahead);
+      group[r].load(w[r] + blk, g);
+    }
+    for (int c = 0; c < G; ++c) {
+      vf wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = group[r][c];
+      for (int m = 0; m < M; ++m) {
+        const vf xv = vec::load(x + m * K + k + c * L);
+        for (int r = 0; r < R; ++r) acc[m][r] = vec::fmadd(wv[r], xv, acc[m][r]);
+      }
     }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < kTile; ++r) sums[m][r] = vec::reduce_add(acc[m][r]);
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) sums[m][r0 + r] = vec::reduce_add(acc[m][r]);
 }
+
+// Weight rows a few_rows_tile of M x rows takes: at least 8 accumulators (an
+// FMA's latency times the two a cycle a core issues) where the registers
+// hold them: AVX2's 16 take 10 beside the weight and x vectors, AVX-512's 32 take 16.
+constexpr int few_rows_r(int M) {
+  return vec::kRegisters == 32 ? (M <= 4 ? 4 : 2) : (M <= 2 ? 4 : M <= 5 ? 2 : 1);
+}
+
+// The tile's `valid` weight rows (of kTile) against M (2 .. gguf_wide_rows - 1) x rows.
+template <int64_t T, int M>
+void few_rows(const float* x, int64_t K, const uint8_t* const* rows, int64_t valid, int64_t ahead,
+              float (*sums)[kTile]) {
+  constexpr int R = few_rows_r(M);
+  static_assert(kTile % R == 0, "whole few-row passes a tile");
+  for (int64_t r0 = 0; r0 < valid; r0 += R) few_rows_tile<T, M, R>(x, K, rows + r0, ahead, sums, r0);
+}
+static_assert(slice::gguf_wide_rows == 8, "few_rows is instantiated for 2 .. 7 rows (linear_rows)");
 
 // Batches of gguf_wide_rows rows or more: the float panel GEMM's own kernel
 // (panel_gemm.h). The weights of one panel (panel_width output rows) are
@@ -353,37 +395,25 @@ void linear_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
                  int64_t N, const float* bias, float* y, int64_t ldy, int64_t begin,
                  int64_t end) {
   if (M >= kWideRows) return linear_rows_panels<T>(x, M, K, w, row_bytes, N, bias, y, ldy, begin, end);
-  std::vector<float> buf(M > 1 ? kTile * K : 0);
+  // Both paths prefetch as they go, each weight row kPrefetchTiles tiles ahead.
+  const int64_t ahead = kPrefetchTiles * kTile * row_bytes;
   for (int64_t n0 = begin; n0 < end; n0 += kTile) {
     const int64_t R = std::min(kTile, end - n0);
     const uint8_t* rows[kTile];  // a short tile repeats its first row (not stored)
     for (int r = 0; r < kTile; ++r) rows[r] = w + (r < R ? n0 + r : n0) * row_bytes;
-    float sums[kTile][kTile];
-    auto store = [&](int64_t m0, int mr) {
-      for (int m = 0; m < mr; ++m)
-        for (int64_t r = 0; r < R; ++r)
-          y[(m0 + m) * ldy + n0 + r] = sums[m][r] + (bias ? bias[n0 + r] : 0.f);
-    };
-    if (M == 1) {  // (prefetching as it goes)
-      one_row_tile<T>(x, K, rows, kPrefetchTiles * kTile * row_bytes, sums[0]);
-      store(0, 1);
-      continue;
-    }
-    if (n0 + kTile < end)  // the next tile's blocks on their way
-      for (int64_t o = 0; o < kTile * row_bytes; o += 64)
-        __builtin_prefetch(w + (n0 + kTile) * row_bytes + o);
-    for (int r = 0; r < kTile; ++r) dequantize_row_vec<T>(rows[r], K, buf.data() + r * K);
-    int64_t m0 = 0;
-    for (; m0 + kTile <= M; m0 += kTile) {
-      rows_tile<kTile>(x + m0 * K, K, buf.data(), sums);
-      store(m0, kTile);
-    }
-    switch (M - m0) {
-      case 3: rows_tile<3>(x + m0 * K, K, buf.data(), sums); store(m0, 3); break;
-      case 2: rows_tile<2>(x + m0 * K, K, buf.data(), sums); store(m0, 2); break;
-      case 1: rows_tile<1>(x + m0 * K, K, buf.data(), sums); store(m0, 1); break;
+    float sums[kWideRows - 1][kTile];
+    switch (M) {
+      case 1: one_row_tile<T>(x, K, rows, ahead, sums[0]); break;
+      case 2: few_rows<T, 2>(x, K, rows, R, ahead, sums); break;
+      case 3: few_rows<T, 3>(x, K, rows, R, ahead, sums); break;
+      case 4: few_rows<T, 4>(x, K, rows, R, ahead, sums); break;
+      case 5: few_rows<T, 5>(x, K, rows, R, ahead, sums); break;
+      case 6: few_rows<T, 6>(x, K, rows, R, ahead, sums); break;
+      case 7: few_rows<T, 7>(x, K, rows, R, ahead, sums); break;
       default: break;
     }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = 0; r < R; ++r) y[m * ldy + n0 + r] = sums[m][r] + (bias ? bias[n0 + r] : 0.f);
   }
 }
 #endif  // MINIVLLM_VEC
