@@ -95,7 +95,6 @@ class MLAAttention(nn.Module):
     def bind_kv_cache(self, num_blocks: int, runner) -> tuple[torch.Tensor, None]:
         """Allocate this layer's latent cache (``runner`` calls it once); the engine
         features that move K/V pairs were refused at load (config/attention_kinds.py)."""
-        config = runner.config
         self.kv_cache = torch.zeros((num_blocks, runner.block_size, self.head_dim),
                                     dtype=runner.dtype, device=runner.device)
         return self.kv_cache, None
