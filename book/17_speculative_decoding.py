@@ -274,7 +274,11 @@ print("greedy tokens identical on both workloads")
 #
 # For one stream a decode step reads every weight once to compute one token: it is
 # bandwidth-bound, and the arithmetic units idle. Verifying k + 1 tokens reads the same
-# weights, so it costs about one step — accepted drafts are nearly free tokens. A batch
+# weights, so it costs about one step — accepted drafts are nearly free tokens. (With the
+# default GGUF file the weights are blocks turned into floats as they are read: the
+# product for k + 1 rows makes each block's floats once and uses them for every row, so
+# the bytes stay one step's; the arithmetic still grows with the rows, and on a 2-core
+# AVX2 machine a 5-row product measured 1.5-2.2x a 1-row one: [the record](../figures/records/spec-decode.md).) A batch
 # of 32 already gives the weights 32 tokens to work on per read; the step is closer to
 # compute-bound, and k extra rows per request multiply the arithmetic: every rejected
 # draft is paid for. So the engine stops drafting in steps with at least
