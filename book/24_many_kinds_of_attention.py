@@ -387,6 +387,17 @@ assert again.outputs[0].token_ids == cold
 # at block boundaries for prefix hits is its `mamba_cache_mode="all"`. Where minivllm
 # differs: vLLM pads pages so that attention and state views share the same bytes;
 # minivllm keeps state tensors apart (a pool block costs a page *and* a state).
+#
+# **In bfloat16.** The delta rule and its state run in float32 on both sides, so the
+# engine in bfloat16 follows Hugging Face in bfloat16 only as closely as their rounding
+# points agree: minivllm rounds the write strength `beta` and the decode convolution's
+# sum where Hugging Face does. Then, on this chapter's tiny model,
+# `tests/test_qwen3_next.py::test_bfloat16_follows_transformers_bfloat16` measures the
+# logprob Hugging Face's bfloat16 forward gives each engine token within a few
+# hundredths of the engine's own (a tenth of the bfloat16-vs-float32 gap), and every
+# engine token is Hugging Face's pick too, except at its own near-ties (a margin of
+# 0.016 or less in logprob): greedy tokens of two prompts of four part there. Before
+# those two rounding points agreed, a token parted at a margin of 0.2.
 
 # %% [markdown]
 # ## Latent attention (MLA): one row per token
@@ -555,7 +566,7 @@ for feature in FEATURES:
 print(why["speculative decoding", "linear"])
 assert "speculative_config" in why["speculative decoding", "linear"]
 assert "linear_attention layers" in why["speculative decoding", "linear"]
-assert [table[f, "sliding"] for f in FEATURES] == ["works"] + ["refused"] * 4
+assert [table[f, "sliding"] for f in FEATURES] == ["works", "works"] + ["refused"] * 3
 assert [table[f, "linear"] for f in FEATURES] == ["refused"] * 5
 assert [table[f, "MLA"] for f in FEATURES] == ["works", "refused", "refused", "works",
                                               "works"]
@@ -569,8 +580,9 @@ assert [table[f, "MLA"] for f in FEATURES] == ["works", "refused", "refused", "w
 # to the pool, group by group. A KV connector and the offload tier move K/V pages of one
 # block table per request, not one table per group, a latent row or a saved state. A KV
 # event names a block by its hash alone, while each group caches a block of its own
-# under that hash; an MLA model is one group, so its events are exact. LoRA is wired
-# into the Llama-family layers only.
+# under that hash; an MLA model is one group, so its events are exact. LoRA hooks the
+# Llama family's projections (q/k/v, o, gate/up, down): Gemma 3 has them, Qwen3-Next's
+# linear layers and DeepSeek's latent attention project otherwise.
 #
 # Speculative decoding on Gemma 3's sliding layers: n-gram drafts over a repeating
 # prompt, some rejected (their blocks freed in every group), and the tokens of the run

@@ -33,7 +33,9 @@ TABLE = {                 # sliding    linear     MLA
     "tensor parallelism":  ("refused", "refused", "works"),
 }
 CELLS = [(f, kind, what) for f, row in TABLE.items() for kind, what in zip(KINDS, row)]
-SLOW = {("tensor parallelism", MLA)}  # two worker processes
+# Several engines each (or two worker processes, or PEFT's references): over ~10 s.
+SLOW = {(f, k) for f in ("n-gram speculation", "draft model", "LoRA", "KV events",
+                         "tensor parallelism") for k in KINDS}
 
 
 @pytest.fixture(scope="module")

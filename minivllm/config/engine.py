@@ -160,7 +160,6 @@ class EngineArgs:
             max_cudagraph_capture_size=self.max_cudagraph_capture_size, **features)
         if model.layer_types is not None or model.hf_config.get("kv_lora_rank"):
             from minivllm.config.attention_kinds import refuse_unsupported
-
             refuse_unsupported(config)  # what its kinds of attention cannot run with
         return config
 
