@@ -31,6 +31,15 @@ class CpuFusedMoE(FusedMoE):
     packed13: Optional[list[PackedWeight]] = None
     packed2: Optional[list[PackedWeight]] = None
 
+    def sum_experts(self, hidden: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        # Unpacked (the default, swap_in_moe): two grouped products, no Python loop and
+        # no packed copies (a 0.9B MoE's three copies of its experts did not fit beside
+        # Hugging Face's in 23 GB). Packed (pack_experts): the loop over packed products.
+        if self.packed13 is None:
+            return grouped_expert_sum(hidden, self.w13_weight, self.w2_weight, ids, weights)
+        return super().sum_experts(hidden, ids, weights)
+
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.w13_weight[expert], self.w2_weight[expert]
         # One row: PyTorch's matrix-vector product measured faster here than the
@@ -71,8 +80,9 @@ def grouped_expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     return out.index_add_(0, tokens, y * pair_weights[:, None].to(y.dtype))
 
 
-def swap_in_moe(model: nn.Module, prepack: bool) -> int:
-    """Give every ``FusedMoE`` the twin's class (and packed experts); returns how many."""
+def swap_in_moe(model: nn.Module, prepack: bool = False) -> int:
+    """Give every ``FusedMoE`` the twin's class; returns how many. Its experts stay
+    unpacked (grouped products) unless ``prepack``."""
     count = 0
     for module in model.modules():
         if type(module) is FusedMoE:
