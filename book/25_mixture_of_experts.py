@@ -791,32 +791,33 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 # model's tokenizer — 0.90 B parameters, of which 0.19 B are active per token (the
 # tied embedding and LM head among them). `minivllm bench throughput` then runs it
 # against Hugging Face's `generate` on the same 32 chat requests of 128 output tokens,
-# in float32, the two backends in their own processes, taking turns (chapter 12):
+# in float32, the two backends in their own processes, taking turns (chapter 12).
 #
 # ```
 # minivllm bench throughput --model /tmp/moe-0.8b --backend minivllm --backend hf \
-#     --num-prompts 32 --max-tokens 128 --repeats 3 \
+#     --num-prompts 32 --max-tokens 128 --repeats 2 \
 #     --output figures/bench_throughput_moe_32x128.json
 # ```
 #
-# A run takes a quarter of an hour on a laptop-sized CPU, so this cell reads the one
-# recorded in `figures/` (how and where it was taken: `figures/records/moe.md`):
+# Its numbers, the machine and its load are in `figures/records/moe.md`. What the roofline
+# column of that table prices, from the model's config alone (no weights needed):
 
 # %%
-import json
-from pathlib import Path
+from minivllm.config import ModelConfig
+from minivllm.lab.bench import roofline as rl
+from minivllm.lab.bench.moe_model import PRESETS
 
-from minivllm.lab.bench.report import table
-from minivllm.lab.bench.roofline import moe_step_bytes
-
-bench = Path("../figures/bench_throughput_moe_32x128.json")
-run = json.loads(bench.read_text())
-print(table([str(bench)]))
-roof = run["roofline"]["rooflines"][0]
-one, batch = moe_step_bytes(roof, 1), moe_step_bytes(roof, run["workload"]["concurrency"])
-print(f"\nweights a step reads: {one / 1e9:.2f} GB for one token (the active ones), "
-      f"{batch / 1e9:.2f} GB for {run['workload']['concurrency']} tokens")
-assert one < batch < 1.01 * 4 * roof["params"]
+bench_folder = tempfile.mkdtemp()
+transformers.Qwen3MoeConfig(vocab_size=len(tokenizer), tie_word_embeddings=True,
+                            norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"],
+                            **PRESETS["0.8b"]).save_pretrained(bench_folder)
+bench_cfg = ModelConfig.from_pretrained(bench_folder)
+print(f"{rl.model_param_count(bench_cfg) / 1e9:.2f} B parameters, "
+      f"{rl.active_param_count(bench_cfg) / 1e9:.2f} B active")
+one, batch = rl.step_weight_bytes(bench_cfg, 1), rl.step_weight_bytes(bench_cfg, 32)
+print(f"weights a step reads: {one / 1e9:.2f} GB for one token (the active ones), "
+      f"{batch / 1e9:.2f} GB for 32 tokens, of {rl.weight_bytes(bench_cfg) / 1e9:.2f} GB")
+assert one < batch < rl.weight_bytes(bench_cfg)
 
 # %% [markdown]
 # Read the roofline column with the section on touched experts in mind. One token reads
@@ -826,8 +827,8 @@ assert one < batch < 1.01 * 4 * roof["params"]
 # exactly that (`bench roofline` and `bench throughput` count an MoE's touched experts,
 # not every weight, nor only the active ones).
 #
-# vLLM's CPU build is not installed on the machine that recorded this table, and could
-# not be built there, so the column is empty: there is no vLLM ratio to report.
+# vLLM's CPU build is not installed on the machine that recorded the benchmark, and
+# could not be built there: there is no vLLM ratio to report.
 #
 # **The simulator.** `minivllm simulate` prices an MoE step the same way (FLOPs of the
 # active parameters, bytes of the touched experts; `lab/sim/moe_cost.py`). Against a
