@@ -33,8 +33,8 @@
 # - how many experts a step touches, derived and then counted;
 # - what the grouped expert product costs against a dense MLP with the same active
 #   parameters, and against one with the same total, measured side by side.
-# - a 0.9B-parameter mixture of experts measured against Hugging Face on this kind of
-#   CPU, and the simulator against a published latency of Qwen3-30B-A3B on a GPU.
+# - what a step of a 0.9B-parameter benchmark MoE reads, and the simulator against a
+#   published latency of Qwen3-30B-A3B on a GPU.
 
 # %%
 from minivllm.lab.viz.path import request_path_figure
@@ -782,7 +782,7 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #   with the reason.
 
 # %% [markdown]
-# ## Measured: a 0.8B mixture of experts on this CPU, and one simulated on a GPU
+# ## A benchmark-sized mixture of experts, and one simulated on a GPU
 #
 # The tiny model above shows the mechanism; its steps are too small to show the cost.
 # `python -m minivllm.lab.bench.moe_model /tmp/moe-0.8b` builds issue 54's benchmark

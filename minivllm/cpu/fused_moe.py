@@ -1,13 +1,16 @@
-"""The experts on the CPU path: each expert's rows multiplied once, by packed weights.
+"""The experts on the CPU path: each expert's rows multiplied once, in grouped products.
 
-``fused_moe`` (``minivllm/model/layers/fused_moe.py``) already groups a step's
-(token, expert) pairs by expert and multiplies each expert's rows in one product;
-this twin keeps that routing and grouping and only changes the products: every
-expert's [gate; up] and down weights are packed once at load (``prepack.py``:
-one row -> ``matvec``, a few -> the panel kernel, many -> MKL's packed GEMM), and
-SiLU-and-mul is the C++ kernel the dense MLP's twin calls. No new C++: the
-existing ops, called from Python. Results equal the reference's up to the
-summation order of a different GEMM kernel (the tests compare tokens).
+``fused_moe`` (``minivllm/model/layers/fused_moe.py``) groups a step's (token, expert)
+pairs by expert and multiplies each expert's rows in one product, in a Python loop.
+This twin keeps the routing and the grouping and replaces the loop
+(``grouped_expert_sum``): the rows sorted by expert go through every expert's [gate; up]
+weight in one ``torch._grouped_mm`` call (PyTorch's loop of GEMMs in C++, one group per
+expert), SiLU-and-mul is the C++ kernel the dense MLP's twin calls, and the down
+products are a second grouped call. The weights stay as loaded: packing them
+(``pack_experts``, ``prepack.py``'s kernels, for ``--ab-experts`` comparisons and the
+older per-expert loop) keeps two more copies of every expert, which a 0.9B MoE could
+not afford beside another engine in 23 GB. Results equal the reference's up to the
+summation order of a different GEMM kernel (the tests compare them and the tokens).
 
 The decode-step replay (``fused_decode.py``) has no experts in its C++ loop, so it
 stands aside for an MoE model and the runner runs the model's Python layers.
