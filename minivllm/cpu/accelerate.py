@@ -71,7 +71,7 @@ class CpuPath:
         if hasattr(model, "expert_layers"):  # a mixture of experts: its experts' twin
             from minivllm.cpu.fused_moe import swap_in_moe
 
-            self.num_twins += swap_in_moe(model)  # grouped products, experts unpacked
+            self.num_twins += swap_in_moe(model, prepack_enabled())
         self.decode_replay_problem = (fused_decode_problem(model) if hasattr(model, "model")
                                       else f"{type(model).__name__} has no decode-step replay")
         if self.decode_replay_problem is None:

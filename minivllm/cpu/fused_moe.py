@@ -1,16 +1,19 @@
-"""The experts on the CPU path: each expert's rows multiplied once, in grouped products.
+"""The experts on the CPU path: each expert's rows multiplied once, by packed weights.
 
-``fused_moe`` (``minivllm/model/layers/fused_moe.py``) groups a step's (token, expert)
-pairs by expert and multiplies each expert's rows in one product, in a Python loop.
-This twin keeps the routing and the grouping and replaces the loop
-(``grouped_expert_sum``): the rows sorted by expert go through every expert's [gate; up]
-weight in one ``torch._grouped_mm`` call (PyTorch's loop of GEMMs in C++, one group per
-expert), SiLU-and-mul is the C++ kernel the dense MLP's twin calls, and the down
-products are a second grouped call. The weights stay as loaded: packing them
-(``pack_experts``, ``prepack.py``'s kernels, for ``--ab-experts`` comparisons and the
-older per-expert loop) keeps two more copies of every expert, which a 0.9B MoE could
-not afford beside another engine in 23 GB. Results equal the reference's up to the
-summation order of a different GEMM kernel (the tests compare them and the tokens).
+``fused_moe`` (``minivllm/model/layers/fused_moe.py``) already groups a step's
+(token, expert) pairs by expert and multiplies each expert's rows in one product;
+this twin keeps that routing and grouping and only changes the products: every
+expert's [gate; up] and down weights are packed once at load (``prepack.py``:
+one row -> ``matvec``, a few -> the panel kernel, many -> MKL's packed GEMM), and
+SiLU-and-mul is the C++ kernel the dense MLP's twin calls. No new C++: the
+existing ops, called from Python. Results equal the reference's up to the
+summation order of a different GEMM kernel (the tests compare tokens).
+
+``grouped_expert_sum`` replaces the per-expert loop by two ``torch._grouped_mm``
+calls on the unpacked weights (no packed copies: a third of the memory). It gives the
+reference's results but is not the default: on the 0.9B benchmark MoE (2-core AMD
+EPYC, torch 2.13, shared machine) the engine ran at 3.4 output tokens/s with it
+against Hugging Face's 51.8 in the same run (figures/records/moe.md).
 
 The decode-step replay (``fused_decode.py``) has no experts in its C++ loop, so it
 stands aside for an MoE model and the runner runs the model's Python layers.
@@ -33,15 +36,6 @@ class CpuFusedMoE(FusedMoE):
 
     packed13: Optional[list[PackedWeight]] = None
     packed2: Optional[list[PackedWeight]] = None
-
-    def sum_experts(self, hidden: torch.Tensor, ids: torch.Tensor,
-                    weights: torch.Tensor) -> torch.Tensor:
-        # Unpacked (the default, swap_in_moe): two grouped products, no Python loop and
-        # no packed copies (a 0.9B MoE's three copies of its experts did not fit beside
-        # Hugging Face's in 23 GB). Packed (pack_experts): the loop over packed products.
-        if self.packed13 is None:
-            return grouped_expert_sum(hidden, self.w13_weight, self.w2_weight, ids, weights)
-        return super().sum_experts(hidden, ids, weights)
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.w13_weight[expert], self.w2_weight[expert]
@@ -83,9 +77,8 @@ def grouped_expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     return out.index_add_(0, tokens, y * pair_weights[:, None].to(y.dtype))
 
 
-def swap_in_moe(model: nn.Module, prepack: bool = False) -> int:
-    """Give every ``FusedMoE`` the twin's class; returns how many. Its experts stay
-    unpacked (grouped products) unless ``prepack``."""
+def swap_in_moe(model: nn.Module, prepack: bool) -> int:
+    """Give every ``FusedMoE`` the twin's class (and packed experts); returns how many."""
     count = 0
     for module in model.modules():
         if type(module) is FusedMoE:
