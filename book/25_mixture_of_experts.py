@@ -33,6 +33,8 @@
 # - how many experts a step touches, derived and then counted;
 # - what the grouped expert product costs against a dense MLP with the same active
 #   parameters, and against one with the same total, measured side by side.
+# - what a step of a 0.9B-parameter benchmark MoE reads, and the simulator against a
+#   published latency of Qwen3-30B-A3B on a GPU.
 
 # %%
 from minivllm.lab.viz.path import request_path_figure
@@ -780,6 +782,111 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #   with the reason.
 
 # %% [markdown]
+# ## A benchmark-sized mixture of experts, and one simulated on a GPU
+#
+# The tiny model above shows the mechanism; its steps are too small to show the cost.
+# `python -m minivllm.lab.bench.moe_model /tmp/moe-0.8b` builds issue 54's benchmark
+# model with `transformers`: a random Qwen3-MoE of hidden size 1024, 16 layers, **64
+# experts of intermediate size 256, top-8**, 16 query and 4 KV heads, the default
+# model's tokenizer — 0.90 B parameters, of which 0.19 B are active per token (the
+# tied embedding and LM head among them). `minivllm bench throughput` then runs it
+# against Hugging Face's `generate` on the same 32 chat requests of 128 output tokens,
+# in float32, the two backends in their own processes, taking turns (chapter 12).
+#
+# ```
+# minivllm bench throughput --model /tmp/moe-0.8b --backend minivllm --backend hf \
+#     --num-prompts 32 --max-tokens 128 --repeats 2 \
+#     --output figures/bench_throughput_moe_32x128.json
+# ```
+#
+# Its numbers, the machine and its load are in `figures/records/moe.md`. What the roofline
+# column of that table prices, from the model's config alone (no weights needed):
+
+# %%
+from minivllm.config import ModelConfig
+from minivllm.lab.bench import roofline as rl
+from minivllm.lab.bench.moe_model import PRESETS
+
+bench_folder = tempfile.mkdtemp()
+transformers.Qwen3MoeConfig(vocab_size=len(tokenizer), tie_word_embeddings=True,
+                            norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"],
+                            **PRESETS["0.8b"]).save_pretrained(bench_folder)
+bench_cfg = ModelConfig.from_pretrained(bench_folder)
+print(f"{rl.model_param_count(bench_cfg) / 1e9:.2f} B parameters, "
+      f"{rl.active_param_count(bench_cfg) / 1e9:.2f} B active")
+one, batch = rl.step_weight_bytes(bench_cfg, 1), rl.step_weight_bytes(bench_cfg, 32)
+print(f"weights a step reads: {one / 1e9:.2f} GB for one token (the active ones), "
+      f"{batch / 1e9:.2f} GB for 32 tokens, of {rl.weight_bytes(bench_cfg) / 1e9:.2f} GB")
+assert one < batch < rl.weight_bytes(bench_cfg)
+
+# %% [markdown]
+# Read the roofline column with the section on touched experts in mind. One token reads
+# its 8 experts of each layer; 32 tokens touch on average `64 (1 - (56/64)^32)` = 63.1 of
+# the 64, so a decode step of the benchmark reads nearly every weight of the model —
+# the memory of the 0.9 B model for the arithmetic of a 0.19 B one. The column prices
+# exactly that (`bench roofline` and `bench throughput` count an MoE's touched experts,
+# not every weight, nor only the active ones).
+#
+# vLLM's CPU build is not installed on the machine that recorded the benchmark, and
+# could not be built there: there is no vLLM ratio to report.
+#
+# **The simulator.** `minivllm simulate` prices an MoE step the same way (FLOPs of the
+# active parameters, bytes of the touched experts; `lab/sim/moe_cost.py`). Against a
+# published measurement — Tenstorrent's vLLM reference runs of Qwen3-30B-A3B on an A100
+# (github.com/tenstorrent/tt-inference-server, issue 340: one request at a time, 128
+# output tokens) — the uncalibrated `a100-80g` preset says:
+
+# %%
+from minivllm.lab.sim.published import PUBLISHED_MOE, compare, print_table
+
+moe_rows = compare(PUBLISHED_MOE)
+print_table(moe_rows)
+assert all(r["simulated_latency_ms"] < r["median_latency_ms"] for r in moe_rows)
+
+# %% [markdown]
+# The simulator is about **twice too fast** here (−49 % and −47 %), where the same
+# preset was within 30 % of vLLM's dense Llama-3-8B (chapter 23). The measured time per
+# output token is 9.6 ms; the preset's 4.7 ms is what reading the step's 6 GB of
+# active weights at 80 % of the A100's bandwidth, plus 1 ms, costs. A one-token MoE
+# step is not one large matrix product per layer but a router, a top-k, a sort and two
+# grouped products over 8 small experts (768 × 2048 each), 48 times: kernels that
+# stream small matrices at a fraction of the bandwidth, and many more launches per
+# step. The preset gives them the dense products' efficiency; a calibration on a GPU
+# running the model (chapter 23's `calibrate`) would fit it.
+#
+# Across ranks the simulator prices the combine: with minivllm's expert parallelism
+# (tensor-parallel attention) it is the all-reduce of `T × hidden` per sparse layer
+# counted above (`CostModel.dispatch_bytes`, equal to the engine's
+# `moe_dispatch_bytes`). vLLM's wide expert parallelism runs attention data-parallel
+# instead: a token lives on one rank, and its hidden state goes only to the ranks that
+# hold its experts, and back (`all_to_all_bytes`). For Qwen3-30B-A3B on 8 ranks, what
+# each rank sends per step for the same global batch:
+
+# %%
+from minivllm.lab.sim import CostModel, load_hardware, load_model_config
+from minivllm.lab.sim.moe_cost import all_to_all_bytes, expected_remote_ranks
+
+q30 = load_model_config("qwen3-30b-a3b")
+tp8 = CostModel(q30, load_hardware("h100-sxm"), tensor_parallel_size=8)
+print(f"a token's 8 experts live on {expected_remote_ranks(128, 8, 8):.2f} of the 7 "
+      "other ranks, on average")
+for batch in (8, 2048):
+    a2a = all_to_all_bytes(q30, batch / 8, 8)  # each rank owns 1/8 of the tokens
+    ring = 2 * 7 / 8 * tp8.dispatch_bytes(batch)  # a ring all-reduce of every token
+    print(f"batch {batch:>4}: all-to-all {a2a / 1e6:7.2f} MB, all-reduce {ring / 1e6:7.2f} MB "
+          "sent by each rank")
+    assert a2a < ring
+
+# %% [markdown]
+# The all-to-all sends a rank's own tokens to 4.7 other ranks each and back, 2 × 4.7 / 8
+# = 1.17 rows per token of the batch, against the ring's 2 × 7/8 = 1.75: a third less
+# here, and eight times less with DeepSeek-V3's 256 experts over 64 ranks (a token's 8
+# experts reach 7.6 of the 63 others: 0.24 rows against 1.97). What it
+# costs instead is attention run data-parallel (each rank its own requests) and
+# kernels that pack, send and unpack rows by destination (DeepEP, pplx); minivllm
+# keeps the all-reduce, whose bytes are the ones counted above.
+
+# %% [markdown]
 # ## Summary
 #
 # - A mixture-of-experts layer is a router and many small MLPs; each token goes through
@@ -795,6 +902,10 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 # - A step of `T` tokens touches about `E (1 - (1 - k/E)^T)` experts. Few tokens read
 #   few experts' weights; a large batch reads them all while computing only the active
 #   share: the compute of a small model, the memory of a large one.
+# - Measured and simulated, the roofline and the simulator price that: a one-token
+#   step reads the active experts, a batch the experts it touches (`bench roofline`,
+#   `lab/sim/moe_cost.py`); the uncalibrated GPU preset is twice too fast for vLLM's
+#   Qwen3-30B-A3B at one request, its small expert products being slower than dense ones.
 #
 # **Try next:** set `norm_topk_prob=False` and watch the weights of a token's experts no
 # longer sum to 1; give the model 64 experts, top-8 (`build_qwen3_moe(num_experts=64,

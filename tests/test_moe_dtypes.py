@@ -98,6 +98,30 @@ def test_bf16_cpu_twin_equals_the_reference_experts():
         torch.testing.assert_close(mine.float(), theirs.float(), atol=2e-2, rtol=2e-2)
 
 
+@needs_cpu_kernels()
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_grouped_experts_equal_the_reference_loop(dtype):
+    """The CPU twin's default products: every expert's rows in two grouped calls equal
+    the reference's loop, with pairs another rank computes (id = expert count) skipped,
+    and with every pair elsewhere."""
+    from minivllm.cpu.fused_moe import grouped_expert_sum
+    from minivllm.model.layers.fused_moe import expert_sum, route
+
+    gen = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(6, 64, 48, generator=gen) * 0.1).to(dtype)
+    w2 = (torch.randn(6, 48, 32, generator=gen) * 0.1).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for tokens in (1, 7, 64):
+        x = (torch.randn(tokens, 48, generator=gen)).to(dtype)
+        weights, ids = route(torch.randn(tokens, 6, generator=gen), 2, True)
+        elsewhere = ids.masked_fill(ids >= 4, 6)  # experts 4 and 5 on another rank
+        for chosen in (ids, elsewhere, torch.full_like(ids, 6)):
+            with torch.inference_mode():
+                mine = grouped_expert_sum(x, w13, w2, chosen, weights)
+                theirs = expert_sum(x, w13, w2, chosen, weights)
+            torch.testing.assert_close(mine.float(), theirs.float(), **tol)
+
+
 @pytest.mark.slow
 @needs_cpu_kernels()
 @pytest.mark.parametrize("family", ["qwen2-moe", "mixtral"])
