@@ -46,8 +46,7 @@ from minivllm.core import spec_decode_update
 from minivllm.model.attention import AttentionMetadata
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.sample.rejection_sampler import RejectionSampler
-from minivllm.lab.bench.workload import grounded_prompts
-from minivllm.lab.bench.workload import CHAT_PROMPTS
+from minivllm.lab.bench.workload import CHAT_PROMPTS, grounded_prompts
 from minivllm.lab.viz.export import save_key_figure
 from minivllm.lab.viz.source import show_source
 from minivllm.lab.viz.spec_decode import (Verification, acceptance_histogram, accepted_counts,

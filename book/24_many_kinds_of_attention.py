@@ -537,10 +537,9 @@ torch.testing.assert_close(absorbed, naive, rtol=1e-5, atol=1e-5)
 
 # %%
 from minivllm.config import EngineArgs
-
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 FEATURES = {  # the engine arguments that switch each feature on
-    "speculative decoding": {"speculative_config": {"method": "ngram",
-                                                    "num_speculative_tokens": 3}},
+    "speculative decoding": {"speculative_config": NGRAM},
     "LoRA": {"enable_lora": True},
     "KV connector / offload tier": {"kv_offloading_size": 0.001},
     "KV events": {"kv_events_config": {"enable_kv_cache_events": True}},
@@ -555,9 +554,8 @@ for feature, args in FEATURES.items():
             table[feature, kind] = "works"
         except ValueError as e:
             table[feature, kind], why[feature, kind] = "refused", str(e)
-print(f"{'':28}" + "".join(f"{kind:>10}" for kind in MODELS))
-for feature in FEATURES:
-    print(f"{feature:28}" + "".join(f"{table[feature, kind]:>10}" for kind in MODELS))
+for feature in ("", *FEATURES):
+    print(f"{feature:28}" + "".join(f"{table.get((feature, kind), kind):>10}" for kind in MODELS))
 
 # %% [markdown]
 # A refusal says which feature, which kind and why:
