@@ -599,6 +599,51 @@ core = spec_llm.llm_engine.engine_core
 assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 
 # %% [markdown]
+# ## Fast enough on a CPU?
+#
+# Both kinds run on the CPU path (chapter 15) with the reference's tokens. A sliding
+# layer's metadata carries its window, and the C++ decode kernel that serves Llama's
+# heads starts at the window's first position, `seq_len - sliding_window`: it reads
+# only the blocks the table still holds. Absorbed MLA decode is multi-query attention
+# with one KV "head" as wide as a cache row: the queries `[W_UK^T q_nope, q_pe]`, the
+# rows `[c, k_pe]` as keys and their first `kv_lora_rank` columns as values. So the
+# same kernel serves it, given the latent cache as keys and as values
+# (`minivllm/cpu/mla.py`), instead of the reference's padded copy of every context per
+# layer and step. Neither model gets the decode-step replay (its C++ loop is Llama's
+# layers over every key), so their steps run layer by layer.
+
+# %%
+for path, expected in ((folder, ours), (ds_folder, ds_ours)):
+    fast = LLM(path, block_size=BLOCK)  # the CPU path, where its kernels build
+    runner = fast.llm_engine.engine_core.executor.runner
+    if runner.acceleration_problem is None:
+        assert runner.decode_replay is None
+    out = fast.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected
+
+# %% [markdown]
+# How fast, against a dense Llama of the same hidden size (512), layers (4) and query
+# heads (8 of 64), at 8 sequences of 1,024 tokens of context:
+# `python -m minivllm.lab.bench.hybrid_decode --reference`, engines alternated, medians,
+# on a shared 2-core AVX2 machine with other programs running (one run, one thread,
+# `OMP_NUM_THREADS=1`: with two threads the other programs' load made every parallel
+# kernel call wait ~20 ms, and the Llama's one-call replay waits least):
+#
+# | model (decode step) | ms | × the dense Llama's |
+# |---|---|---|
+# | Llama (CPU path, replay) | 33.6 | 1.00 |
+# | Gemma 3, 3 sliding (window 512) + 1 global, CPU path | 46.4 | 1.38 |
+# | Gemma 3 on the reference path (before) | 135.2 | 4.03 |
+# | DeepSeek-V3 MLA (latent 256 + rope 32), CPU path | 78.5 | 2.34 |
+# | DeepSeek-V3, the reference's MLA decode (before) | 99.7 | 2.97 |
+#
+# Gemma 3 is within the 1.5× the issue asks; MLA is not yet. A profile of its step puts
+# two thirds in the kernel: a cache row of 288 numbers takes the kernel's general path
+# (accumulators in memory, 8 query heads each updating a 288-wide row per key), not
+# the register-tiled one Llama's 64-wide heads get. A register-tiled pass over column
+# blocks of wide rows is what it lacks.
+
+# %% [markdown]
 # ## Exercises
 
 # %% [markdown]
