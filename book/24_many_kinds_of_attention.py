@@ -613,13 +613,14 @@ assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 # layers over every key), so their steps run layer by layer.
 
 # %%
-for path, expected in ((folder, ours), (ds_folder, ds_ours)):
+for path, reference in ((folder, llm), (ds_folder, ds_llm)):  # the reference path's engines
     fast = LLM(path, block_size=BLOCK)  # the CPU path, where its kernels build
     runner = fast.llm_engine.engine_core.executor.runner
     if runner.acceleration_problem is None:
         assert runner.decode_replay is None
-    out = fast.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == expected
+    out, want = (engine.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0]
+                 for engine in (fast, reference))
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
 
 # %% [markdown]
 # How fast, against a dense Llama of the same hidden size (512), layers (4) and query

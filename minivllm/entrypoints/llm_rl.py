@@ -8,64 +8,67 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional, Union
 
 
+def _rollout(llm):
+    """The engine core's RL controls (a function, not a method: ``LLM`` takes only the
+    methods below from this class, one by one)."""
+    from minivllm.core.rollout import RolloutControl
+
+    return RolloutControl.of(llm.llm_engine.engine_core)
+
+
 class RLMethods:
     """``LLM``'s RL methods (``self`` is the ``LLM``, which holds the ``llm_engine``)."""
-
-    def _rollout(self):
-        from minivllm.core.rollout import RolloutControl
-
-        return RolloutControl.of(self.llm_engine.engine_core)
 
     def collective_rpc(self, method: Union[str, Callable], args: tuple = (),
                        kwargs: Optional[dict] = None) -> list[Any]:
         """``method`` on every rank's model runner; the results in rank order."""
-        return self._rollout().collective_rpc(method, args, kwargs)
+        return _rollout(self).collective_rpc(method, args, kwargs)
 
     def load_weights(self, named_tensors: Iterable) -> list[str]:
         """(Hugging Face name, tensor) pairs into every rank, then the prefix cache reset;
         refused while a request is unfinished. Returns the parameters updated."""
-        return self._rollout().load_weights(named_tensors)
+        return _rollout(self).load_weights(named_tensors)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False, changing nothing, while a block is held."""
-        return self._rollout().reset_prefix_cache()
+        return _rollout(self).reset_prefix_cache()
 
     def pause_generation(self) -> None:
         """Until ``resume_generation()``, a step raises instead of running."""
-        self._rollout().pause_generation()
+        _rollout(self).pause_generation()
 
     def resume_generation(self) -> None:
-        self._rollout().resume_generation()
+        _rollout(self).resume_generation()
 
     def is_paused(self) -> bool:
-        return self._rollout().is_paused()
+        return _rollout(self).is_paused()
 
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache (level 1), or it and the weights (2); needs
         ``enable_sleep_mode=True``. Returns the bytes freed."""
-        return self._rollout().sleep(level)
+        return _rollout(self).sleep(level)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Bring back ``tags`` ("weights", "kv_cache"; default both)."""
-        self._rollout().wake_up(tags)
+        _rollout(self).wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        return self._rollout().is_sleeping()
+        return _rollout(self).is_sleeping()
 
     def init_weight_transfer_engine(self, request) -> None:
         """Join every rank to the trainer's process group (``weight_transfer_config``)."""
-        self._rollout().init_weight_transfer_engine(request)
+        _rollout(self).init_weight_transfer_engine(request)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self._rollout().start_weight_update(is_checkpoint_format)
+        _rollout(self).start_weight_update(is_checkpoint_format)
 
     def update_weights(self, request) -> int:
         """Receive the tensors the trainer broadcasts; returns how many."""
-        return self._rollout().update_weights(request)
+        return _rollout(self).update_weights(request)
 
     def finish_weight_update(self) -> list[str]:
         """Apply the received weights, then reset the prefix cache."""
-        return self._rollout().finish_weight_update()
+        return _rollout(self).finish_weight_update()
 
 
 __all__ = ["RLMethods"]
