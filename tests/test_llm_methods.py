@@ -30,3 +30,14 @@ def test_each_pooling_call_is_a_method_of_llm_with_the_functions_parameters(name
 def test_an_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError):
         LLM.not_a_method  # noqa: B018
+
+
+def test_the_rl_methods_reach_the_engine(tiny_model):
+    """Bound to an ``LLM``, the methods run on its engine core (not only look right)."""
+    llm = LLM(tiny_model("llama"), cpu_kernels=False, num_kv_blocks=32)
+    assert llm.is_paused() is False
+    llm.pause_generation()
+    assert llm.is_paused() is True
+    llm.resume_generation()
+    assert llm.is_paused() is False and llm.reset_prefix_cache() is True
+    assert len(llm.collective_rpc(lambda runner: runner.block_size)) == 1
