@@ -128,7 +128,7 @@ LLAMA_PYTHON ?=
 # here; 15 minutes on 2 busy cores) into its own environment, once: it is rebuilt
 # only when missing. `make bench-peers LLAMA=1` builds it if needed and uses it;
 # LLAMA_PYTHON=path uses another. The flags name the ISA instead of -march=native:
-#  native: AVX-512 (F/BW/DQ/VL) with VNNI, BF16 and AVX-VNNI, no AMX (a native build
+#  native: where the CPU has AVX-512, AVX-512 (F/BW/DQ/VL) with VNNI, BF16 and AVX-VNNI, no AMX (a native build
 #          with AMX crashed in its first eval on a Xeon). Suits an AMD Zen 4/5 and an
 #          Intel Sapphire Rapids or later; an older AVX-512 Xeon (Skylake/Cascade
 #          Lake) lacks BF16 and AVX-VNNI: LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF
@@ -139,12 +139,16 @@ LLAMA_PYTHON ?=
 # or the second ISA would reuse the first one's build.
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_VENV        ?= $(HOME)/peers/llama$(SFX)
-LLAMA_CMAKE_native := -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+# native on a CPU without AVX-512 (an AMD Zen 3, say) takes the avx2 flags: the AVX-512
+# build dies there with "Illegal instruction" on its first call.
+CPU_HAS = $(shell grep -m1 -ow $(1) /proc/cpuinfo 2>/dev/null)
+LLAMA_CMAKE_avx512 := -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
   -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
   -DGGML_AMX_BF16=OFF
 LLAMA_CMAKE_avx2   := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
   -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_CMAKE_native = $(if $(call CPU_HAS,avx512f),$(LLAMA_CMAKE_avx512),$(LLAMA_CMAKE_avx2))
 LLAMA_CMAKE_ARGS  ?= $(LLAMA_CMAKE_$(ISA))
 LLAMA             ?=
 LLAMA_PEER         = $(LLAMA_VENV)/.built
