@@ -186,14 +186,22 @@ def test_cpu_kernels_path_matches_transformers(v3, v3_ref):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
-def test_tensor_and_expert_parallel_match_one_rank(v3, v3_ref, expert_parallel):
-    llm = LLM(v3, block_size=4, tensor_parallel_size=2, cpu_kernels=False,
-              enable_expert_parallel=expert_parallel)
+@pytest.mark.parametrize("kwargs", [
+    {}, {"enable_expert_parallel": True},
+    {"enable_expert_parallel": True, "enable_eplb": True, "enable_prefix_caching": False,
+     "eplb_config": {"num_redundant_experts": 2, "window_size": 4, "step_interval": 4}}],
+    ids=["tp2", "tp2-ep", "tp2-ep-eplb"])
+def test_tensor_and_expert_parallel_match_one_rank(v3, v3_ref, kwargs, monkeypatch):
+    """Two ranks: every expert's intermediate dimension split, or whole experts per
+    rank, or those moved by EPLB while serving: one rank's tokens."""
+    monkeypatch.setenv("MINIVLLM_TP_TIMEOUT", "120")
+    llm = LLM(v3, block_size=4, tensor_parallel_size=2, cpu_kernels=False, **kwargs)
     try:
         assert tokens(llm, PROMPTS) == v3_ref
+        eplb = llm.llm_engine.engine_core.executor.eplb
+        assert (eplb is not None and eplb.num_rebalances > 0) == ("enable_eplb" in kwargs)
     finally:
-        llm.shutdown() if hasattr(llm, "shutdown") else None
+        llm.shutdown()
 
 
 def edited(v3, tmp_path, **changes):
