@@ -67,6 +67,7 @@ class MoEConfig:
     renormalize: bool  # norm_topk_prob: the top-k weights divided by their sum
     sparse_layers: tuple[int, ...]  # the decoder layers whose MLP is the experts
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    shared_expert_gated: bool = True  # Qwen's is scaled by a sigmoid gate; DeepSeek's not
     # Expert parallelism (config/expert_parallel.py sets these at load): the ranks the
     # experts are split among (1: every rank holds every expert), and the extra slots
     # EPLB fills with copies of hot experts.
@@ -144,7 +145,8 @@ def deepseek_moe_config(config, raw: dict):
                           float(raw.get("routed_scaling_factor") or 1.0), method == "noaux_tc")
     inter = _int(raw, "moe_intermediate_size", 1)
     moe = MoEConfig(experts, top_k, inter, bool(raw.get("norm_topk_prob")), sparse,
-                    inter * (raw.get("n_shared_experts") or 0), routing=routing)
+                    inter * (raw.get("n_shared_experts") or 0), shared_expert_gated=False,
+                    routing=routing)
     return _checked(dataclasses.replace(config, moe=moe), raw, router_fields=False)
 
 
