@@ -4,9 +4,13 @@ expert multiplies the rows sent to it, and the results come back weighted.
 ``fused_moe`` is the whole computation in plain PyTorch (vLLM's name; its kernels
 fuse the same steps):
 
-1. router softmax over all experts, in float32 whatever the weights' dtype;
+1. router softmax over all experts, in float32 whatever the weights' dtype
+   (DeepSeek-V3: a sigmoid per expert);
 2. the top-k experts of each token, their probabilities renormalised to sum
-   to 1 where the model says so (``norm_topk_prob``; Mixtral always);
+   to 1 where the model says so (``norm_topk_prob``; Mixtral always). DeepSeek's
+   routers (a ``RoutingSpec``) first keep the best ``topk_group`` groups of experts,
+   choose V3's experts on the scores plus a per-expert bias while weighing them by
+   the plain scores, and scale the weights by ``routed_scaling_factor``;
 3. the (token, expert) pairs grouped by expert with one stable sort;
 4. one product per expert over all the rows it received: SiLU(x W1) * (x W3), then W2;
 5. the weighted sum back into each token's row.
