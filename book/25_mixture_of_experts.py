@@ -426,17 +426,15 @@ from minivllm.config.moe import RoutingSpec
 
 v3_router = RoutingSpec("sigmoid", use_grouped_topk=True, num_expert_group=4, topk_group=2,
                         routed_scaling_factor=2.5, e_score_correction_bias=True)
-logits = torch.tensor([[2.0, 1.5, -1.0, -2.0, 0.5, 0.0, -1.0, 0.2]])
-no_bias = torch.zeros(8)
-bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9])
-for name, b in (("no bias", no_bias), ("bias on expert 7", bias)):
-    w, ids = route(logits, 2, True, v3_router, b)
-    print(f"{name:17s} experts {sorted(ids[0].tolist())}  weights "
-          f"{[round(x, 3) for x in w[0][ids[0].argsort()].tolist()]}")
-w, ids = route(logits, 2, True, v3_router, bias)
-assert sorted(ids[0].tolist()) == [0, 7]  # expert 7's group now ranks first; 7 displaces 1
-chosen = logits[0, ids[0]].sigmoid()
-assert torch.allclose(w[0], 2.5 * chosen / chosen.sum())  # the unbiased scores weigh
+ds_logits = torch.tensor([[2.0, 1.5, -1.0, -2.0, 0.5, 0.0, -1.0, 0.2]])
+ds_bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9])
+for ds_name, ds_b in (("no bias", torch.zeros(8)), ("bias on expert 7", ds_bias)):
+    ds_w, ds_ids = route(ds_logits, 2, True, v3_router, ds_b)
+    print(f"{ds_name:17s} experts {sorted(ds_ids[0].tolist())}  weights "
+          f"{[round(x, 3) for x in ds_w[0][ds_ids[0].argsort()].tolist()]}")
+assert sorted(ds_ids[0].tolist()) == [0, 7]  # expert 7's group now ranks first; 7 displaces 1
+ds_scores = ds_logits[0, ds_ids[0]].sigmoid()
+assert torch.allclose(ds_w[0], 2.5 * ds_scores / ds_scores.sum())  # the unbiased scores weigh
 
 # %% [markdown]
 # A tiny random DeepSeek-V3 with its mixture-of-experts layers (the first layer dense,
@@ -455,16 +453,16 @@ ds_cfg = transformers.DeepseekV3Config(
 torch.manual_seed(0)
 ds_hf = transformers.DeepseekV3ForCausalLM(ds_cfg).eval()
 with torch.no_grad():  # a decided router and a bias that matters
-    for name, p in ds_hf.named_parameters():
-        if p.dim() > 1:
-            p.normal_(0, 0.5 if ".mlp.gate." in name else 0.08)
-    for name, b in ds_hf.named_buffers():
-        if "e_score_correction_bias" in name:
-            b.normal_(0, 0.3)
+    for ds_name, ds_p in ds_hf.named_parameters():
+        if ds_p.dim() > 1:
+            ds_p.normal_(0, 0.5 if ".mlp.gate." in ds_name else 0.08)
+    for ds_name, ds_b in ds_hf.named_buffers():
+        if "e_score_correction_bias" in ds_name:
+            ds_b.normal_(0, 0.3)
 ds_folder = tempfile.mkdtemp()
 ds_hf.save_pretrained(ds_folder)
-for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-    shutil.copy(tokenizer_dir / name, f"{ds_folder}/{name}")
+for ds_name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(tokenizer_dir / ds_name, f"{ds_folder}/{ds_name}")
 ds_llm = LLM(ds_folder, cpu_kernels=False)
 ds_outs = ds_llm.generate(PROMPTS, greedy, use_tqdm=False)
 with torch.inference_mode():
