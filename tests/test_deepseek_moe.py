@@ -159,6 +159,7 @@ def test_engine_greedy_matches_transformers(v3, v3_ref):
     assert tokens(llm, PROMPTS[3:4]) == v3_ref[3:4]  # alone
 
 
+@pytest.mark.slow
 def test_chunked_and_preempted(v3, v3_ref):
     chunked = LLM(v3, block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=6,
                   cpu_kernels=False)
@@ -169,10 +170,14 @@ def test_chunked_and_preempted(v3, v3_ref):
     assert any(r.preempted for r in tight.trace)
 
 
+@pytest.mark.slow
 def test_v2_engine_matches_transformers(tmp_path):
     folder = build(tmp_path / "v2", "v2", seed=6)
-    assert tokens(LLM(folder, block_size=4, cpu_kernels=False), PROMPTS) == \
-        hf_greedy(folder, PROMPTS)
+    ref = hf_greedy(folder, PROMPTS)
+    assert tokens(LLM(folder, block_size=4, cpu_kernels=False), PROMPTS) == ref
+    chunked = LLM(folder, block_size=4, max_num_batched_tokens=8,
+                  long_prefill_token_threshold=6, cpu_kernels=False)
+    assert tokens(chunked, PROMPTS[3:4]) == ref[3:4]  # alone, in chunks
 
 
 @pytest.mark.slow  # the first LLM() with the CPU kernels in a checkout builds them
