@@ -417,8 +417,9 @@ assert again.outputs[0].token_ids == cold
 # and runs on the plain KV cache manager. Under tensor parallelism the heads split
 # across ranks but the latent has no heads: every rank computes and caches it whole.
 #
-# A tiny random DeepSeek-V3 (dense layers, `first_k_dense_replace` covering all) against
-# Hugging Face, as for Gemma:
+# A tiny random DeepSeek-V3 against Hugging Face, as for Gemma; its MLPs are dense here
+# (`first_k_dense_replace` covering all layers) to keep the attention alone in view.
+# The engine runs its mixture-of-experts layers too: chapter 25, "DeepSeek's router".
 
 # %%
 def build_deepseek(folder):

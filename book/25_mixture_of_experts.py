@@ -21,9 +21,10 @@
 # model holds all the experts' parameters, but a token *uses* only a few of them:
 # Qwen3-30B-A3B has 30 billion parameters and 3 billion active ones.
 #
-# minivllm runs the Qwen3-MoE, Qwen2-MoE and Mixtral families from a Hugging Face folder.
-# Their attention is chapter 3's; only the MLP changes, and it lives in one screen of
-# plain PyTorch, `minivllm/model/layers/fused_moe.py`.
+# minivllm runs the Qwen3-MoE, Qwen2-MoE and Mixtral families from a Hugging Face folder,
+# and DeepSeek-V2 and V3 with their own router (below; their latent attention is chapter
+# 24's). The attention of the others is chapter 3's; only the MLP changes, and it lives
+# in one screen of plain PyTorch, `minivllm/model/layers/fused_moe.py`.
 #
 # **What you will see**
 #
@@ -385,7 +386,9 @@ assert pairs[1].unique().numel() == KB and pairs[256].unique().numel() == EB
 # `w2_weight` and a `weight_loader` that takes the checkpoint's one tensor per expert and
 # projection, as minivllm's does. Routing is `FusedMoE.select_experts`: `fused_topk`
 # (`fused_moe/fused_moe.py`, a softmax-and-top-k kernel, then the renormalisation) or
-# `grouped_topk` for DeepSeek's grouped routers; with `enable_eplb` it also adds each
+# `grouped_topk` for DeepSeek's grouped routers (minivllm's `route` takes the same
+# `RoutingSpec` fields: `scoring_func`, `use_grouped_topk`, `num_expert_group`,
+# `topk_group`, `e_score_correction_bias`, `routed_scaling_factor`); with `enable_eplb` it also adds each
 # expert's count into `expert_load_view`, the load EPLB (`vllm/distributed/eplb/`)
 # rebalances from, and logs how balanced it is with `eplb_config`'s `log_balancedness`;
 # it has no Prometheus series for it (`minivllm:expert_load_total` is minivllm's). The products are `fused_experts`: `moe_align_block_size` sorts the
@@ -397,6 +400,79 @@ assert pairs[1].unique().numel() == KB and pairs[256].unique().numel() == EB
 # kernel (its CPU path packs each expert's weights, `minivllm/cpu/fused_moe.py`). With
 # tensor parallelism each rank holds a slice of *every* expert, which is vLLM's default
 # too; expert parallelism, below, holds whole experts instead.
+
+# %% [markdown]
+# ## DeepSeek's router
+#
+# DeepSeek-V3 routes differently (`topk_method="noaux_tc"`, `minivllm/config/moe.py`'s
+# `RoutingSpec`, applied by the same `route`). Its scores are **sigmoids**, one per
+# expert and independent, not a softmax. To choose, it adds a learned per-expert
+# **bias** (`e_score_correction_bias`) to them: training raises the bias of an expert
+# that gets too few tokens and lowers it for one that gets too many, which balances the
+# load without an auxiliary loss. The bias only *chooses*; the **weights** are the chosen
+# experts' plain sigmoid scores, renormalised, times `routed_scaling_factor` (2.5 in
+# V3). The choice is also **group-limited**: the 256 experts form `n_group=8` groups, a
+# group scores as the sum of its two best biased scores, and a token picks its 8 experts
+# among the `topk_group=4` best groups only (so a token's experts sit on at most 4 groups
+# of GPUs). Every token also passes through a **shared expert**, a dense MLP added without
+# a gate. DeepSeek-V2 keeps the softmax and, with `group_limited_greedy`, scores a group
+# by its best expert.
+#
+# One token, 8 experts in 4 groups of 2, top 2 from the best 2 groups. The bias of expert
+# 7 pulls it into the choice; its weight is still its own score.
+
+# %%
+from minivllm.config.moe import RoutingSpec
+
+v3_router = RoutingSpec("sigmoid", use_grouped_topk=True, num_expert_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, e_score_correction_bias=True)
+ds_logits = torch.tensor([[2.0, 1.5, -1.0, -2.0, 0.5, 0.0, -1.0, 0.2]])
+ds_bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9])
+for ds_name, ds_b in (("no bias", torch.zeros(8)), ("bias on expert 7", ds_bias)):
+    ds_w, ds_ids = route(ds_logits, 2, True, v3_router, ds_b)
+    print(f"{ds_name:17s} experts {sorted(ds_ids[0].tolist())}  weights "
+          f"{[round(x, 3) for x in ds_w[0][ds_ids[0].argsort()].tolist()]}")
+assert sorted(ds_ids[0].tolist()) == [0, 7]  # expert 7's group now ranks first; 7 displaces 1
+ds_scores = ds_logits[0, ds_ids[0]].sigmoid()
+assert torch.allclose(ds_w[0], 2.5 * ds_scores / ds_scores.sum())  # the unbiased scores weigh
+
+# %% [markdown]
+# A tiny random DeepSeek-V3 with its mixture-of-experts layers (the first layer dense,
+# `first_k_dense_replace=1`; 8 experts in 4 groups, top 2; one shared expert; latent
+# attention, chapter 24) gives Hugging Face's greedy tokens, and the expert load counts
+# its routed pairs as for Qwen.
+
+# %%
+ds_cfg = transformers.DeepseekV3Config(
+    vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+    n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+    moe_intermediate_size=32, n_shared_experts=1, max_position_embeddings=512,
+    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+torch.manual_seed(0)
+ds_hf = transformers.DeepseekV3ForCausalLM(ds_cfg).eval()
+with torch.no_grad():  # a decided router and a bias that matters
+    for ds_name, ds_p in ds_hf.named_parameters():
+        if ds_p.dim() > 1:
+            ds_p.normal_(0, 0.5 if ".mlp.gate." in ds_name else 0.08)
+    for ds_name, ds_b in ds_hf.named_buffers():
+        if "e_score_correction_bias" in ds_name:
+            ds_b.normal_(0, 0.3)
+ds_folder = tempfile.mkdtemp()
+ds_hf.save_pretrained(ds_folder)
+for ds_name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(tokenizer_dir / ds_name, f"{ds_folder}/{ds_name}")
+ds_llm = LLM(ds_folder, cpu_kernels=False)
+ds_outs = ds_llm.generate(PROMPTS, greedy, use_tqdm=False)
+with torch.inference_mode():
+    ds_theirs = [ds_hf.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=MAX_TOKENS,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)
+                 [0, len(o.prompt_token_ids):].tolist() for o in ds_outs]
+assert [o.outputs[0].token_ids for o in ds_outs] == ds_theirs
+ds_load = ds_llm.llm_engine.engine_core.executor.runner.model.expert_load()
+print("DeepSeek-V3 tokens equal Hugging Face's; layer 1's expert load:", ds_load[1])
+assert sum(ds_load[1]) == 2 * sum(len(o.prompt_token_ids) + MAX_TOKENS - 1 for o in ds_outs)
 
 # %% [markdown]
 # ## Across ranks: expert parallelism
@@ -753,9 +829,14 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 # - **What is read from `config.json`** (`minivllm/config/moe.py`): `num_experts` (Mixtral:
 #   `num_local_experts`), `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob`,
 #   the sparse layers from `decoder_sparse_step` and `mlp_only_layers` (the others keep a
-#   dense MLP), `shared_expert_intermediate_size` for Qwen2-MoE. A router the engine does
-#   not have (`scoring_func` other than softmax, grouped top-k), a `top_k` above the
-#   number of experts, or a layer index out of range is refused at load, naming the field.
+#   dense MLP), `shared_expert_intermediate_size` for Qwen2-MoE. DeepSeek-V2/V3:
+#   `n_routed_experts`, `n_shared_experts`, `first_k_dense_replace`, `moe_layer_freq`,
+#   `topk_method` (V3 `noaux_tc`; V2 `greedy` or `group_limited_greedy`), `scoring_func`,
+#   `n_group`, `topk_group`, `routed_scaling_factor`, `norm_topk_prob`, and the gate's
+#   `e_score_correction_bias` tensor. A router the engine does not have (another
+#   `scoring_func` or `topk_method`), a `topk_group` above `n_group`, experts that do not
+#   split into `n_group` groups, a `top_k` above the number of experts (or of the kept
+#   groups' experts), or a layer index out of range is refused at load, naming the field.
 # - **Tensor parallelism** splits every expert's intermediate dimension over the ranks
 #   and all-reduces the experts' sum once per layer, like a row-parallel layer
 #   (chapter 13). **Expert parallelism** (`enable_expert_parallel=True`, which needs

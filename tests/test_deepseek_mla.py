@@ -199,8 +199,6 @@ def test_variants_match_transformers(tmp_path, extra):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("first_k_dense_replace", 1, "first_k_dense_replace=1 .*allowed: first_k_dense_replace >= "
-                                 "num_hidden_layers"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                          "original_max_position_embeddings": 128}, "rope_scaling=")])
 def test_unsupported_config_refused_at_load(deepseek, tmp_path, field, value, match):

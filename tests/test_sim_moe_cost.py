@@ -44,6 +44,18 @@ def test_parameters_match_the_published_counts(model, total, active):
     assert cm.features_from(1, 1, 0, 0, 0).linear_flops == pytest.approx(2 * cm.moe.active)
 
 
+def test_deepseek_v3_parameters_near_the_published_counts():
+    """DeepSeek-V3's experts read as the engine reads them (``config/moe.py``): 671 B
+    parameters, 37 B active. The simulator prices attention as plain heads of
+    hidden/heads = 56, not MLA's low-rank projections (about 18 M more per layer than
+    MLA's 187 M), which puts the active count 4.5% above the published one."""
+    m = load_model_config("deepseek-v3")
+    assert len(m.moe.sparse_layers) == 58 and m.moe.shared_expert_intermediate_size == 2048
+    cm = CostModel(m, load_hardware("h100-sxm"))
+    assert weight_bytes(m) / 2 == pytest.approx(671e9, rel=0.02)
+    assert cm.moe.active + 2 * m.vocab_size * m.hidden_size == pytest.approx(37e9, rel=0.05)
+
+
 def test_decode_step_follows_the_touched_experts():
     """Decode steps of B sequences: weight bytes = dense + touched(B) experts per sparse
     layer (+ activations); the step time grows with B and the expert traffic stops

@@ -17,7 +17,8 @@ from minivllm.config.checks import bad
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Gemma3ForCausalLM",
-                           "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM") + MOE_ARCHITECTURES
+                           "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM",
+                           "DeepseekV2ForCausalLM") + MOE_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -94,6 +95,10 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, raw.get("torch_dtype") or raw.get("dtype"), device),
             **_attention_kinds(arch, raw), hf_config=raw,
         )
+        if arch.startswith("Deepseek") and raw.get("n_routed_experts"):
+            from minivllm.config.moe import deepseek_moe_config
+
+            return deepseek_moe_config(config, raw)
         if arch not in MOE_ARCHITECTURES + ("Qwen3NextForCausalLM",):
             return config
         from minivllm.config.moe import moe_model_config  # a dense model never loads it

@@ -18,7 +18,7 @@ from minivllm.model.layers.quantization import QuantizedTensor
 
 
 OWN_FILES = {"Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3_next",
-             "DeepseekV3ForCausalLM": "deepseek_v3"}
+             "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v3"}
 # Checkpoint tensors fused into one of our parameters: (ours, theirs, shard).
 # A model family whose checkpoint fuses differently sets ``stacked_params``.
 STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
@@ -68,6 +68,8 @@ def load_weights(model: nn.Module, config: ModelConfig,
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.dequantize()
         param = params.get(target)
+        if param is None and tensor.numel() == 0:
+            continue  # a module of width 0 (DeepSeek with n_shared_experts=0): nothing to run
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in "
                              f"{config.architecture}")

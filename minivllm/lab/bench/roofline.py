@@ -193,8 +193,8 @@ def _mlp_params(cfg: ModelConfig, experts_per_layer: Optional[int] = None) -> in
         return cfg.num_hidden_layers * dense
     sparse = len(moe.sparse_layers)
     shared = 3 * h * moe.shared_expert_intermediate_size
-    if shared:
-        shared += h  # the shared expert's sigmoid gate
+    if shared and moe.shared_expert_gated:
+        shared += h  # the shared expert's sigmoid gate (Qwen's; DeepSeek's has none)
     n = moe.num_experts if experts_per_layer is None else experts_per_layer
     return ((cfg.num_hidden_layers - sparse) * dense
             + sparse * (h * moe.num_experts + shared + n * expert_param_count(cfg)))

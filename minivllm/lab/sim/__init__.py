@@ -22,8 +22,8 @@ keys plus the step trace::
 
 Models: ``llama-3-8b``, ``llama-3-70b``, ``qwen3-8b``, ``smollm2-135m``, ``gemma-3-27b``,
 the mixtures of experts ``qwen3-30b-a3b`` and ``mixtral-8x7b``, a model folder or a
-``config.json``; ``deepseek-v3`` and ``qwen3-next-80b-a3b`` (architectures the engine does
-not run yet) for their KV capacity only. ``kv_specs.py`` prices the KV cache per group
+``config.json``; ``deepseek-v3`` and ``qwen3-next-80b-a3b`` (their experts priced, their
+MLA or linear attention not: use them for KV capacity). ``kv_specs.py`` prices the KV cache per group
 (full, sliding window, MLA latent, linear-attention state) and counts the requests of a
 length that fit: ``capacity(kv_groups(load_raw_config("gemma-3-27b")), 40e9, 32768)``.
 A mixture of experts costs its active parameters' FLOPs and the bytes of the experts a

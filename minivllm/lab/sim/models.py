@@ -3,9 +3,11 @@
 ``--model`` takes a built-in preset (config files written from the published
 Hugging Face configs of the models), a model folder, or a ``config.json``
 path. Only the architecture numbers matter: sizes of the matrices, heads,
-layers, vocabulary. ``deepseek-v3`` and ``qwen3-next-80b-a3b`` are architectures the
-engine does not run yet: ``load_raw_config`` reads them for ``kv_specs`` (their KV
-capacity), ``load_model_config`` refuses them as the engine would.
+layers, vocabulary. ``deepseek-v3`` and ``qwen3-next-80b-a3b`` have attention the
+cost model does not price as such (MLA, linear layers): ``load_raw_config`` reads them
+for ``kv_specs`` (their KV capacity by group); ``load_model_config`` reads their experts
+as the engine does (DeepSeek-V3: 58 sparse layers of 256 experts, top-8, one shared
+expert; its attention priced as plain heads, 4.5% above the published active count).
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ def moe_params(m: ModelConfig, attention_params: int) -> MoEParams:
     moe, h, L = m.moe, m.hidden_size, m.num_hidden_layers
     sparse = len(moe.sparse_layers)
     shared = 3 * h * moe.shared_expert_intermediate_size
-    if shared:
-        shared += h  # the shared expert's sigmoid gate
+    if shared and moe.shared_expert_gated:
+        shared += h  # the shared expert's sigmoid gate (Qwen's; DeepSeek's has none)
     dense = (L * attention_params + (L - sparse) * 3 * h * m.intermediate_size
              + sparse * (h * moe.num_experts + shared))
     return MoEParams(dense, 3 * h * moe.intermediate_size, sparse, moe.num_experts, moe.top_k)

@@ -4,9 +4,13 @@ expert multiplies the rows sent to it, and the results come back weighted.
 ``fused_moe`` is the whole computation in plain PyTorch (vLLM's name; its kernels
 fuse the same steps):
 
-1. router softmax over all experts, in float32 whatever the weights' dtype;
+1. router softmax over all experts, in float32 whatever the weights' dtype
+   (DeepSeek-V3: a sigmoid per expert);
 2. the top-k experts of each token, their probabilities renormalised to sum
-   to 1 where the model says so (``norm_topk_prob``; Mixtral always);
+   to 1 where the model says so (``norm_topk_prob``; Mixtral always). DeepSeek's
+   routers (a ``RoutingSpec``) first keep the best ``topk_group`` groups of experts,
+   choose V3's experts on the scores plus a per-expert bias while weighing them by
+   the plain scores, and scale the weights by ``routed_scaling_factor``;
 3. the (token, expert) pairs grouped by expert with one stable sort;
 4. one product per expert over all the rows it received: SiLU(x W1) * (x W3), then W2;
 5. the weighted sum back into each token's row.
@@ -39,13 +43,33 @@ from minivllm.model.layers.collectives import all_reduce
 from minivllm.model.layers.parallel import divide, tp_rank, tp_size
 
 
-def route(router_logits: torch.Tensor, top_k: int,
-          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] router scores -> each token's top-k (weights [T, k] float32, expert ids [T, k])."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = probs.topk(top_k, dim=-1)
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, routing=None,
+          e_score_correction_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] router scores -> each token's top-k (weights [T, k] float32, expert ids [T, k]).
+
+    ``routing`` (a ``RoutingSpec``, config/moe.py; None: softmax, top-k) adds DeepSeek's
+    steps: sigmoid scores, a per-expert bias that steers the choice but not the weights,
+    the choice limited to the best ``topk_group`` groups, a scaling of the weights."""
+    sigmoid = routing is not None and routing.scoring_func == "sigmoid"
+    scores = (router_logits.float().sigmoid() if sigmoid
+              else torch.softmax(router_logits, dim=-1, dtype=torch.float32))
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+    if routing is not None and routing.use_grouped_topk:
+        groups = choice.view(choice.shape[0], routing.num_expert_group, -1)
+        if e_score_correction_bias is None:  # a group scores as its best expert (V2)
+            group_scores = groups.amax(dim=-1)
+        else:  # as its two best experts (V3)
+            group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)
+        kept = group_scores.topk(routing.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = groups.masked_fill(~mask[..., None], float("-inf")).flatten(1)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)  # the unbiased scores of the chosen experts
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routing is not None and routing.routed_scaling_factor != 1.0:
+        weights = weights * routing.routed_scaling_factor
     return weights, ids
 
 
@@ -58,13 +82,15 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               router_logits: torch.Tensor, top_k: int, renormalize: bool,
-              expert_mlp=None, expert_load=None) -> torch.Tensor:
+              expert_mlp=None, expert_load=None, routing=None,
+              e_score_correction_bias: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] tokens -> [T, H]: the weighted sum of each token's top-k experts' MLPs.
 
     ``expert_mlp(expert, rows)``, if given, computes one expert's product (the CPU
     path's packed one); by default it is ``swiglu`` on the expert's weights.
-    ``expert_load`` ([E] int64), if given, gets each expert's pair count added."""
-    weights, ids = route(router_logits, top_k, renormalize)
+    ``expert_load`` ([E] int64), if given, gets each expert's pair count added;
+    ``routing`` and ``e_score_correction_bias``: ``route``'s (DeepSeek's router)."""
+    weights, ids = route(router_logits, top_k, renormalize, routing, e_score_correction_bias)
     if expert_load is not None:
         expert_load += torch.bincount(ids.flatten(), minlength=w13.shape[0]).cpu()
     return expert_sum(hidden, w13, w2, ids, weights, expert_mlp)
@@ -106,10 +132,12 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
                  intermediate_size: int, renormalize: bool, dtype: torch.dtype,
-                 expert_parallel_size: int = 1, num_redundant_experts: int = 0) -> None:
+                 expert_parallel_size: int = 1, num_redundant_experts: int = 0,
+                 routing=None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.routing = routing  # a RoutingSpec (DeepSeek's router) or None: softmax, top-k
         self.placement = None  # expert parallelism: which rank holds which experts
         slots = num_experts
         if expert_parallel_size > 1:
@@ -136,11 +164,14 @@ class FusedMoE(nn.Module):
 
     expert_mlp = None  # the CPU twin's packed products (minivllm/cpu/fused_moe.py)
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                e_score_correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``e_score_correction_bias``: the router's (DeepSeek-V3), for ``route``."""
+        weights, ids = route(router_logits, self.top_k, self.renormalize, self.routing,
+                             e_score_correction_bias)
         if self.placement is not None:
-            out = self.forward_expert_parallel(hidden, router_logits)
+            out = self.forward_expert_parallel(hidden, weights, ids)
         else:  # fused_moe's steps, the products through sum_experts (the CPU twin's own)
-            weights, ids = route(router_logits, self.top_k, self.renormalize)
             self.expert_load += torch.bincount(ids.flatten(), minlength=self.num_experts).cpu()
             out = self.sum_experts(hidden, ids, weights)
         if self.tp_size == 1:
@@ -150,10 +181,9 @@ class FusedMoE(nn.Module):
         self.dispatch_bytes += out.numel() * out.element_size()
         return all_reduce(out)
 
-    def forward_expert_parallel(self, hidden: torch.Tensor,
-                                router_logits: torch.Tensor) -> torch.Tensor:
+    def forward_expert_parallel(self, hidden: torch.Tensor, weights: torch.Tensor,
+                                ids: torch.Tensor) -> torch.Tensor:
         """This rank's share: the pairs whose expert copy it holds (``expert_parallel.py``)."""
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
         cpu_ids = ids.cpu()  # the counts and the placement's tables stay on the CPU
         self.expert_load += torch.bincount(cpu_ids.flatten(), minlength=self.num_experts)
         slots = self.placement.physical_slots(cpu_ids)

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (text, dense layers): the Llama skeleton with multi-head latent attention.
+"""DeepSeek-V3 and DeepSeek-V2 (text): the Llama skeleton with multi-head latent
+attention and, from layer ``first_k_dense_replace`` on, a mixture of experts.
 
 What differs from ``llama.py`` is the attention (``DeepseekV3Attention``):
 
@@ -21,8 +22,16 @@ computed and cached whole on every rank, as in vLLM. On the CPU path the kernels
 the linear layers, norms, RoPE and sampler; MLA attends in PyTorch and the
 decode-step replay (a C++ loop of Llama layers) steps aside.
 
-Not run, and refused at load naming the field: the routed-expert (MoE) layers, so
-``first_k_dense_replace`` must cover every layer; RoPE scaling (YaRN); quantization.
+The MLP of layers ``first_k_dense_replace``.. (every ``moe_layer_freq``-th) is
+``deepseek_moe.py``'s ``DeepseekMoE``: V3's sigmoid, bias-steered, group-limited router or
+V2's softmax one (``RoutingSpec``, ``config/moe.py``), ``FusedMoE``'s experts (tensor and
+expert parallel, the CPU twin, the per-expert load in ``/metrics``, EPLB) and ungated
+shared experts; the earlier layers keep a dense MLP of ``intermediate_size``.
+DeepSeek-V2 (``DeepseekV2ForCausalLM``) is the same model with V2's router; its query
+often skips the low-rank bottleneck (``q_lora_rank`` None). Hugging Face's V2 port
+ignores ``norm_topk_prob``; minivllm applies it, as DeepSeek's own code and vLLM do.
+
+Not run, and refused at load naming the field: RoPE scaling (YaRN); quantization.
 """
 
 from __future__ import annotations
@@ -39,20 +48,14 @@ from minivllm.model.layers.rotary_embedding import RotaryEmbedding
 from minivllm.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.model.models.llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
                                          LlamaModel)
+from minivllm.model.models.moe import MoEForCausalLM
 
 
 def check_supported(cfg: ModelConfig) -> None:
     """Refuse at load what this file does not run, naming the config field."""
-    raw, n = cfg.hf_config, cfg.num_hidden_layers
     if cfg.quantization is not None:
         raise ValueError(f"quantization={cfg.quantization!r} is not supported for "
                          f"{cfg.architecture}; use quantization=None")
-    dense = raw.get("first_k_dense_replace", 0)
-    if raw.get("n_routed_experts") and dense < n:
-        raise ValueError(f"first_k_dense_replace={dense} in config.json makes layers {dense}.."
-                         f"{n - 1} of {cfg.architecture} mixtures of experts (grouped "
-                         "top-k routing), which minivllm does not run yet; allowed: "
-                         f"first_k_dense_replace >= num_hidden_layers ({n})")
     if cfg.rope_scaling is not None:
         raise ValueError(f"rope_scaling={cfg.rope_scaling!r} in config.json is not "
                          f"supported for {cfg.architecture}; allowed: none (rope_type "
@@ -108,14 +111,22 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
-    """Llama's pre-norm block (its ``forward``) around MLA and a dense MLP."""
+    """Llama's pre-norm block (its ``forward``) around MLA and a dense or MoE MLP."""
 
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, layer: int = 0) -> None:
         nn.Module.__init__(self)  # Llama's __init__ would build Llama's attention
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.self_attn = DeepseekV3Attention(cfg, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = make_mlp(cfg, layer)
+
+
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    if cfg.moe is None or layer not in cfg.moe.sparse_layers:
+        return LlamaMLP(cfg)
+    from minivllm.model.models.deepseek_moe import DeepseekMoE  # only with experts
+
+    return DeepseekMoE(cfg)
 
 
 class DeepseekV3Model(LlamaModel):
@@ -127,8 +138,8 @@ class DeepseekV3Model(LlamaModel):
         raw = cfg.hf_config
         rotary_emb = RotaryEmbedding(raw["qk_rope_head_dim"], cfg.max_position_embeddings,
                                      cfg.rope_theta)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, rotary_emb)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, rotary_emb, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
 
@@ -147,5 +158,16 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    # The experts' names, their load and the collectives' bytes, as MoEForCausalLM's
+    # (an empty list and dict where every layer is dense).
+    map_expert_name = staticmethod(MoEForCausalLM.map_expert_name)
+    expert_layers, expert_load = MoEForCausalLM.expert_layers, MoEForCausalLM.expert_load
+    moe_dispatch_bytes = MoEForCausalLM.moe_dispatch_bytes
 
-__all__ = ["DeepseekV3ForCausalLM", "check_supported"]
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2: the same layers; its router (softmax, greedy or group-limited
+    greedy) comes from the config (``config/moe.py``)."""
+
+
+__all__ = ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "check_supported"]
