@@ -588,7 +588,7 @@ assert len(_q) == 0 and not _q and list(_q) == []
 #     --num-prompts 10000 --request-rate 50 --max-num-batched-tokens 8192 --output sim.json
 # minivllm simulate --dataset-name multiturn --num-replicas 4 --router prefix_aware ...
 # minivllm simulate calibrate --output cpu.json   # fit the cost model to this machine
-# minivllm simulate --model smollm2-135m --hardware cpu.json ...
+# minivllm simulate --model default --hardware cpu.json ...   # the weights serve runs
 # ```
 
 # %% [markdown]

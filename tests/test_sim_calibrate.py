@@ -4,6 +4,8 @@ scheduler's own steps."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -151,9 +153,15 @@ def test_a_real_engine_s_steps_are_the_designed_ones_and_the_fit_keeps_its_bound
         cal = None
     m = load_model_config(path, "float32", "cpu")
     designed = simulated_rows(m, BASE, EngineArgs(model=path, num_kv_blocks=64), rounds)
-    assert np.array_equal(np.load(steps)["rows"], designed)
+    kept = np.load(steps)
+    assert np.array_equal(kept["rows"], designed)
+    # The core's Python of every step, timed apart from its model time, and the
+    # weights the engine resolved ("auto" on a float folder: none) go with the peaks.
+    assert kept["python"].shape == kept["measured"].shape and (kept["python"] > 0).all()
+    assert json.loads(str(kept["base"]))["quantization"] == "none"
     if cal is None:
         return
+    assert cal.hardware.quantization == "none" and cal.hardware.python_step_s >= 0
     assert np.array_equal(cal.rows, designed)
     bounds = bounds_of(cal.rows, cal.measured)
     for name in FITTED:

@@ -161,9 +161,9 @@ def test_the_moe_preset_against_a_published_latency(tmp_path):
     assert rows[0]["simulated_latency_ms"] < rows[1]["simulated_latency_ms"]
 
 
-def test_validate_wants_three_rates_before_it_starts_anything(capsys):
-    assert main(["simulate", "validate", "--rates", "1", "2"]) == 2
-    assert "rates=[1.0, 2.0] is invalid" in capsys.readouterr().err
+def test_validate_wants_two_rates_before_it_starts_anything(capsys):
+    assert main(["simulate", "validate", "--rates", "1"]) == 2
+    assert "rates=[1.0] is invalid" in capsys.readouterr().err
 
 
 def test_validate_judges_each_metric_by_its_own_target():

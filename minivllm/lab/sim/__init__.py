@@ -15,7 +15,7 @@ keys plus the step trace::
         --num-prompts 10000 --request-rate 50 --max-num-batched-tokens 8192 --output sim.json
     minivllm simulate --dataset-name multiturn --num-replicas 4 --router prefix_aware ...
     minivllm simulate calibrate --output cpu.json   # fit the cost model to this machine
-    minivllm simulate --model smollm2-135m --hardware cpu.json ...
+    minivllm simulate --model default --hardware cpu.json ...   # the weights serve runs
     minivllm simulate validate --calibration cpu.json   # against a real serve + bench serve
     minivllm simulate validate --fleet                  # a real fleet behind the router
     minivllm simulate published                         # against vLLM's published latency
@@ -29,7 +29,13 @@ length that fit: ``capacity(kv_groups(load_raw_config("gemma-3-27b")), 40e9, 327
 A mixture of experts costs its active parameters' FLOPs and the bytes of the experts a
 step's tokens touch (``moe_cost.py``). Hardware: ``h100-sxm``, ``h200``, ``a100-80g``, ``l4`` (data-sheet
 peaks, efficiencies guessed), ``cpu`` (this machine as ``bench roofline`` measures it) or a
-calibration file. Chapter 23 teaches it (its "In practice" cell has the details);
+calibration file: ``simulate calibrate`` measures the weights ``serve`` runs by default
+(``--quantization auto``: the default model's GGUF blocks; ``--model default`` simulates
+them) and records them, and a simulation of other weights with it is refused. The engine
+loop follows the engine's ``async_scheduling`` (``--async-scheduling``): the core's
+Python per step (``python_step_s``, calibrated) adds to the model step in the
+synchronous loop and hides under it in the async one (``CostModel.loop_time``).
+Chapter 23 teaches it (its "In practice" cell has the details);
 figures/records/simulator.md and figures/records/fleet.md (collected in
 figures/RESULTS.md) record the calibration's method and every validation run.
 """

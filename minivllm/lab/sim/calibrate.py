@@ -18,7 +18,15 @@ Four parts, one file:
    recorded; ``minivllm.lab.sim.fit`` fits the efficiencies in (0, 1] of the peaks
    and the overheads within their bounds, reports each constant's standard
    error, and refuses (``CalibrationError``, nothing written) a fit that does
-   not converge or leaves a constant unidentified.
+   not converge or leaves a constant unidentified. The fit is on each step's
+   model time; the engine core's Python around it (the trace's "schedule" and
+   "update": scheduling, applying the sampled tokens) is fitted apart, per step
+   and per sequence (``python_step_s``, ``python_per_seq_s``), since async
+   scheduling hides it under the next step and the sync loop does not
+   (``CostModel.loop_time``). The file records the weights the engine ran
+   (``quantization``: "auto" resolved, by default the default model's GGUF
+   blocks, what ``serve`` runs); the simulator refuses to price other weights
+   with it.
 2. **What serving adds** (unless ``--no-serve``): a real ``minivllm serve``
    with the same engine arguments, requests one at a time and all at once,
    and single requests after idle pauses (``minivllm.lab.sim.calibrate_serving``):
@@ -79,6 +87,7 @@ class Calibration:
     serving: dict = field(default=None)  # what calibrate_serving fitted, with errors
     frontend: dict = field(default=None)  # calibrate_frontend's CPU counters
     corun: dict = field(default=None)  # calibrate_corun's slowdowns, per round
+    python_line: str = ""  # what with_python fitted, as printed
 
     @property
     def median_abs_error(self) -> float:
@@ -150,7 +159,13 @@ def simulated_rows(model, hardware: Hardware, engine_args, rounds) -> np.ndarray
     return np.array(rows, dtype=float)
 
 
-def collect(llm, cost_model: CostModel, rounds) -> tuple[np.ndarray, np.ndarray]:
+def collect(llm, cost_model: CostModel, rounds
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(feature rows, each step's model time, each step's core Python) of the
+    workload's steps on the real engine (the synchronous loop). The core's Python
+    is what the step trace times as "schedule" and "update" (scheduling, applying
+    the sampled tokens); the model time is the rest of the step (the runner's
+    input preparation, the forward, sampling), what the roofline prices."""
     from minivllm import SamplingParams
 
     core = llm.engine_core
@@ -169,7 +184,33 @@ def collect(llm, cost_model: CostModel, rounds) -> tuple[np.ndarray, np.ndarray]
         core.executor = rec.inner
     steps = [r for r in llm.trace if r.step in rec.features]
     rows = np.array([rec.features[r.step] for r in steps], dtype=float)
-    return rows, np.array([r.duration for r in steps], dtype=float)
+    python = np.array([r.timings.get("schedule", 0.0) + r.timings.get("update", 0.0)
+                       for r in steps], dtype=float)
+    durations = np.array([r.duration for r in steps], dtype=float)
+    return rows, durations - python, python
+
+
+def fit_python(rows: np.ndarray, python: np.ndarray) -> tuple[float, float, float]:
+    """The core's Python per step as ``a + b x sequences`` (both >= 0, least
+    squares): (a, b, median relative error per step)."""
+    from scipy.optimize import nnls
+
+    seqs = rows[:, 1]
+    (a, b), _ = nnls(np.column_stack([np.ones_like(seqs), seqs]), python)
+    err = float(np.median(np.abs((a + b * seqs) / np.maximum(python, 1e-12) - 1)))
+    return float(a), float(b), err
+
+
+def with_python(hw: Hardware, rows: np.ndarray, python) -> tuple[Hardware, str]:
+    """``hw`` with the core's Python fitted to the steps' (python None: older steps
+    files, which kept it inside the model time: left at 0), and a line saying so."""
+    if python is None or not len(python):
+        return hw, "core Python per step: not measured (kept inside the model time)"
+    a, b, err = fit_python(rows, python)
+    return hw.with_(python_step_s=a, python_per_seq_s=b), (
+        f"core Python per step (schedule + update, hidden under async scheduling): "
+        f"{a * 1e3:.3f} ms + {b * 1e6:.1f} us per sequence (median |error| per step "
+        f"{err:.0%}; median step {np.median(python) * 1e3:.3f} ms)")
 
 
 def fit(base: Hardware, rows: np.ndarray, measured: np.ndarray, tp: int = 1,
@@ -195,7 +236,9 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
     """
     from minivllm import LLM
 
-    llm = LLM(model, trace=True, **(engine_kwargs or {}))
+    # The synchronous loop, whatever the engine's default: the trace then times the
+    # core's Python and the model step apart (with_python; async overlaps them).
+    llm = LLM(model, trace=True, **{**(engine_kwargs or {}), "async_scheduling": False})
     try:
         cfg = llm.llm_engine.config
         peaks = base is None  # the caller's peaks stand as given
@@ -204,22 +247,26 @@ def calibrate(model=None, engine_kwargs=None, scale: float = 1.0, seed: int = 0,
         cost = CostModel(cfg.model, base, tp)
         longest = min(1200, cfg.scheduler.max_model_len - 64)
         rounds = rounds or calibration_workload(cfg.model.vocab_size, seed, scale, longest)
-        rows, measured = collect(llm, cost, rounds)
+        rows, measured, python = collect(llm, cost, rounds)
         if peaks:  # again after the workload: a peak is the best the kernels reached
             base = kernel_peaks(llm, base)
     finally:
         llm.shutdown()
+    # The weights the steps ran on go with the peaks (a refit of the steps keeps them).
+    base = base.with_(quantization=cfg.model.quantization or "none")
     if steps_path:
-        save_steps(steps_path, base, rows, measured, tp)
+        save_steps(steps_path, base, rows, measured, tp, python)
     cal = fit(base, rows, measured, tp, max_relative_error)
+    cal.hardware, cal.python_line = with_python(cal.hardware, rows, python)
     errors = "; ".join(cal.result.describe())
     cal.hardware = cal.hardware.with_(
-        name="cpu-calibrated",
+        name="cpu-calibrated", quantization=cfg.model.quantization or "none",
         source=f"minivllm simulate calibrate: fitted to {len(measured)} real engine steps "
                f"of {cfg.model.path.rsplit('/', 1)[-1]} (quantization "
                f"{cfg.model.quantization or 'none'}, {str(cfg.model.dtype).split('.')[-1]}; "
                f"{time.strftime('%Y-%m-%d %H:%M')}): "
-               f"{errors}; peaks: {base.source}; host memory bandwidth (all cores) "
+               f"{errors}; {cal.python_line}; peaks: {base.source}; host memory "
+               f"bandwidth (all cores) "
                f"{base.host_mem_bandwidth / 1e9:.1f} GB/s")
     return cal
 
@@ -259,11 +306,14 @@ def kernel_peaks(llm, probes: Hardware) -> Hardware:
             f"prefill attention {attention_flops / 1e9:.1f} GFLOP/s"))
 
 
-def save_steps(path, base: Hardware, rows, measured, tp: int) -> None:
+def save_steps(path, base: Hardware, rows, measured, tp: int, python=None) -> None:
+    """``measured``: the steps' model time; ``python``: their core Python (None:
+    not measured)."""
     import json
 
+    extra = {} if python is None else {"python": python}
     np.savez(path, rows=rows, measured=measured, tp=tp,
-             base=json.dumps(base.to_dict()))
+             base=json.dumps(base.to_dict()), **extra)
 
 
 def refit(path, max_relative_error: float = 0.5) -> Calibration:
@@ -278,7 +328,10 @@ def refit(path, max_relative_error: float = 0.5) -> Calibration:
                          f"this cost model prices {len(FEATURE_NAMES)} "
                          f"({', '.join(FEATURE_NAMES)}); run calibrate again to keep them")
     base = Hardware.from_dict(json.loads(str(d["base"])))
-    return fit(base, d["rows"], d["measured"], int(d["tp"]), max_relative_error)
+    cal = fit(base, d["rows"], d["measured"], int(d["tp"]), max_relative_error)
+    cal.hardware, cal.python_line = with_python(
+        cal.hardware, d["rows"], d["python"] if "python" in d.files else None)
+    return cal
 
 
 def calibrate_serving(cal: Calibration, model, engine_kwargs: dict, args) -> Calibration:
@@ -308,14 +361,17 @@ def calibrate_serving(cal: Calibration, model, engine_kwargs: dict, args) -> Cal
 
 
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
-    """The engine's weights, named for every real engine and server a calibration or
-    validation starts: "auto" follows the library's default (which may change), so
-    the default here is "none", float32 weights, what the calibrations were made on."""
+    """The engine's weights, passed to every real engine and server a calibration or
+    validation starts and to the simulator: "auto", the default, as ``serve`` and
+    ``LLM`` resolve it (the default model's GGUF blocks), so that calibrate, simulate
+    and serve with their defaults price and run the same weights. What it resolved
+    to is recorded (the calibration's ``quantization``, validate's JSON)."""
     from minivllm.config import QUANTIZATION_CHOICES
 
-    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="none",
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
                    help="the real engines' and servers' weights, and the simulator's "
-                   "(default none: float32; gguf: a .gguf model's blocks as they ship)")
+                   "(default auto: what serve runs, the default model's GGUF blocks; "
+                   "none: float32; gguf: a .gguf model's blocks as they ship)")
 
 
 def resolved_quantization(model_path, requested: str) -> dict:
@@ -373,13 +429,14 @@ def run(args: argparse.Namespace) -> Calibration:
         cal = refit(args.from_steps, args.max_relative_error)
         cal.hardware = cal.hardware.with_(name="cpu-calibrated", source=(
             f"minivllm simulate calibrate --from-steps {args.from_steps}: "
-            + "; ".join(cal.result.describe())))
+            + "; ".join([*cal.result.describe(), cal.python_line])))
     else:
         cal = calibrate(args.calibrate_model, engine_kwargs, args.scale, args.seed,
                         max_relative_error=args.max_relative_error, steps_path=args.steps)
-    print(f"fitted to {len(cal.measured)} steps: median |error| per step "
+    print(f"fitted to {len(cal.measured)} steps' model time: median |error| per step "
           f"{cal.median_abs_error:.1%}, total time error {cal.total_error:+.1%}, "
           f"residual std (log) {cal.result.residual_std:.3f}")
+    print(f"  {cal.python_line}")
     for line in cal.result.describe():
         print(f"  {line}")
     if args.corun and not args.from_steps:
@@ -396,4 +453,5 @@ def run(args: argparse.Namespace) -> Calibration:
 
 __all__ = ["calibrate", "fit", "collect", "calibration_workload", "Calibration", "run",
            "add_cli_args", "RecordingExecutor", "calibrate_serving", "simulated_rows",
-           "CalibrationError", "FITTED", "refit", "save_steps", "kernel_peaks"]
+           "CalibrationError", "FITTED", "refit", "save_steps", "kernel_peaks",
+           "fit_python", "with_python"]

@@ -4,7 +4,7 @@
         --dataset-name random --random-input-len 1024 --random-output-len 128 \\
         --num-prompts 1000 --request-rate 20 --output sim.json
     minivllm simulate calibrate --output cpu.json     # fit this machine, then
-    minivllm simulate --model smollm2-135m --hardware cpu.json ...
+    minivllm simulate --model default --hardware cpu.json ...   # what serve runs
 
 The real scheduler, KV cache manager and block pool run; each step's time
 comes from the cost model (minivllm.lab.sim.cost_model: a roofline per operator
@@ -45,6 +45,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
     g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--quantization", default="auto",
+                   help="the weights the engine keeps, as serve resolves it (auto: a GGUF "
+                   "model folder's blocks, the default model's; none: float); a "
+                   "calibration file made on other weights is refused")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=d.async_scheduling,
+                   help="the engine's loop: async hides the core's Python per step under "
+                   "the model step (a calibration's python_step_s); default: the engine's")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: the waiting queue by priority (lower first, then "
                    "arrival), the largest priority preempted first; the requests' "
@@ -61,8 +69,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model", default="llama-3-8b",
-                        help=f"a preset ({', '.join(MODEL_PRESETS)}), a model folder or a "
-                        "config.json")
+                        help=f"a preset ({', '.join(MODEL_PRESETS)}), a model folder, a "
+                        "config.json, or default: the model serve runs by default, with "
+                        "its GGUF blocks (what simulate calibrate measures by default)")
     parser.add_argument("--hardware", default="h100-sxm",
                         help=f"a preset ({', '.join(HARDWARE_NAMES)}) or a calibration JSON")
     add_engine_flags(parser)
@@ -95,14 +104,20 @@ def build(args: argparse.Namespace):
 
     classes = parse_priority_classes(args.priority_classes)  # bad input fails first
     hw = load_hardware(args.hardware)
-    model = load_model_config(args.model, args.dtype, hw.device)
+    spec = args.model
+    if spec == "default":  # the model serve runs by default (its converted GGUF folder)
+        from minivllm.model.resolve import resolve_model_path
+
+        spec = str(resolve_model_path(None))
+    model = load_model_config(spec, args.dtype, hw.device, args.quantization)
     kwargs = dict(max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, block_size=args.block_size,
                   num_kv_blocks=args.num_kv_blocks,
                   kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                   enable_prefix_caching=args.enable_prefix_caching,
-                  tensor_parallel_size=args.tensor_parallel_size, seed=args.seed)
+                  tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+                  async_scheduling=args.async_scheduling)
     kwargs["scheduling_policy"] = args.scheduling_policy
     from minivllm.lab.sim.disagg import PoolSimulator, layout_from_args
 
@@ -173,7 +188,9 @@ def run(args: argparse.Namespace) -> dict:
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "engine_args": {k: getattr(args, k) for k in (
                   "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                  "enable_prefix_caching", "tensor_parallel_size", "scheduling_policy")},
+                  "enable_prefix_caching", "tensor_parallel_size", "scheduling_policy",
+                  "quantization")},
+              "async_scheduling": sim.async_scheduling,
               "priority_classes": args.priority_classes,
               "cost_model_assumptions": "see minivllm/lab/sim/cost_model.py"}
     if pool_lines:

@@ -43,6 +43,22 @@ of the peaks whatever the shapes (the matrix products' peak may depend on
 the step's token rows, ``Hardware.linear_flops_by_rows``, where calibrate
 measured the engine's kernels at several); sampling and the CPU side cost a fixed
 time per step, per sequence and per token.
+
+The loop around the model step (``loop_time``). The engine core's own Python per
+step, ``python = python_step_s + python_per_seq_s x sequences`` (scheduling,
+applying the sampled tokens, output processing; calibrated from the step trace),
+runs between two model steps in the synchronous loop, so a step takes
+
+    sync:   model + python
+    async:  max(model, python)
+
+under async scheduling (``core/async_scheduler.py``), where the core schedules step
+N+1 and applies step N while N+1 computes in the step thread. What cannot overlap
+is already inside ``model``: the runner prepares each step's inputs and samples
+in the step thread, in line with the forward (they hold the GIL, so the core's
+Python waits for them: counted as model time, not hidden). A step after an idle
+engine (``hidden=False``) has nothing to hide behind and costs the sync sum. Not
+modelled: the async loop's one dropped token per finished request.
 """
 
 from __future__ import annotations
@@ -85,11 +101,12 @@ FEATURE_NAMES = ("num_tokens", "num_seqs", "num_sampled", "linear_flops", "linea
 
 class CostModel:
     def __init__(self, model: ModelConfig, hardware: Hardware,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, async_scheduling: bool = False) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} is invalid: "
                              "must be >= 1")
         self.model, self.hardware, self.tp = model, hardware, tensor_parallel_size
+        self.async_scheduling = bool(async_scheduling)  # see loop_time
         m, tp = model, tensor_parallel_size
         self.elem = _element_size(m)
         h, d, L = m.hidden_size, m.head_dim, m.num_hidden_layers
@@ -168,6 +185,20 @@ class CostModel:
     def time(self, f: StepFeatures, bandwidth_share: float = 1.0,
              flops_share: float = 1.0) -> float:
         return sum(self.breakdown(f, bandwidth_share, flops_share).values())
+
+    def python_time(self, f: StepFeatures) -> float:
+        """The engine core's Python around the step (Hardware.python_step_s)."""
+        hw = self.hardware
+        return hw.python_step_s + hw.python_per_seq_s * f.num_seqs
+
+    def loop_time(self, model_s: float, f: StepFeatures, hidden: bool = True) -> float:
+        """A step's time in the engine's loop: its model time ``model_s`` and the
+        core's Python, added (sync) or overlapped (async, when a step before it is
+        still running to hide behind: ``hidden``)."""
+        python = self.python_time(f)
+        if self.async_scheduling and hidden:
+            return max(model_s, python)
+        return model_s + python
 
     def compute_bound(self, f: StepFeatures, bandwidth_share: float = 1.0,
                       flops_share: float = 1.0) -> bool:

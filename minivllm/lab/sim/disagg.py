@@ -260,6 +260,7 @@ class _DisaggRun(SimRun):
         replica = pool[router.route(pool, router.prompt_hashes(spec.prompt_token_ids,
                                                                pool[0].block_size))]
         if not replica.busy:
+            replica.executor.cold = True  # (CostModel.loop_time)
             replica.clock.advance_to(now + self.sim.hardware.wake_cost(now - replica.clock.now()))
         ex = replica.executor
         max_tokens = spec.output_len if decode_stage else 1

@@ -53,6 +53,9 @@ class SimExecutor:
         self.last_slowdown = 1.0  # what the last step took beyond its cost alone
         self.bandwidth_share = 1.0  # < 1 while other replicas read the host's memory too
         self.flops_share = 1.0  # < 1 while other replicas' products slow this one's
+        # No step ran just before the next one (the engine was idle): under async
+        # scheduling it has no step to hide its Python behind (CostModel.loop_time).
+        self.cold = True
 
     # -- the executor interface ------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -74,7 +77,10 @@ class SimExecutor:
         bound = self.excess > 0 and self.cost_model.compute_bound(features, *shares)
         self.last_slowdown = self.slowdown * self.cost_model.hardware.time_sliced(
             bound, self.excess)
-        duration = self.cost_model.time(features, *shares) * self.last_slowdown
+        model_s = self.cost_model.time(features, *shares)
+        duration = self.cost_model.loop_time(model_s, features, not self.cold) \
+            * self.last_slowdown
+        self.cold = False
         for req in so.scheduled_requests:
             rid = req.request_id
             if so.num_computed_tokens[rid] + so.num_scheduled_tokens[rid] >= req.num_tokens:

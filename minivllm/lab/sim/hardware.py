@@ -95,6 +95,20 @@ class Hardware:
     # the router's hop, the chat template; calibrate measures it (client TTFT less
     # the server's own). A fleet behind a router adds it to every request.
     router_latency_s: float = 0.0
+    # The host Python of a step outside the model step, per step and per scheduled
+    # sequence: the engine core's scheduling and its applying of the sampled tokens
+    # (output processing), what the step trace times as "schedule" and "update";
+    # calibrate measures them. The synchronous loop runs them between model steps;
+    # async scheduling runs them while the next model step computes
+    # (``CostModel.loop_time``). The runner's input preparation and sampling run in
+    # the step's own thread either way, so they are part of the model step's price.
+    # 0 (presets, older files): the overheads above hold all of the host's time.
+    python_step_s: float = 0.0
+    python_per_seq_s: float = 0.0
+    # The weights a calibration was made on, as the engine resolved them ("none":
+    # float, "gguf": a .gguf file's blocks, "q8_0"); "" (presets, older files): not
+    # recorded. ``check_weights`` compares it with what a simulation runs.
+    quantization: str = ""
     dtype: str = "bfloat16"  # what the presets' peaks are quoted for
     device: str = "cuda"  # "cpu": the KV cache gets the CPU engine's default budget
     source: str = ""
@@ -170,6 +184,8 @@ class Hardware:
                        step_overhead_s=self.step_overhead_s * factor,
                        per_seq_overhead_s=self.per_seq_overhead_s * factor,
                        per_token_overhead_s=self.per_token_overhead_s * factor,
+                       python_step_s=self.python_step_s * factor,
+                       python_per_seq_s=self.python_per_seq_s * factor,
                        collective_latency_s=self.collective_latency_s * factor)
 
 
@@ -268,6 +284,21 @@ def measured_cpu(min_seconds: float = 0.3, dtype=None) -> Hardware:
                     source="this machine, minivllm bench roofline's measurements" + spread)
 
 
+def check_weights(hardware: Hardware, quantization: Optional[str]) -> None:
+    """Refuse to price one engine's weights with a calibration made on others: a
+    calibration measures the bytes its engine read, and float32 against the default
+    GGUF blocks moves TPOT by 1.8x. ``quantization``: the simulated model's (None:
+    float). A file that recorded none (presets, older files) is not checked."""
+    runs = quantization or "none"
+    if hardware.quantization and hardware.quantization != runs:
+        raise ValueError(
+            f"hardware {hardware.name!r} was calibrated on quantization="
+            f"{hardware.quantization!r} weights and this simulation runs quantization="
+            f"{runs!r}; calibrate with --quantization {runs}, or simulate the weights "
+            f"it ran (--quantization {hardware.quantization}; the default model as serve "
+            f"runs it: --model default)")
+
+
 def load_hardware(spec: "str | Hardware") -> Hardware:
     """A preset name, ``cpu`` (measured now), or a JSON file (e.g. from calibrate)."""
     if isinstance(spec, Hardware):
@@ -283,4 +314,4 @@ def load_hardware(spec: "str | Hardware") -> Hardware:
                      "or a calibration JSON file")
 
 
-__all__ = ["Hardware", "HARDWARE_PRESETS", "HARDWARE_NAMES", "load_hardware", "measured_cpu"]
+__all__ = ["Hardware", "HARDWARE_PRESETS", "check_weights", "HARDWARE_NAMES", "load_hardware", "measured_cpu"]

@@ -222,8 +222,15 @@ class Simulator:
         # as GPUs do). ``hardware`` is then one replica alone with its threads.
         self.host_cores, self.threads_per_replica = host_cores, threads_per_replica
         self.model, self.hardware = model, hardware
+        from minivllm.lab.sim.hardware import check_weights
+
+        check_weights(hardware, model.quantization)
         self.config = make_engine_config(model, engine_args, trace)
-        self.cost_model = CostModel(model, hardware, self.config.parallel.tensor_parallel_size)
+        # The loop the real engine runs for these arguments (EngineArgs resolves None
+        # as create_engine_config does): async hides the core's Python (loop_time).
+        self.async_scheduling = bool((engine_args or EngineArgs()).async_scheduling)
+        self.cost_model = CostModel(model, hardware, self.config.parallel.tensor_parallel_size,
+                                    self.async_scheduling)
         self.num_blocks = num_kv_blocks(self.config, hardware, gpu_memory_utilization)
         self.num_replicas, self.router_name = num_replicas, router
         RoutingPolicy(router, num_replicas)  # checks the name now
@@ -322,6 +329,7 @@ class SimRun:
         replica = self.replicas[i]
         if not replica.busy:  # idle since its last step ended (or the start)
             replica.frontend_rate = 0.0  # its last chunks were streamed long ago
+            replica.executor.cold = True  # nothing in flight to hide its Python behind
             idle = now - replica.clock.now()
             replica.clock.advance_to(now + self.sim.hardware.wake_cost(idle))
         ex = replica.executor

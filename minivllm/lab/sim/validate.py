@@ -2,6 +2,8 @@
 
     minivllm simulate validate [--calibration cpu.json] [--rates 0.5 1 2]
     python -m minivllm.lab.sim.validate ...          # the same
+    minivllm simulate validate --rates 1.5 6 --num-prompts 40 --input-len 96 \
+        --output-len 48      # all defaults: calibrate, simulate, serve, both loops
 
 Calibrates the cost model on the real engine (or loads a calibration file),
 starts a real ``minivllm serve`` with the default model, runs ``bench serve``
@@ -14,10 +16,14 @@ and the fitted hardware go to ``--output`` (figures/sim_validation.json).
 ``--real-repeats N`` runs every rate N times for real, each repeat on a fresh
 server: the table then gives the runs' median, min and max, the error against
 the median (the verdict), and whether the simulated value lies within the
-runs' range; the JSON keeps every run's metrics. The engines and servers run
-``--quantization`` (default "none", float32 weights, whatever "auto" means). A
-benchmark, not a test: its numbers depend on the machine and on what else
-runs on it, so run it on a quiet one.
+runs' range; the JSON keeps every run's metrics. The engines, servers and the
+simulator run ``--quantization`` (default "auto": what ``serve`` runs, the default
+model's GGUF blocks; requested and resolved go to the JSON), and each engine loop
+of ``--async-scheduling`` (default both: the synchronous loop, then async
+scheduling, each on servers of its own and simulated with the loop's pricing,
+``CostModel.loop_time``; one table per loop). A benchmark, not a test: its
+numbers depend on the machine and on what else runs on it, so run it on a quiet
+one.
 
 Assumptions, all fitted on runs other than the validated ones:
 - the calibration (``simulate calibrate``, or the same code here when no
@@ -112,13 +118,17 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    "a quicker, rougher fit)")
     p.add_argument("--save-calibration", default=None, help="write the fitted hardware here")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0],
-                   help="request rates (req/s), Poisson arrivals; at least three")
+                   help="request rates (req/s), Poisson arrivals; at least two (a low and "
+                   "a high load)")
     p.add_argument("--num-prompts", type=int, default=16, help="requests per rate")
     p.add_argument("--input-len", type=int, default=96, help="mean prompt tokens (+-25 %%)")
     p.add_argument("--output-len", type=int, default=32, help="mean output tokens (+-25 %%)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="the server's and the simulator's token budget per step")
     add_quantization_arg(p)
+    p.add_argument("--async-scheduling", choices=tuple(LOOPS), default="both",
+                   help="the engine loop(s) to validate, each on its own servers and "
+                   "simulated with its own pricing (default both: sync, then async)")
     p.add_argument("--real-repeats", type=int, default=1,
                    help="real runs per rate, each on a fresh server (the verdict uses their "
                    "median; one run on a shared machine moves by more than the targets)")
@@ -136,10 +146,18 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     validate_fleet.add_cli_args(p)
 
 
+# --async-scheduling: the loops each choice validates (async_scheduling values).
+LOOPS = {"both": (False, True), "off": (False,), "on": (True,)}
+
+
+def loop_name(async_scheduling: bool) -> str:
+    return "async" if async_scheduling else "sync"
+
+
 def check_args(args: argparse.Namespace) -> None:
-    if len(args.rates) < 3 or not all(0 < r < float("inf") for r in args.rates):
-        raise ValueError(f"rates={args.rates} is invalid: give at least three finite "
-                         "request rates > 0")
+    if len(args.rates) < 2 or not all(0 < r < float("inf") for r in args.rates):
+        raise ValueError(f"rates={args.rates} is invalid: give at least two finite "
+                         "request rates > 0 (a low and a high load)")
     for name, low in (("num_prompts", 2), ("input_len", 4), ("output_len", 2),
                       ("real_repeats", 1)):
         if getattr(args, name) < low:
@@ -164,7 +182,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> dict:
-    from minivllm.entrypoints.launch import ServerProcess
     from minivllm.model.resolve import resolve_model_path
     from minivllm.lab.sim.calibrate import calibrate
     from minivllm.lab.sim.hardware import load_hardware
@@ -182,7 +199,7 @@ def _run(args: argparse.Namespace) -> dict:
     report = {"settings": {k: getattr(args, k) for k in (
         "rates", "num_prompts", "input_len", "output_len", "max_num_batched_tokens", "seed",
         "calibration", "calibration_scale", "serve_calibration", "quantization",
-        "real_repeats")},
+        "real_repeats", "async_scheduling")},
         "model": str(model_path), "targets": TARGETS,
         "quantization": resolved_quantization(model_path, args.quantization)}
     if args.calibration:
@@ -208,44 +225,70 @@ def _run(args: argparse.Namespace) -> dict:
                                              frozenset(range(3))))
         assert [w.arrival_time for w in works[rate][1]] == arrival_times(
             args.num_prompts, rate, 1.0, seed)  # bench serve sends at these
-    runs: dict[float, list] = {rate: [] for rate in args.rates}
-    for repeat in range(args.real_repeats):
-        # Each repeat a fresh server, so that every run starts with an empty cache
-        # and a cold engine, as the simulated one does.
-        with ServerProcess("--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                           "--quantization", args.quantization) as server:
-            server.wait_until_healthy()
-            # Warm-up: the first requests of a fresh server pay one-time costs.
-            measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99),
-                    100.0, 0)
-            if repeat == 0 and args.serve_calibration and not args.calibration:
-                hw, fitted = serve_calibration(server.url, hw, model_path, engine_kwargs,
-                                               vocab, args)
-                report["serving_calibration"] = fitted
-            for rate, (seed, work) in works.items():
-                runs[rate].append(measure(server.url, work, rate, seed))
-                print(f"request rate {rate:g}/s, real run {repeat + 1}/{args.real_repeats}: "
-                      f"median TTFT {runs[rate][-1].ttft_ms['median']:.1f} ms", flush=True)
+    loops = {}
+    for async_scheduling in LOOPS[getattr(args, "async_scheduling", "off")]:
+        kwargs = {**engine_kwargs, "async_scheduling": async_scheduling}
+        hw, loops[loop_name(async_scheduling)] = validate_loop(
+            args, hw, model_path, vocab, works, kwargs, report)
     if args.save_calibration:
         hw.save(args.save_calibration)
-    by_rate: dict[str, list[dict]] = {}
-    for rate, (seed, work) in works.items():
-        simulated = simulate(hw, model_path, work, engine_kwargs)
-        by_rate[f"{rate:g}"] = repeat_rows(runs[rate], simulated)
-        print(f"request rate {rate:g}/s: simulated median TTFT "
-              f"{simulated.ttft_ms['median']:.1f} ms")
-    print_table(by_rate, args.num_prompts)
-    from dataclasses import asdict
-
-    report.update(hardware=hw.to_dict(), rates=by_rate,
-                  real_runs={f"{rate:g}": [asdict(m) for m in ms] for rate, ms in runs.items()},
-                  passed=all(r["within_target"] for t in by_rate.values() for r in t),
+    first = next(iter(loops.values()))
+    report.update(hardware=hw.to_dict(), loops=loops, rates=first["rates"],
+                  real_runs=first["real_runs"],
+                  passed=all(r["within_target"] for loop in loops.values()
+                             for t in loop["rates"].values() for r in t),
                   wall_seconds=time.perf_counter() - t_start)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(report, indent=2, default=str))
         print(f"wrote {args.output} ({report['wall_seconds']:.0f} s in all)")
     return report
+
+
+def validate_loop(args, hw, model_path, vocab: int, works: dict, engine_kwargs: dict,
+                  report: dict):
+    """One engine loop (``engine_kwargs["async_scheduling"]``): the real runs at every
+    rate on fresh servers, the simulation of the same requests, the table. Without
+    a calibration file the first loop's first server also fits what serving adds.
+    Returns (the hardware, {"rates": the table per rate, "real_runs": metrics})."""
+    from dataclasses import asdict
+
+    from minivllm.entrypoints.launch import ServerProcess
+    from minivllm.lab.bench.workload import random_requests
+
+    name = loop_name(engine_kwargs["async_scheduling"])
+    flag = "--async-scheduling" if engine_kwargs["async_scheduling"] else "--no-async-scheduling"
+    runs: dict[float, list] = {rate: [] for rate in works}
+    for repeat in range(args.real_repeats):
+        # Each repeat a fresh server, so that every run starts with an empty cache
+        # and a cold engine, as the simulated one does.
+        with ServerProcess("--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                           "--quantization", args.quantization, flag) as server:
+            server.wait_until_healthy()
+            # Warm-up: the first requests of a fresh server pay one-time costs.
+            measure(server.url, random_requests(2, args.input_len, 4, vocab, seed=99),
+                    100.0, 0)
+            if (repeat == 0 and args.serve_calibration and not args.calibration
+                    and "serving_calibration" not in report):
+                hw, fitted = serve_calibration(server.url, hw, model_path, engine_kwargs,
+                                               vocab, args)
+                report["serving_calibration"] = {**fitted, "loop": name}
+            for rate, (seed, work) in works.items():
+                runs[rate].append(measure(server.url, work, rate, seed))
+                print(f"{name} loop, request rate {rate:g}/s, real run {repeat + 1}/"
+                      f"{args.real_repeats}: median TTFT "
+                      f"{runs[rate][-1].ttft_ms['median']:.1f} ms", flush=True)
+    by_rate: dict[str, list[dict]] = {}
+    for rate, (seed, work) in works.items():
+        simulated = simulate(hw, model_path, work, engine_kwargs)
+        by_rate[f"{rate:g}"] = repeat_rows(runs[rate], simulated)
+        print(f"{name} loop, request rate {rate:g}/s: simulated median TTFT "
+              f"{simulated.ttft_ms['median']:.1f} ms")
+    print(f"\n{name} loop (async_scheduling={engine_kwargs['async_scheduling']}):", end="")
+    print_table(by_rate, args.num_prompts)
+    return hw, {"rates": by_rate,
+                "real_runs": {f"{rate:g}": [asdict(m) for m in ms]
+                              for rate, ms in runs.items()}}
 
 
 def main(argv=None) -> int:
@@ -260,7 +303,8 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["add_cli_args", "run", "main", "rows", "repeat_rows", "print_table", "TARGETS"]
+__all__ = ["add_cli_args", "run", "main", "rows", "repeat_rows", "print_table", "TARGETS",
+           "validate_loop", "LOOPS"]
 
 
 if __name__ == "__main__":
