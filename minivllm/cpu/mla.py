@@ -40,11 +40,9 @@ class CpuMLAAttention(MLAAttention):
         else:
             rows = torch.tensor(seqs, device=q.device)
             tables, seq_lens = meta.block_tables[rows], meta.seq_lens[rows]
-        rows_as_heads = self.kv_cache.unsqueeze(2)  # [blocks, block_size, 1, C + R]
-        out = ops.paged_decode_attention(q, rows_as_heads, rows_as_heads,
-                                         tables.to(torch.int32), seq_lens.to(torch.int32),
-                                         self.scale)
-        return torch.einsum("shc,hvc->shv", out[..., :c].float(), w_uv)  # W_UV once, after
+        out = ops.mla_decode_attention(q, self.kv_cache, tables.to(torch.int32),
+                                       seq_lens.to(torch.int32), c, self.scale)
+        return torch.einsum("shc,hvc->shv", out.float(), w_uv)  # W_UV once, after
 
 
 def swap_in_mla(model: nn.Module) -> int:
