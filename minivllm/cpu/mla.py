@@ -33,7 +33,8 @@ class CpuMLAAttention(MLAAttention):
                meta: AttentionMetadata, seqs: list[int], lens: list[int]) -> torch.Tensor:
         c, dn = self.kv_lora_rank, self.qk_nope_head_dim
         w_uk, w_uv = w_kv.float().split([dn, w_kv.shape[1] - dn], dim=1)  # [H, Dn|Dv, C]
-        q_lat = torch.einsum("shd,hdc->shc", q_nope.float(), w_uk)  # W_UK folded into q
+        # Batched over heads, on views of kv_b_proj's weight (no copies): W_UK folded into q.
+        q_lat = torch.bmm(q_nope.float().transpose(0, 1), w_uk).transpose(0, 1)
         q = torch.cat((q_lat, q_pe.float()), dim=-1).to(self.kv_cache.dtype)
         if len(seqs) == meta.num_seqs:  # every sequence decodes (in order: forward's loop)
             tables, seq_lens = meta.block_tables, meta.seq_lens
@@ -42,7 +43,14 @@ class CpuMLAAttention(MLAAttention):
             tables, seq_lens = meta.block_tables[rows], meta.seq_lens[rows]
         out = ops.mla_decode_attention(q, self.kv_cache, tables.to(torch.int32),
                                        seq_lens.to(torch.int32), c, self.scale)
-        return torch.einsum("shc,hvc->shv", out.float(), w_uv)  # W_UV once, after
+        # W_UV once, after: [H, S, C] @ [H, C, Dv].
+        return torch.bmm(out.float().transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def store_rows(self, row: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The C++ cache write (it skips slot -1): the row as one head's key and value,
+        the one cache as both (written twice, the same bytes)."""
+        cache = self.kv_cache.unsqueeze(2)
+        ops.reshape_and_cache(row[:, None], row[:, None], cache, cache, meta.slot_mapping)
 
 
 def swap_in_mla(model: nn.Module) -> int:
