@@ -3,16 +3,20 @@
 Absorbed decode is multi-query attention with a single KV "head" as wide as a
 cache row, ``kv_lora_rank + qk_rope_head_dim``: head h's query is
 ``[W_UK[h]^T q_nope[h], q_pe[h]]``, each cached row ``[c, k_pe]`` is the key,
-and its first ``kv_lora_rank`` columns, the latent ``c``, are the value. So the
-C++ kernel that serves Llama's grouped heads (``csrc/paged_attention.cpp``)
-serves it as it is, given the latent cache as keys and as values (one tensor):
-it reads each sequence's rows once, in place, through the block table, for all
-H heads together. The reference gathers every decode sequence's rows into a
-padded copy first, per layer and step, which on a CPU costs more than the
-attention itself (``python -m minivllm.lab.bench.hybrid_decode`` measures it).
-The kernel also sums the ``k_pe`` columns (a value it need not have; the
-output drops them): ``R / C`` more work in the value pass, 12 % for
-DeepSeek-V3's 64 / 512.
+and its first ``kv_lora_rank`` columns, the latent ``c``, are the value. Every
+head reads the same rows, so per span of rows the scores are one small matrix
+product, Q [H x C + R] . K^T, and the output another, P . V [n x C]: the C++
+kernel ``csrc/mla_decode.cpp`` reads each sequence's rows in place through the
+block table, once per span for all heads, and tiles both products in registers
+(the grouped-heads kernel of ``csrc/paged_attention.cpp``, which it falls back
+to for other dtypes and widths, kept a 288-wide accumulator per head in memory:
+about 2x slower per layer at 8 heads, 8 x 1,024 rows). The reference gathers
+every decode sequence's rows into a padded copy first, per layer and step,
+which on a CPU costs more than the attention itself
+(``python -m minivllm.lab.bench.hybrid_decode --reference`` measures both).
+``W_UK`` and ``W_UV`` are applied as batched products over heads on views of
+``kv_b_proj``'s weight, and the step's rows go into the cache with the C++
+cache write.
 
 Prefill rows keep the reference's naive expansion (one matrix product per
 sequence, paid once for many queries).

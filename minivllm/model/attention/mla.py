@@ -22,7 +22,7 @@ rest, as vLLM's MLA backends split decodes from prefills. The arithmetic here
 is plain PyTorch (float32 accumulation, as the reference backend), on any
 device; the ``attention_backend`` setting does not apply to these layers. On
 the CPU path the layer's twin (``minivllm/cpu/mla.py``) sends the decode rows
-to the C++ paged-attention kernel, which reads the latents in place; the rest
+to a C++ latent-attention kernel, which reads the latents in place; the rest
 of the model (linear layers, norms, RoPE, sampler) uses the CPU kernels, and
 the decode-step replay steps aside (its C++ loop has no MLA).
 """
