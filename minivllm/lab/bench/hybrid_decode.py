@@ -20,21 +20,24 @@ shares, make most of a step; the checkpoints' hidden size is 512 with 8 query
 heads of 64, 2 KV heads (Llama, Gemma 3), 4 layers, MLP 1,536; MLA's latent is
 256 wide plus a rope key of 32 (DeepSeek-V3's 512 + 64 halved).
 
-Measured on a shared 2-core AVX2 machine (AMD EPYC, other programs running),
-one run, ``OMP_NUM_THREADS=1 ... --reference --rounds 3 --steps 2``, medians, 8
-sequences x 1,024 tokens (with two threads the other programs' load made every
-parallel kernel call wait ~20 ms, which the Llama's one-call replay suffers least:
-Llama 74 ms, Gemma 3 4.4x, DeepSeek 8.5x in a run with 2 threads)::
+Measured on a shared 2-core AVX2 machine (AMD EPYC, a load average of ~13 from
+other programs), one run, ``OMP_NUM_THREADS=1 ... --reference --rounds 3 --steps
+2``, medians, 8 sequences x 1,024 tokens::
 
-    llama                                 33.57 ms    1.00x
-    gemma3                                46.40 ms    1.38x
-    gemma3 (reference path)              135.17 ms    4.03x
-    deepseek                              78.52 ms    2.34x
-    deepseek (reference MLA decode)       99.73 ms    2.97x
+    llama                                 43.53 ms    1.00x
+    gemma3                                55.07 ms    1.27x
+    gemma3 (reference path)              167.26 ms    3.84x
+    deepseek                              61.84 ms    1.42x
+    deepseek (reference MLA decode)      120.96 ms    2.78x
 
-Gemma 3 meets issue 52's 1.5x; MLA does not yet: two thirds of its step is the
-paged kernel on 288-wide rows, which take its general path (accumulators in
-memory), not the register-tiled one of 32/64/128-wide heads.
+Both hybrids meet issue 52's 1.5x on one thread. MLA's decode takes its own
+kernel (``csrc/mla_decode.cpp``: the latent rows read once per span for all
+heads, scores and values tiled in registers), about 2x faster per layer than the
+grouped-heads kernel it used before (2.34x the Llama's step then, in a like run).
+With two threads on that loaded machine every parallel kernel call waited for a
+descheduled thread (Llama 90 ms, Gemma 3 3.5x, DeepSeek 6.4x, the Llama's
+one-call replay waiting least): the 2-thread ratio wants a quiet machine,
+``OMP_NUM_THREADS=2 python -m minivllm.lab.bench.hybrid_decode``.
 """
 
 from __future__ import annotations
