@@ -1,6 +1,6 @@
 """A hybrid model's decode step against a dense Llama's, on the CPU path (issue 52).
 
-``python -m minivllm.lab.bench.hybrid_decode [--reference]``
+``python -m minivllm.lab.bench.hybrid_decode [--reference] [--kernels]``
 
 Three random checkpoints, built locally with ``transformers`` (no hub access),
 with the same hidden size, layer count and query heads: a dense Llama, a
@@ -38,6 +38,16 @@ With two threads on that loaded machine every parallel kernel call waited for a
 descheduled thread (Llama 90 ms, Gemma 3 3.5x, DeepSeek 6.4x, the Llama's
 one-call replay waiting least): the 2-thread ratio wants a quiet machine,
 ``OMP_NUM_THREADS=2 python -m minivllm.lab.bench.hybrid_decode``.
+
+``--kernels`` times MLA's decode attention alone, one layer's worth (CPU time,
+alternated, medians); ``OMP_NUM_THREADS=1 ... --kernels`` on that machine::
+
+    mla_decode kernel                   2.069 ms    1.00x
+    grouped-heads kernel (before)       3.971 ms    1.92x
+    gathered rows + MKL bmm             6.789 ms    3.28x
+
+(Gathering each sequence's rows into one tensor for two MKL products pays for
+the copy more than the products save.)
 """
 
 from __future__ import annotations
@@ -135,6 +145,49 @@ def engines(tmp: Path, seqs: int, context: int, window: int, reference: bool
     return out
 
 
+def kernel_ab(seqs: int, context: int, rounds: int) -> None:
+    """MLA's decode attention alone, one layer (8 heads, rows of 256 + 32, blocks of
+    16 scattered): the latent kernel against the grouped-heads kernel it replaced and
+    against gathering each sequence's rows once for two MKL products."""
+    import time
+
+    import torch
+
+    from minivllm.cpu import _custom_ops as ops
+
+    torch.manual_seed(0)
+    heads, block = SHAPE["num_attention_heads"], 16
+    c, d = 4 * HEAD_DIM, 4 * HEAD_DIM + HEAD_DIM // 2  # the checkpoint's latent and row
+    width = -(-context // block)
+    cache = torch.randn(seqs * width + 4, block, d)
+    tables = torch.randperm(seqs * width + 4)[:seqs * width].view(seqs, width).to(torch.int32)
+    lens = torch.full((seqs,), context, dtype=torch.int32)
+    q, rows = torch.randn(seqs, heads, d), cache.unsqueeze(2)
+
+    def gather_mkl():
+        kv = cache[tables.long()].flatten(1, 2)[:, :context]
+        probs = (torch.bmm(q, kv.transpose(1, 2)) * 0.1).softmax(-1)
+        return torch.bmm(probs, kv[..., :c])
+
+    ways = {"mla_decode kernel": lambda: ops.mla_decode_attention(q, cache, tables, lens, c, 0.1),
+            "grouped-heads kernel (before)":
+                lambda: ops.paged_decode_attention(q, rows, rows, tables, lens, 0.1)[..., :c],
+            "gathered rows + MKL bmm": gather_mkl}
+    times = {name: [] for name in ways}
+    for _ in range(rounds):  # alternated; CPU time of the process, all threads (shared machine)
+        for name, way in ways.items():
+            start = time.process_time()
+            for _ in range(4):
+                way()
+            times[name].append((time.process_time() - start) / 4)
+    base = sorted(times["mla_decode kernel"])[rounds // 2]
+    print(f"MLA decode attention, one layer, {seqs} sequences x {context} rows "
+          f"({torch.get_num_threads()} threads, medians of {rounds} rounds, CPU time):")
+    for name, ts in times.items():
+        t = sorted(ts)[rounds // 2]
+        print(f"  {name:32s} {t * 1e3:8.3f} ms   {t / base:5.2f}x the latent kernel's")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, default=8)
@@ -145,7 +198,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="decode steps per round")
     parser.add_argument("--reference", action="store_true",
                         help="also time the paths these models took before (slow)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only MLA's decode attention, its kernels against each other")
     args = parser.parse_args(argv)
+    if args.kernels:
+        return kernel_ab(args.seqs, args.context, args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         llms = engines(Path(tmp), args.seqs, args.context, args.window, args.reference)
         steps = {name: llm.llm_engine.step for name, llm in llms.items()}
