@@ -111,10 +111,16 @@ def test_greedy_tokens_match_transformers(deepseek, deepseek_ref):
     assert [tokens(llm, [p])[0] for p in PROMPTS] == deepseek_ref  # alone
 
 
-def test_cpu_twin_decode_equals_the_reference():
-    """The CPU path's MLA decode (the C++ paged kernel over the latent rows, read as
-    one shared head's keys and values) equals the reference's padded gather, for a
-    decode batch in order and for some of a step's sequences."""
+@pytest.mark.parametrize("heads, c, r, block, lens, threads", [
+    (4, 32, 8, 4, [1, 9, 30, 70], 1),  # the test checkpoints' shape
+    (3, 56, 12, 16, [1, 130, 300, 257], 2),  # heads padded, spans crossed, vector tails
+    (5, 20, 4, 4, [2, 11, 70, 33], 2),  # a latent no vector width divides: the other kernel
+], ids=["small", "wide-spans", "odd-latent"])
+def test_cpu_twin_decode_equals_the_reference(heads, c, r, block, lens, threads):
+    """The CPU path's MLA decode (``mla_decode.cpp``: the latent rows read once per span
+    for all heads, scores and values register-tiled) equals the reference's padded
+    gather, for a decode batch in order and for some of a step's sequences, on one
+    thread and two."""
     from minivllm.cpu._custom_ops import build_problem
 
     if build_problem() is not None:
@@ -124,23 +130,29 @@ def test_cpu_twin_decode_equals_the_reference():
     from minivllm.model.attention.mla import MLAAttention
 
     torch.manual_seed(2)
-    heads, dn, r, dv, c, block = 4, 16, 8, 12, 32, 4
+    dn, dv = 16, 12
+    width = -(-max(lens) // block)
+    num_blocks = 4 * width + 3
     ref = MLAAttention(heads, dn, r, dv, c, 0.2)
-    ref.kv_cache = torch.randn(80, block, c + r)
+    ref.kv_cache = torch.randn(num_blocks, block, c + r)
     twin = MLAAttention(heads, dn, r, dv, c, 0.2)
     twin.__class__, twin.kv_cache = CpuMLAAttention, ref.kv_cache
-    lens = [1, 9, 30, 70]  # up to 18 blocks of 4, scattered over the cache
-    tables = torch.randperm(80)[:4 * 18].view(4, 18).to(torch.int32)
+    tables = torch.randperm(num_blocks)[:4 * width].view(4, width).to(torch.int32)  # scattered
     meta = AttentionMetadata(query_start_loc=torch.arange(5, dtype=torch.int32),
                              seq_lens=torch.tensor(lens, dtype=torch.int32),
                              slot_mapping=torch.zeros(4, dtype=torch.int64),
-                             block_tables=tables, max_query_len=1, max_seq_len=70)
+                             block_tables=tables, max_query_len=1, max_seq_len=max(lens))
     w_kv = torch.randn(heads, dn + dv, c) * 0.3
     q_nope, q_pe = torch.randn(4, heads, dn), torch.randn(4, heads, r)
-    for seqs in ([0, 1, 2, 3], [1, 3]):
-        args = (q_nope[seqs], q_pe[seqs], w_kv, meta, seqs, [lens[i] for i in seqs])
-        torch.testing.assert_close(twin.decode(*args), ref.decode(*args),
-                                   rtol=1e-5, atol=1e-5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seqs in ([0, 1, 2, 3], [1, 3], [2]):
+            args = (q_nope[seqs], q_pe[seqs], w_kv, meta, seqs, [lens[i] for i in seqs])
+            torch.testing.assert_close(twin.decode(*args), ref.decode(*args),
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.slow  # the first LLM() with the CPU kernels in a checkout builds them

@@ -229,6 +229,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
                                          sliding_window)
 
 
+def mla_decode_attention(q, cache, block_tables, seq_lens, kv_lora_rank: int,
+                         scale: float) -> torch.Tensor:
+    """Absorbed MLA decode (``mla_decode.cpp``): q [S, H, C + R] over each sequence's
+    latent rows ``cache`` [num_blocks, block_size, C + R] -> [S, H, C]."""
+    return _lib().mla_decode_attention(q, cache, block_tables, seq_lens, kv_lora_rank, scale)
+
+
 def packed_linear_available() -> bool:
     """Whether this build has the float32 decode GEMM (it needs AVX-512 or AVX2 + FMA)."""
     return _lib().packed_linear_available()

@@ -22,7 +22,7 @@ rest, as vLLM's MLA backends split decodes from prefills. The arithmetic here
 is plain PyTorch (float32 accumulation, as the reference backend), on any
 device; the ``attention_backend`` setting does not apply to these layers. On
 the CPU path the layer's twin (``minivllm/cpu/mla.py``) sends the decode rows
-to the C++ paged-attention kernel, which reads the latents in place; the rest
+to a C++ latent-attention kernel, which reads the latents in place; the rest
 of the model (linear layers, norms, RoPE, sampler) uses the CPU kernels, and
 the decode-step replay steps aside (its C++ loop has no MLA).
 """
@@ -106,13 +106,15 @@ class MLAAttention(nn.Module):
         [T, R] (roped), w_kv [H, Dn + Dv, C] -> [T, H * Dv]."""
         row = torch.cat((latent, k_pe), dim=-1)
         if self.kv_cache is not None:
-            keep = meta.slot_mapping >= 0
-            self.kv_cache.view(-1, self.head_dim)[meta.slot_mapping[keep]] = row[keep]
+            self.store_rows(row, meta)
         starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
-        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1
                    and self.kv_cache is not None]
+        if len(decodes) == q_nope.shape[0]:  # every token a decode, in order: no scatter
+            return self.decode(q_nope, q_pe, w_kv, meta, decodes,
+                               [seq_lens[i] for i in decodes]).to(q_nope.dtype).flatten(1)
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
         for i in sorted(set(range(len(seq_lens))) - set(decodes)):
             lo, hi = starts[i], starts[i + 1]
             rows = (row[lo:hi] if seq_lens[i] == hi - lo
@@ -126,6 +128,11 @@ class MLAAttention(nn.Module):
             out[tokens] = self.decode(q_nope[tokens], q_pe[tokens], w_kv, meta, decodes,
                                       [seq_lens[i] for i in decodes]).to(out.dtype)
         return out.flatten(1)
+
+    def store_rows(self, row: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Write the step's rows [T, C + R] into their slots (slot -1: padding, none)."""
+        keep = meta.slot_mapping >= 0
+        self.kv_cache.view(-1, self.head_dim)[meta.slot_mapping[keep]] = row[keep]
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_kv: torch.Tensor,
                meta: AttentionMetadata, seqs: list[int], lens: list[int]) -> torch.Tensor:
