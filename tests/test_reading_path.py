@@ -125,7 +125,7 @@ OPTIONAL = [
     "minivllm.worker.rollout_worker", "minivllm.worker.cuda_graphs", "minivllm.worker.kv_sizing",
     "minivllm.entrypoints.llm_rl", "minivllm.core.spec_decode_update",
     "minivllm.worker.runner_helpers", "minivllm.core.block_pool_events",
-    "minivllm.metrics.latency", "minivllm.envs_features",
+    "minivllm.metrics.latency", "minivllm.envs_features", "minivllm.sampling_params_optional",
 ]
 
 # Run in a fresh interpreter: what this test process imported must not count.
