@@ -126,6 +126,7 @@ OPTIONAL = [
     "minivllm.entrypoints.llm_rl", "minivllm.core.spec_decode_update",
     "minivllm.worker.runner_helpers", "minivllm.core.block_pool_events",
     "minivllm.metrics.latency", "minivllm.envs_features", "minivllm.sampling_params_optional",
+    "minivllm.inputs.knob_checks",
 ]
 
 # Run in a fresh interpreter: what this test process imported must not count.
