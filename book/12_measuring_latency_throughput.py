@@ -132,14 +132,14 @@ print("every token time falls inside its own step")
 # %% [markdown]
 # The engine computes these numbers in one small class, `RequestMetrics`
 # (`minivllm/metrics/request_metrics.py`): the output processor stamps every token's
-# time into it as the token comes out of a step, and each latency is a property that
-# subtracts two stamps. TPOT, for example:
+# time into it as the token comes out of a step, and each latency, read as an attribute
+# of it (`m.tpot`), subtracts two stamps (`minivllm/metrics/latency.py`). TPOT, for example:
 
 # %%
-from minivllm.metrics.request_metrics import RequestMetrics
+from minivllm.metrics import latency
 from minivllm.lab.viz.source import show_source
 
-show_source(RequestMetrics.tpot, start="spans =")
+show_source(latency.tpot, start="spans =")
 
 # %% [markdown]
 # The benchmark client (`minivllm/lab/bench/serve.py`) has its own stamps, taken when

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 _GREEDY_EPS = 1e-5
 
 
+# None unless asked for; checked by sampling_params_optional.py, loaded when one is set.
+OPTIONAL_KNOBS = ("logprobs", "prompt_logprobs", "structured_outputs", "logit_bias",
+                  "allowed_token_ids", "bad_words", "extra_args")
+
+
 def _bad(name: str, value, allowed: str) -> ValueError:
     return bad(f"SamplingParams.{name}", value, allowed, param=name)
 
@@ -112,31 +117,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens,
                        f"must be <= max_tokens ({self.max_tokens})")
-        check("logprobs", self.logprobs is None
-              or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              "must be None or an integer in [0, 20]")
-        if self.structured_outputs is not None:  # (a module the plain path never loads)
-            from minivllm.structured_outputs_params import StructuredOutputsParams
-            check("structured_outputs", isinstance(self.structured_outputs,
-                                                   StructuredOutputsParams),
-                  "must be None or a StructuredOutputsParams")
-        check("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-            is_int(k) and k >= 0 and is_number(v) and -100 <= v <= 100
-            for k, v in self.logit_bias.items())),
-            "must be a dict of token id (>= 0) -> bias in [-100, 100]")
-        check("allowed_token_ids", self.allowed_token_ids is None or (
-            isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids
-            and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
-            "must be None or a non-empty list of token ids >= 0")
-        check("bad_words", self.bad_words is None or (
-            isinstance(self.bad_words, (list, tuple))
-            and all(isinstance(w, str) and w for w in self.bad_words)),
-            "must be None or a list of non-empty strings")
-        check("extra_args", self.extra_args is None or isinstance(self.extra_args, dict),
-              "must be None or a dict")
-        check("prompt_logprobs", self.prompt_logprobs is None
-              or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-              "must be None or an integer in [0, 20]")
+        if any(getattr(self, name) is not None for name in OPTIONAL_KNOBS):
+            from minivllm.sampling_params_optional import check_optional_knobs
+
+            check_optional_knobs(self, check)
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
@@ -24,29 +25,41 @@ ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
 LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]  # (one, or per prompt)
 
 
-class _RLMethod:
-    """One of ``LLM``'s RL methods (``sleep``, ``load_weights``, ...): the function of
-    ``llm_rl.py``'s ``RLMethods``, whose module loads the first time one is looked up."""
+class _LoadedMethod:
+    """A method of ``LLM`` that lives in the module of its feature (the RL methods: the
+    class ``RLMethods`` of ``llm_rl.py``; embed, classify, score: ``pooling/offline.py``),
+    which loads the first time the method is looked up."""
+
+    def __init__(self, module: str, holder: Optional[str] = None) -> None:
+        self.module, self.holder = module, holder
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, llm: Optional["LLM"], owner: type):
-        from minivllm.entrypoints.llm_rl import RLMethods
-
-        function = getattr(RLMethods, self.name)
+        where = importlib.import_module(self.module)
+        function = getattr(getattr(where, self.holder) if self.holder else where, self.name)
         return function if llm is None else function.__get__(llm, owner)
 
 
-class LLM:
-    """vLLM's offline API; the RL methods are ``llm_rl.py``'s, loaded when first used."""
+def _rl() -> _LoadedMethod:
+    return _LoadedMethod("minivllm.entrypoints.llm_rl", "RLMethods")
 
-    collective_rpc, load_weights = _RLMethod(), _RLMethod()
-    reset_prefix_cache, pause_generation = _RLMethod(), _RLMethod()
-    resume_generation, is_paused = _RLMethod(), _RLMethod()
-    sleep, wake_up, is_sleeping = _RLMethod(), _RLMethod(), _RLMethod()
-    init_weight_transfer_engine, start_weight_update = _RLMethod(), _RLMethod()
-    update_weights, finish_weight_update = _RLMethod(), _RLMethod()
+
+class LLM:
+    """vLLM's offline API; the RL and pooling methods load with their feature."""
+
+    collective_rpc, load_weights = _rl(), _rl()
+    reset_prefix_cache, pause_generation = _rl(), _rl()
+    resume_generation, is_paused = _rl(), _rl()
+    sleep, wake_up, is_sleeping = _rl(), _rl(), _rl()
+    init_weight_transfer_engine, start_weight_update = _rl(), _rl()
+    update_weights, finish_weight_update = _rl(), _rl()
+    # One embedding per prompt (``out.outputs.embedding``); a classifier's label
+    # probabilities; scores of ``(data_1, data_2)`` pairs (``out.outputs.score``).
+    embed = _LoadedMethod("minivllm.pooling.offline")
+    classify = _LoadedMethod("minivllm.pooling.offline")
+    score = _LoadedMethod("minivllm.pooling.offline")
 
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         args = engine_args_from_kwargs(model, engine_args)
@@ -140,25 +153,6 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
-
-    # -- pooling (minivllm/pooling/offline.py, loaded on the first call) -------------
-    def embed(self, prompts, pooling_params=None, use_tqdm: bool = True, lora_request=None):
-        """One embedding per prompt (``out.outputs.embedding``)."""
-        from minivllm.pooling.offline import embed
-
-        return embed(self, prompts, pooling_params, use_tqdm, lora_request)
-
-    def classify(self, prompts, pooling_params=None, use_tqdm: bool = True):
-        """A ``*ForSequenceClassification`` model's label probabilities per prompt."""
-        from minivllm.pooling.offline import classify
-
-        return classify(self, prompts, pooling_params, use_tqdm)
-
-    def score(self, data_1, data_2, pooling_params=None, use_tqdm: bool = True):
-        """Scores of ``(data_1, data_2)`` pairs (``out.outputs.score``)."""
-        from minivllm.pooling.offline import score
-
-        return score(self, data_1, data_2, pooling_params, use_tqdm)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 
 from minivllm.config import EngineConfig, InvalidRequestError, is_int
 from minivllm.inputs.tokenizer import load_tokenizer, read_eos_token_ids
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import OPTIONAL_KNOBS, SamplingParams
 
 Message = dict
 PromptType = Union[str, Sequence[int], Sequence[Message], dict]
@@ -97,7 +97,7 @@ class InputProcessor:
         if not all(is_int(t) for t in items):
             raise InvalidRequestError("prompt must be a string, a list of token IDs or a list "
                                       "of chat messages", "prompt")
-        self._check_token_ids("prompt_token_ids", items, "prompt")
+        self.check_token_ids("prompt_token_ids", items, "prompt")
         return None, items
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -122,30 +122,14 @@ class InputProcessor:
     # -- the parameters against this model -------------------------------------------
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: it needs the model."""
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
-            self._check_token_ids(f"SamplingParams.{name}", ids, name)
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(params, name)
-            if n is not None and n > self.vocab_size:
-                raise InvalidRequestError(f"SamplingParams.{name}={n} is invalid: this model "
-                                          f"has {self.vocab_size} tokens", name)
-        for name in ("bad_words", "structured_outputs"):
-            if getattr(params, name) and self.tokenizer is None:
-                raise InvalidRequestError(f"SamplingParams.{name} needs a tokenizer, and this "
-                                          "model folder has none", name)
-        if params.structured_outputs is not None:  # (refused now if it does not compile)
-            from minivllm.structured_output.grammar_spec import check_spec
+        self.check_token_ids("SamplingParams.stop_token_ids", params.stop_token_ids,
+                             "stop_token_ids")
+        if any(getattr(params, name) is not None for name in OPTIONAL_KNOBS):
+            from minivllm.inputs.knob_checks import check_knobs
 
-            check_spec(params.structured_outputs)
-            so = params.structured_outputs
-            self._check_token_ids("StructuredOutputsParams.reasoning_end_token_ids", (
-                so.reasoning_end_token_ids or []) + ([] if so.reasoning_start_token_id is None
-                                                    else [so.reasoning_start_token_id]),
-                "structured_outputs")
+            check_knobs(self, params)
 
-    def _check_token_ids(self, name: str, ids, param: str) -> None:
+    def check_token_ids(self, name: str, ids, param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"{name} contains {bad[:5]}: token IDs must be in "

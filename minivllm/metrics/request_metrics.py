@@ -1,12 +1,8 @@
-"""Per-request latencies from timestamps, as vLLM defines them.
-
-    arrival ──queue──▶ first scheduled ──prefill──▶ first token ──decode──▶ last token
-    TTFT = first token - arrival          ITL = gaps between consecutive tokens
-    TPOT = (last token - first token) / (tokens - 1)        E2E = finished - arrival
+"""Per-request timestamps, stamped as tokens come out of the steps.
 
 Times are ``time.monotonic()`` seconds (one clock for all processes of a machine).
-With ``n > 1``, ``num_generation_tokens`` counts every completion's tokens; ITL and
-TPOT are per stream.
+With ``n > 1``, ``num_generation_tokens`` counts every completion's tokens. The
+latencies (TTFT, TPOT, ITL, E2E, ...) are computed from them when read: ``latency.py``.
 """
 
 from __future__ import annotations
@@ -62,42 +58,11 @@ class RequestMetrics:
         """Token arrival times of the first completion (the only one when n == 1)."""
         return self.completion_token_times[0]
 
-    @property
-    def ttft(self) -> Optional[float]:
-        return _span(self.arrival_time, self.first_token_time)
+    def __getattr__(self, name: str):
+        """``ttft``, ``tpot``, ``itl``, ``queue_time``, ``prefill_time``, ``decode_time``,
+        ``e2e_latency``: computed from the timestamps when read (``latency.py``)."""
+        from minivllm.metrics.latency import LATENCIES
 
-    @property
-    def queue_time(self) -> Optional[float]:
-        return _span(self.arrival_time, self.first_scheduled_time)
-
-    @property
-    def prefill_time(self) -> Optional[float]:
-        return _span(self.first_scheduled_time, self.first_token_time)
-
-    @property
-    def decode_time(self) -> Optional[float]:
-        return _span(self.first_token_time, self.last_token_time)
-
-    @property
-    def itl(self) -> list[float]:
-        """Inter-token latencies: one per token after the first, of every completion."""
-        return [b - a for t in self.completion_token_times for a, b in zip(t, t[1:])]
-
-    @property
-    def tpot(self) -> Optional[float]:
-        """Mean time per output token after the first, over every completion's own
-        decode span; None while no completion has two tokens."""
-        spans = [(t[-1] - t[0], len(t) - 1) for t in self.completion_token_times if len(t) > 1]
-        steps = sum(n for _, n in spans)
-        if steps == 0:
-            return None
-        return sum(s for s, _ in spans) / steps
-
-    @property
-    def e2e_latency(self) -> Optional[float]:
-        return _span(self.arrival_time, self.finished_time)
-
-
-def _span(start: Optional[float], end: Optional[float]) -> Optional[float]:
-    """``end - start``; None while either is unknown."""
-    return None if start is None or end is None else end - start
+        if name not in LATENCIES:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return LATENCIES[name](self)
