@@ -463,6 +463,11 @@ ds_folder = tempfile.mkdtemp()
 ds_hf.save_pretrained(ds_folder)
 for ds_name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(tokenizer_dir / ds_name, f"{ds_folder}/{ds_name}")
+
+# %% [markdown]
+# The engine on that folder, against Hugging Face's `generate`:
+
+# %%
 ds_llm = LLM(ds_folder, cpu_kernels=False)
 ds_outs = ds_llm.generate(PROMPTS, greedy, use_tqdm=False)
 with torch.inference_mode():
