@@ -22,8 +22,9 @@ def tiny_llama(tmp_path_factory):
 def test_gguf_files_hold_the_float_weights(tiny_llama, qtype, bound):
     """Every tensor of the file, read as minivllm reads it (names mapped, q/k rows
     unpermuted, blocks dequantized), is the float tensor of the same name within half a
-    quantization step: ``bound`` of a 32-weight block's largest magnitude (Q8_0) or of
-    its range (Q4_1); a wrong name or row order would be off by the weights' size."""
+    quantization step, ``bound`` of a 32-weight block's largest magnitude (Q8_0) or of
+    its range (Q4_1), plus a tenth of a step for the scales' float16 rounding (up to
+    127 x 2^-11 of a step in Q8_0); a wrong name or row order is off by the weights' size."""
     from safetensors.torch import load_file
 
     from minivllm.model.gguf_tensors import iterate_gguf
@@ -41,7 +42,7 @@ def test_gguf_files_hold_the_float_weights(tiny_llama, qtype, bound):
             span = (blocks.abs().amax(-1) if qtype == "Q8_0"
                     else blocks.amax(-1) - blocks.amin(-1))
             step = span.repeat_interleave(32, -1).reshape(w.shape) * bound
-            assert ((got - w).abs() <= step * 0.5 + 1e-6).all(), name
+            assert ((got - w).abs() <= step * 0.6 + 1e-7).all(), name
         seen.add(name)
     assert seen == set(want) - {"lm_head.weight"}  # tied: the embedding is the head
 
