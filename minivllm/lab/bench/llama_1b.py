@@ -34,9 +34,11 @@ import numpy as np
 PRESETS = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64, intermediate_size=8192),
-    # a test's: every matrix still a whole number of 32-weight blocks per row
+    # a test's: every matrix still a whole number of 32-weight blocks per row; weights
+    # 10x the default spread, so greedy tokens vary (at 0.02 two layers repeat one token)
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, intermediate_size=128),
+                 num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 initializer_range=0.2),
 }
 # The file types a build writes: name -> (matrices' type, embedding's type, file_type).
 GGUF_FILES = {"Q8_0": ("Q8_0", "Q8_0", 7), "Q4_1": ("Q4_1", "Q8_0", 3)}
