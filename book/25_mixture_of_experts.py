@@ -764,11 +764,15 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #   serving. `num_experts + num_redundant_experts` must be a multiple of the rank count
 #   (every rank holds as many slots); a config that breaks a rule is refused at load,
 #   naming the field and what is allowed (`tests/test_expert_parallel.py`).
-# - **The CPU path** packs each expert's weights once at load and multiplies each
-#   expert's rows with the packed kernels (`minivllm/cpu/fused_moe.py`); the one-call
-#   decode replay of chapter 15 has no experts and stands aside for these models.
-#   `python -m minivllm.lab.bench.moe_model --ab-experts` times one layer's experts, the
-#   reference against the packed twin.
+# - **The CPU path** runs steps 3-5 of a layer (group, the experts' products, the
+#   weighted sum) in one C++ call, `moe_expert_sum` (`minivllm/cpu/fused_moe.py`,
+#   `csrc/moe_experts.cpp`): the threads split (expert, column block) items, a decode
+#   step's few rows per expert stream each weight row once against all of them, and a
+#   prefill's many rows take ATen's GEMM. It reads the stacked `w13_weight` / `w2_weight`
+#   themselves, so the experts are in memory once (no packed copies beside them). The
+#   one-call decode replay of chapter 15 has no experts (nor Qwen3's q/k norm) and
+#   stands aside for these models. `python -m minivllm.lab.bench.moe_model --ab-experts`
+#   times one layer's experts, the reference's Python loop against the one call.
 # - **Expert load**: `/metrics` of `minivllm serve` counts the tokens routed to each expert
 #   of each MoE layer, `minivllm:expert_load_total{layer, expert}`, and with several ranks
 #   the bytes the experts' collectives moved, `minivllm:moe_dispatch_bytes_total`; the step trace has the
@@ -776,8 +780,8 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #   counts nothing and shows no such series (`tests/test_moe_metrics.py` checks the counts
 #   against Hugging Face's router).
 # - **bfloat16** (`LLM(..., dtype="bfloat16")`): the router's softmax stays float32, the
-#   experts run in bfloat16 as in transformers, on the CPU path through oneDNN's packed
-#   bfloat16 products (`tests/test_moe_dtypes.py`).
+#   experts run in bfloat16 as in transformers; on the CPU path the C++ call reads the
+#   bfloat16 weights and sums in float32 (`tests/test_moe_dtypes.py`).
 # - Quantized experts (GGUF files of these families, `quantization="q8_0"`) are refused
 #   with the reason.
 
