@@ -14,8 +14,8 @@
 // prefill) takes ATen's GEMM on its weight instead, where the weight is
 // reused enough for a cache-blocked kernel to pay.
 //
-// Work items are (expert, block of output columns): OpenMP threads split
-// them, so two cores stream different experts' weights at once. Inputs are
+// Work items are (expert, block of output columns): OpenMP threads take
+// them dynamically, so two cores stream different experts' weights at once. Inputs are
 // converted to float32 when gathered; sums are float32; the output takes the
 // hidden states' dtype. Results equal the reference's up to float rounding
 // (another summation order).
@@ -175,21 +175,26 @@ void expert_products(const at::Tensor& xs, const Groups& g, const at::Tensor& w1
     ys.narrow(0, s, n).copy_(at::matmul(act.narrow(0, s, n).to(w2.scalar_type()), w2[e].t()));
   }
   // The rest: the streaming kernel, threads over (expert, column block) items.
+  // Dynamic scheduling: experts get different row counts, and on a shared
+  // machine a thread that is descheduled leaves its items to the others
+  // instead of holding everyone at the end of a static split.
   const auto up_items = stream_items(g, E, I), down_items = stream_items(g, E, H);
-  at::parallel_for(0, static_cast<int64_t>(up_items.size()), 1, [&](int64_t b, int64_t end) {
-    for (int64_t i = b; i < end; ++i) {
+  const int64_t n_up = up_items.size(), n_down = down_items.size();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_up; ++i) {
       const Item& it = up_items[i];
       const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
       gate_up_block(xp + s * H, n, H, w13p + it.expert * 2 * I * H, I, ap + s * I, it.j0, it.j1);
     }
-  });
-  at::parallel_for(0, static_cast<int64_t>(down_items.size()), 1, [&](int64_t b, int64_t end) {
-    for (int64_t i = b; i < end; ++i) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_down; ++i) {
       const Item& it = down_items[i];
       const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
       down_block(ap + s * I, n, I, w2p + it.expert * H * I, H, yp + s * H, it.j0, it.j1);
     }
-  });
+  }
 }
 #endif  // MINIVLLM_VEC
 
