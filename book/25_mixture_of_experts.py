@@ -803,8 +803,24 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #     --output figures/bench_throughput_moe_32x128.json
 # ```
 #
-# Its numbers, the machine and its load are in `figures/records/moe.md`. What the roofline
-# column of that table prices, from the model's config alone (no weights needed):
+# Its numbers, the machine and its load are in `figures/records/moe.md`. On the CPU path
+# each MoE layer is one C++ call over the layer's one copy of the experts (the section
+# "In practice" above). One layer's experts of this model, the reference's Python loop
+# over the experts against that call (`python -m minivllm.lab.bench.moe_model
+# --ab-experts`, medians of 5, 2 threads, on a 2-core machine shared with other jobs, so
+# only the ratios mean something):
+#
+# | tokens in the step | reference loop | one C++ call | ratio |
+# |---|---|---|---|
+# | 1 | 568 ms | 40 ms | 14.0x |
+# | 32 (a decode step of 32 sequences: ~4 rows an expert) | 737 ms | 69 ms | 10.7x |
+# | 256 | 825 ms | 167 ms | 4.9x |
+# | 1,357 (the benchmark's prefill) | 16.9 s | 4.5 s | 3.7x |
+#
+# A decode step's few rows per expert make the product a stream over the expert's
+# weights: each weight row is read once and dotted with all of its rows, so the step
+# costs what reading the touched experts costs. What the roofline column of that table
+# prices, from the model's config alone (no weights needed):
 
 # %%
 from minivllm.config import ModelConfig
