@@ -817,6 +817,10 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 # | 256 | 825 ms | 167 ms | 4.9x |
 # | 1,357 (the benchmark's prefill) | 16.9 s | 4.5 s | 3.7x |
 #
+# The whole benchmark (`bench throughput` above) gave minivllm 2.52x Hugging Face's
+# `generate` in its first repeat (6.8 against 2.7 output tokens/s, on that overloaded
+# machine; the record has the details and what is left).
+#
 # A decode step's few rows per expert make the product a stream over the expert's
 # weights: each weight row is read once and dotted with all of its rows, so the step
 # costs what reading the touched experts costs. What the roofline column of that table
