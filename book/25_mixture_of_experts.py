@@ -818,8 +818,9 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 # | 1,357 (the benchmark's prefill) | 16.9 s | 4.5 s | 3.7x |
 #
 # The whole benchmark (`bench throughput` above) gave minivllm 2.52x Hugging Face's
-# `generate` in its first repeat (6.8 against 2.7 output tokens/s, on that overloaded
-# machine; the record has the details and what is left).
+# `generate` in its one complete pair of repeats (6.8 against 2.7 output tokens/s, on an
+# overloaded shared machine: an indication, not a measurement; the record has the
+# details and what is left).
 #
 # A decode step's few rows per expert make the product a stream over the expert's
 # weights: each weight row is read once and dotted with all of its rows, so the step
