@@ -850,11 +850,15 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #   serving. `num_experts + num_redundant_experts` must be a multiple of the rank count
 #   (every rank holds as many slots); a config that breaks a rule is refused at load,
 #   naming the field and what is allowed (`tests/test_expert_parallel.py`).
-# - **The CPU path** packs each expert's weights once at load and multiplies each
-#   expert's rows with the packed kernels (`minivllm/cpu/fused_moe.py`); the one-call
-#   decode replay of chapter 15 has no experts and stands aside for these models.
-#   `python -m minivllm.lab.bench.moe_model --ab-experts` times one layer's experts, the
-#   reference against the packed twin.
+# - **The CPU path** runs steps 3-5 of a layer (group, the experts' products, the
+#   weighted sum) in one C++ call, `moe_expert_sum` (`minivllm/cpu/fused_moe.py`,
+#   `csrc/moe_experts.cpp`): the threads split (expert, column block) items, a decode
+#   step's few rows per expert stream each weight row once against all of them, and a
+#   prefill's many rows take ATen's GEMM. It reads the stacked `w13_weight` / `w2_weight`
+#   themselves, so the experts are in memory once (no packed copies beside them). The
+#   one-call decode replay of chapter 15 has no experts (nor Qwen3's q/k norm) and
+#   stands aside for these models. `python -m minivllm.lab.bench.moe_model --ab-experts`
+#   times one layer's experts, the reference's Python loop against the one call.
 # - **Expert load**: `/metrics` of `minivllm serve` counts the tokens routed to each expert
 #   of each MoE layer, `minivllm:expert_load_total{layer, expert}`, and with several ranks
 #   the bytes the experts' collectives moved, `minivllm:moe_dispatch_bytes_total`; the step trace has the
@@ -862,8 +866,8 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #   counts nothing and shows no such series (`tests/test_moe_metrics.py` checks the counts
 #   against Hugging Face's router).
 # - **bfloat16** (`LLM(..., dtype="bfloat16")`): the router's softmax stays float32, the
-#   experts run in bfloat16 as in transformers, on the CPU path through oneDNN's packed
-#   bfloat16 products (`tests/test_moe_dtypes.py`).
+#   experts run in bfloat16 as in transformers; on the CPU path the C++ call reads the
+#   bfloat16 weights and sums in float32 (`tests/test_moe_dtypes.py`).
 # - Quantized experts (GGUF files of these families, `quantization="q8_0"`) are refused
 #   with the reason.
 
@@ -885,8 +889,29 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #     --output figures/bench_throughput_moe_32x128.json
 # ```
 #
-# Its numbers, the machine and its load are in `figures/records/moe.md`. What the roofline
-# column of that table prices, from the model's config alone (no weights needed):
+# Its numbers, the machine and its load are in `figures/records/moe.md`. On the CPU path
+# each MoE layer is one C++ call over the layer's one copy of the experts (the section
+# "In practice" above). One layer's experts of this model, the reference's Python loop
+# over the experts against that call (`python -m minivllm.lab.bench.moe_model
+# --ab-experts`, medians of 5, 2 threads, on a 2-core machine shared with other jobs, so
+# only the ratios mean something):
+#
+# | tokens in the step | reference loop | one C++ call | ratio |
+# |---|---|---|---|
+# | 1 | 568 ms | 40 ms | 14.0x |
+# | 32 (a decode step of 32 sequences: ~4 rows an expert) | 737 ms | 69 ms | 10.7x |
+# | 256 | 825 ms | 167 ms | 4.9x |
+# | 1,357 (the benchmark's prefill) | 16.9 s | 4.5 s | 3.7x |
+#
+# The whole benchmark (`bench throughput` above) gave minivllm 2.52x Hugging Face's
+# `generate` in its one complete pair of repeats (6.8 against 2.7 output tokens/s, on an
+# overloaded shared machine: an indication, not a measurement; the record has the
+# details and what is left).
+#
+# A decode step's few rows per expert make the product a stream over the expert's
+# weights: each weight row is read once and dotted with all of its rows, so the step
+# costs what reading the touched experts costs. What the roofline column of that table
+# prices, from the model's config alone (no weights needed):
 
 # %%
 from minivllm.config import ModelConfig

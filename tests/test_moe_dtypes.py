@@ -8,7 +8,7 @@ the routing weights and the weighted sum run in bfloat16, as in transformers. So
 - the whole model's bfloat16 logits are as close to the float32 logits as Hugging
   Face's bfloat16 ones are (a near-tie between two experts may route a token apart in
   one of them, so positions are compared in aggregate, not one by one);
-- the CPU path's experts on bfloat16 weights (packed by oneDNN where it packs bfloat16)
+- the CPU path's experts (one C++ call on the float32, bfloat16 or float16 weights)
   equal the reference's, and the engine's CPU path gives the reference path's tokens in
   the dtype it computes in (bfloat16 where oneDNN packs it, float32 elsewhere).
 """
@@ -20,9 +20,10 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
+from minivllm.cpu import _custom_ops as ops
 from minivllm.model.attention import TorchAttentionBackend
 from minivllm.model.loader import load_model
-from tests.cpu_requirements import FEATURES, needs_cpu_kernels
+from tests.cpu_requirements import needs_cpu_kernels
 from tests.test_model import hf_logits, our_logits
 from tests.test_moe import MOE_FAMILIES, random_prompts
 
@@ -75,51 +76,38 @@ def test_bf16_logits_as_close_to_float32_as_transformers(tiny_model, family):
 
 
 @needs_cpu_kernels()
-def test_bf16_cpu_twin_equals_the_reference_experts():
-    """The CPU path's experts on bfloat16 weights: packed by oneDNN where it packs
-    bfloat16 (else PyTorch's bfloat16 products), SiLU-and-mul the C++ kernel."""
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float16])
+def test_cpu_expert_sum_equals_the_reference_loop(dtype):
+    """The CPU twin's one C++ call (``moe_expert_sum``) equals the reference's loop over
+    the experts: one row, a few rows an expert (the streaming kernel), many (ATen's GEMM),
+    with pairs another rank computes (id = expert count) skipped, and every pair elsewhere."""
     from minivllm.cpu.fused_moe import CpuFusedMoE
-    from minivllm.model.layers.fused_moe import FusedMoE
-
-    gen = torch.Generator().manual_seed(2)
-    ref = FusedMoE(8, 2, 64, 32, True, BF16)
-    for w in (ref.w13_weight, ref.w2_weight):
-        w.data.copy_(torch.randn(w.shape, generator=gen) * 0.1)
-    twin = FusedMoE(8, 2, 64, 32, True, BF16)
-    twin.load_state_dict(ref.state_dict())
-    twin.__class__ = CpuFusedMoE
-    assert (twin.pack_experts() > 0) == (FEATURES.bf16_prepack_problem() is None)
-    for tokens in (1, 5, 64):  # one row (F.linear), a few, many
-        x = torch.randn(tokens, 64, generator=gen).to(BF16)
-        logits = torch.randn(tokens, 8, generator=gen).to(BF16)
-        with torch.inference_mode():
-            mine, theirs = twin(x, logits), ref(x, logits)
-        assert mine.dtype == BF16
-        torch.testing.assert_close(mine.float(), theirs.float(), atol=2e-2, rtol=2e-2)
-
-
-@needs_cpu_kernels()
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_grouped_experts_equal_the_reference_loop(dtype):
-    """The CPU twin's default products: every expert's rows in two grouped calls equal
-    the reference's loop, with pairs another rank computes (id = expert count) skipped,
-    and with every pair elsewhere."""
-    from minivllm.cpu.fused_moe import grouped_expert_sum
-    from minivllm.model.layers.fused_moe import expert_sum, route
+    from minivllm.model.layers.fused_moe import FusedMoE, expert_sum, route
 
     gen = torch.Generator().manual_seed(5)
-    w13 = (torch.randn(6, 64, 48, generator=gen) * 0.1).to(dtype)
-    w2 = (torch.randn(6, 48, 32, generator=gen) * 0.1).to(dtype)
+    # I = 40 and H = 52: not multiples of the vector lanes, so the tails run too.
+    w13 = (torch.randn(6, 80, 52, generator=gen) * 0.1).to(dtype)
+    w2 = (torch.randn(6, 52, 40, generator=gen) * 0.1).to(dtype)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for tokens in (1, 7, 64):
-        x = (torch.randn(tokens, 48, generator=gen)).to(dtype)
+    for tokens in (1, 7, 64, 300):  # 300 x 2 / 6: about 100 rows an expert, past streaming
+        x = (torch.randn(tokens, 52, generator=gen)).to(dtype)
         weights, ids = route(torch.randn(tokens, 6, generator=gen), 2, True)
         elsewhere = ids.masked_fill(ids >= 4, 6)  # experts 4 and 5 on another rank
         for chosen in (ids, elsewhere, torch.full_like(ids, 6)):
             with torch.inference_mode():
-                mine = grouped_expert_sum(x, w13, w2, chosen, weights)
+                mine = ops.moe_expert_sum(x, w13, w2, chosen, weights)
                 theirs = expert_sum(x, w13, w2, chosen, weights)
+            assert mine.dtype == dtype
             torch.testing.assert_close(mine.float(), theirs.float(), **tol)
+    # The layer's twin takes that call, on the layer's own (one copy of the) weights.
+    layer = FusedMoE(6, 2, 52, 40, True, dtype)
+    layer.w13_weight.data.copy_(w13)
+    layer.w2_weight.data.copy_(w2)
+    x, logits = torch.randn(9, 52, generator=gen).to(dtype), torch.randn(9, 6, generator=gen)
+    with torch.inference_mode():
+        want = layer(x, logits)
+        layer.__class__ = CpuFusedMoE
+        torch.testing.assert_close(layer(x, logits).float(), want.float(), **tol)
 
 
 @pytest.mark.slow

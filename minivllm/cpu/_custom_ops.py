@@ -15,6 +15,7 @@ products. These kernels do the same math in one pass each:
   (see ``prepack.py``);
 - ``gguf_gemm.cpp`` — products with GGUF-quantized weights, on their blocks;
 - ``gguf_int8.cpp`` — the same with int8 activations (``activation_dtype="int8"``);
+- ``moe_experts.cpp`` — a mixture of experts' expert sum, every expert in one call;
 - ``lora.cpp`` — the LoRA delta of a step mixing adapters (BGMV shrink and expand);
 - ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
 
@@ -281,6 +282,17 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                                        final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
                                        panel_max_rows, list(lm_head), lm_head_panel_max_rows,
                                        gate_up_halves, list(lora_weights), token_lora_indices)
+
+
+def moe_expert_sum_available() -> bool:
+    """Whether this build has ``moe_expert_sum`` (it needs AVX-512 or AVX2 + FMA)."""
+    return _lib().moe_expert_sum_available()
+
+
+def moe_expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``fused_moe.expert_sum`` (steps 3-5) on the stacked experts, in one C++ call."""
+    return _lib().moe_expert_sum(hidden, w13, w2, topk_ids, topk_weights)
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int,

@@ -71,7 +71,7 @@ class CpuPath:
         if hasattr(model, "expert_layers"):  # a mixture of experts: its experts' twin
             from minivllm.cpu.fused_moe import swap_in_moe
 
-            self.num_twins += swap_in_moe(model, prepack_enabled())
+            self.num_twins += swap_in_moe(model)
         if any(hasattr(layer, "bind_kv_cache") for layer in model.attention_layers()):
             from minivllm.cpu.mla import swap_in_mla  # latent attention: its decode's twin
 

@@ -143,8 +143,6 @@ def move_experts(experts, new_ranks: list[list[int]]) -> int:
         work.wait()
     experts.w13_weight.data, experts.w2_weight.data = new13, new2
     experts.placement = new
-    if getattr(experts, "packed13", None) is not None:  # the CPU twin's packed copies
-        experts.pack_experts()
     return received
 
 

@@ -29,8 +29,8 @@ over its slice, and one all-reduce adds them, as in a row-parallel linear layer.
 With expert parallelism (``expert_parallel.py``) a rank holds whole experts instead,
 its share of them, computes only the pairs sent to those (``expert_sum`` skips the
 others), and the same all-reduce adds the ranks' sums; ``dispatch_bytes`` counts it.
-The CPU path (``minivllm/cpu/fused_moe.py``) replaces step 4's products by packed
-ones and keeps steps 1-3 and 5 (``route`` and ``group_by_expert``) as they are.
+The CPU path (``minivllm/cpu/fused_moe.py``) keeps steps 1-2 (``route``) and runs
+steps 3-5 of every expert in one C++ call on the same stacked weights.
 """
 
 from __future__ import annotations
@@ -82,22 +82,20 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               router_logits: torch.Tensor, top_k: int, renormalize: bool,
-              expert_mlp=None, expert_load=None, routing=None,
+              expert_load=None, routing=None,
               e_score_correction_bias: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] tokens -> [T, H]: the weighted sum of each token's top-k experts' MLPs.
 
-    ``expert_mlp(expert, rows)``, if given, computes one expert's product (the CPU
-    path's packed one); by default it is ``swiglu`` on the expert's weights.
     ``expert_load`` ([E] int64), if given, gets each expert's pair count added;
     ``routing`` and ``e_score_correction_bias``: ``route``'s (DeepSeek's router)."""
     weights, ids = route(router_logits, top_k, renormalize, routing, e_score_correction_bias)
     if expert_load is not None:
         expert_load += torch.bincount(ids.flatten(), minlength=w13.shape[0]).cpu()
-    return expert_sum(hidden, w13, w2, ids, weights, expert_mlp)
+    return expert_sum(hidden, w13, w2, ids, weights)
 
 
 def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-               weights: torch.Tensor, expert_mlp=None) -> torch.Tensor:
+               weights: torch.Tensor) -> torch.Tensor:
     """Steps 3-5: each expert's rows multiplied once, weighted, summed into their tokens.
 
     ``ids`` [T, k] index ``w13``/``w2``'s experts; an id equal to their count marks a
@@ -111,8 +109,7 @@ def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
         if n == 0:
             continue
         rows = tokens[start:start + n]
-        y = (expert_mlp(expert, hidden[rows]) if expert_mlp is not None
-             else swiglu(hidden[rows], w13[expert], w2[expert]))
+        y = swiglu(hidden[rows], w13[expert], w2[expert])
         out.index_add_(0, rows, y * pair_weights[start:start + n, None].to(y.dtype))
         start += n
     return out
@@ -162,8 +159,6 @@ class FusedMoE(nn.Module):
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64)
         self.dispatch_bytes = 0  # payload of the experts' collectives since load (/metrics)
 
-    expert_mlp = None  # the CPU twin's packed products (minivllm/cpu/fused_moe.py)
-
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 e_score_correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         """``e_score_correction_bias``: the router's (DeepSeek-V3), for ``route``."""
@@ -194,8 +189,7 @@ class FusedMoE(nn.Module):
     def sum_experts(self, hidden: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
         """Steps 3-5 on this rank's experts (``expert_sum``); the CPU twin overrides it."""
-        return expert_sum(hidden, self.w13_weight, self.w2_weight, ids, weights,
-                          self.expert_mlp)
+        return expert_sum(hidden, self.w13_weight, self.w2_weight, ids, weights)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str]) -> None:

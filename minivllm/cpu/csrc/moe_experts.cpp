@@ -1,0 +1,305 @@
+// A mixture of experts' expert sum in one call: the step's (token, expert)
+// pairs grouped by expert, each expert's rows multiplied once by its
+// [gate; up] weight with SiLU-and-mul applied on the way out, then by its
+// down weight, and the weighted rows added back into their tokens
+// (fused_moe.expert_sum's steps 3-5; the router stays in Python).
+//
+// It reads the experts' ordinary stacked weights, w13 [E, 2I, H] and w2
+// [E, H, I] (float32, bfloat16 or float16), so the CPU path keeps ONE copy of
+// them: no packed layout beside the originals. A decode step gives each
+// expert a few rows (32 sequences x top-8 over 64 experts: about 4), so the
+// product is a stream over the expert's weight rows, each row dotted with all
+// of the expert's input rows while it is in L1 (`dot2`: two weight rows x four
+// input rows, eight vector accumulators). An expert with many rows (a
+// prefill) takes ATen's GEMM on its weight instead, where the weight is
+// reused enough for a cache-blocked kernel to pay.
+//
+// Work items are (expert, block of output columns): OpenMP threads take
+// them dynamically, so two cores stream different experts' weights at once. Inputs are
+// converted to float32 when gathered; sums are float32; the output takes the
+// hidden states' dtype. Results equal the reference's up to float rounding
+// (another summation order).
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cpu_types.h"
+#include "ops.h"
+
+namespace minivllm {
+namespace {
+
+// Rows above this take ATen's GEMM (measured on the benchmark MoE: the
+// streaming kernel wins at a decode step's few rows, a blocked GEMM at a
+// prefill's hundreds).
+constexpr int64_t kStreamMaxRows = 48;
+// Output columns per work item.
+constexpr int64_t kBlock = 16;
+
+// The pairs sorted by expert (a counting sort, stable): pair p of the sorted
+// order is (token token[p], slot) with position pos[token * k + slot] = p;
+// experts' rows are [start[e], start[e + 1]). An id outside [0, E) is a pair
+// another rank computes (expert parallelism): pos -1.
+struct Groups {
+  std::vector<int64_t> start, token, pos;
+};
+
+Groups group_pairs(const int64_t* ids, int64_t T, int64_t k, int64_t E) {
+  Groups g;
+  g.start.assign(E + 1, 0);
+  g.pos.assign(T * k, -1);
+  for (int64_t i = 0; i < T * k; ++i)
+    if (ids[i] >= 0 && ids[i] < E) ++g.start[ids[i] + 1];
+  for (int64_t e = 0; e < E; ++e) g.start[e + 1] += g.start[e];
+  std::vector<int64_t> next(g.start.begin(), g.start.end() - 1);
+  g.token.resize(g.start[E]);
+  for (int64_t i = 0; i < T * k; ++i) {
+    const int64_t e = ids[i];
+    if (e < 0 || e >= E) continue;
+    const int64_t p = next[e]++;
+    g.token[p] = i / k;
+    g.pos[i] = p;
+  }
+  return g;
+}
+
+#ifdef MINIVLLM_VEC
+using vec::vf;
+constexpr int64_t L = vec::kLanes;
+
+// s0[r] = x_r . w0 and s1[r] = x_r . w1 for R (<= 4) float32 rows of x (row
+// stride K) and two weight rows of K values.
+template <int R, typename W>
+inline void dot2(const float* x, int64_t K, const W* w0, const W* w1, float* s0, float* s1) {
+  vf a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = vec::zero();
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    const vf v0 = vec::load(w0 + k), v1 = vec::load(w1 + k);
+    for (int r = 0; r < R; ++r) {
+      const vf xr = vec::load(x + r * K + k);
+      a0[r] = vec::fmadd(xr, v0, a0[r]);
+      a1[r] = vec::fmadd(xr, v1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float t0 = vec::reduce_add(a0[r]), t1 = vec::reduce_add(a1[r]);
+    for (int64_t kk = k; kk < K; ++kk) {  // K not a multiple of the lanes
+      t0 += x[r * K + kk] * to_float(w0[kk]);
+      t1 += x[r * K + kk] * to_float(w1[kk]);
+    }
+    s0[r] = t0;
+    s1[r] = t1;
+  }
+}
+
+// dot2 over n rows, four at a time.
+template <typename W>
+inline void dot2_rows(const float* x, int64_t n, int64_t K, const W* w0, const W* w1, float* s0,
+                      float* s1) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) dot2<4>(x + r * K, K, w0, w1, s0 + r, s1 + r);
+  switch (n - r) {
+    case 3: dot2<3>(x + r * K, K, w0, w1, s0 + r, s1 + r); break;
+    case 2: dot2<2>(x + r * K, K, w0, w1, s0 + r, s1 + r); break;
+    case 1: dot2<1>(x + r * K, K, w0, w1, s0 + r, s1 + r); break;
+    default: break;
+  }
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// act [n, I] columns [j0, j1) = silu(x W_gate^T) * (x W_up^T) for one expert's
+// n rows x [n, H]; w13 its [2I, H] weight.
+template <typename W>
+void gate_up_block(const float* x, int64_t n, int64_t H, const W* w13, int64_t I, float* act,
+                   int64_t j0, int64_t j1) {
+  float g[kStreamMaxRows], u[kStreamMaxRows];
+  for (int64_t j = j0; j < j1; ++j) {
+    dot2_rows(x, n, H, w13 + j * H, w13 + (I + j) * H, g, u);
+    for (int64_t r = 0; r < n; ++r) act[r * I + j] = silu(g[r]) * u[r];
+  }
+}
+
+// y [n, H] columns [j0, j1) = act W_down^T for one expert; w2 its [H, I] weight.
+template <typename W>
+void down_block(const float* act, int64_t n, int64_t I, const W* w2, int64_t H, float* y,
+                int64_t j0, int64_t j1) {
+  float a[kStreamMaxRows], b[kStreamMaxRows];
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2) {
+    dot2_rows(act, n, I, w2 + j * I, w2 + (j + 1) * I, a, b);
+    for (int64_t r = 0; r < n; ++r) {
+      y[r * H + j] = a[r];
+      y[r * H + j + 1] = b[r];
+    }
+  }
+  if (j < j1) {  // an odd last column: its row twice, the second result dropped
+    dot2_rows(act, n, I, w2 + j * I, w2 + j * I, a, b);
+    for (int64_t r = 0; r < n; ++r) y[r * H + j] = a[r];
+  }
+}
+
+// The streaming experts' items: (expert, block) pairs, blocks of kBlock columns.
+struct Item {
+  int64_t expert, j0, j1;
+};
+
+std::vector<Item> stream_items(const Groups& g, int64_t E, int64_t cols) {
+  std::vector<Item> items;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0 || n > kStreamMaxRows) continue;
+    for (int64_t j = 0; j < cols; j += kBlock) items.push_back({e, j, std::min(cols, j + kBlock)});
+  }
+  return items;
+}
+
+template <typename W>
+void expert_products(const at::Tensor& xs, const Groups& g, const at::Tensor& w13,
+                     const at::Tensor& w2, at::Tensor& act, at::Tensor& ys) {
+  const int64_t E = w13.size(0), H = w13.size(2), I = w2.size(2);
+  const W* w13p = w13.data_ptr<W>();
+  const W* w2p = w2.data_ptr<W>();
+  float* xp = xs.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  float* yp = ys.data_ptr<float>();
+  // Experts with many rows: ATen's (multi-threaded) GEMM, one expert at a time.
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t s = g.start[e], n = g.start[e + 1] - s;
+    if (n <= kStreamMaxRows) continue;
+    auto x = xs.narrow(0, s, n);
+    auto h = at::matmul(x.to(w13.scalar_type()), w13[e].t()).to(at::kFloat);
+    act.narrow(0, s, n).copy_(silu_and_mul(h));
+    ys.narrow(0, s, n).copy_(at::matmul(act.narrow(0, s, n).to(w2.scalar_type()), w2[e].t()));
+  }
+  // The rest: the streaming kernel, threads over (expert, column block) items.
+  // Dynamic scheduling: experts get different row counts, and on a shared
+  // machine a thread that is descheduled leaves its items to the others
+  // instead of holding everyone at the end of a static split.
+  const auto up_items = stream_items(g, E, I), down_items = stream_items(g, E, H);
+  const int64_t n_up = up_items.size(), n_down = down_items.size();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_up; ++i) {
+      const Item& it = up_items[i];
+      const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
+      gate_up_block(xp + s * H, n, H, w13p + it.expert * 2 * I * H, I, ap + s * I, it.j0, it.j1);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_down; ++i) {
+      const Item& it = down_items[i];
+      const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
+      down_block(ap + s * I, n, I, w2p + it.expert * H * I, H, yp + s * H, it.j0, it.j1);
+    }
+  }
+}
+#endif  // MINIVLLM_VEC
+
+template <typename T>
+void gather_rows(const at::Tensor& hidden, const Groups& g, float* xs, int64_t H) {
+  const T* h = hidden.data_ptr<T>();
+  at::parallel_for(0, static_cast<int64_t>(g.token.size()), 16, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t c = 0; c < H; ++c) xs[p * H + c] = to_float(h[g.token[p] * H + c]);
+  });
+}
+
+// out[t] = sum over t's pairs of weight * ys[pair] (pairs of other ranks: nothing).
+template <typename T>
+void combine(const float* ys, const float* weights, const Groups& g, int64_t T_, int64_t k,
+             int64_t H, T* out) {
+  at::parallel_for(0, T_, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> acc(H);
+    for (int64_t t = b; t < e; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t p = g.pos[t * k + j];
+        if (p < 0) continue;
+        const float w = weights[t * k + j];
+        for (int64_t c = 0; c < H; ++c) acc[c] += w * ys[p * H + c];
+      }
+      for (int64_t c = 0; c < H; ++c) out[t * H + c] = from_float<T>(acc[c]);
+    }
+  });
+}
+
+}  // namespace
+
+bool moe_expert_sum_available() {
+#ifdef MINIVLLM_VEC
+  return true;
+#else
+  return false;
+#endif
+}
+
+// hidden [T, H]; w13 [E, 2I, H] and w2 [E, H, I] contiguous, of one dtype
+// (float32, bfloat16 or float16); topk_ids [T, k] (an id outside [0, E): not
+// this rank's); topk_weights [T, k] float32. Returns [T, H] in hidden's dtype.
+at::Tensor moe_expert_sum(at::Tensor hidden, at::Tensor w13, at::Tensor w2, at::Tensor topk_ids,
+                          at::Tensor topk_weights) {
+  check_cpu(hidden, "moe_expert_sum", "hidden");
+  TORCH_CHECK(moe_expert_sum_available(), "moe_expert_sum: this build has neither AVX-512 nor "
+              "AVX2 + FMA");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous() &&
+                  w13.scalar_type() == w2.scalar_type() && w2.size(0) == w13.size(0) &&
+                  w13.size(1) == 2 * w2.size(2) && w2.size(1) == w13.size(2),
+              "moe_expert_sum: w13 must be [E, 2I, H] and w2 [E, H, I], contiguous, one dtype; "
+              "got ", w13.sizes(), " and ", w2.sizes());
+  const auto wtype = w13.scalar_type();
+  TORCH_CHECK(wtype == at::kFloat || wtype == at::kBFloat16 || wtype == at::kHalf,
+              "moe_expert_sum: experts must be float32, bfloat16 or float16, got ", wtype);
+  const int64_t T = hidden.size(0), H = w13.size(2), I = w2.size(2), E = w13.size(0);
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == H, "moe_expert_sum: hidden must be [T, ",
+              H, "], got ", hidden.sizes());
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                  topk_weights.sizes() == topk_ids.sizes() &&
+                  topk_weights.scalar_type() == at::kFloat,
+              "moe_expert_sum: topk_ids and topk_weights (float32) must be [", T, ", k], got ",
+              topk_ids.sizes(), " and ", topk_weights.scalar_type(), " ", topk_weights.sizes());
+  hidden = hidden.contiguous();
+  auto ids = topk_ids.to(at::kLong).contiguous();
+  auto weights = topk_weights.contiguous();
+  const int64_t k = ids.size(1);
+  const Groups g = group_pairs(ids.data_ptr<int64_t>(), T, k, E);
+  const int64_t P = g.start[E];
+  auto fopts = hidden.options().dtype(at::kFloat);
+  auto xs = at::empty({P, H}, fopts), act = at::empty({P, I}, fopts), ys = at::empty({P, H}, fopts);
+  auto out = at::empty({T, H}, hidden.options());
+#ifdef MINIVLLM_VEC
+  const auto htype = hidden.scalar_type();
+  TORCH_CHECK(htype == at::kFloat || htype == at::kBFloat16 || htype == at::kHalf,
+              "moe_expert_sum: hidden must be float32, bfloat16 or float16, got ", htype);
+  if (htype == at::kFloat) gather_rows<float>(hidden, g, xs.data_ptr<float>(), H);
+  else if (htype == at::kBFloat16) gather_rows<c10::BFloat16>(hidden, g, xs.data_ptr<float>(), H);
+  else gather_rows<c10::Half>(hidden, g, xs.data_ptr<float>(), H);
+  if (wtype == at::kFloat) expert_products<float>(xs, g, w13, w2, act, ys);
+  else if (wtype == at::kBFloat16) expert_products<c10::BFloat16>(xs, g, w13, w2, act, ys);
+  else expert_products<c10::Half>(xs, g, w13, w2, act, ys);
+  const float* yp = ys.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  if (htype == at::kFloat) combine(yp, wp, g, T, k, H, out.data_ptr<float>());
+  else if (htype == at::kBFloat16) combine(yp, wp, g, T, k, H, out.data_ptr<c10::BFloat16>());
+  else combine(yp, wp, g, T, k, H, out.data_ptr<c10::Half>());
+#endif
+  return out;
+}
+
+}  // namespace minivllm
+
+TORCH_LIBRARY_FRAGMENT(minivllm, m) {
+  m.def("moe_expert_sum_available() -> bool");
+  m.def("moe_expert_sum(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_ids, "
+        "Tensor topk_weights) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
+  m.impl("moe_expert_sum", &minivllm::moe_expert_sum);
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CompositeExplicitAutograd, m) {
+  m.impl("moe_expert_sum_available", &minivllm::moe_expert_sum_available);
+}
