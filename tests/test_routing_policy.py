@@ -170,7 +170,7 @@ def test_the_fleet_validation_s_default_workload_keeps_kv_aware_s_lead_over_arri
 
     p = argparse.ArgumentParser()
     validate.add_cli_args(p)
-    args = p.parse_args(["--fleet", "--plan", "--host-cores", "2"])
+    args = p.parse_args(["--fleet", "--plan", "--host-cores", "2", "--quantization", "none"])
     # One replica's thread on this kind of CPU, roughly as calibrated (virtual time).
     hw = Hardware("cpu1", 2.3e11, 4e10, 2.4e10, 4e10, flops_efficiency=0.7,
                   bandwidth_efficiency=0.5, step_overhead_s=7.5e-3, per_seq_overhead_s=2e-3,
