@@ -903,10 +903,10 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 # | 256 | 825 ms | 167 ms | 4.9x |
 # | 1,357 (the benchmark's prefill) | 16.9 s | 4.5 s | 3.7x |
 #
-# The whole benchmark (`bench throughput` above) gave minivllm 2.52x Hugging Face's
-# `generate` in its one complete pair of repeats (6.8 against 2.7 output tokens/s, on an
-# overloaded shared machine: an indication, not a measurement; the record has the
-# details and what is left).
+# The whole benchmark (`bench throughput` above, 32 requests x 128 tokens, float32, on a
+# quiet 2-core AMD EPYC Zen 3) gives minivllm **2.18x** Hugging Face's `generate` (184
+# against 85 output tokens/s; 51.5 % of the bandwidth roofline against 23.6 %): short of
+# the 3x the MoE work aimed at. figures/records/moe.md has the run and what is left.
 #
 # A decode step's few rows per expert make the product a stream over the expert's
 # weights: each weight row is read once and dotted with all of its rows, so the step

@@ -38,6 +38,9 @@ With two threads on that loaded machine every parallel kernel call waited for a
 descheduled thread (Llama 90 ms, Gemma 3 3.5x, DeepSeek 6.4x, the Llama's
 one-call replay waiting least): the 2-thread ratio wants a quiet machine,
 ``OMP_NUM_THREADS=2 python -m minivllm.lab.bench.hybrid_decode``.
+Quiet (nothing else running, 5 December 2026, runs of 7-11 rounds): one thread,
+Gemma 3 1.21x and DeepSeek 1.48x; two threads, Gemma 3 1.50-1.66x and DeepSeek
+1.54-1.68x (2.28-2.41x with the grouped-heads kernel, checkout e278c46, same runs).
 
 ``--kernels`` times MLA's decode attention alone, one layer's worth (CPU time on
 one thread, wall time on more; alternated, medians); ``OMP_NUM_THREADS=1 ... --kernels`` on that machine::
