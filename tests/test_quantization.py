@@ -102,6 +102,44 @@ def test_tensor_parallel_refuses_a_split_inside_a_block(monkeypatch):
         row.load_quantized(qt("Q4_K", 16, 256, 4))
 
 
+def _same_tensors(path):
+    from minivllm.model.gguf_tensors import read_tensors
+
+    ours, theirs = read_tensors(path), gguf.GGUFReader(str(path)).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for a, b in zip(ours, theirs):
+        assert a.tensor_type == b.tensor_type and a.dims == [int(n) for n in b.shape], a.name
+        assert np.array_equal(a.data, np.asarray(b.data).view(np.uint8).ravel()), a.name
+    return ours
+
+
+def test_the_header_reader_finds_the_tensors_gguf_s_reader_finds(tmp_path):
+    """``read_tensors`` skips the metadata by its lengths (the gguf package's reader
+    parses it all, seconds for a vocabulary): the same names, types, shapes and bytes
+    as ``gguf.GGUFReader``, on a file with every kind of metadata value (nested string
+    arrays, a 64-byte alignment) and on the default file."""
+    from minivllm.model.resolve import default_gguf_path
+
+    path = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_array("test.strings", ["a", "bc", ""])
+    writer.add_array("test.nested", [["x", "yz"], ["w"]])
+    writer.add_array("test.ints", [1, 2, 3])
+    writer.add_float32("test.f", 0.5)
+    writer.add_bool("test.b", True)
+    writer.add_string("test.s", "text")
+    writer.add_tensor("output_norm.weight", np.arange(5, dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_down.weight", random_blocks("Q8_0", 3, 64),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert [t.dims for t in _same_tensors(path)] == [[5], [64, 3]]
+    assert {"Q4_1", "Q8_0"} <= {t.tensor_type.name for t in _same_tensors(default_gguf_path())}
+
+
 def test_unsupported_tensor_type_is_refused_naming_tensor_and_type(tmp_path):
     from minivllm.model.gguf_tensors import iterate_gguf
 

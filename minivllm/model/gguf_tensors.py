@@ -4,7 +4,9 @@ dequantizes the same into a folder); ``unpermute`` undoes llama.cpp's row order 
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +43,75 @@ def unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+class GGUFTensor(NamedTuple):
+    name: str
+    dims: list[int]  # GGUF's order: columns first
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data: np.ndarray  # its bytes in the file (uint8, memory-mapped)
+
+
+# GGUF's metadata value types: 8 a string, 9 an array, the others scalars of these sizes.
+_STRING, _ARRAY = 8, 9
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _string(buf, off: int) -> tuple[bytes, int]:
+    (n,) = struct.unpack_from("<Q", buf, off)
+    return bytes(buf[off + 8:off + 8 + n]), off + 8 + n
+
+
+def _skip_value(buf, off: int, vtype: int) -> int:
+    if vtype == _STRING:
+        return _string(buf, off)[1]
+    if vtype != _ARRAY:
+        return off + _SCALAR_BYTES[vtype]
+    item, count = struct.unpack_from("<IQ", buf, off)
+    off += 12
+    if item in _SCALAR_BYTES:
+        return off + count * _SCALAR_BYTES[item]
+    for _ in range(count):
+        off = _skip_value(buf, off, item)
+    return off
+
+
+def read_tensors(gguf_path: Path) -> list[GGUFTensor]:
+    """The file's tensors, from its header's tensor infos (GGUF v2/v3, little-endian).
+    ``gguf.GGUFReader`` would also turn every metadata value into numpy views: the
+    default file's 98k vocabulary and merge strings take it seconds (most of a load),
+    where skipping them by their lengths takes milliseconds. Metadata is read by
+    ``gguf_convert`` (once per file), not here."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    buf = np.memmap(gguf_path, mode="r")
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{gguf_path}: not a little-endian GGUF v2/v3 file "
+                         f"(magic {magic!r}, version {version})")
+    off, alignment = 24, 32
+    for _ in range(n_kv):
+        key, off = _string(buf, off)
+        (vtype,) = struct.unpack_from("<I", buf, off)
+        if key == b"general.alignment":
+            (alignment,) = struct.unpack_from("<I", buf, off + 4)
+        off = _skip_value(buf, off + 4, vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name, off = _string(buf, off)
+        (n_dims,) = struct.unpack_from("<I", buf, off)
+        dims = list(struct.unpack_from(f"<{n_dims}Q", buf, off + 4))
+        ttype, start = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+        off += 4 + 8 * n_dims + 12
+        infos.append((name.decode(), dims, GGMLQuantizationType(ttype), start))
+    data_start = -(-off // alignment) * alignment  # the tensor data is aligned
+    tensors = []
+    for name, dims, ttype, start in infos:
+        block, size = GGML_QUANT_SIZES[ttype]
+        first = data_start + start
+        tensors.append(GGUFTensor(name, dims, ttype,
+                                  buf[first:first + int(np.prod(dims)) // block * size]))
+    return tensors
+
+
 def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
     """The GGUF's tensors as they ship (Hugging Face names): matrices as
     ``QuantizedTensor`` blocks, vectors (the norms) as float32 tensors. A matrix of
@@ -49,10 +120,9 @@ def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
 
     from minivllm.model.layers.quantization import BLOCK_TYPES, QuantizedTensor
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    for t in reader.tensors:
+    for t in read_tensors(gguf_path):
         qtype = t.tensor_type.name
-        shape = [int(n) for n in reversed(t.shape.tolist())]
+        shape = list(reversed(t.dims))
         if len(shape) == 1:
             array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
             yield hf_tensor_name(t.name), torch.from_numpy(array.reshape(shape))
@@ -62,7 +132,7 @@ def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
                 f"GGUF tensor {t.name!r} has type {qtype}: quantization='gguf' computes on "
                 f"{', '.join(BLOCK_TYPES)}; load this file with quantization=None "
                 f"(dequantized to float at load) instead")
-        data = np.asarray(t.data).reshape(shape[0], -1)
+        data = t.data.reshape(shape[0], -1)
         if t.name.endswith("attn_q.weight"):  # whole rows move: the blocks stay intact
             data = unpermute(data, num_heads)
         elif t.name.endswith("attn_k.weight"):
@@ -72,4 +142,4 @@ def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
                                                       shape[1])
 
 
-__all__ = ["hf_tensor_name", "unpermute", "iterate_gguf"]
+__all__ = ["GGUFTensor", "hf_tensor_name", "unpermute", "read_tensors", "iterate_gguf"]

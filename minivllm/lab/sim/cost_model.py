@@ -270,10 +270,10 @@ def _weight_bytes_per_param(m: ModelConfig) -> float:
         from minivllm.model.layers.quantization import BLOCK_TYPES
 
         return BLOCK_TYPES["Q8_0"].type_size / BLOCK_TYPES["Q8_0"].block_size
-    import gguf
+    from minivllm.model.gguf_tensors import read_tensors
 
-    matrices = [t for t in gguf.GGUFReader(str(m.gguf_file)).tensors if len(t.shape) > 1]
-    return sum(int(t.n_bytes) for t in matrices) / sum(int(t.n_elements) for t in matrices)
+    matrices = [t for t in read_tensors(m.gguf_file) if len(t.dims) > 1]
+    return sum(t.data.size for t in matrices) / sum(int(np.prod(t.dims)) for t in matrices)
 
 
 def _element_size(m: ModelConfig) -> int:
