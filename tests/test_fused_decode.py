@@ -159,14 +159,63 @@ def test_fused_decode_logits_match_the_lm_head_bitwise(tiny_model, batch):
     rows = torch.arange(batch)
     with torch.inference_mode():
         assert fused.accepts(ids, meta, rows)
-        assert not fused.accepts(ids, meta, rows[:-1])  # a row that does not sample
         got = fused(ids, pos, meta)
-        expected = model.compute_logits(inner(ids, pos, meta))
+        hidden = inner(ids, pos, meta)
+        expected = model.compute_logits(hidden)
         step = runner.forward(StepInputs(ids, pos, meta, rows))  # the runner replays it
+        # A row that does not sample: the head runs after the call, on the others.
+        some = rows[batch // 2:]
+        assert fused.accepts(ids, meta, some)
+        logits_of_some = fused(ids, pos, meta, None, some)
     assert got.shape == (batch, model.config.vocab_size)
     assert torch.equal(got, expected)
     assert torch.equal(step, expected)
-    assert fused.steps == 2
+    assert torch.equal(logits_of_some, model.compute_logits(hidden[some]))
+    assert fused.steps == 3
+
+
+@pytest.mark.parametrize("quantization", [None, "q8_0"])
+def test_a_few_new_tokens_after_context_replay_as_the_python_layers_compute_them(
+        tiny_model, quantization):
+    """Chunks of at most MAX_DECODE_QUERY tokens after cached context (a prompt fed 6
+    tokens a step here; a beam's recomputed block over the prefix cache) are replayed,
+    each new token a decode row of its own; the Python layers' attention takes such
+    tokens as decode rows too, so tokens and logprobs are identical with and without
+    the replay, and the beams are the same."""
+    from minivllm import BeamSearchParams
+
+    llm = LLM(tiny_model("llama", tie_word_embeddings=False), quantization=quantization,
+              block_size=4, max_num_batched_tokens=6, max_num_seqs=4)
+    runner = _runner(llm)
+    fused = runner.decode_replay
+    assert fused is not None, runner.decode_replay_problem
+    prompts = [[(5 * i + j) % 200 + 3 for j in range(17)] for i in range(2)]
+    beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    got = _generate(llm, prompts), [b.sequences for b in llm.beam_search(
+        [{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}], beams)]
+    assert fused.multi_token_steps >= 4  # the chunks and the beams' steps went through C++
+    runner.decode_replay = None
+    llm.reset_prefix_cache()
+    want = _generate(llm, prompts), [b.sequences for b in llm.beam_search(
+        [{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}], beams)]
+    assert got[0] == want[0]
+    assert [[(b.tokens, b.cum_logprob) for b in s] for s in got[1]] == [
+        [(b.tokens, b.cum_logprob) for b in s] for s in want[1]]
+
+
+def test_a_chunk_longer_than_the_decode_rows_is_not_replayed(tiny_model):
+    from minivllm.cpu.attention import MAX_DECODE_QUERY
+    from minivllm.model.attention import AttentionMetadata
+
+    fused = _runner(LLM(tiny_model("llama"))).decode_replay
+    for n, accepted in ((MAX_DECODE_QUERY, True), (MAX_DECODE_QUERY + 1, False)):
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([n + 3], dtype=torch.int32),
+            slot_mapping=torch.arange(3, n + 3), block_tables=torch.arange(
+                (n + 3 + 15) // 16, dtype=torch.int32)[None], max_query_len=n,
+            max_seq_len=n + 3, query_start_loc_cpu=[0, n], seq_lens_cpu=[n + 3])
+        assert fused.accepts(torch.arange(n), meta, torch.tensor([n - 1])) == accepted
 
 
 @pytest.mark.parametrize("batch", [1, 5])  # matvec; the panel GEMM

@@ -11,8 +11,12 @@ and plans each step once instead of once per layer:
   in place, through the block tables. In PyTorch a decode step must first
   copy every sequence's keys and values out of the paged cache into a padded
   batch, and on a CPU, where decode is limited by memory traffic, that copy
-  costs more than the attention itself.
-- **prefill** rows (several new tokens) are padded into batches of similar
+  costs more than the attention itself. A few new tokens after cached ones
+  (at most ``MAX_DECODE_QUERY``: a speculative verify step, a beam's
+  recomputed block) are decode rows too, one per token, each seeing the keys
+  up to its own position: the same kernel the decode-step replay
+  (``fused_decode.py``) runs for them, so the two agree bit for bit.
+- **prefill** rows (longer runs of new tokens) are padded into batches of similar
   length, one ``scaled_dot_product_attention`` call each; a prompt with no
   cached context attends to its fresh K/V, a chunk after cached tokens reads
   its context through the block table.
@@ -44,6 +48,10 @@ from minivllm.model.attention.backend import AttentionBackend, AttentionMetadata
 # Plans kept: one per KV cache group of a step (a few), and the next step's
 # metadata is always new, so the oldest plan is never needed again.
 MAX_PLANS = 8
+# New tokens after cached context that still go to the decode kernel, one row each
+# (a block's worth: a beam's recomputed block, k drafts + 1); each row reads its
+# sequence's context once, which longer chunks of a prompt should not pay.
+MAX_DECODE_QUERY = 16
 # A prefill batch may cost at most this many times the attention work of its
 # sequences unpadded (plus a small allowance), or it is split.
 MAX_PADDING_FACTOR = 2.0
@@ -57,11 +65,7 @@ PADDING_ALLOWANCE = 4096
 @dataclass
 class DecodePlan:
     token_idx: Optional[torch.Tensor]  # [B] rows of the flat batch; None: all rows, in order
-    kv_len: int  # L: keys gathered per sequence (the longest one's, block-rounded)
-    kv_rows: torch.Tensor  # [B * Hkv * L] rows of the cache viewed as [-1, head_dim]
-    mask: torch.Tensor  # [B, 1, 1, L] additive: 0 where key position < seq_len, else -inf
-    # The decode sequences' own rows of the metadata (for kernels that read the
-    # cache through the block tables themselves).
+    # Each decode row's block table and the keys it sees (its position + 1).
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32
     sliding_window: int = 0  # 0: every cached key; else the last that many positions
@@ -98,7 +102,7 @@ def plan_step(meta: AttentionMetadata, block_size: int, num_kv_heads: int,
     """Sort the step's sequences into one decode batch and padded prefill batches."""
     starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
-    decode_rows: list[int] = []
+    decode_rows: list[tuple[int, int, int]] = []  # (seq index, row, keys it sees)
     fresh: list[tuple[int, int, int]] = []  # (seq index, first row, query length)
     chunks: list[tuple[int, int, int]] = []
     for i, seq_len in enumerate(seq_lens):
@@ -107,12 +111,12 @@ def plan_step(meta: AttentionMetadata, block_size: int, num_kv_heads: int,
             continue
         if q_len == seq_len:
             fresh.append((i, lo, q_len))
-        elif q_len == 1:
-            decode_rows.append(i)
+        elif q_len <= MAX_DECODE_QUERY:
+            decode_rows += [(i, lo + j, seq_len - q_len + j + 1) for j in range(q_len)]
         else:
             chunks.append((i, lo, q_len))
     shape = _Shape(block_size, num_kv_heads, dtype, device, meta.sliding_window or 0)
-    decode = _plan_decode(meta, decode_rows, starts, seq_lens, shape) if decode_rows else None
+    decode = _plan_decode(meta, decode_rows, shape) if decode_rows else None
     prefills = [_plan_prefill(meta, group, seq_lens, False, shape)
                 for group in _group_by_length(fresh, seq_lens)]
     prefills += [_plan_prefill(meta, group, seq_lens, True, shape)
@@ -154,22 +158,16 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~allowed, float("-inf"))
 
 
-def _plan_decode(meta, seqs, starts, seq_lens, shape: _Shape) -> DecodePlan:
-    lens = [seq_lens[i] for i in seqs]
-    num_blocks = (max(lens) + shape.block_size - 1) // shape.block_size
-    kv_len = num_blocks * shape.block_size
-    in_order = len(seqs) == len(seq_lens) and all(starts[i] == i for i in seqs)
-    kv_rows = head_major_rows(_cache_rows(meta, seqs, num_blocks, shape), shape.num_kv_heads)
-    key_pos = torch.arange(kv_len, device=shape.device)
-    allowed = key_pos[None, :] < torch.tensor(lens, device=shape.device)[:, None]
-    if in_order:
-        token_idx, tables, lens_t = None, meta.block_tables, meta.seq_lens
-    else:
-        token_idx = torch.tensor([starts[i] for i in seqs], device=shape.device)
-        rows = torch.tensor(seqs, device=shape.device)
-        tables, lens_t = meta.block_tables[rows], meta.seq_lens[rows]
-    return DecodePlan(token_idx, kv_len, kv_rows, _additive(allowed, shape.dtype)[:, None, None],
-                      tables.to(torch.int32), lens_t.to(torch.int32), shape.window)
+def _plan_decode(meta, rows: list[tuple[int, int, int]], shape: _Shape) -> DecodePlan:
+    """Decode rows (sequence, row of the flat batch, keys it sees) -> their plan."""
+    if len(rows) == meta.num_tokens == meta.num_seqs:  # a pure decode step, in order
+        return DecodePlan(None, meta.block_tables.to(torch.int32),
+                          meta.seq_lens.to(torch.int32), shape.window)
+    seqs = torch.tensor([i for i, _, _ in rows], device=shape.device)
+    return DecodePlan(torch.tensor([r for _, r, _ in rows], device=shape.device),
+                      meta.block_tables[seqs].to(torch.int32),
+                      torch.tensor([n for _, _, n in rows], dtype=torch.int32,
+                                   device=shape.device), shape.window)
 
 
 def _group_by_length(seqs: list[tuple[int, int, int]], seq_lens: list[int]

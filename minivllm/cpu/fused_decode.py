@@ -26,12 +26,21 @@ type a layer) join the loop with their blocks: their products are
 ``gguf_gemm.cpp``'s kernels, as ``CpuQuantizedLinearMethod`` calls them, so
 the tokens are those of the quantized layers.
 
+A step in which every sequence brings a few new tokens after its cached context
+(a speculative verify step: the drafts and the token before them; a beam's
+partly filled last block, recomputed over the prefix cache) is replayed too:
+each new token becomes a one-token sequence over its sequence's block table
+that sees the keys up to its own position. Every layer writes all the step's
+keys before any attention reads them, so a token sees the new tokens before
+it, as causal attention does.
+
 The runner replays a step only when that equality holds: CPU float32 or
 bfloat16 weights packed (``prepack.py``) or quantized, one rank, no q/k norm, the ``cpu``
-attention backend, and a pure decode step (one new token per sequence, all
-of them sampled). Everything else — prefill, mixed steps, tensor
-parallelism — runs the model. The weights are captured when it is built;
-if the layers are repacked later it notices and stands aside.
+attention backend, and a decode step (one new token per sequence) or at most
+``MAX_DECODE_QUERY`` new tokens per sequence each after cached context (the
+CPU attention's decode rows). Everything else — prompts, longer chunks, tensor
+parallelism — runs the model. The weights are captured when it is built; if
+the layers are repacked later it notices and stands aside.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from torch import nn
 
 from minivllm import envs
 from minivllm.cpu import _custom_ops as ops
+from minivllm.cpu.attention import MAX_DECODE_QUERY
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.cpu.quantized import CpuQuantizedLinearMethod
 from minivllm.model.attention import AttentionMetadata
@@ -165,6 +175,26 @@ def _is_pure_prefill(meta: AttentionMetadata) -> bool:
     return all(q[i + 1] - q[i] == s for i, s in enumerate(meta.seq_lens_cpu))
 
 
+def _all_after_context(meta: AttentionMetadata) -> bool:
+    """Every sequence's new tokens follow cached context, at most MAX_DECODE_QUERY of
+    them: the Python layers' attention takes them as decode rows too."""
+    q = meta.query_start_loc_cpu
+    return meta.max_query_len <= MAX_DECODE_QUERY and all(
+        0 < q[i + 1] - q[i] < s for i, s in enumerate(meta.seq_lens_cpu))
+
+
+def _per_token(meta: AttentionMetadata, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables and lengths with each new token as a sequence of its own: its
+    sequence's table, the keys up to its position."""
+    if meta.max_query_len == 1:
+        return meta.block_tables.to(torch.int32), meta.seq_lens.to(torch.int32)
+    q = meta.query_start_loc_cpu
+    counts = torch.tensor([q[i + 1] - q[i] for i in range(meta.num_seqs)])
+    return (meta.block_tables.to(torch.int32).repeat_interleave(counts, dim=0),
+            (positions + 1).to(torch.int32))
+
+
 class LlamaFusedDecode:
     """Replays a LlamaForCausalLM's pure decode steps through ``llama_decode_forward``."""
 
@@ -181,6 +211,7 @@ class LlamaFusedDecode:
         # right after its product, with the same kernels as the hook.
         self.lora_weights = _lora_tensors(model)
         self.lm_head = causal_lm.lm_head
+        self.compute_logits = causal_lm.compute_logits
         self.head_tensors = _linear_tensors(self.lm_head)
         self.head_packed = getattr(self.lm_head, "packed_weight", None)
         first = model.layers[0].self_attn
@@ -191,28 +222,36 @@ class LlamaFusedDecode:
         self.embed_blocks = _embedding_blocks(model.embed_tokens)
         self.steps = 0  # decode steps replayed (the tests check the path is used)
         self.lora_steps = 0  # of which with LoRA tokens
+        self.multi_token_steps = 0  # of which with several new tokens a sequence
         self._caches: Optional[tuple[list, list]] = None
         self._first_attn = first.attn
 
     def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor, lora: Optional[LoRAMapping] = None) -> bool:
-        """A pure decode step that samples every sequence, with the weights captured
-        (and, for a step with LoRA tokens, every linear's factors)."""
-        # The sampled rows are distinct and in order: as many as tokens means all.
+        """A decode step, or a few new tokens per sequence after cached context, with
+        the weights captured (and, for a step with LoRA tokens, every linear's factors)."""
         # Not a pure prefill: the C++ loop reads every sequence back through its
         # block table, which one-token prompts without cache slots lack
         # (AttentionMetadata.for_prefill); the model attends to them directly.
-        return (meta.max_query_len == 1 and input_ids.shape[0] == meta.num_seqs
-                and logits_indices.numel() == input_ids.shape[0]
-                and meta.seq_lens_cpu is not None and meta.query_start_loc_cpu is not None
-                and not _is_pure_prefill(meta) and self._caches_bound()
+        if meta.seq_lens_cpu is None or meta.query_start_loc_cpu is None:
+            return False
+        shape_ok = (not _is_pure_prefill(meta) if meta.max_query_len == 1
+                    else _all_after_context(meta))
+        return (shape_ok and logits_indices.numel() > 0 and self._caches_bound()
                 and self._weights_current() and (lora is None or bool(self.lora_weights)))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata, lora: Optional[LoRAMapping] = None) -> torch.Tensor:
-        """Every sequence's logits [T, vocab_size] of an accepted step."""
-        return self._run(input_ids, positions, meta, lora,
-                         head=True)[:, :self.lm_head.vocab_size]
+                 meta: AttentionMetadata, lora: Optional[LoRAMapping] = None,
+                 logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The logits [len(logits_indices), vocab_size] of an accepted step (None:
+        every row's)."""
+        # The sampled rows are distinct and in order: as many as tokens means all,
+        # and the LM head runs in the call; else on the sampled rows after it.
+        if logits_indices is None or logits_indices.numel() == input_ids.shape[0]:
+            return self._run(input_ids, positions, meta, lora,
+                             head=True)[:, :self.lm_head.vocab_size]
+        hidden = self._run(input_ids, positions, meta, lora, head=False)
+        return self.compute_logits(hidden[logits_indices])
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata,
@@ -229,9 +268,11 @@ class LlamaFusedDecode:
             hidden = self.model.embed_tokens(input_ids)
         self.steps += 1
         self.lora_steps += lora is not None
+        self.multi_token_steps += meta.max_query_len > 1
+        block_tables, seq_lens = _per_token(meta, positions)
         return ops.llama_decode_forward(
-            hidden, positions, meta.slot_mapping, meta.block_tables.to(torch.int32),
-            meta.seq_lens.to(torch.int32), self.rotary.cos_cache, self.rotary.sin_cache,
+            hidden, positions, meta.slot_mapping, block_tables,
+            seq_lens, self.rotary.cos_cache, self.rotary.sin_cache,
             k_caches, v_caches, self.weights, self.model.norm.weight, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale, PANEL_MAX_ROWS,
             self.head_tensors if head else [],

@@ -28,15 +28,18 @@ if TYPE_CHECKING:
 
 
 class DecodeReplay(Protocol):
-    """A pure decode step run as one call (the CPU path's ``LlamaFusedDecode``)."""
+    """A decode step (or a few new tokens per sequence after its cached context) run
+    as one call (the CPU path's ``LlamaFusedDecode``)."""
 
     def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor, lora: Optional[LoRAMapping] = None) -> bool:
         """Whether this step can be replayed (else the runner runs the model)."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata, lora: Optional[LoRAMapping] = None) -> torch.Tensor:
-        """The logits of every sequence of an accepted step, [num_tokens, vocab_size]."""
+                 meta: AttentionMetadata, lora: Optional[LoRAMapping],
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        """The logits of the sampling rows of an accepted step, [len(logits_indices),
+        vocab_size]."""
 
 
 @runtime_checkable

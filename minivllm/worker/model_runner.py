@@ -282,7 +282,8 @@ class ModelRunner:
         replay = self.decode_replay
         if replay is not None and replay.accepts(inputs.input_ids, inputs.meta,
                                                  inputs.logits_indices, inputs.lora):
-            return replay(inputs.input_ids, inputs.positions, inputs.meta, inputs.lora)
+            return replay(inputs.input_ids, inputs.positions, inputs.meta, inputs.lora,
+                          inputs.logits_indices)
         if self.config.batch_invariant:  # each sequence as if alone
             from minivllm.worker.batch_invariant import forward_each_sequence
 
