@@ -102,13 +102,11 @@ def test_groups_share_one_pool():
 def test_gemma3_matches_transformers(gemma3, gemma3_ref, cpu_kernels):
     llm = LLM(gemma3, block_size=BLOCK, cpu_kernels=cpu_kernels)
     runner = llm.llm_engine.engine_core.executor.runner
-    assert runner.decode_replay is None
-    # The CPU path's attention takes each group's window; the decode-step replay
-    # (a C++ loop over every key) steps aside, saying why.
+    # The CPU path's attention takes each group's window, and so does its
+    # decode-step replay (tests/test_fused_decode_gemma3.py).
     on_cpu_path = cpu_kernels is None and runner.acceleration_problem is None
     assert runner.attn_backend.name == ("cpu" if on_cpu_path else "torch")
-    if on_cpu_path:
-        assert "sliding-window" in runner.decode_replay_problem
+    assert (runner.decode_replay is not None) == on_cpu_path, runner.decode_replay_problem
     assert tokens(llm, PROMPTS) == gemma3_ref
     assert [tokens(llm, [p])[0] for p in PROMPTS] == gemma3_ref  # alone
     assert_all_blocks_free(llm)
@@ -163,14 +161,16 @@ def test_window_blocks_freed_while_running(gemma3):
 @pytest.mark.parametrize("cpu_kernels", [None, False])
 def test_mistral_sliding_window(tiny_model, cpu_kernels):
     """A Llama-style config that sets ``sliding_window``: every layer slides (on the
-    CPU path without the decode-step replay, whose C++ loop has no window)."""
+    CPU path, its decode steps replayed in C++ with the window)."""
     folder = tiny_model("mistral", sliding_window=WINDOW)
     assert json.loads((folder / "config.json").read_text())["sliding_window"] == WINDOW
     llm = LLM(str(folder), block_size=BLOCK, cpu_kernels=cpu_kernels)
-    assert llm.llm_engine.engine_core.executor.runner.decode_replay is None
+    replay = llm.llm_engine.engine_core.executor.runner.decode_replay
+    assert (replay is not None) == (cpu_kernels is None)
     groups = llm.engine_core.kv_cache_manager.coordinator.groups
     assert [type(g.spec) for g in groups] == [SlidingWindowSpec]
     assert tokens(llm, PROMPTS) == hf_greedy(str(folder), PROMPTS)
+    assert replay is None or replay.steps >= MAX_TOKENS - 1
 
 
 # -- prefix caching across groups -------------------------------------------------

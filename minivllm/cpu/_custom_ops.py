@@ -219,6 +219,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _lib().silu_and_mul(x)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gate: gelu(gate, approximate="tanh") * up over x = [gate | up]."""
+    return _lib().gelu_tanh_and_mul(x)
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     _lib().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
@@ -273,15 +278,25 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                          panel_max_rows: int, lm_head=(),
                          lm_head_panel_max_rows: int = 0,
                          gate_up_halves: bool = False, lora_weights=(),
-                         token_lora_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A whole Llama decode step (see ``fused_decode.py``): the final hidden
+                         token_lora_indices: Optional[torch.Tensor] = None,
+                         layer_norms=(), gelu: bool = False, group_tables=(),
+                         group_windows=(), layer_groups=(), ropes=(),
+                         layer_ropes=()) -> torch.Tensor:
+    """A whole Llama-family decode step (see ``fused_decode.py``): the final hidden
     states, or with ``lm_head`` (weight, panels, bias, packed) the logits; with
-    ``lora_weights`` and ``token_lora_indices``, each linear's LoRA delta too."""
+    ``lora_weights`` and ``token_lora_indices``, each linear's LoRA delta too.
+    ``layer_norms`` (q/k norms, Gemma 3's sandwich norms) and ``gelu``: the
+    family's variants; ``group_tables``/``group_windows``/``layer_groups`` and
+    ``ropes``/``layer_ropes``: a hybrid model's per-layer KV cache groups and
+    RoPE tables (llama_decode.cpp says their layout)."""
     return _lib().llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
                                        cos_cache, sin_cache, k_caches, v_caches, weights,
                                        final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
                                        panel_max_rows, list(lm_head), lm_head_panel_max_rows,
-                                       gate_up_halves, list(lora_weights), token_lora_indices)
+                                       gate_up_halves, list(lora_weights), token_lora_indices,
+                                       list(layer_norms), gelu, list(group_tables),
+                                       list(group_windows), list(layer_groups), list(ropes),
+                                       list(layer_ropes))
 
 
 def moe_expert_sum_available() -> bool:

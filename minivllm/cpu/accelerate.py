@@ -68,6 +68,10 @@ class CpuPath:
         """Twins, packed weights and the decode-step replay, once, on the loaded model."""
         self.num_twins = swap_in_twins(model) + swap_in_quantized(model) + swap_in_lora(model)
         self.num_packed = prepack_model(model) if prepack_enabled() else 0
+        if type(model).__name__ == "Gemma3ForCausalLM":  # its norms' and MLPs' twins
+            from minivllm.cpu.gemma3 import swap_in_gemma3
+
+            self.num_twins += swap_in_gemma3(model)
         if hasattr(model, "expert_layers"):  # a mixture of experts: its experts' twin
             from minivllm.cpu.fused_moe import swap_in_moe
 

@@ -1,5 +1,5 @@
-"""A Llama decode step in one C++ call (``csrc/llama_decode.cpp``), replayed by
-the model runner.
+"""A Llama-family decode step in one C++ call (``csrc/llama_decode.cpp``), replayed
+by the model runner: Llama, Mistral, Qwen2, Qwen3 (q/k norm) and Gemma 3.
 
 In eager PyTorch every operator of a decode step costs twice on a CPU: the
 kernel, and the Python around it (the module call, the argument checks, the
@@ -27,20 +27,36 @@ type a layer) join the loop with their blocks: their products are
 the tokens are those of the quantized layers.
 
 A step in which every sequence brings a few new tokens after its cached context
-(a speculative verify step: the drafts and the token before them; a beam's
-partly filled last block, recomputed over the prefix cache) is replayed too:
-each new token becomes a one-token sequence over its sequence's block table
-that sees the keys up to its own position. Every layer writes all the step's
-keys before any attention reads them, so a token sees the new tokens before
-it, as causal attention does.
+(a beam's partly filled last block, recomputed over the prefix cache; the tail of
+a chunked prompt) is replayed too: each new token becomes a one-token sequence
+over its sequence's block table that sees the keys up to its own position.
+Every layer writes all the step's keys before any attention reads them, so a
+token sees the new tokens before it, as causal attention does.
+
+The family's variants run in the same loop. Qwen3's q/k norm: each head of q
+and k normed before RoPE, by the RMSNorm kernel over rows of head_dim (the
+layers' twin, ``layers.CpuHeadRMSNorm``, does the same). Gemma 3 (a hybrid:
+sliding-window and global layers): its (1 + w) norms with 1 + w folded into a
+float32 weight for the same kernel (``cpu/gemma3.py``'s twins, float32 only),
+its q/k norms, its sandwich norms (each sublayer's output normed before the
+residual add), GeGLU (``gelu_tanh_and_mul``, the twin's kernel too), the
+embedding's scale and the final logits' soft cap (here, in Python, with the
+model's operators), a RoPE table per layer kind, and its KV cache groups: each
+layer reads and writes its group's block table and slots, a sliding group's
+layers only the window's keys (``worker/kv_cache_groups.py`` makes a metadata per
+group). The replay's numbers are the twins' Python layers', bit for bit; the
+twins' against the reference layers (``cpu_kernels=False``) differ by float32
+rounding.
 
 The runner replays a step only when that equality holds: CPU float32 or
-bfloat16 weights packed (``prepack.py``) or quantized, one rank, no q/k norm, the ``cpu``
-attention backend, and a decode step (one new token per sequence) or at most
-``MAX_DECODE_QUERY`` new tokens per sequence each after cached context (the
-CPU attention's decode rows). Everything else — prompts, longer chunks, tensor
-parallelism — runs the model. The weights are captured when it is built; if
-the layers are repacked later it notices and stands aside.
+bfloat16 weights packed (``prepack.py``) or quantized, one rank, every norm and
+MLP on its kernel twin (so not Gemma 3 in bfloat16), attention layers of the
+full and sliding kinds, the ``cpu`` attention backend, and a decode step (one
+new token per sequence) or at most ``MAX_DECODE_QUERY`` new tokens per sequence
+each after cached context (the CPU attention's decode rows). Everything else —
+prompts, longer chunks, tensor parallelism, mixtures of experts, latent
+attention, linear attention — runs the model. The weights are captured when it
+is built; if the layers are repacked later it notices and stands aside.
 """
 
 from __future__ import annotations
@@ -93,9 +109,38 @@ def _linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
     """One decoder layer's tensors in the order llama_decode.cpp reads them."""
     attn, mlp = layer.self_attn, layer.mlp
-    return ([layer.input_layernorm.weight] + _linear_tensors(attn.qkv_proj)
-            + _linear_tensors(attn.o_proj) + [layer.post_attention_layernorm.weight]
+    return ([layer.input_layernorm.kernel_weight()] + _linear_tensors(attn.qkv_proj)
+            + _linear_tensors(attn.o_proj) + [layer.post_attention_layernorm.kernel_weight()]
             + _linear_tensors(mlp.gate_up_proj) + _linear_tensors(mlp.down_proj))
+
+
+# The norms a layer may have besides input_layernorm and post_attention_layernorm,
+# in llama_decode.cpp's layer_norms order: q/k norm (Qwen3, Gemma 3), then Gemma 3's
+# sandwich norms around the MLP.
+_HEAD_NORMS = ("q_norm", "k_norm")
+_SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def _layer_norms(layer: nn.Module) -> list[torch.Tensor]:
+    """A layer's q/k norms (none, or q and k) and sandwich norms, as the kernel's weights."""
+    attn = layer.self_attn
+    if attn.q_norm is None:
+        return []
+    out = [attn.q_norm.kernel_weight(), attn.k_norm.kernel_weight()]
+    if hasattr(layer, _SANDWICH_NORMS[0]):
+        out += [getattr(layer, name).kernel_weight() for name in _SANDWICH_NORMS]
+    return out
+
+
+def _norms(model: nn.Module) -> dict[str, nn.Module]:
+    """Every RMSNorm the C++ loop runs, by name."""
+    out = {"norm": model.norm}
+    names = ("input_layernorm", "post_attention_layernorm") + _SANDWICH_NORMS
+    for i, layer in enumerate(model.layers):
+        out.update({f"layers.{i}.{n}": getattr(layer, n) for n in names if hasattr(layer, n)})
+        out.update({f"layers.{i}.self_attn.{n}": getattr(layer.self_attn, n)
+                    for n in _HEAD_NORMS if getattr(layer.self_attn, n, None) is not None})
+    return out
 
 
 def _embedding_blocks(embed: nn.Module) -> Optional[tuple[torch.Tensor, int, int]]:
@@ -129,8 +174,10 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
     if not fused_decode_enabled():
         return f"turned off by {ENV_SWITCH}=0"
     model = causal_lm.model
-    if getattr(getattr(causal_lm, "config", None), "layer_types", None) is not None:
-        return "sliding-window layers are not in the C++ loop (it attends over every key)"
+    kinds = set(getattr(getattr(causal_lm, "config", None), "layer_types", None) or ())
+    if kinds - _ATTENTION_KINDS:
+        return (f"layers of kinds {sorted(kinds - _ATTENTION_KINDS)} are not in the C++ loop "
+                f"(it takes {sorted(_ATTENTION_KINDS)})")
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
         return "mixture-of-experts layers are not in the C++ loop (cpu/fused_moe.py)"
     first = model.layers[0]
@@ -149,8 +196,15 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
         return "not on the CPU"
     if tp_size() != 1:
         return "tensor parallelism (the C++ loop has no all-reduce)"
-    if first.self_attn.q_norm is not None:
-        return "q/k norm (Qwen3) is not in the C++ loop"
+    untwinned = {name: norm for name, norm in _norms(model).items()
+                 if not hasattr(norm, "kernel_weight")}
+    if untwinned:
+        name, norm = next(iter(untwinned.items()))
+        return (f"norm {name} ({type(norm).__name__}, {norm.weight.dtype}) runs without a "
+                "kernel twin (the C++ loop repeats the twins' arithmetic; cpu/gemma3.py "
+                "twins float32 only)")
+    if not (hasattr(first.mlp, "gelu") or hasattr(first.mlp, "act_fn")):
+        return f"MLP {type(first.mlp).__name__} runs without its kernel twin (cpu/gemma3.py)"
     if first.self_attn.attn.backend.name != "cpu":
         return f"attention backend {first.self_attn.attn.backend.name!r} (needs 'cpu')"
     if first.self_attn.rotary_emb.cos_cache.dtype != torch.float32:
@@ -162,6 +216,11 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
     if len({_halves(layer.mlp.gate_up_proj) for layer in model.layers}) > 1:
         return "gate_up weights packed in two layouts (the C++ loop takes one for all)"
     return ops.build_problem()  # last: it may compile the kernels
+
+
+# Attention layer kinds (config.layer_types) the C++ loop runs: a sliding layer
+# reads its KV cache group's table from its window's first block on.
+_ATTENTION_KINDS = {"full_attention", "sliding_attention"}
 
 
 def _halves(gate_up: nn.Module) -> bool:
@@ -201,6 +260,27 @@ class LlamaFusedDecode:
     def __init__(self, causal_lm: nn.Module) -> None:
         model = self.model = causal_lm.model
         self.weights = [t for layer in model.layers for t in _layer_tensors(layer)]
+        # The variants (llama_decode.cpp): q/k norm and Gemma 3's sandwich norms, GeGLU.
+        self.layer_norms = [t for layer in model.layers for t in _layer_norms(layer)]
+        self.gelu = hasattr(model.layers[0].mlp, "gelu")
+        self.final_norm = model.norm.kernel_weight()
+        # Gemma 3: the embedding's scale (in the weights' dtype, as its forward
+        # rounds it) and the final logits' soft cap, both applied here in Python
+        # with the model's own operators.
+        scale = getattr(model, "embed_scale", None)
+        self.embed_scale = (None if scale is None
+                            else torch.tensor(scale, dtype=model.embed_tokens.weight.dtype))
+        self.softcap = getattr(causal_lm, "softcap", None)
+        # One RoPE table per layer kind (Gemma 3's local and global bases): the
+        # distinct tables and each layer's, or none where all layers share one.
+        rotaries = [layer.self_attn.rotary_emb for layer in model.layers]
+        distinct = list({id(r): r for r in rotaries}.values())
+        self.ropes = ([] if len(distinct) == 1
+                      else [t for r in distinct for t in (r.cos_cache, r.sin_cache)])
+        self.layer_ropes = ([] if len(distinct) == 1
+                            else [next(j for j, d in enumerate(distinct) if d is r)
+                                  for r in rotaries])
+        self.layer_groups: list[int] = []  # each layer's KV cache group (_caches_bound)
         self.packed = [getattr(lin, "packed_weight", None) for lin in _linears(model)]
         self._first_qkv = model.layers[0].self_attn.qkv_proj
         # gate_up's panels pair gate and up columns (every layer packed alike):
@@ -233,6 +313,8 @@ class LlamaFusedDecode:
         # Not a pure prefill: the C++ loop reads every sequence back through its
         # block table, which one-token prompts without cache slots lack
         # (AttentionMetadata.for_prefill); the model attends to them directly.
+        if isinstance(meta, list):  # a metadata per KV cache group: the same sequences
+            meta = meta[0]
         if meta.seq_lens_cpu is None or meta.query_start_loc_cpu is None:
             return False
         shape_ok = (not _is_pure_prefill(meta) if meta.max_query_len == 1
@@ -247,11 +329,13 @@ class LlamaFusedDecode:
         every row's)."""
         # The sampled rows are distinct and in order: as many as tokens means all,
         # and the LM head runs in the call; else on the sampled rows after it.
-        if logits_indices is None or logits_indices.numel() == input_ids.shape[0]:
-            return self._run(input_ids, positions, meta, lora,
-                             head=True)[:, :self.lm_head.vocab_size]
-        hidden = self._run(input_ids, positions, meta, lora, head=False)
-        return self.compute_logits(hidden[logits_indices])
+        if logits_indices is not None and logits_indices.numel() < input_ids.shape[0]:
+            hidden = self._run(input_ids, positions, meta, lora, head=False)
+            return self.compute_logits(hidden[logits_indices])
+        logits = self._run(input_ids, positions, meta, lora, head=True)[:, :self.lm_head.vocab_size]
+        if self.softcap:  # Gemma3ForCausalLM.compute_logits's operators
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata,
@@ -266,19 +350,27 @@ class LlamaFusedDecode:
             hidden = ops.gguf_dequantize(blocks.index_select(0, input_ids), type_id, cols)
         else:
             hidden = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         self.steps += 1
         self.lora_steps += lora is not None
+        groups = meta if isinstance(meta, list) else []  # a metadata per KV cache group
+        meta = groups[0] if groups else meta
         self.multi_token_steps += meta.max_query_len > 1
         block_tables, seq_lens = _per_token(meta, positions)
         return ops.llama_decode_forward(
             hidden, positions, meta.slot_mapping, block_tables,
             seq_lens, self.rotary.cos_cache, self.rotary.sin_cache,
-            k_caches, v_caches, self.weights, self.model.norm.weight, self.num_heads,
+            k_caches, v_caches, self.weights, self.final_norm, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale, PANEL_MAX_ROWS,
             self.head_tensors if head else [],
             self.head_packed.panel_max_rows if head and self.head_packed else 0, self.gate_up_halves,
             self.lora_weights if lora is not None else [],
-            lora.token_lora_indices if lora is not None else None)
+            lora.token_lora_indices if lora is not None else None,
+            self.layer_norms, self.gelu,
+            [t for m in groups for t in (_per_token(m, positions)[0], m.slot_mapping)],
+            [m.sliding_window or 0 for m in groups], self.layer_groups if groups else [],
+            self.ropes, self.layer_ropes)
 
     def _caches_bound(self) -> bool:
         """The attention layers' KV caches (re-read when the runner rebinds them)."""
@@ -289,6 +381,8 @@ class LlamaFusedDecode:
                 return False
             attn = [layer.self_attn.attn for layer in self.model.layers]
             self._caches = ([a.k_cache for a in attn], [a.v_cache for a in attn])
+            groups = [a.kv_cache_group for a in attn]
+            self.layer_groups = [] if None in groups else groups
         return True
 
     def _weights_current(self) -> bool:

@@ -33,10 +33,24 @@ from minivllm.sample.sampler import Sampler
 class CpuRMSNorm(RMSNorm):
     """Rows of a [tokens, hidden] input; the residual add fused in, in place."""
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the kernel multiplies by (the decode-step replay reads it)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps)
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+
+
+class CpuHeadRMSNorm(CpuRMSNorm):
+    """RMSNorm over each head of q or k [tokens, heads, dim] (Qwen3's q/k norm): the
+    kernel over rows of head_dim (q and k are slices of the qkv product: a copy)."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            raise ValueError("a per-head RMSNorm (q_norm, k_norm) takes no residual")
+        return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 class CpuSiluAndMul(SiluAndMul):
@@ -86,9 +100,9 @@ class PackedLMHead(ParallelLMHead):
 
 _PLAIN_TWINS = {RMSNorm: CpuRMSNorm, SiluAndMul: CpuSiluAndMul,
                 RotaryEmbedding: CpuRotaryEmbedding, ParallelLMHead: PackedLMHead}
-# RMSNorm over each head of q and k (Qwen3) sees [tokens, heads, dim]: the
-# kernel takes rows of a 2-D input, so those keep the reference.
-_KEEP = ("q_norm", "k_norm")
+# RMSNorm over each head of q and k (Qwen3) sees [tokens, heads, dim]: their
+# twin takes rows of head_dim.
+_HEAD_NORMS = ("q_norm", "k_norm")
 _packed_classes: dict[type, type] = {}
 
 
@@ -109,7 +123,9 @@ def swap_in_twins(model: nn.Module) -> int:
     """Give every layer that has a kernel its twin's class; returns how many."""
     count = 0
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in _KEEP:
+        if name.rsplit(".", 1)[-1] in _HEAD_NORMS and type(module) is RMSNorm:
+            module.__class__ = CpuHeadRMSNorm
+            count += 1
             continue
         if isinstance(module, RotaryEmbedding) and module.cos_cache.dtype != torch.float32:
             continue  # the C++ RoPE reads float32 tables
@@ -127,5 +143,5 @@ class CpuSampler(Sampler):
         return ops.argmax(x) if x.dim() == 2 and dim in (-1, 1) else x.argmax(dim=dim)
 
 
-__all__ = ["CpuRMSNorm", "CpuSiluAndMul", "CpuRotaryEmbedding", "PackedLinear",
+__all__ = ["CpuRMSNorm", "CpuHeadRMSNorm", "CpuSiluAndMul", "CpuRotaryEmbedding", "PackedLinear",
            "PackedLMHead", "CpuSampler", "swap_in_twins"]

@@ -17,6 +17,11 @@
 // back to the layers otherwise. A float32 step of up to panel_max_rows
 // sequences, whose products are all our own kernels, goes further: the whole
 // step is one OpenMP parallel region (decode_in_one_region below).
+//
+// The family's variants take the same loop (fused_decode.py lists them): q/k
+// norm (Qwen3), Gemma 3's sandwich norms and GeGLU, and a hybrid model's
+// per-layer KV cache groups (block table, slots, sliding window) and RoPE
+// tables (LayerPlan below).
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
@@ -29,6 +34,7 @@
 #include <vector>
 
 #include "cpu_types.h"
+#include "decode_region.h"
 #include "ops.h"
 
 namespace minivllm {
@@ -49,6 +55,74 @@ constexpr int64_t kTensorsPerLayer = 2 + 4 * kTensorsPerLinear;
 // With LoRA, lora_weights holds per layer (lora_a, lora_b) of qkv, o, gate_up
 // and down (fused_decode.py's _lora_tensors).
 constexpr int64_t kLoRATensorsPerLayer = 8;
+// The family's variants (fused_decode.py's _layer_norms): layer_norms holds per
+// layer nothing (Llama), q_norm and k_norm (Qwen3: per-head RMSNorm of q and k
+// before RoPE), or those and pre_feedforward_layernorm, post_feedforward_layernorm
+// (Gemma 3's "sandwich": each sublayer's output normed before the residual add;
+// its post_attention_layernorm is the attention output's). Gemma's (1 + w) norms
+// come folded into float32 weights, so the one RMSNorm kernel serves them all.
+constexpr int64_t kQKNorms = 2, kSandwichNorms = 4;
+
+// Where layer i's attention reads and writes: its KV cache group's block table
+// and slots, that group's sliding window (0: none), and its RoPE tables (a
+// hybrid model's local and global layers rotate with different bases).
+struct LayerPlan {
+  at::Tensor table, slots, cos, sin;
+  int64_t window = 0;
+  const at::Tensor* norms = nullptr;  // its layer_norms (q, k[, pre_ff, post_ff]) or none
+  int64_t norm_count = 0;             // 0, kQKNorms or kSandwichNorms
+};
+
+// One plan a layer from the step's arguments: with no groups, every layer takes
+// block_tables and slot_mapping; with no ropes, cos_cache and sin_cache.
+std::vector<LayerPlan> layer_plans(int64_t layers, const at::Tensor& block_tables,
+                                   const at::Tensor& slot_mapping, const at::Tensor& cos_cache,
+                                   const at::Tensor& sin_cache, at::TensorList layer_norms,
+                                   at::TensorList group_tables, at::IntArrayRef group_windows,
+                                   at::IntArrayRef layer_groups, at::TensorList ropes,
+                                   at::IntArrayRef layer_ropes) {
+  const int64_t groups = static_cast<int64_t>(group_windows.size());
+  const int64_t rope_count = static_cast<int64_t>(ropes.size()) / 2;
+  const int64_t norms = static_cast<int64_t>(layer_norms.size()) / layers;
+  TORCH_CHECK(static_cast<int64_t>(layer_norms.size()) == norms * layers &&
+                  (norms == 0 || norms == kQKNorms || norms == kSandwichNorms),
+              "llama_decode_forward: layer_norms must hold 0, ", kQKNorms, " (q_norm, k_norm) or ",
+              kSandwichNorms, " (and pre/post_feedforward_layernorm) tensors per layer (",
+              layers, " layers), got ", layer_norms.size());
+  TORCH_CHECK(static_cast<int64_t>(group_tables.size()) == 2 * groups &&
+                  static_cast<int64_t>(layer_groups.size()) == (groups ? layers : 0),
+              "llama_decode_forward: group_tables must hold (block table, slot mapping) per "
+              "group of group_windows (", groups, "), and layer_groups one group per layer (",
+              layers, ") when there are groups; got ", group_tables.size(), " and ",
+              layer_groups.size());
+  TORCH_CHECK(static_cast<int64_t>(ropes.size()) == 2 * rope_count &&
+                  static_cast<int64_t>(layer_ropes.size()) == (rope_count ? layers : 0),
+              "llama_decode_forward: ropes must hold (cos, sin) pairs and layer_ropes one "
+              "index a layer (", layers, ") when given; got ", ropes.size(), " and ",
+              layer_ropes.size());
+  std::vector<LayerPlan> plans(layers);
+  for (int64_t i = 0; i < layers; ++i) {
+    LayerPlan& p = plans[i];
+    p.table = block_tables, p.slots = slot_mapping, p.cos = cos_cache, p.sin = sin_cache;
+    if (groups) {
+      const int64_t g = layer_groups[i];
+      TORCH_CHECK(g >= 0 && g < groups, "llama_decode_forward: layer_groups[", i, "] = ", g,
+                  "; allowed: 0 to ", groups - 1);
+      p.table = group_tables[2 * g].contiguous(), p.slots = group_tables[2 * g + 1].contiguous();
+      p.window = group_windows[g];
+      TORCH_CHECK(p.window >= 0, "llama_decode_forward: group_windows[", g, "] = ", p.window,
+                  "; allowed: 0 (none) or a window of >= 1 positions");
+    }
+    if (rope_count) {
+      const int64_t r = layer_ropes[i];
+      TORCH_CHECK(r >= 0 && r < rope_count, "llama_decode_forward: layer_ropes[", i, "] = ", r,
+                  "; allowed: 0 to ", rope_count - 1);
+      p.cos = ropes[2 * r], p.sin = ropes[2 * r + 1];
+    }
+    if (norms) p.norms = layer_norms.data() + i * norms, p.norm_count = norms;
+  }
+  return plans;
+}
 
 // The packed-weight products PyTorch registers (what torch.compile emits for
 // frozen CPU linears), looked up once in the dispatcher.
@@ -96,214 +170,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_ro
 }
 
 
-// ---------------------------------------------------------------------------
-// float32 steps whose products are all our own kernels (matvec, panel GEMM):
-// the whole step in one OpenMP parallel region.
-//
-// Why: a decode step runs ~10 parallel kernels a layer, 300 a step. Each
-// kernel its own parallel region means each ends with the threads going idle
-// and the next starts by waking them. Under OMP_WAIT_POLICY=passive (what a
-// machine shared with other processes wants) idle OpenMP threads sleep, and
-// waking them hundreds of times a step adds up (chapter 15 shows the
-// difference). In one region the threads split every kernel's
-// work between them and meet at a barrier of our own that spins; they sleep
-// only between steps.
-// ---------------------------------------------------------------------------
-
-// A barrier that spins (with the CPU's pause hint), and after a while also
-// yields the core, in case it is shared with another busy process.
-class SpinBarrier {
- public:
-  void set_threads(int threads) { threads_ = threads; }
-
-  void wait() {
-    const int gen = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(gen + 1, std::memory_order_release);
-      return;
-    }
-    for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < kSpinsBeforeYield) _mm_pause();
-      else std::this_thread::yield();
-    }
-  }
-
- private:
-  // Spin this long before yielding the core: long enough to cover the gap
-  // between two kernels of a step, short enough not to starve other processes.
-  static constexpr int kSpinsBeforeYield = 1 << 14;
-  alignas(64) std::atomic<int> arrived_{0};
-  alignas(64) std::atomic<int> generation_{0};
-  int threads_ = 1;
-};
-
-// Thread t of n's share [begin, end) of `items` work items.
-struct Share {
-  int64_t begin, end;
-  Share(int64_t items, int t, int n) : begin(items * t / n), end(items * (t + 1) / n) {}
-};
-
-// How the threads split each parallel piece of the step ("job": a product,
-// an attention) into work items. Thread t starts on its own contiguous share
-// and takes it front to back in chunks; when it is done, it takes chunks of
-// what is left of the other threads' shares. Contiguous shares matter for
-// the products: each thread's weight reads form one long stream that the
-// prefetchers follow across chunks (a counter shared by all threads hands
-// out chunks in alternation, and each chunk starts a new stream, which a
-// single stream measurably pays for). Taking the others' leftovers keeps
-// the threads level when one of them is slowed down: the main thread also
-// serves Python, and another process may hold a core.
-class SharedWork {
- public:
-  SharedWork(int64_t jobs, int threads) : cursors_(jobs * threads), threads_(threads) {}
-
-  int threads() const { return threads_; }
-
-  // Calls fn(begin, end) on chunks of [0, items) until the job is done.
-  template <typename Fn>
-  void run(int64_t job, int64_t items, int64_t chunk, int t, Fn&& fn) {
-    Cursor* cursors = cursors_.data() + job * threads_;
-    for (int k = 0; k < threads_; ++k) {
-      const int owner = (t + k) % threads_;
-      const Share share(items, owner, threads_);
-      std::atomic<int64_t>& taken = cursors[owner].taken;
-      for (int64_t b; (b = share.begin + taken.fetch_add(chunk, std::memory_order_relaxed)) <
-                      share.end;)
-        fn(b, std::min(b + chunk, share.end));
-    }
-  }
-
- private:
-  struct alignas(64) Cursor {  // a cache line each: shared only once others steal
-    std::atomic<int64_t> taken{0};
-  };
-  std::vector<Cursor> cursors_;
-  int threads_;
-};
-
-// One float32 linear layer as its raw pointers (weights list: weight,
-// panels, bias, -), or a quantized one (blocks, -, bias, type id).
-struct Linear {
-  const float *weight = nullptr, *panels = nullptr, *bias = nullptr;
-  const uint8_t* blocks = nullptr;  // a quantized layer's GGUF blocks
-  int64_t qtype = -1, row_bytes = 0;
-  bool int8 = false;  // x quantized to int8 blocks (gguf_int8.cpp)
-  int64_t in, out;
-  bool halves = false;  // panels in halves (gate_up_proj: the SiLU epilogue can run)
-
-  // `what` names the layer in error messages ("layer 3 qkv_proj", "lm_head").
-  Linear(const at::Tensor* w, int64_t in_features, int64_t out_features, const std::string& what)
-      : in(in_features), out(out_features) {
-    if (w[0].scalar_type() == at::kByte) {
-      quantized(w, what);
-      return;
-    }
-    const int64_t panel_count = (out + slice::panel_width - 1) / slice::panel_width;
-    TORCH_CHECK(w[0].scalar_type() == at::kFloat && w[0].is_contiguous() &&
-                    w[0].sizes() == at::IntArrayRef({out, in}),
-                "llama_decode_forward: ", what, " weight must be contiguous float32 [", out,
-                ", ", in, "], got ", w[0].scalar_type(), " ", w[0].sizes());
-    TORCH_CHECK(w[1].scalar_type() == at::kFloat && w[1].is_contiguous() &&
-                    w[1].sizes() == at::IntArrayRef({panel_count, in, slice::panel_width}),
-                "llama_decode_forward: ", what, " panels must be pack_linear_weight's float32 [",
-                panel_count, ", ", in, ", ", slice::panel_width, "], got ", w[1].scalar_type(),
-                " ", w[1].sizes());
-    TORCH_CHECK(w[2].numel() == 0 || (w[2].scalar_type() == at::kFloat && w[2].is_contiguous() &&
-                                      w[2].sizes() == at::IntArrayRef({out})),
-                "llama_decode_forward: ", what, " bias must be empty or float32 [", out,
-                "], got ", w[2].sizes());
-    weight = w[0].data_ptr<float>();
-    panels = w[1].data_ptr<float>();
-    bias = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
-  }
-
-  void quantized(const at::Tensor* w, const std::string& what) {
-    TORCH_CHECK(w[3].scalar_type() == at::kLong && (w[3].numel() == 1 || w[3].numel() == 2),
-                "llama_decode_forward: ", what, " is quantized: its 4th tensor must be its GGML "
-                "type id (int64 [1]) or that and the int8 flag ([2]), got ", w[3].scalar_type(),
-                " ", w[3].sizes());
-    qtype = w[3][0].item<int64_t>();
-    int8 = w[3].numel() == 2 && w[3][1].item<int64_t>() != 0;
-    TORCH_CHECK(!int8 || slice::gguf_int8_type(qtype), "llama_decode_forward: ", what,
-                " asks for int8 activations but its GGML type ", qtype, " has no int8 product");
-    row_bytes = gguf_row_bytes(qtype, in);
-    TORCH_CHECK(row_bytes > 0, "llama_decode_forward: ", what, " has GGML type ", qtype,
-                " with ", in, " columns, which the quantized kernels do not take");
-    TORCH_CHECK(w[0].is_contiguous() && w[0].sizes() == at::IntArrayRef({out, row_bytes}),
-                "llama_decode_forward: ", what, " blocks must be contiguous uint8 [", out, ", ",
-                row_bytes, "], got ", w[0].sizes());
-    TORCH_CHECK(w[2].numel() == 0 || (w[2].scalar_type() == at::kFloat && w[2].is_contiguous() &&
-                                      w[2].sizes() == at::IntArrayRef({out})),
-                "llama_decode_forward: ", what, " bias must be empty or float32 [", out,
-                "], got ", w[2].sizes());
-    blocks = w[0].data_ptr<uint8_t>();
-    bias = w[2].numel() > 0 ? w[2].data_ptr<float>() : nullptr;
-  }
-
-  // This thread's part of y [rows, out] = x [rows, in] W^T + b: output
-  // columns (groups of 4 for one row, panels of slice::panel_width for more),
-  // split by `work`.
-  // With silu (halves, more than one row): y [rows, out / 2] = silu(gate) * up.
-  void run(const float* x, int64_t rows, float* y, SharedWork& work, int64_t job, int t,
-           bool silu = false) const {
-    if (int8) {  // each thread quantizes x itself (no barrier), then units of gguf_tile rows
-      thread_local slice::Int8Rows xq;
-      xq.quantize(x, rows, in, qtype);
-      const int64_t items = (out + slice::gguf_tile - 1) / slice::gguf_tile;
-      work.run(job, items, std::max<int64_t>(1, items / (8 * work.threads())), t,
-               [&](int64_t b, int64_t e) {
-                 slice::gguf_linear_int8(xq, blocks, row_bytes, out, bias, y, out, b, e);
-               });
-      return;
-    }
-    if (blocks != nullptr) {  // units of slice::gguf_unit(rows) output rows, on the blocks
-      const int64_t items = (out + slice::gguf_unit(rows) - 1) / slice::gguf_unit(rows);
-      const int64_t chunk = std::max<int64_t>(1, items / (8 * work.threads()));
-      work.run(job, items, chunk, t, [&](int64_t b, int64_t e) {
-        slice::gguf_linear(x, rows, in, blocks, row_bytes, qtype, out, bias, y, out, b, e);
-      });
-      return;
-    }
-    const slice::PanelLayout layout = silu     ? slice::PanelLayout::kHalvesSiluAndMul
-                                      : halves ? slice::PanelLayout::kHalves
-                                               : slice::PanelLayout::kColumns;
-    const int64_t width = rows == 1 ? slice::matvec_group_size : slice::panel_width;
-    const int64_t items = (out + width - 1) / width;
-    const int64_t chunk = std::max<int64_t>(1, items / (8 * work.threads()));
-    work.run(job, items, chunk, t, [&](int64_t b, int64_t e) {
-      if (rows == 1) slice::matvec(x, weight, in, out, bias, y, b, e);
-      else slice::packed_linear(x, rows, in, panels, out, bias, y, b, e, layout);
-    });
-  }
-};
-
-// One linear layer's LoRA factors as raw pointers (cpu/lora.py's twin): A
-// [S, r, in] contiguous, B [S, out, r] stored as [S, r, out].
-// out_slices: a fused layer's module output sizes (its B is block-diagonal).
-struct LoRALinear {
-  const float *a, *bt;
-  int64_t r, in, out;
-  std::vector<int64_t> slice_ends;
-
-  LoRALinear(const at::Tensor& A, const at::Tensor& B, int64_t in_features, int64_t out_features,
-             std::vector<int64_t> out_slices, const std::string& what)
-      : r(A.size(1)), in(in_features), out(out_features) {
-    const int64_t S = A.size(0);
-    TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() &&
-                    A.sizes() == at::IntArrayRef({S, r, in}),
-                "llama_decode_forward: ", what, " lora_a must be contiguous float32 [slots, rank, ",
-                in, "], got ", A.scalar_type(), " ", A.sizes());
-    TORCH_CHECK(B.scalar_type() == at::kFloat && B.sizes() == at::IntArrayRef({S, out, r}) &&
-                    B.transpose(1, 2).is_contiguous(),
-                "llama_decode_forward: ", what, " lora_b must be float32 [", S, ", ", out, ", ",
-                r, "] stored as [slots, rank, out] (minivllm/cpu/lora.py), got ",
-                B.scalar_type(), " ", B.sizes(), " strides ", B.strides());
-    a = A.data_ptr<float>();
-    bt = B.data_ptr<float>();
-    slice_ends = slice::lora_slice_ends(out_slices, out, r, "llama_decode_forward");
-  }
-};
+// float32 steps whose products are all our own kernels run in one OpenMP
+// parallel region (decode_region.h: why, and its barrier, work sharing and
+// linear layers).
 
 // Is every linear layer's product at `tokens` rows one of our own kernels
 // (float32 panels, or GGUF blocks), so the step needs no MKL?
@@ -331,7 +200,8 @@ void check_f32(const at::Tensor& t, at::IntArrayRef sizes, const char* name) {
 // in the region: check them here.
 void check_step(const at::Tensor& positions, const at::Tensor& slot_mapping,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                const at::Tensor& cos_cache, const at::Tensor& k_cache, int64_t tokens) {
+                const at::Tensor& cos_cache, const at::Tensor& k_cache, int64_t tokens,
+                int64_t window) {
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.sizes() == at::IntArrayRef({tokens}) &&
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
@@ -350,26 +220,36 @@ void check_step(const at::Tensor& positions, const at::Tensor& slot_mapping,
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
                   seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "llama_decode_forward: block_tables and seq_lens must be contiguous int32");
-  check_block_tables(block_tables, seq_lens, tokens, k_cache.size(0), k_cache.size(1));
+  check_block_tables(block_tables, seq_lens, tokens, k_cache.size(0), k_cache.size(1), window);
 }
 
-at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
-                                at::Tensor block_tables, at::Tensor seq_lens,
-                                const at::Tensor& cos_cache,
-                                const at::Tensor& sin_cache, at::TensorList k_caches,
+// check_step for each layer's tables (once per distinct table and RoPE pair),
+// and their RoPE tables' shapes.
+void check_plans(const std::vector<LayerPlan>& plans, const at::Tensor& positions,
+                 const at::Tensor& seq_lens, const at::Tensor& k_cache, int64_t tokens,
+                 int64_t dim) {
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const LayerPlan& p = plans[i];
+    if (i > 0 && p.table.is_same(plans[i - 1].table) && p.cos.is_same(plans[i - 1].cos)) continue;
+    check_f32(p.sin, p.cos.sizes(), "sin_cache");
+    check_f32(p.cos, {p.cos.size(0), dim}, "cos_cache");
+    check_step(positions, p.slots, p.table, seq_lens, p.cos, k_cache, tokens, p.window);
+  }
+}
+
+at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Tensor seq_lens,
+                                const std::vector<LayerPlan>& plans, at::TensorList k_caches,
                                 at::TensorList v_caches, at::TensorList weights,
                                 const at::Tensor& final_norm, at::TensorList lm_head,
                                 int64_t heads, int64_t kv_heads, int64_t dim, float eps,
-                                float scale, bool gate_up_halves, at::TensorList lora_weights,
-                                const LoRAGroups* lora_groups) {
+                                float scale, bool gate_up_halves, bool gelu,
+                                at::TensorList lora_weights, const LoRAGroups* lora_groups) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t T = hidden.size(0), E = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
   const int64_t inter = weights[10].size(0) / 2;  // gate_up_proj's [gate; up] rows
   check_f32(hidden, {T, E}, "hidden");
   check_f32(final_norm, {E}, "final_norm");
-  check_f32(sin_cache, cos_cache.sizes(), "sin_cache");
-  check_f32(cos_cache, {cos_cache.size(0), dim}, "cos_cache");
   TORCH_CHECK(dim % 2 == 0 && heads % kv_heads == 0, "llama_decode_forward: head_dim ", dim,
               " must be even and heads ", heads, " a multiple of kv_heads ", kv_heads);
   const at::Tensor& kc0 = k_caches[0];
@@ -382,12 +262,34 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
     vc.push_back(f32(v_caches[i]));
   }
   positions = positions.contiguous();
-  slot_mapping = slot_mapping.contiguous();
-  block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
-  check_step(positions, slot_mapping, block_tables, seq_lens, cos_cache, kc0, T);
+  check_plans(plans, positions, seq_lens, kc0, T, dim);
   std::vector<Linear> qkv, o, gate_up, down;
   std::vector<const float*> in_norm, post_norm;
+  // Per layer: its attention's pointers (LayerPlan), and the variants' norms.
+  struct Attend {
+    const int32_t* tables;
+    const int64_t* slots;
+    const float *cos, *sin;
+    int64_t width, window;
+    const float *q_norm = nullptr, *k_norm = nullptr, *pre_ff = nullptr, *post_ff = nullptr;
+  };
+  std::vector<Attend> at_layer;
+  for (const LayerPlan& p : plans) {
+    Attend a{p.table.data_ptr<int32_t>(), p.slots.data_ptr<int64_t>(), f32(p.cos), f32(p.sin),
+             p.table.size(1), p.window};
+    if (p.norms != nullptr) {
+      check_f32(p.norms[0], {dim}, "q_norm weight");
+      check_f32(p.norms[1], {dim}, "k_norm weight");
+      a.q_norm = f32(p.norms[0]), a.k_norm = f32(p.norms[1]);
+    }
+    if (p.norm_count == kSandwichNorms) {
+      check_f32(p.norms[2], {E}, "pre_feedforward_layernorm weight");
+      check_f32(p.norms[3], {E}, "post_feedforward_layernorm weight");
+      a.pre_ff = f32(p.norms[2]), a.post_ff = f32(p.norms[3]);
+    }
+    at_layer.push_back(a);
+  }
 
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + i * kTensorsPerLayer;
@@ -431,13 +333,11 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   float *res = f32(hidden), *xp = f32(x), *hp = f32(h), *qkvp = f32(qkv_out);
   float *attnp = f32(attn), *gup = f32(gu), *actp = f32(act), *lora_yp = f32(lora_y);
   const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const float *cos = f32(cos_cache), *sin = f32(sin_cache), *final_w = f32(final_norm);
+  const float* final_w = f32(final_norm);
   at::Tensor logits = head ? at::empty({T, head->out}, options) : at::Tensor();
   float *outp = f32(out), *logitsp = head ? f32(logits) : nullptr;
-  const int64_t block_size = cache_shape[1], width = block_tables.size(1);
+  const int64_t block_size = cache_shape[1];
   SpinBarrier barrier;
   // 5 jobs a layer: 4 products and the attention; then the LM head. (Should
   // OpenMP start fewer threads than asked for, the shares of the missing ones
@@ -447,7 +347,8 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   // More than one row takes the panel kernel, whose epilogue can do SiLU-and-mul
   // when gate_up's panels are in halves (one row takes matvec: a pass after it);
   // not with LoRA, whose delta joins [gate | up] before the SiLU.
-  const bool fuse_silu = gate_up_halves && T > 1 && lora.empty();
+  // (GeGLU's gate is a pass of its own.)
+  const bool fuse_silu = gate_up_halves && T > 1 && lora.empty() && !gelu;
 #pragma omp parallel num_threads(work.threads())
   {
     const int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -488,24 +389,38 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
       lora_shrink(i, 0, xp);
       barrier.wait();
       lora_expand(i, 0, qkvp, qkv_size);
+      const Attend& a = at_layer[i];
       float *q = qkvp, *k = qkvp + q_size, *v = k + kv_size;
-      slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, cos, sin, dim,
+      for (int64_t r = rows.begin; a.q_norm != nullptr && r < rows.end; ++r) {
+        // Each head's RMSNorm, in place (the twin's rows of q.reshape(-1, dim)).
+        float *qr = q + r * qkv_size, *kr = k + r * qkv_size;
+        slice::rms_norm(qr, dim, nullptr, a.q_norm, qr, dim, eps, 0, heads);
+        slice::rms_norm(kr, dim, nullptr, a.k_norm, kr, dim, eps, 0, kv_heads);
+      }
+      slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, a.cos, a.sin, dim,
                               rows.begin, rows.end);
-      slice::reshape_and_cache(k, qkv_size, v, qkv_size, kc[i], vc[i], slots, kv_heads, dim,
+      slice::reshape_and_cache(k, qkv_size, v, qkv_size, kc[i], vc[i], a.slots, kv_heads, dim,
                                rows.begin, rows.end);
       barrier.wait();
       // (sequence, KV head) items, a few at a time (contexts differ in length);
       // within a chunk each item prefetches the next one's first block.
       work.run(5 * i + 4, items, item_chunk, t, [&](int64_t b, int64_t e) {
-        slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], tables, lens, attnp, heads,
-                                      kv_heads, dim, block_size, width, scale, b, e);
+        slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], a.tables, lens, attnp, heads,
+                                      kv_heads, dim, block_size, a.width, scale, a.window, b, e);
       });
       barrier.wait();
       o[i].run(attnp, T, hp, work, 5 * i + 1, t);
       lora_shrink(i, 1, attnp);
       barrier.wait();
       lora_expand(i, 1, hp, E);
-      slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
+      if (a.pre_ff != nullptr) {
+        // Sandwich: the attention output normed (in place), added to the
+        // residual, and the sum normed for the MLP.
+        slice::rms_norm(hp, E, nullptr, post_norm[i], hp, E, eps, rows.begin, rows.end);
+        slice::rms_norm(hp, E, res, a.pre_ff, xp, E, eps, rows.begin, rows.end);
+      } else {
+        slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
+      }
       barrier.wait();
       if (fuse_silu) {
         // The panels hold gate and up columns side by side: the product's
@@ -518,13 +433,17 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
         barrier.wait();
         lora_expand(i, 2, gup, 2 * inter);
         // Element-wise: split by columns, so a single row uses every thread.
-        slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
+        if (gelu) slice::gelu_tanh_and_mul(gup, actp, T, inter, cols.begin, cols.end);
+        else slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
         barrier.wait();
       }
       down[i].run(actp, T, hp, work, 5 * i + 3, t);
       lora_shrink(i, 3, actp);
       barrier.wait();
       lora_expand(i, 3, hp, E);
+      // Sandwich: the MLP's output normed in place; the next norm adds it.
+      if (a.post_ff != nullptr)
+        slice::rms_norm(hp, E, nullptr, a.post_ff, hp, E, eps, rows.begin, rows.end);
     }
     slice::rms_norm(hp, E, res, final_w, outp, E, eps, rows.begin, rows.end);
     if (head) {
@@ -548,6 +467,11 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
 // lora_weights (kLoRATensorsPerLayer per layer) and token_lora_indices (each
 // token's slot, -1 for the base model), each linear's LoRA delta is added to
 // its output, as the layers' hook adds it.
+// The variants: layer_norms (see kQKNorms, kSandwichNorms), gelu (GeGLU for
+// SwiGLU); a hybrid model's KV cache groups: group_tables (block table int32,
+// slot mapping int64 per group), group_windows (0: none) and layer_groups
+// (each layer's group; none: block_tables and slot_mapping for all); its RoPE
+// tables: ropes ((cos, sin) pairs) and layer_ropes (none: cos/sin_cache for all).
 at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 at::Tensor slot_mapping, at::Tensor block_tables,
                                 at::Tensor seq_lens, at::Tensor cos_cache, at::Tensor sin_cache,
@@ -557,7 +481,11 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 double eps, double scale, int64_t panel_max_rows,
                                 at::TensorList lm_head, int64_t lm_head_panel_max_rows,
                                 bool gate_up_halves, at::TensorList lora_weights,
-                                c10::optional<at::Tensor> token_lora_indices) {
+                                c10::optional<at::Tensor> token_lora_indices,
+                                at::TensorList layer_norms, bool gelu,
+                                at::TensorList group_tables, at::IntArrayRef group_windows,
+                                at::IntArrayRef layer_groups, at::TensorList ropes,
+                                at::IntArrayRef layer_ropes) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
               "llama_decode_forward: need one K and one V cache per layer, got ",
@@ -575,6 +503,10 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
               "per sequence, got ", hidden.scalar_type(), " ", hidden.sizes(), " for ",
               seq_lens.size(0), " sequences");
   const int64_t tokens = hidden.size(0);
+  const std::vector<LayerPlan> plans =
+      layer_plans(layers, block_tables.contiguous(), slot_mapping.contiguous(), cos_cache,
+                  sin_cache, layer_norms, group_tables, group_windows, layer_groups, ropes,
+                  layer_ropes);
   std::optional<LoRAGroups> lora;
   if (!lora_weights.empty()) {
     TORCH_CHECK(static_cast<int64_t>(lora_weights.size()) == layers * kLoRATensorsPerLayer &&
@@ -606,17 +538,23 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                  ? own_product(lm_head.data(), tokens)
                                  : lm_head[1].numel() > 0 && tokens <= lm_head_panel_max_rows);
     at::Tensor out = decode_in_one_region(
-        hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache, sin_cache, k_caches,
-        v_caches, weights, final_norm, head_inside ? lm_head : at::TensorList(), num_heads,
-        num_kv_heads, head_dim, static_cast<float>(eps), static_cast<float>(scale),
-        gate_up_halves, lora ? lora_weights : at::TensorList(), lora ? &*lora : nullptr);
+        hidden, positions, seq_lens, plans, k_caches, v_caches, weights, final_norm,
+        head_inside ? lm_head : at::TensorList(), num_heads, num_kv_heads, head_dim,
+        static_cast<float>(eps), static_cast<float>(scale), gate_up_halves, gelu,
+        lora ? lora_weights : at::TensorList(), lora ? &*lora : nullptr);
     if (head_inside || lm_head.empty()) return out;
     return linear(out, lm_head.data(), lm_head_panel_max_rows);
   }
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor residual = hidden, h;
+  // A head's RMSNorm over rows of q or k [tokens, heads, dim] (a fresh tensor,
+  // as the twin's q.reshape(-1, dim) is).
+  auto head_norm = [&](const at::Tensor& t, const at::Tensor& w) {
+    return rms_norm(t.reshape({-1, head_dim}), w, eps).view(t.sizes());
+  };
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = weights.data() + i * kTensorsPerLayer;
+    const LayerPlan& p = plans[i];
     // Pre-norm residual blocks; the residual add is fused into the next norm.
     at::Tensor x = i == 0 ? rms_norm(hidden, w[0], eps) : fused_add_rms_norm(h, residual, w[0], eps);
     at::Tensor qkv =
@@ -624,17 +562,22 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    rotary_embedding(positions, q, k, cos_cache, sin_cache);
-    reshape_and_cache(k, v, k_caches[i], v_caches[i], slot_mapping);
-    at::Tensor attn = paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, seq_lens,
-                                             scale);
+    if (p.norms != nullptr) q = head_norm(q, p.norms[0]), k = head_norm(k, p.norms[1]);
+    rotary_embedding(positions, q, k, p.cos, p.sin);
+    reshape_and_cache(k, v, k_caches[i], v_caches[i], p.slots);
+    at::Tensor attn = paged_decode_attention(q, k_caches[i], v_caches[i], p.table, seq_lens,
+                                             scale, p.window);
     at::Tensor a = attn.view({tokens, q_size});
     h = with_lora(linear(a, w + 5, panel_max_rows), a, i, 1);
-    x = fused_add_rms_norm(h, residual, w[9], eps);
+    const bool sandwich = p.norm_count == kSandwichNorms;
+    x = sandwich ? fused_add_rms_norm(rms_norm(h, w[9], eps), residual, p.norms[2], eps)
+                 : fused_add_rms_norm(h, residual, w[9], eps);
     const int64_t inter = w[10].size(0) / 2;  // (w[14] may be quantized blocks)
-    at::Tensor act = silu_and_mul(
-        with_lora(linear(x, w + 10, panel_max_rows, gate_up_halves), x, i, 2, {inter, inter}));
+    at::Tensor gate_up =
+        with_lora(linear(x, w + 10, panel_max_rows, gate_up_halves), x, i, 2, {inter, inter});
+    at::Tensor act = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
     h = with_lora(linear(act, w + 14, panel_max_rows), act, i, 3);
+    if (sandwich) h = rms_norm(h, p.norms[3], eps);
   }
   at::Tensor out = fused_add_rms_norm(h, residual, final_norm, eps);
   return lm_head.empty() ? out : linear(out, lm_head.data(), lm_head_panel_max_rows);
@@ -648,7 +591,9 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
         "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] weights, Tensor final_norm, "
         "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, "
         "int panel_max_rows, Tensor[] lm_head, int lm_head_panel_max_rows, "
-        "bool gate_up_halves, Tensor[] lora_weights, Tensor? token_lora_indices) -> Tensor");
+        "bool gate_up_halves, Tensor[] lora_weights, Tensor? token_lora_indices, "
+        "Tensor[] layer_norms, bool gelu, Tensor[] group_tables, int[] group_windows, "
+        "int[] layer_groups, Tensor[] ropes, int[] layer_ropes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {

@@ -15,6 +15,7 @@ at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weig
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos_cache,
                       at::Tensor sin_cache);
 at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor gelu_tanh_and_mul(at::Tensor x);
 void reshape_and_cache(at::Tensor key, at::Tensor value, at::Tensor key_cache,
                        at::Tensor value_cache, at::Tensor slot_mapping);
 // block_tables [num_seqs, W] and seq_lens [num_seqs], both int32 and contiguous,
@@ -78,10 +79,13 @@ void paged_decode_attention(const float* q, int64_t ldq, const float* k_cache, c
                             const int32_t* block_tables, const int32_t* seq_lens, float* out,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t table_width, float scale,
-                            int64_t begin, int64_t end);
+                            int64_t sliding_window, int64_t begin, int64_t end);
 // Columns [begin, end) of silu(gate) * up for `rows` rows of x = [gate | up] [rows, 2d].
 void silu_and_mul(const float* x, float* out, int64_t rows, int64_t d, int64_t begin,
                   int64_t end);
+// The same for gelu_tanh(gate) * up (GeGLU).
+void gelu_tanh_and_mul(const float* x, float* out, int64_t rows, int64_t d, int64_t begin,
+                       int64_t end);
 // Output groups [begin, end) of y [1, N] = x W^T + bias, W row-major [N, K]; a group is
 // matvec_group_size outputs.
 constexpr int64_t matvec_group_size = 4;

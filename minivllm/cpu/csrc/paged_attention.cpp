@@ -450,9 +450,11 @@ void slice::paged_decode_attention(const float* q, int64_t ldq, const float* k_c
                                    const float* v_cache, const int32_t* block_tables,
                                    const int32_t* seq_lens, float* out, int64_t num_heads,
                                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                   int64_t table_width, float scale, int64_t begin, int64_t end) {
+                                   int64_t table_width, float scale, int64_t sliding_window,
+                                   int64_t begin, int64_t end) {
   attend_items<float>(q, ldq, k_cache, v_cache, block_tables, seq_lens, out, num_heads,
-                      num_kv_heads, head_dim, block_size, table_width, scale, 0, begin, end);
+                      num_kv_heads, head_dim, block_size, table_width, scale, sliding_window,
+                      begin, end);
 }
 
 }  // namespace minivllm
