@@ -610,15 +610,17 @@ assert core.kv_cache_manager.num_free_blocks == core.num_blocks
 # rows `[c, k_pe]` as keys and their first `kv_lora_rank` columns as values. Its C++
 # kernel (`minivllm/cpu/mla.py`, below) reads the latent rows in place through the
 # block table, instead of the reference's padded copy of every context per layer and
-# step. Neither model gets the decode-step replay (its C++ loop is Llama's
-# layers over every key), so their steps run layer by layer.
+# step. Gemma 3 also gets the decode-step replay (chapter 15's one C++ call a step):
+# its loop takes each layer's KV cache group (block table, slots, window) and RoPE
+# table, and Gemma's sandwich norms, q/k norms and GeGLU. MLA's layers are not in that
+# loop, so DeepSeek's steps run layer by layer.
 
 # %%
 for path, reference in ((folder, llm), (ds_folder, ds_llm)):  # the reference path's engines
     fast = LLM(path, block_size=BLOCK)  # the CPU path, where its kernels build
     runner = fast.llm_engine.engine_core.executor.runner
-    if runner.acceleration_problem is None:
-        assert runner.decode_replay is None
+    if runner.acceleration_problem is None:  # Gemma 3's decode steps replayed, MLA's not
+        assert (runner.decode_replay is not None) == (path == folder)
     out, want = (engine.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0]
                  for engine in (fast, reference))
     assert out.outputs[0].token_ids == want.outputs[0].token_ids

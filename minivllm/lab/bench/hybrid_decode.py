@@ -42,6 +42,27 @@ Quiet (nothing else running, 5 December 2026, runs of 7-11 rounds): one thread,
 Gemma 3 1.21x and DeepSeek 1.48x; two threads, Gemma 3 1.50-1.66x and DeepSeek
 1.54-1.68x (2.28-2.41x with the grouped-heads kernel, checkout e278c46, same runs).
 
+Gemma 3's decode steps are now replayed in one C++ call, as the Llama's are
+(``cpu/fused_decode.py``: its norms, GeGLU, a RoPE table per layer kind and a
+block table per KV cache group in the C++ loop). Before, its steps ran layer by
+layer, and the gap to the Llama was mostly the Llama's replay (quiet machine,
+5 December 2026: one thread 1.68x, two threads 2.15x; with
+``MINIVLLM_FUSED_DECODE=0`` for both, 1.45x). On a shared 2-core Sapphire
+Rapids machine (a load average of 9-15 from other programs: noisy, one run
+each, the checkout before and after in separate processes, 5 December 2026)::
+
+    OMP_NUM_THREADS=1     llama     gemma3
+      before            23.09 ms  35.95 ms  1.56x
+      after             19.66 ms  18.93 ms  0.96x
+    two threads
+      before            26.30 ms 139.44 ms  5.30x
+      after             85.00 ms  88.00 ms  1.04x
+
+(two threads on that load measure mostly the descheduled thread each barrier
+waits for.) Gemma 3 now costs about what the Llama does: its extra norms and
+GeGLU are small next to the attention its sliding layers skip (3 of 4 layers
+read 512 of ~1,040 positions).
+
 ``--kernels`` times MLA's decode attention alone, one layer's worth (CPU time on
 one thread, wall time on more; alternated, medians); ``OMP_NUM_THREADS=1 ... --kernels`` on that machine::
 
