@@ -158,15 +158,17 @@ def test_cpu_twin_decode_equals_the_reference(heads, c, r, block, lens, threads)
 @pytest.mark.slow  # the first LLM() with the CPU kernels in a checkout builds them
 def test_cpu_kernels_path_matches_transformers(deepseek, deepseek_ref):
     """The CPU kernels run the linear layers, norms and RoPE, and MLA's decode rows
-    (its twin, cpu/mla.py); the decode-step replay (a C++ loop of Llama layers)
-    steps aside. Alone, batched, chunked and preempted."""
+    (its twin, cpu/mla.py); pure decode steps are the MLA decode-step replay's
+    (cpu/fused_decode_mla.py, tests/test_fused_decode_mla.py). Alone, batched,
+    chunked and preempted."""
+    from minivllm.cpu.fused_decode_mla import MLAFusedDecode
     from minivllm.cpu.mla import CpuMLAAttention
 
     llm = LLM(deepseek, block_size=BLOCK, cpu_kernels=None)
     runner = runner_of(llm)
     if runner.acceleration_problem is not None:
         pytest.skip(f"no CPU kernels here: {runner.acceleration_problem}")
-    assert runner.decode_replay is None and "MLA" in runner.decode_replay_problem
+    assert isinstance(runner.decode_replay, MLAFusedDecode), runner.decode_replay_problem
     assert all(type(a) is CpuMLAAttention for a in runner.model.attention_layers())
     assert tokens(llm, PROMPTS) == deepseek_ref
     assert [tokens(llm, [p])[0] for p in PROMPTS] == deepseek_ref

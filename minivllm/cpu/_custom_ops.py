@@ -17,7 +17,9 @@ products. These kernels do the same math in one pass each:
 - ``gguf_int8.cpp`` — the same with int8 activations (``activation_dtype="int8"``);
 - ``moe_experts.cpp`` — a mixture of experts' expert sum, every expert in one call;
 - ``lora.cpp`` — the LoRA delta of a step mixing adapters (BGMV shrink and expand);
-- ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above.
+- ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above;
+- ``mla_decode.cpp`` — DeepSeek's latent attention for decodes; ``mla_decode_step.cpp``
+  — a whole decode step of a DeepSeek (MLA) model.
 
 The layers' twins (``layers.py``), the CPU attention backend and the fused
 decode step call these. The library is compiled on first use with
@@ -297,6 +299,19 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                                        list(layer_norms), gelu, list(group_tables),
                                        list(group_windows), list(layer_groups), list(ropes),
                                        list(layer_ropes))
+
+
+def mla_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache,
+                       sin_cache, caches, weights, final_norm, dims, interleave: bool,
+                       eps: float, scale: float, panel_max_rows: int, lm_head=(),
+                       lm_head_panel_max_rows: int = 0,
+                       gate_up_halves: bool = False) -> torch.Tensor:
+    """A whole DeepSeek (MLA) decode step (see ``fused_decode_mla.py``): the final
+    hidden states, or with ``lm_head`` (weight, panels, bias, packed) the logits."""
+    return _lib().mla_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
+                                     cos_cache, sin_cache, caches, weights, final_norm,
+                                     list(dims), interleave, eps, scale, panel_max_rows,
+                                     list(lm_head), lm_head_panel_max_rows, gate_up_halves)
 
 
 def moe_expert_sum_available() -> bool:

@@ -6,8 +6,8 @@ It returns the compute path the runner uses instead of the reference
 and ``prepare_model``, which swaps in the layers' twins (``layers.py``; the
 LoRA delta's, ``lora.py``, where adapters are enabled; MLA decode's, ``mla.py``), packs
 the GEMM weights (``prepack.py``; a mixture of experts' too, ``fused_moe.py``) and
-builds the decode-step replay
-(``fused_decode.py``) where it applies. The finer switches, for benchmarks
+builds the decode-step replay (``fused_decode.py``; a latent-attention model's,
+``fused_decode_mla.py``) where it applies. The finer switches, for benchmarks
 and chapter 15's one-at-a-time measurements, are environment variables
 (``minivllm/envs.py``):
 
@@ -37,6 +37,7 @@ from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.attention import cpu_attention_backend
 from minivllm.cpu.features import cpu_features
 from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
+from minivllm.cpu.fused_decode_mla import MLAFusedDecode, is_mla, mla_decode_problem
 from minivllm.cpu.layers import CpuSampler, swap_in_twins
 from minivllm.cpu.lora import swap_in_lora
 from minivllm.cpu.prepack import prepack_enabled, prepack_model
@@ -59,7 +60,7 @@ class CpuPath:
     dtype: torch.dtype
     sampler: CpuSampler
     problem: Optional[str] = None  # None: the acceleration is on
-    decode_replay: Optional[LlamaFusedDecode] = None
+    decode_replay: Optional[LlamaFusedDecode | MLAFusedDecode] = None
     decode_replay_problem: Optional[str] = "the model is not prepared yet"
     num_twins: int = 0  # layers given an accelerated twin
     num_packed: int = 0  # weights packed for the GEMM
@@ -80,10 +81,10 @@ class CpuPath:
             from minivllm.cpu.mla import swap_in_mla  # latent attention: its decode's twin
 
             self.num_twins += swap_in_mla(model)
-        self.decode_replay_problem = (fused_decode_problem(model) if hasattr(model, "model")
-                                      else f"{type(model).__name__} has no decode-step replay")
+        replay, problem = _decode_replay_kind(model)
+        self.decode_replay_problem = problem
         if self.decode_replay_problem is None:
-            self.decode_replay = LlamaFusedDecode(model)
+            self.decode_replay = replay(model)
 
     def refresh_weights(self, model: nn.Module) -> None:
         """The weights changed in place: pack them again (the packed copies are a
@@ -91,7 +92,17 @@ class CpuPath:
         if self.num_packed:
             self.num_packed = prepack_model(model)
         if self.decode_replay is not None:
-            self.decode_replay = LlamaFusedDecode(model)
+            self.decode_replay = type(self.decode_replay)(model)
+
+
+def _decode_replay_kind(model: nn.Module):
+    """The replay class for ``model`` and why it cannot be replayed (None: it can):
+    a latent-attention model's (``fused_decode_mla.py``) or a Llama's."""
+    if not hasattr(model, "model"):
+        return None, f"{type(model).__name__} has no decode-step replay"
+    if is_mla(model):
+        return MLAFusedDecode, mla_decode_problem(model)
+    return LlamaFusedDecode, fused_decode_problem(model)
 
 
 def cpu_path(config: "EngineConfig", reference):

@@ -124,6 +124,9 @@ std::vector<LayerPlan> layer_plans(int64_t layers, const at::Tensor& block_table
   return plans;
 }
 
+}  // namespace
+
+// (Outside the anonymous namespace: mla_decode_step.cpp's loop calls linear too.)
 // The packed-weight products PyTorch registers (what torch.compile emits for
 // frozen CPU linears), looked up once in the dispatcher.
 at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight,
@@ -151,7 +154,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 // panel_max_rows through the panel GEMM, more through MKL's packed GEMM.
 // `halves`: the panels are laid out in halves (pack_linear_weight).
 at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_rows,
-                  bool halves = false) {
+                  bool halves) {
   const at::Tensor &weight = w[0], &panels = w[1], &packed = w[3];
   c10::optional<at::Tensor> bias;
   if (w[2].numel() > 0) bias = w[2];
@@ -168,6 +171,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_ro
     return packed_linear(x, panels, weight.size(0), bias, halves);
   return mkl_linear(x, packed, weight, bias);
 }
+
+namespace {
 
 
 // float32 steps whose products are all our own kernels run in one OpenMP

@@ -13,7 +13,9 @@
 // each row's first C columns). Both are tiled in registers, each tile loading
 // a row's vector once for several heads and a head's vector once for several
 // rows; paged_attention.cpp's grouped-heads kernel, which keeps one 288-wide
-// accumulator per head in memory and updates it per key, did neither.
+// accumulator per head in memory and updates it per key, did neither. (Tuned
+// on AVX2, then the score tile and its lane sums for AVX-512; tests:
+// tests/test_deepseek_mla.py; timings: lab/bench/hybrid_decode.py --kernels.)
 // float32 caches with C a multiple of the vector width take this kernel;
 // anything else goes to paged_decode_attention (the same result).
 
@@ -38,47 +40,92 @@ constexpr int64_t L = vec::kLanes;
 // in L2 between the score pass and the value pass's visits. (64 rows took
 // 6 % less time than 128 on a 288-wide row, 8 heads, AVX2; 32 about as 64.)
 constexpr int64_t kSpan = 64;
-// Score tile: kRows rows x 2 heads = L accumulators, summed across lanes by
-// one transpose (lane t: head 0's score of row t; lane kRows + t: head 1's).
-constexpr int64_t kRows = L / 2;
+// Score tile: kRows rows x kScoreHeads heads = L accumulators, summed across
+// lanes at the end (lane j * kRows + t: head j's score of row t). AVX-512
+// takes 4 rows x 4 heads: each row vector loaded serves 4 heads, each query
+// vector 4 rows (8 rows x 2 heads, AVX2's tile, took 1.1-1.25x the time,
+// one thread, 8 heads, 288-wide rows; 2 rows x 8 heads 1.1x).
+constexpr int64_t kScoreHeads = vec::kRegisters == 32 ? 4 : 2;
+constexpr int64_t kRows = L / kScoreHeads;
 // Value tile: kHeads heads x kCols vectors of columns (8 of AVX2's 16
 // registers, 16 of AVX-512's 32; the rest hold the row's vectors and a score).
 constexpr int64_t kHeads = 4;
 constexpr int64_t kCols = vec::kRegisters == 32 ? 4 : 2;
+// Whole tiles of heads for both passes (the extra heads' queries are zero).
+constexpr int64_t kHeadTile = std::max(kScoreHeads, kHeads);
 
-// scores[h * kSpan + t] = q[h] . rows[t] for the span's n rows; heads in pairs
-// (hp even), d columns (the last vector masked when d is not a multiple of L).
+// Lane j of the result: the sum of r[j]'s lanes (L vectors). On AVX-512 a
+// tree of halvings, each round adding two vectors' halves: 31 shuffles where
+// a transpose then a sum took 64, a visible share of the score pass.
+inline vf lane_sums(vf* r) {
+#ifdef __AVX512F__
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // low 256 bits: r[i]'s partial sums; high: r[i + 8]'s
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[i], r[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(r[i], r[i + 8], 0xee));
+  for (int i = 0; i < 4; ++i)  // quarters: r[i], r[i + 8], r[i + 4], r[i + 12]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(a[i], a[i + 4], 0xdd));
+  auto pd = [](vf x) { return _mm512_castps_pd(x); };
+  for (int i = 0; i < 2; ++i)  // per quarter: lane pairs of b[2i], then of b[2i + 1]
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(pd(b[2 * i]), pd(b[2 * i + 1]))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(pd(b[2 * i]), pd(b[2 * i + 1]))));
+  const vf s = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_shuffle_f32x4(s, s, 0xd8);  // quarters r[0..], r[8..], r[4..], r[12..] in order
+#else
+  vec::transpose(r);  // lane j of the sum: the sum of r[j]'s lanes
+  vf s = r[0];
+  for (int64_t i = 1; i < L; ++i) s = vec::add(s, r[i]);
+  return s;
+#endif
+}
+
+// scores[h * kSpan + t] = q[h] . rows[t] for the span's n rows; heads in tiles
+// of kScoreHeads (hp a multiple), d columns (the last vector masked when d is
+// not a multiple of L). Meanwhile the next span's next_n rows are prefetched
+// into L2, a cache line per vector step: a step's rows (4 layers of 8 x 1,024
+// rows are 38 MB) come from memory, and the hardware prefetchers, which stop
+// at page ends and do not follow the block table, left the kernel waiting on
+// them (one thread, 8 such caches in turn: 0.72x the time with the prefetch).
 void score_rows(const float* q, int64_t hp, int64_t d, const float* const* rows, int64_t n,
-                float* scores) {
+                float* scores, const float* const* next, int64_t next_n) {
   const int64_t full = d / L * L;
   const vec::mask tail = vec::first(d - full);
   for (int64_t t0 = 0; t0 < n; t0 += kRows) {
     const float* k[kRows];
     for (int64_t t = 0; t < kRows; ++t) k[t] = rows[std::min(t0 + t, n - 1)];  // past n: unread
-    for (int64_t h = 0; h < hp; h += 2) {
-      const float *q0 = q + h * d, *q1 = q0 + d;
+    const float* ahead[kRows];  // the next span's rows of this tile (none past next_n)
+    for (int64_t t = 0; t < kRows; ++t) ahead[t] = t0 + t < next_n ? next[t0 + t] : nullptr;
+    for (int64_t h = 0; h < hp; h += kScoreHeads) {
       vf acc[L];
       for (int64_t i = 0; i < L; ++i) acc[i] = vec::zero();
-      auto step = [&](vf a0, vf a1, auto load_row) {
+      auto step = [&](const vf* a, auto load_row) {
 #pragma GCC unroll 8
         for (int64_t t = 0; t < kRows; ++t) {
           const vf x = load_row(k[t]);
-          acc[t] = vec::fmadd(a0, x, acc[t]);
-          acc[kRows + t] = vec::fmadd(a1, x, acc[kRows + t]);
+#pragma GCC unroll 4
+          for (int64_t j = 0; j < kScoreHeads; ++j)
+            acc[j * kRows + t] = vec::fmadd(a[j], x, acc[j * kRows + t]);
         }
       };
-      for (int64_t i = 0; i < full; i += L)
-        step(vec::load(q0 + i), vec::load(q1 + i), [i](const float* r) { return vec::load(r + i); });
-      if (full < d)
-        step(vec::load(q0 + full, tail, vec::zero()), vec::load(q1 + full, tail, vec::zero()),
-             [full, tail](const float* r) { return vec::load(r + full, tail, vec::zero()); });
-      vec::transpose(acc);  // lane j of the sum: the sum of acc[j]'s lanes
-      vf s = acc[0];
-      for (int64_t i = 1; i < L; ++i) s = vec::add(s, acc[i]);
+      vf a[kScoreHeads];
+      for (int64_t i = 0; i < full; i += L) {
+        if (h == 0)
+          for (int64_t t = 0; t < kRows; ++t)
+            if (ahead[t] != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead[t] + i), _MM_HINT_T1);
+        for (int64_t j = 0; j < kScoreHeads; ++j) a[j] = vec::load(q + (h + j) * d + i);
+        step(a, [i](const float* r) { return vec::load(r + i); });
+      }
+      if (full < d) {
+        for (int64_t j = 0; j < kScoreHeads; ++j)
+          a[j] = vec::load(q + (h + j) * d + full, tail, vec::zero());
+        step(a, [full, tail](const float* r) { return vec::load(r + full, tail, vec::zero()); });
+      }
       alignas(64) float lanes[L];
-      vec::store(lanes, s);
-      std::memcpy(scores + h * kSpan + t0, lanes, kRows * sizeof(float));
-      std::memcpy(scores + (h + 1) * kSpan + t0, lanes + kRows, kRows * sizeof(float));
+      vec::store(lanes, lane_sums(acc));
+      for (int64_t j = 0; j < kScoreHeads; ++j)
+        std::memcpy(scores + (h + j) * kSpan + t0, lanes + j * kRows, kRows * sizeof(float));
     }
   }
 }
@@ -113,12 +160,24 @@ void attend_latents(const float* q, int64_t heads, int64_t hp, int64_t d, int64_
                     float* out) {
   std::vector<float> acc(hp * c, 0.f), scores(hp * kSpan), corr(hp);
   std::vector<float> m(hp, -std::numeric_limits<float>::infinity()), l(hp, 0.f);
-  const float* rows[kSpan];
-  for (int64_t p = 0; p < len; p += kSpan) {
+  // The row pointers of this span and the next (two buffers, in turn).
+  const float* spans[2][kSpan];
+  auto locate = [&](int64_t p, const float** rows) {
     const int64_t n = std::min(kSpan, len - p);
-    for (int64_t t = 0; t < n; ++t)
-      rows[t] = cache + (table[(p + t) / block_size] * block_size + (p + t) % block_size) * d;
-    score_rows(q, hp, d, rows, n, scores.data());
+    // Block by block (a division per row cost about 2 % of the kernel).
+    const int32_t* block = table + p / block_size;
+    for (int64_t t = 0, at = p % block_size; t < n; ++t) {
+      rows[t] = cache + (*block * block_size + at) * d;
+      if (++at == block_size) at = 0, ++block;
+    }
+    return n;
+  };
+  if (len > 0) locate(0, spans[0]);
+  for (int64_t p = 0, which = 0; p < len; p += kSpan, which ^= 1) {
+    const float** rows = spans[which];
+    const int64_t n = std::min(kSpan, len - p);
+    const int64_t next_n = p + kSpan < len ? locate(p + kSpan, spans[which ^ 1]) : 0;
+    score_rows(q, hp, d, rows, n, scores.data(), spans[which ^ 1], next_n);
     for (int64_t h = 0; h < hp; ++h) corr[h] = softmax_block(scores.data() + h * kSpan, n, m[h], l[h]);
     // A block of columns for every head tile in turn: the rows' cache lines of
     // those columns are read from memory once and from L1 after.
@@ -170,7 +229,7 @@ at::Tensor mla_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block
   const int64_t seqs = q.size(0), heads = q.size(1), d = q.size(2), c = kv_lora_rank;
   auto out = at::empty({seqs, heads, c}, q.options());
 #ifdef MINIVLLM_VEC
-  const int64_t hp = (heads + kHeads - 1) / kHeads * kHeads;  // whole tiles; extra heads zero
+  const int64_t hp = (heads + kHeadTile - 1) / kHeadTile * kHeadTile;  // extra heads zero
   const float *qd = q.data_ptr<float>(), *cd = cache.data_ptr<float>();
   const int32_t *tables = block_tables.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
   float* od = out.data_ptr<float>();

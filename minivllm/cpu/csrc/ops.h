@@ -27,6 +27,13 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens, double scale,
                                   int64_t sliding_window = 0);
+// One linear layer's product (llama_decode.cpp), chosen as prepack.linear chooses it;
+// w: its 4 tensors (weight, panels, bias, packed copy; or GGUF blocks, -, bias, type id).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_rows,
+                  bool halves = false);
+// mla_decode.cpp: absorbed MLA decode, q [B, H, C + R] over each sequence's latent rows.
+at::Tensor mla_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
+                                at::Tensor seq_lens, int64_t kv_lora_rank, double scale);
 bool packed_linear_available();
 int64_t panel_width();  // slice::panel_width, for the Python side
 at::Tensor packed_linear(at::Tensor x, at::Tensor packed, int64_t out_features,

@@ -63,6 +63,17 @@ waits for.) Gemma 3 now costs about what the Llama does: its extra norms and
 GeGLU are small next to the attention its sliding layers skip (3 of 4 layers
 read 512 of ~1,040 positions).
 
+DeepSeek's pure decode steps then became one C++ call (``cpu/fused_decode_mla.py``,
+as the Llama's ``fused_decode.py``) and its kernel learnt AVX-512 (4 rows x 4 heads
+score tiles, a lane-sum tree, the next span's rows prefetched). Shared 2-core
+AVX-512 machine (Sapphire Rapids, load average 12-15 from other programs), one
+thread, CPU time, medians of 9 rounds, in one process: Llama 8.98 ms, DeepSeek
+11.96 ms (1.33x), DeepSeek with the replay off 14.24 ms (1.59x); in a like run
+with the AVX2-tuned kernel, 1.81x without the replay (as before) and 1.57x with it. This bench's wall
+times there, one thread: DeepSeek 1.28x; two threads: 7.5x, the Llama 108 ms (every
+kernel of the replay its own parallel region, each waiting for a descheduled
+thread; the quiet rerun decides).
+
 ``--kernels`` times MLA's decode attention alone, one layer's worth (CPU time on
 one thread, wall time on more; alternated, medians); ``OMP_NUM_THREADS=1 ... --kernels`` on that machine::
 
@@ -71,7 +82,9 @@ one thread, wall time on more; alternated, medians); ``OMP_NUM_THREADS=1 ... --k
     gathered rows + MKL bmm             6.789 ms    3.28x
 
 (Gathering each sequence's rows into one tensor for two MKL products pays for
-the copy more than the products save.)
+the copy more than the products save.) Since then it reads the 4 layers' caches in
+turn, as a step does (from memory): the AVX-512 kernel took 0.72x the AVX2-tuned
+one's time so (0.79x with one cache kept warm), one thread, shared machine.
 """
 
 from __future__ import annotations
@@ -170,9 +183,11 @@ def engines(tmp: Path, seqs: int, context: int, window: int, reference: bool
 
 
 def kernel_ab(seqs: int, context: int, rounds: int) -> None:
-    """MLA's decode attention alone, one layer (8 heads, rows of 256 + 32, blocks of
-    16 scattered): the latent kernel against the grouped-heads kernel it replaced and
-    against gathering each sequence's rows once for two MKL products."""
+    """MLA's decode attention alone, per layer (8 heads, rows of 256 + 32, blocks of
+    16 scattered), over the 4 layers' caches in turn as a step reads them (38 MB at
+    8 x 1,024: from memory, not a cache kept warm): the latent kernel against the
+    grouped-heads kernel it replaced and against gathering each sequence's rows once
+    for two MKL products."""
     import time
 
     import torch
@@ -183,20 +198,24 @@ def kernel_ab(seqs: int, context: int, rounds: int) -> None:
     heads, block = SHAPE["num_attention_heads"], 16
     c, d = 4 * HEAD_DIM, 4 * HEAD_DIM + HEAD_DIM // 2  # the checkpoint's latent and row
     width = -(-context // block)
-    cache = torch.randn(seqs * width + 4, block, d)
+    layers = SHAPE["num_hidden_layers"]
+    caches = [torch.randn(seqs * width + 4, block, d) for _ in range(layers)]
     tables = torch.randperm(seqs * width + 4)[:seqs * width].view(seqs, width).to(torch.int32)
     lens = torch.full((seqs,), context, dtype=torch.int32)
-    q, rows = torch.randn(seqs, heads, d), cache.unsqueeze(2)
+    q = torch.randn(seqs, heads, d)
 
-    def gather_mkl():
+    def gather_mkl(cache):
         kv = cache[tables.long()].flatten(1, 2)[:, :context]
         probs = (torch.bmm(q, kv.transpose(1, 2)) * 0.1).softmax(-1)
         return torch.bmm(probs, kv[..., :c])
 
-    ways = {"mla_decode kernel": lambda: ops.mla_decode_attention(q, cache, tables, lens, c, 0.1),
-            "grouped-heads kernel (before)":
-                lambda: ops.paged_decode_attention(q, rows, rows, tables, lens, 0.1)[..., :c],
-            "gathered rows + MKL bmm": gather_mkl}
+    def grouped_heads(cache):
+        rows = cache.unsqueeze(2)
+        return ops.paged_decode_attention(q, rows, rows, tables, lens, 0.1)[..., :c]
+
+    ways = {"mla_decode kernel": lambda cache: ops.mla_decode_attention(q, cache, tables, lens,
+                                                                        c, 0.1),
+            "grouped-heads kernel (before)": grouped_heads, "gathered rows + MKL bmm": gather_mkl}
     # One thread: CPU time (what a shared machine's other programs disturb least);
     # more: wall time (CPU time would count the threads' waits at each barrier).
     threads = torch.get_num_threads()
@@ -205,11 +224,11 @@ def kernel_ab(seqs: int, context: int, rounds: int) -> None:
     for _ in range(rounds):  # alternated
         for name, way in ways.items():
             start = clock()
-            for _ in range(4):
-                way()
-            times[name].append((clock() - start) / 4)
+            for cache in caches:
+                way(cache)
+            times[name].append((clock() - start) / layers)
     base = sorted(times["mla_decode kernel"])[rounds // 2]
-    print(f"MLA decode attention, one layer, {seqs} sequences x {context} rows "
+    print(f"MLA decode attention, per layer of {layers}, {seqs} sequences x {context} rows "
           f"({threads} threads, medians of {rounds} rounds, "
           f"{'CPU' if threads == 1 else 'wall'} time):")
     for name, ts in times.items():

@@ -24,7 +24,7 @@ device; the ``attention_backend`` setting does not apply to these layers. On
 the CPU path the layer's twin (``minivllm/cpu/mla.py``) sends the decode rows
 to a C++ latent-attention kernel, which reads the latents in place; the rest
 of the model (linear layers, norms, RoPE, sampler) uses the CPU kernels, and
-the decode-step replay steps aside (its C++ loop has no MLA).
+a pure decode step can run as one C++ call (``minivllm/cpu/fused_decode_mla.py``).
 """
 
 from __future__ import annotations

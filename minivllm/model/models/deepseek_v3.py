@@ -19,8 +19,9 @@ What differs from ``llama.py`` is the attention (``DeepseekV3Attention``):
 absorbed weights for decodes. Under tensor parallelism the heads split (``q_b_proj``,
 ``kv_b_proj`` by column, ``o_proj`` by row) and the latent, which has no heads, is
 computed and cached whole on every rank, as in vLLM. On the CPU path the kernels run
-the linear layers, norms, RoPE and sampler; MLA attends in PyTorch and the
-decode-step replay (a C++ loop of Llama layers) steps aside.
+the linear layers, norms, RoPE and sampler, MLA's decodes take a C++ kernel
+(``cpu/mla.py``), and a pure decode step of dense-MLP layers is one C++ call
+(``cpu/fused_decode_mla.py``).
 
 The MLP of layers ``first_k_dense_replace``.. (every ``moe_layer_freq``-th) is
 ``deepseek_moe.py``'s ``DeepseekMoE``: V3's sigmoid, bias-steered, group-limited router or
