@@ -89,7 +89,7 @@ class LLM:
         """Complete every prompt; outputs in the prompts' order. ``sampling_params``,
         ``priority`` (lower first; ``scheduling_policy="priority"``) and ``lora_request``
         (``enable_lora=True``) are one for all prompts or a list of one per prompt."""
-        items = _as_prompt_list(prompts)
+        items = as_prompt_list(prompts)
         params = _one_per_prompt("sampling_params", SamplingParams() if sampling_params is None
                                  else sampling_params, len(items))
         priority = _one_per_prompt("priority", 0 if priority is None else priority, len(items))
@@ -97,7 +97,7 @@ class LLM:
         ids: list[str] = []
         try:
             for p, sp, pr, lo in zip(items, params, priority, loras):
-                ids.append(self.llm_engine.add_request(_unwrap(p), sp.clone(
+                ids.append(self.llm_engine.add_request(unwrap_prompt(p), sp.clone(
                     output_kind=RequestOutputKind.FINAL_ONLY), priority=pr, lora_request=lo))
         except BaseException:  # one bad request: none of them runs (as in vLLM)
             self.llm_engine.abort_request(ids)
@@ -132,7 +132,7 @@ class LLM:
         self.shutdown()
 
 
-def _unwrap(prompt: Prompt):
+def unwrap_prompt(prompt: Prompt):
     if isinstance(prompt, dict) and "cache_salt" not in prompt:  # (else the processor's)
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
@@ -142,7 +142,7 @@ def _unwrap(prompt: Prompt):
     return prompt
 
 
-def _as_prompt_list(prompts) -> list:
+def as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)

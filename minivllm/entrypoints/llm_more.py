@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
-from minivllm.entrypoints.llm import (LoRAArg, ParamsArg, Prompt, _as_prompt_list,
-                                      _unwrap)
+from minivllm.entrypoints.llm import (LoRAArg, ParamsArg, Prompt, as_prompt_list,
+                                      unwrap_prompt)
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -36,13 +36,13 @@ class MoreMethods:
 
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r} is invalid: give a BeamSearchParams")
-        return run_beam_search(self, [_unwrap(p) for p in _as_prompt_list(prompts)], params)
+        return run_beam_search(self, [unwrap_prompt(p) for p in as_prompt_list(prompts)], params)
 
     def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None
                ) -> Iterator[RequestOutput]:
         """Yield one output per engine step with only the new text and tokens."""
         sp = (sampling_params or SamplingParams()).clone(output_kind=RequestOutputKind.DELTA)
-        rid = self.llm_engine.add_request(_unwrap(prompt), sp)
+        rid = self.llm_engine.add_request(unwrap_prompt(prompt), sp)
         try:
             while self.llm_engine.has_unfinished_requests():
                 for out in self.llm_engine.step():
