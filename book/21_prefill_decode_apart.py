@@ -129,7 +129,8 @@ show_source("minivllm.core.kv_connector_scheduling.KVConnectorScheduling.find_co
 # is *asynchronous* (the P2P connector pulls over the network), the scheduler takes the
 # request out of its waiting queue and the connector parks it aside with its blocks
 # (`waiting_for_remote`) while the other requests keep stepping; when the worker reports
-# its KV arrived, the scheduler puts it back at the head of the queue:
+# its KV arrived, `KVConnectorScheduling.apply_transfers` puts it back at the head of
+# the scheduler's waiting queue:
 
 # %%
 show_source("minivllm.core.scheduler.Scheduler._schedule_waiting",

@@ -5,9 +5,9 @@ outside the engine (another engine, a file store, a host-memory tier) and lets a
 finished request's KV leave it. The engine core chooses once: with
 ``kv_transfer_config`` it hands the scheduler a ``KVConnectorScheduling`` around
 the connector's scheduler half; without, the scheduler holds None and never
-asks. The scheduler asks questions here and moves its requests between its own
-queues (``waiting``, ``running``) itself; this object holds the requests aside
-while their KV moves (``waiting_for_remote``, ``sending``):
+asks. The scheduler asks questions here and admits its requests itself; this object
+holds the requests aside while their KV moves (``waiting_for_remote``, ``sending``)
+and puts them back in the scheduler's waiting queue when their transfers end:
 
 * a waiting request: how much of it is computed, and does the rest of its KV
   arrive later (``find_computed``)?
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from minivllm.core.kv_cache_manager import KVCacheManager
     from minivllm.core.request import Request
     from minivllm.core.sched_output import SchedulerOutput
+    from minivllm.core.scheduler import Scheduler
 
 
 class ComputedTokens(NamedTuple):
@@ -115,11 +116,12 @@ class KVConnectorScheduling:
             self.sending[request.request_id] = request
         return hold
 
-    def apply_transfers(self, so: "SchedulerOutput", live: list["Request"], kv_out
-                        ) -> tuple[list["Request"], list["Request"]]:
-        """Free what was sent; returns (the requests whose KV arrived, the running
-        ones a failed load spoiled), for the scheduler to put back in its waiting queue.
-        A request whose load failed computes everything itself."""
+    def apply_transfers(self, scheduler: "Scheduler", so: "SchedulerOutput",
+                        live: list["Request"], kv_out) -> list["Request"]:
+        """Free what was sent; the requests whose KV arrived, and the running ones a
+        failed load spoiled, go back to the front of the scheduler's waiting queue
+        (admitted before anyone there). Returns the rest of ``live`` (the spoiled ones'
+        step result is dropped). A request whose load failed computes everything itself."""
         kv, bad = self.kv_cache_manager, kv_out.invalid_block_ids
         for rid in kv_out.finished_sending:
             if rid in self.sending:
@@ -136,7 +138,12 @@ class KVConnectorScheduling:
         spoiled = self.hit_by_failed_loads(so, live, bad) if bad else []
         for request in spoiled:
             self.drop_failed_load(request)
-        return arrived, spoiled
+        for request in arrived + spoiled:
+            if request in spoiled:
+                scheduler.running.remove(request)
+            request.status = RequestStatus.WAITING
+            scheduler.waiting.appendleft(request)
+        return [r for r in live if r not in spoiled]
 
     def drop_failed_load(self, request: "Request") -> None:
         """A load into the request's blocks failed: free them, and never offer its

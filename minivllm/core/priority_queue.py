@@ -10,7 +10,9 @@ import bisect
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
+    from minivllm.core.kv_cache_manager import KVCacheManager
     from minivllm.core.request import Request
+    from minivllm.core.sched_output import SchedulerOutput
 
 
 def _key(request: "Request") -> tuple:
@@ -63,4 +65,14 @@ def priority_victim(running: list["Request"]) -> "Request":
     return max(running, key=_key)
 
 
-__all__ = ["PriorityRequestQueue", "priority_victim"]
+def unschedule(kv: KVCacheManager, out: SchedulerOutput, request: Request) -> int:
+    """Take a request the scheduler preempts back out of this step's batch (only this
+    policy preempts one scheduled earlier in the step); returns its tokens."""
+    rid = request.request_id
+    kv.uncache_uncomputed(request)  # its K/V stay unwritten
+    out.scheduled_requests.remove(request)
+    del out.num_computed_tokens[rid], out.block_ids[rid]
+    return out.num_scheduled_tokens.pop(rid)
+
+
+__all__ = ["PriorityRequestQueue", "priority_victim", "unschedule"]

@@ -18,8 +18,8 @@ scheduler hands out a budget of ``max_num_batched_tokens`` tokens:
 With speculative decoding a request with draft tokens asks for 1 + k slots and
 gets a verified run of tokens (``spec_decode_update.py``). A KV connector
 (``self.connector``) answers questions and holds its own requests aside
-(``waiting_for_remote``: KV arriving; ``sending``: blocks being sent); only this
-class moves requests between ``waiting`` and ``running``.
+(``waiting_for_remote``: KV arriving; ``sending``: blocks being sent) and, when
+transfers end, puts them back in ``waiting``.
 """
 
 from __future__ import annotations
@@ -202,7 +202,9 @@ class Scheduler:
                 victim = choose_victim(self.running, self.config.scheduling_policy)
                 j = self.running.index(victim)
                 if j < i:  # (priority only) scheduled earlier in this step: undo that
-                    budget += self._unschedule(out, victim)
+                    from minivllm.core.priority_queue import unschedule
+
+                    budget += unschedule(self.kv_cache_manager, out, victim)
                     i -= 1
                 self._preempt(victim, out)
                 if victim is request:
@@ -288,14 +290,6 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted_req_ids.append(request.request_id)
 
-    def _unschedule(self, out: SchedulerOutput, request: Request) -> int:
-        """Take a request back out of this step's batch; returns its tokens."""
-        rid = request.request_id
-        self.kv_cache_manager.uncache_uncomputed(request)  # its K/V stay unwritten
-        out.scheduled_requests.remove(request)
-        del out.num_computed_tokens[rid], out.block_ids[rid]
-        return out.num_scheduled_tokens.pop(rid)
-
     def _add_to_batch(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         rid = request.request_id
         out.scheduled_requests.append(request)
@@ -351,7 +345,8 @@ class Scheduler:
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
         if kv_connector_output is not None and not kv_connector_output.is_empty:
-            live = self._apply_transfers(scheduler_output, live, kv_connector_output)
+            live = self.connector.apply_transfers(self, scheduler_output, live,
+                                                  kv_connector_output)
         outputs = []
         for request in live:
             rid = request.request_id
@@ -366,18 +361,6 @@ class Scheduler:
             if request.num_computed_tokens == request.num_tokens:
                 outputs.append(self.append_tokens(request, [sampled[rid]]))
         return outputs
-
-    def _apply_transfers(self, so: SchedulerOutput, live: list[Request],
-                         kv_connector_output) -> list[Request]:
-        """Requests whose KV arrived, or whose K/V a failed load spoiled, go back to the
-        front of the waiting queue (admitted before anyone there); returns the rest."""
-        arrived, spoiled = self.connector.apply_transfers(so, live, kv_connector_output)
-        for request in arrived + spoiled:
-            if request in spoiled:
-                self.running.remove(request)
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
-        return [r for r in live if r not in spoiled]  # (their step's result is dropped)
 
     def append_tokens(self, request: Request,
                        tokens: list[tuple[int, Optional[LogprobInfo]]]) -> EngineCoreOutput:
@@ -406,7 +389,6 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_preemptions=request.num_preemptions,
             kv_transfer_params=request.kv_transfer_params)
-
 
 
 __all__ = ["Scheduler", "SchedulerOutput", "SampledTokens"]

@@ -173,14 +173,8 @@ class OutputProcessor:
         state.num_preemptions = o.num_preemptions
         if o.num_draft_tokens:
             m.record_spec_decode(o.num_draft_tokens, o.num_accepted_tokens)
-        if len(o.new_token_ids) > 1 and state.stop_checker is not None:
-            # A verified speculative run: one token at a time, so that a stop string
-            # ends it at the token that completes it, exactly as without speculation.
-            for one in state.stop_checker.split_run(o):
-                matched = self._apply(state, one)
-                if state.finished:
-                    return matched
-            return False
+        if len(o.new_token_ids) > 1 and state.stop_checker is not None:  # verified drafts
+            return state.stop_checker.apply_run(self._apply, state, o)
         m.record_tokens(len(o.new_token_ids), o.timestamp, state.index)
         state.token_ids.extend(o.new_token_ids)
         if state.logprobs is not None:

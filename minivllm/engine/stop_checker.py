@@ -66,6 +66,16 @@ class StopStringChecker:
         text, self._held = self._held, ""
         return text
 
+    def apply_run(self, apply, state, o: EngineCoreOutput) -> bool:
+        """A verified speculative run, applied (``apply(state, output)``, the output
+        processor's) one token at a time, so that a stop string ends it at the token that
+        completes it, exactly as without speculation; True if a stop string finished it."""
+        for one in self.split_run(o):
+            matched = apply(state, one)
+            if state.finished:
+                return matched
+        return False
+
     @staticmethod
     def split_run(o: EngineCoreOutput) -> Iterator[EngineCoreOutput]:
         """A run of several tokens (verified speculation) as one output per token; the

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
@@ -17,7 +17,6 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # optional features: loaded when used
-    from minivllm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
     from minivllm.lora.request import LoRARequest
 
 Prompt = Union[str, Sequence[int], dict]
@@ -27,8 +26,9 @@ LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]  # (one,
 
 class _LoadedMethod:
     """A method of ``LLM`` that lives in the module of its feature (the RL methods: the
-    class ``RLMethods`` of ``llm_rl.py``; embed, classify, score: ``pooling/offline.py``),
-    which loads the first time the method is looked up."""
+    class ``RLMethods`` of ``llm_rl.py``; chat, stream, beam search: ``MoreMethods`` of
+    ``llm_more.py``; embed, classify, score: ``pooling/offline.py``), which loads the
+    first time the method is looked up."""
 
     def __init__(self, module: str, holder: Optional[str] = None) -> None:
         self.module, self.holder = module, holder
@@ -47,7 +47,7 @@ def _rl() -> _LoadedMethod:
 
 
 class LLM:
-    """vLLM's offline API; the RL and pooling methods load with their feature."""
+    """vLLM's offline API; all but ``generate`` load when first used."""
 
     collective_rpc, load_weights = _rl(), _rl()
     reset_prefix_cache, pause_generation = _rl(), _rl()
@@ -60,6 +60,10 @@ class LLM:
     embed = _LoadedMethod("minivllm.pooling.offline")
     classify = _LoadedMethod("minivllm.pooling.offline")
     score = _LoadedMethod("minivllm.pooling.offline")
+    # A conversation; one output per step with only the new text; vLLM's beam search.
+    chat = _LoadedMethod("minivllm.entrypoints.llm_more", "MoreMethods")
+    stream = _LoadedMethod("minivllm.entrypoints.llm_more", "MoreMethods")
+    beam_search = _LoadedMethod("minivllm.entrypoints.llm_more", "MoreMethods")
 
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         args = engine_args_from_kwargs(model, engine_args)
@@ -85,7 +89,7 @@ class LLM:
         """Complete every prompt; outputs in the prompts' order. ``sampling_params``,
         ``priority`` (lower first; ``scheduling_policy="priority"``) and ``lora_request``
         (``enable_lora=True``) are one for all prompts or a list of one per prompt."""
-        items = _as_prompt_list(prompts)
+        items = as_prompt_list(prompts)
         params = _one_per_prompt("sampling_params", SamplingParams() if sampling_params is None
                                  else sampling_params, len(items))
         priority = _one_per_prompt("priority", 0 if priority is None else priority, len(items))
@@ -93,48 +97,12 @@ class LLM:
         ids: list[str] = []
         try:
             for p, sp, pr, lo in zip(items, params, priority, loras):
-                ids.append(self.llm_engine.add_request(_unwrap(p), sp.clone(
+                ids.append(self.llm_engine.add_request(unwrap_prompt(p), sp.clone(
                     output_kind=RequestOutputKind.FINAL_ONLY), priority=pr, lora_request=lo))
         except BaseException:  # one bad request: none of them runs (as in vLLM)
             self.llm_engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
-
-    def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
-             sampling_params: ParamsArg = None,
-             use_tqdm: bool = True,
-             lora_request: LoRAArg = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) \
-            else list(messages)
-        return self.generate([list(c) for c in conversations], sampling_params, use_tqdm,
-                             lora_request=lora_request)
-
-    def beam_search(self, prompts: Union[Prompt, Sequence[Prompt]],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """vLLM's beam search (entrypoints/beam_search.py): one ``BeamSearchOutput`` per
-        prompt, its ``sequences`` the beams best first."""
-        from minivllm.entrypoints.beam_search import BeamSearchParams, run_beam_search
-
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params={params!r} is invalid: give a BeamSearchParams")
-        return run_beam_search(self, [_unwrap(p) for p in _as_prompt_list(prompts)], params)
-
-    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None
-               ) -> Iterator[RequestOutput]:
-        """Yield one output per engine step with only the new text and tokens."""
-        sp = (sampling_params or SamplingParams()).clone(output_kind=RequestOutputKind.DELTA)
-        rid = self.llm_engine.add_request(_unwrap(prompt), sp)
-        try:
-            while self.llm_engine.has_unfinished_requests():
-                for out in self.llm_engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
-        finally:  # the caller stopped early: free the request's blocks
-            if self.llm_engine.output_processor.child_ids(rid):
-                self.llm_engine.abort_request(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
@@ -164,7 +132,7 @@ class LLM:
         self.shutdown()
 
 
-def _unwrap(prompt: Prompt):
+def unwrap_prompt(prompt: Prompt):
     if isinstance(prompt, dict) and "cache_salt" not in prompt:  # (else the processor's)
         if "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
@@ -174,7 +142,7 @@ def _unwrap(prompt: Prompt):
     return prompt
 
 
-def _as_prompt_list(prompts) -> list:
+def as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)

@@ -42,7 +42,7 @@ class InputProcessor:
         self.eos_token_ids = read_eos_token_ids(config.model.path, self.tokenizer)
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
-        self._lora_checker = None
+        self._lora_checker = None  # made for the first adapter (inputs/request_checks.py)
         # A *ForSequenceClassification head has num_labels outputs, not a vocabulary.
         self.classifier = "ForSequenceClassification" in "".join(
             config.model.hf_config.get("architectures") or ())
@@ -62,8 +62,12 @@ class InputProcessor:
                 "model")
         self.check_params(params)
         max_tokens = self.check_length(len(token_ids), params)
-        self.check_priority(priority)
-        self.check_lora(lora_request)
+        if priority != 0 or not is_int(priority) or lora_request is not None:
+            from minivllm.inputs.request_checks import check_priority, lora_checker
+
+            check_priority(self, priority)
+            if lora_request is not None:
+                lora_checker(self).check(lora_request)
         if params.bad_words:
             from minivllm.inputs.bad_words import with_bad_words
 
@@ -134,32 +138,6 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(f"{name} contains {bad[:5]}: token IDs must be in "
                                       f"[0, {self.vocab_size})", param)
-
-    # -- the request against this engine ---------------------------------------------
-    def check_priority(self, priority: int) -> None:
-        """vLLM's rule: a priority other than 0 needs scheduling_policy="priority"."""
-        policy = self.config.scheduler.scheduling_policy
-        if not is_int(priority):
-            raise InvalidRequestError(f"priority={priority!r} is invalid: must be an integer",
-                                      "priority")
-        if priority != 0 and policy != "priority":
-            raise InvalidRequestError(
-                f"priority={priority} is invalid with scheduling_policy={policy!r}: start the "
-                "engine with scheduling_policy='priority' (--scheduling-policy priority)",
-                "priority")
-
-    @property
-    def lora_checker(self):
-        """Reads each adapter once (minivllm/lora/checker.py); loaded on first use."""
-        if self._lora_checker is None:
-            from minivllm.lora.checker import LoRARequestChecker
-
-            self._lora_checker = LoRARequestChecker(self.config.lora, self.config.model)
-        return self._lora_checker
-
-    def check_lora(self, lora_request) -> None:
-        if lora_request is not None:
-            self.lora_checker.check(lora_request)
 
 
 __all__ = ["EngineCoreRequest", "InputProcessor", "PromptType"]

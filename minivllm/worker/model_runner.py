@@ -299,7 +299,8 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if so.is_empty:
             if self.kv_connector is not None:  # transfers finish between busy steps too
-                _, out.kv_connector_output = self._forward_with_connector(so, None, None)
+                from minivllm.distributed.kv_transfer.worker_half import connector_forward
+                connector_forward(self, so, None, out)(None)
             return out
         t0 = time.perf_counter()
         inputs, samplers = self.prepare_inputs(so)
@@ -308,11 +309,10 @@ class ModelRunner:
         if any(r.sampling_params.extra_args for r in so.scheduled_requests):  # pooling/?
             from minivllm.pooling.runner import pooling_forward
             forward_fn = pooling_forward(self, so, forward_fn or self.forward, out)
-        if self.kv_connector is not None:
-            logits, out.kv_connector_output = self._forward_with_connector(
-                so, inputs, forward_fn or self.forward)
-        else:
-            logits = (forward_fn or self.forward)(inputs)
+        if self.kv_connector is not None:  # the forward inside the connector's worker half
+            from minivllm.distributed.kv_transfer.worker_half import connector_forward
+            forward_fn = connector_forward(self, so, forward_fn or self.forward, out)
+        logits = (forward_fn or self.forward)(inputs)
         self._sync()
         t2 = time.perf_counter()
         if inputs.sample_indices is not None:
@@ -348,15 +348,6 @@ class ModelRunner:
         if (grammars := self.__dict__.get("structured_output")) is not None:
             for rid in (*so.finished_req_ids, *so.preempted_req_ids):
                 grammars.release(rid)
-
-    def _forward_with_connector(self, so: SchedulerOutput, inputs: Optional[StepInputs],
-                                forward) -> tuple[Optional[torch.Tensor], object]:
-        """The forward (None: none this step) inside the connector's worker half."""
-        from minivllm.distributed.kv_transfer.worker_half import forward_with_connector
-
-        return forward_with_connector(self.kv_connector, so.kv_connector_metadata,
-                                      so.finished_req_ids, self.kv_caches,
-                                      None if forward is None else lambda: forward(inputs))
 
     def sampling_row(self, req) -> SamplingRow:
         return SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,

@@ -51,4 +51,15 @@ def forward_with_connector(connector: KVConnectorBase, metadata, finished_req_id
         connector.clear_connector_metadata()
 
 
-__all__ = ["make_worker_connector", "forward_with_connector"]
+def connector_forward(runner, so, forward: Optional[Callable], out) -> Callable:
+    """The runner's step (``forward(inputs)``; None: none this step) inside the runner's
+    connector; the connector's news go to ``out.kv_connector_output``."""
+    def run(inputs) -> Optional[torch.Tensor]:
+        logits, out.kv_connector_output = forward_with_connector(
+            runner.kv_connector, so.kv_connector_metadata, so.finished_req_ids,
+            runner.kv_caches, None if forward is None else lambda: forward(inputs))
+        return logits
+    return run
+
+
+__all__ = ["make_worker_connector", "forward_with_connector", "connector_forward"]

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from minivllm.entrypoints.openai.protocol import BadRequestError, ModelCard
 from minivllm.entrypoints.openai.serving_engine import ModelNotFoundError
+from minivllm.inputs.request_checks import lora_checker
 from minivllm.lora.request import LoRARequest
 
 
@@ -99,7 +100,7 @@ class OpenAIServingModels:
                                   f"it must be {self.model_name!r}", "base_model_name")
         lora = LoRARequest(name, self._next_id, path, base_model_name)
         try:
-            self.engine.input_processor.lora_checker.check(lora)
+            lora_checker(self.engine.input_processor).check(lora)
         except ValueError as e:
             raise BadRequestError(str(e), "lora_path") from None
         # Ids are never reused: an unloaded adapter's id can still name cached blocks.
@@ -111,7 +112,7 @@ class OpenAIServingModels:
         lora = self.lora_requests.pop(name, None)
         if lora is None:
             raise ModelNotFoundError(name, list(self.lora_requests), what="LoRA adapter")
-        self.engine.input_processor.lora_checker.forget(lora.lora_int_id)
+        lora_checker(self.engine.input_processor).forget(lora.lora_int_id)
 
 
 __all__ = ["OpenAIServingModels", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "parse_lora_modules",
