@@ -130,7 +130,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
                  intermediate_size: int, renormalize: bool, dtype: torch.dtype,
                  expert_parallel_size: int = 1, num_redundant_experts: int = 0,
-                 routing=None) -> None:
+                 routing=None, quant_config=None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -149,11 +149,19 @@ class FusedMoE(nn.Module):
             intermediate_size = divide(intermediate_size, self.tp_size,
                                        "moe_intermediate_size")  # this rank's slice
         self.intermediate_size = i = intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(slots, 2 * i, hidden_size,
-                                                   dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, i, dtype=dtype),
-                                      requires_grad=False)
-        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.quant_method = None
+        if quant_config is not None:  # Q8_0 blocks (quantization/experts.py), no parameters
+            from minivllm.model.layers.quantization.experts import QuantizedExpertsMethod
+
+            self.quant_method = QuantizedExpertsMethod(quant_config)
+            self.qweight = self.quant_method.create_experts(slots, i, hidden_size)
+            self.w13_weight, self.w2_weight = self.qweight.w13, self.qweight.w2
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(slots, 2 * i, hidden_size,
+                                                       dtype=dtype), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, i, dtype=dtype),
+                                          requires_grad=False)
+            self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
         # Tokens routed to each expert since load (a plain tensor: it stays on the CPU
         # and out of the state dict); /metrics and the step trace read it.
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64)
@@ -203,10 +211,21 @@ class FusedMoE(nn.Module):
         self.load_expert_slice(param, loaded, expert, which,
                                self.tp_rank * self.intermediate_size)
 
+    def load_quantized(self, loaded, shard_id: tuple[int, str]) -> None:
+        """The loader's path for quantized experts: ``loaded`` a checkpoint tensor's
+        blocks (``QuantizedTensor``), quantized as a dense layer's."""
+        self.weight_loader(None, loaded, shard_id)
+
     def load_expert_slice(self, param: nn.Parameter, loaded: torch.Tensor, slot: int,
                           which: str, start: int) -> None:
         """Expert slot ``slot``'s part ``which``, from intermediate index ``start`` on."""
         expert, i = slot, self.intermediate_size
+        if self.quant_method is not None:  # the same slices, of blocks
+            what = f"expert {expert} {which}"
+            if which == "w2":
+                return self.w2_weight.put(expert, 0, loaded.narrow_cols(start, i, what), what)
+            rows = loaded.narrow_rows(start, min(i, max(loaded.rows - start, 0)))
+            return self.w13_weight.put(expert, 0 if which == "w1" else i, rows, what)
         if which == "w2":  # [H, I]: this rank's columns
             dst, src = param.data[expert], loaded[:, start:start + i]
         else:  # [I, H]: this rank's rows, gate in the first half, up in the second

@@ -44,7 +44,7 @@ from minivllm.config.checks import bad
 from minivllm.model.attention import AttentionBackend
 from minivllm.model.layers.fused_moe import FusedMoE
 from minivllm.model.layers.linear import LinearBase
-from minivllm.model.models.llama import LlamaForCausalLM, LlamaMLP
+from minivllm.model.models.llama import LlamaForCausalLM, LlamaMLP, linear_quant_config
 
 # A checkpoint's expert tensor -> (expert, vLLM's shard name); Qwen's names, then Mixtral's.
 EXPERT_NAME = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -67,7 +67,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, False, cfg.dtype)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size,
                                 moe.intermediate_size, moe.renormalize, cfg.dtype,
-                                moe.expert_parallel_size, moe.num_redundant_experts)
+                                moe.expert_parallel_size, moe.num_redundant_experts,
+                                quant_config=linear_quant_config(cfg))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, moe.shared_expert_intermediate_size)
@@ -87,10 +88,12 @@ class MoEForCausalLM(LlamaForCausalLM):
     MixtralForCausalLM)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
-        if cfg.quantization is not None:
-            raise bad("quantization", cfg.quantization, f"must be None for "
-                      f"{cfg.architecture}: the experts' weights are float only")
+        if cfg.quantization not in (None, "q8_0"):
+            raise bad("quantization", cfg.quantization, f"must be None or 'q8_0' for "
+                      f"{cfg.architecture}: its experts load from a Hugging Face folder")
         super().__init__(cfg, backend)
+        if cfg.quantization is not None:  # the experts' tensors load as blocks
+            self.map_expert_name = self.map_quantized_expert_name
 
     def make_mlp(self, layer: int) -> nn.Module:
         cfg = self.config
@@ -106,6 +109,14 @@ class MoEForCausalLM(LlamaForCausalLM):
         shard = SHARD[found.group(2)]
         param = "w2_weight" if shard == "w2" else "w13_weight"
         return name[:found.start()] + f".mlp.experts.{param}", (int(found.group(1)), shard)
+
+    def map_quantized_expert_name(self, name: str) -> tuple[str, object]:
+        """``map_expert_name`` for quantized experts: ``<layer>.mlp.experts.weight``, which
+        the loader sends, quantized as a dense layer's, to ``FusedMoE.load_quantized``."""
+        target, shard = MoEForCausalLM.map_expert_name(name)
+        if shard is None:
+            return target, None
+        return target.rsplit(".", 1)[0] + ".weight", shard
 
     def expert_layers(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers
