@@ -19,6 +19,13 @@ few rows per expert stream each weight row once against all of them; an expert
 with many rows (a prefill) takes ATen's GEMM on the same weight. Results equal
 the reference's up to float rounding (the tests compare tokens).
 
+Quantized experts (``quantization="q8_0"``: ``w13_weight`` and ``w2_weight`` are
+``ExpertBlocks``, uint8 [E, rows, row_bytes] of Q8_0) take ``moe_expert_sum_gguf``:
+the same grouping and sum, each expert's rows through gguf_gemm.cpp's product on its
+blocks (the dense Q8_0 layers' code), float32 activations. Its weights are bit for
+bit the dequantized floats; only the summation order can differ (the tests: within
+1e-5 of the float kernel on the dequantized weights, equal at a few rows an expert).
+
 The decode-step replay (``fused_decode.py``) has no experts in its C++ loop, so
 it stands aside for an MoE model and the runner runs the model's Python layers,
 each MoE layer one ``moe_expert_sum`` call.

@@ -33,6 +33,10 @@ def hf_tensor_name(gguf_name: str) -> str:
     if gguf_name in _TENSOR_NAMES:
         return _TENSOR_NAMES[gguf_name]
     _, layer, kind, suffix = gguf_name.split(".")
+    if kind not in _LAYER_NAMES:  # e.g. the experts' ffn_gate_exps, the router's ffn_gate_inp
+        raise ValueError(f"GGUF tensor {gguf_name!r}: {kind!r} has no Hugging Face name here "
+                         f"(mapped: {', '.join(_LAYER_NAMES)}); a mixture of experts' "
+                         f"ffn_*_exps are not read from a GGUF: use its Hugging Face folder")
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
 
 

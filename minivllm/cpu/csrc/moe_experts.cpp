@@ -19,6 +19,10 @@
 // converted to float32 when gathered; sums are float32; the output takes the
 // hidden states' dtype. Results equal the reference's up to float rounding
 // (another summation order).
+//
+// moe_expert_sum_gguf is the same sum on quantized experts (Q8_0 blocks,
+// quantization="q8_0"): each expert's rows through gguf_gemm.cpp's product on
+// its blocks (block_products below), float32 activations.
 #include <ATen/Parallel.h>
 
 #include <cmath>

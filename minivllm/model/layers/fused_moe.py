@@ -31,6 +31,11 @@ its share of them, computes only the pairs sent to those (``expert_sum`` skips t
 others), and the same all-reduce adds the ranks' sums; ``dispatch_bytes`` counts it.
 The CPU path (``minivllm/cpu/fused_moe.py``) keeps steps 1-2 (``route``) and runs
 steps 3-5 of every expert in one C++ call on the same stacked weights.
+
+With ``quantization="q8_0"`` the stacks are Q8_0 blocks (``quantization/experts.py``'s
+``ExpertBlocks``, filled by ``load_quantized``), and ``w13[e]`` is expert e's weight
+dequantized: ``expert_sum`` below is then the reference for quantized experts too,
+unchanged. The CPU path's kernel reads the blocks themselves.
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
     """Steps 3-5: each expert's rows multiplied once, weighted, summed into their tokens.
 
     ``ids`` [T, k] index ``w13``/``w2``'s experts; an id equal to their count marks a
-    pair another rank computes (expert parallelism) and is skipped."""
+    pair another rank computes (expert parallelism) and is skipped. ``w13``/``w2`` are
+    float stacks or ``ExpertBlocks`` (quantized: ``w13[e]`` dequantizes expert e)."""
     local = w13.shape[0]
     order, counts = group_by_expert(ids, local + 1)  # the skipped pairs sort last
     tokens, pair_weights = order // ids.shape[1], weights.flatten()[order]
@@ -154,7 +160,9 @@ class FusedMoE(nn.Module):
             from minivllm.model.layers.quantization.experts import QuantizedExpertsMethod
 
             self.quant_method = QuantizedExpertsMethod(quant_config)
-            self.qweight = self.quant_method.create_experts(slots, i, hidden_size)
+            field = ("moe_intermediate_size" if self.placement is not None or self.tp_size == 1
+                     else "moe_intermediate_size / tensor_parallel_size")  # this rank's slice
+            self.qweight = self.quant_method.create_experts(slots, i, hidden_size, field)
             self.w13_weight, self.w2_weight = self.qweight.w13, self.qweight.w2
         else:
             self.w13_weight = nn.Parameter(torch.empty(slots, 2 * i, hidden_size,

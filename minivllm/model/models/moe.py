@@ -15,15 +15,21 @@ The checkpoint holds one tensor per expert and projection
 (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``; Mixtral's
 ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``); ``map_expert_name`` sends each
 into its expert's slot of the stacked ``w13_weight`` / ``w2_weight``.
-Float weights only: ``quantization`` must be None.
+With ``quantization="q8_0"`` every expert's matrices are quantized to Q8_0 blocks at
+load (``quantization/experts.py``, the dense layers' quantizer) and the loader sends
+them, as ``<layer>.mlp.experts.weight``, to ``FusedMoE.load_quantized``; the shared
+expert and the dense MLPs are quantized like any linear layer, while the router and
+the shared expert's gate (one score per expert, or one in all: a few kB) stay float.
 
 With ``tensor_parallel_size=N`` attention splits as in ``llama.py`` and every
 expert keeps its place on every rank with 1/N of its intermediate dimension
 (``FusedMoE``); the router is replicated. With ``enable_expert_parallel`` each rank
 holds whole experts instead, its share of them (``expert_parallel.py``), and EPLB
-(``enable_eplb``) moves them between ranks by load (``eplb.py``). On the CPU path the experts'
-products use packed weights (``minivllm/cpu/fused_moe.py``), and the decode-step
-replay stands aside (its C++ loop has no experts).
+(``enable_eplb``) moves them between ranks by load (``eplb.py``); quantized experts
+split and move as whole blocks (a rank's slice of the intermediate rows must be a
+multiple of 32, else refused naming the field). On the CPU path the experts' products
+are one C++ call on the stacked weights or blocks (``minivllm/cpu/fused_moe.py``), and
+the decode-step replay stands aside (its C++ loop has no experts).
 
 Every ``FusedMoE`` counts the tokens its router sent to each expert;
 ``expert_load()`` gathers the counts, which the engine core hands to the step trace

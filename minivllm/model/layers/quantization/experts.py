@@ -56,9 +56,10 @@ class ExpertBlocks:
 class QuantizedExperts:
     """A layer's two stacks, w13 [E, 2I, H] and w2 [E, H, I]: the loader's ``qweight``."""
 
-    def __init__(self, experts: int, intermediate: int, hidden: int, qtype: str) -> None:
+    def __init__(self, experts: int, intermediate: int, hidden: int, qtype: str,
+                 intermediate_field: str) -> None:
         self.w13 = ExpertBlocks(experts, 2 * intermediate, hidden, qtype, "hidden_size")
-        self.w2 = ExpertBlocks(experts, hidden, intermediate, qtype, "moe_intermediate_size")
+        self.w2 = ExpertBlocks(experts, hidden, intermediate, qtype, intermediate_field)
 
     @property
     def complete(self) -> bool:
@@ -73,13 +74,14 @@ class QuantizedExpertsMethod(QuantizedLinearMethod):
     """The experts' quantization: ``prepare`` (a checkpoint tensor quantized as a dense
     layer's) is inherited; the stacks replace ``create_weights``."""
 
-    def create_experts(self, experts: int, intermediate: int, hidden: int) -> QuantizedExperts:
+    def create_experts(self, experts: int, intermediate: int, hidden: int,
+                       intermediate_field: str = "moe_intermediate_size") -> QuantizedExperts:
         if self.config.method != "q8_0" or self.config.activation_dtype != "auto":
             raise ValueError(f"quantization={self.config.method!r} with activation_dtype="
                              f"{self.config.activation_dtype!r} is invalid for a mixture of "
                              f"experts: its experts are quantized with 'q8_0' and float32 "
                              f"activations ('auto') only")
-        return QuantizedExperts(experts, intermediate, hidden, "Q8_0")
+        return QuantizedExperts(experts, intermediate, hidden, "Q8_0", intermediate_field)
 
 
 def experts_quant_method(config: QuantizationConfig | None) -> QuantizedExpertsMethod | None:
