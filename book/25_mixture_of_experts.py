@@ -157,6 +157,12 @@ assert expert_params == len(sparse) * EXPERTS * per_expert
 assert tuple(experts.w13_weight.shape) == (EXPERTS, 2 * I, H)
 
 # %% [markdown]
+# The experts can also be quantized: `LLM(folder, quantization="q8_0")` turns each
+# expert's matrices into chapter 16's Q8_0 blocks at load (34 bytes per 32 weights, 1/3.76
+# of float32); the router stays float. The reference dequantizes an expert's blocks before
+# its product; the CPU path multiplies on the blocks (`tests/test_moe_quantized.py`).
+
+# %% [markdown]
 # Here the embeddings (49,152 tokens × 64) dwarf everything, so the active share is
 # close to the total. In Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts of 768,
 # top-8) the experts hold 29 of its 30 billion parameters, and a token uses 1/16 of them.

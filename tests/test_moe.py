@@ -168,11 +168,6 @@ def test_unrunnable_config_is_refused_naming_the_field(tiny_model, tmp_path, fam
         LLM(folder, num_kv_blocks=16)
 
 
-def test_quantized_experts_are_refused(tiny_model):
-    with pytest.raises(ValueError, match="quantization='q8_0' is invalid.*float only"):
-        LLM(tiny_model("mixtral"), quantization="q8_0", num_kv_blocks=16)
-
-
 @pytest.mark.parametrize("arch,extra", [("qwen3moe", {}), ("llama", {"expert_count": 8})])
 def test_gguf_of_experts_is_refused_naming_what_is_missing(tmp_path, arch, extra):
     import gguf

@@ -325,6 +325,14 @@ def moe_expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return _lib().moe_expert_sum(hidden, w13, w2, topk_ids, topk_weights)
 
 
+def moe_expert_sum_gguf(hidden: torch.Tensor, w13q: torch.Tensor, w2q: torch.Tensor,
+                        type_id: int, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor:
+    """``moe_expert_sum`` on the experts' GGUF blocks of GGML type ``type_id`` (uint8
+    [E, 2I, row_bytes(H)] and [E, H, row_bytes(I)]); float32 ``hidden``."""
+    return _lib().moe_expert_sum_gguf(hidden, w13q, w2q, type_id, topk_ids, topk_weights)
+
+
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, type_id: int,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` with W as GGUF blocks [N, row_bytes] of GGML type ``type_id``."""

@@ -19,6 +19,13 @@ few rows per expert stream each weight row once against all of them; an expert
 with many rows (a prefill) takes ATen's GEMM on the same weight. Results equal
 the reference's up to float rounding (the tests compare tokens).
 
+Quantized experts (``quantization="q8_0"``: ``w13_weight`` and ``w2_weight`` are
+``ExpertBlocks``, uint8 [E, rows, row_bytes] of Q8_0) take ``moe_expert_sum_gguf``:
+the same grouping and sum, each expert's rows through gguf_gemm.cpp's product on its
+blocks (the dense Q8_0 layers' code), float32 activations. Its weights are bit for
+bit the dequantized floats; only the summation order can differ (the tests: within
+1e-5 of the float kernel on the dequantized weights, equal at a few rows an expert).
+
 The decode-step replay (``fused_decode.py``) has no experts in its C++ loop, so
 it stands aside for an MoE model and the runner runs the model's Python layers,
 each MoE layer one ``moe_expert_sum`` call.
@@ -31,8 +38,10 @@ from torch import nn
 
 from minivllm.cpu import _custom_ops as ops
 from minivllm.model.layers.fused_moe import FusedMoE
+from minivllm.model.layers.quantization import BLOCK_TYPES
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_QTYPES = ("Q8_0",)  # quantized experts: the blocks quantization="q8_0" makes
 
 
 class CpuFusedMoE(FusedMoE):
@@ -41,15 +50,24 @@ class CpuFusedMoE(FusedMoE):
     def sum_experts(self, hidden: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.w13_weight, self.w2_weight
+        if self.quant_method is not None:  # the blocks, read as they are
+            if hidden.dtype != torch.float32 or w13.data.device.type != "cpu":
+                return super().sum_experts(hidden, ids, weights)
+            return ops.moe_expert_sum_gguf(hidden, w13.data, w2.data,
+                                           BLOCK_TYPES[w13.qtype].type_id, ids, weights)
         if hidden.dtype != w13.dtype or w13.device.type != "cpu":  # not the kernel's case
             return super().sum_experts(hidden, ids, weights)
         return ops.moe_expert_sum(hidden, w13, w2, ids, weights)
 
 
 def moe_kernel_supported(experts: FusedMoE) -> bool:
-    """Whether the C++ expert sum serves this layer (built, x86 AVX2/AVX-512, its dtype)."""
-    return (experts.w13_weight.dtype in KERNEL_DTYPES and ops.build_problem() is None
-            and ops.moe_expert_sum_available())
+    """Whether the C++ expert sum serves this layer (built, x86 AVX2/AVX-512, its dtype
+    or its blocks' type)."""
+    if experts.quant_method is not None:
+        served = experts.w13_weight.qtype in KERNEL_QTYPES
+    else:
+        served = experts.w13_weight.dtype in KERNEL_DTYPES
+    return served and ops.build_problem() is None and ops.moe_expert_sum_available()
 
 
 def swap_in_moe(model: nn.Module) -> int:

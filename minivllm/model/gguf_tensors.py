@@ -19,13 +19,9 @@ _TENSOR_NAMES = {
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
 
@@ -33,6 +29,9 @@ def hf_tensor_name(gguf_name: str) -> str:
     if gguf_name in _TENSOR_NAMES:
         return _TENSOR_NAMES[gguf_name]
     _, layer, kind, suffix = gguf_name.split(".")
+    if kind not in _LAYER_NAMES:  # e.g. a mixture of experts' ffn_gate_exps, ffn_gate_inp
+        raise ValueError(f"GGUF tensor {gguf_name!r}: {kind!r} has no Hugging Face name here "
+                         f"(a GGUF's experts are not read: load its Hugging Face folder)")
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
 
 

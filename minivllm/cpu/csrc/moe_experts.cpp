@@ -19,6 +19,10 @@
 // converted to float32 when gathered; sums are float32; the output takes the
 // hidden states' dtype. Results equal the reference's up to float rounding
 // (another summation order).
+//
+// moe_expert_sum_gguf is the same sum on quantized experts (Q8_0 blocks,
+// quantization="q8_0"): each expert's rows through gguf_gemm.cpp's product on
+// its blocks (block_products below), float32 activations.
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -196,6 +200,73 @@ void expert_products(const at::Tensor& xs, const Groups& g, const at::Tensor& w1
     }
   }
 }
+
+// The same products on GGUF blocks (quantization="q8_0" at load): w13q
+// [E, 2I, row_bytes(H)] and w2q [E, H, row_bytes(I)] uint8. An expert's rows
+// go through gguf_gemm.cpp's product on its blocks (slice::gguf_linear, the
+// dense layers' code: each block dequantized in registers, in the reference's
+// arithmetic, and used for all the expert's rows), one unit of output rows an
+// item: for [gate; up] the unit's gate rows and its up rows, then SiLU-and-mul.
+struct UnitItem {
+  int64_t expert, unit;
+};
+
+std::vector<UnitItem> unit_items(const Groups& g, int64_t E, int64_t N) {
+  std::vector<UnitItem> items;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = g.start[e + 1] - g.start[e];
+    if (n == 0 || n > slice::gguf_max_rows) continue;
+    for (int64_t u = 0; u * slice::gguf_unit(n) < N; ++u) items.push_back({e, u});
+  }
+  return items;
+}
+
+void block_products(const at::Tensor& xs, const Groups& g, const at::Tensor& w13q,
+                    const at::Tensor& w2q, int64_t qtype, at::Tensor& act, at::Tensor& ys) {
+  const int64_t E = w13q.size(0), H = w2q.size(1), I = act.size(1);
+  const int64_t rb13 = w13q.size(2), rb2 = w2q.size(2);
+  auto gu = at::empty({xs.size(0), 2 * I}, xs.options());  // each pair's gate | up
+  const uint8_t* w13p = w13q.data_ptr<uint8_t>();
+  const uint8_t* w2p = w2q.data_ptr<uint8_t>();
+  const float* xp = xs.data_ptr<float>();
+  float* gp = gu.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  float* yp = ys.data_ptr<float>();
+  // Experts past gguf_max_rows: their blocks dequantized, then ATen's GEMM (as gguf_linear).
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t s = g.start[e], n = g.start[e + 1] - s;
+    if (n <= slice::gguf_max_rows) continue;
+    auto h = at::linear(xs.narrow(0, s, n), gguf_dequantize(w13q[e], qtype, H));
+    act.narrow(0, s, n).copy_(silu_and_mul(h));
+    ys.narrow(0, s, n).copy_(at::linear(act.narrow(0, s, n), gguf_dequantize(w2q[e], qtype, I)));
+  }
+  const auto up_items = unit_items(g, E, I), down_items = unit_items(g, E, H);
+  const int64_t n_up = up_items.size(), n_down = down_items.size();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_up; ++i) {
+      const int64_t e = up_items[i].expert, u = up_items[i].unit;
+      const int64_t s = g.start[e], n = g.start[e + 1] - s;
+      const uint8_t* w = w13p + e * 2 * I * rb13;
+      float* h = gp + s * 2 * I;
+      slice::gguf_linear(xp + s * H, n, H, w, rb13, qtype, I, nullptr, h, 2 * I, u, u + 1);
+      slice::gguf_linear(xp + s * H, n, H, w + I * rb13, rb13, qtype, I, nullptr, h + I, 2 * I,
+                         u, u + 1);
+      const int64_t j0 = u * slice::gguf_unit(n), j1 = std::min(I, j0 + slice::gguf_unit(n));
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = j0; j < j1; ++j)
+          ap[(s + r) * I + j] = silu(h[r * 2 * I + j]) * h[r * 2 * I + I + j];
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_down; ++i) {
+      const int64_t e = down_items[i].expert, u = down_items[i].unit;
+      const int64_t s = g.start[e], n = g.start[e + 1] - s;
+      slice::gguf_linear(ap + s * I, n, I, w2p + e * H * rb2, rb2, qtype, H, nullptr, yp + s * H,
+                         H, u, u + 1);
+    }
+  }
+}
 #endif  // MINIVLLM_VEC
 
 template <typename T>
@@ -236,34 +307,32 @@ bool moe_expert_sum_available() {
 #endif
 }
 
-// hidden [T, H]; w13 [E, 2I, H] and w2 [E, H, I] contiguous, of one dtype
-// (float32, bfloat16 or float16); topk_ids [T, k] (an id outside [0, E): not
-// this rank's); topk_weights [T, k] float32. Returns [T, H] in hidden's dtype.
-at::Tensor moe_expert_sum(at::Tensor hidden, at::Tensor w13, at::Tensor w2, at::Tensor topk_ids,
-                          at::Tensor topk_weights) {
-  check_cpu(hidden, "moe_expert_sum", "hidden");
-  TORCH_CHECK(moe_expert_sum_available(), "moe_expert_sum: this build has neither AVX-512 nor "
-              "AVX2 + FMA");
-  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous() &&
-                  w13.scalar_type() == w2.scalar_type() && w2.size(0) == w13.size(0) &&
-                  w13.size(1) == 2 * w2.size(2) && w2.size(1) == w13.size(2),
-              "moe_expert_sum: w13 must be [E, 2I, H] and w2 [E, H, I], contiguous, one dtype; "
-              "got ", w13.sizes(), " and ", w2.sizes());
-  const auto wtype = w13.scalar_type();
-  TORCH_CHECK(wtype == at::kFloat || wtype == at::kBFloat16 || wtype == at::kHalf,
-              "moe_expert_sum: experts must be float32, bfloat16 or float16, got ", wtype);
-  const int64_t T = hidden.size(0), H = w13.size(2), I = w2.size(2), E = w13.size(0);
-  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == H, "moe_expert_sum: hidden must be [T, ",
-              H, "], got ", hidden.sizes());
+namespace {
+
+// Checks the routing tensors; returns ids as contiguous int64.
+at::Tensor checked_ids(const at::Tensor& hidden, const at::Tensor& topk_ids,
+                       const at::Tensor& topk_weights, int64_t H, const char* op) {
+  check_cpu(hidden, op, "hidden");
+  TORCH_CHECK(moe_expert_sum_available(), op, ": this build has neither AVX-512 nor AVX2 + FMA");
+  const int64_t T = hidden.size(0);
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == H, op, ": hidden must be [T, ", H,
+              "], got ", hidden.sizes());
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
                   topk_weights.sizes() == topk_ids.sizes() &&
                   topk_weights.scalar_type() == at::kFloat,
-              "moe_expert_sum: topk_ids and topk_weights (float32) must be [", T, ", k], got ",
+              op, ": topk_ids and topk_weights (float32) must be [", T, ", k], got ",
               topk_ids.sizes(), " and ", topk_weights.scalar_type(), " ", topk_weights.sizes());
+  return topk_ids.to(at::kLong).contiguous();
+}
+
+// Steps 3-5 around `products` (xs, groups, act, ys): the pairs grouped, their
+// rows gathered as float32, and the weighted rows added into their tokens.
+template <typename Products>
+at::Tensor expert_sum(at::Tensor hidden, const at::Tensor& ids, at::Tensor weights, int64_t E,
+                      int64_t I, const Products& products) {
   hidden = hidden.contiguous();
-  auto ids = topk_ids.to(at::kLong).contiguous();
-  auto weights = topk_weights.contiguous();
-  const int64_t k = ids.size(1);
+  weights = weights.contiguous();
+  const int64_t T = hidden.size(0), H = hidden.size(1), k = ids.size(1);
   const Groups g = group_pairs(ids.data_ptr<int64_t>(), T, k, E);
   const int64_t P = g.start[E];
   auto fopts = hidden.options().dtype(at::kFloat);
@@ -276,9 +345,7 @@ at::Tensor moe_expert_sum(at::Tensor hidden, at::Tensor w13, at::Tensor w2, at::
   if (htype == at::kFloat) gather_rows<float>(hidden, g, xs.data_ptr<float>(), H);
   else if (htype == at::kBFloat16) gather_rows<c10::BFloat16>(hidden, g, xs.data_ptr<float>(), H);
   else gather_rows<c10::Half>(hidden, g, xs.data_ptr<float>(), H);
-  if (wtype == at::kFloat) expert_products<float>(xs, g, w13, w2, act, ys);
-  else if (wtype == at::kBFloat16) expert_products<c10::BFloat16>(xs, g, w13, w2, act, ys);
-  else expert_products<c10::Half>(xs, g, w13, w2, act, ys);
+  products(xs, g, act, ys);
   const float* yp = ys.data_ptr<float>();
   const float* wp = weights.data_ptr<float>();
   if (htype == at::kFloat) combine(yp, wp, g, T, k, H, out.data_ptr<float>());
@@ -288,16 +355,73 @@ at::Tensor moe_expert_sum(at::Tensor hidden, at::Tensor w13, at::Tensor w2, at::
   return out;
 }
 
+}  // namespace
+
+// hidden [T, H]; w13 [E, 2I, H] and w2 [E, H, I] contiguous, of one dtype
+// (float32, bfloat16 or float16); topk_ids [T, k] (an id outside [0, E): not
+// this rank's); topk_weights [T, k] float32. Returns [T, H] in hidden's dtype.
+at::Tensor moe_expert_sum(at::Tensor hidden, at::Tensor w13, at::Tensor w2, at::Tensor topk_ids,
+                          at::Tensor topk_weights) {
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous() &&
+                  w13.scalar_type() == w2.scalar_type() && w2.size(0) == w13.size(0) &&
+                  w13.size(1) == 2 * w2.size(2) && w2.size(1) == w13.size(2),
+              "moe_expert_sum: w13 must be [E, 2I, H] and w2 [E, H, I], contiguous, one dtype; "
+              "got ", w13.sizes(), " and ", w2.sizes());
+  const auto wtype = w13.scalar_type();
+  TORCH_CHECK(wtype == at::kFloat || wtype == at::kBFloat16 || wtype == at::kHalf,
+              "moe_expert_sum: experts must be float32, bfloat16 or float16, got ", wtype);
+  const int64_t H = w13.size(2);
+  const auto ids = checked_ids(hidden, topk_ids, topk_weights, H, "moe_expert_sum");
+  return expert_sum(hidden, ids, topk_weights, w13.size(0), w2.size(2),
+                    [&](const at::Tensor& xs, const Groups& g, at::Tensor& act, at::Tensor& ys) {
+#ifdef MINIVLLM_VEC
+    if (wtype == at::kFloat) expert_products<float>(xs, g, w13, w2, act, ys);
+    else if (wtype == at::kBFloat16) expert_products<c10::BFloat16>(xs, g, w13, w2, act, ys);
+    else expert_products<c10::Half>(xs, g, w13, w2, act, ys);
+#endif
+  });
+}
+
+// moe_expert_sum on GGUF blocks: w13q [E, 2I, row_bytes(H)] and w2q
+// [E, H, row_bytes(I)] uint8 of GGML type qtype; hidden float32.
+at::Tensor moe_expert_sum_gguf(at::Tensor hidden, at::Tensor w13q, at::Tensor w2q,
+                               int64_t qtype, at::Tensor topk_ids, at::Tensor topk_weights) {
+  TORCH_CHECK(w13q.dim() == 3 && w2q.dim() == 3 && w13q.is_contiguous() && w2q.is_contiguous() &&
+                  w13q.scalar_type() == at::kByte && w2q.scalar_type() == at::kByte &&
+                  w2q.size(0) == w13q.size(0) && w13q.size(1) % 2 == 0,
+              "moe_expert_sum_gguf: w13q must be [E, 2I, row_bytes] and w2q [E, H, row_bytes], "
+              "contiguous uint8; got ", w13q.scalar_type(), " ", w13q.sizes(), " and ",
+              w2q.scalar_type(), " ", w2q.sizes());
+  const int64_t H = w2q.size(1), I = w13q.size(1) / 2;
+  TORCH_CHECK(gguf_row_bytes(qtype, H) == w13q.size(2) && gguf_row_bytes(qtype, I) == w2q.size(2),
+              "moe_expert_sum_gguf: rows of ", H, " and ", I, " weights of GGML type ", qtype,
+              " take ", gguf_row_bytes(qtype, H), " and ", gguf_row_bytes(qtype, I),
+              " bytes (-1: not a type or width the kernels take), got ", w13q.size(2), " and ",
+              w2q.size(2));
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat, "moe_expert_sum_gguf: hidden must be float32, "
+              "got ", hidden.scalar_type());
+  const auto ids = checked_ids(hidden, topk_ids, topk_weights, H, "moe_expert_sum_gguf");
+  return expert_sum(hidden, ids, topk_weights, w13q.size(0), I,
+                    [&](const at::Tensor& xs, const Groups& g, at::Tensor& act, at::Tensor& ys) {
+#ifdef MINIVLLM_VEC
+    block_products(xs, g, w13q, w2q, qtype, act, ys);
+#endif
+  });
+}
+
 }  // namespace minivllm
 
 TORCH_LIBRARY_FRAGMENT(minivllm, m) {
   m.def("moe_expert_sum_available() -> bool");
   m.def("moe_expert_sum(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_ids, "
         "Tensor topk_weights) -> Tensor");
+  m.def("moe_expert_sum_gguf(Tensor hidden, Tensor w13q, Tensor w2q, int qtype, "
+        "Tensor topk_ids, Tensor topk_weights) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
   m.impl("moe_expert_sum", &minivllm::moe_expert_sum);
+  m.impl("moe_expert_sum_gguf", &minivllm::moe_expert_sum_gguf);
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CompositeExplicitAutograd, m) {

@@ -61,6 +61,7 @@ at::Tensor gguf_linear_int8(at::Tensor x, at::Tensor qweight, int64_t qtype,
 bool gguf_int8_vnni();  // built with AVX512-VNNI (else a portable loop, the same numbers)
 // Bytes of a row of `cols` weights of GGML type qtype; -1: a type or width the kernels do not take.
 int64_t gguf_row_bytes(int64_t qtype, int64_t cols);
+at::Tensor gguf_dequantize(at::Tensor qweight, int64_t qtype, int64_t cols);  // float32 [N, cols]
 
 // The float32 kernels over a slice [begin, end) of their work, on raw
 // pointers, for a caller that splits a step among its own threads

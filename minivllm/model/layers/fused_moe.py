@@ -31,6 +31,11 @@ its share of them, computes only the pairs sent to those (``expert_sum`` skips t
 others), and the same all-reduce adds the ranks' sums; ``dispatch_bytes`` counts it.
 The CPU path (``minivllm/cpu/fused_moe.py``) keeps steps 1-2 (``route``) and runs
 steps 3-5 of every expert in one C++ call on the same stacked weights.
+
+With ``quantization="q8_0"`` the stacks are Q8_0 blocks (``quantization/experts.py``'s
+``ExpertBlocks``, filled by ``load_quantized``), and ``w13[e]`` is expert e's weight
+dequantized: ``expert_sum`` below is then the reference for quantized experts too,
+unchanged. The CPU path's kernel reads the blocks themselves.
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
     """Steps 3-5: each expert's rows multiplied once, weighted, summed into their tokens.
 
     ``ids`` [T, k] index ``w13``/``w2``'s experts; an id equal to their count marks a
-    pair another rank computes (expert parallelism) and is skipped."""
+    pair another rank computes (expert parallelism) and is skipped. ``w13``/``w2`` are
+    float stacks or ``ExpertBlocks`` (quantized: ``w13[e]`` dequantizes expert e)."""
     local = w13.shape[0]
     order, counts = group_by_expert(ids, local + 1)  # the skipped pairs sort last
     tokens, pair_weights = order // ids.shape[1], weights.flatten()[order]
@@ -130,7 +136,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int,
                  intermediate_size: int, renormalize: bool, dtype: torch.dtype,
                  expert_parallel_size: int = 1, num_redundant_experts: int = 0,
-                 routing=None) -> None:
+                 routing=None, quant_config=None) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -149,11 +155,21 @@ class FusedMoE(nn.Module):
             intermediate_size = divide(intermediate_size, self.tp_size,
                                        "moe_intermediate_size")  # this rank's slice
         self.intermediate_size = i = intermediate_size
-        self.w13_weight = nn.Parameter(torch.empty(slots, 2 * i, hidden_size,
-                                                   dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, i, dtype=dtype),
-                                      requires_grad=False)
-        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.quant_method = None
+        if quant_config is not None:  # Q8_0 blocks (quantization/experts.py), no parameters
+            from minivllm.model.layers.quantization.experts import QuantizedExpertsMethod
+
+            self.quant_method = QuantizedExpertsMethod(quant_config)
+            field = ("moe_intermediate_size" if self.placement is not None or self.tp_size == 1
+                     else "moe_intermediate_size / tensor_parallel_size")  # this rank's slice
+            self.qweight = self.quant_method.create_experts(slots, i, hidden_size, field)
+            self.w13_weight, self.w2_weight = self.qweight.w13, self.qweight.w2
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(slots, 2 * i, hidden_size,
+                                                       dtype=dtype), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(slots, hidden_size, i, dtype=dtype),
+                                          requires_grad=False)
+            self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
         # Tokens routed to each expert since load (a plain tensor: it stays on the CPU
         # and out of the state dict); /metrics and the step trace read it.
         self.expert_load = torch.zeros(num_experts, dtype=torch.int64)
@@ -203,10 +219,21 @@ class FusedMoE(nn.Module):
         self.load_expert_slice(param, loaded, expert, which,
                                self.tp_rank * self.intermediate_size)
 
+    def load_quantized(self, loaded, shard_id: tuple[int, str]) -> None:
+        """The loader's path for quantized experts: ``loaded`` a checkpoint tensor's
+        blocks (``QuantizedTensor``), quantized as a dense layer's."""
+        self.weight_loader(None, loaded, shard_id)
+
     def load_expert_slice(self, param: nn.Parameter, loaded: torch.Tensor, slot: int,
                           which: str, start: int) -> None:
         """Expert slot ``slot``'s part ``which``, from intermediate index ``start`` on."""
         expert, i = slot, self.intermediate_size
+        if self.quant_method is not None:  # the same slices, of blocks
+            what = f"expert {expert} {which}"
+            if which == "w2":
+                return self.w2_weight.put(expert, 0, loaded.narrow_cols(start, i, what), what)
+            rows = loaded.narrow_rows(start, min(i, max(loaded.rows - start, 0)))
+            return self.w13_weight.put(expert, 0 if which == "w1" else i, rows, what)
         if which == "w2":  # [H, I]: this rank's columns
             dst, src = param.data[expert], loaded[:, start:start + i]
         else:  # [I, H]: this rank's rows, gate in the first half, up in the second

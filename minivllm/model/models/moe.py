@@ -15,15 +15,21 @@ The checkpoint holds one tensor per expert and projection
 (``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``; Mixtral's
 ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``); ``map_expert_name`` sends each
 into its expert's slot of the stacked ``w13_weight`` / ``w2_weight``.
-Float weights only: ``quantization`` must be None.
+With ``quantization="q8_0"`` every expert's matrices are quantized to Q8_0 blocks at
+load (``quantization/experts.py``, the dense layers' quantizer) and the loader sends
+them, as ``<layer>.mlp.experts.weight``, to ``FusedMoE.load_quantized``; the shared
+expert and the dense MLPs are quantized like any linear layer, while the router and
+the shared expert's gate (one score per expert, or one in all: a few kB) stay float.
 
 With ``tensor_parallel_size=N`` attention splits as in ``llama.py`` and every
 expert keeps its place on every rank with 1/N of its intermediate dimension
 (``FusedMoE``); the router is replicated. With ``enable_expert_parallel`` each rank
 holds whole experts instead, its share of them (``expert_parallel.py``), and EPLB
-(``enable_eplb``) moves them between ranks by load (``eplb.py``). On the CPU path the experts'
-products use packed weights (``minivllm/cpu/fused_moe.py``), and the decode-step
-replay stands aside (its C++ loop has no experts).
+(``enable_eplb``) moves them between ranks by load (``eplb.py``); quantized experts
+split and move as whole blocks (a rank's slice of the intermediate rows must be a
+multiple of 32, else refused naming the field). On the CPU path the experts' products
+are one C++ call on the stacked weights or blocks (``minivllm/cpu/fused_moe.py``), and
+the decode-step replay stands aside (its C++ loop has no experts).
 
 Every ``FusedMoE`` counts the tokens its router sent to each expert;
 ``expert_load()`` gathers the counts, which the engine core hands to the step trace
@@ -44,7 +50,7 @@ from minivllm.config.checks import bad
 from minivllm.model.attention import AttentionBackend
 from minivllm.model.layers.fused_moe import FusedMoE
 from minivllm.model.layers.linear import LinearBase
-from minivllm.model.models.llama import LlamaForCausalLM, LlamaMLP
+from minivllm.model.models.llama import LlamaForCausalLM, LlamaMLP, linear_quant_config
 
 # A checkpoint's expert tensor -> (expert, vLLM's shard name); Qwen's names, then Mixtral's.
 EXPERT_NAME = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -67,7 +73,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, False, cfg.dtype)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size,
                                 moe.intermediate_size, moe.renormalize, cfg.dtype,
-                                moe.expert_parallel_size, moe.num_redundant_experts)
+                                moe.expert_parallel_size, moe.num_redundant_experts,
+                                quant_config=linear_quant_config(cfg))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, moe.shared_expert_intermediate_size)
@@ -87,10 +94,12 @@ class MoEForCausalLM(LlamaForCausalLM):
     MixtralForCausalLM)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
-        if cfg.quantization is not None:
-            raise bad("quantization", cfg.quantization, f"must be None for "
-                      f"{cfg.architecture}: the experts' weights are float only")
+        if cfg.quantization not in (None, "q8_0"):
+            raise bad("quantization", cfg.quantization, f"must be None or 'q8_0' for "
+                      f"{cfg.architecture}: its experts load from a Hugging Face folder")
         super().__init__(cfg, backend)
+        if cfg.quantization is not None:  # the experts' tensors load as blocks
+            self.map_expert_name = self.map_quantized_expert_name
 
     def make_mlp(self, layer: int) -> nn.Module:
         cfg = self.config
@@ -106,6 +115,14 @@ class MoEForCausalLM(LlamaForCausalLM):
         shard = SHARD[found.group(2)]
         param = "w2_weight" if shard == "w2" else "w13_weight"
         return name[:found.start()] + f".mlp.experts.{param}", (int(found.group(1)), shard)
+
+    def map_quantized_expert_name(self, name: str) -> tuple[str, object]:
+        """``map_expert_name`` for quantized experts: ``<layer>.mlp.experts.weight``, which
+        the loader sends, quantized as a dense layer's, to ``FusedMoE.load_quantized``."""
+        target, shard = MoEForCausalLM.map_expert_name(name)
+        if shard is None:
+            return target, None
+        return target.rsplit(".", 1)[0] + ".weight", shard
 
     def expert_layers(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers
