@@ -74,6 +74,16 @@ times there, one thread: DeepSeek 1.28x; two threads: 7.5x, the Llama 108 ms (ev
 kernel of the replay its own parallel region, each waiting for a descheduled
 thread; the quiet rerun decides).
 
+Quiet, both replays merged (nothing else running, 5 December 2026, 2-core Sapphire
+Rapids with AVX-512 and AMX, three runs of 7-11 rounds)::
+
+    two threads       llama 3.14-3.46 ms   gemma3 1.00-1.04x   deepseek 1.43-1.49x
+    OMP_NUM_THREADS=1 llama 5.98-6.10 ms   gemma3 0.92x        deepseek 1.44-1.46x
+
+Both within issue 52's 1.5x on this machine, DeepSeek narrowly (its replay is one
+C++ call but each kernel its own parallel region; the Llama's and Gemma's float32
+step is one region). Not re-measured on the AVX2 machine.
+
 ``--kernels`` times MLA's decode attention alone, one layer's worth (CPU time on
 one thread, wall time on more; alternated, medians); ``OMP_NUM_THREADS=1 ... --kernels`` on that machine::
 
