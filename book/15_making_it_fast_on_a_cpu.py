@@ -503,13 +503,14 @@ show_source(type(runner).forward)
 # times per layer. The barrier:
 
 # %%
-show_csrc("llama_decode.cpp", "class SpinBarrier {", max_lines=16)
+show_csrc("decode_region.h", "class SpinBarrier {", max_lines=16)
 
 # %% [markdown]
-# and the first half of the loop over the layers that runs between those barriers:
+# and the first half of the loop over the layers that runs between those barriers (in
+# `llama_decode.cpp`; the barrier and the work sharing are in `decode_region.h`):
 
 # %%
-show_csrc("llama_decode.cpp", "for (int64_t i = 0; i < layers; ++i) {")
+show_csrc("llama_decode.cpp", "// Pre-norm residual blocks")
 
 # %% [markdown]
 # Same kernels, same order, so the same bits: the logits of the recorded steps equal
