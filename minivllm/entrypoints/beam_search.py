@@ -19,12 +19,14 @@ What that recomputing costs: a beam of ``n`` tokens computes the ``n -
 prompt and block size 16, 4 beams x 16 tokens compute 558 tokens, the forks
 98. On a GPU a step that small costs the same with 4 or 40 tokens (its weights
 are read once either way); on a CPU the step's products grow with its tokens,
-and every step but the rare all-one-token ones runs the model layer by layer
-in Python where a decode step is one C++ call (``cpu/fused_decode.py``): the
-search took about 4x the forked version's time there, one thread, on a
-shared machine (``python -m minivllm.lab.bench.beam_search --against
-<checkout of 443e012>``). The time spent here and in the engine's Python
-around the model is a few per cent of it.
+and each step computes its beams' partial blocks. Such steps (at most 16 new
+tokens a sequence, after cached context) are one C++ call on the CPU path, as
+decode steps are (``cpu/fused_decode.py``; each new token a decode row of
+its own). The search takes 2.06x the forked version's time on a quiet 2-core
+Sapphire Rapids (``python -m minivllm.lab.bench.beam_search --against
+<checkout of 443e012>``, 4 beams x 16 tokens, the same beams; about 4x on a
+shared AVX2 machine while those steps still ran layer by layer). The time
+spent here and in the engine's Python around the model is a few per cent of it.
 
 EOS, as in Hugging Face's ``generate(num_beams=...)``: a candidate that
 ends in EOS and ranks among the first ``beam_width`` is a finished beam (a
