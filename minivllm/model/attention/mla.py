@@ -23,8 +23,7 @@ is plain PyTorch (float32 accumulation, as the reference backend), on any
 device; the ``attention_backend`` setting does not apply to these layers. On
 the CPU path the layer's twin (``minivllm/cpu/mla.py``) sends the decode rows
 to a C++ latent-attention kernel, which reads the latents in place; the rest
-of the model (linear layers, norms, RoPE, sampler) uses the CPU kernels, and
-a pure decode step can run as one C++ call (``minivllm/cpu/fused_decode_mla.py``).
+of the model (linear layers, norms, RoPE, sampler) uses the CPU kernels.
 """
 
 from __future__ import annotations

@@ -18,15 +18,12 @@ What differs from ``llama.py`` is the attention (``DeepseekV3Attention``):
 ``minivllm/model/attention/mla.py`` attends: naive expansion for prefills, the
 absorbed weights for decodes. Under tensor parallelism the heads split (``q_b_proj``,
 ``kv_b_proj`` by column, ``o_proj`` by row) and the latent, which has no heads, is
-computed and cached whole on every rank, as in vLLM. On the CPU path the kernels run
-the linear layers, norms, RoPE and sampler, MLA's decodes take a C++ kernel
-(``cpu/mla.py``), and a pure decode step of dense-MLP layers is one C++ call
-(``cpu/fused_decode_mla.py``).
+computed and cached whole on every rank, as in vLLM.
 
 The MLP of layers ``first_k_dense_replace``.. (every ``moe_layer_freq``-th) is
 ``deepseek_moe.py``'s ``DeepseekMoE``: V3's sigmoid, bias-steered, group-limited router or
 V2's softmax one (``RoutingSpec``, ``config/moe.py``), ``FusedMoE``'s experts (tensor and
-expert parallel, the CPU twin, the per-expert load in ``/metrics``, EPLB) and ungated
+expert parallel, the per-expert load in ``/metrics``, EPLB) and ungated
 shared experts; the earlier layers keep a dense MLP of ``intermediate_size``.
 DeepSeek-V2 (``DeepseekV2ForCausalLM``) is the same model with V2's router; its query
 often skips the low-rank bottleneck (``q_lora_rank`` None). Hugging Face's V2 port
@@ -104,7 +101,7 @@ class DeepseekV3Attention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         if self.interleave:  # pairs (x0, x1), ... -> halves, as the rotation expects
             q_pe, k_pe = (torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1) for t in (q_pe, k_pe))
-        # Copies: the CPU path's RoPE rotates in place and wants dense rows.
+        # Copies: the split views share x's storage, and a rotary layer may rotate in place.
         q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous()[:, None])
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, -1)
         out = self.attn(q_nope, q_pe, self.kv_a_layernorm(latent), k_pe[:, 0], w_kv, meta)
