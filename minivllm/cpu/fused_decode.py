@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from minivllm.lora.model_manager import LoRAMapping
 
 ENV_SWITCH = envs.name_of("FUSED_DECODE")
-_NONE = torch.empty(0)  # "no bias" in the flat weight list
+NONE = torch.empty(0)  # "no bias" (or no such layer) in the flat weight lists
 
 
 def fused_decode_enabled() -> bool:
@@ -91,27 +91,27 @@ def _quantized(layer: nn.Module) -> bool:
     return getattr(layer, "quant_method", None) is not None
 
 
-def _linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
+def linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
     """weight, float32 panels, bias, the GEMM library's packed copy (as the C++ reads them);
     for quantized blocks: the blocks, no panels, bias, and [GGML type id, 1 if its x is
     quantized to int8 (activation_dtype="int8")]."""
     bias = getattr(layer, "bias", None)  # (an LM head has none)
-    bias = bias if bias is not None else _NONE
+    bias = bias if bias is not None else NONE
     if _quantized(layer):
         (_, t), = layer.qweight.segments
         int8 = layer.quant_method.config.activation_dtype == "int8" and t.qtype in INT8_TYPES
-        return [t.data, _NONE, bias, torch.tensor([BLOCK_TYPES[t.qtype].type_id, int(int8)])]
+        return [t.data, NONE, bias, torch.tensor([BLOCK_TYPES[t.qtype].type_id, int(int8)])]
     packed = layer.packed_weight
-    panels = packed.panels if packed.panels is not None else _NONE
+    panels = packed.panels if packed.panels is not None else NONE
     return [layer.weight, panels, bias, packed.gemm]
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
     """One decoder layer's tensors in the order llama_decode.cpp reads them."""
     attn, mlp = layer.self_attn, layer.mlp
-    return ([layer.input_layernorm.kernel_weight()] + _linear_tensors(attn.qkv_proj)
-            + _linear_tensors(attn.o_proj) + [layer.post_attention_layernorm.kernel_weight()]
-            + _linear_tensors(mlp.gate_up_proj) + _linear_tensors(mlp.down_proj))
+    return ([layer.input_layernorm.kernel_weight()] + linear_tensors(attn.qkv_proj)
+            + linear_tensors(attn.o_proj) + [layer.post_attention_layernorm.kernel_weight()]
+            + linear_tensors(mlp.gate_up_proj) + linear_tensors(mlp.down_proj))
 
 
 # The norms a layer may have besides input_layernorm and post_attention_layernorm,
@@ -292,7 +292,7 @@ class LlamaFusedDecode:
         self.lora_weights = _lora_tensors(model)
         self.lm_head = causal_lm.lm_head
         self.compute_logits = causal_lm.compute_logits
-        self.head_tensors = _linear_tensors(self.lm_head)
+        self.head_tensors = linear_tensors(self.lm_head)
         self.head_packed = getattr(self.lm_head, "packed_weight", None)
         first = model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads

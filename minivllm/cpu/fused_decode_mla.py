@@ -27,7 +27,7 @@ from torch import nn
 
 from minivllm import envs
 from minivllm.cpu import _custom_ops as ops
-from minivllm.cpu.fused_decode import ENV_SWITCH, fused_decode_enabled
+from minivllm.cpu.fused_decode import ENV_SWITCH, NONE, fused_decode_enabled, linear_tensors
 from minivllm.cpu.mla import CpuMLAAttention
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.model.attention import AttentionMetadata
@@ -35,8 +35,6 @@ from minivllm.model.layers.parallel import tp_size
 
 if TYPE_CHECKING:
     from minivllm.lora.model_manager import LoRAMapping
-
-_NONE = torch.empty(0)  # "no such layer" or "no bias" in the flat weight list
 
 
 def is_mla(causal_lm: nn.Module) -> bool:
@@ -46,14 +44,9 @@ def is_mla(causal_lm: nn.Module) -> bool:
 
 
 def _linear_tensors(layer: Optional[nn.Module]) -> list[torch.Tensor]:
-    """weight, float32 panels, bias, the GEMM library's packed copy; four empty
-    tensors for a layer the model lacks (q_a_proj without q_lora_rank)."""
-    if layer is None:
-        return [_NONE] * 4
-    packed = layer.packed_weight
-    bias = layer.bias if getattr(layer, "bias", None) is not None else _NONE
-    return [layer.weight, packed.panels if packed.panels is not None else _NONE, bias,
-            packed.gemm]
+    """``fused_decode.linear_tensors``; four empty tensors for a layer the model lacks
+    (q_a_proj without q_lora_rank)."""
+    return [NONE] * 4 if layer is None else linear_tensors(layer)
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
@@ -61,7 +54,7 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
     attn, mlp = layer.self_attn, layer.mlp
     lora_q = hasattr(attn, "q_a_proj")
     return (([layer.input_layernorm.weight] + _linear_tensors(getattr(attn, "q_a_proj", None))
-             + [attn.q_a_layernorm.weight if lora_q else _NONE]
+             + [attn.q_a_layernorm.weight if lora_q else NONE]
              + _linear_tensors(attn.q_b_proj if lora_q else attn.q_proj))
             + _linear_tensors(attn.kv_a_proj_with_mqa)
             + [attn.kv_a_layernorm.weight, attn.kv_b_proj.weight]
