@@ -47,10 +47,11 @@ constexpr int64_t kSpan = 64;
 // one thread, 8 heads, 288-wide rows; 2 rows x 8 heads 1.1x).
 constexpr int64_t kScoreHeads = vec::kRegisters == 32 ? 4 : 2;
 constexpr int64_t kRows = L / kScoreHeads;
-// Value tile: kHeads heads x kCols vectors of columns (8 of AVX2's 16
+// Value tile: kHeads heads x kCols vectors of columns (12 of AVX2's 16
 // registers, 16 of AVX-512's 32; the rest hold the row's vectors and a score).
+// AVX2's 4 x 3 took 0.95x the time of 4 x 2: more independent FMAs per load.
 constexpr int64_t kHeads = 4;
-constexpr int64_t kCols = vec::kRegisters == 32 ? 4 : 2;
+constexpr int64_t kCols = vec::kRegisters == 32 ? 4 : 3;
 // Whole tiles of heads for both passes (the extra heads' queries are zero).
 constexpr int64_t kHeadTile = std::max(kScoreHeads, kHeads);
 
@@ -81,29 +82,50 @@ inline vf lane_sums(vf* r) {
 #endif
 }
 
+// The next span's rows, fetched into L2 a cache line at a time while this
+// span is scored. A decode step's rows come from memory (4 layers of 8 x 1,024
+// rows are 38 MB, with the weights streamed between them), and the hardware
+// prefetchers, which stop at page ends and do not follow the block table, left
+// the kernel waiting on them. The lines are spread evenly over the score
+// pass's vector steps (`steps` ticks fetch `total` lines): fetched in a burst,
+// they filled the core's line fill buffers and stalled the FMAs behind them
+// until memory caught up (the spread took 0.8x the burst's time with the
+// caches cold, AVX2 and AVX-512 alike).
+struct Prefetcher {
+  const float* const* rows;
+  int64_t lines_per_row, total, steps;
+  int64_t row = 0, line = 0, due = 0;
+  inline void tick() {
+    for (due += total; due >= steps; due -= steps) {  // at most `total` lines in `steps` ticks
+      if (line == lines_per_row) line = 0, ++row;
+      _mm_prefetch(reinterpret_cast<const char*>(rows[row]) + 64 * line++, _MM_HINT_T1);
+    }
+  }
+};
+
 // scores[h * kSpan + t] = q[h] . rows[t] for the span's n rows; heads in tiles
 // of kScoreHeads (hp a multiple), d columns (the last vector masked when d is
-// not a multiple of L). Meanwhile the next span's next_n rows are prefetched
-// into L2, a cache line per vector step: a step's rows (4 layers of 8 x 1,024
-// rows are 38 MB) come from memory, and the hardware prefetchers, which stop
-// at page ends and do not follow the block table, left the kernel waiting on
-// them (one thread, 8 such caches in turn: 0.72x the time with the prefetch).
+// not a multiple of L); meanwhile the next span's next_n rows are prefetched.
 void score_rows(const float* q, int64_t hp, int64_t d, const float* const* rows, int64_t n,
                 float* scores, const float* const* next, int64_t next_n) {
   const int64_t full = d / L * L;
   const vec::mask tail = vec::first(d - full);
+  const int64_t lines = (d * static_cast<int64_t>(sizeof(float)) + 63) / 64;
+  const int64_t steps = (n + kRows - 1) / kRows * (hp / kScoreHeads) * (full / L);
+  Prefetcher pf{next, lines, steps > 0 ? next_n * lines : 0, std::max<int64_t>(steps, 1)};
   for (int64_t t0 = 0; t0 < n; t0 += kRows) {
     const float* k[kRows];
     for (int64_t t = 0; t < kRows; ++t) k[t] = rows[std::min(t0 + t, n - 1)];  // past n: unread
-    const float* ahead[kRows];  // the next span's rows of this tile (none past next_n)
-    for (int64_t t = 0; t < kRows; ++t) ahead[t] = t0 + t < next_n ? next[t0 + t] : nullptr;
     for (int64_t h = 0; h < hp; h += kScoreHeads) {
       vf acc[L];
       for (int64_t i = 0; i < L; ++i) acc[i] = vec::zero();
       auto step = [&](const vf* a, auto load_row) {
 #pragma GCC unroll 8
         for (int64_t t = 0; t < kRows; ++t) {
-          const vf x = load_row(k[t]);
+          vf x = load_row(k[t]);
+          // Held in a register for its kScoreHeads FMAs: left alone, GCC folded
+          // the load into each FMA, a load per FMA (0.92x the time so, AVX2).
+          asm("" : "+x"(x));
 #pragma GCC unroll 4
           for (int64_t j = 0; j < kScoreHeads; ++j)
             acc[j * kRows + t] = vec::fmadd(a[j], x, acc[j * kRows + t]);
@@ -111,9 +133,7 @@ void score_rows(const float* q, int64_t hp, int64_t d, const float* const* rows,
       };
       vf a[kScoreHeads];
       for (int64_t i = 0; i < full; i += L) {
-        if (h == 0)
-          for (int64_t t = 0; t < kRows; ++t)
-            if (ahead[t] != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead[t] + i), _MM_HINT_T1);
+        pf.tick();
         for (int64_t j = 0; j < kScoreHeads; ++j) a[j] = vec::load(q + (h + j) * d + i);
         step(a, [i](const float* r) { return vec::load(r + i); });
       }
@@ -154,15 +174,16 @@ inline void add_values(float* acc, int64_t c, int64_t h0, int64_t c0, const floa
 }
 
 // One sequence: q [hp][d] scaled (heads past the real ones zero), its rows
-// [0, len) through `table`; out [heads][c].
+// [0, len) through `table`; out [heads][c]. Its last span prefetches the first
+// of the sequence the thread takes next (next_len rows through next_table).
 void attend_latents(const float* q, int64_t heads, int64_t hp, int64_t d, int64_t c,
                     const float* cache, const int32_t* table, int64_t len, int64_t block_size,
-                    float* out) {
+                    float* out, const int32_t* next_table, int64_t next_len) {
   std::vector<float> acc(hp * c, 0.f), scores(hp * kSpan), corr(hp);
   std::vector<float> m(hp, -std::numeric_limits<float>::infinity()), l(hp, 0.f);
   // The row pointers of this span and the next (two buffers, in turn).
   const float* spans[2][kSpan];
-  auto locate = [&](int64_t p, const float** rows) {
+  auto locate = [&](const int32_t* table, int64_t len, int64_t p, const float** rows) {
     const int64_t n = std::min(kSpan, len - p);
     // Block by block (a division per row cost about 2 % of the kernel).
     const int32_t* block = table + p / block_size;
@@ -172,11 +193,13 @@ void attend_latents(const float* q, int64_t heads, int64_t hp, int64_t d, int64_
     }
     return n;
   };
-  if (len > 0) locate(0, spans[0]);
+  if (len > 0) locate(table, len, 0, spans[0]);
   for (int64_t p = 0, which = 0; p < len; p += kSpan, which ^= 1) {
     const float** rows = spans[which];
     const int64_t n = std::min(kSpan, len - p);
-    const int64_t next_n = p + kSpan < len ? locate(p + kSpan, spans[which ^ 1]) : 0;
+    const int64_t next_n = p + kSpan < len ? locate(table, len, p + kSpan, spans[which ^ 1])
+                           : next_len > 0  ? locate(next_table, next_len, 0, spans[which ^ 1])
+                                           : 0;
     score_rows(q, hp, d, rows, n, scores.data(), spans[which ^ 1], next_n);
     for (int64_t h = 0; h < hp; ++h) corr[h] = softmax_block(scores.data() + h * kSpan, n, m[h], l[h]);
     // A block of columns for every head tile in turn: the rows' cache lines of
@@ -239,7 +262,8 @@ at::Tensor mla_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t x = 0; x < heads * d; ++x) qs[x] = qd[b * heads * d + x] * static_cast<float>(scale);
       attend_latents(qs.data(), heads, hp, d, c, cd, tables + b * width, lens[b], block_size,
-                     od + b * heads * c);
+                     od + b * heads * c, b + 1 < end ? tables + (b + 1) * width : nullptr,
+                     b + 1 < end ? lens[b + 1] : 0);
     }
   });
 #endif
