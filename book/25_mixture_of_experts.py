@@ -862,9 +862,13 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 #   step's few rows per expert stream each weight row once against all of them, and a
 #   prefill's many rows take ATen's GEMM. It reads the stacked `w13_weight` / `w2_weight`
 #   themselves, so the experts are in memory once (no packed copies beside them). The
-#   one-call decode replay of chapter 15 has no experts (nor Qwen3's q/k norm) and
-#   stands aside for these models. `python -m minivllm.lab.bench.moe_model --ab-experts`
-#   times one layer's experts, the reference's Python loop against the one call.
+#   one-call decode replay of chapter 15 takes these models too
+#   (`minivllm/cpu/fused_decode_moe.py`, `csrc/moe_decode.cpp`): each sparse layer's
+#   router, route, experts' call and Qwen2-MoE's gated shared expert run in its C++
+#   loop with the same operators as the Python layers, so a step's logits are theirs
+#   bit for bit. `python -m minivllm.lab.bench.moe_model --ab-experts` times one
+#   layer's experts, the reference's Python loop against the one call; `--ab-replay` a
+#   decode step with the replay and without it.
 # - **Expert load**: `/metrics` of `minivllm serve` counts the tokens routed to each expert
 #   of each MoE layer, `minivllm:expert_load_total{layer, expert}`, and with several ranks
 #   the bytes the experts' collectives moved, `minivllm:moe_dispatch_bytes_total`; the step trace has the

@@ -246,7 +246,6 @@ def test_fused_decode_stands_aside(tiny_model, monkeypatch):
         assert runner.decode_replay is None
         return runner.decode_replay_problem
 
-    assert "mixture-of-experts" in problem(family="qwen3-moe")
     assert "float16" in problem(dtype="float16")
     assert "'torch'" in problem(attention_backend="torch")
     assert problem(cpu_kernels=False) == "cpu_kernels=False"

@@ -117,7 +117,8 @@ def test_engine_greedy_matches_transformers(tiny_model, family, cpu_kernels):
     assert engine_tokens(llm, prompts) == ref  # batched
     assert engine_tokens(llm, prompts[1:2]) == ref[1:2]  # alone
     runner = llm.llm_engine.engine_core.executor.runner
-    assert runner.decode_replay is None  # the C++ decode loop has no experts: bypassed
+    # The CPU path replays decode steps in one C++ call, experts included.
+    assert (runner.decode_replay is not None) == (cpu_kernels is None)
     experts = runner.model.expert_layers()[0].experts
     # The CPU path runs every expert in one C++ call, on the one copy of the weights.
     assert (type(experts).__name__ == "CpuFusedMoE") == (cpu_kernels is None)

@@ -18,6 +18,7 @@ products. These kernels do the same math in one pass each:
 - ``moe_experts.cpp`` — a mixture of experts' expert sum, every expert in one call;
 - ``lora.cpp`` — the LoRA delta of a step mixing adapters (BGMV shrink and expand);
 - ``llama_decode.cpp`` — a whole decode step of a Llama model over the kernels above;
+  ``moe_decode.cpp`` — a mixture of experts' MLP (router, experts) in that step;
 - ``mla_decode.cpp`` — DeepSeek's latent attention for decodes; ``mla_decode_step.cpp``
   — a whole decode step of a DeepSeek (MLA) model.
 
@@ -283,14 +284,16 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                          token_lora_indices: Optional[torch.Tensor] = None,
                          layer_norms=(), gelu: bool = False, group_tables=(),
                          group_windows=(), layer_groups=(), ropes=(),
-                         layer_ropes=()) -> torch.Tensor:
+                         layer_ropes=(), moe_weights=(), moe_config=(),
+                         expert_loads=()) -> torch.Tensor:
     """A whole Llama-family decode step (see ``fused_decode.py``): the final hidden
     states, or with ``lm_head`` (weight, panels, bias, packed) the logits; with
     ``lora_weights`` and ``token_lora_indices``, each linear's LoRA delta too.
     ``layer_norms`` (q/k norms, Gemma 3's sandwich norms) and ``gelu``: the
     family's variants; ``group_tables``/``group_windows``/``layer_groups`` and
     ``ropes``/``layer_ropes``: a hybrid model's per-layer KV cache groups and
-    RoPE tables (llama_decode.cpp says their layout)."""
+    RoPE tables; ``moe_weights``/``moe_config``/``expert_loads``: a mixture of
+    experts' layers (``fused_decode_moe.py``; llama_decode.cpp says their layout)."""
     return _lib().llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens,
                                        cos_cache, sin_cache, k_caches, v_caches, weights,
                                        final_norm, num_heads, num_kv_heads, head_dim, eps, scale,
@@ -298,7 +301,8 @@ def llama_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens
                                        gate_up_halves, list(lora_weights), token_lora_indices,
                                        list(layer_norms), gelu, list(group_tables),
                                        list(group_windows), list(layer_groups), list(ropes),
-                                       list(layer_ropes))
+                                       list(layer_ropes), list(moe_weights), list(moe_config),
+                                       list(expert_loads))
 
 
 def mla_decode_forward(hidden, positions, slot_mapping, block_tables, seq_lens, cos_cache,

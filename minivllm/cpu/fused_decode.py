@@ -1,5 +1,6 @@
 """A Llama-family decode step in one C++ call (``csrc/llama_decode.cpp``), replayed
-by the model runner: Llama, Mistral, Qwen2, Qwen3 (q/k norm) and Gemma 3.
+by the model runner: Llama, Mistral, Qwen2, Qwen3 (q/k norm), Gemma 3, and the
+mixtures of experts Qwen3-MoE, Mixtral and Qwen2-MoE.
 
 In eager PyTorch every operator of a decode step costs twice on a CPU: the
 kernel, and the Python around it (the module call, the argument checks, the
@@ -48,13 +49,21 @@ group). The replay's numbers are the twins' Python layers', bit for bit; the
 twins' against the reference layers (``cpu_kernels=False``) differ by float32
 rounding.
 
+A mixture of experts' sparse layers (``fused_decode_moe.py``, ``csrc/moe_decode.cpp``)
+run their router, the route (softmax in float32, top-k, renormalisation), the
+experts' one call (``cpu/fused_moe.py``'s ``moe_expert_sum``, float32 or bfloat16
+stacks or Q8_0 blocks) and Qwen2-MoE's gated shared expert with the twins' operators
+in the twins' order, and count each expert's pairs into its ``expert_load``. A
+float32 step leaves its parallel region for each sparse layer's MLP (the experts
+share out their own work) and starts the next region at the next layer.
+
 The runner replays a step only when that equality holds: CPU float32 or
 bfloat16 weights packed (``prepack.py``) or quantized, one rank, every norm and
 MLP on its kernel twin (so not Gemma 3 in bfloat16), attention layers of the
 full and sliding kinds, the ``cpu`` attention backend, and a decode step (one
 new token per sequence) or at most ``MAX_DECODE_QUERY`` new tokens per sequence
 each after cached context (the CPU attention's decode rows). Everything else —
-prompts, longer chunks, tensor parallelism, mixtures of experts, latent
+prompts, longer chunks, tensor parallelism, expert parallelism, latent
 attention, linear attention — runs the model. The weights are captured when it
 is built; if the layers are repacked later it notices and stands aside.
 """
@@ -69,6 +78,8 @@ from torch import nn
 from minivllm import envs
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.attention import MAX_DECODE_QUERY
+from minivllm.cpu.fused_decode_moe import (is_moe, moe_config, moe_linears, moe_problem,
+                                           moe_tensors)
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from minivllm.cpu.quantized import CpuQuantizedLinearMethod
 from minivllm.model.attention import AttentionMetadata
@@ -107,11 +118,14 @@ def linear_tensors(layer: nn.Module) -> list[torch.Tensor]:
 
 
 def _layer_tensors(layer: nn.Module) -> list[torch.Tensor]:
-    """One decoder layer's tensors in the order llama_decode.cpp reads them."""
+    """One decoder layer's tensors in the order llama_decode.cpp reads them (a mixture
+    of experts' gate_up and down empty: its tensors are fused_decode_moe.py's)."""
     attn, mlp = layer.self_attn, layer.mlp
+    mlp_tensors = ([NONE] * 8 if is_moe(mlp) else
+                   linear_tensors(mlp.gate_up_proj) + linear_tensors(mlp.down_proj))
     return ([layer.input_layernorm.kernel_weight()] + linear_tensors(attn.qkv_proj)
             + linear_tensors(attn.o_proj) + [layer.post_attention_layernorm.kernel_weight()]
-            + linear_tensors(mlp.gate_up_proj) + linear_tensors(mlp.down_proj))
+            + mlp_tensors)
 
 
 # The norms a layer may have besides input_layernorm and post_attention_layernorm,
@@ -156,7 +170,8 @@ def _embedding_blocks(embed: nn.Module) -> Optional[tuple[torch.Tensor, int, int
 
 def _lora_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Each linear's LoRA factors (lora_a, lora_b: ``cpu/lora.py``'s twin, its B stored
-    [slots, R, out]) in the order llama_decode.cpp reads them; [] without LoRA."""
+    [slots, R, out]) in the order llama_decode.cpp reads them; [] without LoRA (and
+    for a mixture of experts, whose routers have none)."""
     layers = [getattr(lin, "lora_layer", None) for lin in _linears(model)]
     if any(layer is None for layer in layers):
         return []
@@ -164,9 +179,23 @@ def _lora_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _linears(model: nn.Module) -> list[nn.Module]:
+    """Every linear layer of the decoder layers (a mixture of experts': its router and
+    shared expert), attention's first."""
     return [lin for layer in model.layers
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            for lin in ([layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+                        + _mlp_linears(layer.mlp))]
+
+
+def _mlp_linears(mlp: nn.Module) -> list[nn.Module]:
+    return moe_linears(mlp) if is_moe(mlp) else [mlp.gate_up_proj, mlp.down_proj]
+
+
+def _dense_mlps(model: nn.Module) -> list[nn.Module]:
+    """The MLPs that are not a mixture of experts (the shared experts included)."""
+    return [m for layer in model.layers
+            for m in ([getattr(layer.mlp, "shared_expert", None)] if is_moe(layer.mlp)
+                      else [layer.mlp])
+            if m is not None]
 
 
 def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
@@ -178,8 +207,6 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
     if kinds - _ATTENTION_KINDS:
         return (f"layers of kinds {sorted(kinds - _ATTENTION_KINDS)} are not in the C++ loop "
                 f"(it takes {sorted(_ATTENTION_KINDS)})")
-    if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
-        return "mixture-of-experts layers are not in the C++ loop (cpu/fused_moe.py)"
     first = model.layers[0]
     if not hasattr(first.self_attn, "qkv_proj"):  # models/deepseek_v3.py
         return "latent attention (MLA) layers are not in the C++ loop"
@@ -194,6 +221,9 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
         return f"dtype {first.input_layernorm.weight.dtype} (float32 and bfloat16 only)"
     if first.input_layernorm.weight.device.type != "cpu":
         return "not on the CPU"
+    problem = moe_problem(causal_lm, first.input_layernorm.weight.dtype)
+    if problem is not None:
+        return problem
     if tp_size() != 1:
         return "tensor parallelism (the C++ loop has no all-reduce)"
     untwinned = {name: norm for name, norm in _norms(model).items()
@@ -203,8 +233,9 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
         return (f"norm {name} ({type(norm).__name__}, {norm.weight.dtype}) runs without a "
                 "kernel twin (the C++ loop repeats the twins' arithmetic; cpu/gemma3.py "
                 "twins float32 only)")
-    if not (hasattr(first.mlp, "gelu") or hasattr(first.mlp, "act_fn")):
-        return f"MLP {type(first.mlp).__name__} runs without its kernel twin (cpu/gemma3.py)"
+    for mlp in _dense_mlps(model):
+        if not (hasattr(mlp, "gelu") or hasattr(mlp, "act_fn")):
+            return f"MLP {type(mlp).__name__} runs without its kernel twin (cpu/gemma3.py)"
     if first.self_attn.attn.backend.name != "cpu":
         return f"attention backend {first.self_attn.attn.backend.name!r} (needs 'cpu')"
     if first.self_attn.rotary_emb.cos_cache.dtype != torch.float32:
@@ -213,7 +244,7 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
            for lin in linears if not _quantized(lin)):
         return (f"linear weights are not prepacked ({envs.name_of('CPU_PREPACK')}=0, or a "
                 "dtype this CPU cannot pack)")
-    if len({_halves(layer.mlp.gate_up_proj) for layer in model.layers}) > 1:
+    if len({_halves(mlp.gate_up_proj) for mlp in _dense_layer_mlps(model)}) > 1:
         return "gate_up weights packed in two layouts (the C++ loop takes one for all)"
     return ops.build_problem()  # last: it may compile the kernels
 
@@ -221,6 +252,11 @@ def fused_decode_problem(causal_lm: nn.Module) -> Optional[str]:
 # Attention layer kinds (config.layer_types) the C++ loop runs: a sliding layer
 # reads its KV cache group's table from its window's first block on.
 _ATTENTION_KINDS = {"full_attention", "sliding_attention"}
+
+
+def _dense_layer_mlps(model: nn.Module) -> list[nn.Module]:
+    """The layers' own dense MLPs (the ones the C++ region runs; not shared experts)."""
+    return [layer.mlp for layer in model.layers if not is_moe(layer.mlp)]
 
 
 def _halves(gate_up: nn.Module) -> bool:
@@ -262,7 +298,14 @@ class LlamaFusedDecode:
         self.weights = [t for layer in model.layers for t in _layer_tensors(layer)]
         # The variants (llama_decode.cpp): q/k norm and Gemma 3's sandwich norms, GeGLU.
         self.layer_norms = [t for layer in model.layers for t in _layer_norms(layer)]
-        self.gelu = hasattr(model.layers[0].mlp, "gelu")
+        dense = _dense_layer_mlps(model)
+        self.gelu = bool(dense) and hasattr(dense[0], "gelu")
+        # A mixture of experts' layers (fused_decode_moe.py): their routers, experts and
+        # shared experts, and the expert load counters the C++ adds each step's pairs to.
+        sparse = [(i, layer.mlp) for i, layer in enumerate(model.layers) if is_moe(layer.mlp)]
+        self.moe_weights = [t for _, block in sparse for t in moe_tensors(block, linear_tensors)]
+        self.moe_config = [n for i, block in sparse for n in moe_config(i, block, _halves)]
+        self.expert_loads = [block.experts.expert_load for _, block in sparse]
         self.final_norm = model.norm.kernel_weight()
         # Gemma 3: the embedding's scale (in the weights' dtype, as its forward
         # rounds it) and the final logits' soft cap, both applied here in Python
@@ -285,7 +328,7 @@ class LlamaFusedDecode:
         self._first_qkv = model.layers[0].self_attn.qkv_proj
         # gate_up's panels pair gate and up columns (every layer packed alike):
         # the C++ step then applies SiLU-and-mul in that product's epilogue.
-        self.gate_up_halves = all(_halves(layer.mlp.gate_up_proj) for layer in model.layers)
+        self.gate_up_halves = bool(dense) and all(_halves(mlp.gate_up_proj) for mlp in dense)
         # The adapters' stacked factors (the same tensors the LoRA hooks read, filled
         # in place as slots load): a step with LoRA tokens adds each linear's delta
         # right after its product, with the same kernels as the hook.
@@ -370,7 +413,8 @@ class LlamaFusedDecode:
             self.layer_norms, self.gelu,
             [t for m in groups for t in (_per_token(m, positions)[0], m.slot_mapping)],
             [m.sliding_window or 0 for m in groups], self.layer_groups if groups else [],
-            self.ropes, self.layer_ropes)
+            self.ropes, self.layer_ropes, self.moe_weights, self.moe_config,
+            self.expert_loads)
 
     def _caches_bound(self) -> bool:
         """The attention layers' KV caches (re-read when the runner rebinds them)."""

@@ -26,9 +26,10 @@ blocks (the dense Q8_0 layers' code), float32 activations. Its weights are bit f
 bit the dequantized floats; only the summation order can differ (the tests: within
 1e-5 of the float kernel on the dequantized weights, equal at a few rows an expert).
 
-The decode-step replay (``fused_decode.py``) has no experts in its C++ loop, so
-it stands aside for an MoE model and the runner runs the model's Python layers,
-each MoE layer one ``moe_expert_sum`` call.
+The decode-step replay (``fused_decode.py``) runs these layers in its C++ loop
+(``fused_decode_moe.py``, ``csrc/moe_decode.cpp``): the router, the route's ATen
+operators and the same ``moe_expert_sum`` / ``moe_expert_sum_gguf`` call as this twin's,
+in this twin's order, so a replayed step's logits equal the Python layers' bit for bit.
 """
 
 from __future__ import annotations

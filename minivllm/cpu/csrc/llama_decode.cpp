@@ -19,9 +19,10 @@
 // step is one OpenMP parallel region (decode_in_one_region below).
 //
 // The family's variants take the same loop (fused_decode.py lists them): q/k
-// norm (Qwen3), Gemma 3's sandwich norms and GeGLU, and a hybrid model's
+// norm (Qwen3), Gemma 3's sandwich norms and GeGLU, a hybrid model's
 // per-layer KV cache groups (block table, slots, sliding window) and RoPE
-// tables (LayerPlan below).
+// tables (LayerPlan below), and a mixture of experts' sparse layers, whose MLP
+// is moe_decode.cpp's (a float32 step runs it between two parallel regions).
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
@@ -49,7 +50,9 @@ namespace {
 // GGUF blocks (uint8 [out, row_bytes]), no panels, the bias, and its GGML type
 // id (int64 [1]; or [2]: type id, then 1 for int8 activations):
 // gguf_gemm.cpp computes its product on the blocks (gguf_int8.cpp with int8
-// activations). Keep in step with fused_decode.py.
+// activations). A mixture of experts' layer has empty gate_up and down (its
+// MLP's tensors come in moe_weights: add_moe_layers). Keep in step with
+// fused_decode.py.
 constexpr int64_t kTensorsPerLinear = 4;
 constexpr int64_t kTensorsPerLayer = 2 + 4 * kTensorsPerLinear;
 // With LoRA, lora_weights holds per layer (lora_a, lora_b) of qkv, o, gate_up
@@ -71,6 +74,11 @@ struct LayerPlan {
   int64_t window = 0;
   const at::Tensor* norms = nullptr;  // its layer_norms (q, k[, pre_ff, post_ff]) or none
   int64_t norm_count = 0;             // 0, kQKNorms or kSandwichNorms
+  // A mixture of experts' layer (moe_decode.cpp): its kTensorsPerMoE tensors and
+  // kIntsPerMoE ints, and its expert load; its gate_up and down are empty.
+  const at::Tensor* moe = nullptr;
+  const int64_t* moe_config = nullptr;
+  at::Tensor expert_load;
 };
 
 // One plan a layer from the step's arguments: with no groups, every layer takes
@@ -122,6 +130,32 @@ std::vector<LayerPlan> layer_plans(int64_t layers, const at::Tensor& block_table
     if (norms) p.norms = layer_norms.data() + i * norms, p.norm_count = norms;
   }
   return plans;
+}
+
+// The MoE layers' parts of the plans: moe_weights holds kTensorsPerMoE tensors,
+// moe_config kIntsPerMoE ints (the first its layer) and expert_loads one tensor
+// per MoE layer, in layer order.
+void add_moe_layers(std::vector<LayerPlan>& plans, at::TensorList moe_weights,
+                    at::IntArrayRef moe_config, at::TensorList expert_loads,
+                    int64_t hidden_size, at::ScalarType dtype) {
+  const int64_t count = static_cast<int64_t>(expert_loads.size());
+  TORCH_CHECK(static_cast<int64_t>(moe_weights.size()) == count * kTensorsPerMoE &&
+                  static_cast<int64_t>(moe_config.size()) == count * kIntsPerMoE,
+              "llama_decode_forward: moe_weights must hold ", kTensorsPerMoE, " tensors and "
+              "moe_config ", kIntsPerMoE, " ints per mixture-of-experts layer (", count,
+              " expert_loads); got ", moe_weights.size(), " and ", moe_config.size());
+  for (int64_t m = 0; m < count; ++m) {
+    const int64_t* config = moe_config.data() + m * kIntsPerMoE;
+    const int64_t i = config[0];
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(plans.size()) && plans[i].moe == nullptr &&
+                    plans[i].norm_count != kSandwichNorms,
+                "llama_decode_forward: moe_config names layer ", i, ": not a layer, a layer "
+                "named twice, or a layer with sandwich norms");
+    LayerPlan& p = plans[i];
+    p.moe = moe_weights.data() + m * kTensorsPerMoE, p.moe_config = config;
+    p.expert_load = expert_loads[m];
+    check_moe_layer(p.moe, config, p.expert_load, hidden_size, dtype);
+  }
 }
 
 }  // namespace
@@ -186,11 +220,22 @@ bool own_product(const at::Tensor* w, int64_t tokens) {
   return w[1].numel() > 0;
 }
 
+// (A mixture of experts' layer has no gate_up and down: its MLP runs between
+// regions, moe_decode.cpp.)
 bool all_panels(at::TensorList weights, int64_t tokens) {
   for (size_t i = 0; i < weights.size(); i += kTensorsPerLayer)
     for (size_t j : {1, 5, 10, 14})
-      if (!own_product(weights.data() + i + j, tokens)) return false;
+      if (weights[i + j].numel() > 0 && !own_product(weights.data() + i + j, tokens))
+        return false;
   return true;
+}
+
+// The rows of the dense MLPs' intermediate (gate_up_proj's [gate; up] / 2);
+// 0 if every layer's MLP is a mixture of experts.
+int64_t dense_intermediate(at::TensorList weights) {
+  for (size_t i = 0; i < weights.size(); i += kTensorsPerLayer)
+    if (weights[i + 10].numel() > 0) return weights[i + 10].size(0) / 2;
+  return 0;
 }
 
 float* f32(const at::Tensor& t) { return t.data_ptr<float>(); }
@@ -248,11 +293,12 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
                                 const at::Tensor& final_norm, at::TensorList lm_head,
                                 int64_t heads, int64_t kv_heads, int64_t dim, float eps,
                                 float scale, bool gate_up_halves, bool gelu,
-                                at::TensorList lora_weights, const LoRAGroups* lora_groups) {
+                                at::TensorList lora_weights, const LoRAGroups* lora_groups,
+                                int64_t panel_max_rows) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t T = hidden.size(0), E = hidden.size(1);
   const int64_t q_size = heads * dim, kv_size = kv_heads * dim, qkv_size = q_size + 2 * kv_size;
-  const int64_t inter = weights[10].size(0) / 2;  // gate_up_proj's [gate; up] rows
+  const int64_t inter = dense_intermediate(weights);
   check_f32(hidden, {T, E}, "hidden");
   check_f32(final_norm, {E}, "final_norm");
   TORCH_CHECK(dim % 2 == 0 && heads % kv_heads == 0, "llama_decode_forward: head_dim ", dim,
@@ -269,7 +315,8 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   positions = positions.contiguous();
   seq_lens = seq_lens.contiguous();
   check_plans(plans, positions, seq_lens, kc0, T, dim);
-  std::vector<Linear> qkv, o, gate_up, down;
+  std::vector<Linear> qkv, o;
+  std::vector<std::optional<Linear>> gate_up, down;  // none: a mixture of experts
   std::vector<const float*> in_norm, post_norm;
   // Per layer: its attention's pointers (LayerPlan), and the variants' norms.
   struct Attend {
@@ -305,9 +352,11 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
     const std::string layer = "layer " + std::to_string(i) + " ";
     qkv.emplace_back(w + 1, E, qkv_size, layer + "qkv_proj");
     o.emplace_back(w + 5, q_size, E, layer + "o_proj");
-    gate_up.emplace_back(w + 10, E, 2 * inter, layer + "gate_up_proj");
-    gate_up.back().halves = gate_up_halves;
-    down.emplace_back(w + 14, inter, E, layer + "down_proj");
+    gate_up.emplace_back(), down.emplace_back();
+    if (plans[i].moe != nullptr) continue;
+    gate_up.back().emplace(w + 10, E, 2 * inter, layer + "gate_up_proj");
+    gate_up.back()->halves = gate_up_halves;
+    down.back().emplace(w + 14, inter, E, layer + "down_proj");
   }
   // LoRA: each product's delta right after it (A then B, lora.cpp's kernels).
   std::vector<LoRALinear> lora;
@@ -354,107 +403,123 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
   // not with LoRA, whose delta joins [gate | up] before the SiLU.
   // (GeGLU's gate is a pass of its own.)
   const bool fuse_silu = gate_up_halves && T > 1 && lora.empty() && !gelu;
+  // A mixture of experts' layer ends the region after its post-attention norm:
+  // its MLP runs between two regions (moe_decode.cpp: the router's top-k and the
+  // experts' own work sharing), and the next region starts at the next layer.
+  for (int64_t first = 0;;) {
+    int64_t stop = first;  // the next MoE layer, or `layers`: the region runs to the end
+    while (stop < layers && plans[stop].moe == nullptr) ++stop;
 #pragma omp parallel num_threads(work.threads())
-  {
-    const int t = omp_get_thread_num(), n = omp_get_num_threads();
-    if (t == 0) barrier.set_threads(n);
+    {
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      if (t == 0) barrier.set_threads(n);
 #pragma omp barrier
-    const Share rows(T, t, n), cols(inter, t, n);
-    const int64_t items = T * kv_heads, item_chunk = std::max<int64_t>(1, items / (8 * n));
-    // The LoRA delta of product k (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, for
-    // the step's LoRA tokens (nothing without LoRA): the shrink of its input x
-    // runs with the product (it needs only x), the expand into the product's
-    // output y [T, ldo] after it, then a barrier.
-    auto lora_shrink = [&](int64_t i, int64_t k, const float* x) {
-      if (lora.empty()) return;
-      const LoRALinear& f = lora[4 * i + k];
-      work.run(5 * layers + 1 + 2 * (4 * i + k), slice::bgmv_shrink_items(*lora_groups, f.r), 1,
-               t, [&](int64_t b, int64_t e) {
-                 slice::bgmv_shrink(x, f.in, f.a, f.r, f.in, *lora_groups, lora_yp, f.r, b, e);
-               });
-    };
-    auto lora_expand = [&](int64_t i, int64_t k, float* y, int64_t ldo) {
-      if (lora.empty()) return;
-      const LoRALinear& f = lora[4 * i + k];
-      const int64_t panels = slice::bgmv_expand_items(*lora_groups, f.out);
-      work.run(5 * layers + 2 + 2 * (4 * i + k), panels, std::max<int64_t>(1, panels / (8 * n)),
-               t, [&](int64_t b, int64_t e) {
-                 slice::bgmv_expand(lora_yp, f.r, f.bt, f.r, f.out, f.slice_ends.data(),
-                                    static_cast<int64_t>(f.slice_ends.size()), *lora_groups, y,
-                                    ldo, b, e);
-               });
-      barrier.wait();
-    };
-    for (int64_t i = 0; i < layers; ++i) {
-      // Pre-norm residual blocks; the residual add is fused into the next norm.
-      if (i == 0) slice::rms_norm(res, E, nullptr, in_norm[i], xp, E, eps, rows.begin, rows.end);
-      else slice::rms_norm(hp, E, res, in_norm[i], xp, E, eps, rows.begin, rows.end);
-      barrier.wait();
-      qkv[i].run(xp, T, qkvp, work, 5 * i + 0, t);
-      lora_shrink(i, 0, xp);
-      barrier.wait();
-      lora_expand(i, 0, qkvp, qkv_size);
-      const Attend& a = at_layer[i];
-      float *q = qkvp, *k = qkvp + q_size, *v = k + kv_size;
-      for (int64_t r = rows.begin; a.q_norm != nullptr && r < rows.end; ++r) {
-        // Each head's RMSNorm, in place (the twin's rows of q.reshape(-1, dim)).
-        float *qr = q + r * qkv_size, *kr = k + r * qkv_size;
-        slice::rms_norm(qr, dim, nullptr, a.q_norm, qr, dim, eps, 0, heads);
-        slice::rms_norm(kr, dim, nullptr, a.k_norm, kr, dim, eps, 0, kv_heads);
-      }
-      slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, a.cos, a.sin, dim,
-                              rows.begin, rows.end);
-      slice::reshape_and_cache(k, qkv_size, v, qkv_size, kc[i], vc[i], a.slots, kv_heads, dim,
-                               rows.begin, rows.end);
-      barrier.wait();
-      // (sequence, KV head) items, a few at a time (contexts differ in length);
-      // within a chunk each item prefetches the next one's first block.
-      work.run(5 * i + 4, items, item_chunk, t, [&](int64_t b, int64_t e) {
-        slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], a.tables, lens, attnp, heads,
-                                      kv_heads, dim, block_size, a.width, scale, a.window, b, e);
-      });
-      barrier.wait();
-      o[i].run(attnp, T, hp, work, 5 * i + 1, t);
-      lora_shrink(i, 1, attnp);
-      barrier.wait();
-      lora_expand(i, 1, hp, E);
-      if (a.pre_ff != nullptr) {
-        // Sandwich: the attention output normed (in place), added to the
-        // residual, and the sum normed for the MLP.
-        slice::rms_norm(hp, E, nullptr, post_norm[i], hp, E, eps, rows.begin, rows.end);
-        slice::rms_norm(hp, E, res, a.pre_ff, xp, E, eps, rows.begin, rows.end);
-      } else {
-        slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
-      }
-      barrier.wait();
-      if (fuse_silu) {
-        // The panels hold gate and up columns side by side: the product's
-        // epilogue applies SiLU-and-mul, so no pass over [gate | up] follows.
-        gate_up[i].run(xp, T, actp, work, 5 * i + 2, t, /*silu=*/true);
+      const Share rows(T, t, n), cols(inter, t, n);
+      const int64_t items = T * kv_heads, item_chunk = std::max<int64_t>(1, items / (8 * n));
+      // The LoRA delta of product k (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, for
+      // the step's LoRA tokens (nothing without LoRA): the shrink of its input x
+      // runs with the product (it needs only x), the expand into the product's
+      // output y [T, ldo] after it, then a barrier.
+      auto lora_shrink = [&](int64_t i, int64_t k, const float* x) {
+        if (lora.empty()) return;
+        const LoRALinear& f = lora[4 * i + k];
+        work.run(5 * layers + 1 + 2 * (4 * i + k), slice::bgmv_shrink_items(*lora_groups, f.r), 1,
+                 t, [&](int64_t b, int64_t e) {
+                   slice::bgmv_shrink(x, f.in, f.a, f.r, f.in, *lora_groups, lora_yp, f.r, b, e);
+                 });
+      };
+      auto lora_expand = [&](int64_t i, int64_t k, float* y, int64_t ldo) {
+        if (lora.empty()) return;
+        const LoRALinear& f = lora[4 * i + k];
+        const int64_t panels = slice::bgmv_expand_items(*lora_groups, f.out);
+        work.run(5 * layers + 2 + 2 * (4 * i + k), panels, std::max<int64_t>(1, panels / (8 * n)),
+                 t, [&](int64_t b, int64_t e) {
+                   slice::bgmv_expand(lora_yp, f.r, f.bt, f.r, f.out, f.slice_ends.data(),
+                                      static_cast<int64_t>(f.slice_ends.size()), *lora_groups, y,
+                                      ldo, b, e);
+                 });
         barrier.wait();
-      } else {
-        gate_up[i].run(xp, T, gup, work, 5 * i + 2, t);
-        lora_shrink(i, 2, xp);
+      };
+      for (int64_t i = first; i < layers; ++i) {
+        // Pre-norm residual blocks; the residual add is fused into the next norm.
+        if (i == 0) slice::rms_norm(res, E, nullptr, in_norm[i], xp, E, eps, rows.begin, rows.end);
+        else slice::rms_norm(hp, E, res, in_norm[i], xp, E, eps, rows.begin, rows.end);
         barrier.wait();
-        lora_expand(i, 2, gup, 2 * inter);
-        // Element-wise: split by columns, so a single row uses every thread.
-        if (gelu) slice::gelu_tanh_and_mul(gup, actp, T, inter, cols.begin, cols.end);
-        else slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
+        qkv[i].run(xp, T, qkvp, work, 5 * i + 0, t);
+        lora_shrink(i, 0, xp);
         barrier.wait();
+        lora_expand(i, 0, qkvp, qkv_size);
+        const Attend& a = at_layer[i];
+        float *q = qkvp, *k = qkvp + q_size, *v = k + kv_size;
+        for (int64_t r = rows.begin; a.q_norm != nullptr && r < rows.end; ++r) {
+          // Each head's RMSNorm, in place (the twin's rows of q.reshape(-1, dim)).
+          float *qr = q + r * qkv_size, *kr = k + r * qkv_size;
+          slice::rms_norm(qr, dim, nullptr, a.q_norm, qr, dim, eps, 0, heads);
+          slice::rms_norm(kr, dim, nullptr, a.k_norm, kr, dim, eps, 0, kv_heads);
+        }
+        slice::rotary_embedding(pos, q, qkv_size, heads, k, qkv_size, kv_heads, a.cos, a.sin, dim,
+                                rows.begin, rows.end);
+        slice::reshape_and_cache(k, qkv_size, v, qkv_size, kc[i], vc[i], a.slots, kv_heads, dim,
+                                 rows.begin, rows.end);
+        barrier.wait();
+        // (sequence, KV head) items, a few at a time (contexts differ in length);
+        // within a chunk each item prefetches the next one's first block.
+        work.run(5 * i + 4, items, item_chunk, t, [&](int64_t b, int64_t e) {
+          slice::paged_decode_attention(q, qkv_size, kc[i], vc[i], a.tables, lens, attnp, heads,
+                                        kv_heads, dim, block_size, a.width, scale, a.window, b, e);
+        });
+        barrier.wait();
+        o[i].run(attnp, T, hp, work, 5 * i + 1, t);
+        lora_shrink(i, 1, attnp);
+        barrier.wait();
+        lora_expand(i, 1, hp, E);
+        if (a.pre_ff != nullptr) {
+          // Sandwich: the attention output normed (in place), added to the
+          // residual, and the sum normed for the MLP.
+          slice::rms_norm(hp, E, nullptr, post_norm[i], hp, E, eps, rows.begin, rows.end);
+          slice::rms_norm(hp, E, res, a.pre_ff, xp, E, eps, rows.begin, rows.end);
+        } else {
+          slice::rms_norm(hp, E, res, post_norm[i], xp, E, eps, rows.begin, rows.end);
+        }
+        if (i == stop) break;  // its MLP is a mixture of experts: after the region
+        barrier.wait();
+        if (fuse_silu) {
+          // The panels hold gate and up columns side by side: the product's
+          // epilogue applies SiLU-and-mul, so no pass over [gate | up] follows.
+          gate_up[i]->run(xp, T, actp, work, 5 * i + 2, t, /*silu=*/true);
+          barrier.wait();
+        } else {
+          gate_up[i]->run(xp, T, gup, work, 5 * i + 2, t);
+          lora_shrink(i, 2, xp);
+          barrier.wait();
+          lora_expand(i, 2, gup, 2 * inter);
+          // Element-wise: split by columns, so a single row uses every thread.
+          if (gelu) slice::gelu_tanh_and_mul(gup, actp, T, inter, cols.begin, cols.end);
+          else slice::silu_and_mul(gup, actp, T, inter, cols.begin, cols.end);
+          barrier.wait();
+        }
+        down[i]->run(actp, T, hp, work, 5 * i + 3, t);
+        lora_shrink(i, 3, actp);
+        barrier.wait();
+        lora_expand(i, 3, hp, E);
+        // Sandwich: the MLP's output normed in place; the next norm adds it.
+        if (a.post_ff != nullptr)
+          slice::rms_norm(hp, E, nullptr, a.post_ff, hp, E, eps, rows.begin, rows.end);
       }
-      down[i].run(actp, T, hp, work, 5 * i + 3, t);
-      lora_shrink(i, 3, actp);
-      barrier.wait();
-      lora_expand(i, 3, hp, E);
-      // Sandwich: the MLP's output normed in place; the next norm adds it.
-      if (a.post_ff != nullptr)
-        slice::rms_norm(hp, E, nullptr, a.post_ff, hp, E, eps, rows.begin, rows.end);
+      if (stop == layers) {
+        slice::rms_norm(hp, E, res, final_w, outp, E, eps, rows.begin, rows.end);
+        if (head) {
+          barrier.wait();
+          head->run(outp, T, logitsp, work, 5 * layers, t);
+        }
+      }
     }
-    slice::rms_norm(hp, E, res, final_w, outp, E, eps, rows.begin, rows.end);
-    if (head) {
-      barrier.wait();
-      head->run(outp, T, logitsp, work, 5 * layers, t);
-    }
+    if (stop == layers) break;
+    // The MoE layer's MLP on the post-attention norm's output x; its output
+    // goes where a dense MLP's would, for the next layer's norm to add.
+    const LayerPlan& p = plans[stop];
+    h.copy_(sparse_moe_block(x, p.moe, p.moe_config, p.expert_load, panel_max_rows));
+    first = stop + 1;
   }
   return head ? logits : out;
 }
@@ -477,6 +542,8 @@ at::Tensor decode_in_one_region(at::Tensor hidden, at::Tensor positions, at::Ten
 // slot mapping int64 per group), group_windows (0: none) and layer_groups
 // (each layer's group; none: block_tables and slot_mapping for all); its RoPE
 // tables: ropes ((cos, sin) pairs) and layer_ropes (none: cos/sin_cache for all).
+// A mixture of experts' layers (their gate_up and down empty in weights):
+// moe_weights, moe_config and expert_loads, as add_moe_layers reads them.
 at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 at::Tensor slot_mapping, at::Tensor block_tables,
                                 at::Tensor seq_lens, at::Tensor cos_cache, at::Tensor sin_cache,
@@ -490,7 +557,8 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
                                 at::TensorList layer_norms, bool gelu,
                                 at::TensorList group_tables, at::IntArrayRef group_windows,
                                 at::IntArrayRef layer_groups, at::TensorList ropes,
-                                at::IntArrayRef layer_ropes) {
+                                at::IntArrayRef layer_ropes, at::TensorList moe_weights,
+                                at::IntArrayRef moe_config, at::TensorList expert_loads) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers,
               "llama_decode_forward: need one K and one V cache per layer, got ",
@@ -508,12 +576,16 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
               "per sequence, got ", hidden.scalar_type(), " ", hidden.sizes(), " for ",
               seq_lens.size(0), " sequences");
   const int64_t tokens = hidden.size(0);
-  const std::vector<LayerPlan> plans =
+  std::vector<LayerPlan> plans =
       layer_plans(layers, block_tables.contiguous(), slot_mapping.contiguous(), cos_cache,
                   sin_cache, layer_norms, group_tables, group_windows, layer_groups, ropes,
                   layer_ropes);
+  add_moe_layers(plans, moe_weights, moe_config, expert_loads, hidden.size(1),
+                 hidden.scalar_type());
   std::optional<LoRAGroups> lora;
   if (!lora_weights.empty()) {
+    TORCH_CHECK(expert_loads.empty(), "llama_decode_forward: LoRA on a mixture of experts' "
+                "layers is not in the C++ loop");
     TORCH_CHECK(static_cast<int64_t>(lora_weights.size()) == layers * kLoRATensorsPerLayer &&
                     token_lora_indices.has_value() && token_lora_indices->dim() == 1 &&
                     token_lora_indices->size(0) == tokens,
@@ -546,7 +618,7 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
         hidden, positions, seq_lens, plans, k_caches, v_caches, weights, final_norm,
         head_inside ? lm_head : at::TensorList(), num_heads, num_kv_heads, head_dim,
         static_cast<float>(eps), static_cast<float>(scale), gate_up_halves, gelu,
-        lora ? lora_weights : at::TensorList(), lora ? &*lora : nullptr);
+        lora ? lora_weights : at::TensorList(), lora ? &*lora : nullptr, panel_max_rows);
     if (head_inside || lm_head.empty()) return out;
     return linear(out, lm_head.data(), lm_head_panel_max_rows);
   }
@@ -577,6 +649,10 @@ at::Tensor llama_decode_forward(at::Tensor hidden, at::Tensor positions,
     const bool sandwich = p.norm_count == kSandwichNorms;
     x = sandwich ? fused_add_rms_norm(rms_norm(h, w[9], eps), residual, p.norms[2], eps)
                  : fused_add_rms_norm(h, residual, w[9], eps);
+    if (p.moe != nullptr) {  // a mixture of experts (moe_decode.cpp)
+      h = sparse_moe_block(x, p.moe, p.moe_config, p.expert_load, panel_max_rows);
+      continue;
+    }
     const int64_t inter = w[10].size(0) / 2;  // (w[14] may be quantized blocks)
     at::Tensor gate_up =
         with_lora(linear(x, w + 10, panel_max_rows, gate_up_halves), x, i, 2, {inter, inter});
@@ -598,7 +674,8 @@ TORCH_LIBRARY_FRAGMENT(minivllm, m) {
         "int panel_max_rows, Tensor[] lm_head, int lm_head_panel_max_rows, "
         "bool gate_up_halves, Tensor[] lora_weights, Tensor? token_lora_indices, "
         "Tensor[] layer_norms, bool gelu, Tensor[] group_tables, int[] group_windows, "
-        "int[] layer_groups, Tensor[] ropes, int[] layer_ropes) -> Tensor");
+        "int[] layer_groups, Tensor[] ropes, int[] layer_ropes, Tensor[] moe_weights, "
+        "int[] moe_config, Tensor(d!)[] expert_loads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm, CPU, m) {

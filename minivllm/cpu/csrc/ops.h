@@ -31,6 +31,23 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
 // w: its 4 tensors (weight, panels, bias, packed copy; or GGUF blocks, -, bias, type id).
 at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t panel_max_rows,
                   bool halves = false);
+// moe_experts.cpp: a mixture of experts' steps 3-5 (float stacks; Q8_0 blocks).
+at::Tensor moe_expert_sum(at::Tensor hidden, at::Tensor w13, at::Tensor w2, at::Tensor topk_ids,
+                          at::Tensor topk_weights);
+at::Tensor moe_expert_sum_gguf(at::Tensor hidden, at::Tensor w13q, at::Tensor w2q,
+                               int64_t qtype, at::Tensor topk_ids, at::Tensor topk_weights);
+// moe_decode.cpp: one SparseMoeBlock of a decode step. w: its kTensorsPerMoE
+// tensors (fused_decode_moe.py's moe_tensors): the router (a linear layer's 4),
+// w13, w2, then the shared expert's gate_up, down and gate (4 each; empty
+// tensors without one). config: its kIntsPerMoE ints (layer, top_k,
+// renormalize, GGML type id of quantized experts or -1, shared gate_up's
+// panels in halves). expert_load [E] int64 gets the step's pairs added.
+constexpr int64_t kMoERouter = 0, kMoEW13 = 4, kMoEW2 = 5, kMoESharedGateUp = 6,
+                  kMoESharedDown = 10, kMoESharedGate = 14, kTensorsPerMoE = 18, kIntsPerMoE = 5;
+void check_moe_layer(const at::Tensor* w, const int64_t* config, const at::Tensor& expert_load,
+                     int64_t hidden_size, at::ScalarType dtype);
+at::Tensor sparse_moe_block(const at::Tensor& x, const at::Tensor* w, const int64_t* config,
+                            at::Tensor expert_load, int64_t panel_max_rows);
 // mla_decode.cpp: absorbed MLA decode, q [B, H, C + R] over each sequence's latent rows.
 at::Tensor mla_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
                                 at::Tensor seq_lens, int64_t kv_lora_rank, double scale);

@@ -27,9 +27,9 @@ expert keeps its place on every rank with 1/N of its intermediate dimension
 holds whole experts instead, its share of them (``expert_parallel.py``), and EPLB
 (``enable_eplb``) moves them between ranks by load (``eplb.py``); quantized experts
 split and move as whole blocks (a rank's slice of the intermediate rows must be a
-multiple of 32, else refused naming the field). On the CPU path the experts' products
-are one C++ call on the stacked weights or blocks (``minivllm/cpu/fused_moe.py``), and
-the decode-step replay stands aside (its C++ loop has no experts).
+multiple of 32, else refused naming the field). The CPU path runs the experts' products
+as one C++ call on the stacked weights or blocks, and replays a decode step with these
+layers in it, their router and experts included (the CPU path documents both).
 
 Every ``FusedMoE`` counts the tokens its router sent to each expert;
 ``expert_load()`` gathers the counts, which the engine core hands to the step trace
