@@ -12,15 +12,12 @@ def __getattr__(name):
     # imported when first asked for.
     if name == "LLM":
         from minivllm.entrypoints.llm import LLM
-
         return LLM
     if name == "LoRARequest":
         from minivllm.lora.request import LoRARequest
-
         return LoRARequest
     if name == "BeamSearchParams":
         from minivllm.entrypoints.beam_search import BeamSearchParams
-
         return BeamSearchParams
     raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
 

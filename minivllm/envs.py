@@ -2,8 +2,7 @@
 
 ``envs.MINIVLLM_CPU_KERNELS`` is the parsed value, read at that moment; a bad value is
 an error naming the variable, the value and what is allowed. ``python -m
-minivllm.envs`` prints the README's Environment section (``tests/test_envs.py``).
-"""
+minivllm.envs`` prints the README's Environment section (``tests/test_envs.py``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """How one request should be sampled and when it should stop (vLLM's names and defaults).
 
 Every field is checked on construction (``InvalidRequestError`` naming the field);
-what needs the model (token ids, a grammar, bad words) the input processor checks.
-"""
+what needs the model (token ids, a grammar, bad words) the input processor checks."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from minivllm.config.checks import bad, is_int, is_number
 if TYPE_CHECKING:
     from minivllm.structured_outputs_params import StructuredOutputsParams
 
-# Temperatures below this are treated as greedy (argmax), as in vLLM.
-_GREEDY_EPS = 1e-5
+_GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax), as in vLLM
 
 
 # None unless asked for; checked by sampling_params_optional.py, loaded when one is set.
@@ -119,7 +117,6 @@ class SamplingParams:
                        f"must be <= max_tokens ({self.max_tokens})")
         if any(getattr(self, name) is not None for name in OPTIONAL_KNOBS):
             from minivllm.sampling_params_optional import check_optional_knobs
-
             check_optional_knobs(self, check)
 
     @property

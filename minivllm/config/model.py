@@ -97,12 +97,10 @@ class ModelConfig:
         )
         if arch.startswith("Deepseek") and raw.get("n_routed_experts"):
             from minivllm.config.moe import deepseek_moe_config
-
             return deepseek_moe_config(config, raw)
         if arch not in MOE_ARCHITECTURES + ("Qwen3NextForCausalLM",):
             return config
         from minivllm.config.moe import moe_model_config  # a dense model never loads it
-
         return moe_model_config(config, raw)
 
     @property
@@ -119,7 +117,6 @@ def _attention_kinds(arch: str, raw: dict) -> dict:
     if not (raw.get("sliding_window") or raw.get("layer_types")):
         return {}  # every layer full: the dense path
     from minivllm.config.attention_kinds import attention_kinds
-
     return attention_kinds(arch, raw)
 
 

@@ -33,11 +33,9 @@ class ParallelConfig:
         if (self.data_parallel_size, self.data_parallel_backend,
                 self.data_parallel_routing) != (1, "mp", "least_loaded"):
             from minivllm.config.data_parallel import check_data_parallel
-
             check_data_parallel(self)
         if self.enable_expert_parallel or self.enable_eplb or self.eplb_config is not None:
             from minivllm.config.expert_parallel import check_expert_parallel
-
             check_expert_parallel(self)
 
 __all__ = ["ParallelConfig"]

@@ -72,7 +72,6 @@ class Request:
         self.stop_reason: Optional[int | str] = None
         self.lora_request = lora_request  # a LoRARequest; None: the base model
         self.cache_salt = cache_salt  # prefix-cache hits only under the same salt
-
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0  # K/V in the cache (or computed this step)

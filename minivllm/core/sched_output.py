@@ -28,8 +28,8 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Finished or aborted since the previous step: the runner's state for them can go.
     finished_req_ids: set[str] = field(default_factory=set)
-    # For the step trace: blocks allocated / freed / evicted since the previous
-    # schedule(), and prefix-cache hits of this step's admissions.
+    # For the step trace: blocks allocated / freed / evicted since the previous schedule(),
+    # and prefix-cache hits of this step's admissions.
     num_blocks_allocated: int = 0
     num_blocks_freed: int = 0
     num_blocks_evicted: int = 0

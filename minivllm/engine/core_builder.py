@@ -14,16 +14,13 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         from minivllm.engine.ray_dp import RayDPEngineCore
         return RayDPEngineCore(config)
     from minivllm.worker.executor import make_executor
-
     speculator = None
     if config.speculative is not None:
         from minivllm.spec_decode.proposer import Speculator
-
         speculator = Speculator(config)
     publisher = None
     if config.kv_events is not None:
         from minivllm.distributed.kv_events import make_kv_event_publisher
-
         publisher = make_kv_event_publisher(config.kv_events)
     try:
         executor = make_executor(config)

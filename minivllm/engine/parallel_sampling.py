@@ -8,6 +8,8 @@ prefix cache. The output processor gathers their completions into one
 
 from __future__ import annotations
 
+from typing import Optional
+
 from minivllm.sampling_params import SamplingParams
 
 
@@ -30,4 +32,13 @@ class ParentRequest:
         return all(c.finish_reason is not None for c in self.children)
 
 
-__all__ = ["ParentRequest"]
+def parent_id(processor, request_id: str) -> Optional[str]:
+    """``OutputProcessor.parent_id``: the caller's request id of a core request (None if
+    unknown)."""
+    state = processor.requests.get(request_id)
+    if state is None:
+        return None
+    return request_id if state.parent is None else state.parent.request_id
+
+
+__all__ = ["ParentRequest", "parent_id"]

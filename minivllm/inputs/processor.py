@@ -3,8 +3,7 @@
 A prompt is a string, token IDs, chat messages (the chat template renders them, special
 tokens included), or a dict of one and a ``cache_salt`` (prompt_dict.py). Every check
 against this model and engine is made here, once (an ``InvalidRequestError`` naming the
-field), and ``bad_words`` are tokenized; whether KV blocks suffice the scheduler knows.
-"""
+field), and ``bad_words`` are tokenized; whether KV blocks suffice the scheduler knows."""
 
 from __future__ import annotations
 
@@ -64,13 +63,11 @@ class InputProcessor:
         max_tokens = self.check_length(len(token_ids), params)
         if priority != 0 or not is_int(priority) or lora_request is not None:
             from minivllm.inputs.request_checks import check_priority, lora_checker
-
             check_priority(self, priority)
             if lora_request is not None:
                 lora_checker(self).check(lora_request)
         if params.bad_words:
             from minivllm.inputs.bad_words import with_bad_words
-
             params = with_bad_words(self.tokenizer, params)
         if params.retention_directives is not None:  # (agent sessions)
             from minivllm.inputs.retention import with_retention
@@ -83,7 +80,6 @@ class InputProcessor:
                     chat_template: Optional[str] = None) -> str:
         """The prompt text of chat messages (inputs/chat_template.py)."""
         from minivllm.inputs.chat_template import render_chat
-
         return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template)
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -130,7 +126,6 @@ class InputProcessor:
                              "stop_token_ids")
         if any(getattr(params, name) is not None for name in OPTIONAL_KNOBS):
             from minivllm.inputs.knob_checks import check_knobs
-
             check_knobs(self, params)
 
     def check_token_ids(self, name: str, ids, param: str) -> None:

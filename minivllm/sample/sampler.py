@@ -3,8 +3,7 @@
 Each row's knobs (``SamplingParams``) are packed into per-row tensors
 (``SamplingMetadata``). A batch of plain greedy rows is one argmax, all this module
 does; any other knob loads ``knobs.py``, which applies them in vLLM V1's order (raw
-logprobs, penalties, ``min_tokens``; argmax, or temperature, min-p, top-k, top-p, draw).
-"""
+logprobs, penalties, ``min_tokens``; argmax, or temperature, min-p, top-k, top-p, draw)."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class SamplingMetadata:
     top_k: Optional[torch.Tensor] = None  # [B] int64; vocab_size means "off"
     top_p: Optional[torch.Tensor] = None  # [B] float32; 1.0 means "off"
     min_p: Optional[torch.Tensor] = None  # [B] float32; 0.0 means "off"
-    # row -> stream, seeded random rows only
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded random rows
     no_penalties: bool = True
     repetition_penalties: Optional[torch.Tensor] = None  # [B] float32
     presence_penalties: Optional[torch.Tensor] = None  # [B] float32
@@ -66,8 +64,7 @@ class SamplingMetadata:
     # (row, token) pairs to set to -inf because min_tokens is not reached yet.
     min_tokens_rows: Optional[torch.Tensor] = None  # [P] int64
     min_tokens_token_ids: Optional[torch.Tensor] = None  # [P] int64
-    # Largest ``logprobs`` asked by any row; None when no row asks.
-    max_num_logprobs: Optional[int] = None
+    max_num_logprobs: Optional[int] = None  # the largest ``logprobs`` a row asks (None: none)
 
     @property
     def only_argmax(self) -> bool:
@@ -83,7 +80,6 @@ class SamplingMetadata:
         if all(_plain_greedy(row) for row in rows):
             return cls(len(rows), vocab_size)
         from minivllm.sample.knobs import pack_knobs
-
         return pack_knobs(rows, vocab_size, torch.device(device))
 
 
@@ -119,7 +115,6 @@ class Sampler:
         if md.only_argmax:  # (on the model's own dtype: the same token, no copy)
             return SamplerOutput(self.argmax(logits))
         from minivllm.sample.knobs import sample_with_knobs
-
         return sample_with_knobs(logits.float(), md, self.argmax)
 
     @staticmethod

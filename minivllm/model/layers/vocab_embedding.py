@@ -57,7 +57,6 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size == 1:
             return self._lookup(input_ids)
         from minivllm.model.layers.collectives import all_reduce
-
         # Each rank looks up the tokens it owns and writes zeros for the rest;
         # the all-reduce then adds exactly one non-zero row per token.
         local = input_ids - self.start
@@ -81,7 +80,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = self.scores(hidden)
         if self.tp_size > 1:
             from minivllm.model.layers.collectives import gather_last_dim
-
             logits = gather_last_dim(logits, dst=0)
             if logits is None:
                 return None
