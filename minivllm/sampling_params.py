@@ -66,8 +66,7 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     # Set by the input processor: each bad word as the token sequences it can be.
-    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False,
-                                                           repr=False)
+    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False)
     # vLLM's free-form arguments ("kv_transfer_params" of disaggregated prefill).
     extra_args: Optional[dict] = None
     retention_directives: Optional[list] = None  # keep KV for a next turn: inputs/retention.py

@@ -128,8 +128,7 @@ class EngineArgs:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = ModelConfig.from_pretrained(self.model, self.dtype, device)
-        model = quantized_model_config(model, self.quantization, self.dtype,
-                                       self.activation_dtype)
+        model = quantized_model_config(model, self.quantization, self.dtype, self.activation_dtype)
         parallel = self._section(ParallelConfig)
         if parallel.enable_expert_parallel:
             from minivllm.config.expert_parallel import expert_parallel_model_config

@@ -18,9 +18,8 @@ class ParallelConfig:
     data_parallel_size: int = 1  # N replicas as Ray actors: engine/ray_dp.py
     data_parallel_backend: str = "mp"
     data_parallel_routing: str = "least_loaded"  # a policy of minivllm/routing
-    # Mixtures of experts: each rank holds its share of the experts (vLLM's flag), and
-    # the load balancer moving them (eplb_config: {num_redundant_experts, window_size,
-    # step_interval}; checked into an EPLBConfig).
+    # Mixtures of experts: each rank its share of the experts (vLLM's flag), and the load
+    # balancer moving them (eplb_config: {num_redundant_experts, window_size, step_interval}).
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
     eplb_config: Optional[object] = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from minivllm.config import check_int
+from minivllm.feature_method import FeatureMethod
 
 
 @dataclass(eq=False)
@@ -150,8 +151,7 @@ class BlockPool:
         """Take one more reference on blocks found in the prefix cache."""
         for block in blocks:
             if block.ref_cnt == 0:
-                (self.retained if block.retention_priority else self.free_block_queue
-                 ).remove(block)
+                (self.retained if block.retention_priority else self.free_block_queue).remove(block)
             block.ref_cnt += 1
             self.num_touched += 1
 
@@ -165,8 +165,7 @@ class BlockPool:
                                  "it was allocated (ref_cnt is already 0)")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                (self.retained if block.retention_priority else self.free_block_queue
-                 ).append(block)
+                (self.retained if block.retention_priority else self.free_block_queue).append(block)
                 self.num_freed += 1
 
     # -- prefix cache ------------------------------------------------------
@@ -197,15 +196,8 @@ class BlockPool:
         for block in blocks:
             self._evict(block)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Only allowed while no block is held."""
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        self.retained = self.retained and self.retained.release_all()
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        return True
+    # Forget every cached hash, only while no block is held (the RL API's: core/rollout.py).
+    reset_prefix_cache = FeatureMethod("minivllm.core.rollout", "reset_block_pool")
 
 
 __all__ = ["KVCacheBlock", "FreeKVCacheBlockQueue", "BlockPool"]

@@ -145,8 +145,7 @@ class KVCacheManager:
         if new_computed_blocks and blocks:
             raise ValueError(f"request {rid!r} already holds {len(blocks)} blocks: "
                              "prefix-cache hits can only be added on admission")
-        num_computed = (request.num_computed_tokens
-                        + len(new_computed_blocks) * self.block_size)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_tokens = num_computed + num_new_tokens
         # Draft tokens (speculative decoding) get slots too, but are not known yet.
         # So do the tokens steps in flight are sampling (async scheduling).
@@ -167,8 +166,7 @@ class KVCacheManager:
         # Touch first: get_new_blocks must not evict the hits we just found.
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_to_allocate) \
-            if num_to_allocate > 0 else []
+        new_blocks = self.block_pool.get_new_blocks(num_to_allocate) if num_to_allocate > 0 else []
         if rid not in self.req_to_blocks:
             self.req_to_blocks[rid] = blocks
             self.req_to_block_ids[rid] = []

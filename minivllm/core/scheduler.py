@@ -60,9 +60,7 @@ class Scheduler:
         self._awaiting_output = False
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
         self.max_loras = max_loras  # multi-LoRA: distinct adapters at once (0: no LoRA)
-        # What to ask a KV connector (kv_connector_scheduling.py), or None; its requests,
-        # read here and moved by it: admitted with KV still arriving; finished with
-        # blocks held until sent.
+        # What to ask a KV connector (kv_connector_scheduling.py), or None; its requests aside.
         self.connector = connector_scheduling
         self.waiting_for_remote = getattr(connector_scheduling, "waiting_for_remote", {})
         self.sending = getattr(connector_scheduling, "sending", {})
@@ -314,8 +312,7 @@ class Scheduler:
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
         if kv_connector_output is not None and not kv_connector_output.is_empty:
-            live = self.connector.apply_transfers(self, scheduler_output, live,
-                                                  kv_connector_output)
+            live = self.connector.apply_transfers(self, scheduler_output, live, kv_connector_output)
         outputs = []
         for request in live:
             rid = request.request_id

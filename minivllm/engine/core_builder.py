@@ -27,8 +27,7 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         if config.async_scheduling:  # steps handed over, run in order in a thread
             from minivllm.worker.async_step import async_executor
             executor = async_executor(executor)
-        return EngineCore(config, executor, speculator=speculator,
-                          kv_event_publisher=publisher)
+        return EngineCore(config, executor, speculator=speculator, kv_event_publisher=publisher)
     except BaseException:
         if publisher is not None:  # no socket outlives a failed start
             publisher.shutdown()

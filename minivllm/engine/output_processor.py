@@ -84,15 +84,14 @@ class OutputProcessor:
                                  num_prompt_tokens=len(request.prompt_token_ids),
                                  completion_token_times=[[] for _ in range(params.n)])
         if params.n == 1:
-            return [self._add(request, request_id, params, metrics)]
-        from minivllm.engine.parallel_sampling import ParentRequest
-        parent = self.parents[request_id] = ParentRequest(request_id)
-        return [self._add(request, cid, p, metrics, i, parent)
-                for i, (cid, p) in enumerate(parent.fan_out(params))]
+            return [self.add_completion(request, request_id, params, metrics)]
+        from minivllm.engine.parallel_sampling import add_parent
+        return add_parent(self, request, metrics)
 
-    def _add(self, request: EngineCoreRequest, request_id: str, params: SamplingParams,
-             metrics: RequestMetrics, index: int = 0,
-             parent: Optional[ParentRequest] = None) -> Request:
+    def add_completion(self, request: EngineCoreRequest, request_id: str,
+                       params: SamplingParams, metrics: RequestMetrics, index: int = 0,
+                       parent: Optional[ParentRequest] = None) -> Request:
+        """Track one completion (a core request) of ``request``; its core ``Request``."""
         detok = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                  if params.detokenize and self.tokenizer is not None else None)
         logprobs = stop_checker = None  # (each loaded by the first request that asks)
@@ -186,8 +185,7 @@ class OutputProcessor:
             m.finished_time = o.timestamp
         return matched
 
-    def make_output(self, request_id: str, states: list[RequestState]
-                     ) -> Optional[RequestOutput]:
+    def make_output(self, request_id: str, states: list[RequestState]) -> Optional[RequestOutput]:
         """A caller's request's output from its completions' states (the first has the
         prompt's numbers)."""
         first = states[0]

@@ -32,6 +32,14 @@ class ParentRequest:
         return all(c.finish_reason is not None for c in self.children)
 
 
+def add_parent(processor, request, metrics) -> list:
+    """``OutputProcessor.add_request`` for n > 1: a parent and its ``n`` completions, each
+    a core request (the ``Request`` of each returned, for the engine core to run)."""
+    parent = processor.parents[request.request_id] = ParentRequest(request.request_id)
+    return [processor.add_completion(request, cid, p, metrics, i, parent)
+            for i, (cid, p) in enumerate(parent.fan_out(request.sampling_params))]
+
+
 def parent_id(processor, request_id: str) -> Optional[str]:
     """``OutputProcessor.parent_id``: the caller's request id of a core request (None if
     unknown)."""
@@ -41,4 +49,4 @@ def parent_id(processor, request_id: str) -> Optional[str]:
     return request_id if state.parent is None else state.parent.request_id
 
 
-__all__ = ["ParentRequest", "parent_id"]
+__all__ = ["ParentRequest", "add_parent", "parent_id"]

@@ -54,11 +54,9 @@ class InputProcessor:
             from minivllm.inputs.prompt_dict import split_prompt
         prompt, salt = split_prompt(prompt) if isinstance(prompt, dict) else (prompt, None)
         text, token_ids = self.tokenize(prompt)
-        if self.classifier and "pooling_params" not in (params.extra_args or {}):
-            raise InvalidRequestError(  # (pooling.params.EXTRA_ARGS_KEY marks a pooling request)
-                f"this model is a classifier ({self.config.model.architecture} with a score "
-                "head): it serves LLM.score/classify, /v1/score and /v1/rerank, not generation",
-                "model")
+        if self.classifier:  # a score head serves pooling requests only
+            from minivllm.pooling.params import refuse_generation
+            refuse_generation(self.config.model.architecture, params)
         self.check_params(params)
         max_tokens = self.check_length(len(token_ids), params)
         if priority != 0 or not is_int(priority) or lora_request is not None:

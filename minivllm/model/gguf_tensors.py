@@ -132,8 +132,7 @@ def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
         elif t.name.endswith("attn_k.weight"):
             data = unpermute(data, num_kv_heads)
         data = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
-        yield hf_tensor_name(t.name), QuantizedTensor(data.reshape(shape[0], -1), qtype,
-                                                      shape[1])
+        yield hf_tensor_name(t.name), QuantizedTensor(data.reshape(shape[0], -1), qtype, shape[1])
 
 
 __all__ = ["GGUFTensor", "hf_tensor_name", "unpermute", "read_tensors", "iterate_gguf"]

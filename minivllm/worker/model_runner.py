@@ -101,9 +101,8 @@ class ModelRunner:
             from minivllm.worker.kv_cache_groups import KVCacheGroups
             self.kv_groups = KVCacheGroups(config, self.dtype, self.attn_backend.name)
 
-    # -- what some requests ask for, built when the first one does ----------------
-    # The prompt-logprobs collector, the logits processors (logit_bias, allowed_token_ids,
-    # bad_words), the grammars' masks, the rejection sampler: worker/runner_helpers.py.
+    # -- what some requests ask for, built when the first one does (runner_helpers.py) --
+    # Prompt logprobs; logit_bias, allowed_token_ids, bad_words; grammars; drafts' checks.
     HELPERS = ("prompt_logprobs", "logits_processors", "structured_output", "rejection_sampler")
 
     def __getattr__(self, name: str):

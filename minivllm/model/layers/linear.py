@@ -28,8 +28,7 @@ class LinearBase(nn.Module):
         else:
             self.quant_method.create_weights(self, in_features, out_features)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype),
-                                     requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
