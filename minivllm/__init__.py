@@ -8,8 +8,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # LLM pulls in torch and the model code, the others optional features: each is
-    # imported when first asked for.
+    # Each imported when first asked for: LLM pulls in torch and the model, the others are optional.
     if name == "LLM":
         from minivllm.entrypoints.llm import LLM
         return LLM

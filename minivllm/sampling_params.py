@@ -67,8 +67,7 @@ class SamplingParams:
     bad_words: Optional[list[str]] = None
     # Set by the input processor: each bad word as the token sequences it can be.
     bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False)
-    # vLLM's free-form arguments ("kv_transfer_params" of disaggregated prefill).
-    extra_args: Optional[dict] = None
+    extra_args: Optional[dict] = None  # vLLM's free-form ("kv_transfer_params" of P/D)
     retention_directives: Optional[list] = None  # keep KV for a next turn: inputs/retention.py
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)

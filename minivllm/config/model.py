@@ -51,8 +51,7 @@ class ModelConfig:
     # all full. A sliding layer sees only the last ``sliding_window`` tokens.
     layer_types: Optional[tuple[str, ...]] = None
     sliding_window: Optional[int] = None
-    # The whole config.json, for what only one family reads (Gemma 3's scalars).
-    hf_config: dict = field(default_factory=dict, repr=False)
+    hf_config: dict = field(default_factory=dict, repr=False)  # all of config.json
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",

@@ -125,16 +125,13 @@ class EngineCore:
         return outputs
 
     # The scheduler's snapshot for /metrics with the experts' load (MoE), that load alone;
-    # the block pool's recorded cache changes handed to the KV-event publisher as a batch.
+    # the block pool's recorded cache changes handed to the KV-event publisher as a batch;
+    # forgetting every cached prefix (the RL API's).
     make_stats = FeatureMethod("minivllm.core.scheduler_stats", "make_engine_stats")
     expert_load = FeatureMethod("minivllm.core.scheduler_stats")
     publish_kv_events = FeatureMethod("minivllm.distributed.kv_events")
 
-    def reset_prefix_cache(self) -> bool:
-        done = self.scheduler.reset_prefix_cache()
-        if self.kv_event_publisher is not None:
-            self.publish_kv_events()
-        return done
+    reset_prefix_cache = FeatureMethod("minivllm.core.rollout", "reset_core_prefix_cache")
 
     def shutdown(self) -> None:
         if self.kv_event_publisher is not None:

@@ -73,9 +73,8 @@ class Scheduler:
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {rid!r} has status={request.status.name}: "
                              "only WAITING requests can be added")
-        # The prompt's length and max_tokens were checked by the input processor
-        # (minivllm/inputs); only the scheduler knows how many KV blocks exist. A
-        # request that needs more blocks than exist would preempt itself forever.
+        # The input processor checked the prompt's length and max_tokens; only the scheduler
+        # knows how many KV blocks exist (a request needing more would preempt itself forever).
         n = request.num_prompt_tokens  # (the last sampled token's K/V is never stored)
         longest = min(n + request.max_tokens, max(self.max_model_len, n + 1)) - 1
         need = self.kv_cache_manager.num_blocks_needed(longest)
@@ -151,8 +150,7 @@ class Scheduler:
                                "applied the previous step")
         out = SchedulerOutput(step=self.step)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        # After a preemption the cache is known to be short: admitting new
-        # requests now would only get them preempted in turn.
+        # After a preemption the cache is short: new admissions would only be preempted too.
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
@@ -261,8 +259,7 @@ class Scheduler:
         request.spec_token_ids, request.spec_token_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
-        # Front of the queue: it was admitted before anyone still waiting.
-        self.waiting.appendleft(request)
+        self.waiting.appendleft(request)  # it was admitted before anyone still waiting
         out.preempted_req_ids.append(request.request_id)
 
     def _add_to_batch(self, out: SchedulerOutput, request: Request, num_new: int) -> None:

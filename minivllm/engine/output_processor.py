@@ -113,12 +113,10 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        """The callers' requests (one with n completions counts once)."""
-        return len(self.requests) - sum(len(p.children) - 1 for p in self.parents.values())
-
-    # A caller's request -> its core requests; a core request -> its caller's (n > 1);
-    # finishing a caller's request on this side ("abort"), returning its last output.
+    # The callers' unfinished requests (one with n completions counts once); a caller's
+    # request -> its core requests; a core request -> its caller's; finishing a caller's
+    # request on this side ("abort"), returning its last output.
+    get_num_unfinished_requests = FeatureMethod("minivllm.engine.parallel_sampling")
     child_ids = FeatureMethod("minivllm.engine.abort")
     parent_id = FeatureMethod("minivllm.engine.parallel_sampling")
     abort_request = FeatureMethod("minivllm.engine.abort")

@@ -40,6 +40,13 @@ def add_parent(processor, request, metrics) -> list:
             for i, (cid, p) in enumerate(parent.fan_out(request.sampling_params))]
 
 
+def get_num_unfinished_requests(processor) -> int:
+    """``OutputProcessor.get_num_unfinished_requests``: the callers' requests (one with n
+    completions counts once)."""
+    return len(processor.requests) - sum(len(p.children) - 1
+                                         for p in processor.parents.values())
+
+
 def parent_id(processor, request_id: str) -> Optional[str]:
     """``OutputProcessor.parent_id``: the caller's request id of a core request (None if
     unknown)."""
@@ -49,4 +56,4 @@ def parent_id(processor, request_id: str) -> Optional[str]:
     return request_id if state.parent is None else state.parent.request_id
 
 
-__all__ = ["ParentRequest", "add_parent", "parent_id"]
+__all__ = ["ParentRequest", "add_parent", "get_num_unfinished_requests", "parent_id"]

@@ -112,13 +112,10 @@ class LLM:
 
 
 def unwrap_prompt(prompt: Prompt):
-    if isinstance(prompt, dict) and "cache_salt" not in prompt:  # (else the processor's)
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError(f"prompt dict {sorted(prompt)} needs 'prompt' or 'prompt_token_ids'")
-    return prompt
+    if not isinstance(prompt, dict):
+        return prompt
+    from minivllm.inputs.prompt_dict import unwrap_offline_prompt  # vLLM's dict form
+    return unwrap_offline_prompt(prompt)
 
 
 def as_prompt_list(prompts) -> list:

@@ -41,9 +41,7 @@ class InputProcessor:
         self.eos_token_ids = read_eos_token_ids(config.model.path, self.tokenizer)
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
-        self._lora_checker = None  # made for the first adapter (inputs/request_checks.py)
-        # A *ForSequenceClassification head has num_labels outputs, not a vocabulary.
-        self.classifier = "ForSequenceClassification" in "".join(
+        self.classifier = "ForSequenceClassification" in "".join(  # num_labels outputs, no vocab
             config.model.hf_config.get("architectures") or ())
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,

@@ -1,8 +1,7 @@
-"""Per-request timestamps, stamped as tokens come out of the steps.
-
-Times are ``time.monotonic()`` seconds (one clock for all processes of a machine).
-With ``n > 1``, ``num_generation_tokens`` counts every completion's tokens. The
-latencies (TTFT, TPOT, ITL, E2E, ...) are computed from them when read: ``latency.py``."""
+"""Per-request timestamps, stamped as tokens come out of the steps: ``time.monotonic()``
+seconds (one clock for all processes of a machine). With ``n > 1``, ``num_generation_tokens``
+counts every completion's tokens. The latencies (TTFT, TPOT, ITL, E2E, ...) are computed
+from them when read: ``latency.py``."""
 
 from __future__ import annotations
 

@@ -33,10 +33,8 @@ class SamplingRow:
     sampling_params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    # The request's own stream (from ``make_generator``) if it has a seed.
-    generator: Optional[torch.Generator] = None
-    # The model's EOS ids: masked, like stop_token_ids, until min_tokens.
-    eos_token_ids: frozenset[int] = frozenset()
+    generator: Optional[torch.Generator] = None  # its own stream if it has a seed
+    eos_token_ids: frozenset[int] = frozenset()  # masked, as stop_token_ids, until min_tokens
 
 
 @dataclass
@@ -94,8 +92,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
-    # log_softmax(raw logits) at the sampled token; None if no row asked.
-    logprobs: Optional[torch.Tensor] = None  # [B] float32
+    logprobs: Optional[torch.Tensor] = None  # [B]: log_softmax(raw logits) at the token
     # The k = max_num_logprobs best raw logprobs per row (a row that asked
     # for n takes the first n); None if no row asked for any.
     top_logprobs: Optional[TopLogprobs] = None

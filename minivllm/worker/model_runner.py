@@ -184,10 +184,9 @@ class ModelRunner:
                 part = part + [self.last_sampled[rid]]
             input_ids += part
             if drafts:
-                # Verifying k drafts: k + 1 one-token sequences over the same blocks,
-                # the j-th seeing j more tokens. Every layer stores the step's K/V
-                # before attending, so each sees the drafts before it, and the step
-                # stays a pure decode step (the fused path takes it).
+                # Verifying k drafts: k + 1 one-token sequences over the same blocks, the j-th
+                # seeing j more tokens (each layer stores the step's K/V before attending), so
+                # the step stays a pure decode step, which the fused path takes.
                 computed += range(start, end)
                 seq_lens += range(start + 1, end + 1)
                 tables += [so.block_ids[rid]] * (end - start)

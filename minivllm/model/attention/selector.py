@@ -1,11 +1,8 @@
-"""Pick the attention backend for a device: by name, by environment, or by default.
-
-Precedence: the engine argument ``attention_backend`` if given, else the environment
-variable ``MINIVLLM_ATTENTION_BACKEND``, else the default ("triton" on CUDA, "torch"
-elsewhere). A backend that lives outside ``model/`` comes in through ``extra_backends``: the
-CPU acceleration passes its "cpu" backend (``minivllm/cpu/attention.py``) and makes it the
-default, so this module imports nothing of ``minivllm/cpu``. Triton is probed and imported
-only when its backend is wanted (``triton_check.py``)."""
+"""Pick the attention backend for a device: the engine argument ``attention_backend``, else
+the environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the device's default ("triton"
+on CUDA, "torch" elsewhere). A backend from outside ``model/`` comes in through
+``extra_backends`` (the CPU acceleration's "cpu", made the default), so this module imports
+nothing of ``minivllm/cpu``; Triton is probed only when wanted (``triton_check.py``)."""
 
 from __future__ import annotations
 
