@@ -130,7 +130,6 @@ class EngineCore:
     make_stats = FeatureMethod("minivllm.core.scheduler_stats", "make_engine_stats")
     expert_load = FeatureMethod("minivllm.core.scheduler_stats")
     publish_kv_events = FeatureMethod("minivllm.distributed.kv_events")
-
     reset_prefix_cache = FeatureMethod("minivllm.core.rollout", "reset_core_prefix_cache")
 
     def shutdown(self) -> None:
