@@ -8,19 +8,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # LLM pulls in torch and the model code, the others optional features: each is
-    # imported when first asked for.
+    # Each imported when first asked for: LLM pulls in torch and the model, the others are optional.
     if name == "LLM":
         from minivllm.entrypoints.llm import LLM
-
         return LLM
     if name == "LoRARequest":
         from minivllm.lora.request import LoRARequest
-
         return LoRARequest
     if name == "BeamSearchParams":
         from minivllm.entrypoints.beam_search import BeamSearchParams
-
         return BeamSearchParams
     raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
 

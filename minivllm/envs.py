@@ -1,9 +1,7 @@
 """Every ``MINIVLLM_*`` environment variable: name, type, default and meaning, here only.
 
-``envs.MINIVLLM_CPU_KERNELS`` is the parsed value, read at that moment; a bad value is
-an error naming the variable, the value and what is allowed. ``python -m
-minivllm.envs`` prints the README's Environment section (``tests/test_envs.py``).
-"""
+``envs.MINIVLLM_CPU_KERNELS`` is the parsed value, read at that moment (a bad value is an
+error naming it); ``python -m minivllm.envs`` prints the README's Environment section."""
 
 from __future__ import annotations
 

@@ -44,8 +44,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
-    # Where another engine can pull this prompt's KV from (a KV connector's, at the end).
-    kv_transfer_params: Optional[dict] = None
+    kv_transfer_params: Optional[dict] = None  # where another engine pulls this prompt's KV
     prompt_logprobs: Optional[PromptLogprobs] = field(default=None, repr=False)
     pooling_output: Optional[list[float]] = field(default=None, repr=False)  # (pooling/)
 

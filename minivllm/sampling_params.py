@@ -1,8 +1,7 @@
 """How one request should be sampled and when it should stop (vLLM's names and defaults).
 
 Every field is checked on construction (``InvalidRequestError`` naming the field);
-what needs the model (token ids, a grammar, bad words) the input processor checks.
-"""
+what needs the model (token ids, a grammar, bad words) the input processor checks."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from minivllm.config.checks import bad, is_int, is_number
 if TYPE_CHECKING:
     from minivllm.structured_outputs_params import StructuredOutputsParams
 
-# Temperatures below this are treated as greedy (argmax), as in vLLM.
-_GREEDY_EPS = 1e-5
+_GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax), as in vLLM
 
 
 # None unless asked for; checked by sampling_params_optional.py, loaded when one is set.
@@ -68,10 +66,8 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     # Set by the input processor: each bad word as the token sequences it can be.
-    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False,
-                                                           repr=False)
-    # vLLM's free-form arguments ("kv_transfer_params" of disaggregated prefill).
-    extra_args: Optional[dict] = None
+    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False)
+    extra_args: Optional[dict] = None  # vLLM's free-form ("kv_transfer_params" of P/D)
     retention_directives: Optional[list] = None  # keep KV for a next turn: inputs/retention.py
     # Set by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -119,7 +115,6 @@ class SamplingParams:
                        f"must be <= max_tokens ({self.max_tokens})")
         if any(getattr(self, name) is not None for name in OPTIONAL_KNOBS):
             from minivllm.sampling_params_optional import check_optional_knobs
-
             check_optional_knobs(self, check)
 
     @property

@@ -2,8 +2,7 @@
 
 ``EngineArgs`` holds the knobs under vLLM's names (the ``minivllm serve
 --kebab-case`` flags); ``create_engine_config()`` checks them against a Hugging
-Face folder (``model.resolve`` first turns ``None`` or a ``.gguf`` file into one).
-"""
+Face folder (``model.resolve`` first turns ``None`` or a ``.gguf`` file into one)."""
 
 from __future__ import annotations
 
@@ -114,7 +113,6 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
         """One ``--kebab-case`` flag per field, typed from its annotation."""
         from minivllm.config.cli import add_engine_args
-
         add_engine_args(parser, with_model)
 
     @classmethod
@@ -130,12 +128,10 @@ class EngineArgs:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = ModelConfig.from_pretrained(self.model, self.dtype, device)
-        model = quantized_model_config(model, self.quantization, self.dtype,
-                                       self.activation_dtype)
-        parallel = ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig)))
+        model = quantized_model_config(model, self.quantization, self.dtype, self.activation_dtype)
+        parallel = self._section(ParallelConfig)
         if parallel.enable_expert_parallel:
             from minivllm.config.expert_parallel import expert_parallel_model_config
-
             model = expert_parallel_model_config(model, parallel)
         max_len = self.max_model_len or min(model.max_position_embeddings, 2048)
         if max_len > model.max_position_embeddings:
@@ -147,9 +143,7 @@ class EngineArgs:
             speculative.draft_model_config(model, self.tensor_parallel_size, max_len, device)
         config = EngineConfig(
             model=model,
-            cache=CacheConfig(self.block_size, self.num_kv_blocks,
-                              self.kv_cache_memory_bytes, self.enable_prefix_caching,
-                              self.gpu_memory_utilization),
+            cache=self._section(CacheConfig),
             scheduler=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                       max_len, self.long_prefill_token_threshold,
                                       self.enable_chunked_prefill, self.scheduling_policy),
@@ -170,21 +164,16 @@ class EngineArgs:
                 self.kv_offloading_backend, self.kv_events_config, self.weight_transfer_config)):
             return {}
         from minivllm.config.features import feature_sections
-
         return feature_sections(self)
 
     def validate(self) -> None:
         """Every check that needs no model, so a bad argument fails before any loading."""
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
-                     "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
-                     "max_cudagraph_capture_size"):
-            check_int(name, getattr(self, name), 1, optional=name in (
-                "max_model_len", "num_kv_blocks", "kv_cache_memory_bytes",
-                "max_cudagraph_capture_size"),
-                allowed="must be a positive integer")
-        CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
-                    self.enable_prefix_caching, self.gpu_memory_utilization)
-        ParallelConfig(*(getattr(self, f.name) for f in fields(ParallelConfig)))
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                     "max_cudagraph_capture_size"):  # (the others: CacheConfig, ParallelConfig)
+            check_int(name, getattr(self, name), 1, allowed="must be a positive integer",
+                      optional=name in ("max_model_len", "max_cudagraph_capture_size"))
+        self._section(CacheConfig)
+        self._section(ParallelConfig)
         for name in ("enable_chunked_prefill", "trace", "enable_sleep_mode", "batch_invariant",
                      "enforce_eager"):
             check_bool(name, getattr(self, name))
@@ -205,6 +194,10 @@ class EngineArgs:
         self._feature_sections()
         check_quantization(self.quantization)
         check_activation_dtype(self.activation_dtype)
+
+    def _section(self, cls):
+        """The config section ``cls`` from this object's fields of the same names."""
+        return cls(*(getattr(self, f.name) for f in fields(cls)))
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)

@@ -51,8 +51,7 @@ class ModelConfig:
     # all full. A sliding layer sees only the last ``sliding_window`` tokens.
     layer_types: Optional[tuple[str, ...]] = None
     sliding_window: Optional[int] = None
-    # The whole config.json, for what only one family reads (Gemma 3's scalars).
-    hf_config: dict = field(default_factory=dict, repr=False)
+    hf_config: dict = field(default_factory=dict, repr=False)  # all of config.json
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike, dtype: str | torch.dtype = "auto",
@@ -97,12 +96,10 @@ class ModelConfig:
         )
         if arch.startswith("Deepseek") and raw.get("n_routed_experts"):
             from minivllm.config.moe import deepseek_moe_config
-
             return deepseek_moe_config(config, raw)
         if arch not in MOE_ARCHITECTURES + ("Qwen3NextForCausalLM",):
             return config
         from minivllm.config.moe import moe_model_config  # a dense model never loads it
-
         return moe_model_config(config, raw)
 
     @property
@@ -119,7 +116,6 @@ def _attention_kinds(arch: str, raw: dict) -> dict:
     if not (raw.get("sliding_window") or raw.get("layer_types")):
         return {}  # every layer full: the dense path
     from minivllm.config.attention_kinds import attention_kinds
-
     return attention_kinds(arch, raw)
 
 

@@ -18,9 +18,8 @@ class ParallelConfig:
     data_parallel_size: int = 1  # N replicas as Ray actors: engine/ray_dp.py
     data_parallel_backend: str = "mp"
     data_parallel_routing: str = "least_loaded"  # a policy of minivllm/routing
-    # Mixtures of experts: each rank holds its share of the experts (vLLM's flag), and
-    # the load balancer moving them (eplb_config: {num_redundant_experts, window_size,
-    # step_interval}; checked into an EPLBConfig).
+    # Mixtures of experts: each rank its share of the experts (vLLM's flag), and the load
+    # balancer moving them (eplb_config: {num_redundant_experts, window_size, step_interval}).
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
     eplb_config: Optional[object] = None
@@ -33,11 +32,9 @@ class ParallelConfig:
         if (self.data_parallel_size, self.data_parallel_backend,
                 self.data_parallel_routing) != (1, "mp", "least_loaded"):
             from minivllm.config.data_parallel import check_data_parallel
-
             check_data_parallel(self)
         if self.enable_expert_parallel or self.enable_eplb or self.eplb_config is not None:
             from minivllm.config.expert_parallel import check_expert_parallel
-
             check_expert_parallel(self)
 
 __all__ = ["ParallelConfig"]

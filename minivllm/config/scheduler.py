@@ -17,8 +17,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     # > 0: no request gets more than this many prompt tokens in one step.
     long_prefill_token_threshold: int = 0
-    # False: a prompt is scheduled whole or waits (no chunks).
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = True  # False: a prompt is scheduled whole, or waits
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:

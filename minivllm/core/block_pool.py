@@ -1,14 +1,11 @@
 """The pool of physical KV cache blocks: who holds each block, which are free.
 
-Only the books on block *ids* (the KV tensors are the runner's): ``ref_cnt``, the
-requests holding a block (shared prefixes share blocks); ``block_hash``, set while a
-full block is in the prefix cache (a freed block keeps it and its K/V, so a later
-prefix can ``touch`` it back); the free queue, ``ref_cnt == 0`` blocks least recently
-freed first, taken from the head (a cached one is *evicted* then). Reviving takes a
-block from the queue's middle: a doubly linked list through the blocks, O(1). Blocks a request asked to keep
-(``retention_directives``) wait in a second set instead: ``core/retained_blocks.py``. With
-KV events on, ``block_pool_events.py``'s subclass records the prefix cache's changes.
-"""
+Only the books on block *ids* (the KV tensors are the runner's): ``ref_cnt``, the requests
+holding a block (shared prefixes share blocks); ``block_hash``, set while a full block is in
+the prefix cache (a freed block keeps it and its K/V, so a later prefix can ``touch`` it
+back); the free queue, least recently freed first (a cached block taken from its head is
+*evicted*). Blocks a request asked to keep wait in a second set (``retained_blocks.py``);
+with KV events on, ``block_pool_events.py``'s subclass records the prefix cache's changes."""
 
 from __future__ import annotations
 
@@ -16,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from minivllm.config import check_int
+from minivllm.feature_method import FeatureMethod
 
 
 @dataclass(eq=False)
@@ -34,8 +32,8 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """Free blocks in eviction order (head = evicted next), as a linked list between
-    two sentinels (no special case for the ends or an empty queue)."""
+    """Free blocks in eviction order (head = evicted next), linked through the blocks between
+    two sentinels: a prefix hit revives one from the middle in O(1), ends and all."""
 
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(block_id=-1)
@@ -52,7 +50,6 @@ class FreeKVCacheBlockQueue:
     def __iter__(self) -> Iterator[KVCacheBlock]:
         node = self._head.next_free
         while node is not self._tail:
-            assert node is not None
             yield node
             node = node.next_free
 
@@ -63,7 +60,6 @@ class FreeKVCacheBlockQueue:
         if block in self:
             raise ValueError(f"block {block.block_id} is already in the free queue")
         last = self._tail.prev_free
-        assert last is not None
         last.next_free, block.prev_free = block, last
         block.next_free, self._tail.prev_free = self._tail, block
         self._len += 1
@@ -155,8 +151,7 @@ class BlockPool:
         """Take one more reference on blocks found in the prefix cache."""
         for block in blocks:
             if block.ref_cnt == 0:
-                (self.retained if block.retention_priority else self.free_block_queue
-                 ).remove(block)
+                (self.retained if block.retention_priority else self.free_block_queue).remove(block)
             block.ref_cnt += 1
             self.num_touched += 1
 
@@ -170,22 +165,18 @@ class BlockPool:
                                  "it was allocated (ref_cnt is already 0)")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                (self.retained if block.retention_priority else self.free_block_queue
-                 ).append(block)
+                (self.retained if block.retention_priority else self.free_block_queue).append(block)
                 self.num_freed += 1
 
     # -- prefix cache ------------------------------------------------------
     def cache_full_blocks(self, blocks: Iterable[KVCacheBlock],
                           block_hashes: Iterable[int], parent_block_hash: Optional[int] = None,
                           token_ids: Sequence[int] = (), block_size: int = 0) -> int:
-        """Register full blocks under their hashes; returns how many were added.
-
-        A block already cached is left alone. If another block already holds
-        the same hash (two requests computed the same tokens independently),
-        the newcomer stays uncached: one copy is enough to hit.
-        ``parent_block_hash`` (the hash before the first block), ``token_ids``
-        (theirs, ``block_size`` each) only describe them in KV events.
-        """
+        """Register full blocks under their hashes; returns how many were added. A block
+        already cached is left alone; if another block holds the same hash (two requests
+        computed the same tokens independently), the newcomer stays uncached: one copy is
+        enough to hit. ``parent_block_hash`` (the hash before the first block) and
+        ``token_ids`` (``block_size`` per block) only describe them in KV events."""
         return len(self._cache(blocks, block_hashes))
 
     def _cache(self, blocks: Iterable[KVCacheBlock], block_hashes: Iterable[int]) -> list[int]:
@@ -200,24 +191,13 @@ class BlockPool:
                 added.append(i)
         return added
 
-    def take_events(self) -> list:
-        """The KV events recorded since the last call: none, events are off here."""
-        return []
-
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take blocks out of the prefix cache: their contents are not to be trusted."""
         for block in blocks:
             self._evict(block)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Only allowed while no block is held."""
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        self.retained = self.retained and self.retained.release_all()
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        return True
+    # Forget every cached hash, only while no block is held (the RL API's: core/rollout.py).
+    reset_prefix_cache = FeatureMethod("minivllm.core.rollout", "reset_block_pool")
 
 
 __all__ = ["KVCacheBlock", "FreeKVCacheBlockQueue", "BlockPool"]

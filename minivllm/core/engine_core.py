@@ -4,8 +4,7 @@
     (async_scheduling: schedule N+1 while N computes, core/async_scheduler.py)
 
 It knows token IDs only; text, stop strings and streaming live on the API side,
-which talks to it directly (in-process) or by messages (``EngineCoreProc``).
-"""
+which talks to it directly (in-process) or by messages (``EngineCoreProc``)."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request, RequestStatus
 from minivllm.core.scheduler import Scheduler
+from minivllm.feature_method import FeatureMethod
 
 if TYPE_CHECKING:  # the step trace loads only when switched on
     from minivllm.core.trace import StepTrace
@@ -38,16 +38,12 @@ class EngineCore:
                 enable_kv_cache_events=config.kv_events is not None)
         else:  # several kinds of attention: one pool, a manager per KV cache group
             from minivllm.core.kv_cache_coordinator import make_hybrid_manager
-
             self.kv_cache_manager = make_hybrid_manager(config, self.num_blocks)
-        # Where the block pool's cache changes go (KV events, for routers), or None.
-        self.kv_event_publisher = kv_event_publisher
-        # The scheduler half of a KV connector (given, or kv_transfer_config's) and what
-        # the scheduler asks it (chosen once), or None and None: the scheduler never asks.
+        self.kv_event_publisher = kv_event_publisher  # the KV events' (for routers), or None
+        # A KV connector's scheduler half and what the scheduler asks it, or None and None.
         self.kv_connector, connector_scheduling = kv_connector, None
         if kv_connector is not None or config.kv_transfer is not None:
             from minivllm.core.kv_connector_scheduling import make_connector_scheduling
-
             self.kv_connector, connector_scheduling = make_connector_scheduling(
                 config, self.kv_cache_manager, kv_connector)
         self.batch_queue, scheduler_cls = None, Scheduler  # (None: the sync loop)
@@ -62,13 +58,10 @@ class EngineCore:
         self.trace: Optional[StepTrace] = None
         if config.trace:
             from minivllm.core.trace import StepTrace
-
             self.trace = StepTrace()
         self.step_count = 0
-        # Set when a step failed inside the model: no further step is trustworthy.
-        self.dead_error: Optional[BaseException] = None
-        # Why steps may not run now (paused, asleep: core/rollout.py), or None.
-        self.hold: Optional[str] = None
+        self.dead_error: Optional[BaseException] = None  # a step failed: no later one is sure
+        self.hold: Optional[str] = None  # why steps may not run now (paused, asleep), or None
 
     # -- requests ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,41 +118,19 @@ class EngineCore:
             o.timestamp = now
             o.first_scheduled_time = by_id[o.request_id].times.first_scheduled
         self.step_count += 1
-        self.publish_kv_events()
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
         if self.trace is not None and not so.is_empty:
-            timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
-            from minivllm.core.trace import record_step
-
-            self.trace.append(record_step(self, so, start, now - start, timings, outputs,
-                                          (t0, t1, t2, t3), result))
+            self.trace.record(self, so, result, outputs, start, now, (t0, t1, t2, t3))
         return outputs
 
-    def make_stats(self):
-        """The scheduler's snapshot for /metrics, plus the experts' load (MoE models)."""
-        from minivllm.core.scheduler_stats import make_engine_stats
-
-        return make_engine_stats(self)
-
-    def expert_load(self) -> Optional[dict[int, list[int]]]:
-        """Tokens routed to each expert so far, per MoE layer; None for a dense model."""
-        from minivllm.core.scheduler_stats import expert_load
-
-        return expert_load(self)
-
-    def publish_kv_events(self) -> None:
-        """Hand the block pool's recorded cache changes to the publisher as one batch."""
-        if self.kv_event_publisher is None:
-            return
-        from minivllm.distributed.kv_events import KVEventBatch
-
-        events = self.kv_cache_manager.block_pool.take_events()
-        if events:
-            self.kv_event_publisher.publish(KVEventBatch(time.time(), events))
-
-    def reset_prefix_cache(self) -> bool:
-        done = self.scheduler.reset_prefix_cache()
-        self.publish_kv_events()
-        return done
+    # The scheduler's snapshot for /metrics with the experts' load (MoE), that load alone;
+    # the block pool's recorded cache changes handed to the KV-event publisher as a batch;
+    # forgetting every cached prefix (the RL API's).
+    make_stats = FeatureMethod("minivllm.core.scheduler_stats", "make_engine_stats")
+    expert_load = FeatureMethod("minivllm.core.scheduler_stats")
+    publish_kv_events = FeatureMethod("minivllm.distributed.kv_events")
+    reset_prefix_cache = FeatureMethod("minivllm.core.rollout", "reset_core_prefix_cache")
 
     def shutdown(self) -> None:
         if self.kv_event_publisher is not None:

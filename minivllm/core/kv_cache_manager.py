@@ -1,11 +1,9 @@
 """Which physical blocks each request uses (its *block table*), and the prefix cache.
 
-The scheduler asks two questions per request: ``get_computed_blocks``, how much of
-it is cached already (each full block is named by a hash chained over everything
-before it, so equal hashes mean equal prefixes), and ``allocate_slots``, room for
-``num_new_tokens`` more tokens or ``None``, taking nothing. The hash is SHA-256 over
-explicit bytes: the same in every process and run, unlike Python's ``hash``.
-"""
+Each full block is named by a hash chained over everything before it, so equal hashes mean
+equal prefixes: SHA-256 over explicit bytes, the same in every process and run (unlike
+Python's ``hash``). The scheduler asks how much of a request is cached already
+(``get_computed_blocks``) and for room for more tokens (``allocate_slots``)."""
 
 from __future__ import annotations
 
@@ -16,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from minivllm.config import check_int
 from minivllm.core.block_pool import BlockPool, KVCacheBlock
+from minivllm.feature_method import FeatureMethod
 
 if TYPE_CHECKING:
     from minivllm.core.request import Request
@@ -146,8 +145,7 @@ class KVCacheManager:
         if new_computed_blocks and blocks:
             raise ValueError(f"request {rid!r} already holds {len(blocks)} blocks: "
                              "prefix-cache hits can only be added on admission")
-        num_computed = (request.num_computed_tokens
-                        + len(new_computed_blocks) * self.block_size)
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_tokens = num_computed + num_new_tokens
         # Draft tokens (speculative decoding) get slots too, but are not known yet.
         # So do the tokens steps in flight are sampling (async scheduling).
@@ -159,19 +157,16 @@ class KVCacheManager:
             raise ValueError(f"allocate_slots for {rid!r}: {num_computed} computed + "
                              f"{num_new_tokens} new tokens exceeds its "
                              f"{request.num_tokens}{drafts} known tokens")
-
         num_to_allocate = (self.num_blocks_needed(num_tokens)
                            - len(blocks) - len(new_computed_blocks))
         # Reviving a hit that sits in the free queue uses up a free block too.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_to_allocate > self.block_pool.num_free_blocks - num_revived:
             return None
-
         # Touch first: get_new_blocks must not evict the hits we just found.
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_to_allocate) \
-            if num_to_allocate > 0 else []
+        new_blocks = self.block_pool.get_new_blocks(num_to_allocate) if num_to_allocate > 0 else []
         if rid not in self.req_to_blocks:
             self.req_to_blocks[rid] = blocks
             self.req_to_block_ids[rid] = []
@@ -202,17 +197,6 @@ class KVCacheManager:
             request.all_token_ids[start * bs:end * bs], bs)
         self.num_cached_block[rid] = end
 
-    def uncache_uncomputed(self, request: "Request") -> None:
-        """Uncache the blocks this step cached past the computed tokens: the request
-        was preempted within the step, so their K/V will never be written (no one
-        holds them yet: prefix hits are found after all running requests)."""
-        rid, bs = request.request_id, self.block_size
-        start = request.num_computed_tokens // bs
-        if rid not in self.req_to_blocks or self.num_cached_block[rid] <= start:
-            return
-        self.block_pool.uncache_blocks(self.req_to_blocks[rid][start:])
-        self.num_cached_block[rid] = start
-
     def free(self, request: "Request") -> None:
         """Release a request's blocks, last block first (evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
@@ -223,18 +207,10 @@ class KVCacheManager:
             retain_blocks(self.block_pool, request, blocks, self.block_size)
         self.block_pool.free_blocks(reversed(blocks))
 
-    def free_tail(self, request: "Request", num_tokens: int) -> int:
-        """Free the blocks past ``num_tokens`` tokens (rejected drafts' slots, never
-        cached); returns how many."""
-        blocks = self.req_to_blocks.get(request.request_id)
-        if not blocks:
-            return 0
-        keep = self.num_blocks_needed(num_tokens)
-        tail = blocks[keep:]
-        del blocks[keep:]
-        del self.req_to_block_ids[request.request_id][keep:]  # the ids kept beside them
-        self.block_pool.free_blocks(reversed(tail))
-        return len(tail)
+    # Rejected drafts' blocks (speculative decoding); blocks a request preempted within its
+    # step cached past its computed tokens (priority scheduling): in their features' modules.
+    free_tail = FeatureMethod("minivllm.core.spec_decode_update")
+    uncache_uncomputed = FeatureMethod("minivllm.core.priority_queue")
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; returns False (doing nothing) if blocks are held."""

@@ -16,15 +16,13 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    # One entry per new token when the request asked for logprobs, else None.
-    new_logprobs: Optional[list[LogprobInfo]] = None
+    new_logprobs: Optional[list[LogprobInfo]] = None  # per new token, if logprobs were asked
     # With the first token of a request that asked for prompt logprobs: one
     # (logprob, rank, {top id: logprob}) per prompt token after the first.
     prompt_logprobs: Optional[list[tuple[float, int, dict[int, float]]]] = None
     pooling_output: Optional[list[float]] = None  # a pooling request's vector (pooling/)
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None
-    # The stop token id that ended the request (None for EOS or no stop).
-    stop_reason: Optional[int | str] = None
+    stop_reason: Optional[int | str] = None  # the stop token id or string (None: EOS, none)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     kv_transfer_params: Optional[dict] = None  # from a KV connector, with the finish

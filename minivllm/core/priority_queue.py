@@ -75,4 +75,16 @@ def unschedule(kv: KVCacheManager, out: SchedulerOutput, request: Request) -> in
     return out.num_scheduled_tokens.pop(rid)
 
 
-__all__ = ["PriorityRequestQueue", "priority_victim", "unschedule"]
+def uncache_uncomputed(self: KVCacheManager, request: Request) -> None:
+    """Uncache the blocks this step cached past the computed tokens: the request
+    was preempted within the step, so their K/V will never be written (no one
+    holds them yet: prefix hits are found after all running requests)."""
+    rid, bs = request.request_id, self.block_size
+    start = request.num_computed_tokens // bs
+    if rid not in self.req_to_blocks or self.num_cached_block[rid] <= start:
+        return
+    self.block_pool.uncache_blocks(self.req_to_blocks[rid][start:])
+    self.num_cached_block[rid] = start
+
+
+__all__ = ["PriorityRequestQueue", "priority_victim", "unschedule", "uncache_uncomputed"]

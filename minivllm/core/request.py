@@ -19,11 +19,9 @@ from minivllm.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    # Admitted with blocks, its prompt's KV still arriving through a KV connector.
-    WAITING_FOR_REMOTE_KVS = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # admitted, its KV still arriving (a KV connector)
     PREEMPTED = enum.auto()
-    # Everything after PREEMPTED is a finished state.
-    FINISHED_STOPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # this and every state after it: finished
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
@@ -72,7 +70,6 @@ class Request:
         self.stop_reason: Optional[int | str] = None
         self.lora_request = lora_request  # a LoRARequest; None: the base model
         self.cache_salt = cache_salt  # prefix-cache hits only under the same salt
-
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0  # K/V in the cache (or computed this step)
@@ -87,8 +84,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_token_probs = None
         self.kv_transfer_params: Optional[dict] = None  # (a KV connector's, at the end)
-        # (``is None``: a virtual clock may start at 0.0.)
-        self.times = RequestTimes(
+        self.times = RequestTimes(  # (``is None``: a virtual clock may start at 0.0)
             arrival=time.monotonic() if arrival_time is None else arrival_time)
 
     @property

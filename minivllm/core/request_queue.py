@@ -19,7 +19,6 @@ def create_request_queue(policy: str):
     if policy == "fcfs":
         return deque()
     from minivllm.core.priority_queue import PriorityRequestQueue
-
     return PriorityRequestQueue()
 
 
@@ -28,7 +27,6 @@ def choose_victim(running: list["Request"], policy: str) -> "Request":
     if policy == "fcfs":
         return running[-1]
     from minivllm.core.priority_queue import priority_victim
-
     return priority_victim(running)
 
 

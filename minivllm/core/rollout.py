@@ -250,5 +250,26 @@ class RolloutControl:
         return f"{n} requests are unfinished" if n else None
 
 
+def reset_core_prefix_cache(core) -> bool:
+    """``EngineCore.reset_prefix_cache``: the scheduler's (through the KV cache manager, the
+    block pool's), then ``AllBlocksCleared`` published to KV-event subscribers."""
+    done = core.scheduler.reset_prefix_cache()
+    if core.kv_event_publisher is not None:
+        core.publish_kv_events()
+    return done
+
+
+def reset_block_pool(pool) -> bool:
+    """``BlockPool.reset_prefix_cache``: forget every cached hash; False, changing nothing,
+    while a block is held."""
+    if pool.num_free_blocks != pool.num_blocks:
+        return False
+    pool.retained = pool.retained and pool.retained.release_all()
+    for block in pool.cached_block_hash_to_block.values():
+        block.block_hash = None
+    pool.cached_block_hash_to_block.clear()
+    return True
+
+
 __all__ = ["ASLEEP", "LLM_API", "PAUSED", "SLEEP_TAGS", "EngineSleepingError", "RolloutControl",
-           "call_utility", "sleeping_reason"]
+           "call_utility", "reset_block_pool", "reset_core_prefix_cache", "sleeping_reason"]

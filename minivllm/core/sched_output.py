@@ -12,8 +12,7 @@ if TYPE_CHECKING:
 @dataclass
 class SchedulerOutput:
     step: int
-    # In batch order: running ones first, then new ones.
-    scheduled_requests: list["Request"] = field(default_factory=list)
+    scheduled_requests: list["Request"] = field(default_factory=list)  # running first, then new
     # The rest by request_id: tokens to compute this step (1 for a decode)...
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # ... tokens whose K/V were in the cache before this step (where the new ones start)...
@@ -23,13 +22,11 @@ class SchedulerOutput:
     # ... and the whole block table.
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
-    # Admitted from the waiting queue this step (new, or back from preemption).
-    new_req_ids: list[str] = field(default_factory=list)
+    new_req_ids: list[str] = field(default_factory=list)  # admitted (new, or preempted before)
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Finished or aborted since the previous step: the runner's state for them can go.
-    finished_req_ids: set[str] = field(default_factory=set)
-    # For the step trace: blocks allocated / freed / evicted since the previous
-    # schedule(), and prefix-cache hits of this step's admissions.
+    finished_req_ids: set[str] = field(default_factory=set)  # since the last step: forget them
+    # For the step trace: blocks allocated / freed / evicted since the previous schedule(),
+    # and prefix-cache hits of this step's admissions.
     num_blocks_allocated: int = 0
     num_blocks_freed: int = 0
     num_blocks_evicted: int = 0

@@ -1,26 +1,20 @@
 """One scheduling loop, no prefill/decode phases (vLLM V1 style).
 
-Every request carries ``num_computed_tokens``: how many of its known tokens
-(prompt + generated so far) already have K/V in the cache. Each step the
-scheduler hands out a budget of ``max_num_batched_tokens`` tokens:
+Every request carries ``num_computed_tokens``: how many of its known tokens (prompt +
+generated so far) already have K/V in the cache. Each step hands out a budget of
+``max_num_batched_tokens`` tokens:
 
-1. RUNNING requests first, oldest admitted first. Each asks for the rest of
-   its known tokens: 1 for a decode, the next chunk for a long prompt. If the
-   KV cache has no room, the most recently admitted running request is
-   preempted (its blocks freed, to be recomputed later) until there is.
-2. Then, if nobody was preempted, WAITING requests in arrival order, while
-   budget and ``max_num_seqs`` allow. The prefix cache may already hold the
-   start of the prompt; the rest is cut to the remaining budget (chunked
-   prefill), so a long prompt shares steps with other requests' decodes.
+1. RUNNING requests first, oldest admitted first, each the rest of its known tokens (1 for
+   a decode, the next chunk of a long prompt); while the KV cache has no room, the most
+   recently admitted one is preempted (its blocks freed, to be recomputed later).
+2. Then, if nobody was preempted, WAITING requests in arrival order while ``max_num_seqs``
+   allows: the prefix cache may hold the start of the prompt; the rest is cut to the
+   budget (chunked prefill), so a long prompt shares steps with others' decodes.
 
-``schedule`` only decides; ``update_from_output`` applies the step's result
-(``num_computed_tokens``, sampled tokens, the token-level stop conditions).
-With speculative decoding a request with draft tokens asks for 1 + k slots and
-gets a verified run of tokens (``spec_decode_update.py``). A KV connector
-(``self.connector``) answers questions and holds its own requests aside
-(``waiting_for_remote``: KV arriving; ``sending``: blocks being sent) and, when
-transfers end, puts them back in ``waiting``.
-"""
+``schedule`` only decides; ``update_from_output`` applies the step's result (sampled
+tokens; with drafts, a verified run: ``spec_decode_update.py``) and the token-level stop
+conditions. A KV connector (``self.connector``) holds its requests aside while their KV
+moves (``waiting_for_remote``, ``sending``), then puts them back in ``waiting``."""
 
 from __future__ import annotations
 
@@ -34,15 +28,14 @@ from minivllm.core.request import Request, RequestStatus
 from minivllm.core.request_queue import choose_victim, create_request_queue
 from minivllm.core.sched_output import SchedulerOutput
 from minivllm.core.stop_conditions import check_stop
+from minivllm.feature_method import FeatureMethod
 
-if TYPE_CHECKING:  # each loaded when its feature is used (stats: when asked for)
+if TYPE_CHECKING:  # each loaded when its feature is used
     from minivllm.core.kv_connector_scheduling import KVConnectorScheduling
-    from minivllm.core.scheduler_stats import SchedulerStats
     from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 
-# What the model runner returns per request that reached the end of its
-# known tokens: the sampled token id and its logprob info (None if not asked).
+# Per request that reached the end of its known tokens: (sampled id, logprob info or None).
 SampledTokens = dict[str, tuple[int, Optional[LogprobInfo]]]
 
 
@@ -56,27 +49,21 @@ class Scheduler:
         self.clock = clock or MONOTONIC  # request timestamps (virtual in the simulator)
         kv_cache_manager.block_pool.clock = self.clock  # retention deadlines
         self.requests: dict[str, Request] = {}  # every unfinished request
-        # "fcfs" or "priority" (minivllm.core.request_queue): the waiting
-        # queue's order and who is preempted first.
-        self.waiting = create_request_queue(config.scheduling_policy)
+        self.waiting = create_request_queue(config.scheduling_policy)  # "fcfs" or "priority"
         self.running: list[Request] = []  # in admission order
         # Finished/aborted since the last schedule(), reported in its output.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self._num_added = 0
         self.step = 0
-        self._pool_counters = self._read_pool_counters()
+        self._pool_counters = (0, 0, 0)  # the block pool's at the last schedule()
         self._awaiting_output = False
         self.spec_decoding_stats: Optional[SpecDecodingStats] = None
-        # Multi-LoRA: at most this many distinct adapters run at once (0: no LoRA).
-        self.max_loras = max_loras
-        # What to ask a KV connector (kv_connector_scheduling.py), or None: no connector.
+        self.max_loras = max_loras  # multi-LoRA: distinct adapters at once (0: no LoRA)
+        # What to ask a KV connector (kv_connector_scheduling.py), or None; its requests aside.
         self.connector = connector_scheduling
-        # The connector's requests (read here, moved by it): admitted with KV still
-        # arriving; finished with blocks held until sent. Empty without a connector.
-        no_connector = connector_scheduling is None
-        self.waiting_for_remote = {} if no_connector else connector_scheduling.waiting_for_remote
-        self.sending = {} if no_connector else connector_scheduling.sending
+        self.waiting_for_remote = getattr(connector_scheduling, "waiting_for_remote", {})
+        self.sending = getattr(connector_scheduling, "sending", {})
 
     # -- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,11 +73,11 @@ class Scheduler:
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {rid!r} has status={request.status.name}: "
                              "only WAITING requests can be added")
-        # The prompt's length and max_tokens were checked by the input processor
-        # (minivllm/inputs); only the scheduler knows how many KV blocks exist. A
-        # request that needs more blocks than exist would preempt itself forever.
-        n = request.num_prompt_tokens
-        need = self.kv_cache_manager.num_blocks_needed(self._max_kv_tokens(request))
+        # The input processor checked the prompt's length and max_tokens; only the scheduler
+        # knows how many KV blocks exist (a request needing more would preempt itself forever).
+        n = request.num_prompt_tokens  # (the last sampled token's K/V is never stored)
+        longest = min(n + request.max_tokens, max(self.max_model_len, n + 1)) - 1
+        need = self.kv_cache_manager.num_blocks_needed(longest)
         if need > self.kv_cache_manager.num_blocks:
             raise InvalidRequestError(
                 f"request {rid!r} may need {need} KV blocks (prompt {n} + max_tokens "
@@ -101,12 +88,6 @@ class Scheduler:
         request.queue_order = self._num_added
         self._num_added += 1
         self.waiting.append(request)
-
-    def _max_kv_tokens(self, request: Request) -> int:
-        """Most tokens whose K/V the request can ever hold (the last sampled one has none)."""
-        longest = min(request.num_prompt_tokens + request.max_tokens,
-                      max(self.max_model_len, request.num_prompt_tokens + 1))
-        return longest - 1
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:
@@ -136,10 +117,8 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.times.finished = self.clock.now()
-        # A request being sent keeps its blocks until sent; a receiving one's are
-        # freed when its KV has arrived.
         sending = self.connector is not None and self.connector.request_finished(request)
-        if not sending and not receiving:
+        if not sending and not receiving:  # (kept until sent, or until the KV has arrived)
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -159,10 +138,7 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
-    def make_stats(self) -> SchedulerStats:
-        from minivllm.core.scheduler_stats import make_scheduler_stats
-
-        return make_scheduler_stats(self)
+    make_stats = FeatureMethod("minivllm.core.scheduler_stats", "make_scheduler_stats")
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -174,11 +150,9 @@ class Scheduler:
                                "applied the previous step")
         out = SchedulerOutput(step=self.step)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        # After a preemption the cache is known to be short: admitting new
-        # requests now would only get them preempted in turn.
+        # After a preemption the cache is short: new admissions would only be preempted too.
         if not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
-
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.connector is not None:  # after every allocation of the step
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -203,7 +177,6 @@ class Scheduler:
                 j = self.running.index(victim)
                 if j < i:  # (priority only) scheduled earlier in this step: undo that
                     from minivllm.core.priority_queue import unschedule
-
                     budget += unschedule(self.kv_cache_manager, out, victim)
                     i -= 1
                 self._preempt(victim, out)
@@ -286,8 +259,7 @@ class Scheduler:
         request.spec_token_ids, request.spec_token_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
-        # Front of the queue: it was admitted before anyone still waiting.
-        self.waiting.appendleft(request)
+        self.waiting.appendleft(request)  # it was admitted before anyone still waiting
         out.preempted_req_ids.append(request.request_id)
 
     def _add_to_batch(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
@@ -303,14 +275,11 @@ class Scheduler:
 
     def _record_block_activity(self, out: SchedulerOutput) -> None:
         """The step trace's block counts: allocated, freed, evicted since the last step."""
-        counters = self._read_pool_counters()
+        pool = self.kv_cache_manager.block_pool
+        counters = pool.num_allocated, pool.num_freed, pool.num_evicted
         out.num_blocks_allocated, out.num_blocks_freed, out.num_blocks_evicted = (
             now - before for now, before in zip(counters, self._pool_counters))
         self._pool_counters = counters
-
-    def _read_pool_counters(self) -> tuple[int, int, int]:
-        pool = self.kv_cache_manager.block_pool
-        return pool.num_allocated, pool.num_freed, pool.num_evicted
 
     # -- one step: apply -------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -318,14 +287,10 @@ class Scheduler:
                            verified: Optional[dict[str, list]] = None,
                            kv_connector_output=None) -> list[EngineCoreOutput]:
         """Advance requests by the step's result; one output per new token or finish.
-
-        ``sampled`` holds an entry for each request whose scheduled tokens
-        reached the end of its known tokens; a partial prefill chunk produces
-        no token (an entry for one is ignored: its logits came from the middle
-        of the prompt). ``verified`` holds, for each request that had drafts,
-        the accepted drafts plus one token from the target (1 to k + 1 tokens).
-        ``kv_connector_output``: transfers a KV connector finished, loads that failed.
-        """
+        ``sampled``: a token per request whose scheduled tokens reached the end of its known
+        tokens (a partial prefill chunk, whose logits come from inside the prompt, gives
+        none); ``verified``: per request that had drafts, the accepted ones plus one token of
+        the target; ``kv_connector_output``: transfers finished, loads that failed."""
         verified = verified or {}
         step = scheduler_output.step
         unknown = set(sampled) - set(scheduler_output.num_scheduled_tokens)
@@ -334,8 +299,7 @@ class Scheduler:
                              f"{sorted(unknown)}")
         # Requests finished from outside while the step ran are skipped.
         live = [r for r in scheduler_output.scheduled_requests if not r.is_finished()]
-        # Check everything before changing anything.
-        for request in live:
+        for request in live:  # check everything before changing anything
             rid = request.request_id
             if request.num_computed_tokens != scheduler_output.num_computed_tokens[rid]:
                 raise RuntimeError(f"step {step} was already applied to request {rid!r}")
@@ -345,15 +309,13 @@ class Scheduler:
                                  f"{step} but no token was sampled for it")
         self._awaiting_output = False
         if kv_connector_output is not None and not kv_connector_output.is_empty:
-            live = self.connector.apply_transfers(self, scheduler_output, live,
-                                                  kv_connector_output)
+            live = self.connector.apply_transfers(self, scheduler_output, live, kv_connector_output)
         outputs = []
         for request in live:
             rid = request.request_id
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
             if drafts:  # (speculative decoding: core/spec_decode_update.py)
                 from minivllm.core.spec_decode_update import apply_verified
-
                 outputs.append(apply_verified(self, request, scheduler_output, drafts,
                                               verified[rid]))
                 continue

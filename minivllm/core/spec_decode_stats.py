@@ -68,4 +68,11 @@ class SpecDecodingStats:
                 "mean_accepted_length": self.mean_accepted_length}
 
 
-__all__ = ["SpecDecodingStats"]
+def record_spec_decode(metrics, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+    """``RequestMetrics.record_spec_decode``: one verification of the request's drafts."""
+    if metrics.spec_decoding is None:
+        metrics.spec_decoding = SpecDecodingStats()
+    metrics.spec_decoding.observe(num_draft_tokens, num_accepted_tokens)
+
+
+__all__ = ["SpecDecodingStats", "record_spec_decode"]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 from minivllm.core.spec_decode_stats import SpecDecodingStats
 
 if TYPE_CHECKING:
+    from minivllm.core.kv_cache_manager import KVCacheManager
     from minivllm.core.outputs import EngineCoreOutput, LogprobInfo
     from minivllm.core.request import Request
     from minivllm.core.sched_output import SchedulerOutput
@@ -39,4 +40,18 @@ def apply_verified(scheduler: Scheduler, request: Request, so: SchedulerOutput,
     return out
 
 
-__all__ = ["apply_verified"]
+def free_tail(self: KVCacheManager, request: Request, num_tokens: int) -> int:
+    """Free the blocks past ``num_tokens`` tokens (rejected drafts' slots, never
+    cached); returns how many."""
+    blocks = self.req_to_blocks.get(request.request_id)
+    if not blocks:
+        return 0
+    keep = self.num_blocks_needed(num_tokens)
+    tail = blocks[keep:]
+    del blocks[keep:]
+    del self.req_to_block_ids[request.request_id][keep:]  # the ids kept beside them
+    self.block_pool.free_blocks(reversed(tail))
+    return len(tail)
+
+
+__all__ = ["apply_verified", "free_tail"]

@@ -19,8 +19,7 @@ def check_stop(request: Request, max_model_len: int
             return RequestStatus.FINISHED_STOPPED, None
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, last
-    if (request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= max_model_len):
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED, None
     return None
 

@@ -103,6 +103,14 @@ class StepTrace:
     def append(self, record: StepRecord) -> None:
         self.records.append(record)
 
+    def record(self, core, so, result, outputs, start: float, now: float,
+               times: tuple) -> None:
+        """Append the record of a step the engine core ``core`` applied; ``times``: when
+        it began and ended scheduling, began and ended updating."""
+        t0, t1, t2, t3 = times
+        timings = {"schedule": t1 - t0, **result.timings, "update": t3 - t2}
+        self.append(record_step(core, so, start, now - start, timings, outputs, times, result))
+
     def clear(self) -> None:
         self.records.clear()
 

@@ -280,6 +280,17 @@ def make_kv_event_publisher(config) -> "ZmqEventPublisher | NullEventPublisher":
                              config.hwm, config.topic)
 
 
+def publish_kv_events(core) -> None:
+    """``EngineCore.publish_kv_events``: hand the block pool's recorded cache changes to
+    the core's publisher as one batch."""
+    take_events = getattr(core.kv_cache_manager.block_pool, "take_events", None)
+    if core.kv_event_publisher is None or take_events is None:  # (nothing recorded)
+        return
+    events = take_events()
+    if events:
+        core.kv_event_publisher.publish(KVEventBatch(time.time(), events))
+
+
 # -- subscribing --------------------------------------------------------------------
 class KVCacheIndex:
     """What a subscriber knows of one engine's prefix cache: the set of cached hashes."""
@@ -398,4 +409,5 @@ class KVEventSubscriber:
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch", "KVEventRecorder",
            "KVCacheEvent", "KVCacheIndex", "KVEventSubscriber", "ZmqEventPublisher",
-           "NullEventPublisher", "make_kv_event_publisher", "encode_batch", "decode_batch"]
+           "NullEventPublisher", "make_kv_event_publisher", "publish_kv_events", "encode_batch",
+           "decode_batch"]

@@ -14,24 +14,20 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         from minivllm.engine.ray_dp import RayDPEngineCore
         return RayDPEngineCore(config)
     from minivllm.worker.executor import make_executor
-
     speculator = None
     if config.speculative is not None:
         from minivllm.spec_decode.proposer import Speculator
-
         speculator = Speculator(config)
     publisher = None
     if config.kv_events is not None:
         from minivllm.distributed.kv_events import make_kv_event_publisher
-
         publisher = make_kv_event_publisher(config.kv_events)
     try:
         executor = make_executor(config)
         if config.async_scheduling:  # steps handed over, run in order in a thread
             from minivllm.worker.async_step import async_executor
             executor = async_executor(executor)
-        return EngineCore(config, executor, speculator=speculator,
-                          kv_event_publisher=publisher)
+        return EngineCore(config, executor, speculator=speculator, kv_event_publisher=publisher)
     except BaseException:
         if publisher is not None:  # no socket outlives a failed start
             publisher.shutdown()

@@ -6,8 +6,7 @@ it ends in "\\ufffd" (a character still waits for bytes: nothing is emitted). Bo
 start at the same token, so a decoder's first-token rule ("▁word") cancels out.
 SentencePiece byte fallback (``byte_fallback.py``) and Hugging Face's space clean-up
 (``cleanup_stream.py``) load for the tokenizers that need them. The deltas and
-``finish()`` concatenate to ``tokenizer.decode(all_token_ids)``.
-"""
+``finish()`` concatenate to ``tokenizer.decode(all_token_ids)``."""
 
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ class IncrementalDetokenizer:
         self._cleanup = None
         if cleans_up_spaces:  # (a few tokenizers: Hugging Face's " ." -> ".")
             from minivllm.engine.cleanup_stream import CleanupStream
-
             self._cleanup = CleanupStream(tokenizer.clean_up_tokenization)
 
     def update(self, new_token_ids: Sequence[int]) -> str:
@@ -89,7 +87,6 @@ def _tokenizer_facts(tokenizer) -> tuple[bool, Optional[ByteFallbackTokens]]:
         byte_fallback = None
         if _has_byte_fallback(tokenizer):
             from minivllm.engine.byte_fallback import ByteFallbackTokens
-
             byte_fallback = ByteFallbackTokens(tokenizer)
         facts = _FACTS[tokenizer] = (_cleans_up_spaces(tokenizer), byte_fallback)
     return facts

@@ -5,8 +5,7 @@
             RequestOutput ◀──OutputProcessor───────────────────────┘  (text, stop strings)
 
 ``LLM`` drives it in a loop; the server uses the same processors around an
-engine core in another process.
-"""
+engine core in another process."""
 
 from __future__ import annotations
 

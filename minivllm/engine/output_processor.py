@@ -3,8 +3,7 @@
 Per request an incremental detokenizer and a stop-string checker turn the core's
 token deltas into outputs of the kind asked for (cumulative, delta, final only),
 and report which requests a stop string ended, for the core to free. ``n > 1`` runs
-as ``n`` core requests gathered into one output (``parallel_sampling.py``).
-"""
+as ``n`` core requests gathered into one output (``parallel_sampling.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from minivllm.config import InvalidRequestError
 from minivllm.core.outputs import EngineCoreOutput
 from minivllm.core.request import Request
 from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.feature_method import FeatureMethod
 from minivllm.metrics.request_metrics import RequestMetrics
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
@@ -84,26 +84,25 @@ class OutputProcessor:
                                  num_prompt_tokens=len(request.prompt_token_ids),
                                  completion_token_times=[[] for _ in range(params.n)])
         if params.n == 1:
-            return [self._add(request, request_id, params, metrics)]
-        from minivllm.engine.parallel_sampling import ParentRequest
+            return [self.add_completion(request, request_id, params, metrics)]
+        from minivllm.engine.parallel_sampling import add_parent
+        return add_parent(self, request, metrics)
 
-        parent = self.parents[request_id] = ParentRequest(request_id)
-        return [self._add(request, cid, p, metrics, i, parent)
-                for i, (cid, p) in enumerate(parent.fan_out(params))]
-
-    def _add(self, request: EngineCoreRequest, request_id: str, params: SamplingParams,
-             metrics: RequestMetrics, index: int = 0,
-             parent: Optional[ParentRequest] = None) -> Request:
+    def add_completion(self, request: EngineCoreRequest, request_id: str,
+                       params: SamplingParams, metrics: RequestMetrics, index: int = 0,
+                       parent: Optional[ParentRequest] = None) -> Request:
+        """Track one completion (a core request) of ``request``; its core ``Request``."""
         detok = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                  if params.detokenize and self.tokenizer is not None else None)
-        logprobs = None
+        logprobs = stop_checker = None  # (each loaded by the first request that asks)
         if params.logprobs is not None or params.prompt_logprobs is not None:
             from minivllm.engine.logprobs import LogprobsProcessor
-
             logprobs = LogprobsProcessor(params, request.prompt_token_ids, index, self.tokenizer)
+        if params.stop:
+            from minivllm.engine.stop_checker import StopStringChecker
+            stop_checker = StopStringChecker(params.stop, params.include_stop_str_in_output)
         state = RequestState(request_id, request.prompt, list(request.prompt_token_ids),
-                             params, detok, _stop_checker(params), metrics, index, parent,
-                             logprobs)
+                             params, detok, stop_checker, metrics, index, parent, logprobs)
         self.requests[request_id] = state
         if parent is not None:
             parent.children.append(state)
@@ -114,28 +113,13 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        """The callers' requests (one with n completions counts once)."""
-        return len(self.requests) - sum(len(p.children) - 1 for p in self.parents.values())
-
-    def _states(self, request_id: str) -> list[RequestState]:
-        """A caller's request: the states of its completions ([] if unknown)."""
-        parent = self.parents.get(request_id)
-        if parent is not None:
-            return parent.children
-        state = self.requests.get(request_id)
-        return [] if state is None or state.parent is not None else [state]
-
-    def child_ids(self, request_id: str) -> list[str]:
-        """The core requests of a caller's request."""
-        return [s.request_id for s in self._states(request_id)]
-
-    def parent_id(self, request_id: str) -> Optional[str]:
-        """The caller's request id of a core request (None if unknown)."""
-        state = self.requests.get(request_id)
-        if state is None:
-            return None
-        return request_id if state.parent is None else state.parent.request_id
+    # The callers' unfinished requests (one with n completions counts once); a caller's
+    # request -> its core requests; a core request -> its caller's; finishing a caller's
+    # request on this side ("abort"), returning its last output.
+    get_num_unfinished_requests = FeatureMethod("minivllm.engine.parallel_sampling")
+    child_ids = FeatureMethod("minivllm.engine.abort")
+    parent_id = FeatureMethod("minivllm.engine.parallel_sampling")
+    abort_request = FeatureMethod("minivllm.engine.abort")
 
     def process_outputs(self, outputs: list[EngineCoreOutput]
                         ) -> tuple[list[RequestOutput], list[str]]:
@@ -153,7 +137,7 @@ class OutputProcessor:
             else:
                 touched[state.parent.request_id] = state.parent.children
         results = [r for rid, states in touched.items()
-                   if (r := self._make_output(rid, states)) is not None]
+                   if (r := self.make_output(rid, states)) is not None]
         return results, stopped_by_string
 
     def _apply(self, state: RequestState, o: EngineCoreOutput) -> bool:
@@ -199,8 +183,7 @@ class OutputProcessor:
             m.finished_time = o.timestamp
         return matched
 
-    def _make_output(self, request_id: str, states: list[RequestState]
-                     ) -> Optional[RequestOutput]:
+    def make_output(self, request_id: str, states: list[RequestState]) -> Optional[RequestOutput]:
         """A caller's request's output from its completions' states (the first has the
         prompt's numbers)."""
         first = states[0]
@@ -220,26 +203,7 @@ class OutputProcessor:
             metrics=first.metrics, prompt_logprobs=prompt_logprobs,
             kv_transfer_params=first.kv_transfer_params, pooling_output=first.pooling_output)
 
-    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
-        """Finish a caller's request on this side ("abort"); returns its last output."""
-        states = self._states(request_id)
-        if not states:
-            return None
-        for s in states:
-            if s.finish_reason is None:
-                s.finish_reason = "abort"
-        return self._make_output(request_id, states)
-
     def _forget(self, request_id: str, states: list[RequestState]) -> None:
         self.parents.pop(request_id, None)
         for s in states:
             self.requests.pop(s.request_id, None)
-
-
-def _stop_checker(params: SamplingParams) -> Optional[StopStringChecker]:
-    """A checker for the request's stop strings (None: it has none)."""
-    if not params.stop:
-        return None
-    from minivllm.engine.stop_checker import StopStringChecker
-
-    return StopStringChecker(params.stop, params.include_stop_str_in_output)

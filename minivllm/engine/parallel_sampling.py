@@ -8,6 +8,8 @@ prefix cache. The output processor gathers their completions into one
 
 from __future__ import annotations
 
+from typing import Optional
+
 from minivllm.sampling_params import SamplingParams
 
 
@@ -30,4 +32,28 @@ class ParentRequest:
         return all(c.finish_reason is not None for c in self.children)
 
 
-__all__ = ["ParentRequest"]
+def add_parent(processor, request, metrics) -> list:
+    """``OutputProcessor.add_request`` for n > 1: a parent and its ``n`` completions, each
+    a core request (the ``Request`` of each returned, for the engine core to run)."""
+    parent = processor.parents[request.request_id] = ParentRequest(request.request_id)
+    return [processor.add_completion(request, cid, p, metrics, i, parent)
+            for i, (cid, p) in enumerate(parent.fan_out(request.sampling_params))]
+
+
+def get_num_unfinished_requests(processor) -> int:
+    """``OutputProcessor.get_num_unfinished_requests``: the callers' requests (one with n
+    completions counts once)."""
+    return len(processor.requests) - sum(len(p.children) - 1
+                                         for p in processor.parents.values())
+
+
+def parent_id(processor, request_id: str) -> Optional[str]:
+    """``OutputProcessor.parent_id``: the caller's request id of a core request (None if
+    unknown)."""
+    state = processor.requests.get(request_id)
+    if state is None:
+        return None
+    return request_id if state.parent is None else state.parent.request_id
+
+
+__all__ = ["ParentRequest", "add_parent", "get_num_unfinished_requests", "parent_id"]

@@ -8,11 +8,11 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from minivllm.config import engine_args_from_kwargs
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.feature_method import FeatureMethod
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -24,26 +24,8 @@ ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
 LoRAArg = Union[None, "LoRARequest", Sequence[Optional["LoRARequest"]]]  # (one, or per prompt)
 
 
-class _LoadedMethod:
-    """A method of ``LLM`` that lives in the module of its feature (the RL methods: the
-    class ``RLMethods`` of ``llm_rl.py``; chat, stream, beam search: ``MoreMethods`` of
-    ``llm_more.py``; embed, classify, score: ``pooling/offline.py``), which loads the
-    first time the method is looked up."""
-
-    def __init__(self, module: str, holder: Optional[str] = None) -> None:
-        self.module, self.holder = module, holder
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, llm: Optional["LLM"], owner: type):
-        where = importlib.import_module(self.module)
-        function = getattr(getattr(where, self.holder) if self.holder else where, self.name)
-        return function if llm is None else function.__get__(llm, owner)
-
-
-def _rl() -> _LoadedMethod:
-    return _LoadedMethod("minivllm.entrypoints.llm_rl", "RLMethods")
+def _rl() -> FeatureMethod:
+    return FeatureMethod("minivllm.entrypoints.llm_rl", "RLMethods")
 
 
 class LLM:
@@ -57,13 +39,13 @@ class LLM:
     update_weights, finish_weight_update = _rl(), _rl()
     # One embedding per prompt (``out.outputs.embedding``); a classifier's label
     # probabilities; scores of ``(data_1, data_2)`` pairs (``out.outputs.score``).
-    embed = _LoadedMethod("minivllm.pooling.offline")
-    classify = _LoadedMethod("minivllm.pooling.offline")
-    score = _LoadedMethod("minivllm.pooling.offline")
+    embed = FeatureMethod("minivllm.pooling.offline")
+    classify = FeatureMethod("minivllm.pooling.offline")
+    score = FeatureMethod("minivllm.pooling.offline")
     # A conversation; one output per step with only the new text; vLLM's beam search.
-    chat = _LoadedMethod("minivllm.entrypoints.llm_more", "MoreMethods")
-    stream = _LoadedMethod("minivllm.entrypoints.llm_more", "MoreMethods")
-    beam_search = _LoadedMethod("minivllm.entrypoints.llm_more", "MoreMethods")
+    chat = FeatureMethod("minivllm.entrypoints.llm_more", "MoreMethods")
+    stream = FeatureMethod("minivllm.entrypoints.llm_more", "MoreMethods")
+    beam_search = FeatureMethod("minivllm.entrypoints.llm_more", "MoreMethods")
 
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         args = engine_args_from_kwargs(model, engine_args)
@@ -81,10 +63,8 @@ class LLM:
     def engine_core(self):
         return self.llm_engine.engine_core
 
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: ParamsArg = None,
-                 use_tqdm: bool = True,
-                 priority: Union[None, int, Sequence[int]] = None,
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: ParamsArg = None,
+                 use_tqdm: bool = True, priority: Union[None, int, Sequence[int]] = None,
                  lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Complete every prompt; outputs in the prompts' order. ``sampling_params``,
         ``priority`` (lower first; ``scheduling_policy="priority"``) and ``lora_request``
@@ -106,7 +86,6 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
-
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
@@ -133,13 +112,10 @@ class LLM:
 
 
 def unwrap_prompt(prompt: Prompt):
-    if isinstance(prompt, dict) and "cache_salt" not in prompt:  # (else the processor's)
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError(f"prompt dict {sorted(prompt)} needs 'prompt' or 'prompt_token_ids'")
-    return prompt
+    if not isinstance(prompt, dict):
+        return prompt
+    from minivllm.inputs.prompt_dict import unwrap_offline_prompt  # vLLM's dict form
+    return unwrap_offline_prompt(prompt)
 
 
 def as_prompt_list(prompts) -> list:

@@ -1,5 +1,5 @@
 """``LLM``'s other ways to ask: a chat, a stream of deltas, a beam search. This module
-loads when ``LLM`` first looks one of them up (``llm.py``'s ``_LoadedMethod``), so a
+loads when ``LLM`` first looks one of them up (``FeatureMethod``), so a
 plain ``generate`` reads none of it."""
 
 from __future__ import annotations

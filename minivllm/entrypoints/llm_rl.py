@@ -1,7 +1,7 @@
 """``LLM``'s RL methods, vLLM's names: an RL trainer keeps the engine alive and updates
 it between rollouts. Each runs on the engine core between steps; ``core/rollout.py``
 does the work and documents the rules. This module loads when ``LLM`` first looks one
-of them up (``llm.py``'s ``_LoadedMethod``), so a plain request reads none of it."""
+of them up (``FeatureMethod``), so a plain request reads none of it."""
 
 from __future__ import annotations
 

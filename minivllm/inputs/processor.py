@@ -3,8 +3,7 @@
 A prompt is a string, token IDs, chat messages (the chat template renders them, special
 tokens included), or a dict of one and a ``cache_salt`` (prompt_dict.py). Every check
 against this model and engine is made here, once (an ``InvalidRequestError`` naming the
-field), and ``bad_words`` are tokenized; whether KV blocks suffice the scheduler knows.
-"""
+field), and ``bad_words`` are tokenized; whether KV blocks suffice the scheduler knows."""
 
 from __future__ import annotations
 
@@ -42,9 +41,7 @@ class InputProcessor:
         self.eos_token_ids = read_eos_token_ids(config.model.path, self.tokenizer)
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model.vocab_size
-        self._lora_checker = None  # made for the first adapter (inputs/request_checks.py)
-        # A *ForSequenceClassification head has num_labels outputs, not a vocabulary.
-        self.classifier = "ForSequenceClassification" in "".join(
+        self.classifier = "ForSequenceClassification" in "".join(  # num_labels outputs, no vocab
             config.model.hf_config.get("architectures") or ())
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -55,22 +52,18 @@ class InputProcessor:
             from minivllm.inputs.prompt_dict import split_prompt
         prompt, salt = split_prompt(prompt) if isinstance(prompt, dict) else (prompt, None)
         text, token_ids = self.tokenize(prompt)
-        if self.classifier and "pooling_params" not in (params.extra_args or {}):
-            raise InvalidRequestError(  # (pooling.params.EXTRA_ARGS_KEY marks a pooling request)
-                f"this model is a classifier ({self.config.model.architecture} with a score "
-                "head): it serves LLM.score/classify, /v1/score and /v1/rerank, not generation",
-                "model")
+        if self.classifier:  # a score head serves pooling requests only
+            from minivllm.pooling.params import refuse_generation
+            refuse_generation(self.config.model.architecture, params)
         self.check_params(params)
         max_tokens = self.check_length(len(token_ids), params)
         if priority != 0 or not is_int(priority) or lora_request is not None:
             from minivllm.inputs.request_checks import check_priority, lora_checker
-
             check_priority(self, priority)
             if lora_request is not None:
                 lora_checker(self).check(lora_request)
         if params.bad_words:
             from minivllm.inputs.bad_words import with_bad_words
-
             params = with_bad_words(self.tokenizer, params)
         if params.retention_directives is not None:  # (agent sessions)
             from minivllm.inputs.retention import with_retention
@@ -83,7 +76,6 @@ class InputProcessor:
                     chat_template: Optional[str] = None) -> str:
         """The prompt text of chat messages (inputs/chat_template.py)."""
         from minivllm.inputs.chat_template import render_chat
-
         return render_chat(self.tokenizer, messages, add_generation_prompt, chat_template)
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -130,7 +122,6 @@ class InputProcessor:
                              "stop_token_ids")
         if any(getattr(params, name) is not None for name in OPTIONAL_KNOBS):
             from minivllm.inputs.knob_checks import check_knobs
-
             check_knobs(self, params)
 
     def check_token_ids(self, name: str, ids, param: str) -> None:

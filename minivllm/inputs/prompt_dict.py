@@ -40,4 +40,16 @@ def check_cache_salt(salt) -> Optional[str]:
     return salt
 
 
-__all__ = ["PROMPT_KEYS", "check_cache_salt", "split_prompt"]
+def unwrap_offline_prompt(prompt: dict):
+    """``LLM``'s dict prompt: its prompt, or the dict itself when it carries a ``cache_salt``
+    (then ``split_prompt`` takes it apart in the input processor)."""
+    if "cache_salt" in prompt:
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"prompt dict {sorted(prompt)} needs 'prompt' or 'prompt_token_ids'")
+
+
+__all__ = ["PROMPT_KEYS", "check_cache_salt", "split_prompt", "unwrap_offline_prompt"]

@@ -28,7 +28,7 @@ def check_priority(processor: InputProcessor, priority: int) -> None:
 def lora_checker(processor: InputProcessor):
     """The processor's adapter checker, which reads each adapter once
     (minivllm/lora/checker.py); made on first use, then kept."""
-    if processor._lora_checker is None:
+    if getattr(processor, "_lora_checker", None) is None:
         from minivllm.lora.checker import LoRARequestChecker
 
         processor._lora_checker = LoRARequestChecker(processor.config.lora,

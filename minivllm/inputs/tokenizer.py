@@ -13,7 +13,6 @@ def load_tokenizer(path: str | Path):
     """The folder's Hugging Face tokenizer, or None for a folder without one (the tests'
     tiny random models): such a model takes and returns token IDs only."""
     from transformers import AutoTokenizer
-
     if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(str(path))

@@ -1,14 +1,14 @@
-"""Per-request timestamps, stamped as tokens come out of the steps.
-
-Times are ``time.monotonic()`` seconds (one clock for all processes of a machine).
-With ``n > 1``, ``num_generation_tokens`` counts every completion's tokens. The
-latencies (TTFT, TPOT, ITL, E2E, ...) are computed from them when read: ``latency.py``.
-"""
+"""Per-request timestamps, stamped as tokens come out of the steps: ``time.monotonic()``
+seconds (one clock for all processes of a machine). With ``n > 1``, ``num_generation_tokens``
+counts every completion's tokens. The latencies (TTFT, TPOT, ITL, E2E, ...) are computed
+from them when read: ``latency.py``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+from minivllm.feature_method import FeatureMethod
 
 if TYPE_CHECKING:  # loaded with speculative decoding only
     from minivllm.core.spec_decode_stats import SpecDecodingStats
@@ -30,12 +30,7 @@ class RequestMetrics:
     # Speculative decoding of this request's completions (None: no drafts).
     spec_decoding: Optional[SpecDecodingStats] = None
 
-    def record_spec_decode(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        if self.spec_decoding is None:
-            from minivllm.core.spec_decode_stats import SpecDecodingStats
-
-            self.spec_decoding = SpecDecodingStats()
-        self.spec_decoding.observe(num_draft_tokens, num_accepted_tokens)
+    record_spec_decode = FeatureMethod("minivllm.core.spec_decode_stats")  # (drafts verified)
 
     def record_tokens(self, count: int, when: float, index: int = 0) -> None:
         """``count`` new tokens of completion ``index`` arrived at ``when``."""
@@ -62,7 +57,6 @@ class RequestMetrics:
         """``ttft``, ``tpot``, ``itl``, ``queue_time``, ``prefill_time``, ``decode_time``,
         ``e2e_latency``: computed from the timestamps when read (``latency.py``)."""
         from minivllm.metrics.latency import LATENCIES
-
         if name not in LATENCIES:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return LATENCIES[name](self)

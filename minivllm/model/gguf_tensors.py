@@ -74,13 +74,10 @@ def _skip_value(buf, off: int, vtype: int) -> int:
 
 
 def read_tensors(gguf_path: Path) -> list[GGUFTensor]:
-    """The file's tensors, from its header's tensor infos (GGUF v2/v3, little-endian).
-    ``gguf.GGUFReader`` would also turn every metadata value into numpy views: the
-    default file's 98k vocabulary and merge strings take it seconds (most of a load),
-    where skipping them by their lengths takes milliseconds. Metadata is read by
-    ``gguf_convert`` (once per file), not here."""
+    """The file's tensors, from its header's tensor infos (GGUF v2/v3, little-endian); the
+    metadata values are skipped by their lengths (``gguf.GGUFReader`` would turn each, the
+    vocabulary's strings included, into numpy views: most of a load)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     buf = np.memmap(gguf_path, mode="r")
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
     if magic != b"GGUF" or version not in (2, 3):
@@ -112,13 +109,11 @@ def read_tensors(gguf_path: Path) -> list[GGUFTensor]:
 
 
 def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
-    """The GGUF's tensors as they ship (Hugging Face names): matrices as
-    ``QuantizedTensor`` blocks, vectors (the norms) as float32 tensors. A matrix of
-    a type minivllm cannot compute on is refused here, naming it."""
+    """The GGUF's tensors as they ship (Hugging Face names): matrices as ``QuantizedTensor``
+    blocks, vectors (the norms) as float32; a block type minivllm cannot compute on is refused."""
     import gguf
 
     from minivllm.model.layers.quantization import BLOCK_TYPES, QuantizedTensor
-
     for t in read_tensors(gguf_path):
         qtype = t.tensor_type.name
         shape = list(reversed(t.dims))
@@ -137,8 +132,7 @@ def iterate_gguf(gguf_path: Path, num_heads: int, num_kv_heads: int):
         elif t.name.endswith("attn_k.weight"):
             data = unpermute(data, num_kv_heads)
         data = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
-        yield hf_tensor_name(t.name), QuantizedTensor(data.reshape(shape[0], -1), qtype,
-                                                      shape[1])
+        yield hf_tensor_name(t.name), QuantizedTensor(data.reshape(shape[0], -1), qtype, shape[1])
 
 
 __all__ = ["GGUFTensor", "hf_tensor_name", "unpermute", "read_tensors", "iterate_gguf"]

@@ -14,6 +14,7 @@ from torch import nn
 from minivllm.config import ModelConfig, SUPPORTED_ARCHITECTURES
 from minivllm.config.model import MOE_ARCHITECTURES
 from minivllm.model.attention.backend import AttentionBackend
+from minivllm.model.layers.linear import default_weight_loader
 from minivllm.model.layers.quantization import QuantizedTensor
 
 
@@ -24,13 +25,6 @@ OWN_FILES = {"Gemma3ForCausalLM": "gemma3", "Qwen3NextForCausalLM": "qwen3_next"
 STACKED_PARAMS = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"),
                   ("qkv_proj", "v_proj", "v"), ("gate_up_proj", "gate_proj", 0),
                   ("gate_up_proj", "up_proj", 1))
-
-
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, "
-                         f"model expects {tuple(param.shape)}")
-    param.data.copy_(loaded)
 
 
 def map_checkpoint_name(model: nn.Module, name: str) -> tuple[str, Optional[object]]:
@@ -47,10 +41,9 @@ def map_checkpoint_name(model: nn.Module, name: str) -> tuple[str, Optional[obje
 
 def load_weights(model: nn.Module, config: ModelConfig,
                  weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, each
-    through its ``weight_loader`` (this rank's shard), or as blocks into a quantized
-    layer (``load_quantized``); a GGUF's blocks for a float layer are dequantized.
-    Returns the names loaded, so that any left unset can be reported."""
+    """Copy checkpoint tensors (Hugging Face names) into ``model``'s parameters, each through
+    its ``weight_loader`` (this rank's shard), or as blocks into a quantized layer
+    (``load_quantized``; a float layer dequantizes them); returns the names loaded."""
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()
@@ -96,7 +89,6 @@ def get_model_class(architecture: str):
         raise ValueError(f"architecture {architecture!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     from minivllm.model.models.llama import LlamaForCausalLM
-
     return LlamaForCausalLM
 
 
@@ -111,12 +103,10 @@ def load_model(config: ModelConfig, backend: AttentionBackend,
         model = cls(config, backend)
     if config.quantization == "gguf":  # the file's blocks as they ship
         from minivllm.model.gguf_tensors import iterate_gguf
-
         weights = iterate_gguf(Path(config.gguf_file), config.num_attention_heads,
                                config.num_key_value_heads)
     else:
         from minivllm.model.safetensors_weights import iterate_safetensors
-
         weights = iterate_safetensors(Path(config.path))
     loaded = load_weights(model, config, weights)
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}

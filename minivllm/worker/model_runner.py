@@ -1,7 +1,7 @@
 """The model runner: one scheduler decision in, one sampled token per request out.
 
-Each step it lays the scheduled tokens of all requests end to end — prefill
-chunks and decode tokens alike — into one flat batch:
+Each step it lays the scheduled tokens of all requests end to end (prefill chunks and
+decode tokens alike) into one flat batch:
 
     input_ids     the new tokens                          [T]
     positions     their positions in their sequences      [T]
@@ -9,14 +9,10 @@ chunks and decode tokens alike — into one flat batch:
     block_tables  each sequence's physical blocks          [S, max_blocks]
     query_start_loc / seq_lens                             [S+1] / [S]
 
-runs the model once over it, and samples only for the sequences whose step
-reaches the end of their known tokens (a middle prefill chunk produces no
-token: its logits would predict a prompt token we already know).
-
-How it computes (the reference, or the CPU acceleration's attention, layer
-twins, sampler and decode-step replay) is decided once, at start-up
-(``compute_path.py``); the model itself never knows.
-"""
+runs the model once over it, and samples only where a sequence's step reaches the end of
+its known tokens (a middle prefill chunk's logits would predict a known prompt token).
+How it computes (the reference, or the CPU acceleration) is decided once, at start-up
+(``compute_path.py``); the model itself never knows."""
 
 from __future__ import annotations
 
@@ -30,10 +26,11 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.core.sched_output import SchedulerOutput
+from minivllm.feature_method import FeatureMethod
 from minivllm.model.attention.backend import AttentionMetadata
 from minivllm.model.layers.parallel import collective_stats, tp_size
 from minivllm.model.loader import load_model
-from minivllm.sample.sampler import SamplingMetadata, SamplingRow, make_generator
+from minivllm.sample.sampler import SamplingMetadata, SamplingRow
 from minivllm.worker.reference_path import ReferencePath
 
 if TYPE_CHECKING:
@@ -41,8 +38,7 @@ if TYPE_CHECKING:
     from minivllm.worker.compute_path import ComputePath, DecodeReplay
     from minivllm.worker.prompt_logprobs import PromptLogprobEntry
 
-# On CPU the KV cache gets this much memory unless told otherwise.
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # (CUDA: gpu_memory_utilization, worker/kv_sizing.py)
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # the CPU's KV cache unless told (CUDA: kv_sizing.py)
 
 
 @dataclass
@@ -53,11 +49,9 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are needed
-    # Where in the logits the sampled rows are (None: all of them, in order;
-    # other rows are prompt positions scored for prompt logprobs).
+    # Where the sampled rows are in the logits (None: all, in order; else prompt logprobs').
     sample_indices: Optional[torch.Tensor] = None
-    # Multi-LoRA: each token's adapter slot and the slots to fill (None: base only).
-    lora: Optional[object] = None
+    lora: Optional[object] = None  # multi-LoRA: tokens' adapter slots, slots to fill
 
 
 @dataclass
@@ -69,10 +63,8 @@ class ModelRunnerOutput:
     # request_id -> its whole prompt's logprobs, in the step of its first token.
     prompt_logprobs: dict[str, list[PromptLogprobEntry]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling/: rid -> vector
-    # A KV connector's news (transfers done, loads failed): a KVConnectorOutput, or None.
-    kv_connector_output: Optional[object] = None
-    # Seconds spent in each stage of this step (for the step trace).
-    timings: dict[str, float] = field(default_factory=dict)
+    kv_connector_output: Optional[object] = None  # transfers done, loads failed (or None)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage (trace)
 
 
 class ModelRunner:
@@ -84,7 +76,6 @@ class ModelRunner:
         self.path: ComputePath = ReferencePath.for_config(config)
         if self.path.problem is None:
             from minivllm.cpu.accelerate import cpu_path
-
             self.path = cpu_path(config, self.path)
         self.attn_backend, self.dtype = self.path.attn_backend, self.path.dtype
         self.model = load_model(dataclasses.replace(config.model, dtype=self.dtype),
@@ -92,27 +83,26 @@ class ModelRunner:
         self.lora_manager = None
         if config.lora is not None:  # before the twins: its hooks stay on the layers
             from minivllm.lora.model_manager import LoRAModelManager
-
             self.lora_manager = LoRAModelManager(
                 self.model, config.lora, dataclasses.replace(config.model, dtype=self.dtype))
         self.path.prepare_model(self.model)
+        # Why it computes without the CPU acceleration, why no decode step is replayed (None).
+        self.acceleration_problem: Optional[str] = self.path.problem
+        self.decode_replay_problem: Optional[str] = self.path.decode_replay_problem
         self.sampler = self.path.sampler
         # A pure decode step replayed in one call (None: every step runs the model).
         self.decode_replay: Optional[DecodeReplay] = self.path.decode_replay
         self.generators: dict[str, torch.Generator] = {}
-        self.prompt_plans: list = []  # this step's PromptRows (set by prepare_inputs)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_connector = None  # the worker half of kv_transfer_config's connector
         self.kv_groups = None  # several kinds of attention: one table per KV cache group
         self.cuda_graphs = None  # decode steps as CUDA graphs, captured with the KV cache
         if config.model.layer_types is not None:
             from minivllm.worker.kv_cache_groups import KVCacheGroups
-
             self.kv_groups = KVCacheGroups(config, self.dtype, self.attn_backend.name)
 
-    # -- what some requests ask for, built when the first one does ----------------
-    # The prompt-logprobs collector, the logits processors (logit_bias, allowed_token_ids,
-    # bad_words), the grammars' masks, the rejection sampler: worker/runner_helpers.py.
+    # -- what some requests ask for, built when the first one does (runner_helpers.py) --
+    # Prompt logprobs; logit_bias, allowed_token_ids, bad_words; grammars; drafts' checks.
     HELPERS = ("prompt_logprobs", "logits_processors", "structured_output", "rejection_sampler")
 
     def __getattr__(self, name: str):
@@ -120,19 +110,8 @@ class ModelRunner:
         if name not in ModelRunner.HELPERS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         from minivllm.worker.runner_helpers import build_helper
-
         helper = self.__dict__[name] = build_helper(self, name)
         return helper
-
-    @property
-    def acceleration_problem(self) -> Optional[str]:
-        """Why this runner computes without the CPU acceleration, or None."""
-        return self.path.problem
-
-    @property
-    def decode_replay_problem(self) -> Optional[str]:
-        """Why no decode step is replayed, or None."""
-        return self.path.decode_replay_problem
 
     # -- KV cache ----------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -154,7 +133,6 @@ class ModelRunner:
         if budget is None:
             if self.device.type == "cuda":
                 from minivllm.worker.kv_sizing import profile_kv_blocks
-
                 return profile_kv_blocks(self)
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // self.kv_block_bytes()
@@ -181,46 +159,34 @@ class ModelRunner:
                 self.kv_caches.append((k, v))
         if self.config.kv_transfer is not None:
             from minivllm.distributed.kv_transfer.worker_half import make_worker_connector
-
             self.kv_connector = make_worker_connector(
                 self.config.kv_transfer, self.block_size, self.kv_block_bytes(), self.kv_caches)
         if self.device.type == "cuda":  # graphs record the caches' addresses: after them
             from minivllm.worker.cuda_graphs import build_decode_graphs
-
             self.cuda_graphs = build_decode_graphs(self)
 
     # -- one step ----------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> tuple[StepInputs, list]:
         """Flatten the scheduled requests; returns the inputs and the sampling requests.
-
-        One Python pass collects per-sequence numbers; everything per token
-        (positions, slots) is then computed by numpy over whole arrays, since a
-        step can hold thousands of prefill tokens.
-        """
+        One Python pass collects per-sequence numbers; the per-token ones (positions, slots)
+        come from numpy over whole arrays: a step can hold thousands of prefill tokens."""
         bs = self.block_size
         input_ids: list[int] = []
         computed, seq_lens, tables, logits_rows, samplers = [], [], [], [], []
-        self.prompt_plans = prompt_rows = []
-        lora_requests, lora_tokens = [], []
         for req in so.scheduled_requests:
             rid = req.request_id
             start = so.num_computed_tokens[rid]
             end = start + so.num_scheduled_tokens[rid]
-            # Draft tokens (speculative decoding) follow the known ones.
-            drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+            drafts = so.scheduled_spec_decode_tokens.get(rid, ())  # after the known ones
             tokens = req.all_token_ids + drafts if drafts else req.all_token_ids
-            if req.sampling_params.prompt_logprobs is not None and (
-                    rows := self.prompt_logprobs.plan(req, start, end, len(input_ids))):
-                prompt_rows.append(rows)
             part = tokens[start:end]
             if len(part) < end - start:  # a step in flight samples it (worker/async_step.py)
                 part = part + [self.last_sampled[rid]]
             input_ids += part
             if drafts:
-                # Verifying k drafts: k + 1 one-token sequences over the same blocks,
-                # the j-th seeing j more tokens. Every layer stores the step's K/V
-                # before attending, so each sees the drafts before it, and the step
-                # stays a pure decode step (the fused path takes it).
+                # Verifying k drafts: k + 1 one-token sequences over the same blocks, the j-th
+                # seeing j more tokens (each layer stores the step's K/V before attending), so
+                # the step stays a pure decode step, which the fused path takes.
                 computed += range(start, end)
                 seq_lens += range(start + 1, end + 1)
                 tables += [so.block_ids[rid]] * (end - start)
@@ -228,9 +194,6 @@ class ModelRunner:
                 computed.append(start)
                 seq_lens.append(end)
                 tables.append(so.block_ids[rid])
-            if self.lora_manager is not None:
-                lora_requests.append(req.lora_request)
-                lora_tokens.append(end - start)
             if end >= len(tokens):  # this step reaches the last known token
                 # With k drafts: k + 1 rows, the last known token's and each draft's.
                 logits_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
@@ -265,12 +228,12 @@ class ModelRunner:
             positions=torch.from_numpy(pos).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev))
-        if self.lora_manager is not None:
-            inputs.lora = self.lora_manager.plan(lora_requests, lora_tokens, dev)
-        if prompt_rows:  # their logits too (the model computes only the rows asked for)
-            from minivllm.worker.prompt_logprobs import add_prompt_rows
-
-            add_prompt_rows(inputs, logits_rows, prompt_rows)
+        if self.lora_manager is not None:  # each token's adapter slot
+            inputs.lora = self.lora_manager.plan(
+                [r.lora_request for r in so.scheduled_requests],
+                [so.num_scheduled_tokens[r.request_id] for r in so.scheduled_requests], dev)
+        if any(r.sampling_params.prompt_logprobs is not None for r in so.scheduled_requests):
+            self.prompt_logprobs.add_prompt_rows(so, inputs, logits_rows)  # their logits too
         return inputs, samplers
 
     @torch.inference_mode()
@@ -286,7 +249,6 @@ class ModelRunner:
                           inputs.logits_indices)
         if self.config.batch_invariant:  # each sequence as if alone
             from minivllm.worker.batch_invariant import forward_each_sequence
-
             return forward_each_sequence(self.model, inputs)
         graphs = self.cuda_graphs  # a decode step padded to a bucket and replayed
         run = graphs.run if graphs and graphs.accepts(inputs.input_ids, inputs.meta) else self.model
@@ -313,23 +275,19 @@ class ModelRunner:
             from minivllm.distributed.kv_transfer.worker_half import connector_forward
             forward_fn = connector_forward(self, so, forward_fn or self.forward, out)
         logits = (forward_fn or self.forward)(inputs)
-        self._sync()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        if inputs.sample_indices is not None:
-            for plan in self.prompt_plans:
-                self.prompt_logprobs.add(plan, logits[plan.flat_rows])
-            logits = logits[inputs.sample_indices]
+        if inputs.sample_indices is not None:  # prompt positions' rows among them
+            logits = self.prompt_logprobs.score(logits, inputs.sample_indices)
         if samplers and so.scheduled_spec_decode_tokens:
             from minivllm.worker.sampling_extras import verify_drafts
-
             out.sampled, out.verified = verify_drafts(self, logits, samplers,
                                                       so.scheduled_spec_decode_tokens)
         elif samplers:
             out.sampled = self.sample_tokens(logits, samplers)
         if (collector := self.__dict__.get("prompt_logprobs")) is not None:
-            for req in samplers:
-                if (entries := collector.take_finished(req)) is not None:
-                    out.prompt_logprobs[req.request_id] = entries
+            out.prompt_logprobs = collector.take_all_finished(samplers)
         t3 = time.perf_counter()
         out.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
                        "collective": collective_stats.seconds,
@@ -350,8 +308,12 @@ class ModelRunner:
                 grammars.release(rid)
 
     def sampling_row(self, req) -> SamplingRow:
+        gen = None if req.sampling_params.seed is None else self.seeded_generator(req)
         return SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
-                           self._generator(req), req.eos_token_ids)
+                           gen, req.eos_token_ids)
+
+    # A seeded request's own random stream, kept across steps (and preemptions).
+    seeded_generator = FeatureMethod("minivllm.worker.sampling_extras")
 
     @torch.inference_mode()
     def sample_tokens(self, logits: torch.Tensor, reqs: list) -> dict:
@@ -360,29 +322,13 @@ class ModelRunner:
         meta = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
         if meta.max_num_logprobs is not None or edits_logits(reqs):
             from minivllm.worker.sampling_extras import sample_with_extras
-
             return sample_with_extras(self, logits, reqs, meta)
         tokens = self.sampler(logits, meta).sampled_token_ids.tolist()
         return {req.request_id: (token, None) for req, token in zip(reqs, tokens)}
 
-    def _generator(self, req) -> Optional[torch.Generator]:
-        """A seeded request's own random stream, kept across steps (and preemptions)."""
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self.generators.get(req.request_id)
-        if gen is None:
-            gen = self.generators[req.request_id] = make_generator(seed, self.device)
-        return gen
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
 
 def edits_logits(reqs: list) -> bool:
-    """Whether a request's logits are edited before sampling: logit_bias,
-    allowed_token_ids, bad_words (sample/logits_processors.py) or a grammar
-    (structured_output/). Checked once per step; the common batch has none."""
+    """Whether a request's logits are edited before sampling (logit_bias, allowed_token_ids,
+    bad_words: sample/logits_processors.py; a grammar); the common batch has none."""
     return any(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids or p.structured_outputs
                for p in (r.sampling_params for r in reqs))

@@ -39,6 +39,7 @@ class PromptLogprobsCollector:
     def __init__(self) -> None:
         self.partial: dict[str, list[PromptLogprobEntry]] = {}
         self.done: set[str] = set()
+        self.plans: list[PromptRows] = []  # this step's (set by add_prompt_rows)
 
     def forget(self, request_id: str) -> None:
         self.partial.pop(request_id, None)
@@ -65,6 +66,30 @@ class PromptLogprobsCollector:
         targets = req.prompt_token_ids[p0 + 1:p0 + 1 + len(plan.flat_rows)]
         entries = score_tokens(logits, targets, req.sampling_params.prompt_logprobs)
         self.partial[req.request_id].extend(entries)
+
+    def add_prompt_rows(self, so, inputs, sample_rows: list[int]) -> None:
+        """Plan the prompt positions the step ``so`` scores and add their rows to the
+        model runner's ``inputs`` (``add_prompt_rows``)."""
+        self.plans, offset = [], 0  # a request's first row in the flat batch
+        for req in so.scheduled_requests:
+            start = so.num_computed_tokens[req.request_id]
+            end = start + so.num_scheduled_tokens[req.request_id]
+            if (rows := self.plan(req, start, end, offset)) is not None:
+                self.plans.append(rows)
+            offset += end - start
+        if self.plans:
+            add_prompt_rows(inputs, sample_rows, self.plans)
+
+    def score(self, logits: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor:
+        """Score this step's planned positions; returns the logits of the sampled rows."""
+        for plan in self.plans:
+            self.add(plan, logits[plan.flat_rows])
+        return logits[sample_indices]
+
+    def take_all_finished(self, requests) -> dict[str, list[PromptLogprobEntry]]:
+        """request_id -> its whole list, for those of ``requests`` fully scored now."""
+        return {r.request_id: entries for r in requests
+                if (entries := self.take_finished(r)) is not None}
 
     def take_finished(self, request) -> list[PromptLogprobEntry] | None:
         """The whole list, once, when ``request``'s prompt is fully scored."""

@@ -42,7 +42,6 @@ class ReferencePath:
         problem = "cpu_kernels=False"
         if config.cpu_kernels is not False:
             from minivllm.worker.compute_path import acceleration_off
-
             problem = acceleration_off(config)
         return ReferencePath(get_attention_backend(config.attention_backend, device,
                                                    default=default),

@@ -4,7 +4,7 @@ The model runner samples a plain step itself (``ModelRunner.sample_tokens``); it
 this module for a step in which a request edits its logits before the draw
 (``logit_bias``, ``allowed_token_ids``, ``bad_words``: ``sample/logits_processors.py``;
 a grammar: ``structured_output/``), asks for logprobs, or brings speculative
-drafts to verify (``sample/rejection_sampler.py``).
+drafts to verify (``sample/rejection_sampler.py``); and for a seeded request's stream.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minivllm.sample.sampler import SamplerOutput, SamplingMetadata, SamplingRow
+from minivllm.sample.sampler import SamplerOutput, SamplingMetadata, SamplingRow, make_generator
 from minivllm.worker.model_runner import edits_logits
 
 if TYPE_CHECKING:
@@ -76,4 +76,14 @@ def verify_drafts(runner: ModelRunner, logits: torch.Tensor, samplers: list,
     return sampled, verified
 
 
-__all__ = ["logprob_infos", "sample_with_extras", "verify_drafts"]
+def seeded_generator(runner: ModelRunner, req) -> torch.Generator:
+    """``ModelRunner.seeded_generator``: a seeded request's own random stream, made at its
+    first step and kept across steps (and preemptions) until it finishes."""
+    gen = runner.generators.get(req.request_id)
+    if gen is None:
+        gen = runner.generators[req.request_id] = make_generator(req.sampling_params.seed,
+                                                                 runner.device)
+    return gen
+
+
+__all__ = ["logprob_infos", "sample_with_extras", "seeded_generator", "verify_drafts"]

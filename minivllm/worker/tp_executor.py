@@ -363,3 +363,14 @@ class TPExecutor:
             if isinstance(reply, WorkerError):
                 raise WorkerFailed(f"tensor-parallel rank {reply.rank} failed:\n"
                                    f"{reply.traceback}")
+
+
+def refuse_inside_tp_group() -> None:
+    """A tensor_parallel_size=1 engine is refused while a tensor-parallel group of this
+    process is alive: the layers size their shards from torch.distributed's default
+    group, so its model would be cut into that engine's shards."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"a tensor_parallel_size=1 engine cannot be built while a tensor-parallel "
+            f"group of {dist.get_world_size()} ranks is alive in this process; shut that "
+            f"engine down first (llm.shutdown())")

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from minivllm.feature_method import FeatureMethod
+
 
 @dataclass
 class AttentionMetadata:
@@ -42,20 +44,8 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
-    @staticmethod
-    def for_prefill(seq_lens: list[int], device: torch.device | str = "cpu"
-                    ) -> "AttentionMetadata":
-        """Metadata for plain causal prefill with no KV cache (tests, parity checks)."""
-        starts = [0]
-        for n in seq_lens:
-            starts.append(starts[-1] + n)
-        return AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=device),
-            block_tables=torch.empty((len(seq_lens), 0), dtype=torch.int32, device=device),
-            max_query_len=max(seq_lens), max_seq_len=max(seq_lens),
-            query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+    # Metadata for plain causal prefill with no KV cache (tests, parity checks).
+    for_prefill = FeatureMethod("minivllm.model.attention.prefill_metadata")
 
 
 class AttentionBackend(ABC):

@@ -1,13 +1,8 @@
-"""Pick the attention backend for a device: by name, by environment, or by default.
-
-Precedence: the engine argument ``attention_backend`` if given, else the
-environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the default
-("triton" on CUDA, "torch" elsewhere). A backend that lives outside
-``model/`` comes in through ``extra_backends``: the CPU acceleration passes
-its "cpu" backend (``minivllm/cpu/attention.py``) and makes it the default, so
-this module imports nothing of ``minivllm/cpu``. Triton is probed and imported
-only when its backend is wanted (``triton_check.py``).
-"""
+"""Pick the attention backend for a device: the engine argument ``attention_backend``, else
+the environment variable ``MINIVLLM_ATTENTION_BACKEND``, else the device's default ("triton"
+on CUDA, "torch" elsewhere). A backend from outside ``model/`` comes in through
+``extra_backends`` (the CPU acceleration's "cpu", made the default), so this module imports
+nothing of ``minivllm/cpu``; Triton is probed only when wanted (``triton_check.py``)."""
 
 from __future__ import annotations
 
@@ -34,7 +29,6 @@ def get_attention_backend(name: Optional[str] = None, device: torch.device | str
                           extra_backends: Optional[Mapping[str, BackendFactory]] = None,
                           default: Optional[str] = None) -> AttentionBackend:
     """A backend instance. Raises if the one asked for is unknown or cannot run here.
-
     ``extra_backends`` adds backends from outside ``model/``; ``default`` replaces
     the device default (an extra backend that cannot run then falls back to torch)."""
     device = torch.device(device)
@@ -48,7 +42,6 @@ def get_attention_backend(name: Optional[str] = None, device: torch.device | str
     if name not in BACKEND_NAMES:
         allowed = ", ".join(repr(n) for n in BACKEND_NAMES)
         raise ValueError(f"{source}={name!r} is not an attention backend; allowed: {allowed}")
-
     if name == "torch":
         return TorchAttentionBackend()
     if name in extra:
@@ -63,5 +56,4 @@ def get_attention_backend(name: Optional[str] = None, device: torch.device | str
         raise RuntimeError(f"{source}={name!r} needs the CPU acceleration, which this "
                            f"engine runs without (cpu_kernels); use 'torch'")
     from minivllm.model.attention.triton_check import triton_backend
-
     return triton_backend(device, source)

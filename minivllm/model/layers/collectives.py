@@ -40,6 +40,15 @@ def gather_last_dim(x: torch.Tensor, dst: int = 0) -> Optional[torch.Tensor]:
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 
+def vocab_parallel_lookup(embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """A vocab-parallel embedding's lookup: each rank looks up the tokens it owns and writes
+    zeros for the rest; the all-reduce then adds exactly one non-zero row per token."""
+    local = input_ids - embedding.start
+    mine = (local >= 0) & (local < embedding.rows)
+    out = embedding.lookup(local.clamp(0, embedding.rows - 1))
+    return all_reduce(out * mine.unsqueeze(-1).to(out.dtype))
+
+
 def _begin(x: torch.Tensor) -> float:
     # On CUDA, wait for the queued kernels first: otherwise the collective's
     # time would include compute it merely waits behind.
@@ -56,4 +65,4 @@ def _count(x: torch.Tensor, start: float, nbytes: int) -> None:
     collective_stats.calls += 1
 
 
-__all__ = ["all_reduce", "gather_last_dim"]
+__all__ = ["all_reduce", "gather_last_dim", "vocab_parallel_lookup"]

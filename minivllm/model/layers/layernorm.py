@@ -1,8 +1,7 @@
 """RMSNorm, optionally fused with the residual add that precedes it.
 
 ``x / sqrt(mean(x^2) + eps) * weight``, with the statistics in float32
-whatever the model's dtype (16-bit squares lose too much precision).
-"""
+whatever the model's dtype (16-bit squares lose too much precision)."""
 
 from __future__ import annotations
 

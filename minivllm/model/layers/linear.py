@@ -28,8 +28,7 @@ class LinearBase(nn.Module):
         else:
             self.quant_method.create_weights(self, in_features, out_features)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype),
-                                     requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
@@ -47,7 +46,8 @@ class LinearBase(nn.Module):
                       shard_id: Optional[str] = None) -> None:
         dst, src, size = self.shard_rows(shard_id)
         shard = loaded.narrow(0, src, size)
-        _copy(param.data.narrow(0, dst, size), shard if param.dim() == 1 else self.shard_cols(shard))
+        default_weight_loader(param.data.narrow(0, dst, size),
+                              shard if param.dim() == 1 else self.shard_cols(shard))
 
     def load_quantized(self, loaded: QuantizedTensor, shard_id=None) -> None:
         dst, src, size = self.shard_rows(shard_id)
@@ -58,11 +58,12 @@ class LinearBase(nn.Module):
         return loaded
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"weight shape mismatch: checkpoint {tuple(src.shape)}, "
-                         f"model expects {tuple(dst.shape)}")
-    dst.copy_(src)
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a checkpoint tensor into a parameter (or a slice of one) of the same shape."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)}, "
+                         f"model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -139,7 +140,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # the bias is added once, on rank 0 only
-            _copy(param.data, loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
+            default_weight_loader(param, loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             return
         super().weight_loader(param, loaded, shard_id)
 
@@ -155,5 +156,4 @@ class RowParallelLinear(LinearBase):
         if self.tp_size == 1:
             return out
         from minivllm.model.layers.collectives import all_reduce
-
         return all_reduce(out)

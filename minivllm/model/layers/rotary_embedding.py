@@ -1,11 +1,9 @@
 """Rotary position embedding (RoPE), "rotate half" layout as in Hugging Face Llama.
 
-Each pair of dimensions (i, i + d/2) of a query or key is rotated by the angle
-``position * inv_freq[i]``. Because the angle depends only on the absolute
-position, a key's rotation never changes later: that is what lets the KV cache
-store keys once, already rotated. A config's ``rope_scaling`` changes the
-frequencies (``rope_scaling.py``, loaded then).
-"""
+Each pair of dimensions (i, i + d/2) of a query or key is rotated by the angle ``position *
+inv_freq[i]``. Because the angle depends only on the absolute position, a key's rotation
+never changes later: that is what lets the KV cache store keys once, already rotated. A
+config's ``rope_scaling`` changes the frequencies (``rope_scaling.py``, loaded then)."""
 
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inverse_frequencies(head_dim, theta)
         if scaling:
             from minivllm.model.layers.rope_scaling import scale_inverse_frequencies
-
             inv_freq = scale_inverse_frequencies(inv_freq, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()

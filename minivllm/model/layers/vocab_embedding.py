@@ -48,23 +48,17 @@ class VocabParallelEmbedding(nn.Module):
             pad = torch.zeros(self.rows - shard.rows, shard.data.shape[1], dtype=torch.uint8)
             self.qweight.put(shard.rows, QuantizedTensor(pad, shard.qtype, shard.cols))
 
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` of this rank's slice."""
         if self.quant_method is not None:
             return self.qweight.rows_of(ids)
         return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._lookup(input_ids)
-        from minivllm.model.layers.collectives import all_reduce
-
-        # Each rank looks up the tokens it owns and writes zeros for the rest;
-        # the all-reduce then adds exactly one non-zero row per token.
-        local = input_ids - self.start
-        mine = (local >= 0) & (local < self.rows)
-        out = self._lookup(local.clamp(0, self.rows - 1))
-        out = out * mine.unsqueeze(-1).to(out.dtype)
-        return all_reduce(out)
+            return self.lookup(input_ids)
+        from minivllm.model.layers.collectives import vocab_parallel_lookup
+        return vocab_parallel_lookup(self, input_ids)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -81,7 +75,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = self.scores(hidden)
         if self.tp_size > 1:
             from minivllm.model.layers.collectives import gather_last_dim
-
             logits = gather_last_dim(logits, dst=0)
             if logits is None:
                 return None

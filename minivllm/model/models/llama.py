@@ -75,8 +75,7 @@ class LlamaMLP(nn.Module):
         qc, size = linear_quant_config(cfg), intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [size] * 2, dtype=cfg.dtype, quant_config=qc)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, dtype=cfg.dtype,
-                                           quant_config=qc)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, dtype=cfg.dtype, quant_config=qc)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -43,14 +43,12 @@ class QuantizedLinearMethod:
         if isinstance(loaded, QuantizedTensor):
             return loaded
         from minivllm.model.layers.quantization.q8_0 import quantize_checkpoint_tensor
-
         return quantize_checkpoint_tensor(loaded, name, self.config.method)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.config.activation_dtype == "int8":  # asked for: loaded then
             from minivllm.model.layers.quantization.int8_activations import int8_linear
-
             return int8_linear(x, layer.qweight.segments, bias)
         return F.linear(x, layer.qweight.dequantize().to(x.dtype), bias)
 

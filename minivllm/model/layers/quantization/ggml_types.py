@@ -1,12 +1,10 @@
 """The GGML block formats minivllm reads, in plain PyTorch: one dequantize per type.
 
-A block encodes a run of weights along a row: float16 scale ``d`` (and minimum ``m``)
-and packed integers; Q4_0 is ``d * (q - 8)``, Q4_1 ``d * q + m``, Q8_0 ``d * q``, and in
-the 4-bit types byte k holds weight k (low nibble) and k + 16 (high). The K-quants of
-256 weights load from ``k_quants.py`` for a file that has them (the default model's
-is Q4_1 and Q8_0). Chapter 16 draws the formats. The float32 arithmetic follows
-``gguf.quants``' order, so the numbers are bit for bit the float path's.
-"""
+A block encodes a run of weights along a row: float16 scale ``d`` (and minimum ``m``) and
+packed integers; Q4_0 is ``d * (q - 8)``, Q4_1 ``d * q + m``, Q8_0 ``d * q``, and in the
+4-bit types byte k holds weight k (low nibble) and k + 16 (high); chapter 16 draws them.
+The K-quants (256 weights) load from ``k_quants.py`` for a file that has them. The float32
+arithmetic follows ``gguf.quants``' order: bit for bit the float path's numbers."""
 
 from __future__ import annotations
 
@@ -60,23 +58,14 @@ def _k_quant(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The K-quants' dequantizer (``k_quants.py``), imported when such a tensor is read."""
     def dequantize_k(blocks: torch.Tensor) -> torch.Tensor:
         from minivllm.model.layers.quantization import k_quants
-
         return getattr(k_quants, name)(blocks)
     return dequantize_k
 
 
-def _float32(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks.contiguous().view(torch.float32)
-
-
-def _float16(blocks: torch.Tensor) -> torch.Tensor:
-    return read_f16(blocks)
-
-
 # F32 and F16 are "blocks" of one weight: a GGUF may store some matrices unquantized.
 BLOCK_TYPES = {t.name: t for t in (
-    BlockType("F32", 0, 1, 4, _float32),
-    BlockType("F16", 1, 1, 2, _float16),
+    BlockType("F32", 0, 1, 4, lambda blocks: blocks.contiguous().view(torch.float32)),
+    BlockType("F16", 1, 1, 2, read_f16),
     BlockType("Q4_0", 2, 32, 18, dequantize_q4_0),
     BlockType("Q4_1", 3, 32, 20, dequantize_q4_1),
     BlockType("Q8_0", 8, 32, 34, dequantize_q8_0),
