@@ -661,10 +661,25 @@ for path, reference in ((folder, llm), (ds_folder, ds_llm)):  # the reference pa
 # heads read the same row, so a span of 64 rows is two small matrix products: the
 # scores `Q [H × 288] · K^T`, tiled 4 rows × 2 heads in registers (each row vector
 # loaded once for two heads, each query vector once for four rows), and the output
-# `P · V [64 × 256]`, tiled 4 heads × 2 column vectors (the `k_pe` columns, which the
-# old kernel summed for nothing, are skipped). That halved the layer's attention time
-# (8 sequences × 1,024 rows, one thread); the `W_UK`/`W_UV` products became batched
-# matrix products on views of the weight, and the cache write the C++ one.
+# `P · V [64 × 256]`, tiled 4 heads × 3 column vectors on AVX2 (4 × 4 on AVX-512; the
+# `k_pe` columns, which the old kernel summed for nothing, are skipped). That halved the
+# layer's attention time (8 sequences × 1,024 rows, one thread); the `W_UK`/`W_UV`
+# products became batched matrix products on views of the weight, and the cache write
+# the C++ one.
+#
+# The last step was about memory, not arithmetic. In a real decode step the latent rows
+# come from memory: 4 layers × 8 × 1,024 rows are 38 MB, and the weights stream through
+# the caches between layers. The hardware prefetchers stop at page ends and cannot
+# follow a block table, so the kernel fetches the next span's rows itself
+# (`_mm_prefetch`). It used to issue them in a burst, four rows' lines per vector step.
+# A core has only a few line fill buffers; once they were full, each further prefetch
+# waited for memory, and so did the FMAs behind it. Spread evenly over the score pass
+# (about a line every other vector step), the same prefetches overlap with the
+# arithmetic: 0.8× the kernel's time with cold caches, on AVX2 and AVX-512 alike. A
+# sequence's last span also fetches the next sequence's first. DeepSeek's decode step
+# then took 1.34-1.36× the Llama's on the AVX2 build and 1.38-1.39× on AVX-512, down from
+# 1.47-1.56× (quiet 2-core Sapphire Rapids, 6 December 2026, two threads and one;
+# `lab/bench/hybrid_decode.py` keeps the runs).
 
 # %% [markdown]
 # ## Exercises

@@ -80,9 +80,25 @@ Rapids with AVX-512 and AMX, three runs of 7-11 rounds)::
     two threads       llama 3.14-3.46 ms   gemma3 1.00-1.04x   deepseek 1.43-1.49x
     OMP_NUM_THREADS=1 llama 5.98-6.10 ms   gemma3 0.92x        deepseek 1.44-1.46x
 
-Both within issue 52's 1.5x on this machine, DeepSeek narrowly (its replay is one
-C++ call but each kernel its own parallel region; the Llama's and Gemma's float32
-step is one region). Not re-measured on the AVX2 machine.
+Both within issue 52's 1.5x on this machine, DeepSeek narrowly; on the AVX2 build
+(``python -m minivllm.cpu.features --env avx2``) DeepSeek took 1.53-1.58x.
+
+Then the MLA kernel's prefetch was spread evenly over the score pass (fetched in a
+burst, the next span's lines filled the core's line fill buffers and the FMAs waited
+behind them), the last span of a sequence fetches the next sequence's first, and
+AVX2's value tile grew to 4 heads x 3 column vectors. Quiet, 6 December 2026, the
+same machine, the checkout before (39a792d) and after in turn, two threads, 11 rounds::
+
+                       before (llama, deepseek)     after (llama, deepseek)
+    AVX2 build         4.86 ms  1.53x               4.85 ms  1.36x
+                       4.84 ms  1.78x (noisier)     4.42 ms  1.35x
+    AVX-512 (native)   3.20 ms  1.56x               3.20 ms  1.38x
+                       3.63 ms  1.48x               3.11 ms  1.39x
+    AVX2, one thread   7.60 ms  1.47x               8.07 ms  1.34x
+
+Gemma 3 stayed at 0.94-1.05x. A 2-core machine whose neighbours load it moves every
+two-thread figure by 10-20 % (DeepSeek's step has more parallel regions, each waiting
+for the slowest thread, than the Llama's one-region step): compare within a run.
 
 ``--kernels`` times MLA's decode attention alone, one layer's worth (CPU time on
 one thread, wall time on more; alternated, medians); ``OMP_NUM_THREADS=1 ... --kernels`` on that machine::
