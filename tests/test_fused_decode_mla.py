@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM
 from tests.cpu_requirements import needs_bf16_prepack, needs_cpu_kernels
+from tests.step_logits import greedy_with_logits
 from tests.test_deepseek_mla import BLOCK, MAX_TOKENS, PROMPTS, build_deepseek, hf_greedy
 
 pytestmark = needs_cpu_kernels()
@@ -26,16 +27,7 @@ def _runner(llm: LLM):
 
 def _run(llm: LLM, prompts) -> tuple[list, list]:
     """Greedy tokens of ``prompts`` (batched) and every step's logits."""
-    runner, logits = _runner(llm), []
-    forward = runner.forward
-    runner.forward = lambda inputs: logits.append(forward(inputs)) or logits[-1]
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                           ignore_eos=True), use_tqdm=False)
-    finally:
-        del runner.forward
-    return [o.outputs[0].token_ids for o in outs], logits
+    return greedy_with_logits(llm, prompts, MAX_TOKENS)
 
 
 def _engine(folder, **kw) -> LLM:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM
 from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from tests.cpu_requirements import needs_bf16_prepack, needs_cpu_kernels
+from tests.step_logits import greedy_with_logits
 from tests.test_moe import MAX_TOKENS, MOE_FAMILIES, hf_greedy, random_prompts
 
 pytestmark = needs_cpu_kernels()
@@ -40,19 +41,10 @@ def _engine(folder, **kw) -> LLM:
 def _run(llm: LLM, prompts, max_tokens=MAX_TOKENS) -> tuple[list, list, list]:
     """Greedy tokens of ``prompts`` (batched), every step's logits, and the pairs each
     sparse layer's experts received."""
-    runner, logits = _runner(llm), []
-    loads = [b.experts.expert_load.clone() for b in runner.model.expert_layers()]
-    forward = runner.forward
-    runner.forward = lambda inputs: logits.append(forward(inputs)) or logits[-1]
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=max_tokens,
-                                           ignore_eos=True), use_tqdm=False)
-    finally:
-        del runner.forward
-    counted = [b.experts.expert_load - before
-               for b, before in zip(runner.model.expert_layers(), loads)]
-    return [o.outputs[0].token_ids for o in outs], logits, counted
+    layers = _runner(llm).model.expert_layers()
+    loads = [b.experts.expert_load.clone() for b in layers]
+    tokens, logits = greedy_with_logits(llm, prompts, max_tokens)
+    return tokens, logits, [b.experts.expert_load - before for b, before in zip(layers, loads)]
 
 
 def _assert_replay_equals_python_layers(llm: LLM, prompts, max_tokens=MAX_TOKENS) -> list:

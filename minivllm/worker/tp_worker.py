@@ -84,25 +84,35 @@ def broadcast_command(command: Optional[Command], control: dist.ProcessGroup,
                       timeout: Optional[timedelta] = None) -> Command:
     """Rank 0 sends ``command`` and returns it; the other ranks receive it.
 
-    Rank 0 waits at most ``timeout`` for every rank to take it (the operation
-    is left pending if one does not, and fails when that rank goes away).
+    Rank 0 waits at most ``timeout`` for every rank to take it (then the
+    operation fails, also when a rank is alive but stuck).
     The others wait as long as it takes. The command travels as its pickle:
     its length, then its bytes.
     """
     if command is not None:
         payload = torch.frombuffer(bytearray(pickle.dumps(command)), dtype=torch.uint8)
         for tensor in (torch.tensor([payload.numel()], dtype=torch.int64), payload):
-            work = dist.broadcast(tensor, src=0, group=control, async_op=True)
             if timeout is None:
-                work.wait()
+                dist.broadcast(tensor, src=0, group=control)
             else:
-                work.wait(timeout)
+                _broadcast_within(tensor, control, timeout)
         return command
     size = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(size, src=0, group=control)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.broadcast(payload, src=0, group=control)
     return pickle.loads(payload.numpy().tobytes())
+
+
+def _broadcast_within(tensor: torch.Tensor, control: dist.ProcessGroup,
+                      timeout: timedelta) -> None:
+    """Rank 0's broadcast of ``tensor``, the operation itself given ``timeout``: a rank
+    that is alive but does not take it (stopped, stuck) fails it then. (A wait with a
+    timeout alone left it pending in gloo, under the control group's year-long timeout,
+    and the group's destructor, whenever garbage collection ran it, waited for it.)"""
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor, options.timeout = 0, 0, timeout
+    control.broadcast([tensor], options).wait()
 
 
 def gather_replies(value: Any) -> Optional[list]:
