@@ -19,3 +19,27 @@ def greedy_with_logits(llm: LLM, prompts, max_tokens: int) -> tuple[list, list]:
     finally:
         del runner.forward
     return [o.outputs[0].token_ids for o in outs], logits
+
+
+def replay_and_layers(llm: LLM, run, steps: int) -> tuple[tuple, tuple]:
+    """``run(llm)`` (greedy tokens, every step's logits, ...) with the runner's
+    decode-step replay, which must take every step after the prefill's (``steps``
+    of them), and again without it (the Python layers); the tokens and every step's
+    logits must be identical. Returns both runs' results."""
+    import torch
+
+    runner = llm.llm_engine.engine_core.executor.runner
+    replay = runner.decode_replay
+    before = replay.steps
+    got = run(llm)
+    assert replay.steps - before == steps
+    runner.decode_replay = None  # the model runs every step: the twins' Python layers
+    try:
+        expected = run(llm)
+    finally:
+        runner.decode_replay = replay
+    assert got[0] == expected[0]
+    assert len(got[1]) == len(expected[1])
+    for a, b in zip(got[1], expected[1]):
+        assert torch.equal(a, b)
+    return got, expected

@@ -11,11 +11,10 @@ layers.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from minivllm import LLM
 from tests.cpu_requirements import needs_bf16_prepack, needs_cpu_kernels
-from tests.step_logits import greedy_with_logits
+from tests.step_logits import greedy_with_logits, replay_and_layers
 from tests.test_deepseek_mla import BLOCK, MAX_TOKENS, PROMPTS, build_deepseek, hf_greedy
 
 pytestmark = needs_cpu_kernels()
@@ -43,19 +42,7 @@ def _assert_replay_equals_python_layers(llm: LLM, prompts) -> list:
     runner = _runner(llm)
     replay = runner.decode_replay
     assert isinstance(replay, MLAFusedDecode), runner.decode_replay_problem
-    before = replay.steps
-    got, got_logits = _run(llm, prompts)
-    assert replay.steps - before == MAX_TOKENS - 1  # every step after the prefill's
-    runner.decode_replay = None  # the model runs every step: the twins' Python layers
-    try:
-        expected, expected_logits = _run(llm, prompts)
-    finally:
-        runner.decode_replay = replay
-    assert got == expected
-    assert len(got_logits) == len(expected_logits)
-    for a, b in zip(got_logits, expected_logits):
-        assert torch.equal(a, b)
-    return got
+    return replay_and_layers(llm, lambda e: _run(e, prompts), MAX_TOKENS - 1)[0][0]
 
 
 @pytest.fixture(scope="module")

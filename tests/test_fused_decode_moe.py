@@ -20,7 +20,7 @@ from minivllm.cpu import _custom_ops as ops
 from minivllm.cpu.fused_decode import LlamaFusedDecode, fused_decode_problem
 from minivllm.cpu.prepack import PANEL_MAX_ROWS
 from tests.cpu_requirements import needs_bf16_prepack, needs_cpu_kernels
-from tests.step_logits import greedy_with_logits
+from tests.step_logits import greedy_with_logits, replay_and_layers
 from tests.test_moe import MAX_TOKENS, MOE_FAMILIES, hf_greedy, random_prompts
 
 pytestmark = needs_cpu_kernels()
@@ -55,18 +55,8 @@ def _assert_replay_equals_python_layers(llm: LLM, prompts, max_tokens=MAX_TOKENS
     replay = runner.decode_replay
     assert isinstance(replay, LlamaFusedDecode), runner.decode_replay_problem
     assert replay.expert_loads  # the sparse layers are in the C++ loop
-    before = replay.steps
-    got, got_logits, got_loads = _run(llm, prompts, max_tokens)
-    assert replay.steps - before == max_tokens - 1  # every step after the prefill's
-    runner.decode_replay = None  # the model runs every step: the twins' Python layers
-    try:
-        expected, expected_logits, expected_loads = _run(llm, prompts, max_tokens)
-    finally:
-        runner.decode_replay = replay
-    assert got == expected
-    assert len(got_logits) == len(expected_logits)
-    for a, b in zip(got_logits, expected_logits):
-        assert torch.equal(a, b)
+    (got, _, got_loads), (_, _, expected_loads) = replay_and_layers(
+        llm, lambda e: _run(e, prompts, max_tokens), max_tokens - 1)
     for a, b in zip(got_loads, expected_loads):
         assert torch.equal(a, b)
     assert sum(int(a.sum()) for a in got_loads) > 0
