@@ -368,7 +368,7 @@ cfg = llm.llm_engine.config.model
 # A fixed 2048 x 2048 product: sized automatically, a busy moment picks a small one
 # whose FLOP/s say more about the load than about the machine.
 roof = measure_roofline(cfg, torch.float32,
-                        measure_bandwidth(num_bytes=1 << 29, min_seconds=0.2),
+                        measure_bandwidth(min_seconds=0.2),
                         matmul_size=2048, min_seconds=0.2)
 ceiling = [roof.ceiling_tokens_per_s(b) for b in BATCHES]
 print(f"{roof.matmul_flops / 1e9:.0f} GFLOP/s, {roof.bandwidth / 1e9:.1f} GB/s, "

@@ -103,7 +103,7 @@ print(f"{torch.get_num_threads()} threads; panel GEMM "
 ref = LLM(cpu_kernels=False, num_kv_blocks=256, enable_prefix_caching=False,
           quantization=None)
 cfg = ref.llm_engine.config.model
-bw = measure_bandwidth(num_bytes=256 << 20, min_seconds=0.2)
+bw = measure_bandwidth(min_seconds=0.2)  # larger than the caches
 roof = measure_roofline(cfg, torch.float32, bw, min_seconds=0.2)
 step_floor = roof.weight_bytes / roof.bandwidth  # seconds to read every weight once
 print(f"{roof.matmul_flops / 1e9:.0f} GFLOP/s; {roof.bandwidth / 1e9:.1f} GB/s "

@@ -191,7 +191,7 @@ for name in FORMATS:  # the gguf package's own table agrees
 llm = LLM(quantization=None, enable_prefix_caching=False)  # float32 from the file
 cfg = llm.llm_engine.config.model
 params = model_param_count(cfg)
-bw = measure_bandwidth(num_bytes=128 << 20, min_seconds=0.2)
+bw = measure_bandwidth(min_seconds=0.2)
 bytes_per_token = {name: params * bits[name] / 8 for name in FORMATS}
 ceiling = {name: bw.best / bytes_per_token[name] for name in FORMATS}
 print(f"{params / 1e6:.1f} M weights; bandwidth {bw.best / 1e9:.1f} GB/s")

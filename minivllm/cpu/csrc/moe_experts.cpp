@@ -14,10 +14,13 @@
 // prefill) takes ATen's GEMM on its weight instead, where the weight is
 // reused enough for a cache-blocked kernel to pay.
 //
-// Work items are (expert, block of output columns): OpenMP threads take
-// them dynamically, so two cores stream different experts' weights at once. Inputs are
-// converted to float32 when gathered; sums are float32; the output takes the
-// hidden states' dtype. Results equal the reference's up to float rounding
+// Work items are (expert, block of output columns), in weight order: OpenMP
+// threads take them in guided chunks, so each core streams long runs of
+// contiguous rows (one item at a time gave each core every other item, and
+// its stream restarted at each) and a descheduled core's share still goes to
+// the other. Inputs are converted to float32 when gathered (bfloat16 experts
+// on a CPU with AVX512-BF16: rounded back to bfloat16, for vdpbf16ps); sums
+// are float32; the output takes the hidden states' dtype. Results equal the reference's up to float rounding
 // (another summation order).
 //
 // moe_expert_sum_gguf is the same sum on quantized experts (Q8_0 blocks,
@@ -26,6 +29,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_types.h"
@@ -40,6 +44,9 @@ namespace {
 constexpr int64_t kStreamMaxRows = 48;
 // Output columns per work item.
 constexpr int64_t kBlock = 16;
+// How many weight rows ahead the streaming products prefetch: [gate; up]
+// rows of H values, down rows of I values (fewer bytes a row: further ahead).
+constexpr int64_t kAheadUp = 4, kAheadDown = 16;
 
 // The pairs sorted by expert (a counting sort, stable): pair p of the sorted
 // order is (token token[p], slot) with position pos[token * k + slot] = p;
@@ -73,13 +80,22 @@ using vec::vf;
 constexpr int64_t L = vec::kLanes;
 
 // s0[r] = x_r . w0 and s1[r] = x_r . w1 for R (<= 4) float32 rows of x (row
-// stride K) and two weight rows of K values.
+// stride K) and two weight rows of K values. With p0 and p1, rows further on
+// are prefetched into L2 meanwhile, a line each per vector step: a weight row
+// is a page or less (4 KB at 1,024 float32 values), and the hardware
+// prefetcher stops at every page boundary, so without them each row began
+// with a wait on memory.
 template <int R, typename W>
-inline void dot2(const float* x, int64_t K, const W* w0, const W* w1, float* s0, float* s1) {
+inline void dot2(const float* x, int64_t K, const W* w0, const W* w1, float* s0, float* s1,
+                 const W* p0 = nullptr, const W* p1 = nullptr) {
   vf a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = vec::zero();
   int64_t k = 0;
   for (; k + L <= K; k += L) {
+    if (p0 != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(p0 + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p1 + k), _MM_HINT_T1);
+    }
     const vf v0 = vec::load(w0 + k), v1 = vec::load(w1 + k);
     for (int r = 0; r < R; ++r) {
       const vf xr = vec::load(x + r * K + k);
@@ -98,16 +114,54 @@ inline void dot2(const float* x, int64_t K, const W* w0, const W* w1, float* s0,
   }
 }
 
-// dot2 over n rows, four at a time.
-template <typename W>
-inline void dot2_rows(const float* x, int64_t n, int64_t K, const W* w0, const W* w1, float* s0,
-                      float* s1) {
+#ifdef __AVX512BF16__
+// dot2 for bfloat16 rows against bfloat16 weights, on a CPU with AVX512-BF16:
+// vdpbf16ps multiplies 32 pairs a step into 16 float32 sums, twice the
+// values an instruction of dot2's converted loads (a bfloat16 step of dot2
+// is bound by its FMAs, not by memory).
+using bf16 = c10::BFloat16;
+inline __m512bh load_pairs(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+template <int R>
+inline void dot2(const bf16* x, int64_t K, const bf16* w0, const bf16* w1, float* s0, float* s1,
+                 const bf16* p0 = nullptr, const bf16* p1 = nullptr) {
+  vf a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = vec::zero();
+  int64_t k = 0;
+  for (; k + 2 * L <= K; k += 2 * L) {  // one cache line of each row a step
+    if (p0 != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(p0 + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p1 + k), _MM_HINT_T1);
+    }
+    const __m512bh v0 = load_pairs(w0 + k), v1 = load_pairs(w1 + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = load_pairs(x + r * K + k);
+      a0[r] = _mm512_dpbf16_ps(a0[r], xr, v0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], xr, v1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float t0 = vec::reduce_add(a0[r]), t1 = vec::reduce_add(a1[r]);
+    for (int64_t kk = k; kk < K; ++kk) {
+      t0 += to_float(x[r * K + kk]) * to_float(w0[kk]);
+      t1 += to_float(x[r * K + kk]) * to_float(w1[kk]);
+    }
+    s0[r] = t0;
+    s1[r] = t1;
+  }
+}
+#endif
+
+// dot2 over n rows, four at a time; the first four prefetch p0 and p1.
+template <typename X, typename W>
+inline void dot2_rows(const X* x, int64_t n, int64_t K, const W* w0, const W* w1, float* s0,
+                      float* s1, const W* p0, const W* p1) {
   int64_t r = 0;
-  for (; r + 4 <= n; r += 4) dot2<4>(x + r * K, K, w0, w1, s0 + r, s1 + r);
+  for (; r + 4 <= n; r += 4, p0 = p1 = nullptr) dot2<4>(x + r * K, K, w0, w1, s0 + r, s1 + r, p0, p1);
   switch (n - r) {
-    case 3: dot2<3>(x + r * K, K, w0, w1, s0 + r, s1 + r); break;
-    case 2: dot2<2>(x + r * K, K, w0, w1, s0 + r, s1 + r); break;
-    case 1: dot2<1>(x + r * K, K, w0, w1, s0 + r, s1 + r); break;
+    case 3: dot2<3>(x + r * K, K, w0, w1, s0 + r, s1 + r, p0, p1); break;
+    case 2: dot2<2>(x + r * K, K, w0, w1, s0 + r, s1 + r, p0, p1); break;
+    case 1: dot2<1>(x + r * K, K, w0, w1, s0 + r, s1 + r, p0, p1); break;
     default: break;
   }
 }
@@ -116,31 +170,34 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // act [n, I] columns [j0, j1) = silu(x W_gate^T) * (x W_up^T) for one expert's
 // n rows x [n, H]; w13 its [2I, H] weight.
-template <typename W>
-void gate_up_block(const float* x, int64_t n, int64_t H, const W* w13, int64_t I, float* act,
+template <typename X, typename W>
+void gate_up_block(const X* x, int64_t n, int64_t H, const W* w13, int64_t I, float* act,
                    int64_t j0, int64_t j1) {
   float g[kStreamMaxRows], u[kStreamMaxRows];
   for (int64_t j = j0; j < j1; ++j) {
-    dot2_rows(x, n, H, w13 + j * H, w13 + (I + j) * H, g, u);
+    const int64_t next = j + kAheadUp;  // within the expert's [gate; up] rows
+    dot2_rows(x, n, H, w13 + j * H, w13 + (I + j) * H, g, u, w13 + next * H,
+              w13 + std::min(2 * I - 1, I + next) * H);
     for (int64_t r = 0; r < n; ++r) act[r * I + j] = silu(g[r]) * u[r];
   }
 }
 
 // y [n, H] columns [j0, j1) = act W_down^T for one expert; w2 its [H, I] weight.
-template <typename W>
-void down_block(const float* act, int64_t n, int64_t I, const W* w2, int64_t H, float* y,
+template <typename X, typename W>
+void down_block(const X* act, int64_t n, int64_t I, const W* w2, int64_t H, float* y,
                 int64_t j0, int64_t j1) {
   float a[kStreamMaxRows], b[kStreamMaxRows];
   int64_t j = j0;
   for (; j + 2 <= j1; j += 2) {
-    dot2_rows(act, n, I, w2 + j * I, w2 + (j + 1) * I, a, b);
+    const int64_t next = std::min(H - 2, j + kAheadDown);
+    dot2_rows(act, n, I, w2 + j * I, w2 + (j + 1) * I, a, b, w2 + next * I, w2 + (next + 1) * I);
     for (int64_t r = 0; r < n; ++r) {
       y[r * H + j] = a[r];
       y[r * H + j + 1] = b[r];
     }
   }
   if (j < j1) {  // an odd last column: its row twice, the second result dropped
-    dot2_rows(act, n, I, w2 + j * I, w2 + j * I, a, b);
+    dot2_rows(act, n, I, w2 + j * I, w2 + j * I, a, b, w2 + j * I, w2 + j * I);
     for (int64_t r = 0; r < n; ++r) y[r * H + j] = a[r];
   }
 }
@@ -158,6 +215,39 @@ std::vector<Item> stream_items(const Groups& g, int64_t E, int64_t cols) {
     for (int64_t j = 0; j < cols; j += kBlock) items.push_back({e, j, std::min(cols, j + kBlock)});
   }
   return items;
+}
+
+// The streaming experts' products, threads over (expert, column block) items:
+// act = silu-and-mul of x's [gate; up] product, then act_in (act as the down
+// product reads it: act itself, or rounded to bfloat16) times the down rows.
+// Guided chunks: contiguous rows for each core's stream, and on a shared
+// machine a thread that is descheduled leaves its later items to the others
+// instead of holding everyone at the end of a static split.
+template <typename X, typename W>
+void stream_products(const Groups& g, int64_t E, int64_t H, int64_t I, const X* xp, const W* w13p,
+                     const W* w2p, float* ap, X* act_in, float* yp) {
+  const auto up_items = stream_items(g, E, I), down_items = stream_items(g, E, H);
+  const int64_t n_up = up_items.size(), n_down = down_items.size();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(guided)
+    for (int64_t i = 0; i < n_up; ++i) {
+      const Item& it = up_items[i];
+      const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
+      gate_up_block(xp + s * H, n, H, w13p + it.expert * 2 * I * H, I, ap + s * I, it.j0, it.j1);
+    }
+    if constexpr (!std::is_same_v<X, float>) {
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < g.start[E]; ++p)
+        for (int64_t j = 0; j < I; ++j) act_in[p * I + j] = static_cast<X>(ap[p * I + j]);
+    }
+#pragma omp for schedule(guided)
+    for (int64_t i = 0; i < n_down; ++i) {
+      const Item& it = down_items[i];
+      const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
+      down_block(act_in + s * I, n, I, w2p + it.expert * H * I, H, yp + s * H, it.j0, it.j1);
+    }
+  }
 }
 
 template <typename W>
@@ -178,28 +268,19 @@ void expert_products(const at::Tensor& xs, const Groups& g, const at::Tensor& w1
     act.narrow(0, s, n).copy_(silu_and_mul(h));
     ys.narrow(0, s, n).copy_(at::matmul(act.narrow(0, s, n).to(w2.scalar_type()), w2[e].t()));
   }
-  // The rest: the streaming kernel, threads over (expert, column block) items.
-  // Dynamic scheduling: experts get different row counts, and on a shared
-  // machine a thread that is descheduled leaves its items to the others
-  // instead of holding everyone at the end of a static split.
-  const auto up_items = stream_items(g, E, I), down_items = stream_items(g, E, H);
-  const int64_t n_up = up_items.size(), n_down = down_items.size();
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_up; ++i) {
-      const Item& it = up_items[i];
-      const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
-      gate_up_block(xp + s * H, n, H, w13p + it.expert * 2 * I * H, I, ap + s * I, it.j0, it.j1);
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_down; ++i) {
-      const Item& it = down_items[i];
-      const int64_t s = g.start[it.expert], n = g.start[it.expert + 1] - s;
-      down_block(ap + s * I, n, I, w2p + it.expert * H * I, H, yp + s * H, it.j0, it.j1);
-    }
+  // The rest: the streaming kernel.
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {  // bfloat16 rows: vdpbf16ps
+    // The hidden states were bfloat16 (exact); the activation is rounded as the
+    // reference's bfloat16 product rounds it.
+    auto xs_bh = xs.to(at::kBFloat16), act_bh = at::empty_like(act, at::kBFloat16);
+    stream_products(g, E, H, I, xs_bh.data_ptr<W>(), w13p, w2p, ap, act_bh.data_ptr<W>(), yp);
+    return;
   }
+#endif
+  stream_products(g, E, H, I, xp, w13p, w2p, ap, ap, yp);
 }
+
 
 // The same products on GGUF blocks (quantization="q8_0" at load): w13q
 // [E, 2I, row_bytes(H)] and w2q [E, H, row_bytes(I)] uint8. An expert's rows

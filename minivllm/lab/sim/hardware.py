@@ -273,7 +273,7 @@ def measured_cpu(min_seconds: float = 0.3, dtype=None) -> Hardware:
 
     flops = max(measure_matmul_flops(t, 1024, min_seconds=min_seconds)
                 for t in {torch.float32, dtype or torch.float32})
-    bw = measure_bandwidth(num_bytes=1 << 28, min_seconds=min_seconds).best
+    bw = measure_bandwidth(min_seconds=min_seconds).best
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     host, ratios = host_bandwidth(bw, min_seconds)
     spread = (f"; host memory bandwidth: every core's readers over one's, median of "
