@@ -517,7 +517,7 @@ assert "".join(deltas) == final.output_text == chat_answer
 # `EngineCore.step` above is the **synchronous** loop: while the core schedules and
 # applies the sampled tokens the model waits, and while the model computes the core
 # waits. vLLM's **async** loop (`async_scheduling=True`; minivllm keeps it off by
-# default for now) hands step N over, schedules step N+1 *while N computes*, and only
+# default on the CPU, for the reason below) hands step N over, schedules step N+1 *while N computes*, and only
 # then waits for N and applies it (vLLM's `step_with_batch_queue`):
 
 # %%
@@ -560,10 +560,14 @@ assert computed["async"] - computed["sync"] == 4  # one per request, never emitt
 # loop with one log line. What can be hidden is the Python of a step (chapter 15's
 # decode share), and only if a core is free to run it: `minivllm bench throughput
 # --backend minivllm --backend minivllm-async --quantization gguf` (alternated runs, a
-# shared 2-core AMD EPYC, December 2026; a cited run, not this notebook's) measured the
-# async loop *slower* there: 80 against 98 tok/s at one stream (sync/async 1.22x,
-# paired 1.08-1.64x) and 260 against 292 tok/s at 32 requests (1.05x): its thread takes
-# a core from the forward's two. The loop pays where the model runs elsewhere (a GPU).
+# quiet 2-core Intel Xeon, December 2026; a cited run, not this notebook's) measured
+# the loops even at one stream (sync/async 1.02x, paired 0.96-1.08x) and the async
+# loop 4-5 % slower at 32 and 128 requests: the core's Python hides about 0.5 ms of a
+# 35 ms step at 32 requests, but run meanwhile it takes one of the forward's two cores,
+# and the step's compute grows by 0.7-1.9 ms. The loop pays where the model runs
+# elsewhere (a GPU). (A bug hid there too: the token a step in flight samples was
+# counted as a draft, and every overlapped step went through speculative verification;
+# a served stream among others ran at 1.3x the sync TPOT until it was fixed.)
 #
 # **In vLLM.** `AsyncScheduler` (`vllm/v1/core/sched/async_scheduler.py`) counts
 # `num_output_placeholders`; `EngineCore.step_with_batch_queue` (`vllm/v1/engine/core.py`)

@@ -913,10 +913,23 @@ _valid(place_experts(ep_load[0], 2, 5), ep_load[0], 2, 5)
 # | 256 | 825 ms | 167 ms | 4.9x |
 # | 1,357 (the benchmark's prefill) | 16.9 s | 4.5 s | 3.7x |
 #
-# The whole benchmark (`bench throughput` above, 32 requests x 128 tokens, float32, on a
-# quiet 2-core AMD EPYC Zen 3) gives minivllm **2.18x** Hugging Face's `generate` (184
-# against 85 output tokens/s; 51.5 % of the bandwidth roofline against 23.6 %): short of
-# the 3x the MoE work aimed at. figures/records/moe.md has the run and what is left.
+# The whole benchmark (`bench throughput` above, 32 requests x 128 tokens), with vLLM's
+# CPU build as a third backend, on a quiet 2-core Intel Xeon (Sapphire Rapids, AVX-512
+# with BF16 and AMX), the three engines taking turns:
+#
+# | dtype | minivllm | Hugging Face | vLLM 0.32 | minivllm / HF | minivllm / vLLM |
+# |---|---|---|---|---|---|
+# | float32 | 305 tok/s | 160 | 260 | 1.93x | 1.18x |
+# | bfloat16 | 418 | 252 | 734 | 1.66x | 0.57x |
+#
+# The 3x Hugging Face the MoE work aimed at is out of reach here: at 32 sequences a step
+# touches nearly every expert, so it reads nearly the whole model, and 3x would be 480
+# float32 tokens/s, above what this memory streams (about 35 GB/s: 3.55 GB a step, some
+# 310 tokens/s). On an AMD EPYC Zen 3, where Hugging Face's grouped products are slower,
+# minivllm was 2.18x. In bfloat16 vLLM wins: it repacks the experts into the tiles of
+# Intel's AMX matrix unit at load and streams them at memory speed, where minivllm's
+# one-copy kernel multiplies the original rows with AVX-512 BF16 dot products and is
+# bound by its instructions. figures/records/moe.md has the runs.
 #
 # A decode step's few rows per expert make the product a stream over the expert's
 # weights: each weight row is read once and dotted with all of its rows, so the step

@@ -56,7 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # stop-string split each move to the module of their feature, loaded only with it: 5,344.
 # Issue #50 again, 5,344 -> 4,991: features' methods live in their modules (FeatureMethod),
 # abort and other unused API load when first called, and docstrings say things once.
-MAX_LINES = 4991
+# An async step's placeholder is not a draft (the scheduler), +1: 4,992.
+MAX_LINES = 4992
 
 # The modules the request passes through, in order (the README lists them).
 READING_PATH = [

@@ -106,7 +106,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # CUDA: the engine's share (worker/kv_sizing.py)
     enforce_eager: bool = False  # no CUDA graphs of decode steps (worker/cuda_graphs.py)
     max_cudagraph_capture_size: Optional[int] = None  # None: 2 x max_num_seqs, <= 512
-    async_scheduling: Optional[bool] = None  # None: off (for now): core/async_scheduler.py
+    async_scheduling: Optional[bool] = None  # None: off on the CPU: core/async_scheduler.py
 
     # -- the command line (config/cli.py) ---------------------------------------
     @staticmethod

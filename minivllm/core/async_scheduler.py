@@ -24,9 +24,12 @@ What falls out of running one step ahead:
   every other request keeps the overlap.
 
 Switched on by ``async_scheduling=True`` (``LLM``, ``EngineArgs``, ``serve
---async-scheduling``). ``None``, the default, is off for now: vLLM resolves it to on
-(unless pipeline parallel, a speculation method it does not run async, or another
-executor); minivllm will once its whole test suite has run under it. Where it cannot
+--async-scheduling``). ``None``, the default, is off: vLLM resolves it to on (unless
+pipeline parallel, a speculation method it does not run async, or another executor),
+for a GPU whose host has cores to spare. On the CPU the forward uses every core, and the
+core's Python, run meanwhile, takes one from it: measured on two cores, async gains
+nothing at one stream and loses a few per cent at 32 and 128 (figures/records/
+benchmarks.md, "Async scheduling on two cores"). Where it cannot
 run (``sync_reason``) the engine says so in one log line and runs synchronously.
 ``BatchQueue`` is the engine core's side (vLLM's ``step_with_batch_queue``);
 ``worker/async_step.py`` the runner's.

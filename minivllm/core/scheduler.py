@@ -266,8 +266,9 @@ class Scheduler:
         rid = request.request_id
         out.scheduled_requests.append(request)
         out.num_scheduled_tokens[rid] = num_new
-        # What the budget left of the drafts (none when cut to the known tokens).
-        num_drafts = request.num_computed_tokens + num_new - request.num_tokens
+        # The drafts the budget left: what is past the known tokens and placeholders.
+        num_drafts = num_new - (request.num_tokens + request.num_output_placeholders
+                                - request.num_computed_tokens)
         if num_drafts > 0:
             out.scheduled_spec_decode_tokens[rid] = request.spec_token_ids[:num_drafts]
         out.num_computed_tokens[rid] = request.num_computed_tokens
