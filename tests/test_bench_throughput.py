@@ -389,6 +389,35 @@ def test_a_peer_that_crashes_is_reported_as_a_crash_with_its_log(tmp_path):
     assert "loading the peer..." in said
 
 
+def test_a_peer_that_dies_between_requests_is_reported_and_leaves_nothing_running(tmp_path):
+    """A backend that answered and then died is a clear error at its next request (it was a
+    BrokenPipeError that ended the whole run), and what it started goes with it at close
+    (a vLLM worker outlived its killed parent and kept two cores busy)."""
+    import os
+    import stat
+    import time
+
+    from minivllm.lab.bench.throughput.backend_client import BackendClient, BackendError
+
+    left = tmp_path / "left.pid"
+    fake = tmp_path / "python"  # ready, then gone; its own child sleeps on
+    fake.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {left}\nread line\n"
+                    "echo '{\"ready\": true, \"info\": {}, \"load_seconds\": 0}'\nexit 3\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    client = BackendClient("vllm", str(fake), {}, dict(os.environ), tmp_path)
+    client.start(timeout=60)
+    client.proc.wait(timeout=60)
+    with pytest.raises(BackendError, match="exit"):
+        client.request({"cmd": "run"}, timeout=60)
+    orphan = int(left.read_text())
+    for _ in range(100):  # killed by close(): reaped by init a moment later
+        if not os.path.exists(f"/proc/{orphan}") or "Z" in open(f"/proc/{orphan}/stat").read().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the backend's child {orphan} still runs after close()")
+
+
 def test_roofline_fraction_counts_each_engines_own_weight_bytes():
     # 100 MB/s over 5 MB of float32 weights: 20 steps/s; a quantized engine that
     # holds 1 MB could do 100 steps/s, so the same time is a fifth of its roofline.

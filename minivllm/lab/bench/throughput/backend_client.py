@@ -29,9 +29,11 @@ class BackendClient:
         self.backend = backend
         self.log_path = log_dir / f"{backend}.log"
         self._log = open(self.log_path, "w")
+        # A session (and process group) of its own: a peer's own processes (vLLM's engine
+        # core and worker) go with it at close, even when it has to be killed.
         self.proc = subprocess.Popen([python, str(BACKEND_PROCESS)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, env=env,
-                                     text=True, bufsize=1)
+                                     text=True, bufsize=1, start_new_session=True)
         self.info: dict = {}
         self.load_seconds = 0.0
         self._setup = {"backend": backend, **setup}
@@ -43,10 +45,14 @@ class BackendClient:
         self.info, self.load_seconds = reply.get("info", {}), reply["load_seconds"]
 
     def request(self, message: dict, timeout: float) -> dict:
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # a broken pipe: it died since its last answer
+            ready, line = [self.proc.stdout], ""
+        else:
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            line = self.proc.stdout.readline() if ready else ""
         if not line:
             # Readable and empty is the end of the child's output: it died (a
             # crash closes its pipe a moment before it can be reaped), so wait
@@ -85,6 +91,10 @@ class BackendClient:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        try:  # whatever it started and left behind (a killed vLLM's worker kept running)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self._log.close()
 
 

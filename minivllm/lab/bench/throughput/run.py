@@ -126,6 +126,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="write a bar chart here (.html, or .png if kaleido can)")
 
 
+
+def probe_roofline(backends_up: dict, timeout: float) -> Optional[dict]:
+    """minivllm's roofline probe, or None: a backend that died is dropped, as in a run."""
+    try:
+        return backends_up["minivllm"].request({"cmd": "roofline"}, timeout)
+    except BackendError as e:
+        print(f"  minivllm: failed, dropped: {e}".rstrip(), file=sys.stderr)
+        backends_up.pop("minivllm").close()
+        return None
+
+
 def run(args: argparse.Namespace) -> dict:
     from minivllm.model.resolve import resolve_model_path
 
@@ -160,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
         if not backends_up:
             raise BackendError("no backend could be started")
         if "minivllm" in backends_up:
-            roofline = backends_up["minivllm"].request({"cmd": "roofline"}, args.run_timeout)
+            roofline = probe_roofline(backends_up, args.run_timeout)
         names = list(backends_up)
         for repeat in range(args.repeats):
             order = names[repeat % len(names):] + names[:repeat % len(names)]
@@ -182,8 +193,8 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"  repeat {repeat + 1}/{args.repeats} {name:>9}: "
                       f"{result.seconds:7.2f} s, {result.output_tokens_per_s:7.1f} output tok/s")
         if "minivllm" in backends_up:  # again at the end: keep the better of the two
-            roofline = best_roofline(roofline, backends_up["minivllm"].request(
-                {"cmd": "roofline"}, args.run_timeout))
+            again = probe_roofline(backends_up, args.run_timeout)
+            roofline = roofline if again is None else best_roofline(roofline, again)
     finally:
         for d in backends_up.values():
             d.close()
