@@ -150,7 +150,7 @@ def test_a_placeholder_is_not_a_draft(engines, monkeypatch):
     """A decode step scheduled while the previous one is in flight computes that step's
     token, a placeholder, not a draft: without speculation no step carries drafts. (Each
     such step once carried an empty draft list, which sent every async step down the
-    speculative verification path: a served stream's TPOT 1.3x the sync loop's.)"""
+    speculative verification path, and served streams slowed.)"""
     _, llm = engines()
     scheduler = llm.llm_engine.engine_core.scheduler
     steps, schedule = [], scheduler.schedule

@@ -116,9 +116,9 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, size: Optional[int]
 
 
 def default_bandwidth_bytes() -> int:
-    """``DEFAULT_BANDWIDTH_BYTES``, at least four times the last-level cache (a 300 MB
-    L3 held half of a 512 MB probe and read 58 GB/s for a memory that streams 30), and
-    at most an eighth of the available memory (the measurement holds two such tensors)."""
+    """``DEFAULT_BANDWIDTH_BYTES``, at least four times the last-level cache (a probe the
+    cache can hold much of measures the cache, not the memory: figures/records/moe.md),
+    and at most an eighth of the available memory (the measurement holds two tensors)."""
     want = max(DEFAULT_BANDWIDTH_BYTES, 4 * last_level_cache_bytes())
     available = available_memory_bytes()
     return want if available is None else max(1 << 24, min(want, available // 8))

@@ -126,14 +126,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="write a bar chart here (.html, or .png if kaleido can)")
 
 
+def drop_backend(backends_up: dict, name: str, error: Exception) -> None:
+    """A backend that failed leaves the run, said once, its process closed."""
+    print(f"  {name}: failed, dropped: {error}".rstrip(), file=sys.stderr)
+    backends_up.pop(name).close()
+
 
 def probe_roofline(backends_up: dict, timeout: float) -> Optional[dict]:
     """minivllm's roofline probe, or None: a backend that died is dropped, as in a run."""
     try:
         return backends_up["minivllm"].request({"cmd": "roofline"}, timeout)
     except BackendError as e:
-        print(f"  minivllm: failed, dropped: {e}".rstrip(), file=sys.stderr)
-        backends_up.pop("minivllm").close()
+        drop_backend(backends_up, "minivllm", e)
         return None
 
 
@@ -182,8 +186,7 @@ def run(args: argparse.Namespace) -> dict:
                     reply = backends_up[name].request({"cmd": "run", "prompts": prompts,
                                                    "max_tokens": max_tokens}, args.run_timeout)
                 except BackendError as e:
-                    print(f"  {name}: failed, dropped: {e}".rstrip(), file=sys.stderr)
-                    backends_up.pop(name).close()
+                    drop_backend(backends_up, name, e)
                     continue
                 extra = {k: reply[k] for k in ("num_steps", "breakdown", "collective_bytes")
                          if k in reply}
